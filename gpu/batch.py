@@ -1,0 +1,37 @@
+"""The contract between the scheduler (actors/engine) and the model runner (gpu/runner.py).
+
+The scheduler describes a step in plain Python; the runner turns it into device tensors
+(`input_ids`, `positions`, `query_start_loc`, `seq_lens`, `slot_mapping`, `block_tables`,
+`logits_indices`). Rows are in batch order; `slot` is a stable per-request index that survives
+across steps (async scheduling keeps last step's sampled ids in a device buffer indexed by slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PLACEHOLDER = -1  # an input token not yet known on the host: the runner takes it from the device
+
+
+@dataclass
+class ScheduledRow:
+    request_id: str
+    slot: int
+    token_ids: list[int]  # the tokens fed this step (PLACEHOLDER allowed only as the last one)
+    num_computed: int  # tokens of this request already in the KV cache (first position)
+    block_table: list[int]  # the request's KV blocks, covering num_computed + len(token_ids)
+    sample: bool  # False for a partial chunked-prefill row: its logits are not computed
+
+
+@dataclass
+class BatchSpec:
+    step: int
+    rows: list[ScheduledRow] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+    @property
+    def sampling_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self.rows) if r.sample]

@@ -1,0 +1,123 @@
+"""SamplingParams: OpenAI/vLLM semantics, sentinels that mean "off", and validation.
+
+Validation runs in the frontend and the offline API, before anything reaches the engine; every
+failure names the offending field (`ParamError.param`) so the HTTP layer can answer 400 with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class ParamError(ValueError):
+    """A request field is invalid; `param` names it (OpenAI error body `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Per-request sampling and stopping parameters (sentinel values disable a transform)."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1.0 = off
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off; prompt + output tokens
+    presence_penalty: float = 0.0  # output tokens
+    frequency_penalty: float = 0.0  # output tokens
+    logit_bias: dict[int, float] | None = None  # clamped to +-100
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words tokenized by the frontend (each word with and without a leading space)
+    bad_words_token_ids: list[list[int]] | None = None
+    min_tokens: int = 0
+    seed: int | None = None
+    logprobs: int | None = None  # top-N; 0 = only the sampled token's logprob
+    prompt_logprobs: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def verify(self, vocab_size: int, max_n: int = MAX_N, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Raise ParamError for the first invalid field."""
+        _int_in("n", self.n, 1, max_n)
+        _float_in("temperature", self.temperature, 0.0, 2.0e4)
+        _float_in("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ParamError("top_k", f"top_k must be -1 (off), 0 (off) or a positive int, got {self.top_k!r}")
+        _float_in("min_p", self.min_p, 0.0, 1.0)
+        _float_in("repetition_penalty", self.repetition_penalty, 0.0, 1.0e4, lo_open=True)
+        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                _token("logit_bias", tok, vocab_size)
+                _finite("logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty")
+            for tok in self.allowed_token_ids:
+                _token("allowed_token_ids", tok, vocab_size)
+        for seq in self.bad_words_token_ids or []:
+            for tok in seq:
+                _token("bad_words", tok, vocab_size)
+        _int_in("min_tokens", self.min_tokens, 0, 1 << 31)
+        _int_in("max_tokens", self.max_tokens, 1, 1 << 31)
+        if self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None:
+            _int_in("seed", self.seed, -(1 << 63), (1 << 63) - 1)
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, max_logprobs)
+        if self.prompt_logprobs is not None:
+            _int_in("prompt_logprobs", self.prompt_logprobs, 0, max_logprobs)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ParamError("stop", "stop strings must be non-empty strings")
+        for tok in self.stop_token_ids:
+            _token("stop_token_ids", tok, vocab_size)
+
+    def clamped_logit_bias(self) -> dict[int, float]:
+        return {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, b)) for t, b in (self.logit_bias or {}).items()}
+
+
+def _finite(param: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ParamError(param, f"{param} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _float_in(param: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
+    v = _finite(param, value)
+    if v > hi or v < lo or (lo_open and v == lo):
+        lo_s = f"({lo}" if lo_open else f"[{lo}"
+        raise ParamError(param, f"{param} must be in {lo_s}, {hi}], got {value!r}")
+
+
+def _int_in(param: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(param, f"{param} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ParamError(param, f"{param} must be in [{lo}, {hi}], got {value}")
+
+
+def _token(param: str, tok, vocab_size: int) -> None:
+    if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+        raise ParamError(param, f"{param}: token id {tok!r} is outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,217 @@
+"""The wire types: every message that crosses a mailbox, with who sends it to whom.
+
+All are msgspec Structs tagged with their class name and encoded as msgpack arrays. Messages
+that carry device tensors set `local_only = True`: they may only travel in-process.
+Queries carry a correlation id and the asker's address; the runtime routes their Reply back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from messages.sampling_params import SamplingParams
+
+
+class Msg(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    local_only: ClassVar[bool] = False
+
+
+class Query(Msg, kw_only=True):
+    """A message answered by a Reply (`Actor.ask`); the runtime fills both fields."""
+
+    corr_id: int = 0
+    reply_to: str = ""
+
+
+class Reply(Msg, kw_only=True):
+    corr_id: int = 0
+
+
+# ---------------------------------------------------------------- runtime control
+
+
+class Ready(Msg, kw_only=True):
+    """child actor -> supervisor: started, mailbox bound."""
+
+    actor: str
+    pid: int
+
+
+class Shutdown(Msg, kw_only=True):
+    """supervisor -> every actor: drain (stop admitting, finish or abort in-flight), then exit."""
+
+    reason: str = ""
+
+
+class Ping(Query, kw_only=True):
+    """anyone -> any actor (the supervisor's heartbeat); answered by the runtime itself."""
+
+    payload: bytes = b""
+
+
+class Pong(Reply, kw_only=True):
+    payload: bytes = b""
+
+
+class ActorDown(Msg, kw_only=True):
+    """supervisor -> all surviving actors: `actor` died (its process exited or hung)."""
+
+    actor: str
+    reason: str = ""
+
+
+class ActorUp(Msg, kw_only=True):
+    """supervisor -> all actors: `actor` was restarted and is Ready again."""
+
+    actor: str
+
+
+class CheckIdle(Query, kw_only=True):
+    """tests/operators -> any request-path actor: report per-request state left over."""
+
+
+class IdleReport(Reply, kw_only=True):
+    actor: str = ""
+    idle: bool = True
+    details: dict[str, int] = {}
+
+
+# ---------------------------------------------------------------- request path
+
+
+class AddRequest(Msg, kw_only=True):
+    """HTTP/offline client -> scheduler; the scheduler forwards it to the detokenizer on the
+    scheduler->detokenizer link before any output of the request (FIFO registration)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    client: str = "http"  # the actor that receives this request's text
+
+
+class Abort(Msg, kw_only=True):
+    """HTTP (client gone, shutdown) or detokenizer (stop string) -> scheduler. Idempotent."""
+
+    request_id: str
+    reason: str = "client"
+
+
+class AbortAck(Msg, kw_only=True):
+    """scheduler -> detokenizer (-> HTTP as Finished): terminal message of an aborted request,
+    sent after its last output once no in-flight step references its KV blocks."""
+
+    request_id: str
+    reason: str = "client"
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of the sampled tokens of one entry, aligned with `new_token_ids`."""
+
+    sampled: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+
+class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
+    """One request's new tokens in one engine step. `seq` = index of its first new token."""
+
+    request_id: str
+    seq: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | error
+    stop_reason: int | str | None = None  # the stop token id (or stop string downstream)
+    logprobs: TokenLogprobs | None = None
+    error: str | None = None
+
+
+class StepOutputs(Msg, kw_only=True):
+    """scheduler -> detokenizer: everything one engine step produced (one message per step)."""
+
+    step: int
+    outputs: list[RequestOutput]
+
+
+class TextDelta(msgspec.Struct, array_like=True, kw_only=True):
+    """Decoded text released for one request in one step (hold-back already applied)."""
+
+    request_id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+    logprobs: TokenLogprobs | None = None
+
+
+class Finished(Msg, kw_only=True):
+    """detokenizer -> HTTP (exactly one per request), or HTTP to itself on actor death.
+    Carries the request's last text (released hold-back) and its final accounting."""
+
+    request_id: str
+    finish_reason: str  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: TokenLogprobs | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+class TextOutputs(Msg, kw_only=True):
+    """detokenizer -> HTTP: one batched message per engine step."""
+
+    step: int
+    deltas: list[TextDelta]
+    finished: list[Finished] = []
+
+
+class EngineStats(Msg, kw_only=True):
+    """scheduler -> HTTP, periodically: gauges and counters for /metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    late_aborts_total: int
+    discarded_samples_total: int = 0
+    num_preemptions_total: int = 0
+
+
+class DetokStats(Msg, kw_only=True):
+    """detokenizer -> HTTP, periodically: the protocol counters seen by the detokenizer."""
+
+    stale_outputs_dropped_total: int
+    protocol_violations_total: int
+    num_tombstones: int
+
+
+class Opaque(Msg, kw_only=True):
+    """Local-only envelope for in-process payloads that must never be serialized (tensors)."""
+
+    local_only: ClassVar[bool] = True
+    kind: str
+    payload: Any = None
+
+
+WIRE_TYPES: tuple[type[Msg], ...] = (
+    Ready,
+    Shutdown,
+    Ping,
+    Pong,
+    ActorDown,
+    ActorUp,
+    CheckIdle,
+    IdleReport,
+    AddRequest,
+    Abort,
+    AbortAck,
+    StepOutputs,
+    TextOutputs,
+    Finished,
+    EngineStats,
+    DetokStats,
+)
