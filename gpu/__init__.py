@@ -1,0 +1,1 @@
+"""Device code: model, weights, paged KV cache, attention, model runner (CPU is a valid device)."""
