@@ -1,0 +1,1 @@
+"""The HTTP frontend: OpenAI protocol (parsing, formatting), tokenizer, aiohttp server actor, CLI."""

@@ -1,0 +1,165 @@
+"""The frontend's tokenizer: `tokenizers.Tokenizer` (tokenizer.json) plus the model's chat template.
+
+The template is rendered with a jinja2 ImmutableSandboxedEnvironment configured like transformers'
+`apply_chat_template` (trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`, a non-escaping
+`tojson`, `strftime_now`, the special tokens as variables); the tests pin byte-identical renders.
+This avoids importing transformers (seconds) in the server process. Every method is pure and
+thread-safe, so long prompts can be tokenized in an executor.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
+
+from messages.sampling_params import ParamError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _template_env() -> jinja2.Environment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE token characters -> raw bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_content(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, hf: HFTokenizer, chat_template: str | None, special_tokens: dict[str, str], eos_ids: list[int]):
+        self.hf = hf  # the raw tokenizers.Tokenizer (for the detokenizer's DecodeStream)
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = eos_ids
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self._template = _template_env().from_string(chat_template) if chat_template else None
+        self._added = {i: t.content for i, t in hf.get_added_tokens_decoder().items()}
+        self._byte_level = isinstance(hf.decoder, decoders.ByteLevel)
+        self._str_cache: dict[int, str] = {}
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _json(path / "tokenizer_config.json")
+        template_file = path / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # older layout: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        special = {k: c for k in _SPECIAL_TOKEN_KEYS if (c := _token_content(config.get(k))) is not None}
+        eos_ids: list[int] = []
+        gen_eos = _json(path / "generation_config.json").get("eos_token_id")
+        for tok_id in [
+            hf.token_to_id(special.get("eos_token", "")),
+            *(gen_eos if isinstance(gen_eos, list) else [gen_eos]),
+        ]:
+            if isinstance(tok_id, int) and tok_id not in eos_ids:
+                eos_ids.append(tok_id)
+        return cls(hf, template, special, eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; the tokenizer's post-processor adds BOS only where the model needs it."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_str(self, token_id: int) -> str:
+        """One token's text as logprobs show it (special tokens included; a partial character is U+FFFD)."""
+        s = self._str_cache.get(token_id)
+        if s is None:
+            s = self._str_cache[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
+        return s
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's raw UTF-8 bytes (byte-level BPE tokens may hold part of a character)."""
+        piece = self.hf.id_to_token(token_id)
+        if self._byte_level and token_id not in self._added and piece and all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        return self.token_str(token_id).encode("utf-8")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word tokenized as is and with a leading space (vLLM), without duplicates."""
+        out: list[list[int]] = []
+        for i, word in enumerate(words):
+            if not word.strip():
+                raise ParamError("bad_words", f"bad_words[{i}] must not be empty")
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.encode(text, add_special_tokens=False)
+                if ids not in out:
+                    out.append(ids)
+        return out
+
+    def render_chat(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """The prompt text for OpenAI chat `messages`; raises ParamError naming the bad field."""
+        if self._template is None:
+            raise ParamError("messages", "this model has no chat template; use /v1/completions")
+        if not isinstance(messages, list) or not messages:
+            raise ParamError("messages", "messages must be a non-empty list")
+        chat = [_chat_message(i, m) for i, m in enumerate(messages)]
+        try:
+            return self._template.render(
+                messages=chat, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.TemplateError as e:
+            raise ParamError("messages", f"the chat template rejected the messages: {e}") from e
+
+
+def _chat_message(i: int, message) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise ParamError(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
+    role = message.get("role")
+    if role not in ROLES:
+        raise ParamError(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ParamError(
+                    f"messages[{i}].content[{j}]",
+                    f'messages[{i}].content[{j}]: only {{"type": "text", "text": ...}} parts are supported',
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)  # vLLM joins text parts with newlines for string-content templates
+    if not isinstance(content, str):
+        raise ParamError(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+    return {"role": role, "content": content}
