@@ -1,0 +1,186 @@
+"""OpenAI response shapes as plain dicts, and the SSE framing.
+
+Completions use object "text_completion" for responses and stream chunks alike; chat uses
+"chat.completion" / "chat.completion.chunk". A chat stream is: a role chunk
+(`chat_delta(i, role="assistant", content="")`), content deltas, a chunk carrying `finish_reason`,
+then (stream_options.include_usage) a usage chunk with `choices: []`, then `SSE_DONE`. Logprobs are
+JSON-safe: -inf (and NaN) become -9999.0 as in vLLM. `finish_reason` is passed through as given.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from messages.wire import TokenLogprobs
+
+SSE_DONE = b"data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0
+
+_encode = msgspec.json.Encoder().encode
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def error_type(status: int) -> str:
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def models_list(names: list[str], max_model_len: int, created: int, owned_by: str = "sluice") -> dict:
+    data = [
+        {"id": n, "object": "model", "created": created, "owned_by": owned_by, "max_model_len": max_model_len}
+        for n in names
+    ]
+    return {"object": "list", "data": data}
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+class TokenVocab(Protocol):
+    """How logprobs show a token id (frontend.tokenizer.Tokenizer implements it)."""
+
+    def token_str(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def _lp(x: float) -> float:
+    return x if x >= LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN
+
+
+def join_logprobs(parts: list[TokenLogprobs]) -> TokenLogprobs:
+    """Concatenate the logprobs of consecutive deltas (for non-streaming responses)."""
+    out = TokenLogprobs(sampled=[], ranks=[], top_ids=[], top_logprobs=[])
+    for p in parts:
+        out.sampled += p.sampled
+        out.ranks += p.ranks
+        out.top_ids += p.top_ids
+        out.top_logprobs += p.top_logprobs
+    return out
+
+
+def completion_logprobs(token_ids: list[int], lp: TokenLogprobs, vocab: TokenVocab, text_offset: int = 0) -> dict:
+    """Completions logprobs; `top_logprobs[i]` holds the sampled token and the top-N (vLLM).
+    `text_offset` is where the first token's text starts in the choice's text."""
+    tokens = [vocab.token_str(t) for t in token_ids]
+    token_logprobs = [_lp(x) for x in lp.sampled]
+    top_logprobs, offsets = [], []
+    for i, tok in enumerate(tokens):
+        top = {tok: token_logprobs[i]}
+        if lp.top_ids:
+            for t, x in zip(lp.top_ids[i], lp.top_logprobs[i], strict=True):
+                top.setdefault(vocab.token_str(t), _lp(x))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_entry(vocab: TokenVocab, token_id: int, logprob: float) -> dict:
+    return {"token": vocab.token_str(token_id), "logprob": _lp(logprob), "bytes": list(vocab.token_bytes(token_id))}
+
+
+def chat_logprobs(token_ids: list[int], lp: TokenLogprobs, vocab: TokenVocab) -> dict:
+    content = []
+    for i, t in enumerate(token_ids):
+        entry = _chat_entry(vocab, t, lp.sampled[i])
+        tops = zip(lp.top_ids[i], lp.top_logprobs[i], strict=True) if lp.top_ids else ()
+        entry["top_logprobs"] = [_chat_entry(vocab, tt, x) for tt, x in tops]
+        content.append(entry)
+    return {"content": content}
+
+
+# ---------------------------------------------------------------- completions
+
+
+def completion_choice(
+    index: int,
+    text: str,
+    finish_reason: str | None = None,
+    stop_reason: int | str | None = None,
+    logprobs: dict | None = None,
+) -> dict:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def completion(request_id: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:
+    """A /v1/completions response (with usage) or stream chunk (usage only on the usage chunk)."""
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+# ---------------------------------------------------------------- chat
+
+
+def chat_choice(
+    index: int, content: str, finish_reason: str, stop_reason: int | str | None = None, logprobs: dict | None = None
+) -> dict:
+    message = {"role": "assistant", "content": content}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def chat_completion(request_id: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def chat_delta(
+    index: int,
+    content: str | None = None,
+    role: str | None = None,
+    finish_reason: str | None = None,
+    stop_reason: int | str | None = None,
+    logprobs: dict | None = None,
+) -> dict:
+    delta = {"role": role} if role is not None else {}
+    if content is not None:
+        delta["content"] = content
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
+
+
+def chat_chunk(request_id: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body

@@ -1,0 +1,285 @@
+"""OpenAI request parsing: JSON body -> validated, tokenized `ParsedRequest`, or a `RequestError`.
+
+Pure functions (no event loop, no actors), so the HTTP actor can run them in an executor. Unknown
+fields are ignored (OpenAI clients send extras such as `user`, `service_tier`, `metadata`); `null`
+means "default" for every optional field. Fields that would silently change the meaning of the
+output if ignored (`suffix`, `best_of` > n, `echo` with `logprobs`) are rejected with a 400.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from frontend.openai_format import error_body, error_type
+from frontend.tokenizer import Tokenizer
+from messages.sampling_params import MAX_LOGPROBS, MAX_N, ParamError, SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class RequestError(Exception):
+    """An error answered with an OpenAI error body; `param` names the offending field."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or error_type(status)
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    tokenizer: Tokenizer
+    model_names: list[str]  # the first one answers requests that name no model
+    max_model_len: int
+    vocab_size: int  # ids >= this are rejected: the model's vocabulary (embedding rows)
+    max_n: int = MAX_N
+    max_logprobs: int = MAX_LOGPROBS
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    text: str | None  # None for token-id prompts unless echo asked for their text
+    token_ids: list[int]
+    params: SamplingParams  # per prompt: a defaulted max_tokens depends on the prompt length
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: Literal["completion", "chat"]
+    request_id: str  # cmpl-<hex> / chatcmpl-<hex>; engine ids are derived from it per choice
+    model: str
+    created: int
+    prompts: list[PromptInput]  # choice index = prompt index * n + sample index
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+    @property
+    def n(self) -> int:
+        return self.prompts[0].params.n
+
+    @property
+    def logprobs(self) -> int | None:
+        """Top-N logprobs per token (0 = only the sampled token's), None when not requested."""
+        return self.prompts[0].params.logprobs
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields common to both endpoints: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any] | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+
+_SAMPLING_KEYS = [
+    f
+    for f in _SamplingFields.__struct_fields__
+    if f in SamplingParams.__struct_fields__ and f not in ("max_tokens", "stop")
+]
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+_AT = re.compile(r"(?: - at `key` in | - at )`\$\.?([^`]*)`$")
+
+
+def parse_completion(body: bytes, ctx: ServingContext) -> ParsedRequest:
+    req = _decode(body, CompletionRequest)
+    model = _model(req, ctx)
+    if req.suffix is not None:
+        raise RequestError(400, "suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise RequestError(400, "best_of is not supported (it must be null or equal to n)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise RequestError(400, "echo with logprobs is not supported (it needs prompt logprobs)", "echo")
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is msgspec.UNSET else req.max_tokens
+    params = _sampling_params(req, ctx, max_tokens, req.logprobs, {})
+    prompts = []
+    for text, ids in _completion_prompts(req.prompt, ctx):
+        if text is None and req.echo:
+            text = ctx.tokenizer.decode(ids)
+        prompts.append(_fit(text, ids, params, max_tokens, ctx, "prompt", "max_tokens"))
+    return _parsed("completion", "cmpl", model, prompts, req, echo=bool(req.echo))
+
+
+def parse_chat(body: bytes, ctx: ServingContext) -> ParsedRequest:
+    req = _decode(body, ChatCompletionRequest)
+    model = _model(req, ctx)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens
+    if max_tokens is None and req.max_tokens is not msgspec.UNSET:
+        max_tokens = req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling_params(req, ctx, max_tokens, logprobs, {"logprobs": "top_logprobs", "max_tokens": max_param})
+    if req.messages is None:
+        raise RequestError(400, "messages is required", "messages")
+    try:
+        text = ctx.tokenizer.render_chat(req.messages)
+    except ParamError as e:
+        raise RequestError(400, str(e), e.param) from e
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+    prompt = _fit(text, ids, params, max_tokens, ctx, "messages", max_param)
+    return _parsed("chat", "chatcmpl", model, [prompt], req, echo=False)
+
+
+def _decode(body: bytes, type_: type[_SamplingFields]):
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _AT.search(msg)
+        if m is None:
+            raise RequestError(400, f"Invalid request body: {msg}") from e
+        param = m.group(1).replace("[...]", "")  # msgspec's placeholder for a dict value
+        missing = re.match(r"Object missing required field `([^`]*)`", msg)
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        raise RequestError(400, f"Invalid value for '{param}': {msg[: m.start()]}", param) from e
+    except msgspec.DecodeError as e:
+        raise RequestError(400, f"Invalid JSON body: {e}") from e
+
+
+def _model(req: _SamplingFields, ctx: ServingContext) -> str:
+    if req.model is None:
+        return ctx.model_names[0]
+    if req.model not in ctx.model_names:
+        raise RequestError(404, f"The model `{req.model}` does not exist.", "model", code="model_not_found")
+    return req.model
+
+
+def _sampling_params(
+    req, ctx: ServingContext, max_tokens: int | None, logprobs: int | None, rename: dict
+) -> SamplingParams:
+    if req.stream_options is not None and not req.stream:
+        raise RequestError(400, "stream_options is only allowed when stream is true", "stream_options")
+    fields = {k: v for k in _SAMPLING_KEYS if (v := getattr(req, k)) is not None}
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    # a defaulted max_tokens is resolved per prompt in _fit; verify against the largest possible
+    params = SamplingParams(
+        **fields, stop=stop, logprobs=logprobs, max_tokens=ctx.max_model_len if max_tokens is None else max_tokens
+    )
+    try:
+        if params.bad_words:
+            params.bad_words_token_ids = ctx.tokenizer.bad_words_token_ids(params.bad_words)
+        params.verify(ctx.vocab_size, ctx.max_n, ctx.max_logprobs)
+    except ParamError as e:
+        param = rename.get(e.param, e.param)
+        raise RequestError(400, str(e).replace(e.param, param, 1), param) from e
+    return params
+
+
+def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt is None or prompt == []:
+        raise RequestError(400, "prompt must not be empty", "prompt")
+    if all(type(t) is int for t in prompt):
+        prompt = [prompt]
+    out = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            ids = ctx.tokenizer.encode(p) if p else []
+            text = p
+        elif isinstance(p, list) and all(type(t) is int for t in p):
+            ids, text = p, None
+            bad = next((t for t in ids if not 0 <= t < ctx.vocab_size), None)
+            if bad is not None:
+                raise RequestError(
+                    400, f"prompt: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", "prompt"
+                )
+        else:
+            raise RequestError(400, f"prompt must be {_PROMPT_SHAPES}", "prompt")
+        if not ids:
+            where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
+            raise RequestError(400, f"{where} must not be empty", "prompt")
+        out.append((text, ids))
+    return out
+
+
+def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, prompt_param, max_param) -> PromptInput:
+    """Resolve a defaulted max_tokens and check that prompt + completion fit the context."""
+    budget = ctx.max_model_len - len(ids)
+    if budget < 1 or (max_tokens is not None and max_tokens > budget):
+        want = max_tokens or 1
+        raise RequestError(
+            400,
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+            f"{len(ids) + want} tokens ({len(ids)} in the {prompt_param}, {want} in the completion). "
+            f"Please reduce the length of the {prompt_param} or completion.",
+            prompt_param if budget < 1 else max_param,
+        )
+    if max_tokens is None and params.max_tokens != budget:
+        if params.min_tokens > budget:
+            raise RequestError(
+                400, f"min_tokens ({params.min_tokens}) exceeds the room left after the prompt ({budget})", "min_tokens"
+            )
+        params = msgspec.structs.replace(params, max_tokens=budget)
+    return PromptInput(text, ids, params)
+
+
+def _parsed(kind, prefix: str, model: str, prompts: list[PromptInput], req, echo: bool) -> ParsedRequest:
+    opts = req.stream_options
+    return ParsedRequest(
+        kind=kind,
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        model=model,
+        created=int(time.time()),
+        prompts=prompts,
+        stream=bool(req.stream),
+        include_usage=bool(opts and opts.include_usage),
+        echo=echo,
+    )
