@@ -1,0 +1,1 @@
+"""The engine: scheduling (block manager, requests, scheduler) and the scheduler actor."""

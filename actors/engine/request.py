@@ -1,0 +1,84 @@
+"""EngineRequest: the scheduler's per-request state.
+
+Token accounting (vLLM v1 style): the request's sequence is `prompt + output + pending`, where
+`pending` counts tokens sampled by in-flight steps and not yet known on the host (async
+scheduling). `num_computed_tokens` counts tokens whose KV is computed or being computed by a
+scheduled step: it advances when a step is scheduled, and drops to 0 on preemption, after which
+the request re-prefills prompt + output (recompute) and continues exactly where it was.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from gpu.batch import PLACEHOLDER
+from messages.sampling_params import SamplingParams
+from messages.wire import AddRequest
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its KV blocks freed
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_pending_tokens: int = 0  # sampled by in-flight steps, not yet appended to output_token_ids
+    num_inflight_steps: int = 0  # scheduled steps with a row of this request, not yet updated
+    block_table: list[int] = field(default_factory=list)
+    slot: int = -1  # stable index in [0, max_num_seqs) while admitted; -1 when it holds none
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    sampling_state: object = None  # owned by the sampler (seeded generator, penalty state...)
+
+    @classmethod
+    def from_msg(cls, msg: AddRequest) -> EngineRequest:
+        return cls(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_known_tokens + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens known or pending: what max_tokens is checked against when scheduling."""
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def next_seq(self) -> int:
+        """Index of the next output token to report (RequestOutput.seq, DESIGN I6)."""
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The known sequence, prompt + output: what a preempted request re-prefills."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the sequence; pending ones (only ever the last) are PLACEHOLDER."""
+        p, k = self.num_prompt_tokens, self.num_known_tokens
+        ids = self.prompt_token_ids[start : min(end, p)] + self.output_token_ids[max(start - p, 0) : max(end - p, 0)]
+        return ids + [PLACEHOLDER] * (end - max(start, k)) if end > k else ids

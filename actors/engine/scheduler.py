@@ -1,0 +1,268 @@
+"""Scheduler: continuous batching with one token budget per step (vLLM v1 style), pure Python.
+
+Invariants (sync use: schedule N, update N, schedule N+1, ...; one-ahead use: schedule N,
+schedule N+1, update N, schedule N+2, update N+1, ...):
+
+- At most two scheduled batches are not yet updated, so `schedule()` plans with at most one
+  batch in flight, and `update()` takes batches in the order they were scheduled.
+- `schedule()` advances `num_computed_tokens` and counts each sampling row as one pending token.
+  A row's tokens are known on the host except possibly its last, a token sampled by the batch in
+  flight: that one is PLACEHOLDER and the runner takes it from the device (slot-indexed buffer).
+  A request is never scheduled when its in-flight sample is certain to end it (max_tokens,
+  max_model_len); an EOS or stop token sampled in flight leaves a junk row in the next batch,
+  whose sample `update()` discards (counted in `num_discarded_samples`).
+- Every row makes its request in flight until that batch's `update()`. A finished or aborted
+  request is out of the queues at once, but its KV blocks and slot are freed only once no
+  in-flight step references it (DESIGN I5); an aborted one is then reported by
+  `drain_aborted()`, the moment its AbortAck may be sent.
+- Preemption (recompute) frees the victim's blocks at once: the device runs steps in order, so a
+  later step rewriting those blocks runs after every in-flight reader. The victim keeps its slot
+  and is not re-admitted until its in-flight sample is known, so it resumes from prompt + output
+  and produces exactly the tokens it would have produced without preemption.
+- A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from actors.engine.block_manager import BlockManager
+from actors.engine.request import EngineRequest, RequestStatus
+from gpu.batch import BatchSpec, ScheduledRow
+from messages.wire import RequestOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+    ):
+        if block_manager.num_blocks * block_manager.block_size < max_model_len:
+            raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
+        if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, EngineRequest] = {}  # every request still holding anything
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []  # in admission order: preemption takes the last
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.in_flight: deque[int] = deque()  # steps scheduled and not yet updated
+        self.next_step = 0
+        self.aborted_freed: list[str] = []
+        self.num_preemptions = 0
+        self.num_discarded_samples = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, req: EngineRequest) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if not 0 < req.num_prompt_tokens < self.max_model_len:
+            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens, need 1..{self.max_model_len - 1}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop scheduling the request now. False for an unknown, finished or already aborted id
+        (a late abort): no AbortAck is due for it."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._dequeue(req)
+        req.status = RequestStatus.ABORTED
+        self._settle(req)
+        return True
+
+    def drain_aborted(self) -> list[str]:
+        """Aborted requests whose resources are freed since the last call: send their AbortAck."""
+        ids, self.aborted_freed = self.aborted_freed, []
+        return ids
+
+    # ---------------------------------------------------------------- step
+
+    def schedule(self) -> BatchSpec:
+        """Plan the next step. A batch without rows is not in flight and needs no update()."""
+        if len(self.in_flight) > 1:
+            raise RuntimeError("schedule() may run at most one batch ahead of update()")
+        batch = BatchSpec(step=self.next_step)
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if self._ends_in_flight(req):
+                i += 1
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.may_append(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            self.block_manager.append_slots(req, n)
+            batch.rows.append(self._row(req, n))
+            budget -= n
+            i += 1
+        # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
+        while self.waiting and budget > 0 and self.free_slots and not preempted:
+            req = self.waiting[0]
+            n = min(req.num_tokens, budget)
+            if req.num_inflight_steps or not self.block_manager.can_allocate(n):
+                break  # strict FIFO: the head waits for its in-flight sample or for free blocks
+            self.waiting.popleft()
+            if req.status is RequestStatus.WAITING:
+                self.prompt_tokens_total += req.num_prompt_tokens
+            req.status = RequestStatus.RUNNING
+            req.slot = self.free_slots.pop()
+            self.running.append(req)
+            self.block_manager.allocate(req, n)
+            batch.rows.append(self._row(req, n))
+            budget -= n
+        if batch.rows:
+            self.in_flight.append(batch.step)
+            self.next_step += 1
+        return batch
+
+    def update(self, batch: BatchSpec, sampled: list[int]) -> list[RequestOutput]:
+        """Apply a step's results: `sampled[i]` is the token of the i-th row with sample=True."""
+        if not batch.rows:
+            return []
+        if not self.in_flight or self.in_flight[0] != batch.step:
+            raise RuntimeError(f"update() for step {batch.step}, expected {list(self.in_flight)[:1]}")
+        if len(sampled) != len(batch.sampling_rows):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(batch.sampling_rows)} sampling rows")
+        self.in_flight.popleft()
+        outputs = []
+        tokens = iter(sampled)
+        for row in batch.rows:
+            req = self.requests[row.request_id]
+            req.num_inflight_steps -= 1
+            if row.sample:
+                token = next(tokens)
+                req.num_pending_tokens -= 1
+                if req.is_finished:
+                    self.num_discarded_samples += 1
+                else:
+                    outputs.append(self._append_token(req, token))
+            self._settle(req)
+        return outputs
+
+    # ---------------------------------------------------------------- metrics
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_usage": self.block_manager.usage,
+            "num_preemptions": self.num_preemptions,
+            "num_discarded_samples": self.num_discarded_samples,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_in_flight_steps": len(self.in_flight),
+        }
+
+    def check_idle(self) -> dict[str, int]:
+        """Per-request state left over: all zero when the engine is idle."""
+        bm = self.block_manager
+        return {
+            "requests": len(self.requests),
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "used_slots": self.max_num_seqs - len(self.free_slots),
+            "in_flight_steps": len(self.in_flight),
+            "undrained_aborts": len(self.aborted_freed),
+        }
+
+    # ---------------------------------------------------------------- internals
+
+    def _ends_in_flight(self, req: EngineRequest) -> bool:
+        """Whether the request's pending samples certainly end it: another row would be junk."""
+        return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+
+    def _row(self, req: EngineRequest, n: int) -> ScheduledRow:
+        start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        row = ScheduledRow(
+            req.request_id, req.slot, req.token_ids(start, start + n), start, list(req.block_table), sample
+        )
+        req.num_computed_tokens += n
+        req.num_pending_tokens += sample
+        req.num_inflight_steps += 1
+        return row
+
+    def _append_token(self, req: EngineRequest, token: int) -> RequestOutput:
+        seq = req.next_seq
+        req.output_token_ids.append(token)
+        self.generation_tokens_total += 1
+        p = req.params
+        if len(req.output_token_ids) > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos:
+            self._finish(req, "stop")
+        elif len(req.output_token_ids) > p.min_tokens and token in p.stop_token_ids:
+            self._finish(req, "stop", token)
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
+            self._finish(req, "length")
+        return RequestOutput(
+            request_id=req.request_id,
+            seq=seq,
+            new_token_ids=[token],
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+
+    def _finish(self, req: EngineRequest, reason: str, stop_reason: int | None = None) -> None:
+        self._dequeue(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        self._settle(req)
+
+    def _dequeue(self, req: EngineRequest) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+
+    def _settle(self, req: EngineRequest) -> None:
+        """Free what a request no longer needs once no in-flight step references it (I5)."""
+        if req.num_inflight_steps or req.status is RequestStatus.RUNNING:
+            return
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+        if req.is_finished:
+            self.block_manager.free(req)
+            del self.requests[req.request_id]
+            if req.status is RequestStatus.ABORTED:
+                self.aborted_freed.append(req.request_id)
