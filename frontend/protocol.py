@@ -126,11 +126,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
 
 
-_SAMPLING_KEYS = [
-    f
-    for f in _SamplingFields.__struct_fields__
-    if f in SamplingParams.__struct_fields__ and f not in ("max_tokens", "stop")
-]
+_SAMPLING_KEYS = set(_SamplingFields.__struct_fields__) & set(SamplingParams.__struct_fields__) - {"max_tokens", "stop"}
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 _AT = re.compile(r"(?: - at `key` in | - at )`\$\.?([^`]*)`$")
 
@@ -236,10 +232,9 @@ def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, l
             text = p
         elif isinstance(p, list) and all(type(t) is int for t in p):
             ids, text = p, None
-            bad = next((t for t in ids if not 0 <= t < ctx.vocab_size), None)
-            if bad is not None:
+            if bad := [t for t in ids if not 0 <= t < ctx.vocab_size]:
                 raise RequestError(
-                    400, f"prompt: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", "prompt"
+                    400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "prompt"
                 )
         else:
             raise RequestError(400, f"prompt must be {_PROMPT_SHAPES}", "prompt")
@@ -264,22 +259,12 @@ def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, pro
         )
     if max_tokens is None and params.max_tokens != budget:
         if params.min_tokens > budget:
-            raise RequestError(
-                400, f"min_tokens ({params.min_tokens}) exceeds the room left after the prompt ({budget})", "min_tokens"
-            )
+            raise RequestError(400, f"min_tokens ({params.min_tokens}) exceeds the {budget} tokens left", "min_tokens")
         params = msgspec.structs.replace(params, max_tokens=budget)
     return PromptInput(text, ids, params)
 
 
 def _parsed(kind, prefix: str, model: str, prompts: list[PromptInput], req, echo: bool) -> ParsedRequest:
-    opts = req.stream_options
-    return ParsedRequest(
-        kind=kind,
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
-        model=model,
-        created=int(time.time()),
-        prompts=prompts,
-        stream=bool(req.stream),
-        include_usage=bool(opts and opts.include_usage),
-        echo=echo,
-    )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    return ParsedRequest(kind, request_id, model, int(time.time()), prompts, bool(req.stream), include_usage, echo)

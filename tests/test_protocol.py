@@ -233,7 +233,11 @@ COMPLETION_ERRORS = [
         "maximum context length is 64 tokens. However, you requested 65 tokens (10 in the prompt, 55 in the completion)",
     ),
     ({"prompt": [5] * 64, "max_tokens": None}, "prompt", "maximum context length is 64 tokens"),
-    ({"prompt": [5] * 63, "max_tokens": None, "min_tokens": 2}, "min_tokens", "min_tokens (2) exceeds the room"),
+    (
+        {"prompt": [5] * 63, "max_tokens": None, "min_tokens": 2},
+        "min_tokens",
+        "min_tokens (2) exceeds the 1 tokens left",
+    ),
 ]
 
 
