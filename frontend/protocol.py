@@ -218,23 +218,30 @@ def _sampling_params(
     return params
 
 
+def _token_ids(value) -> list[int] | None:
+    try:
+        return msgspec.convert(value, list[int])  # C-speed; rejects bools, floats, nesting
+    except msgspec.ValidationError:
+        return None
+
+
 def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         prompt = [prompt]
-    if prompt is None or prompt == []:
+    if not prompt:
         raise RequestError(400, "prompt must not be empty", "prompt")
-    if all(type(t) is int for t in prompt):
-        prompt = [prompt]
+    if (ids := _token_ids(prompt)) is not None:
+        prompt = [ids]
     out = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            ids = ctx.tokenizer.encode(p) if p else []
-            text = p
-        elif isinstance(p, list) and all(type(t) is int for t in p):
-            ids, text = p, None
-            if bad := [t for t in ids if not 0 <= t < ctx.vocab_size]:
+            ids, text = ctx.tokenizer.encode(p) if p else [], p
+        elif (ids := _token_ids(p)) is not None:
+            text = None
+            if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < ctx.vocab_size)
                 raise RequestError(
-                    400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "prompt"
+                    400, f"prompt: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", "prompt"
                 )
         else:
             raise RequestError(400, f"prompt must be {_PROMPT_SHAPES}", "prompt")
