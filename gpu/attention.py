@@ -1,0 +1,124 @@
+"""Paged attention over a flat token batch that mixes prefill, chunked prefill and decode rows in one step.
+
+Torch path (CPU, and CUDA without flash-attn): rows are grouped into segments (decode rows, longer rows), each row's
+keys are gathered through its block table, and each segment is one padded `scaled_dot_product_attention` call with
+an explicit bottom-right causal mask (`is_causal=True` is top-left aligned, wrong when a query is shorter than its
+keys). On CUDA with flash-attn installed and blocks of a multiple of 256 tokens, its paged varlen kernel is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+
+
+def use_flash_attn(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+    usable_dtype = dtype in (torch.float16, torch.bfloat16)
+    return flash_attn_varlen_func is not None and device.type == "cuda" and usable_dtype and block_size % 256 == 0
+
+
+@dataclass
+class SegmentPlan:
+    """Host side of a segment: rows attended together, padded to `max_q` queries and `max_k` keys."""
+
+    num_rows: int
+    max_q: int
+    max_k: int
+    masked: bool
+    arrays: dict[str, np.ndarray]  # q_gather, out_index, pad_index, kv_slots, ctx_lens
+
+
+@dataclass
+class Segment:
+    max_q: int
+    q_gather: torch.Tensor  # [rows, max_q] token index of each padded query (padding repeats the row's last token)
+    out_index: torch.Tensor  # [n] token index of each real query ...
+    pad_index: torch.Tensor  # [n] ... and its flat padded position
+    kv_slots: torch.Tensor  # [rows, max_k] cache slot of each key (padding points at any slot: masked or unused)
+    mask: torch.Tensor | None  # [rows, 1, max_q, max_k] key j visible to query i iff j <= ctx_len + i
+
+    @classmethod
+    def from_plan(cls, plan: SegmentPlan, t: dict[str, torch.Tensor]) -> Segment:
+        mask = None
+        if plan.masked:
+            device = t["ctx_lens"].device
+            last_key = t["ctx_lens"][:, None] + torch.arange(plan.max_q, device=device)
+            mask = (torch.arange(plan.max_k, device=device) <= last_key[..., None]).unsqueeze(1)
+        return cls(plan.max_q, t["q_gather"], t["out_index"], t["pad_index"], t["kv_slots"], mask)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]
+    query_start_loc: torch.Tensor  # [rows + 1]
+    seq_lens: torch.Tensor  # [rows]
+    block_tables: torch.Tensor  # [rows, max_blocks]
+    max_query_len: int
+    max_seq_len: int
+    segments: list[Segment] = field(default_factory=list)  # torch path
+    cu_seqlens_k: torch.Tensor | None = None  # flash-attn path
+
+
+def plan_segments(
+    query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray, block_tables: np.ndarray, block_size: int
+) -> list[SegmentPlan]:
+    """Decode rows (one query) and longer rows go in separate segments, so decodes are not padded to a prefill."""
+    decode = query_lens == 1
+    groups = (np.flatnonzero(decode), np.flatnonzero(~decode))
+    return [
+        _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size) for rows in groups if rows.size
+    ]
+
+
+def _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size) -> SegmentPlan:
+    q, k = query_lens[rows], seq_lens[rows]
+    max_q, max_k = int(q.max()), int(k.max())
+    i, j = np.arange(max_q), np.arange(max_k)
+    real = i < q[:, None]
+    q_gather = query_start_loc[rows, None] + np.minimum(i, q[:, None] - 1)
+    kv_slots = block_tables[rows][:, j // block_size] * block_size + j % block_size
+    arrays = dict(
+        q_gather=q_gather,
+        out_index=q_gather[real],
+        pad_index=np.flatnonzero(real),
+        kv_slots=kv_slots,
+        ctx_lens=k - q,
+    )
+    masked = max_q > 1 or bool((k != max_k).any())
+    return SegmentPlan(len(rows), max_q, max_k, masked, arrays)
+
+
+def paged_attention(
+    q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim], with this step's keys/values already written to `kv`. Same shape out."""
+    k_cache, v_cache = kv
+    if meta.cu_seqlens_k is not None:
+        return flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,  # bottom-right aligned in flash-attn >= 2.1
+            block_table=meta.block_tables,
+        )
+    keys, values = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    out = torch.empty_like(q)
+    for s in meta.segments:
+        qs = q[s.q_gather].transpose(1, 2)  # [rows, heads, max_q, head_dim]
+        ks, vs = keys[s.kv_slots].transpose(1, 2), values[s.kv_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
+        out[s.out_index] = o.transpose(1, 2).flatten(0, 1)[s.pad_index]
+    return out

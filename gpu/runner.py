@@ -1,0 +1,145 @@
+"""The model runner: turns a BatchSpec into device tensors, runs one forward step, returns the sampling rows' logits.
+
+Host-side arrays are built with numpy and copied to the device in one transfer (pinned, non-blocking on CUDA).
+For async scheduling, last step's sampled ids live on the device in `prev_sampled` (indexed by the request's stable
+slot); PLACEHOLDER input tokens are filled from it on the device, so the host never waits for them.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+import torch
+
+from gpu.attention import AttentionMetadata, Segment, plan_segments, use_flash_attn
+from gpu.batch import PLACEHOLDER, BatchSpec
+from gpu.config import ModelConfig
+from gpu.kv_cache import KVCache
+from gpu.weights import load_model
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """ "auto" is float32 on CPU (no fast bf16 compute there) and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    return resolved
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        num_blocks: int = 1024,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.config = model_config
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.block_size, self.max_num_seqs, self.max_num_batched_tokens = (
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+        )
+        self.model = load_model(model_config, self.device, self.dtype)
+        self.kv_cache = KVCache(model_config, num_blocks, block_size, self.dtype, self.device)
+        self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.flash = use_flash_attn(self.device, self.dtype, block_size)
+
+    @torch.inference_mode()
+    def set_prev_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Record the ids sampled for `slots` on the device; the next step's PLACEHOLDER inputs read them."""
+        slots = slots.to(self.device, torch.int64, non_blocking=True)
+        self.prev_sampled.index_copy_(0, slots, token_ids.to(self.device, torch.int64, non_blocking=True))
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchSpec) -> torch.Tensor:
+        """Run one step; float32 logits [num sampling rows, vocab] in batch order of the sampling rows."""
+        if not batch.rows:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        host, plans, max_query_len, max_seq_len = self._prepare(batch)
+        tensors = iter(self._upload([*host.values(), *(a for p in plans for a in p.arrays.values())]))
+        t = {name: next(tensors) for name in host}
+        segments = [Segment.from_plan(p, {name: next(tensors) for name in p.arrays}) for p in plans]
+        if "placeholders" in t:
+            t["input_ids"][t["placeholders"]] = self.prev_sampled[t["placeholder_slots"]]
+        as_index = (lambda x: x.int()) if self.flash else (lambda x: x)  # flash-attn wants int32 metadata
+        meta = AttentionMetadata(
+            slot_mapping=t["slot_mapping"],
+            query_start_loc=as_index(t["query_start_loc"]),
+            seq_lens=t["seq_lens"],
+            block_tables=as_index(t["block_tables"]),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            segments=segments,
+            cu_seqlens_k=as_index(t["cu_seqlens_k"]) if self.flash else None,
+        )
+        hidden = self.model(t["input_ids"], t["positions"], meta, self.kv_cache)
+        return self.model.compute_logits(hidden[t["logits_indices"]]).float()
+
+    def _prepare(self, batch: BatchSpec):
+        rows, bs = batch.rows, self.block_size
+        n, num_tokens = len(rows), batch.num_tokens
+        if n > self.max_num_seqs or num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"step {batch.step}: {n} rows / {num_tokens} tokens exceed the runner's limits")
+        query_lens = np.array([len(r.token_ids) for r in rows], np.int64)
+        seq_lens = query_lens + np.array([r.num_computed for r in rows], np.int64)
+        query_start_loc = np.zeros(n + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        token_row = np.repeat(np.arange(n), query_lens)
+        positions = np.arange(num_tokens) - query_start_loc[token_row] + (seq_lens - query_lens)[token_row]
+        block_tables = np.zeros((n, max(len(r.block_table) for r in rows)), np.int64)
+        for i, r in enumerate(rows):
+            if len(r.block_table) * bs < seq_lens[i]:
+                raise ValueError(
+                    f"step {batch.step}: block table of {r.request_id} does not cover {seq_lens[i]} tokens"
+                )
+            block_tables[i, : len(r.block_table)] = r.block_table
+        input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int64, num_tokens)
+        sample = np.array([r.sample for r in rows], bool)
+        host = dict(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            slot_mapping=block_tables[token_row, positions // bs] * bs + positions % bs,
+            block_tables=block_tables,
+            logits_indices=query_start_loc[1:][sample] - 1,
+        )
+        placeholders = np.flatnonzero(input_ids == PLACEHOLDER)
+        if placeholders.size:
+            host["placeholders"] = placeholders
+            host["placeholder_slots"] = np.array([r.slot for r in rows], np.int64)[token_row[placeholders]]
+        if self.flash:
+            host["cu_seqlens_k"] = np.concatenate([[0], np.cumsum(seq_lens)])
+            plans = []
+        else:
+            plans = plan_segments(query_lens, seq_lens, query_start_loc, block_tables, bs)
+        return host, plans, int(query_lens.max()), int(seq_lens.max())
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """One host→device copy for all step arrays; returns device views shaped like the inputs."""
+        flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]).astype(np.int64, copy=False))
+        if self.device.type != "cpu":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        views, offset = [], 0
+        for a in arrays:
+            views.append(flat[offset : offset + a.size].view(a.shape))
+            offset += a.size
+        return views

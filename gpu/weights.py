@@ -1,0 +1,38 @@
+"""Build the model without initializing it and load its *.safetensors weights by name (sharded or not)."""
+
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+
+from gpu.config import ModelConfig, ModelLoadError, weight_files
+from gpu.llama import LlamaForCausalLM
+
+
+@torch.no_grad()
+def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device).requires_grad_(False).eval()
+    model.tie_weights()
+    params = dict(model.named_parameters())  # a tied lm_head is not listed: it is embed_tokens
+    loaded: set[str] = set()
+    for file in weight_files(config.path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                param = params.get(name)
+                if param is None:
+                    raise ModelLoadError(f"{file}: unexpected weight {name} for {config.architecture}")
+                tensor = f.get_tensor(name)
+                if tensor.shape != param.shape:
+                    raise ModelLoadError(
+                        f"{file}: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(params.keys() - loaded)
+    if missing:
+        raise ModelLoadError(f"{config.path}: weights missing from the checkpoint: {', '.join(missing[:8])}")
+    return model
