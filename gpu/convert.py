@@ -48,8 +48,7 @@ def default_model_dir() -> Path:
 
 def ensure_converted(gguf_path: str | Path) -> Path:
     """The cache directory for a user-given .gguf, converting it on first use."""
-    out_dir = converted_dir_for(gguf_path)
-    return out_dir if out_dir.is_dir() else convert_gguf(gguf_path, out_dir)
+    return convert_gguf(gguf_path, converted_dir_for(gguf_path))
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
