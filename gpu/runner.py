@@ -79,17 +79,18 @@ class ModelRunner:
         segments = [Segment.from_plan(p, {name: next(tensors) for name in p.arrays}) for p in plans]
         if "placeholders" in t:
             t["input_ids"][t["placeholders"]] = self.prev_sampled[t["placeholder_slots"]]
-        as_index = (lambda x: x.int()) if self.flash else (lambda x: x)  # flash-attn wants int32 metadata
         meta = AttentionMetadata(
             slot_mapping=t["slot_mapping"],
-            query_start_loc=as_index(t["query_start_loc"]),
+            query_start_loc=t["query_start_loc"],
             seq_lens=t["seq_lens"],
-            block_tables=as_index(t["block_tables"]),
+            block_tables=t["block_tables"],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             segments=segments,
-            cu_seqlens_k=as_index(t["cu_seqlens_k"]) if self.flash else None,
         )
+        if self.flash:  # flash-attn wants int32 metadata
+            meta.query_start_loc, meta.block_tables = meta.query_start_loc.int(), meta.block_tables.int()
+            meta.cu_seqlens_k = t["cu_seqlens_k"].int()
         hidden = self.model(t["input_ids"], t["positions"], meta, self.kv_cache)
         return self.model.compute_logits(hidden[t["logits_indices"]]).float()
 
