@@ -58,9 +58,12 @@ class ModelConfig:
     def from_path(cls, path: str | Path) -> ModelConfig:
         path = Path(path).expanduser()
         if path.suffix == ".gguf":
-            from gpu.convert import ensure_converted
+            from gpu.convert import ConversionError, ensure_converted
 
-            path = ensure_converted(path)
+            try:
+                path = ensure_converted(path)
+            except ConversionError as e:
+                raise ModelLoadError(str(e)) from e
         if not path.is_dir():
             raise ModelLoadError(f"model directory not found: {path}")
         raw = _read_json(path / "config.json", required=True)

