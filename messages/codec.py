@@ -27,7 +27,9 @@ class Codec:
 
     def encode(self, msg: Msg) -> bytes:
         if msg.local_only:
-            raise LocalOnlyError(f"{type(msg).__name__} is local-only (it carries device tensors) and cannot cross a process link")
+            raise LocalOnlyError(
+                f"{type(msg).__name__} is local-only (it carries device tensors) and cannot cross a process link"
+            )
         return self._encoder.encode(msg)
 
     def decode(self, frame: bytes) -> Msg:

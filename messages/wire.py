@@ -68,6 +68,13 @@ class ActorUp(Msg, kw_only=True):
     actor: str
 
 
+class Probe(Msg, kw_only=True):
+    """test/benchmark actor -> test/benchmark actor: a numbered payload (ordering, throughput)."""
+
+    seq: int
+    payload: bytes = b""
+
+
 class CheckIdle(Query, kw_only=True):
     """tests/operators -> any request-path actor: report per-request state left over."""
 
@@ -204,6 +211,7 @@ WIRE_TYPES: tuple[type[Msg], ...] = (
     Pong,
     ActorDown,
     ActorUp,
+    Probe,
     CheckIdle,
     IdleReport,
     AddRequest,

@@ -1,0 +1,1 @@
+"""The actor runtime (actors/runtime) and the actors: engine, detokenizer."""

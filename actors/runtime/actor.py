@@ -1,0 +1,157 @@
+"""Actor: owns its state, handles one message at a time through a type -> handler table.
+
+Every task an actor starts (`self.spawn`) is owned by the actor's TaskGroup and cancelled when
+the actor stops: nothing runs unowned. A handler exception is logged with the message and the
+actor carries on, unless it is a `FatalError`, which stops the process so the supervisor
+restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from actors.runtime.mailbox import Inbox
+from actors.runtime.router import Router
+from messages.wire import ActorDown, ActorUp, Msg, Ping, Pong, Query, Reply, Shutdown
+
+log = logging.getLogger("sluice.actor")
+
+Handler = Callable[[Any], Awaitable[Any] | Any]
+
+
+class FatalError(Exception):
+    """Raised by a handler when the actor cannot go on: its process exits, the supervisor restarts it."""
+
+
+class AskTimeout(TimeoutError):
+    pass
+
+
+class Actor:
+    name: str = "actor"
+
+    def __init__(self, name: str | None = None):
+        if name:
+            self.name = name
+        self.router: Router | None = None
+        self.inbox: Inbox | None = None
+        self.handled = 0
+        self.handler_errors = 0
+        self.unexpected = 0
+        self.late_replies = 0
+        self._pending: dict[int, asyncio.Future] = {}
+        self._corr = itertools.count(1)
+        self._tasks: asyncio.TaskGroup | None = None
+        self._owned: set[asyncio.Task] = set()
+        self._stopped = asyncio.Event()
+        self._handlers: dict[type, Handler] = {}
+
+    # ------------------------------------------------------------ to override
+
+    def handlers(self) -> dict[type, Handler]:
+        """The type -> handler table. Ping, replies to asks and Shutdown are handled by the runtime."""
+        return {}
+
+    async def on_start(self) -> None:
+        """Called once the inbox is bound, before the first message."""
+
+    async def on_shutdown(self, reason: str) -> None:
+        """Drain: stop admitting, finish or abort in-flight work. Then the actor stops."""
+
+    # ------------------------------------------------------------ messaging
+
+    def tell(self, dst: str, msg: Msg) -> None:
+        """Fire and forget; never blocks."""
+        self.router.send(self.name, dst, msg)
+
+    async def ask(self, dst: str, query: Query, timeout: float = 5.0) -> Reply:
+        corr = next(self._corr)
+        query.corr_id, query.reply_to = corr, self.name
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[corr] = fut
+        try:
+            self.tell(dst, query)
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise AskTimeout(f"{self.name}: no reply from {dst} to {type(query).__name__} within {timeout}s") from None
+        finally:
+            self._pending.pop(corr, None)  # a late reply finds nothing and is dropped (counted)
+
+    def spawn(self, coro: Coroutine, name: str | None = None) -> asyncio.Task:
+        """Start a task owned by this actor: it is cancelled when the actor stops."""
+        task = self._tasks.create_task(coro, name=name or f"{self.name}:{coro.__name__}")
+        self._owned.add(task)
+        task.add_done_callback(self._owned.discard)
+        return task
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    @property
+    def pending_asks(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self, router: Router) -> None:
+        """Bind the inbox, then handle messages until stopped. Returns when the actor is done."""
+        self.router = router
+        self.inbox = router.open_inbox(self.name)
+        self._handlers = self.handlers()
+        async with asyncio.TaskGroup() as tasks:
+            self._tasks = tasks
+            await self.on_start()
+            self.spawn(self._receive())
+            await self._stopped.wait()
+            for task in list(self._owned):
+                task.cancel()
+
+    async def _receive(self) -> None:
+        while True:
+            msg = await self.inbox.get()
+            try:
+                await self.dispatch(msg)
+            except FatalError:
+                raise
+            except Exception:
+                self.handler_errors += 1
+                log.exception("%s: handler failed on %s", self.name, _short(msg))
+
+    async def dispatch(self, msg: Msg) -> None:
+        self.handled += 1
+        if isinstance(msg, Reply):
+            fut = self._pending.get(msg.corr_id)
+            if fut is None or fut.done():
+                self.late_replies += 1
+            else:
+                fut.set_result(msg)
+            return
+        if isinstance(msg, ActorDown):
+            self.router.forget(msg.actor)
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            if isinstance(msg, Ping):
+                self.tell(msg.reply_to, Pong(corr_id=msg.corr_id, payload=msg.payload))
+            elif isinstance(msg, Shutdown):
+                await self.on_shutdown(msg.reason)
+                self.stop()
+            elif not isinstance(msg, ActorDown | ActorUp):
+                self.unexpected += 1
+                log.warning("%s: no handler for %s, dropped", self.name, type(msg).__name__)
+            return
+        result = handler(msg)
+        if inspect.isawaitable(result):
+            result = await result
+        if isinstance(msg, Query) and isinstance(result, Reply):
+            result.corr_id = msg.corr_id
+            self.tell(msg.reply_to, result)
+
+
+def _short(msg: Msg, limit: int = 300) -> str:
+    text = repr(msg)
+    return text if len(text) <= limit else text[:limit] + "..."

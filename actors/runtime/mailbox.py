@@ -1,0 +1,143 @@
+"""Mailboxes and links.
+
+An actor's Inbox receives decoded messages from in-process senders (no serialization) and from
+its ZMQ PULL socket (remote senders). A Link is one sender actor -> one receiver actor: per-link
+FIFO, a PUSH socket (unlimited HWM, non-blocking: a send never blocks the event loop) or a direct
+put into a local inbox, with the fault injector on the send path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+
+import zmq
+
+from actors.runtime.faults import FaultInjector
+from messages.codec import BadFrame, Codec, LocalOnlyError
+from messages.wire import Msg
+
+log = logging.getLogger("sluice.mailbox")
+
+
+class Inbox:
+    """FIFO of decoded messages for one actor, fed locally and by its PULL socket."""
+
+    def __init__(self, name: str, codec: Codec):
+        self.name = name
+        self.codec = codec
+        self._queue: collections.deque[Msg] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._sock: zmq.Socket | None = None
+        self.bad_frames = 0
+
+    def put(self, msg: Msg) -> None:
+        self._queue.append(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Msg:
+        while not self._queue:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._queue.popleft()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def bind(self, ctx: zmq.Context, address: str) -> None:
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        loop.call_soon(self._drain)  # the FD is edge-triggered: drain anything already queued
+
+    def _drain(self) -> None:
+        sock = self._sock
+        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frame = sock.recv(zmq.NOBLOCK, copy=True)
+            try:
+                self.put(self.codec.decode(frame))
+            except BadFrame as e:
+                self.bad_frames += 1
+                log.warning("%s: dropped a bad frame: %s", self.name, e)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.getsockopt(zmq.FD))
+            self._sock.close(linger=0)
+            self._sock = None
+
+
+class Link:
+    """One sender -> one receiver. `deliver` does the transport; faults are applied first."""
+
+    def __init__(self, name: str, deliver: Callable[[Msg], None], remote: bool, faults: FaultInjector | None):
+        self.name = name
+        self.remote = remote
+        self._deliver = deliver
+        self._faults = faults
+        self._stalled: list[Msg] | None = None  # messages queued behind a delay
+        self._held: Msg | None = None  # a message waiting to be reordered
+        self._held_timer: asyncio.TimerHandle | None = None
+
+    def send(self, msg: Msg) -> None:
+        if self.remote and msg.local_only:
+            raise LocalOnlyError(
+                f"{type(msg).__name__} is local-only (it carries device tensors) and cannot cross the process link {self.name}"
+            )
+        rule = self._faults.decide(self.name, type(msg).__name__) if self._faults else None
+        if rule is None:
+            self._forward(msg)
+        elif rule.action == "drop":
+            pass
+        elif rule.action == "duplicate":
+            self._forward(msg)
+            self._forward(msg)
+        elif rule.action == "delay":
+            if self._stalled is None:
+                self._stalled = []
+                asyncio.get_running_loop().call_later(rule.delay_ms / 1000, self._unstall)
+            self._stalled.append(msg)
+        elif self._held is None:  # reorder
+            self._held = msg
+            self._held_timer = asyncio.get_running_loop().call_later((rule.delay_ms or 50) / 1000, self._release)
+        else:
+            self._forward(msg)
+
+    def _forward(self, msg: Msg) -> None:
+        if self._stalled is not None:
+            self._stalled.append(msg)
+            return
+        self._deliver(msg)
+        if self._held is not None:
+            self._release()
+
+    def _release(self) -> None:
+        held, self._held = self._held, None
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
+        if held is not None:
+            self._forward(held)
+
+    def _unstall(self) -> None:
+        stalled, self._stalled = self._stalled or [], None
+        for msg in stalled:
+            self._forward(msg)
+
+
+def push_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never drop, never block (DESIGN: sends never block the loop)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    return sock

@@ -1,0 +1,229 @@
+"""The launcher: spawns actor processes from a placement, supervises them, tears them down.
+
+Supervision (Erlang-style, one_for_one): a child is dead when its process sentinel fires, hung
+when it misses `max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor
+broadcasts ActorDown for each of its actors, restarts the process unless `max_restarts` restarts
+already happened within `window_s` (then the whole system stops with exit code 1), and
+broadcasts ActorUp once the new incarnation is Ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import multiprocessing
+import os
+import signal
+import time
+
+import msgspec
+
+from actors.runtime.actor import Actor, AskTimeout
+from actors.runtime.faults import FaultPlan
+from actors.runtime.process import SUPERVISOR, ChildConfig, ProcessSpec, child_main
+from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
+from messages.wire import ActorDown, ActorUp, Ping, Ready, Shutdown
+
+log = logging.getLogger("sluice.supervisor")
+
+LAUNCHER = "launcher"
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class RestartPolicy(msgspec.Struct, kw_only=True):
+    max_restarts: int = 3
+    window_s: float = 60.0
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    max_missed: int = 3
+    ready_timeout_s: float = 180.0
+    stop_timeout_s: float = 10.0
+
+
+class Supervisor(Actor):
+    name = SUPERVISOR
+
+    def __init__(self, system: ActorSystem):
+        super().__init__()
+        self.system = system
+        self.ready: dict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
+
+    def handlers(self):
+        return {Ready: self.on_ready}
+
+    def on_ready(self, msg: Ready) -> None:
+        log.info("%s ready (pid %d)", msg.actor, msg.pid)
+        self.ready[msg.actor].set()
+
+    async def heartbeat(self, proc: str, actor: str) -> None:
+        policy, missed = self.system.policy, 0
+        while True:
+            await asyncio.sleep(policy.heartbeat_s)
+            if self.system.state.get(proc) != "up":
+                missed = 0
+                continue
+            try:
+                await self.ask(actor, Ping(), timeout=policy.heartbeat_timeout_s)
+                missed = 0
+            except AskTimeout:
+                missed += 1
+                log.warning("%s missed heartbeat %d/%d", actor, missed, policy.max_missed)
+                if missed >= policy.max_missed and self.system.state.get(proc) == "up":
+                    log.error("%s is hung: killing process %s", actor, proc)
+                    self.system.kill(proc)
+                    missed = 0
+
+
+class ActorSystem:
+    """`async with ActorSystem(processes, local=[...]) as system:` runs the graph."""
+
+    def __init__(
+        self,
+        processes: list[ProcessSpec],
+        local: list[Actor] = (),
+        fault_plan: FaultPlan | None = None,
+        policy: RestartPolicy | None = None,
+        log_level: str = "INFO",
+        endpoints: dict[str, str] | None = None,
+    ):
+        self.specs = {p.name: p for p in processes}
+        self.policy = policy or RestartPolicy()
+        self.fault_plan = fault_plan
+        self.log_level = log_level
+        self.rundir = make_rundir()
+        self.supervisor = Supervisor(self)
+        self.local = [self.supervisor, *local]
+        layout = {name: [a.name for a in spec.actors] for name, spec in self.specs.items()}
+        layout[LAUNCHER] = [a.name for a in self.local]
+        self.placement = Placement(rundir=self.rundir, processes=layout, endpoints=endpoints or {})
+        self.router = Router(self.placement, LAUNCHER, fault_plan)
+        self.children: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.state: dict[str, str] = {}  # process -> starting | up | down | stopped
+        self.restarts: collections.deque[float] = collections.deque()
+        self.exit_code = 0
+        self.done = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    async def __aenter__(self) -> ActorSystem:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        for actor in self.local:
+            self._tasks.append(asyncio.create_task(actor.run(self.router), name=f"{actor.name}:run"))
+        await asyncio.sleep(0)
+        try:
+            await asyncio.gather(*(self._spawn(name) for name in self.specs))
+        except BaseException:
+            await self.stop()
+            raise
+        for proc, spec in self.specs.items():
+            for a in spec.actors:
+                self._tasks.append(asyncio.create_task(self.supervisor.heartbeat(proc, a.name)))
+
+    async def _spawn(self, proc: str) -> None:
+        spec = self.specs[proc]
+        for a in spec.actors:
+            self.supervisor.ready[a.name].clear()
+        config = ChildConfig(
+            process=spec,
+            placement=self.placement,
+            fault_plan=self.fault_plan,
+            parent_pid=os.getpid(),
+            log_level=self.log_level,
+        )
+        child = multiprocessing.get_context("spawn").Process(
+            target=child_main, args=(msgspec.json.encode(config),), name=f"sluice:{proc}", daemon=True
+        )
+        self.state[proc] = "starting"
+        child.start()
+        self.children[proc] = child
+        asyncio.get_running_loop().add_reader(child.sentinel, self._on_exit, proc, child)
+        deadline = time.monotonic() + self.policy.ready_timeout_s
+        while not all(self.supervisor.ready[a.name].is_set() for a in spec.actors):
+            if child.exitcode is not None:
+                raise StartupError(f"process {proc} exited with code {child.exitcode} during startup")
+            if time.monotonic() > deadline:
+                raise StartupError(f"process {proc} not ready within {self.policy.ready_timeout_s}s")
+            await asyncio.sleep(0.01)
+        self.state[proc] = "up"
+
+    def _on_exit(self, proc: str, child) -> None:
+        asyncio.get_running_loop().remove_reader(child.sentinel)
+        child.join(0)
+        if self._stopping or self.children.get(proc) is not child or self.state.get(proc) != "up":
+            return  # a death during startup is reported by _spawn
+        log.error("process %s (pid %s) died with exit code %s", proc, child.pid, child.exitcode)
+        self.state[proc] = "down"
+        self._tasks.append(asyncio.create_task(self._recover(proc)))
+
+    async def _recover(self, proc: str) -> None:
+        dead = [a.name for a in self.specs[proc].actors]
+        for actor in dead:
+            self.router.forget(actor)
+            self.broadcast(ActorDown(actor=actor, reason=f"process {proc} exited"), exclude=dead)
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > self.policy.window_s:
+            self.restarts.popleft()
+        if len(self.restarts) >= self.policy.max_restarts:
+            log.error("restart intensity exceeded (%d in %ss): stopping", len(self.restarts), self.policy.window_s)
+            self.exit_code = 1
+            await self.stop()
+            return
+        self.restarts.append(now)
+        try:
+            await self._spawn(proc)
+        except StartupError as e:
+            log.error("restart of %s failed: %s", proc, e)
+            self.exit_code = 1
+            await self.stop()
+            return
+        for actor in dead:
+            self.broadcast(ActorUp(actor=actor), exclude=[])
+
+    def broadcast(self, msg, exclude: list[str]) -> None:
+        for actor in self.placement.actors:
+            if actor not in exclude and actor != SUPERVISOR:
+                self.router.send(SUPERVISOR, actor, msg)
+
+    def kill(self, proc: str, sig: int = signal.SIGKILL) -> None:
+        child = self.children.get(proc)
+        if child is not None and child.pid and child.exitcode is None:
+            os.kill(child.pid, sig)
+
+    def pids(self) -> dict[str, int]:
+        return {name: c.pid for name, c in self.children.items() if c.exitcode is None}
+
+    async def stop(self, reason: str = "shutdown") -> None:
+        if self._stopping:
+            await self.done.wait()
+            return
+        self._stopping = True
+        self.broadcast(Shutdown(reason=reason), exclude=[a.name for a in self.local])
+        deadline = time.monotonic() + self.policy.stop_timeout_s
+        for proc, child in self.children.items():
+            while child.exitcode is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if child.exitcode is None:
+                log.warning("process %s did not drain in time: killing", proc)
+                child.kill()
+            child.join(5)
+            self.state[proc] = "stopped"
+        for actor in self.local:
+            actor.stop()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current and not task.done() and not task.get_name().endswith(":run"):
+                task.cancel()
+        await asyncio.gather(*(t for t in self._tasks if t is not current), return_exceptions=True)
+        self.router.close()
+        remove_rundir(self.rundir)
+        self.done.set()

@@ -1,0 +1,55 @@
+"""Small actors for the runtime tests and the mailbox benchmark (spawned by name)."""
+
+from __future__ import annotations
+
+import time
+
+from actors.runtime import Actor
+from messages.wire import ActorDown, ActorUp, CheckIdle, IdleReport, Probe
+
+
+class Echo(Actor):
+    """Forwards every Probe to `target`; a Probe with payload b"hang" blocks its event loop."""
+
+    def __init__(self, target: str = "recorder"):
+        super().__init__()
+        self.target = target
+
+    def handlers(self):
+        return {Probe: self.on_probe, CheckIdle: self.on_check}
+
+    def on_probe(self, msg: Probe) -> None:
+        if msg.payload == b"hang":
+            time.sleep(3600)
+        self.tell(self.target, msg)
+
+    def on_check(self, msg: CheckIdle) -> IdleReport:
+        details = {"bad_frames": self.inbox.bad_frames, "handled": self.handled, "unexpected": self.unexpected}
+        return IdleReport(actor=self.name, details=details)
+
+
+class Recorder(Actor):
+    """Runs in the test process: records what it receives, wakes waiters."""
+
+    def __init__(self, name: str = "recorder"):
+        super().__init__(name)
+        self.probes: list[Probe] = []
+        self.events: list[tuple[str, str]] = []
+        self.times: list[float] = []
+
+    def handlers(self):
+        return {Probe: self.on_probe, ActorDown: self.on_event, ActorUp: self.on_event}
+
+    def on_probe(self, msg: Probe) -> None:
+        self.probes.append(msg)
+        self.times.append(time.monotonic())
+
+    def on_event(self, msg) -> None:
+        self.events.append((type(msg).__name__, msg.actor))
+
+
+class Sender(Actor):
+    """Runs in the test process: a named source for links like `tester->echo`."""
+
+    def __init__(self, name: str = "tester"):
+        super().__init__(name)

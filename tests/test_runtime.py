@@ -1,0 +1,141 @@
+"""The actor runtime over real processes and real ZMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+import zmq
+
+from actors.runtime import ActorSpec, ActorSystem, AskTimeout, ProcessSpec, RestartPolicy
+from messages.codec import LocalOnlyError
+from messages.wire import CheckIdle, Opaque, Ping, Pong, Probe
+from tests.runtime_actors import Recorder, Sender
+
+ECHO = ProcessSpec(name="echoproc", actors=[ActorSpec(name="echo", factory="tests.runtime_actors:Echo")])
+FAST = RestartPolicy(heartbeat_s=0.2, heartbeat_timeout_s=0.5, max_missed=2, max_restarts=2, window_s=60)
+
+
+async def wait_for(cond, timeout=20.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+async def test_ping_pong_across_processes():
+    tester = Sender()
+    async with ActorSystem([ECHO], local=[tester]) as system:
+        pong = await tester.ask("echo", Ping(payload=b"hi"), timeout=5)
+        assert isinstance(pong, Pong) and pong.payload == b"hi"
+        assert os.stat(system.rundir).st_mode & 0o777 == 0o700
+        rundir = system.rundir
+    assert not os.path.exists(rundir), "runtime directory removed on exit"
+
+
+async def test_order_preserved_under_load():
+    tester, recorder = Sender(), Recorder()
+    async with ActorSystem([ECHO], local=[tester, recorder]):
+        for i in range(10_000):
+            tester.tell("echo", Probe(seq=i))
+        await wait_for(lambda: len(recorder.probes) == 10_000)
+        assert [p.seq for p in recorder.probes] == list(range(10_000))
+
+
+async def test_bad_frames_counted_and_survived():
+    tester, recorder = Sender(), Recorder()
+    async with ActorSystem([ECHO], local=[tester, recorder]) as system:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect(system.placement.address("echo"))
+        for frame in (b"garbage", b"\x93\xa5Probe\xa1x", b"\x91\xa7Unknown"):
+            sock.send(frame)
+        sock.close(linger=1000)
+        tester.tell("echo", Probe(seq=1))
+        await wait_for(lambda: len(recorder.probes) == 1)
+        report = await tester.ask("echo", CheckIdle())
+        assert report.details["bad_frames"] == 3
+
+
+async def test_ask_timeout_and_local_only_refused():
+    tester = Sender()
+    async with ActorSystem([ECHO], local=[tester], policy=RestartPolicy(heartbeat_s=60)):
+        tester.tell("echo", Probe(seq=0, payload=b"hang"))
+        with pytest.raises(AskTimeout):
+            await tester.ask("echo", Ping(), timeout=0.3)
+        with pytest.raises(LocalOnlyError, match="local-only"):
+            tester.tell("echo", Opaque(kind="tensor", payload=object()))
+
+
+async def test_kill_restart_and_actor_events():
+    recorder = Recorder()
+    async with ActorSystem([ECHO], local=[recorder], policy=FAST) as system:
+        old = system.pids()["echoproc"]
+        system.kill("echoproc")
+        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert recorder.events[:2] == [("ActorDown", "echo"), ("ActorUp", "echo")]
+        assert system.pids()["echoproc"] != old and not alive(old)
+        recorder.probes.clear()
+        recorder.tell("echo", Probe(seq=7))  # the new incarnation serves
+        await wait_for(lambda: len(recorder.probes) == 1)
+
+
+async def test_hung_actor_is_killed_and_restarted():
+    tester, recorder = Sender(), Recorder()
+    async with ActorSystem([ECHO], local=[tester, recorder], policy=FAST) as system:
+        old = system.pids()["echoproc"]
+        tester.tell("echo", Probe(seq=0, payload=b"hang"))
+        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert system.pids()["echoproc"] != old
+
+
+async def test_restart_intensity_exceeded_stops_nonzero():
+    recorder = Recorder()
+    policy = RestartPolicy(heartbeat_s=60, max_restarts=1, window_s=60)
+    system = ActorSystem([ECHO], local=[recorder], policy=policy)
+    await system.start()
+    try:
+        pid = system.pids()["echoproc"]
+        system.kill("echoproc")
+        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert system.pids()["echoproc"] != pid
+        system.kill("echoproc")
+        await asyncio.wait_for(system.done.wait(), 20)
+        assert system.exit_code == 1
+        assert not system.pids()
+    finally:
+        await system.stop()
+
+
+LAUNCHER = """
+import asyncio, sys
+from actors.runtime import ActorSpec, ActorSystem, ProcessSpec
+async def main():
+    procs = [ProcessSpec(name=f"p{i}", actors=[ActorSpec(name=f"echo{i}", factory="tests.runtime_actors:Echo")]) for i in range(2)]
+    async with ActorSystem(procs) as system:
+        print(" ".join(str(p) for p in system.pids().values()), flush=True)
+        await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+async def test_children_die_with_the_launcher():
+    launcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", LAUNCHER, stdout=asyncio.subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__))
+    )
+    line = await asyncio.wait_for(launcher.stdout.readline(), 60)
+    pids = [int(p) for p in line.split()]
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    launcher.kill()
+    await launcher.wait()
+    await wait_for(lambda: not any(alive(p) for p in pids), timeout=10)
