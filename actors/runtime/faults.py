@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import pathlib
 import random
 import zlib
 from typing import Literal
@@ -45,7 +46,7 @@ class FaultPlan(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @classmethod
     def parse(cls, source: str) -> FaultPlan:
         """`source` is JSON text or the path of a JSON file."""
-        text = source if source.lstrip().startswith("{") else open(source).read()
+        text = source if source.lstrip().startswith("{") else pathlib.Path(source).read_text()
         return msgspec.json.decode(text, type=cls)
 
     @classmethod

@@ -97,9 +97,14 @@ async def _serve(config: ChildConfig) -> int:
         router.close()
 
 
+_draining: set[asyncio.Task] = set()
+
+
 def _drain(actors: list[Actor]) -> None:
     for actor in actors:
-        asyncio.ensure_future(_shutdown(actor, "signal"))
+        task = asyncio.ensure_future(_shutdown(actor, "signal"))
+        _draining.add(task)
+        task.add_done_callback(_draining.discard)
 
 
 async def _shutdown(actor: Actor, reason: str) -> None:
