@@ -1,0 +1,1 @@
+"""The detokenizer actor and its per-request logic (incremental decoding, stop strings)."""

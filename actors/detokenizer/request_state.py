@@ -1,0 +1,211 @@
+"""One request's detokenization state: engine outputs in, TextDelta / Finished out.
+
+`process` applies, in order: the seq check (DESIGN I6), incremental decoding, min_tokens, stop
+strings with hold-back, and the engine's own finish (EOS / stop token / length / error). It is pure
+and synchronous; the detokenizer actor owns mailboxes, tombstones and Aborts. After a call, a
+non-None `abort_reason` means this state ended the request while the engine still runs it ("stop"
+for a stop string, "error" for a seq gap or a bad token id): the actor must send Abort(reason=...).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from actors.detokenizer.incremental import IncrementalDetokenizer, token_table
+from actors.detokenizer.stop_strings import StopChecker
+from messages.wire import AddRequest, Finished, RequestOutput, TextDelta
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Tokenizer, token_ids: list[int]) -> list[bytes]:
+    """The bytes each token stands for on its own (a piece of a UTF-8 character stays a piece)."""
+    table = token_table(tokenizer)
+    if table.byte_level:
+        return [table.byte_tables[False][0].get(t, b"") for t in token_ids]
+    out = []
+    for t in token_ids:
+        m = _BYTE_FALLBACK.fullmatch(tokenizer.id_to_token(t) or "")
+        out.append(bytes([int(m[1], 16)]) if m else tokenizer.decode([t], skip_special_tokens=False).encode())
+    return out
+
+
+def decode_logprob_tokens(tokenizer: Tokenizer, token_ids: list[int]) -> list[str]:
+    """Display strings for logprob tokens: the token's text; for a token that is not valid UTF-8 on its
+    own (a piece of an emoji or CJK character) "bytes:" + its bytes, the invalid ones as \\xNN escapes
+    (OpenAI's convention), e.g. 'bytes: \\xf0\\x9f'. Special tokens show their content."""
+    out = []
+    for raw in token_bytes(tokenizer, token_ids):
+        try:
+            out.append(raw.decode())
+        except UnicodeDecodeError:
+            out.append("bytes:" + raw.decode("utf-8", "backslashreplace"))
+    return out
+
+
+@dataclass(slots=True)
+class DecodedLogprobs:
+    """Display data for one entry's logprobs (not on the wire), aligned with its new_token_ids."""
+
+    tokens: list[str]  # the sampled tokens, see decode_logprob_tokens
+    top_tokens: list[list[str]]
+    text_offsets: list[int]  # character offset of each token's text in the generated text
+
+
+class DetokRequestState:
+    def __init__(self, request: AddRequest, tokenizer: Tokenizer, *, method: str | None = None):
+        params = request.params
+        self.request_id = request.request_id
+        self.params = params
+        self.tokenizer = tokenizer
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_output_tokens = 0
+        self.finished = False
+        self.abort_reason: str | None = None
+        self.duplicates_dropped = 0
+        self.logprobs_text: DecodedLogprobs | None = None  # of the last processed entry
+        self._stop = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self._offsets: list[int] | None = [] if params.logprobs is not None else None
+        self._decoded_chars = 0  # length of the generated text decoded so far (before hold-back)
+        self._error: str | None = None
+        self._plain = False  # may `process` take its hot path? (decided by _process)
+        try:
+            self._detok = IncrementalDetokenizer(
+                tokenizer,
+                request.prompt_token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+                method=method,
+                request_id=request.request_id,
+            )
+        except ValueError as e:  # an out-of-vocab prompt id: the first output fails the request
+            self._error = f"invalid prompt: {e}"
+
+    def process(self, out: RequestOutput) -> tuple[TextDelta | None, Finished | None]:
+        """Consume one engine entry: the text to stream now, or the request's Finished (exactly once).
+        A duplicate entry returns (None, None) and counts in `duplicates_dropped`. The actor drops
+        outputs of finished (tombstoned) requests before calling this."""
+        if out.seq != self.num_output_tokens or out.finish_reason is not None or not self._plain:
+            return self._process(out)
+        # The hot path, a subset of _process: an in-order, unfinished entry past min_tokens, no logprobs.
+        ids = out.new_token_ids
+        self.num_output_tokens += len(ids)
+        try:
+            text = self._detok.step(ids)
+        except Exception as e:  # an id outside the vocabulary, a tokenizer error: fail this request only
+            return None, self._fail(out, str(e))
+        if self._stop is not None:
+            text, matched = self._stop.feed(text)
+            if matched is not None:
+                self.abort_reason = "stop"
+                return None, self._finish(out, "stop", matched, text)
+        return TextDelta(request_id=self.request_id, seq=out.seq, text=text, token_ids=ids, logprobs=out.logprobs), None
+
+    def _process(self, out: RequestOutput) -> tuple[TextDelta | None, Finished | None]:
+        ids = out.new_token_ids
+        if self.finished:
+            raise RuntimeError(f"request {self.request_id}: output after Finished")
+        n_before = self.num_output_tokens
+        if out.seq != n_before:
+            if out.seq < n_before and out.seq + len(ids) <= n_before:
+                self.duplicates_dropped += 1
+                return None, None
+            return None, self._fail(out, f"output seq {out.seq} ({len(ids)} tokens), expected seq {n_before}")
+        if self._error is not None or out.finish_reason == "error" or out.error is not None:
+            return None, self._fail(out, self._error or out.error or "engine error")
+        self.num_output_tokens = n_before + len(ids)
+        self._plain = self._offsets is None and self.num_output_tokens >= self.params.min_tokens
+        # The engine stopped on EOS / a stop token: the token's text is not output (vLLM).
+        stop_terminated = out.finish_reason == "stop" and not self.params.include_stop_str_in_output
+        decode_ids = ids[:-1] if stop_terminated else ids
+        try:
+            text, matched = self._decode(decode_ids, n_before)
+        except Exception as e:
+            return None, self._fail(out, str(e))
+        if self._offsets is not None and out.logprobs is not None:
+            self._set_logprobs_text(out, len(ids) - len(decode_ids))
+        if matched is not None:
+            if out.finish_reason is None:
+                self.abort_reason = "stop"
+            return None, self._finish(out, "stop", matched, text)
+        if out.finish_reason is not None:
+            return None, self._finish_naturally(out, text)
+        return TextDelta(request_id=self.request_id, seq=out.seq, text=text, token_ids=ids, logprobs=out.logprobs), None
+
+    def abort(self, reason: str = "abort") -> Finished:
+        """The terminal message of an aborted request (AbortAck, actor death): no more text."""
+        self.finished = True
+        return Finished(
+            request_id=self.request_id,
+            finish_reason=reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _decode(self, ids: list[int], n_before: int) -> tuple[str, str | None]:
+        """Per-token decode (text offsets) with no stop search in the text of the first min_tokens tokens."""
+        unchecked = min(max(self.params.min_tokens - n_before, 0), len(ids))
+        if self._offsets is not None:
+            self._offsets = []
+        emitted, _ = self._feed(self._step(ids[:unchecked]), check=False)
+        more, matched = self._feed(self._step(ids[unchecked:]), check=True)
+        return emitted + more, matched
+
+    def _step(self, ids: list[int]) -> str:
+        if self._offsets is None:
+            return self._detok.step(ids)
+        pieces = []
+        for t in ids:
+            self._offsets.append(self._decoded_chars)
+            pieces.append(self._detok.step([t]))
+            self._decoded_chars += len(pieces[-1])
+        return "".join(pieces)
+
+    def _feed(self, text: str, check: bool) -> tuple[str, str | None]:
+        if self._stop is None or not text:
+            return text, None
+        return self._stop.feed(text, check)
+
+    def _finish_naturally(self, out: RequestOutput, text: str) -> Finished:
+        """The engine finished the request: flush buffered bytes, then the hold-back."""
+        more, matched = self._feed(self._detok.flush(), check=self.num_output_tokens > self.params.min_tokens)
+        text += more
+        if matched is not None:
+            return self._finish(out, "stop", matched, text)
+        if self._stop is not None:
+            text += self._stop.finish()
+        return self._finish(out, out.finish_reason, out.stop_reason, text)
+
+    def _finish(
+        self, out: RequestOutput, reason: str, stop_reason: int | str | None, text: str, error: str | None = None
+    ) -> Finished:
+        self.finished, self._plain = True, False
+        return Finished(
+            request_id=self.request_id,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            text=text,
+            token_ids=out.new_token_ids,
+            logprobs=out.logprobs,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            error=error,
+        )
+
+    def _fail(self, out: RequestOutput, error: str) -> Finished:
+        if out.finish_reason is None:
+            self.abort_reason = "error"
+        return self._finish(out, "error", None, "", f"request {self.request_id}: {error}")
+
+    def _set_logprobs_text(self, out: RequestOutput, skipped: int) -> None:
+        offsets = self._offsets + [self._decoded_chars] * skipped  # a skipped stop token sits at the end
+        self.logprobs_text = DecodedLogprobs(
+            tokens=decode_logprob_tokens(self.tokenizer, out.new_token_ids),
+            top_tokens=[decode_logprob_tokens(self.tokenizer, top) for top in out.logprobs.top_ids],
+            text_offsets=offsets,
+        )
