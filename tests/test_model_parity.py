@@ -91,7 +91,7 @@ def test_greedy_generation_matches_hf():
         block_size=BLOCK_SIZE,
         max_num_seqs=len(prompts),
         max_num_batched_tokens=BUDGET,
-        num_threads=2,
+        num_threads=1,
     )
     ours, our_first_logits = greedy_generate(runner, prompts)
     theirs, their_first_logits = hf_generate(model_dir, prompts)
