@@ -1,9 +1,10 @@
 """Incremental detokenization of one request: token ids in, newly complete text out.
 
 Three methods, same output (the text `tokenizer.decode` gives for prompt + output, minus the prompt's):
-- "bytes": byte-level BPE (GPT-2 style, e.g. SmolLM2) decodes each token to fixed bytes, with no
-  context, so a per-tokenizer id -> bytes table plus an incremental UTF-8 decode is exact, and about
-  10x cheaper than a DecodeStream step (the detokenizer's CPU budget, DESIGN §9).
+- "bytes" (the default for byte-level BPE, GPT-2 style, e.g. SmolLM2): such a decoder turns each
+  token into fixed bytes, whatever its context, so a per-tokenizer id -> bytes table plus an
+  incremental UTF-8 decode is exact, and several times cheaper than a DecodeStream step; that is what
+  keeps the whole per-token path within the detokenizer's CPU budget (DESIGN §9).
 - "decode_stream": one `tokenizers.decoders.DecodeStream` primed with the prompt ids, so the first
   generated token gets its leading space (or none) from its real context (Metaspace / SentencePiece).
 - "offsets": the classic two-decode prefix_offset/read_offset algorithm (TGI, vLLM's slow path). Used

@@ -5,6 +5,10 @@ strings with hold-back, and the engine's own finish (EOS / stop token / length /
 and synchronous; the detokenizer actor owns mailboxes, tombstones and Aborts. After a call, a
 non-None `abort_reason` means this state ended the request while the engine still runs it ("stop"
 for a stop string, "error" for a seq gap or a bad token id): the actor must send Abort(reason=...).
+A non-terminal entry always gives a TextDelta (its text may be '': held back or half a character),
+so token ids and logprobs flow on; the terminal one gives only the Finished, which carries the last
+text. With `params.logprobs`, `logprobs_text` holds the display strings and text offsets of the
+last entry's tokens (they have no wire field).
 """
 
 from __future__ import annotations
