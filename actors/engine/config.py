@@ -1,0 +1,34 @@
+"""EngineConfig: everything the engine process needs, JSON-serializable (it travels in the spawn config)."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+SCHEDULER = "scheduler"
+DETOKENIZER = "detokenizer"
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: str  # an HF-style directory (already converted when it was a .gguf)
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    engine_threads: int | None = None  # None: the cores left after the other actors
+    async_scheduling: bool = True
+    stats_interval_s: float = 0.5
+    stats_to: list[str] = []  # actors that receive EngineStats (the HTTP actor)
+    detokenizer: str = DETOKENIZER
+    debug_checks: bool = False  # fill the device relay buffer with -1 and assert every read slot was written
+
+    def threads(self) -> int:
+        """Torch threads for the engine: oversubscribing these small machines was measured to cut decode 5x."""
+        if self.engine_threads:
+            return self.engine_threads
+        return max(1, (os.cpu_count() or 2) - 1)

@@ -1,0 +1,101 @@
+"""StepExecutor: model runner + sampler for one step, run on the engine's single device thread.
+
+Steps run strictly in submission order on that thread, so step N+1 reads the ids step N left in
+the runner's device relay buffer (`prev_sampled`, indexed by slot). The host copy of the sampled
+ids is one copy per step into a fresh pinned buffer fenced by an event on CUDA (never a
+device-wide sync); on CPU the tensors are already on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.config import EngineConfig
+from gpu.batch import BatchSpec
+from gpu.config import ModelConfig
+from gpu.kv_cache import num_blocks_for_memory
+from gpu.runner import ModelRunner, resolve_device, resolve_dtype
+from gpu.sampling import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
+
+
+@dataclass
+class StepResult:
+    sampled: torch.Tensor  # [num sampling rows] int64 on the host
+    logprobs: LogprobsTensors | None
+    ready: torch.cuda.Event | None  # set when the host copies are complete
+
+    def host(self) -> tuple[list[int], dict[str, list] | None]:
+        """The sampled ids (and logprobs) as Python lists. Waits only for this step's copy."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        lp = self.logprobs
+        lists = None
+        if lp is not None:
+            lists = {
+                "sampled": lp.sampled.tolist(),
+                "ranks": lp.ranks.tolist(),
+                "top_ids": lp.top_ids.tolist(),
+                "top_logprobs": lp.top_logprobs.tolist(),
+            }
+        return self.sampled.tolist(), lists
+
+
+def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    return num_blocks_for_memory(model, config.block_size, dtype, int(config.kv_cache_memory_gb * (1 << 30)))
+
+
+class StepExecutor:
+    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int):
+        self.runner = ModelRunner(
+            model,
+            device=config.device,
+            dtype=config.dtype,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            num_threads=config.threads(),
+        )
+        self.sampler = Sampler()
+        self.device = self.runner.device
+        self.vocab_size = model.vocab_size
+        self.debug_checks = config.debug_checks
+        if self.debug_checks:
+            self.runner.prev_sampled.fill_(-1)
+
+    @torch.inference_mode()
+    def run(self, batch: BatchSpec, rows: list[SamplingRow], slots: list[int]) -> StepResult:
+        """Forward + sample one step; leave the sampled ids on the device for the next step."""
+        if self.debug_checks:
+            self._check_relay(batch)
+        logits = self.runner.execute(batch)
+        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        if slots:
+            self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), out.sampled)
+        return self._to_host(out.sampled, out.logprobs)
+
+    def _to_host(self, sampled: torch.Tensor, lp: LogprobsTensors | None) -> StepResult:
+        if self.device.type == "cpu":
+            return StepResult(sampled, lp, None)
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        host_lp = lp and LogprobsTensors(*(copy(t) for t in (lp.sampled, lp.ranks, lp.top_ids, lp.top_logprobs)))
+        host = copy(sampled)
+        event = torch.cuda.Event()
+        event.record()
+        return StepResult(host, host_lp, event)
+
+    def _check_relay(self, batch: BatchSpec) -> None:
+        """Debug mode: every placeholder reads a relay slot that some earlier step wrote."""
+        for row in batch.rows:
+            if row.token_ids and row.token_ids[-1] == -1:
+                value = int(self.runner.prev_sampled[row.slot])
+                assert value >= 0, f"{row.request_id}: relay slot {row.slot} read before it was written"

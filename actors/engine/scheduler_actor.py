@@ -1,0 +1,262 @@
+"""SchedulerActor: the engine process. schedule -> execute (runner + sampler) -> postprocess.
+
+The step loop is an owned task; handlers (new requests, aborts) run between steps on the same
+event loop, so scheduler state is only touched from this thread. Steps execute on one device
+thread; with async scheduling the loop plans and submits step N+1 before collecting step N
+(one step ahead), otherwise it collects each step before planning the next.
+
+Abort cases (DESIGN section 3; request state at the scheduler x event -> action):
+  waiting / preempted        Abort -> removed from the queue, AbortAck now
+  mid chunked prefill        Abort -> dropped from the next batch; AbortAck when no in-flight step reads its blocks
+  decoding, step in flight   Abort -> its sample of that step is discarded (counted); blocks freed, then AbortAck
+  decoding, nothing in flight Abort -> blocks freed, AbortAck now
+  finished (terminal sent)   Abort -> late abort: ignored, counted (the detokenizer has the terminal entry)
+  unknown / aborted twice    Abort -> late abort: ignored, counted
+  any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
+  any live request           Shutdown -> aborted (reason "shutdown"), acks sent, then the actor stops
+Every AbortAck is sent after the StepOutputs of the step that last touched the request (one FIFO link).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import time
+
+import torch
+
+from actors.engine.block_manager import BlockManager
+from actors.engine.config import EngineConfig
+from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks
+from actors.engine.request import EngineRequest
+from actors.engine.scheduler import Scheduler
+from actors.runtime import Actor
+from gpu.batch import BatchSpec
+from gpu.config import ModelConfig
+from gpu.sampling import SamplingRow, make_generator
+from messages.sampling_params import ParamError
+from messages.wire import (
+    Abort,
+    AbortAck,
+    ActorDown,
+    AddRequest,
+    CheckIdle,
+    EngineStats,
+    IdleReport,
+    RequestOutput,
+    StepOutputs,
+    TokenLogprobs,
+)
+
+log = logging.getLogger("sluice.engine")
+
+
+def needs_history(req: EngineRequest) -> bool:
+    """Sampling that reads the output so far: the host must know every token before the step."""
+    p = req.params
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or bool(p.bad_words_token_ids)
+        or len(req.output_token_ids) <= p.min_tokens
+    )
+
+
+class SchedulerActor(Actor):
+    name = "scheduler"
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = EngineConfig(**config)
+        self.model = ModelConfig.from_path(self.config.model)
+        self.max_model_len = min(self.config.max_model_len, self.model.max_model_len)
+        self.late_aborts = 0
+        self.abort_reasons: dict[str, str] = {}
+        self.silent: set[str] = set()
+        self.admitting = True
+        self._work = asyncio.Event()
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
+
+    def handlers(self):
+        return {AddRequest: self.on_add, Abort: self.on_abort, ActorDown: self.on_actor_down, CheckIdle: self.on_check}
+
+    async def on_start(self) -> None:
+        torch.set_num_threads(self.config.threads())
+        blocks = num_kv_blocks(self.config, self.model)
+        loop = asyncio.get_running_loop()
+        self.executor = await loop.run_in_executor(self._device, StepExecutor, self.config, self.model, blocks)
+        self.sched = Scheduler(
+            BlockManager(blocks, self.config.block_size),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.model.eos_token_ids,
+        )
+        log.info(
+            "engine ready: %s, %d KV blocks of %d, max_model_len %d",
+            self.model.name,
+            blocks,
+            self.config.block_size,
+            self.max_model_len,
+        )
+        self.spawn(self._step_loop())
+        if self.config.stats_to:
+            self.spawn(self._publish_stats())
+
+    # ------------------------------------------------------------ handlers
+
+    def on_add(self, msg: AddRequest) -> None:
+        self.tell(self.config.detokenizer, msg)  # registration precedes every output (FIFO link)
+        error = self._validate(msg)
+        if error:
+            log.warning("[%s] rejected: %s", msg.request_id, error)
+            out = RequestOutput(request_id=msg.request_id, seq=0, new_token_ids=[], finish_reason="error", error=error)
+            self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
+            return
+        req = EngineRequest.from_msg(msg)
+        if msg.params.seed is not None:
+            req.sampling_state = make_generator(msg.params.seed, self.executor.device)
+        self.sched.add_request(req)
+        self._work.set()
+
+    def _validate(self, msg: AddRequest) -> str | None:
+        if not self.admitting:
+            return "the server is shutting down"
+        if msg.request_id in self.sched.requests:
+            return f"duplicate request id {msg.request_id}"
+        n = len(msg.prompt_token_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_model_len:
+            return f"the prompt has {n} tokens; max_model_len is {self.max_model_len}"
+        try:
+            msg.params.verify(self.model.vocab_size)
+        except ParamError as e:
+            return str(e)
+        bad = next((t for t in msg.prompt_token_ids if not 0 <= t < self.model.vocab_size), None)
+        return None if bad is None else f"prompt token id {bad} is outside the vocabulary"
+
+    def on_abort(self, msg: Abort) -> None:
+        if self.sched.abort(msg.request_id):
+            self.abort_reasons[msg.request_id] = msg.reason
+            log.info("[%s] aborted (%s)", msg.request_id, msg.reason)
+            self._send_acks()
+        else:
+            self.late_aborts += 1
+            log.debug("[%s] late abort (%s) ignored", msg.request_id, msg.reason)
+
+    def on_actor_down(self, msg: ActorDown) -> None:
+        if msg.actor != self.config.detokenizer:
+            return
+        live = [r.request_id for r in (*self.sched.waiting, *self.sched.running)]
+        log.warning("detokenizer down: aborting %d requests silently", len(live))
+        self.silent.update(live)
+        for rid in live:
+            self.sched.abort(rid)
+        self._send_acks()
+
+    def on_check(self, msg: CheckIdle) -> IdleReport:
+        details = self.sched.check_idle()
+        details["abort_reasons"] = len(self.abort_reasons)
+        return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
+
+    async def on_shutdown(self, reason: str) -> None:
+        self.admitting = False
+        for req in (*self.sched.waiting, *self.sched.running):
+            self.on_abort(Abort(request_id=req.request_id, reason="shutdown"))
+        deadline = time.monotonic() + 10
+        while (self.sched.has_unfinished() or self.sched.in_flight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._device.shutdown(wait=False, cancel_futures=True)
+
+    def _send_acks(self) -> None:
+        for rid in self.sched.drain_aborted():
+            reason = self.abort_reasons.pop(rid, "client")
+            if rid in self.silent:
+                self.silent.discard(rid)
+            else:
+                self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=reason))
+
+    # ------------------------------------------------------------ the step loop
+
+    async def _step_loop(self) -> None:
+        depth = 2 if self.config.async_scheduling else 1
+        inflight: collections.deque[tuple[BatchSpec, asyncio.Future]] = collections.deque()
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = None
+            if len(inflight) < depth and not (inflight and self._must_sync()):
+                batch = self.sched.schedule()
+                if batch.rows:
+                    rows, slots = self._sampling_rows(batch)
+                    inflight.append((batch, loop.run_in_executor(self._device, self.executor.run, batch, rows, slots)))
+            if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
+                done, future = inflight.popleft()
+                await self._postprocess(done, await future)
+            elif not inflight:
+                self._work.clear()
+                if not self.sched.has_unfinished():
+                    await self._work.wait()
+            await asyncio.sleep(0)  # handlers (aborts, new requests) run between steps
+
+    def _must_sync(self) -> bool:
+        return any(needs_history(r) for r in self.sched.running)
+
+    def _sampling_rows(self, batch: BatchSpec) -> tuple[list[SamplingRow], list[int]]:
+        rows, slots = [], []
+        for row in batch.rows:
+            if row.sample:
+                req = self.sched.requests[row.request_id]
+                history = req.output_token_ids if needs_history(req) else []
+                rows.append(
+                    SamplingRow(
+                        req.params, req.prompt_token_ids, history, req.sampling_state, list(self.model.eos_token_ids)
+                    )
+                )
+                slots.append(row.slot)
+        return rows, slots
+
+    async def _postprocess(self, batch: BatchSpec, result: StepResult) -> None:
+        if result.ready is None:
+            sampled, lp = result.host()
+        else:  # wait for this step's copy off the loop: handlers keep running meanwhile
+            sampled, lp = await asyncio.get_running_loop().run_in_executor(None, result.host)
+        want = {}
+        if lp is not None:
+            for j, i in enumerate(batch.sampling_rows):
+                req = self.sched.requests[batch.rows[i].request_id]
+                if req.params.logprobs is not None:
+                    want[req.request_id] = (j, req.params.logprobs)
+        outputs = self.sched.update(batch, sampled)
+        for out in outputs:
+            if out.request_id in want:
+                j, n = want[out.request_id]
+                out.logprobs = TokenLogprobs(
+                    sampled=[lp["sampled"][j]],
+                    ranks=[lp["ranks"][j]],
+                    top_ids=[lp["top_ids"][j][:n]],
+                    top_logprobs=[lp["top_logprobs"][j][:n]],
+                )
+        if outputs:
+            self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
+        self._send_acks()
+
+    async def _publish_stats(self) -> None:
+        while True:
+            s = self.sched.stats()
+            stats = EngineStats(
+                num_running=s["num_running"],
+                num_waiting=s["num_waiting"],
+                kv_usage=s["kv_usage"],
+                prompt_tokens_total=s["prompt_tokens_total"],
+                generation_tokens_total=s["generation_tokens_total"],
+                late_aborts_total=self.late_aborts,
+                discarded_samples_total=s["num_discarded_samples"],
+                num_preemptions_total=s["num_preemptions"],
+            )
+            for actor in self.config.stats_to:
+                self.tell(actor, stats)
+            await asyncio.sleep(self.config.stats_interval_s)

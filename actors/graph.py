@@ -1,0 +1,38 @@
+"""The engine side of the actor graph: which actors run in which process."""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.engine.config import DETOKENIZER, SCHEDULER, EngineConfig
+from actors.runtime import ActorSpec, ProcessSpec
+
+
+def engine_processes(config: EngineConfig, client: str) -> list[ProcessSpec]:
+    """The engine process (scheduler + model runner + sampler) and the detokenizer process.
+
+    `client` is the actor that receives TextOutputs / Finished / stats (the HTTP actor, or the
+    offline API's client actor)."""
+    config = msgspec.structs.replace(config, stats_to=[client])
+    return [
+        ProcessSpec(
+            name="engine",
+            actors=[
+                ActorSpec(
+                    name=SCHEDULER,
+                    factory="actors.engine.scheduler_actor:SchedulerActor",
+                    kwargs={"config": msgspec.to_builtins(config)},
+                )
+            ],
+        ),
+        ProcessSpec(
+            name="detokenizer",
+            actors=[
+                ActorSpec(
+                    name=DETOKENIZER,
+                    factory="actors.detokenizer.actor:DetokenizerActor",
+                    kwargs={"model": config.model, "client": client},
+                )
+            ],
+        ),
+    ]
