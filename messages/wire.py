@@ -158,7 +158,7 @@ class Finished(Msg, kw_only=True):
 
     request_id: str
     finish_reason: str  # stop | length | abort | error
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None = None  # stop token id / stop string; for an abort, its reason
     text: str = ""
     token_ids: list[int] = []
     logprobs: TokenLogprobs | None = None

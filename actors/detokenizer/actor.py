@@ -134,7 +134,8 @@ class DetokenizerActor(Actor):
             self._close_tombstone(rid)
         elif rid in self.live:
             client = self.clients[rid]
-            finished = self.live[rid].abort(msg.reason)
+            finished = self.live[rid].abort("abort")
+            finished.stop_reason = msg.reason  # why it was aborted: client | stop | shutdown | ...
             self._close(rid)
             self.tell(client, finished)
         else:

@@ -75,6 +75,8 @@ class StepExecutor:
         if self.debug_checks:
             self._check_relay(batch)
         logits = self.runner.execute(batch)
+        if not rows:  # only partial chunked-prefill rows: nothing samples this step
+            return StepResult(torch.empty(0, dtype=torch.int64), None, None)
         out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         if slots:
             self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), out.sampled)

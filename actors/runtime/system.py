@@ -158,7 +158,7 @@ class ActorSystem:
 
     def _on_exit(self, proc: str, child) -> None:
         asyncio.get_running_loop().remove_reader(child.sentinel)
-        child.join(0)
+        child.join(1)  # reap it: exitcode is set once joined
         if self._stopping or self.children.get(proc) is not child or self.state.get(proc) != "up":
             return  # a death during startup is reported by _spawn
         log.error("process %s (pid %s) died with exit code %s", proc, child.pid, child.exitcode)
