@@ -186,6 +186,7 @@ class EngineStats(Msg, kw_only=True):
     late_aborts_total: int
     discarded_samples_total: int = 0
     num_preemptions_total: int = 0
+    queue_times_s: list[float] = []  # arrival -> first scheduled, one per request scheduled since the last EngineStats
 
 
 class DetokStats(Msg, kw_only=True):
