@@ -9,10 +9,13 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
+from actors.engine.config import EngineConfig
+from frontend.offline import AsyncLLM
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.convert import default_model_dir
 from gpu.runner import ModelRunner
+from messages.sampling_params import SamplingParams
 from tests.tiny_model import Request, block_pool
 
 pytestmark = pytest.mark.real_model
@@ -78,11 +81,18 @@ def hf_generate(model_dir, prompts: list[list[int]]) -> tuple[list[list[int]], t
     return out.sequences[:, width:].tolist(), out.logits[0]
 
 
-def test_greedy_generation_matches_hf():
+@pytest.fixture(scope="module")
+def reference():
+    """The prompts' ids and HF generate's greedy tokens and first-step logits (computed once)."""
     model_dir = default_model_dir()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     assert max(map(len, prompts)) > BUDGET
+    return model_dir, prompts, *hf_generate(model_dir, prompts)
+
+
+def test_greedy_generation_matches_hf(reference):
+    model_dir, prompts, theirs, their_first_logits = reference
     runner = ModelRunner(
         ModelConfig.from_path(model_dir),
         device="cpu",
@@ -94,6 +104,14 @@ def test_greedy_generation_matches_hf():
         num_threads=1,
     )
     ours, our_first_logits = greedy_generate(runner, prompts)
-    theirs, their_first_logits = hf_generate(model_dir, prompts)
     assert ours == theirs
     torch.testing.assert_close(our_first_logits, their_first_logits, atol=1e-3, rtol=0)
+
+
+async def test_engine_actors_match_hf(reference):
+    """The same through the real engine + detokenizer processes: scheduler, chunked prefill, sampler, ZMQ."""
+    model_dir, prompts, theirs, _ = reference
+    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=BUDGET, num_kv_blocks=256, engine_threads=1)
+    async with AsyncLLM(config) as llm:
+        outs = await llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == theirs

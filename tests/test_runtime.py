@@ -69,7 +69,7 @@ async def test_bad_frames_counted_and_survived():
 
 async def test_ask_timeout_and_local_only_refused():
     tester = Sender()
-    async with ActorSystem([ECHO], local=[tester], policy=RestartPolicy(heartbeat_s=60)):
+    async with ActorSystem([ECHO], local=[tester], policy=RestartPolicy(heartbeat_s=60, stop_timeout_s=1)):
         tester.tell("echo", Probe(seq=0, payload=b"hang"))
         with pytest.raises(AskTimeout):
             await tester.ask("echo", Ping(), timeout=0.3)
