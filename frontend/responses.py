@@ -1,0 +1,87 @@
+"""An HttpRequest's state as OpenAI bodies: the SSE events of a stream, or the final JSON response.
+
+A stream is: (chat) one role chunk per choice; then, each time the writer wakes, one event per
+choice with everything buffered for it (text, logprobs, and its finish_reason once finished); then
+an error event if the request failed, else the usage chunk (stream_options.include_usage); then
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from frontend import openai_format as fmt
+from frontend.openai_format import SSE_DONE, TokenVocab, sse
+from frontend.requests import Choice, HttpRequest
+from messages.wire import TokenLogprobs
+
+
+def stream_head(req: HttpRequest) -> bytes:
+    p = req.parsed
+    if p.kind != "chat":
+        return b""
+    return b"".join(
+        sse(fmt.chat_chunk(p.request_id, p.model, p.created, [fmt.chat_delta(c.index, role="assistant", content="")]))
+        for c in req.choices
+    )
+
+
+def stream_events(req: HttpRequest, vocab: TokenVocab) -> bytes:
+    """Drain every choice's buffer into at most one event per choice."""
+    return b"".join(event for c in req.choices if (event := _event(req, c, vocab)))
+
+
+def stream_tail(req: HttpRequest) -> bytes:
+    p = req.parsed
+    if req.error is not None:
+        return sse(req.error.body()) + SSE_DONE
+    if not p.include_usage:
+        return SSE_DONE
+    chunk = fmt.chat_chunk if p.kind == "chat" else fmt.completion
+    return sse(chunk(p.request_id, p.model, p.created, [], _usage(req))) + SSE_DONE
+
+
+def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
+    p = req.parsed
+    fin = c.finished if c.finished is not None and c.finished.finish_reason != "error" else None
+    ending = fin is not None and not c.final_sent
+    if not (c.text or (p.logprobs is not None and c.token_ids) or ending):
+        return b""
+    text, ids, lps = c.take()
+    reason, stop_reason = (fin.finish_reason, fin.stop_reason) if ending else (None, None)
+    c.final_sent |= ending
+    if p.kind == "chat":
+        logprobs = fmt.chat_logprobs(ids, fmt.join_logprobs(lps), vocab) if p.logprobs is not None and ids else None
+        delta = fmt.chat_delta(
+            c.index, content=text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs
+        )
+        return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta]))
+    logprobs = None
+    if p.logprobs is not None and ids:
+        logprobs = fmt.completion_logprobs(ids, fmt.join_logprobs(lps), vocab, c.text_offset)
+        c.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+    choice = fmt.completion_choice(c.index, text, reason, stop_reason, logprobs)
+    return sse(fmt.completion(p.request_id, p.model, p.created, [choice]))
+
+
+def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
+    """The non-streaming response of a request whose choices all finished without error."""
+    p = req.parsed
+    choices = []
+    for c in req.choices:
+        text, ids, lps = c.take()
+        fin = c.finished
+        if p.kind == "chat":
+            logprobs = _logprobs(fmt.chat_logprobs, ids, lps, vocab) if p.logprobs is not None else None
+            choices.append(fmt.chat_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))
+        else:
+            logprobs = _logprobs(fmt.completion_logprobs, ids, lps, vocab) if p.logprobs is not None else None
+            choices.append(fmt.completion_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))
+    build = fmt.chat_completion if p.kind == "chat" else fmt.completion
+    return build(p.request_id, p.model, p.created, choices, _usage(req))
+
+
+def _logprobs(build, ids: list[int], lps: list[TokenLogprobs], vocab: TokenVocab) -> dict:
+    return build(ids, fmt.join_logprobs(lps), vocab)
+
+
+def _usage(req: HttpRequest) -> dict:
+    return fmt.usage(req.num_prompt_tokens, req.num_output_tokens)

@@ -1,0 +1,241 @@
+"""HttpActor: the OpenAI-compatible aiohttp server, run on the actor's own event loop.
+
+Handlers parse and tokenize (in the default executor for large bodies), register the request in
+the RequestTable (which sends one AddRequest per choice to the scheduler) and then wait on the
+request's `wake` event: the actor's message handlers only buffer outputs and set it, so no engine
+message ever waits for a client. A client that goes away (a failed write, or the handler cancelled
+on disconnect: `handler_cancellation=True`) tombstones its request and aborts it in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+
+from actors.runtime import Actor
+from frontend import openai_format as fmt
+from frontend.metrics import CONTENT_TYPE, Metrics
+from frontend.protocol import RequestError, ServingContext, parse_chat, parse_completion
+from frontend.requests import SCHEDULER, HttpRequest, RequestTable
+from frontend.responses import response_body, stream_events, stream_head, stream_tail
+from frontend.tokenizer import Tokenizer
+from messages.wire import ActorDown, ActorUp, CheckIdle, DetokStats, EngineStats, Finished, IdleReport, TextOutputs
+
+log = logging.getLogger("sluice.http")
+
+HTTP = "http"
+DETOKENIZER = "detokenizer"
+PARSE_INLINE_BYTES = 16 << 10  # larger bodies are parsed and tokenized off the event loop
+
+_encode = msgspec.json.Encoder().encode
+
+
+class HttpConfig(msgspec.Struct, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: the launcher picks a free one before spawning (stable across restarts)
+    served_model_name: list[str] = []  # default: the model directory's name
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/*
+    max_body_bytes: int = 16 << 20
+    abort_timeout_s: float = 5.0  # I7: an Abort without a Finished is re-sent after this
+    max_abort_tries: int = 3
+    drain_timeout_s: float = 5.0  # shutdown waits this long for in-flight requests to finish
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(body), status=status, content_type="application/json")
+
+
+def _error(e: RequestError) -> web.Response:
+    return _json(e.body(), e.status)
+
+
+class HttpActor(Actor):
+    name = HTTP
+
+    def __init__(self, model: str, http: dict, max_model_len: int, vocab_size: int):
+        super().__init__()
+        self.config = msgspec.convert(http, HttpConfig)
+        self.model = model
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.metrics = Metrics()
+        self.table = RequestTable(self.tell, self.metrics, self.config.abort_timeout_s, self.config.max_abort_tries)
+        self.down: set[str] = set()  # actors of the request path that are down
+        self.admitting = True
+        self.created = int(time.time())
+        self._draining: asyncio.Future | None = None
+
+    def handlers(self):
+        return {
+            TextOutputs: self.table.on_outputs,
+            Finished: self.table.on_finished,
+            EngineStats: self.metrics.on_engine_stats,
+            DetokStats: self.metrics.on_detok_stats,
+            ActorDown: self.on_actor_down,
+            ActorUp: self.on_actor_up,
+            CheckIdle: self.on_check,
+        }
+
+    async def on_start(self) -> None:
+        """Asks are answered only after this returns: the launcher's first answered ask means "listening"."""
+        tokenizer = Tokenizer.from_model_dir(self.model)
+        names = self.config.served_model_name or [Path(self.model).name]
+        self.ctx = ServingContext(tokenizer, names, self.max_model_len, self.vocab_size)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.config.host, self.config.port).start()
+        log.info("serving %s at %s", ", ".join(names), self.config.url)
+        self.spawn(self._housekeeping())
+
+    # ------------------------------------------------------------ actor messages
+
+    def on_actor_down(self, msg: ActorDown) -> None:
+        if msg.actor not in (SCHEDULER, DETOKENIZER):
+            return
+        self.down.add(msg.actor)
+        log.error("%s is down (%s): failing %d requests", msg.actor, msg.reason, len(self.table.live))
+        # the engine aborts its requests itself when the detokenizer dies; when the engine dies,
+        # the detokenizer sends Finished(error) for every id it has, which closes our tombstones
+        self.table.fail_all(RequestError(503, f"the {msg.actor} died; the request was lost"), send_abort=False)
+        if msg.actor == DETOKENIZER:
+            self.table.tombstones.clear()
+
+    def on_actor_up(self, msg: ActorUp) -> None:
+        if msg.actor in self.down:
+            self.down.discard(msg.actor)
+            log.info("%s is back", msg.actor)
+
+    def on_check(self, msg: CheckIdle) -> IdleReport:
+        details = {"requests": len(self.table.live), "tombstones": len(self.table.tombstones)}
+        return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
+
+    async def on_shutdown(self, reason: str) -> None:
+        if self._draining is None:  # SIGINT reaches us directly and as the launcher's Shutdown
+            self._draining = asyncio.ensure_future(self._drain(reason))
+        await asyncio.shield(self._draining)
+
+    async def _drain(self, reason: str) -> None:
+        self.admitting = False
+        if self.table.live:
+            log.info("shutdown (%s): aborting %d requests", reason, len(self.table.live))
+            self.table.abort_all("shutdown")
+            deadline = time.monotonic() + self.config.drain_timeout_s
+            while self.table.live and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            self.table.fail_all(RequestError(503, "the server is shutting down"), send_abort=False)
+        await self.runner.cleanup()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.config.abort_timeout_s / 2))
+            self.table.expire(time.monotonic())
+
+    # ------------------------------------------------------------ HTTP
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            if self.config.api_key and request.path.startswith("/v1/"):
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode()):
+                    raise RequestError(401, "Invalid or missing API key", code="invalid_api_key")
+            return await handler(request)
+        except RequestError as e:
+            return _error(e)
+        except web.HTTPException as e:  # unknown route (404), wrong method (405), body too large (413)
+            if e.status < 400:
+                raise
+            return _error(RequestError(e.status, e.text or e.reason))
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(RequestError(500, "internal server error"))
+
+    def _check_available(self) -> None:
+        if not self.admitting:
+            raise RequestError(503, "the server is shutting down")
+        if self.down:
+            raise RequestError(503, f"the {' and '.join(sorted(self.down))} is down; retry later")
+
+    async def health(self, request: web.Request) -> web.Response:
+        self._check_available()
+        return web.Response()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(fmt.models_list(self.ctx.model_names, self.max_model_len, self.created))
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+        self._check_available()
+        body = await request.read()
+        if len(body) > PARSE_INLINE_BYTES:
+            parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx)
+        else:
+            parsed = parse(body, self.ctx)
+        self._check_available()  # an actor may have died while we parsed
+        req = self.table.add(parsed, self.name)
+        log.info(
+            "[%s] %s: %d prompt tokens, %d choices%s",
+            req.id,
+            request.path,
+            req.num_prompt_tokens,
+            len(req.choices),
+            ", stream" if parsed.stream else "",
+        )
+        try:
+            return await (self._stream(request, req) if parsed.stream else self._respond(req))
+        finally:
+            if not req.done:  # the client went away (a failed write, or this handler was cancelled)
+                self.table.cancel(req, "client")
+
+    async def _respond(self, req: HttpRequest) -> web.Response:
+        while not req.done:
+            await req.wake.wait()
+            req.wake.clear()
+        if req.error is not None:
+            return _error(req.error)
+        return _json(response_body(req, self.ctx.tokenizer))
+
+    async def _stream(self, request: web.Request, req: HttpRequest) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            if head := stream_head(req):
+                await resp.write(head)
+            while not req.done:
+                await req.wake.wait()
+                req.wake.clear()
+                # everything buffered while the last write was in flight goes out as one event per choice
+                data = stream_events(req, self.ctx.tokenizer)
+                if req.done:
+                    data += stream_tail(req)
+                if data:
+                    await resp.write(data)
+            await resp.write_eof()
+        except ConnectionError:
+            log.info("[%s] client disconnected", req.id)
+        return resp

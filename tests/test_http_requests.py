@@ -1,0 +1,187 @@
+"""The HTTP actor's request table and response rendering, without processes: fan-out, coalescing,
+and every protocol case of the HTTP party (duplicates, gaps, stale outputs, unknown ids, I7)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from frontend.metrics import Metrics
+from frontend.protocol import ParsedRequest, PromptInput, RequestError
+from frontend.requests import RequestTable, child_seed
+from frontend.responses import response_body, stream_events, stream_head, stream_tail
+from messages.sampling_params import SamplingParams
+from messages.wire import Abort, AddRequest, Finished, TextDelta, TextOutputs, TokenLogprobs
+
+
+class Vocab:
+    def token_str(self, token_id: int) -> str:
+        return f"<{token_id}>"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_str(token_id).encode()
+
+
+VOCAB = Vocab()
+
+
+def parsed(n=1, prompts=((1, 2, 3),), kind="completion", seed=None, logprobs=None, echo=False) -> ParsedRequest:
+    params = SamplingParams(n=n, seed=seed, max_tokens=8, logprobs=logprobs)
+    inputs = [PromptInput("hi", list(p), params) for p in prompts]
+    return ParsedRequest(kind, "cmpl-abc", "m", 0, inputs, True, True, echo)
+
+
+def make_table(abort_timeout_s=1.0):
+    sent = []
+    metrics = Metrics()
+    table = RequestTable(lambda dst, msg: sent.append(msg), metrics, abort_timeout_s, max_abort_tries=3)
+    return table, metrics, sent
+
+
+def delta(rid: str, seq: int, text: str, ids=None) -> TextOutputs:
+    ids = [seq] if ids is None else ids
+    return TextOutputs(step=seq, deltas=[TextDelta(request_id=rid, seq=seq, text=text, token_ids=ids)])
+
+
+def events(data: bytes) -> list[dict]:
+    assert data.endswith(b"\n\n")
+    return [json.loads(e.removeprefix(b"data: ")) for e in data.split(b"\n\n")[:-1] if e != b"data: [DONE]"]
+
+
+def aborts(sent) -> list[tuple[str, str]]:
+    return [(m.request_id, m.reason) for m in sent if isinstance(m, Abort)]
+
+
+@pytest.mark.parametrize("seed", [7, (1 << 63) - 2, -(1 << 63)])
+def test_n_fans_out_into_engine_requests_with_derived_seeds(seed):
+    from gpu.sampling import child_seed as engine_child_seed
+
+    table, _, sent = make_table()
+    table.add(parsed(n=3, prompts=((1, 2), (3,)), seed=seed), "http")
+    assert all(isinstance(m, AddRequest) and m.client == "http" and m.params.n == 1 for m in sent)
+    assert [m.request_id for m in sent] == [f"cmpl-abc-{i}" for i in range(6)]
+    assert [m.prompt_token_ids for m in sent] == [[1, 2]] * 3 + [[3]] * 3
+    assert [m.params.seed for m in sent] == [engine_child_seed(seed, j) for j in (0, 1, 2, 0, 1, 2)]
+    assert child_seed(seed, 5) == engine_child_seed(seed, 5)
+
+
+def test_a_slow_client_gets_one_coalesced_event_per_choice():
+    table, _, _ = make_table()
+    req = table.add(parsed(n=2), "http")
+    for i in range(100):
+        for c in req.choices:
+            table.on_outputs(delta(c.engine_id, i, f"t{i} "))
+    out = events(stream_events(req, VOCAB))
+    assert [e["choices"][0]["index"] for e in out] == [0, 1]
+    assert [e["choices"][0]["text"] for e in out] == ["".join(f"t{i} " for i in range(100))] * 2
+    assert stream_events(req, VOCAB) == b""  # drained
+    for c in req.choices:
+        table.on_finished(Finished(request_id=c.engine_id, finish_reason="length", num_output_tokens=100))
+    assert req.done and [e["choices"][0]["finish_reason"] for e in events(stream_events(req, VOCAB))] == ["length"] * 2
+    assert events(stream_tail(req))[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 200, "total_tokens": 203}
+
+
+def test_duplicates_are_dropped_and_a_gap_fails_the_request():
+    table, metrics, sent = make_table()
+    req = table.add(parsed(n=2), "http")
+    first, second = (c.engine_id for c in req.choices)
+    table.on_outputs(delta(first, 0, "a"))
+    table.on_outputs(delta(first, 0, "a"))
+    assert metrics.violations["duplicate"] == 1 and req.choices[0].text == ["a"]
+    table.on_outputs(delta(second, 2, "x"))  # seq 0 and 1 lost
+    assert metrics.violations["gap"] == 1
+    assert req.done and req.error.status == 500 and "lost output" in req.error.message
+    assert aborts(sent) == [(first, "error"), (second, "error")]
+    assert set(table.tombstones) == {first, second}
+    tail = stream_tail(req)
+    assert tail.endswith(b"data: [DONE]\n\n") and events(tail)[0]["error"]["type"] == "server_error"
+
+
+def test_a_finished_that_skips_tokens_fails_the_request():
+    table, metrics, sent = make_table()
+    req = table.add(parsed(), "http")
+    rid = req.choices[0].engine_id
+    table.on_outputs(delta(rid, 0, "a"))
+    table.on_finished(Finished(request_id=rid, finish_reason="length", text="c", token_ids=[2], num_output_tokens=3))
+    assert metrics.violations["gap"] == 1 and req.done and req.error.status == 500
+    assert not table.tombstones and not aborts(sent)  # the engine already finished it
+
+
+def test_outputs_after_a_disconnect_are_stale_and_unknown_ids_are_violations():
+    table, metrics, sent = make_table()
+    req = table.add(parsed(), "http")
+    rid = req.choices[0].engine_id
+    table.cancel(req, "client")
+    assert req.done and req.error is None and aborts(sent) == [(rid, "client")]
+    table.on_outputs(delta(rid, 0, "late"))
+    assert metrics.stale_dropped == 1 and rid in table.tombstones
+    table.on_finished(Finished(request_id=rid, finish_reason="abort"))
+    assert metrics.stale_dropped == 2 and not table.tombstones and not table.live
+    table.on_finished(Finished(request_id=rid, finish_reason="abort"))  # a duplicate terminal message
+    table.on_outputs(delta("never-seen", 0, "x"))
+    assert metrics.violations["unknown_id"] == 2 and metrics.stale_dropped == 2
+
+
+def test_an_unanswered_abort_is_resent_then_the_tombstone_is_dropped():
+    table, _, sent = make_table(abort_timeout_s=1.0)
+    req = table.add(parsed(), "http")
+    rid = req.choices[0].engine_id
+    table.cancel(req)
+    t0 = time.monotonic()
+    table.expire(t0 + 0.5)
+    assert len(aborts(sent)) == 1
+    for i in (1, 2):
+        table.expire(t0 + 1.01 * i)
+        assert len(aborts(sent)) == 1 + i
+    table.expire(t0 + 3.1)
+    assert aborts(sent) == [(rid, "client")] * 3 and not table.tombstones
+
+
+def test_engine_death_fails_requests_without_aborts_and_the_detokenizer_closes_them():
+    table, metrics, sent = make_table()
+    req = table.add(parsed(n=2), "http")
+    table.fail_all(RequestError(503, "the scheduler died"), send_abort=False)
+    assert req.done and req.error.status == 503 and not aborts(sent)
+    for c in req.choices:
+        table.on_finished(Finished(request_id=c.engine_id, finish_reason="error", error="the engine died"))
+    assert not table.tombstones and not metrics.violations
+    other = table.add(parsed(), "http")
+    table.fail_all(RequestError(503, "the scheduler died"), send_abort=False)
+    table.expire(time.monotonic() + 1.1)  # no Finished came: dropped after one timeout, nothing sent
+    assert not table.tombstones and not aborts(sent) and other.done
+
+
+def test_non_streaming_body_has_logprobs_and_exact_usage():
+    table, _, _ = make_table()
+    req = table.add(parsed(kind="chat", logprobs=1), "http")
+    rid = req.choices[0].engine_id
+    lp = TokenLogprobs(sampled=[-0.5], ranks=[1], top_ids=[[7]], top_logprobs=[[-0.5]])
+    out = TextOutputs(step=0, deltas=[TextDelta(request_id=rid, seq=0, text="A", token_ids=[7], logprobs=lp)])
+    table.on_outputs(out)
+    fin = Finished(
+        request_id=rid,
+        finish_reason="stop",
+        text="B",
+        token_ids=[8],
+        logprobs=lp,
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+    )
+    table.on_finished(fin)
+    body = response_body(req, VOCAB)
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "AB"} and choice["finish_reason"] == "stop"
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["<7>", "<8>"]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert events(stream_head(req))[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_echo_puts_the_prompt_text_first():
+    table, _, _ = make_table()
+    req = table.add(parsed(echo=True), "http")
+    rid = req.choices[0].engine_id
+    table.on_outputs(delta(rid, 0, " there"))
+    table.on_finished(Finished(request_id=rid, finish_reason="length", num_output_tokens=1))
+    assert response_body(req, VOCAB)["choices"][0]["text"] == "hi there"
