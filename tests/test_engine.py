@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import torch
 
 from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
+from messages.wire import CheckIdle
 from tests.tiny_model import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -153,3 +155,28 @@ async def test_explicit_abort(llm):
     late = await llm.generate_one([1, 2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     llm.abort(late.request_id)  # finished: a late abort, ignored
     await asyncio.sleep(0.2)
+
+
+async def test_finish_while_next_step_in_flight_discards_the_extra_sample(llm, model_dir):
+    """Async scheduling plans step N+1 before N's stop token is known: N+1's junk sample is dropped."""
+    prompt = llm.tokenizer.encode("Once upon a time")
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    free = await llm.generate_one(prompt, sampled)
+    stop_tok = next(t for i, t in enumerate(free.token_ids) if i >= 2 and t not in free.token_ids[:i])
+    before = await llm.client.ask("scheduler", CheckIdle())
+    stopping = msgspec.structs.replace(sampled, stop_token_ids=[stop_tok])
+    outs = await llm.generate([prompt] * 3, stopping)
+    cut = free.token_ids[: free.token_ids.index(stop_tok) + 1]
+    assert all(o.token_ids == cut and o.finish_reason == "stop" for o in outs)
+    await asyncio.sleep(2 * llm.config.stats_interval_s)
+    if llm.config.async_scheduling:
+        assert llm.client.engine_stats.discarded_samples_total >= 3
+    assert before.idle
+
+
+async def test_debug_relay_checks_hold_in_async_mode(model_dir):
+    """Debug mode fills the device relay buffer with -1 and asserts every placeholder read a written slot."""
+    config = msgspec.structs.replace(engine_config(model_dir, async_scheduling=True), debug_checks=True)
+    async with AsyncLLM(config) as engine:
+        outs = await engine.generate(PROMPTS, GREEDY)
+        assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)

@@ -61,7 +61,7 @@ def needs_history(req: EngineRequest) -> bool:
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
         or bool(p.bad_words_token_ids)
-        or len(req.output_token_ids) <= p.min_tokens
+        or len(req.output_token_ids) < p.min_tokens
     )
 
 
