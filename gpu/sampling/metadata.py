@@ -1,0 +1,208 @@
+"""SamplingMetadata: one step's per-row sampling parameters as tensors, built once per step from host lists.
+
+Everything data-dependent that the sampler's branches need (all_greedy, which rows are dense / windowed / seeded,
+the largest logprobs count) is decided here on the host, so the sampler never reads a tensor value back.
+Per-token work here is proportional to the ids a row names (bias, allowed ids, bad words, penalty tokens), never to
+the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from messages.sampling_params import SamplingParams
+
+WINDOW = 64  # top-K window: exact whenever a row's kept set fits (wider exact windows take the other rows)
+
+_U64 = 1 << 64
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of child `index` of an n > 1 request (vLLM: seed + index; child 0 keeps the parent's seed)."""
+    return (seed + index + (1 << 63)) % _U64 - (1 << 63)
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A per-request generator: a seeded row draws only from it, so its tokens do not depend on the batch."""
+    return torch.Generator(device=device).manual_seed(seed % _U64)
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # set for seeded requests (make_generator)
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TokenEntries:
+    """Sparse (row, token[, value]) entries: the tokens a row names, never a vocabulary-wide mask."""
+
+    rows: torch.Tensor  # [N] int64
+    tokens: torch.Tensor  # [N] int64
+    values: torch.Tensor | None = None  # [N] float32
+    row_ids: torch.Tensor | None = None  # the distinct rows (allowed-token mask)
+
+
+@dataclass
+class PenaltyTokens:
+    """Prompt + output ids of the rows that have penalties, padded to one length (prompt ids only where the
+    repetition penalty is on).
+
+    Padding repeats a real id of the same row (or 0 in an empty row) with zero weights: it is never counted, and
+    it rewrites the value the real id gets, so duplicate writes agree.
+    """
+
+    rows: torch.Tensor  # [P] int64
+    token_ids: torch.Tensor  # [P, L] int64
+    output_weight: torch.Tensor  # [P, L] float32: 1 for output tokens (presence / frequency)
+    real_weight: torch.Tensor  # [P, L] float32: 1 for prompt and output tokens (repetition)
+    repetition: torch.Tensor  # [P] float32
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+
+
+@dataclass
+class SamplingMetadata:
+    vocab_size: int
+    # [B, 4] float64, one row per request: temperature (greedy rows hold 1.0, the zero guard), top_k (off = vocab
+    # size), top_p (off = 1.0), min_p (off = 0.0); one tensor so that a row subset is one index_select
+    params: torch.Tensor
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    window: int  # K of the top-K window the truncating rows are drawn from
+    # Random rows by how they are drawn (host-known index tensors):
+    mass_rows: torch.Tensor  # no top-k / min-p: need the whole-vocabulary mass (and without top-p, a draw over it)
+    window_rows: torch.Tensor  # top-k / top-p / min-p: drawn inside the top-K window
+    covered_rows: torch.Tensor  # the window rows with top_k <= K: the window always holds their kept set
+    uncovered_rows: torch.Tensor  # the other window rows: their kept set may reach beyond the window
+    generators: dict[int, torch.Generator]  # row -> generator of the seeded random rows
+    allowed: TokenEntries | None = None
+    bad_words: TokenEntries | None = None
+    min_tokens: TokenEntries | None = None
+    logit_bias: TokenEntries | None = None
+    penalties: PenaltyTokens | None = None
+    max_num_logprobs: int | None = None  # N of the top-N logprobs; None = no row asked
+    logprob_rows: list[int] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str, window: int = WINDOW
+    ) -> SamplingMetadata:
+        ps = [r.params for r in rows]
+        greedy = [p.greedy for p in ps]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
+        random = [i for i, g in enumerate(greedy) if not g]
+        untruncated = [i for i in random if top_k[i] == vocab_size and ps[i].min_p == 0.0]
+        window_rows = sorted(set(random) - {i for i in untruncated if ps[i].top_p >= 1.0})
+        logprob_rows = [i for i, p in enumerate(ps) if p.logprobs is not None]
+        params = [(1.0 if g else p.temperature, k, p.top_p, p.min_p) for p, g, k in zip(ps, greedy, top_k, strict=True)]
+        allowed, bad_words, min_tokens, logit_bias = _Entries(), _Entries(), _Entries(), _Entries()
+        for i, (r, p) in enumerate(zip(rows, ps, strict=True)):
+            if p.allowed_token_ids:
+                allowed.add(i, p.allowed_token_ids)
+            if p.bad_words_token_ids:
+                bad_words.add(i, _bad_words(p.bad_words_token_ids, r.output_token_ids))
+            if len(r.output_token_ids) < p.min_tokens:
+                min_tokens.add(i, [*p.stop_token_ids, *([] if p.ignore_eos else r.eos_token_ids)])
+            if p.logit_bias:
+                bias = p.clamped_logit_bias()
+                logit_bias.add(i, list(bias), list(bias.values()))
+        return cls(
+            vocab_size=vocab_size,
+            params=_put(params, torch.float64, device).view(-1, 4),
+            greedy=_put(greedy, torch.bool, device),
+            all_greedy=not random,
+            window=window,
+            mass_rows=_put(untruncated, torch.int64, device),
+            window_rows=_put(window_rows, torch.int64, device),
+            covered_rows=_put([i for i in window_rows if top_k[i] <= window], torch.int64, device),
+            uncovered_rows=_put([i for i in window_rows if top_k[i] > window], torch.int64, device),
+            generators={i: rows[i].generator for i in random if rows[i].generator is not None},
+            allowed=allowed.tensors(device),
+            bad_words=bad_words.tensors(device),
+            min_tokens=min_tokens.tensors(device),
+            logit_bias=logit_bias.tensors(device),
+            penalties=_penalties(rows, device),
+            max_num_logprobs=max((ps[i].logprobs for i in logprob_rows), default=None),
+            logprob_rows=logprob_rows,
+        )
+
+
+class _Entries:
+    """Collects (row, token[, value]) entries on the host."""
+
+    def __init__(self):
+        self.rows, self.tokens, self.values = [], [], []
+
+    def add(self, row: int, tokens: list[int], values: list[float] = ()) -> None:
+        self.rows += [row] * len(tokens)
+        self.tokens += tokens
+        self.values += values
+
+    def tensors(self, device) -> TokenEntries | None:
+        if not self.rows:
+            return None
+        return TokenEntries(
+            rows=_put(self.rows, torch.int64, device),
+            tokens=_put(self.tokens, torch.int64, device),
+            values=_put(self.values, torch.float32, device) if self.values else None,
+            row_ids=_put(sorted(set(self.rows)), torch.int64, device),
+        )
+
+
+def _bad_words(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
+    """Last tokens of the bad-word sequences whose prefix the output ends with (vLLM semantics: output only)."""
+    banned = []
+    for seq in bad_words_token_ids:
+        n = len(seq) - 1
+        if seq and n <= len(output) and (n == 0 or output[-n:] == seq[:-1]):
+            banned.append(seq[-1])
+    return banned
+
+
+def _penalties(rows: list[SamplingRow], device) -> PenaltyTokens | None:
+    idx = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
+    ]
+    if not idx:
+        return None
+    ps = [rows[i].params for i in idx]
+    # prompt ids count only for repetition; np.asarray is free when the caller keeps them as an int64 array
+    seqs = [
+        np.concatenate(
+            [
+                np.asarray(r.prompt_token_ids if p.repetition_penalty != 1.0 else (), np.int64),
+                np.asarray(r.output_token_ids, np.int64),
+            ]
+        )
+        for r, p in zip((rows[i] for i in idx), ps, strict=True)
+    ]
+    lengths = np.array([len(s) for s in seqs])
+    token_ids = np.zeros((len(seqs), max(1, lengths.max())), np.int64)
+    for j, s in enumerate(seqs):
+        token_ids[j, : len(s)] = s
+        token_ids[j, len(s) :] = s[-1] if len(s) else 0
+    pos = torch.arange(token_ids.shape[1], device=device)
+    end = _put(lengths, torch.int64, device)[:, None]
+    start = end - _put([len(rows[i].output_token_ids) for i in idx], torch.int64, device)[:, None]
+    return PenaltyTokens(
+        rows=_put(idx, torch.int64, device),
+        token_ids=_put(token_ids, torch.int64, device),
+        output_weight=((pos >= start) & (pos < end)).float(),
+        real_weight=(pos < end).float(),
+        repetition=_put([p.repetition_penalty for p in ps], torch.float32, device),
+        presence=_put([p.presence_penalty for p in ps], torch.float32, device),
+        frequency=_put([p.frequency_penalty for p in ps], torch.float32, device),
+    )
+
+
+def _put(values, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)

@@ -1,0 +1,146 @@
+"""The sampler: logits [B, V] + SamplingMetadata -> one token id per row (+ raw logprobs), with no host sync.
+
+Order of operations (part of correctness; each step is one line of `Sampler.__call__`):
+  float32 cast -> raw logprobs (if requested) -> allowed-token mask -> bad words -> min_tokens (EOS / stop ids
+  masked) -> logit bias (+-100) -> repetition / presence / frequency penalties -> greedy argmax (an all-greedy
+  batch returns here) -> temperature (greedy rows divide by 1) -> min-p -> top-k -> top-p (keeping the boundary
+  token) -> draw -> per-row where(greedy, argmax, draw) -> the sampled token's logprob, its rank and the top-N.
+
+The processors before the argmax can move it; the transforms after it cannot, so greedy rows skip them.
+Edge cases (defined, never a crash):
+- A row whose maximum is not finite takes its argmax (torch.argmax semantics): with a NaN, the first NaN; else
+  with +inf, the first +inf; with every token masked (all -inf, e.g. allowed_token_ids all banned), token 0.
+- top_k >= vocab size is top-k off; allowed_token_ids of one token always yields that token.
+- The logits are modified in place (float32 input is the work buffer; reused scratch memory does the rest).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .logprobs import LogprobsTensors, gather_logprobs, log_softmax_into
+from .metadata import SamplingMetadata
+from .penalties import apply_allowed, apply_ban, apply_logit_bias, apply_penalties
+from .topk_topp import (
+    BLOCK,
+    MASS,
+    Blocks,
+    draw_flashinfer,
+    draw_vocab,
+    draw_window,
+    flashinfer_available,
+    kept_lower_bound,
+    threshold_window,
+    uniforms,
+    vocab_mass,
+)
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: LogprobsTensors | None = None
+
+
+class Sampler:
+    """Called once per step by the model runner.
+
+    dynamic_fallback: how truncating rows whose kept set outgrows the top-K window are drawn exactly.
+    True (default on CPU, where the tensors already live on the host and selecting rows by value syncs nothing):
+    exactly the rows that did not fit, from the logits above a lower bound of their kept set. False (default
+    elsewhere): every row the window does not always cover (top_k > K or off) is drawn from its sorted row; the
+    rows are chosen from the parameters alone, so nothing is read back.
+    """
+
+    def __init__(self, dynamic_fallback: bool | None = None):
+        self.dynamic_fallback = dynamic_fallback
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        x = logits.float().contiguous()
+        raw = self._raw_logprobs(x, meta) if meta.max_num_logprobs is not None else None
+        x = self._whole_blocks(x)
+        apply_allowed(x, meta.allowed)
+        apply_ban(x, meta.bad_words)
+        apply_ban(x, meta.min_tokens)
+        apply_logit_bias(x, meta.logit_bias)
+        apply_penalties(x, meta.penalties)
+        blocks = Blocks(x)
+        argmax = blocks.argmax()
+        if meta.all_greedy:
+            sampled = argmax
+        else:
+            draw = self._draw(blocks, meta, argmax)
+            sampled = torch.where(meta.greedy | ~blocks.row_max.isfinite(), argmax, draw)
+        return SamplerOutput(sampled, None if raw is None else self._logprobs(raw, sampled, meta))
+
+    def _draw(self, blocks: Blocks, meta: SamplingMetadata, argmax: torch.Tensor) -> torch.Tensor:
+        """Temperature -> min-p -> top-k -> top-p -> draw, for the random rows (the others keep their argmax)."""
+        if flashinfer_available(blocks.x) and not meta.generators:
+            return draw_flashinfer(blocks.x, meta.params)
+        u = uniforms(len(argmax), meta.generators, argmax.device)
+        cols = torch.cat([meta.params, u[:, None], torch.zeros_like(u)[:, None]], 1)  # [B, 6]: see topk_topp
+        draw = argmax.clone()
+        rows = meta.mass_rows  # drawn over the whole vocabulary; top-p-only rows are redrawn in their window below
+        if rows.numel():
+            sub = cols.index_select(0, rows)
+            block_mass = vocab_mass(blocks, rows, sub, self._buffer("vocab", rows.numel(), blocks.x))
+            cols[:, MASS].index_copy_(0, rows, block_mass.sum(-1))
+            draw.index_copy_(0, rows, draw_vocab(blocks, rows, block_mass, sub))
+        dynamic = blocks.x.is_cpu if self.dynamic_fallback is None else self.dynamic_fallback
+        rows, wide = (meta.window_rows, None) if dynamic else (meta.covered_rows, meta.uncovered_rows)
+        if rows.numel():
+            values, ids = blocks.top(rows, meta.window)
+            token, fits = draw_window(values, ids, cols.index_select(0, rows))
+            draw.index_copy_(0, rows, token)
+            wide = rows[~fits] if dynamic else wide
+        rows = wide
+        if rows is not None and rows.numel():  # the rows the first window may not hold
+            sub = cols.index_select(0, rows)
+            if dynamic:
+                values, ids = threshold_window(blocks, rows, kept_lower_bound(blocks, rows, sub, meta.vocab_size))
+            else:
+                values, ids = blocks.x[rows].sort(-1, descending=True)
+            draw.index_copy_(0, rows, draw_window(values, ids, sub)[0])
+        return draw
+
+    def _whole_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """x itself when its width is whole blocks, else a copy padded with -inf (never sampled)."""
+        v = x.shape[1]
+        if v % BLOCK == 0:
+            return x
+        padded = self._buffer("padded", x.shape[0], x)
+        padded[:, :v] = x
+        padded[:, v:] = float("-inf")
+        return padded
+
+    def _raw_logprobs(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        rows = meta.logprob_rows
+        x = x if len(rows) == len(x) else x[torch.tensor(rows, device=x.device)]
+        return log_softmax_into(x, self._buffer("logprobs", len(rows), x), self._buffer("vocab", len(rows), x))
+
+    def _logprobs(self, lp: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> LogprobsTensors:
+        b, rows = len(sampled), meta.logprob_rows
+        if len(rows) == b:
+            return gather_logprobs(lp, meta.vocab_size, sampled, meta.max_num_logprobs)
+        index = torch.tensor(rows, device=sampled.device)
+        part = gather_logprobs(lp, meta.vocab_size, sampled[index], meta.max_num_logprobs)
+        full = LogprobsTensors(
+            *(torch.zeros((b, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in vars(part).values())
+        )
+        for name, t in vars(part).items():
+            getattr(full, name).index_copy_(0, index, t)
+        return full
+
+    def _buffer(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A reused float32 [rows, like's width rounded up to whole blocks] buffer on like's device: a fresh B x V
+        tensor every step would page-fault its way in (~1 GB/s measured; glibc maps large blocks afresh)."""
+        width = math.ceil(like.shape[1] / BLOCK) * BLOCK
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < rows * width or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(rows * width, dtype=torch.float32, device=like.device)
+        return buf[: rows * width].view(rows, width)

@@ -1,0 +1,162 @@
+"""Exactness: the empirical distribution of 100k draws from fixed logits matches the analytic target of each
+transform and combination (chi-square, significance level ALPHA = 0.001), and the same test rejects a subtly
+wrong target (the classic ordering / boundary mistakes), so it has the power to catch them.
+
+The draws are batched as many identical rows; seeds are fixed, so the outcome is deterministic.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
+from messages.sampling_params import SamplingParams as SP
+
+ALPHA = 1e-3
+ROWS, CALLS = 25_000, 4  # 100k draws
+
+
+def logits_of(vocab: int, seed: int = 0, scale: float = 1.5) -> torch.Tensor:
+    return scale * torch.randn(vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def target(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, wrong=None) -> np.ndarray:
+    """The analytic distribution (float64, sort-based); `wrong` names a deliberate mistake."""
+    x = logits.double().numpy()
+    t = 1.0 if wrong in ("temperature_after_truncation", "temperature_ignored") else temperature
+    p = np.exp((x - x.max()) / t)
+    p /= p.sum()
+    order = np.argsort(-x, kind="stable")
+    keep = np.zeros(len(x), bool)
+    keep[order[: (top_k if top_k > 0 else len(x)) + (wrong == "top_k_off_by_one")]] = True
+    keep &= p >= min_p * p.max()
+    q = p * keep if wrong != "top_p_before_top_k" else p
+    q = q / q.sum()
+    cum = np.cumsum(q[order])
+    before = cum - q[order]
+    nucleus = cum <= top_p if wrong == "top_p_without_boundary_token" else before < top_p
+    final = np.zeros(len(x))
+    final[order[nucleus]] = p[order[nucleus]]
+    final *= keep
+    if wrong == "temperature_after_truncation":
+        final = np.where(final > 0, np.exp((x - x.max()) / temperature), 0.0)
+    return final / final.sum()
+
+
+def draw(logits: torch.Tensor, params: SP, window: int = 64, dynamic=None, output=(), seed=0) -> np.ndarray:
+    rows = [SamplingRow(params, [1, 2, 3], list(output), eos_token_ids=[0])] * ROWS
+    meta = SamplingMetadata.build(rows, len(logits), "cpu", window=window)
+    sampler = Sampler(dynamic_fallback=dynamic)
+    torch.manual_seed(seed)
+    counts = np.zeros(len(logits), np.int64)
+    for _ in range(CALLS):
+        tokens = sampler(logits.expand(ROWS, -1).clone(), meta).sampled
+        counts += np.bincount(tokens.numpy(), minlength=len(logits))
+    return counts
+
+
+def p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square p-value; a draw of a zero-probability token rejects outright. Bins expecting < 5 are merged."""
+    if counts[probs == 0].any():
+        return 0.0
+    expected = probs * counts.sum()
+    small = (expected < 5) & (probs > 0)
+    obs = np.append(counts[expected >= 5], counts[small].sum())
+    exp = np.append(expected[expected >= 5], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp).pvalue
+
+
+def check(counts, good: np.ndarray, bad: np.ndarray) -> None:
+    assert p_value(counts, good) > ALPHA
+    assert not np.allclose(good, bad), "the wrong target must differ"
+    assert p_value(counts, bad) < ALPHA
+
+
+CASES = {
+    # name: (vocab, params, target kwargs, wrong variant)
+    "temperature": (40, SP(temperature=0.7), {"temperature": 0.7}, "temperature_ignored"),
+    "top_k": (40, SP(temperature=0.9, top_k=5), {"temperature": 0.9, "top_k": 5}, "top_k_off_by_one"),
+    "top_p": (40, SP(top_p=0.8), {"top_p": 0.8}, "top_p_without_boundary_token"),
+    "min_p": (40, SP(temperature=1.5, min_p=0.1), {"temperature": 1.5, "min_p": 0.1}, "temperature_after_truncation"),
+    "top_k_top_p": (40, SP(top_k=8, top_p=0.7), {"top_k": 8, "top_p": 0.7}, "top_p_before_top_k"),
+    "temperature_top_p": (
+        40,
+        SP(temperature=0.6, top_p=0.85),
+        {"temperature": 0.6, "top_p": 0.85},
+        "temperature_after_truncation",
+    ),
+    "all": (
+        50,
+        SP(temperature=0.8, top_k=12, top_p=0.9, min_p=0.02),
+        {"temperature": 0.8, "top_k": 12, "top_p": 0.9, "min_p": 0.02},
+        "top_p_before_top_k",
+    ),
+    "vocab_blocks": (200, SP(temperature=1.2), {"temperature": 1.2}, "temperature_ignored"),
+    "whole_blocks": (
+        128,
+        SP(temperature=0.9, top_p=0.95),
+        {"temperature": 0.9, "top_p": 0.95},
+        "top_p_without_boundary_token",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_transform_matches_its_target(name):
+    vocab, params, kwargs, wrong = CASES[name]
+    x = logits_of(vocab)
+    check(draw(x, params), target(x, **kwargs), target(x, **kwargs, wrong=wrong))
+
+
+# Kept sets wider than a 4-token window: exact through the CPU threshold window (dynamic) and the sort path.
+WIDE = {
+    "top_p": (SP(temperature=1.0, top_p=0.9), {"top_p": 0.9}),
+    "top_k": (SP(temperature=0.8, top_k=10), {"temperature": 0.8, "top_k": 10}),
+    "min_p": (SP(temperature=1.0, min_p=0.05), {"min_p": 0.05}),
+    "top_k_top_p": (SP(top_k=40, top_p=0.95), {"top_k": 40, "top_p": 0.95}),
+}
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["threshold_window", "sorted_rows"])
+@pytest.mark.parametrize("name", WIDE)
+def test_kept_set_wider_than_the_window_is_exact(name, dynamic):
+    params, kwargs = WIDE[name]
+    x = logits_of(80, seed=1)
+    window_only = target(x, **{**kwargs, "top_k": min(kwargs.get("top_k", 4), 4)})  # what a window of 4 would give
+    assert (target(x, **kwargs) > 0).sum() > 4
+    check(draw(x, params, window=4, dynamic=dynamic), target(x, **kwargs), window_only)
+
+
+def test_penalties_bias_and_masks_match_their_target():
+    vocab, output = 40, [3, 3, 7, 12, 3]
+    x = logits_of(vocab, seed=2)
+    params = SP(
+        temperature=0.9,
+        top_p=0.95,
+        repetition_penalty=1.5,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logit_bias={4: 2.0, 6: -1.5},
+        allowed_token_ids=list(range(30)),
+        bad_words_token_ids=[[5], [12, 9], [3, 8]],  # [3, 8]: the output ends with 3, so 8 is banned
+    )
+
+    def processed(rep_counts_prompt: bool) -> torch.Tensor:
+        y = x.clone().double()
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[output] = True
+        if rep_counts_prompt:
+            seen[[1, 2, 3]] = True  # the prompt
+        y = torch.where(seen, torch.where(y > 0, y / 1.5, y * 1.5), y)
+        counts = torch.bincount(torch.tensor(output), minlength=vocab).double()
+        y = y - 0.3 * counts - 0.5 * (counts > 0)
+        y[4] += 2.0
+        y[6] -= 1.5
+        y[30:] = y[[5, 8]] = float("-inf")
+        return y
+
+    kwargs = {"temperature": 0.9, "top_p": 0.95}
+    check(draw(x, params, output=output), target(processed(True), **kwargs), target(processed(False), **kwargs))
