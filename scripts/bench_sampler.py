@@ -72,20 +72,22 @@ def reference(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return ids.gather(1, choice).squeeze(1)
 
 
-def timed(fn, base: torch.Tensor, reps: int) -> float:
-    """Median seconds of fn(logits) with a fresh copy of the logits each time (the sampler works in place)."""
+def timed(fns: dict, base: torch.Tensor, reps: int) -> dict[str, float]:
+    """Median seconds of each fn(logits), interleaved so that load on a shared machine hits them alike; each call
+    gets a fresh copy of the logits (the sampler works in place)."""
     x = base.clone()
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(reps + 1):
-        x.copy_(base)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(x)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        for name, fn in fns.items():
+            x.copy_(base)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def main() -> None:
@@ -105,15 +107,16 @@ def main() -> None:
     )
     for v in vocabs:
         for b in batches:
-            reps = 3 if args.quick or b * v > 8_000_000 else 7
+            reps = 5 if args.quick or b * v > 8_000_000 else 11
             rows = make_rows(b, args.device)
             base = make_logits(b, v, args.logits, args.device)
             t0 = time.perf_counter()
             meta = SamplingMetadata.build(rows, v, args.device)
             build = time.perf_counter() - t0
-            t_argmax = timed(lambda x: x.argmax(-1), base, reps)
-            t_sampler = timed(lambda x, m=meta: sampler(x, m), base, reps)
-            ref = "-" if args.no_reference else timed(lambda x, r=rows: reference(x, r), base, min(reps, 3)) * 1e3
+            t = timed({"argmax": lambda x: x.argmax(-1), "sampler": lambda x, m=meta: sampler(x, m)}, base, reps)
+            t_argmax, t_sampler = t["argmax"], t["sampler"]
+            ref_fn = {"ref": lambda x, r=rows: reference(x, r)}
+            ref = "-" if args.no_reference else timed(ref_fn, base, min(reps, 3))["ref"] * 1e3
             ref_ratio = "-" if args.no_reference else f"{ref / (t_argmax * 1e3):.0f}x"
             ref = ref if isinstance(ref, str) else f"{ref:.2f}"
             print(

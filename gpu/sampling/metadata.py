@@ -51,20 +51,19 @@ class TokenEntries:
 
 @dataclass
 class PenaltyTokens:
-    """Prompt + output ids of the rows that have penalties, padded to one length (prompt ids only where the
-    repetition penalty is on).
+    """The ids penalised in each row that has penalties: prompt + output ids (prompt ids only where the repetition
+    penalty is on), padded to one length. Rows with no such id are left out.
 
-    Padding repeats a real id of the same row (or 0 in an empty row) with zero weights: it is never counted, and
-    it rewrites the value the real id gets, so duplicate writes agree.
+    Padding repeats the row's last id with zero output weight: it is never counted, and it rewrites the value that
+    id gets, so duplicate writes agree.
     """
 
     rows: torch.Tensor  # [P] int64
     token_ids: torch.Tensor  # [P, L] int64
-    output_weight: torch.Tensor  # [P, L] float32: 1 for output tokens (presence / frequency)
-    real_weight: torch.Tensor  # [P, L] float32: 1 for prompt and output tokens (repetition)
-    repetition: torch.Tensor  # [P] float32
-    presence: torch.Tensor  # [P] float32
-    frequency: torch.Tensor  # [P] float32
+    output_weight: torch.Tensor  # [P, L] float32: 1 at the output tokens (presence / frequency count them)
+    repetition: torch.Tensor  # [P, 1] float32
+    presence: torch.Tensor  # [P, 1] float32
+    frequency: torch.Tensor  # [P, 1] float32
 
 
 @dataclass
@@ -81,14 +80,15 @@ class SamplingMetadata:
     window_rows: torch.Tensor  # top-k / top-p / min-p: drawn inside the top-K window
     covered_rows: torch.Tensor  # the window rows with top_k <= K: the window always holds their kept set
     uncovered_rows: torch.Tensor  # the other window rows: their kept set may reach beyond the window
-    generators: dict[int, torch.Generator]  # row -> generator of the seeded random rows
+    seeded_rows: torch.Tensor  # the random rows with a generator of their own ...
+    generators: list[torch.Generator]  # ... and those generators, in the same order
     allowed: TokenEntries | None = None
     bad_words: TokenEntries | None = None
     min_tokens: TokenEntries | None = None
     logit_bias: TokenEntries | None = None
     penalties: PenaltyTokens | None = None
     max_num_logprobs: int | None = None  # N of the top-N logprobs; None = no row asked
-    logprob_rows: list[int] = field(default_factory=list)
+    logprob_rows: torch.Tensor | None = None  # the rows that asked
 
     @classmethod
     def build(
@@ -100,6 +100,7 @@ class SamplingMetadata:
         random = [i for i, g in enumerate(greedy) if not g]
         untruncated = [i for i in random if top_k[i] == vocab_size and ps[i].min_p == 0.0]
         window_rows = sorted(set(random) - {i for i in untruncated if ps[i].top_p >= 1.0})
+        seeded = [i for i in random if rows[i].generator is not None]
         logprob_rows = [i for i, p in enumerate(ps) if p.logprobs is not None]
         params = [(1.0 if g else p.temperature, k, p.top_p, p.min_p) for p, g, k in zip(ps, greedy, top_k, strict=True)]
         allowed, bad_words, min_tokens, logit_bias = _Entries(), _Entries(), _Entries(), _Entries()
@@ -123,14 +124,15 @@ class SamplingMetadata:
             window_rows=_put(window_rows, torch.int64, device),
             covered_rows=_put([i for i in window_rows if top_k[i] <= window], torch.int64, device),
             uncovered_rows=_put([i for i in window_rows if top_k[i] > window], torch.int64, device),
-            generators={i: rows[i].generator for i in random if rows[i].generator is not None},
+            seeded_rows=_put(seeded, torch.int64, device),
+            generators=[rows[i].generator for i in seeded],
             allowed=allowed.tensors(device),
             bad_words=bad_words.tensors(device),
             min_tokens=min_tokens.tensors(device),
             logit_bias=logit_bias.tensors(device),
             penalties=_penalties(rows, device),
             max_num_logprobs=max((ps[i].logprobs for i in logprob_rows), default=None),
-            logprob_rows=logprob_rows,
+            logprob_rows=_put(logprob_rows, torch.int64, device),
         )
 
 
@@ -167,40 +169,39 @@ def _bad_words(bad_words_token_ids: list[list[int]], output: list[int]) -> list[
 
 
 def _penalties(rows: list[SamplingRow], device) -> PenaltyTokens | None:
-    idx = [
-        i
-        for i, r in enumerate(rows)
-        if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
-    ]
+    idx, seqs, outs = [], [], []
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            continue
+        # np.asarray is free where the caller keeps the prompt as an int64 array
+        prompt = np.asarray(r.prompt_token_ids if p.repetition_penalty != 1.0 else (), np.int64)
+        seq = np.concatenate([prompt, np.asarray(r.output_token_ids, np.int64)])
+        if len(seq):
+            idx.append(i)
+            seqs.append(seq)
+            outs.append(len(r.output_token_ids))
     if not idx:
         return None
-    ps = [rows[i].params for i in idx]
-    # prompt ids count only for repetition; np.asarray is free when the caller keeps them as an int64 array
-    seqs = [
-        np.concatenate(
-            [
-                np.asarray(r.prompt_token_ids if p.repetition_penalty != 1.0 else (), np.int64),
-                np.asarray(r.output_token_ids, np.int64),
-            ]
-        )
-        for r, p in zip((rows[i] for i in idx), ps, strict=True)
-    ]
     lengths = np.array([len(s) for s in seqs])
-    token_ids = np.zeros((len(seqs), max(1, lengths.max())), np.int64)
+    token_ids = np.zeros((len(seqs), lengths.max()), np.int64)
     for j, s in enumerate(seqs):
         token_ids[j, : len(s)] = s
-        token_ids[j, len(s) :] = s[-1] if len(s) else 0
+        token_ids[j, len(s) :] = s[-1]
     pos = torch.arange(token_ids.shape[1], device=device)
     end = _put(lengths, torch.int64, device)[:, None]
-    start = end - _put([len(rows[i].output_token_ids) for i in idx], torch.int64, device)[:, None]
+    ps = [rows[i].params for i in idx]
+
+    def column(values) -> torch.Tensor:
+        return _put(values, torch.float32, device)[:, None]
+
     return PenaltyTokens(
         rows=_put(idx, torch.int64, device),
         token_ids=_put(token_ids, torch.int64, device),
-        output_weight=((pos >= start) & (pos < end)).float(),
-        real_weight=(pos < end).float(),
-        repetition=_put([p.repetition_penalty for p in ps], torch.float32, device),
-        presence=_put([p.presence_penalty for p in ps], torch.float32, device),
-        frequency=_put([p.frequency_penalty for p in ps], torch.float32, device),
+        output_weight=((pos >= end - _put(outs, torch.int64, device)[:, None]) & (pos < end)).float(),
+        repetition=column([p.repetition_penalty for p in ps]),
+        presence=column([p.presence_penalty for p in ps]),
+        frequency=column([p.frequency_penalty for p in ps]),
     )
 
 

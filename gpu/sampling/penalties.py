@@ -39,24 +39,18 @@ def apply_penalties(x: torch.Tensor, p: PenaltyTokens | None) -> None:
         return
     ids = p.token_ids
     rows = p.rows[:, None].expand_as(ids)
-    output_count, seen = run_sums(ids, p.output_weight, p.real_weight)
-    v = x[rows, ids]
-    rep = torch.where(seen > 0, p.repetition[:, None], 1.0)
-    v = torch.where(v > 0, v / rep, v * rep)
-    v = v - p.frequency[:, None] * output_count - p.presence[:, None] * (output_count > 0)
+    count = output_counts(ids, p.output_weight)
+    v = x[rows, ids]  # every position holds an id of its row's prompt or output: all get the repetition penalty
+    v = torch.where(v > 0, v / p.repetition, v * p.repetition) - p.frequency * count - p.presence * (count > 0)
     x.index_put_((rows, ids), v)  # duplicate ids of a row carry identical values
 
 
-def run_sums(ids: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
-    """For every position of ids [P, L]: each weight summed over the positions of its row that hold the same id.
+def output_counts(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """For every position of ids [P, L]: the weight summed over the positions of its row holding the same id.
 
     Counting by sorted runs costs O(L log L) per row; a dense [P, V] count would cost a zeroed B x V buffer per step.
     """
     sorted_ids, order = ids.sort(-1)
-    lo = torch.searchsorted(sorted_ids, ids)
+    c = torch.nn.functional.pad(weight.gather(1, order).cumsum(-1), (1, 0))  # c[:, j] = weight of the first j
     hi = torch.searchsorted(sorted_ids, ids, right=True)
-    sums = []
-    for w in weights:
-        c = torch.nn.functional.pad(w.gather(1, order).cumsum(-1), (1, 0))  # c[:, j] = sum of the first j
-        sums.append(c.gather(1, hi) - c.gather(1, lo))
-    return sums
+    return c.gather(1, hi) - c.gather(1, torch.searchsorted(sorted_ids, ids))

@@ -79,10 +79,12 @@ class Sampler:
         return SamplerOutput(sampled, None if raw is None else self._logprobs(raw, sampled, meta))
 
     def _draw(self, blocks: Blocks, meta: SamplingMetadata, argmax: torch.Tensor) -> torch.Tensor:
-        """Temperature -> min-p -> top-k -> top-p -> draw, for the random rows (the others keep their argmax)."""
+        """Temperature -> min-p -> top-k -> top-p -> draw for the random rows (the others keep their argmax): in
+        `draw_vocab` for untruncated rows, in `draw_window` for the others (first the top-K window, then, for the
+        rows whose kept set may outgrow it, a wider exact window)."""
         if flashinfer_available(blocks.x) and not meta.generators:
             return draw_flashinfer(blocks.x, meta.params)
-        u = uniforms(len(argmax), meta.generators, argmax.device)
+        u = uniforms(len(argmax), meta.seeded_rows, meta.generators, argmax.device)
         cols = torch.cat([meta.params, u[:, None], torch.zeros_like(u)[:, None]], 1)  # [B, 6]: see topk_topp
         draw = argmax.clone()
         rows = meta.mass_rows  # drawn over the whole vocabulary; top-p-only rows are redrawn in their window below
@@ -120,21 +122,16 @@ class Sampler:
 
     def _raw_logprobs(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         rows = meta.logprob_rows
-        x = x if len(rows) == len(x) else x[torch.tensor(rows, device=x.device)]
-        return log_softmax_into(x, self._buffer("logprobs", len(rows), x), self._buffer("vocab", len(rows), x))
+        x = x if rows.numel() == len(x) else x.index_select(0, rows)
+        return log_softmax_into(x, self._buffer("logprobs", len(x), x), self._buffer("vocab", len(x), x))
 
     def _logprobs(self, lp: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> LogprobsTensors:
-        b, rows = len(sampled), meta.logprob_rows
-        if len(rows) == b:
-            return gather_logprobs(lp, meta.vocab_size, sampled, meta.max_num_logprobs)
-        index = torch.tensor(rows, device=sampled.device)
-        part = gather_logprobs(lp, meta.vocab_size, sampled[index], meta.max_num_logprobs)
-        full = LogprobsTensors(
-            *(torch.zeros((b, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in vars(part).values())
-        )
-        for name, t in vars(part).items():
-            getattr(full, name).index_copy_(0, index, t)
-        return full
+        rows, n = meta.logprob_rows, meta.max_num_logprobs
+        if rows.numel() == len(sampled):
+            return gather_logprobs(lp, meta.vocab_size, sampled, n)
+        part = gather_logprobs(lp, meta.vocab_size, sampled.index_select(0, rows), n)
+        tensors = (part.sampled, part.ranks, part.top_ids, part.top_logprobs)
+        return LogprobsTensors(*(t.new_zeros((len(sampled), *t.shape[1:])).index_copy_(0, rows, t) for t in tensors))
 
     def _buffer(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A reused float32 [rows, like's width rounded up to whole blocks] buffer on like's device: a fresh B x V

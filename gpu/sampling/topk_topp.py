@@ -158,10 +158,10 @@ def draw_flashinfer(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return _flashinfer_top_k_top_p(x, top_k.int(), top_p, deterministic=True).long()
 
 
-def uniforms(n: int, generators: dict[int, torch.Generator], device) -> torch.Tensor:
+def uniforms(n: int, seeded_rows: torch.Tensor, generators: list[torch.Generator], device) -> torch.Tensor:
     """One float64 uniform per row; a seeded row's comes from its own generator (exactly one per step)."""
     u = torch.rand(n, dtype=torch.float64, device=device)
     if generators:
-        seeded = [torch.rand(1, dtype=torch.float64, device=device, generator=g) for g in generators.values()]
-        u.index_copy_(0, torch.tensor(list(generators), device=device), torch.cat(seeded))
+        seeded = [torch.rand(1, dtype=torch.float64, device=device, generator=g) for g in generators]
+        u.index_copy_(0, seeded_rows, torch.cat(seeded))
     return u
