@@ -209,10 +209,11 @@ class RequestTable:
 
     def _not_live(self, rid: str, what: str, terminal: bool) -> None:
         if rid in self.tombstones:
-            self.metrics.stale_dropped += 1
             if terminal:
                 del self.tombstones[rid]
                 log.debug("[%s] tombstone closed by %s", rid, what)
+            else:
+                self.metrics.stale_dropped += 1
         else:
             self._violation("unknown_id", rid, f"{what} for an id neither live nor tombstoned")
 

@@ -25,7 +25,17 @@ from frontend.protocol import RequestError, ServingContext, parse_chat, parse_co
 from frontend.requests import SCHEDULER, HttpRequest, RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
 from frontend.tokenizer import Tokenizer
-from messages.wire import ActorDown, ActorUp, CheckIdle, DetokStats, EngineStats, Finished, IdleReport, TextOutputs
+from messages.wire import (
+    ActorDown,
+    ActorUp,
+    CheckIdle,
+    DetokStats,
+    EngineStats,
+    Finished,
+    IdleReport,
+    Shutdown,
+    TextOutputs,
+)
 
 log = logging.getLogger("sluice.http")
 
@@ -85,6 +95,7 @@ class HttpActor(Actor):
             ActorDown: self.on_actor_down,
             ActorUp: self.on_actor_up,
             CheckIdle: self.on_check,
+            Shutdown: self.on_shutdown_message,
         }
 
     async def on_start(self) -> None:
@@ -125,6 +136,15 @@ class HttpActor(Actor):
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = {"requests": len(self.table.live), "tombstones": len(self.table.tombstones)}
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
+
+    def on_shutdown_message(self, msg: Shutdown) -> None:
+        """The runtime's default awaits on_shutdown inside dispatch: the Finished we drain for would
+        wait behind it. Drain in a task instead, and keep handling messages."""
+        self.spawn(self._shutdown_then_stop(msg.reason))
+
+    async def _shutdown_then_stop(self, reason: str) -> None:
+        await self.on_shutdown(reason)
+        self.stop()
 
     async def on_shutdown(self, reason: str) -> None:
         if self._draining is None:  # SIGINT reaches us directly and as the launcher's Shutdown

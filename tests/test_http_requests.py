@@ -118,10 +118,10 @@ def test_outputs_after_a_disconnect_are_stale_and_unknown_ids_are_violations():
     table.on_outputs(delta(rid, 0, "late"))
     assert metrics.stale_dropped == 1 and rid in table.tombstones
     table.on_finished(Finished(request_id=rid, finish_reason="abort"))
-    assert metrics.stale_dropped == 2 and not table.tombstones and not table.live
+    assert metrics.stale_dropped == 1 and not table.tombstones and not table.live
     table.on_finished(Finished(request_id=rid, finish_reason="abort"))  # a duplicate terminal message
     table.on_outputs(delta("never-seen", 0, "x"))
-    assert metrics.violations["unknown_id"] == 2 and metrics.stale_dropped == 2
+    assert metrics.violations["unknown_id"] == 2 and metrics.stale_dropped == 1
 
 
 def test_an_unanswered_abort_is_resent_then_the_tombstone_is_dropped():

@@ -1,0 +1,241 @@
+"""The `sluice` command: serve, generate, bench serve.
+
+Heavy modules are imported inside the commands: every actor process re-imports the main module
+(multiprocessing spawn), so this file's top level must stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from actors.engine.config import EngineConfig
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_DEFAULTS = EngineConfig(model="")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # a None default is explained in the help text, if at all
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="model directory or .gguf file (default: the bundled SmolLM2-135M)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="max requests in a batch")
+    g.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="max prompt + output tokens")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget per step"
+    )
+    g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from --kv-cache-memory-gb)"
+    )
+    kv.add_argument(
+        "--kv-cache-memory-gb", type=float, default=_DEFAULTS.kv_cache_memory_gb, help="KV cache size in GB"
+    )
+    g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
+    g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")
+    g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: the cores left over)")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.async_scheduling,
+        help="plan step N+1 while step N runs",
+    )
+    parser.add_argument("--fault-plan", metavar="FILE", help="fault injection plan, JSON (or $SLUICE_FAULT_PLAN)")
+    parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks")
+    fields += ("kv_cache_memory_gb", "dtype", "device", "engine_threads", "async_scheduling")
+    return EngineConfig(model=model, **{f: getattr(args, f) for f in fields})
+
+
+def _fault_plan(args: argparse.Namespace):
+    from actors.runtime import FaultPlan
+
+    return FaultPlan.parse(args.fault_plan) if args.fault_plan else FaultPlan.from_env()
+
+
+def _setup(args: argparse.Namespace, default_level: str):
+    """Logging, then the model (converted on first use) or a clear error."""
+    from frontend.launch import resolve_model
+
+    args.log_level = args.log_level or default_level
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s [launcher] %(name)s: %(message)s")
+    return resolve_model(args.model)
+
+
+# ---------------------------------------------------------------- serve
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from frontend.server import HttpConfig
+
+    model = _setup(args, "INFO")
+    http = HttpConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or [model.name],
+        api_key=args.api_key,
+    )
+    return uvloop.run(_serve(_engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
+
+
+async def _serve(engine: EngineConfig, http, fault_plan, log_level: str) -> int:
+    import asyncio
+    import signal
+
+    from frontend.launch import start_server
+
+    server = await start_server(engine, http, fault_plan=fault_plan, log_level=log_level)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    print(f"Sluice is serving {', '.join(http.served_model_name)} at {server.url}", flush=True)
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.done.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    await server.stop()
+    if server.exit_code:
+        print("sluice serve: the supervisor gave up (too many restarts); see the log above", file=sys.stderr)
+    return server.exit_code
+
+
+# ---------------------------------------------------------------- generate
+
+
+def generate(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from messages.sampling_params import ParamError, SamplingParams
+
+    model = _setup(args, "WARNING")
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+    )
+    try:
+        params.verify(model.vocab_size)
+    except ParamError as e:
+        print(f"sluice generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    engine = _engine_config(args, str(model.path))
+    return uvloop.run(_generate(engine, args.prompt, params, args.chat, _fault_plan(args), args.log_level))
+
+
+async def _generate(engine: EngineConfig, prompt: str, params, chat: bool, fault_plan, log_level: str) -> int:
+    from frontend.offline import AsyncLLM
+    from messages.wire import Finished
+
+    async with AsyncLLM(engine, fault_plan=fault_plan, log_level=log_level) as llm:
+        tokens = prompt
+        if chat:
+            text = llm.tokenizer.render_chat([{"role": "user", "content": prompt}])
+            tokens = llm.tokenizer.encode(text, add_special_tokens=False)
+        async for out in llm.stream(tokens, params):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            if isinstance(out, Finished) and out.finish_reason == "error":
+                print(f"\nsluice generate: {out.error}", file=sys.stderr)
+                return EXIT_FAILED
+    print()
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- the parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from frontend import bench_serve
+
+    parser = argparse.ArgumentParser(prog="sluice", description="An OpenAI-compatible LLM server (actors over ZMQ).")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    defaults = _Help
+    p = commands.add_parser(
+        "serve", help="serve a model over HTTP (OpenAI API)", description="Serve a model.", formatter_class=defaults
+    )
+    _engine_arguments(p)
+    g = p.add_argument_group("http")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=8000, help="port; 0 = any free port")
+    g.add_argument(
+        "--served-model-name", nargs="+", help="model name(s) in the API (default: the model directory's name)"
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("SLUICE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $SLUICE_API_KEY)",
+    )
+    p.set_defaults(func=serve)
+
+    p = commands.add_parser(
+        "generate",
+        help="generate text offline and stream it to stdout",
+        description="Generate text offline.",
+        formatter_class=defaults,
+    )
+    _engine_arguments(p)
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    s.add_argument("--seed", type=int, default=None, help="for reproducible sampling")
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    p.set_defaults(func=generate)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser(
+        "serve", help="load-test an OpenAI-compatible server", description=bench_serve.__doc__.splitlines()[0]
+    )
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=_bench_serve)
+    return parser
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from frontend import bench_serve
+
+    uvloop.run(bench_serve.run(args))
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    from actors.runtime import StartupError
+    from gpu.config import ModelLoadError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ModelLoadError, StartupError) as e:
+        print(f"sluice {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

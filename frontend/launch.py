@@ -1,0 +1,103 @@
+"""Launch a server: the HTTP, engine and detokenizer processes under the launcher's supervisor.
+
+Everything that can fail fast does so before any process starts: the model is resolved (the
+bundled default is converted on first use, a .gguf is converted into the cache) and checked, and a
+fixed port is test-bound. Port 0 is resolved to a free port here, so a restarted HTTP process
+binds the same one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import msgspec
+
+from actors.engine.config import EngineConfig
+from actors.graph import engine_processes
+from actors.runtime import ActorSpec, ActorSystem, AskTimeout, FaultPlan, ProcessSpec, RestartPolicy, StartupError
+from frontend.server import HTTP, HttpConfig
+from gpu.config import ModelConfig, ModelLoadError
+from gpu.convert import ConversionError, default_model_dir
+from messages.wire import Ping
+
+
+def resolve_model(model: str | None) -> ModelConfig:
+    """The model to serve: a directory, a .gguf (converted once into the cache), or None for the
+    bundled SmolLM2. Raises ModelLoadError saying what is wrong."""
+    try:
+        return ModelConfig.from_path(model or default_model_dir())
+    except ConversionError as e:
+        raise ModelLoadError(str(e)) from e
+
+
+def pick_port(http: HttpConfig) -> HttpConfig:
+    """`http` with a concrete port; raises StartupError when the address cannot be bound."""
+    family, kind, proto, _, addr = socket.getaddrinfo(http.host, http.port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise StartupError(f"cannot listen on {http.url}: {e.strerror}") from e
+        return msgspec.structs.replace(http, port=s.getsockname()[1])
+
+
+def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> ProcessSpec:
+    kwargs = {
+        "model": str(model.path),
+        "http": msgspec.to_builtins(http),
+        "max_model_len": min(engine.max_model_len, model.max_model_len),
+        "vocab_size": model.vocab_size,
+    }
+    return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
+
+
+def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]:
+    model = resolve_model(engine.model)
+    engine = msgspec.structs.replace(engine, model=str(model.path))
+    return [http_process(model, engine, http), *engine_processes(engine, HTTP)]
+
+
+class Server(ActorSystem):
+    """A supervised actor graph with an HTTP actor; `start()` returns once every actor has started
+    (the model is loaded, the web server listens)."""
+
+    def __init__(self, processes: list[ProcessSpec], http: HttpConfig, **kwargs):
+        super().__init__(processes, **kwargs)
+        self.http = http
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    async def start(self) -> None:
+        await super().start()
+        deadline = time.monotonic() + self.policy.ready_timeout_s
+        await asyncio.gather(*(self._started(a.name, deadline) for p in self.specs.values() for a in p.actors))
+
+    async def _started(self, actor: str, deadline: float) -> None:
+        """An actor answers asks only after its on_start; retried, as an incarnation that died starting never answers."""
+        while True:
+            try:
+                await self.supervisor.ask(actor, Ping(), timeout=1.0)
+                return
+            except AskTimeout:
+                if self.done.is_set() or time.monotonic() > deadline:
+                    await self.stop()
+                    raise StartupError(f"{actor} did not start (see its log)") from None
+
+
+async def start_server(
+    engine: EngineConfig,
+    http: HttpConfig,
+    fault_plan: FaultPlan | None = None,
+    policy: RestartPolicy | None = None,
+    log_level: str = "INFO",
+) -> Server:
+    """Start the whole graph; `await server.stop()` (or `async with`) shuts it down."""
+    http = pick_port(http)
+    server = Server(build_processes(engine, http), http, fault_plan=fault_plan, policy=policy, log_level=log_level)
+    await server.start()
+    return server

@@ -1,0 +1,153 @@
+"""Session-wide servers for the HTTP tests: started once, shared by every test that asks for them.
+
+- `server`: the real graph (HTTP, engine, detokenizer processes) on a tiny random-weight Llama
+  with the real SmolLM2 tokenizer.
+- `fake`: the HTTP process alone, with tests.fake_engine.FakeEngine as the "scheduler" in the
+  test process (protocol faults on demand), an API key, and short abort timeouts.
+- `real_server`: the graph on the converted SmolLM2, for tests that need sensible text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:  # the servers' modules are imported by the fixtures: other suites need none of them
+    import aiohttp
+    import openai
+
+    from frontend.launch import Server
+    from tests.fake_engine import FakeEngine
+
+API_KEY = "sk-test-key"
+
+
+@dataclass
+class ServerHandle:
+    server: Server
+    model_dir: Path
+    api_key: str = "unused"
+    engine: FakeEngine | None = None
+
+    @functools.cached_property
+    def tokenizer(self):
+        from frontend.tokenizer import Tokenizer
+
+        return Tokenizer.from_model_dir(self.model_dir)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def client(self) -> openai.AsyncOpenAI:
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=120)
+
+    def session(self) -> aiohttp.ClientSession:
+        import aiohttp
+
+        return aiohttp.ClientSession(self.url, headers=self.headers)
+
+    async def metrics(self) -> dict[tuple, float]:
+        """{(sample name, (label pairs sorted)): value} from GET /metrics."""
+        import aiohttp
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with aiohttp.ClientSession() as s, s.get(f"{self.url}/metrics") as resp:
+            text = await resp.text()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    async def idle(self) -> dict[str, dict[str, int]]:
+        """Every request-path actor's leftover per-request state (CheckIdle)."""
+        from messages.wire import CheckIdle
+
+        actors = [a.name for p in self.server.specs.values() for a in p.actors]
+        return {a: (await self.server.supervisor.ask(a, CheckIdle(), timeout=10)).details for a in actors}
+
+    async def metric(self, name: str, **labels) -> float:
+        return (await self.metrics()).get((name, tuple(sorted(labels.items()))), 0.0)
+
+    async def wait_metrics(self, expected: dict[tuple, float], timeout: float = 30.0) -> None:
+        """Poll /metrics until every (name, labels) -> value in `expected` holds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            got = await self.metrics()
+            if all(got.get(key, 0.0) == value for key, value in expected.items()):
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"metrics never reached {expected}"
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from tests.tiny_model import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+async def server(tiny_model_dir):
+    from actors.engine.config import EngineConfig
+    from frontend.launch import start_server
+    from frontend.server import HttpConfig
+
+    engine = EngineConfig(
+        model=str(tiny_model_dir), max_model_len=512, max_num_seqs=16, num_kv_blocks=256, engine_threads=1
+    )
+    srv = await start_server(engine, HttpConfig(port=0, max_body_bytes=1 << 20), log_level="WARNING")
+    yield ServerHandle(srv, tiny_model_dir)
+    await srv.stop()
+
+
+@pytest.fixture(scope="session")
+async def fake_server(tiny_model_dir):
+    from actors.engine.config import EngineConfig
+    from frontend.launch import Server, http_process, pick_port, resolve_model
+    from frontend.server import HttpConfig
+    from tests.fake_engine import FakeEngine
+
+    model = resolve_model(str(tiny_model_dir))
+    http = pick_port(HttpConfig(port=0, api_key=API_KEY, abort_timeout_s=0.3, max_abort_tries=3))
+    engine = FakeEngine()
+    srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
+    await srv.start()
+    yield ServerHandle(srv, tiny_model_dir, API_KEY, engine)
+    await srv.stop()
+
+
+@pytest.fixture
+def fake(fake_server):
+    """The fake-engine server, with the fake reset to its defaults after the test."""
+    fake_server.engine.added.clear()
+    yield fake_server
+    engine = fake_server.engine
+    engine.hold, engine.ack_aborts = False, True
+    engine.live.clear()
+    engine.aborts.clear()
+
+
+@pytest.fixture(scope="session")
+async def real_server():
+    from actors.engine.config import EngineConfig
+    from frontend.launch import resolve_model, start_server
+    from frontend.server import HttpConfig
+
+    model = resolve_model(None)
+    engine = EngineConfig(model=str(model.path), max_model_len=1024, max_num_seqs=8)
+    srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
+    yield ServerHandle(srv, model.path)
+    await srv.stop()

@@ -1,0 +1,83 @@
+"""The `sluice` command: help, `serve` (URL line, serving, SIGTERM -> exit 0), fast failures, `generate`."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from frontend.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--engine-threads", "1", "--num-kv-blocks", "64", "--max-model-len", "256", "--log-level", "WARNING"]
+
+
+@pytest.mark.parametrize("argv", [[], ["serve"], ["generate"], ["bench", "serve"]])
+def test_every_command_has_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*argv, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: sluice {' '.join(argv)}".rstrip())
+
+
+async def sluice(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "frontend.cli",
+        *args,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def test_serve_prints_its_url_serves_and_exits_0_on_sigterm(tiny_model_dir):
+    proc = await sluice("serve", str(tiny_model_dir), "--port", "0", "--served-model-name", "tiny", *SMALL)
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 180)).decode()
+        assert line.startswith("Sluice is serving tiny at http://127.0.0.1:"), line
+        url = line.split()[-1]
+        async with aiohttp.ClientSession(url) as s:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+            async with s.post("/v1/completions", json=body) as resp:
+                assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_bad_input_fails_fast_before_any_process_starts(tiny_model_dir, capsys):
+    assert main(["serve", "/no/such/model"]) == 1
+    assert "model directory not found" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", str(tiny_model_dir), "--port", str(busy.getsockname()[1])]) == 1
+    assert "cannot listen on" in capsys.readouterr().err
+    assert main(["generate", str(tiny_model_dir), "Hello", "--top-p", "2"]) == 2
+    assert "--top-p" in capsys.readouterr().err
+
+
+async def test_generate_streams_text_to_stdout(tiny_model_dir):
+    args = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--seed", "1"]
+    proc = await sluice("generate", str(tiny_model_dir), "Hello", *args, *SMALL)
+    out, err = await asyncio.wait_for(proc.communicate(), 180)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert out.endswith(b"\n") and len(out.strip()) > 0
+
+
+def test_children_do_not_import_torch_through_the_cli():
+    """Every actor process re-imports the main module (spawn): `sluice`'s must stay light."""
+    code = "import sys, frontend.cli, frontend.server; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,188 @@
+"""The HTTP side of the cancellation protocol, end to end: the real HTTP process against a fake
+engine in the test process (tests.fake_engine), which injects the faults a real engine and
+detokenizer only produce by chance: stale outputs, unknown ids, duplicates, gaps, lost acks, deaths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from messages.wire import ActorDown, ActorUp, Finished, TextDelta, TextOutputs
+
+STREAM = {"prompt": "hi", "max_tokens": 50, "stream": True}
+
+
+async def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def held_request(fake, i: int = 0) -> str:
+    """The engine id of the i-th request the fake received in this test (no output while `hold` is on)."""
+    await wait_for(lambda: len(fake.engine.added) > i)
+    return fake.engine.added[i].request_id
+
+
+def events(raw: bytes) -> list:
+    assert raw.endswith(b"data: [DONE]\n\n")
+    return [json.loads(e[6:]) for e in raw.split(b"\n\n")[:-2]]
+
+
+def key(name: str, **labels) -> tuple:
+    return name, tuple(sorted(labels.items()))
+
+
+async def test_api_key_is_required_on_the_api_only(fake):
+    async with aiohttp.ClientSession(fake.url) as s:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": fake.api_key}):
+            async with s.post("/v1/completions", json={"prompt": "hi"}, headers=headers) as resp:
+                assert resp.status == 401
+                assert (await resp.json())["error"]["code"] == "invalid_api_key"
+        async with s.get("/v1/models") as resp:
+            assert resp.status == 401
+        async with s.get("/health") as resp:
+            assert resp.status == 200
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=f"{fake.url}/v1", api_key="wrong", max_retries=0).models.list()
+    out = await fake.client().completions.create(model=None, prompt="hi", max_tokens=3)
+    assert out.choices[0].text == "w0 w1 w2" and out.choices[0].finish_reason == "length"
+
+
+async def test_outputs_for_unknown_ids_are_counted_violations(fake):
+    unknown = key("sluice:protocol_violations_total", actor="http", kind="unknown_id")
+    before = (await fake.metrics()).get(unknown, 0.0)
+    delta = TextDelta(request_id="ghost-0", seq=0, text="boo", token_ids=[1])
+    fake.engine.tell(
+        "http", TextOutputs(step=1, deltas=[delta], finished=[Finished(request_id="ghost-1", finish_reason="stop")])
+    )
+    await fake.wait_metrics({unknown: before + 2})
+
+
+async def test_outputs_after_a_disconnect_are_stale_until_finished(fake):
+    fake.engine.hold, fake.engine.ack_aborts = True, False
+    stale = key("sluice:stale_outputs_dropped_total", actor="http")
+    before = (await fake.metrics()).get(stale, 0.0)
+    async with fake.session() as s:
+        resp = await s.post("/v1/completions", json=STREAM)
+        rid = await held_request(fake)
+        fake.engine.emit(rid, "w0", [100])
+        assert b'"text":"w0"' in await resp.content.readuntil(b"\n\n")
+        resp.close()
+    await wait_for(lambda: [(a.request_id, a.reason) for a in fake.engine.aborts] == [(rid, "client")])
+    fake.engine.emit(rid, " late", [101])  # the engine ran on before it saw the Abort
+    fake.engine.emit(rid, " later", [102])
+    await fake.wait_metrics({stale: before + 2, key("sluice:num_tombstones", actor="http"): 1})
+    fake.engine.finish(rid, "abort")
+    await fake.wait_metrics({stale: before + 2, key("sluice:num_tombstones", actor="http"): 0})
+
+
+async def test_an_unacknowledged_abort_is_resent_then_given_up(fake):
+    fake.engine.hold, fake.engine.ack_aborts = True, False
+    async with fake.session() as s:
+        request = asyncio.ensure_future(s.post("/v1/completions", json={"prompt": "hi"}))
+        rid = await held_request(fake)
+        request.cancel()  # a non-streaming client hangs up: the handler is cancelled
+    await wait_for(lambda: len(fake.engine.aborts) == 3)  # max_abort_tries, abort_timeout_s = 0.3
+    assert {(a.request_id, a.reason) for a in fake.engine.aborts} == {(rid, "client")}
+    await fake.wait_metrics({key("sluice:num_tombstones", actor="http"): 0})
+    await asyncio.sleep(0.5)
+    assert len(fake.engine.aborts) == 3
+    assert (await fake.idle())["http"] == {"requests": 0, "tombstones": 0}
+
+
+async def test_duplicate_outputs_are_dropped(fake):
+    fake.engine.hold = True
+    duplicates = key("sluice:protocol_violations_total", actor="http", kind="duplicate")
+    before = (await fake.metrics()).get(duplicates, 0.0)
+    async with fake.session() as s:
+        request = asyncio.ensure_future(s.post("/v1/completions", json={"prompt": "hi"}))
+        rid = await held_request(fake)
+        for seq, text in ((0, "a"), (0, "a"), (1, "b"), (0, "a")):
+            fake.engine.emit(rid, text, [100 + seq], seq=seq)
+        fake.engine.finish(rid, "length", "c", [102])
+        resp = await request
+        assert (await resp.json())["choices"][0]["text"] == "abc"
+    assert (await fake.metrics())[duplicates] == before + 2
+
+
+async def test_a_gap_ends_the_stream_with_an_error_event(fake):
+    fake.engine.hold, fake.engine.ack_aborts = True, False
+    async with fake.session() as s, s.post("/v1/completions", json=STREAM) as resp:
+        rid = await held_request(fake)
+        fake.engine.emit(rid, "a", [100])
+        fake.engine.emit(rid, "c", [102], seq=2)  # seq 1 was lost
+        got = events(await resp.read())
+    assert got[0]["choices"][0]["text"] == "a"
+    assert got[-1]["error"]["type"] == "server_error" and "lost output" in got[-1]["error"]["message"]
+    assert [(a.request_id, a.reason) for a in fake.engine.aborts] == [(rid, "error")]
+    fake.engine.finish(rid, "abort")
+    await fake.wait_metrics({key("sluice:num_tombstones", actor="http"): 0})
+
+
+@pytest.mark.parametrize("dead", ["scheduler", "detokenizer"])
+async def test_a_dead_actor_fails_in_flight_requests_and_new_ones_until_it_is_back(fake, dead):
+    fake.engine.hold = True
+    supervisor = fake.server.supervisor
+    violations = (await fake.metrics()).get(key("sluice:protocol_violations_total", actor="http", kind="unknown_id"))
+    async with fake.session() as s:
+        stream = asyncio.ensure_future(s.post("/v1/completions", json=STREAM))
+        plain = asyncio.ensure_future(
+            s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        )
+        ids = [await held_request(fake, 0), await held_request(fake, 1)]
+        supervisor.tell("http", ActorDown(actor=dead, reason="test"))
+        resp = await stream
+        got = events(await resp.read())
+        assert got[-1]["error"]["message"] == f"the {dead} died; the request was lost"
+        resp = await plain
+        assert resp.status == 503 and (await resp.json())["error"]["type"] == "server_error"
+        async with s.get("/health") as health, s.post("/v1/completions", json={"prompt": "x"}) as new:
+            assert health.status == new.status == 503
+        if dead == "scheduler":  # the detokenizer fails what it had; that closes our tombstones
+            assert (await fake.idle())["http"] == {"requests": 0, "tombstones": 2}
+            for rid in ids:
+                fake.engine.finish(rid, "error")
+        await fake.wait_metrics({key("sluice:num_tombstones", actor="http"): 0})
+        supervisor.tell("http", ActorUp(actor=dead))
+        await wait_for_status(s, "/health", 200)
+    after = await fake.metrics()
+    assert after.get(key("sluice:protocol_violations_total", actor="http", kind="unknown_id")) == violations
+    assert not fake.engine.aborts  # nothing to abort: the engine is gone, or aborts on its own
+
+
+async def wait_for_status(session, path: str, status: int) -> None:
+    for _ in range(500):
+        async with session.get(path) as resp:
+            if resp.status == status:
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{path} never answered {status}")
+
+
+async def test_shutdown_aborts_in_flight_requests_and_waits_for_them(tiny_model_dir):
+    from actors.engine.config import EngineConfig
+    from frontend.launch import Server, http_process, pick_port, resolve_model
+    from frontend.server import HttpConfig
+    from tests.fake_engine import FakeEngine
+
+    engine = FakeEngine()
+    engine.hold = True
+    http = pick_port(HttpConfig(port=0))
+    model = resolve_model(str(tiny_model_dir))
+    server = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
+    async with server, aiohttp.ClientSession(server.url) as s, s.post("/v1/completions", json=STREAM) as resp:
+        await wait_for(lambda: engine.live)
+        rid = next(iter(engine.live))
+        engine.emit(rid, "w0", [100])
+        stopping = asyncio.ensure_future(server.stop())
+        got = events(await resp.read())
+        await stopping
+    assert [(a.request_id, a.reason) for a in engine.aborts] == [(rid, "shutdown")]
+    assert [c["choices"][0]["finish_reason"] for c in got] == [None, "abort"]
+    assert server.children["http"].exitcode == 0
