@@ -13,97 +13,23 @@ Choice states (DESIGN section 3, the HTTP party), state x event -> action:
   any         scheduler down          -> live requests fail (503); their ids become tombstones, closed by
                                          the detokenizer's Finished(error) (no Abort: the engine is gone)
   any         detokenizer down        -> live requests fail (503); tombstones cleared (nobody can close them)
-A slow client never grows a queue: a choice's undelivered outputs are one coalesced buffer, written
-as one event per choice when the writer catches up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
-
 from frontend.metrics import Metrics
-from frontend.protocol import ParsedRequest, PromptInput, RequestError
-from messages.wire import Abort, AddRequest, Finished, Msg, TextDelta, TextOutputs, TokenLogprobs
+from frontend.protocol import ParsedRequest, RequestError
+from frontend.request_state import Choice, HttpRequest
+from messages.wire import Abort, Finished, Msg, TextDelta, TextOutputs
 
 log = logging.getLogger("sluice.http")
 
 SCHEDULER = "scheduler"
-
-
-def child_seed(seed: int, index: int) -> int:
-    """gpu.sampling.child_seed, without importing torch into the HTTP process (a test pins them equal)."""
-    return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
-class Choice:
-    __slots__ = (
-        "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "num_tokens", "request",
-        "text", "text_offset", "token_ids",
-    )  # fmt: skip
-
-    def __init__(self, request: HttpRequest, index: int, prefix: str | None):
-        self.request = request
-        self.index = index
-        self.engine_id = f"{request.parsed.request_id}-{index}"
-        self.text: list[str] = [prefix] if prefix else []  # not yet written (echo: the prompt first)
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.num_tokens = 0  # tokens received: the next delta's seq
-        self.finished: Finished | None = None
-        self.live = True
-        self.final_sent = False  # streaming: the finish_reason chunk was written
-        self.text_offset = 0  # streaming completions logprobs: where the next token's text starts
-        self.last_output = 0.0
-
-    def append(self, text: str, token_ids: list[int], logprobs: TokenLogprobs | None) -> None:
-        if text:
-            self.text.append(text)
-        self.token_ids += token_ids
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-
-    def take(self) -> tuple[str, list[int], list[TokenLogprobs]]:
-        """Everything buffered since the last take, coalesced."""
-        out = "".join(self.text), self.token_ids, self.logprobs
-        self.text, self.token_ids, self.logprobs = [], [], []
-        return out
-
-
-class HttpRequest:
-    def __init__(self, parsed: ParsedRequest):
-        self.parsed = parsed
-        self.arrival = time.monotonic()
-        self.wake = asyncio.Event()  # set on every change the writer must see
-        self.error: RequestError | None = None
-        self.first_output: float | None = None
-        prefixes = [p.text if parsed.echo else None for p in parsed.prompts for _ in range(parsed.n)]
-        self.choices = [Choice(self, i, prefix) for i, prefix in enumerate(prefixes)]
-        self.num_live = len(self.choices)
-
-    @property
-    def id(self) -> str:
-        return self.parsed.request_id
-
-    @property
-    def done(self) -> bool:
-        return self.num_live == 0
-
-    def prompt(self, choice: Choice) -> PromptInput:
-        return self.parsed.prompts[choice.index // self.parsed.n]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.parsed.prompts)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(c.finished.num_output_tokens for c in self.choices if c.finished is not None)
 
 
 @dataclass(slots=True)
@@ -130,26 +56,11 @@ class RequestTable:
         metrics.num_tombstones = lambda: len(self.tombstones)
 
     def add(self, parsed: ParsedRequest, client: str) -> HttpRequest:
-        """Register the request and send one AddRequest per choice (n > 1 fans out, seeds derived);
-        `client` is the actor the engine sends the text to."""
-        req, now = HttpRequest(parsed), time.time()
-        for c in req.choices:
-            prompt = req.prompt(c)
-            seed = prompt.params.seed
-            if seed is not None:
-                seed = child_seed(seed, c.index % parsed.n)
-            params = msgspec.structs.replace(prompt.params, n=1, seed=seed)
+        """Register the request and send its AddRequests; `client` is the actor that gets the text."""
+        req = HttpRequest(parsed)
+        for c, msg in zip(req.choices, req.engine_requests(client), strict=True):
             self.live[c.engine_id] = c
-            self.tell(
-                SCHEDULER,
-                AddRequest(
-                    request_id=c.engine_id,
-                    prompt_token_ids=prompt.token_ids,
-                    params=params,
-                    arrival_time=now,
-                    client=client,
-                ),
-            )
+            self.tell(SCHEDULER, msg)
         return req
 
     # ------------------------------------------------------------ engine outputs

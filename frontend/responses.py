@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from frontend import openai_format as fmt
 from frontend.openai_format import SSE_DONE, TokenVocab, sse
-from frontend.requests import Choice, HttpRequest
+from frontend.request_state import Choice, HttpRequest
 from messages.wire import TokenLogprobs
 
 

@@ -22,7 +22,8 @@ from actors.runtime import Actor
 from frontend import openai_format as fmt
 from frontend.metrics import CONTENT_TYPE, Metrics
 from frontend.protocol import RequestError, ServingContext, parse_chat, parse_completion
-from frontend.requests import SCHEDULER, HttpRequest, RequestTable
+from frontend.request_state import HttpRequest
+from frontend.requests import SCHEDULER, RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
 from frontend.tokenizer import Tokenizer
 from messages.wire import (

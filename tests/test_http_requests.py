@@ -10,7 +10,8 @@ import pytest
 
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, PromptInput, RequestError
-from frontend.requests import RequestTable, child_seed
+from frontend.request_state import child_seed
+from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
 from messages.sampling_params import SamplingParams
 from messages.wire import Abort, AddRequest, Finished, TextDelta, TextOutputs, TokenLogprobs
