@@ -3,6 +3,7 @@ random-weight Llama, driven by the official `openai` client and by raw aiohttp."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -219,3 +220,24 @@ async def test_client_disconnect_removes_the_request_from_the_engine(server):
     reports = await server.idle()
     assert reports["http"] == {"requests": 0, "tombstones": 0}
     assert all(v == 0 for details in reports.values() for v in details.values()), reports
+
+
+async def test_engine_death_fails_in_flight_streams_and_the_server_recovers(server):
+    unknown = ("sluice:protocol_violations_total", (("actor", "http"), ("kind", "unknown_id")))
+    before = (await server.metrics()).get(unknown)
+    body = {"prompt": "Go on forever", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    async with server.session() as s:
+        async with s.post("/v1/completions", json=body) as resp:
+            await resp.content.readuntil(b"\n\n")
+            server.server.kill("engine")
+            raw = await resp.read()
+        assert raw.endswith(b"data: [DONE]\n\n")
+        assert "error" in json.loads(raw.split(b"\n\n")[-3][6:])
+        for _ in range(1200):  # the supervisor restarts the engine: /health is 503 until ActorUp
+            async with s.get("/health") as health:
+                if health.status == 200:
+                    break
+            await asyncio.sleep(0.1)
+        async with s.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}) as resp:
+            assert resp.status == 200
+    await server.wait_metrics({unknown: before, ("sluice:num_tombstones", (("actor", "http"),)): 0})
