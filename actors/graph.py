@@ -31,7 +31,13 @@ def engine_processes(config: EngineConfig, client: str) -> list[ProcessSpec]:
                 ActorSpec(
                     name=DETOKENIZER,
                     factory="actors.detokenizer.actor:DetokenizerActor",
-                    kwargs={"model": config.model, "client": client},
+                    kwargs={
+                        "model": config.model,
+                        "client": client,
+                        "abort_timeout_s": config.abort_timeout_s,
+                        "max_abort_tries": config.max_abort_tries,
+                        "stats_interval_s": config.stats_interval_s,
+                    },
                 )
             ],
         ),

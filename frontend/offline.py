@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -32,6 +33,9 @@ from messages.wire import (
 )
 
 CLIENT = "client"
+ENDED_IDS = 1 << 16
+
+log = logging.getLogger("sluice.offline")
 
 
 @dataclass
@@ -45,16 +49,29 @@ class Completion:
     num_prompt_tokens: int = 0
 
 
+@dataclass
+class Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    received: int = 0  # tokens delivered: the next delta's seq
+
+
 class ClientActor(Actor):
-    """Routes TextOutputs / Finished to one queue per request."""
+    """Routes TextOutputs / Finished to one queue per request, checking each stream's seq (DESIGN I6).
+
+    A duplicate delta is dropped; a gap (a lost or reordered TextOutputs, or a Finished that reports
+    more tokens than arrived) ends the stream with an error, and the engine is told to abort it.
+    Output for a stream that has ended is counted: `outputs_after_finished` when it brings tokens past
+    a complete Finished (a protocol bug), `late_outputs` otherwise (a duplicate, or a stream ended here)."""
 
     name = CLIENT
 
     def __init__(self):
         super().__init__()
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, Stream] = {}
+        self.ended: dict[str, int] = {}  # the last ENDED_IDS requests with a complete Finished -> their tokens
         self.engine_stats: EngineStats | None = None
         self.detok_stats: DetokStats | None = None
+        self.duplicates = self.gaps = self.late_outputs = self.outputs_after_finished = 0
 
     def handlers(self):
         return {
@@ -67,20 +84,59 @@ class ClientActor(Actor):
 
     def on_text(self, msg: TextOutputs) -> None:
         for delta in msg.deltas:
-            if delta.request_id in self.streams:
-                self.streams[delta.request_id].put_nowait(delta)
+            stream = self.streams.get(delta.request_id)
+            if stream is None:
+                self._late(delta.request_id, delta.seq + len(delta.token_ids))
+            elif delta.seq < stream.received:
+                self.duplicates += 1
+            elif delta.seq > stream.received:
+                self._fail(delta.request_id, f"lost output: delta seq {delta.seq}, expected {stream.received}")
+            else:
+                stream.received += len(delta.token_ids)
+                stream.queue.put_nowait(delta)
         for fin in msg.finished:
             self.on_finished(fin)
 
     def on_finished(self, msg: Finished) -> None:
-        queue = self.streams.pop(msg.request_id, None)
-        if queue is not None:
-            queue.put_nowait(msg)
+        rid = msg.request_id
+        stream = self.streams.get(rid)
+        if stream is None:
+            self._late(rid, msg.num_output_tokens)
+        elif msg.finish_reason != "error" and stream.received < msg.num_output_tokens - len(msg.token_ids):
+            self._fail(rid, f"lost output: {msg.num_output_tokens} tokens, {stream.received} received", abort=False)
+        else:
+            self._end(rid, msg)
+            self.ended[rid] = stream.received + len(msg.token_ids)
+            if len(self.ended) > ENDED_IDS:
+                del self.ended[next(iter(self.ended))]
 
     def on_down(self, msg: ActorDown) -> None:
         if msg.actor in (SCHEDULER, DETOKENIZER):
             for rid in list(self.streams):
-                self.on_finished(Finished(request_id=rid, finish_reason="error", error=f"{msg.actor} died"))
+                self._fail(rid, f"{msg.actor} died", abort=False)
+
+    def fail_all(self, error: str) -> None:
+        for rid in list(self.streams):
+            self._fail(rid, error, abort=False)
+
+    def _end(self, rid: str, msg: Finished) -> None:
+        self.streams.pop(rid).queue.put_nowait(msg)
+
+    def _fail(self, rid: str, error: str, abort: bool = True) -> None:
+        if error.startswith("lost output"):
+            self.gaps += 1
+        received = self.streams[rid].received
+        self._end(rid, Finished(request_id=rid, finish_reason="error", error=error, num_output_tokens=received))
+        if abort:  # the engine may still run it
+            self.tell(SCHEDULER, Abort(request_id=rid, reason="error"))
+
+    def _late(self, rid: str, end: int) -> None:
+        final = self.ended.get(rid)
+        if final is not None and end > final:
+            self.outputs_after_finished += 1
+            log.error("[%s] output after its Finished (%d tokens past %d)", rid, end, final)
+        else:
+            self.late_outputs += 1
 
 
 class AsyncLLM:
@@ -110,6 +166,7 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc) -> None:
         await self.system.stop()
+        self.client.fail_all("the system stopped")
 
     def new_id(self) -> str:
         return f"offline-{self._prefix}-{next(self._ids)}"
@@ -120,13 +177,13 @@ class AsyncLLM:
         """Yields TextDeltas, then exactly one Finished."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         rid = request_id or self.new_id()
-        queue = self.client.streams[rid] = asyncio.Queue()
+        stream = self.client.streams[rid] = Stream()
         self.client.tell(
             SCHEDULER,
             AddRequest(request_id=rid, prompt_token_ids=ids, params=params, arrival_time=time.time(), client=CLIENT),
         )
         while True:
-            item = await queue.get()
+            item = await stream.queue.get()
             yield item
             if isinstance(item, Finished):
                 return
@@ -154,12 +211,20 @@ class AsyncLLM:
         self.client.tell(SCHEDULER, Abort(request_id=request_id, reason=reason))
 
     async def idle_reports(self) -> dict[str, dict[str, int]]:
-        """The idle invariant's view of every request-path actor."""
+        """The idle invariant's view of every request-path actor: all zero when idle."""
         reports = {}
         for actor in (SCHEDULER, DETOKENIZER):
             report = await self.client.ask(actor, CheckIdle(), timeout=10)
             reports[actor] = report.details
+        reports[CLIENT] = {"streams": len(self.client.streams), "pending_asks": self.client.pending_asks}
         return reports
+
+    async def fresh_stats(self) -> tuple[EngineStats, DetokStats]:
+        """The engine's and the detokenizer's counters, as published after this call."""
+        old = self.client.engine_stats, self.client.detok_stats
+        while self.client.engine_stats is old[0] or self.client.detok_stats is old[1]:
+            await asyncio.sleep(0.01)
+        return self.client.engine_stats, self.client.detok_stats
 
 
 class LLM:

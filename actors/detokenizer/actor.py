@@ -2,20 +2,37 @@
 
 Request states here: LIVE (registered by the scheduler's forwarded AddRequest) -> CLOSED on its
 terminal message, or LIVE -> TOMBSTONED when this actor ends it early (stop string, seq gap, bad
-token) and sends Abort to the scheduler -> CLOSED on the terminal message (AbortAck or a final
-entry). Outputs for a tombstoned id are stale: dropped and counted. Outputs for an id that is
+token, lost output) and sends Abort to the scheduler -> CLOSED on the terminal message (AbortAck or
+a final entry). Outputs for a tombstoned id are stale: dropped and counted. Outputs for an id that is
 neither live nor tombstoned are protocol violations: logged, counted, dropped.
 
 Cases (state x event -> action):
   LIVE       entry                -> TextDelta (+ Finished when terminal: CLOSED)
   LIVE       entry with stop str  -> Finished(stop) to the client now, Abort(stop) to the scheduler: TOMBSTONED
+  LIVE       entry with a seq gap -> Finished(error) now, Abort(error): TOMBSTONED (a StepOutputs lost or reordered)
+  LIVE       entry seen before    -> dropped (its seq is behind: a duplicate)
   LIVE       AbortAck             -> Finished(abort) to the client: CLOSED
+  LIVE       a step it may have been in is lost -> Finished(error), Abort(error): TOMBSTONED (see Steps)
   TOMBSTONED entry                -> stale (dropped); a terminal entry closes the tombstone
   TOMBSTONED AbortAck             -> CLOSED
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
-  unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too)
+  unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
+                                     remembered: if its AddRequest comes after all (reordered), it fails at once
+  CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
   any        ActorDown(scheduler) -> every LIVE request fails (Finished(error)); tombstones cleared
   any        ActorDown(client)    -> its LIVE requests are tombstoned and aborted in the engine
+  any        Shutdown             -> handles messages on until every request is closed (the scheduler aborts them
+                                     all), at most SHUTDOWN_DRAIN_S; what is left ends as abort
+
+Steps. The scheduler sends one StepOutputs per engine step, numbered; step 0 starts a new engine
+incarnation. A number seen before is a duplicate message, dropped whole. A skipped number is
+missing: if it arrives late it was reordered, and its entries are handled as usual (the per-request
+seq checks already failed the requests it displaced). Still missing LOST_AFTER_STEPS steps later or
+after LOST_AFTER_S, it is lost: it may have held the tokens or the terminal entry of any live request
+not heard from since, so those fail; the engine acks the ones it still runs, and the tombstones of
+the ones it had finished expire by I7. Reorders are not repaired by buffering: a link is one FIFO
+ZMQ pipe, so a reorder means a fault or a bug, and failing cleanly (DESIGN I6) keeps the hot path
+free of a reorder buffer and its timer.
 """
 
 from __future__ import annotations
@@ -38,8 +55,8 @@ from messages.wire import (
     AddRequest,
     CheckIdle,
     DetokStats,
-    Finished,
     IdleReport,
+    Shutdown,
     StepOutputs,
     TextOutputs,
 )
@@ -47,6 +64,11 @@ from messages.wire import (
 log = logging.getLogger("sluice.detokenizer")
 
 SCHEDULER = "scheduler"
+LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
+LOST_AFTER_S = 1.0
+SHUTDOWN_DRAIN_S = 5.0
+RECENT_IDS = 1 << 16
+CLOSED, ORPHAN, ORPHAN_ENDED = "closed", "orphan", "orphan-ended"  # `recent`: what became of an id not live
 
 
 @dataclass
@@ -76,9 +98,16 @@ class DetokenizerActor(Actor):
         self.stats_interval_s = stats_interval_s
         self.live: dict[str, DetokRequestState] = {}
         self.clients: dict[str, str] = {}  # request id -> the actor that receives its text
+        self.heard: dict[str, int] = {}  # request id -> the last step it was registered by or had an entry in
         self.tombstones: dict[str, Tombstone] = {}
+        self.recent: dict[str, str] = {}  # the last RECENT_IDS ids that are not live, oldest first
+        self.next_step: int | None = None
+        self.missing: dict[int, float] = {}  # step -> when it was found missing
         self.stale_dropped = 0
         self.violations = 0
+        self.duplicate_steps = 0
+        self.lost_steps = 0
+        self._draining = False
 
     def handlers(self):
         return {
@@ -87,6 +116,7 @@ class DetokenizerActor(Actor):
             AbortAck: self.on_ack,
             ActorDown: self.on_actor_down,
             CheckIdle: self.on_check,
+            Shutdown: self.on_shutdown_msg,
         }
 
     async def on_start(self) -> None:
@@ -95,13 +125,21 @@ class DetokenizerActor(Actor):
 
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
-        if rid in self.live or rid in self.tombstones:
+        before = self.recent.get(rid)
+        if rid in self.live or rid in self.tombstones or before == CLOSED:
             self._violation(rid, "AddRequest for an id already in use")
             return
+        self.recent.pop(rid, None)
         self.live[rid] = DetokRequestState(msg, self.tokenizer)
         self.clients[rid] = msg.client
+        self.heard[rid] = -1 if self.next_step is None else self.next_step - 1
+        if before is not None:  # outputs overtook the registration: they are gone
+            self._fail(rid, "engine output arrived before the request was registered", abort=before == ORPHAN)
 
     def on_step(self, msg: StepOutputs) -> None:
+        if msg.step >= 0 and not self._track(msg.step):
+            self.duplicate_steps += 1
+            return
         batches: dict[str, TextOutputs] = {}
         for out in msg.outputs:
             rid = out.request_id
@@ -112,8 +150,9 @@ class DetokenizerActor(Actor):
                     if out.finish_reason is not None:
                         self._close_tombstone(rid)
                 else:
-                    self._violation(rid, f"StepOutputs entry seq {out.seq}")
+                    self._violation(rid, f"StepOutputs entry seq {out.seq}", ended=out.finish_reason is not None)
                 continue
+            self.heard[rid] = max(self.heard[rid], msg.step)
             delta, finished = state.process(out)
             client = self.clients[rid]
             batch = batches.get(client) or batches.setdefault(client, TextOutputs(step=msg.step, deltas=[]))
@@ -127,6 +166,7 @@ class DetokenizerActor(Actor):
         for client, batch in batches.items():
             if batch.deltas or batch.finished:
                 self.tell(client, batch)
+        self._find_lost()
 
     def on_ack(self, msg: AbortAck) -> None:
         rid = msg.request_id
@@ -139,7 +179,7 @@ class DetokenizerActor(Actor):
             self._close(rid)
             self.tell(client, finished)
         else:
-            self._violation(rid, "AbortAck")
+            self._violation(rid, "AbortAck", ended=True)
 
     def on_actor_down(self, msg: ActorDown) -> None:
         if msg.actor == SCHEDULER:
@@ -147,32 +187,62 @@ class DetokenizerActor(Actor):
                 "engine down: failing %d live requests, clearing %d tombstones", len(self.live), len(self.tombstones)
             )
             for rid in list(self.live):
-                client, state = self.clients[rid], self.live[rid]
-                self._close(rid)
-                self.tell(
-                    client,
-                    Finished(
-                        request_id=rid,
-                        finish_reason="error",
-                        error="the engine died",
-                        num_prompt_tokens=state.num_prompt_tokens,
-                    ),
-                )
+                self._fail(rid, "the engine died", abort=False)
+            for rid in self.tombstones:
+                self._remember(rid, CLOSED)
             self.tombstones.clear()
+            self.next_step = None
+            self.missing.clear()
         else:
             for rid in [r for r, c in self.clients.items() if c == msg.actor and r in self.live]:
                 self._close(rid)
                 self._tombstone(rid, "client", msg.actor)
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
-        details = {"live": len(self.live), "tombstones": len(self.tombstones)}
+        details = {
+            "live": len(self.live),
+            "tombstones": len(self.tombstones),
+            "heard": len(self.heard),
+            "pending_asks": self.pending_asks,
+        }
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
+
+    def on_shutdown_msg(self, msg: Shutdown) -> None:
+        if not self._draining:
+            self._draining = True
+            self.spawn(self._drain_and_stop(msg.reason))
+
+    async def _drain_and_stop(self, reason: str) -> None:
+        await self.on_shutdown(reason)
+        self.stop()
+
+    async def on_shutdown(self, reason: str) -> None:
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        while (self.live or self.tombstones) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for rid in list(self.live):  # the scheduler did not end it (it is not shutting down, or too slow)
+            client, finished = self.clients[rid], self.live[rid].abort("abort")
+            finished.stop_reason = reason
+            self._close(rid)
+            self.tell(client, finished)
+            self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
 
     # ------------------------------------------------------------ bookkeeping
 
     def _close(self, rid: str) -> None:
         self.live.pop(rid, None)
         self.clients.pop(rid, None)
+        self.heard.pop(rid, None)
+        self._remember(rid, CLOSED)
+
+    def _fail(self, rid: str, error: str, abort: bool) -> None:
+        """End a LIVE request with an error; with `abort`, the engine still runs it: TOMBSTONED."""
+        client, finished = self.clients[rid], self.live[rid].abort("error")
+        finished.error = f"request {rid}: {error}"
+        self._close(rid)
+        self.tell(client, finished)
+        if abort:
+            self._tombstone(rid, "error", client)
 
     def _tombstone(self, rid: str, reason: str, client: str) -> None:
         self.tombstones[rid] = Tombstone(reason, client, time.monotonic())
@@ -181,14 +251,49 @@ class DetokenizerActor(Actor):
     def _close_tombstone(self, rid: str) -> None:
         self.tombstones.pop(rid, None)
 
-    def _violation(self, rid: str, what: str) -> None:
+    def _remember(self, rid: str, what: str) -> None:
+        self.recent[rid] = what
+        if len(self.recent) > RECENT_IDS:
+            del self.recent[next(iter(self.recent))]
+
+    def _violation(self, rid: str, what: str, ended: bool = False) -> None:
         self.violations += 1
         log.info("[%s] protocol violation: %s for an id neither live nor tombstoned; dropped", rid, what)
+        before = self.recent.get(rid)
+        if before is None or before == ORPHAN:
+            self._remember(rid, ORPHAN_ENDED if ended else ORPHAN)
+
+    def _track(self, step: int) -> bool:
+        """Message-level check of the step numbers: False for a duplicate message."""
+        if self.next_step is None or (step == 0 and self.next_step > 1):  # a new engine incarnation
+            self.missing.clear()
+        elif step >= self.next_step:
+            now = time.monotonic()
+            for s in range(self.next_step, step):
+                self.missing[s] = now
+        else:
+            return self.missing.pop(step, None) is not None  # a late (reordered) message, or a duplicate
+        self.next_step = step + 1
+        return True
+
+    def _find_lost(self) -> None:
+        now, last = time.monotonic(), (self.next_step or 0) - 1
+        lost = [s for s, t in self.missing.items() if last - s >= LOST_AFTER_STEPS or now - t >= LOST_AFTER_S]
+        if not lost:
+            return
+        for s in lost:
+            del self.missing[s]
+        self.lost_steps += len(lost)
+        suspects = [rid for rid, step in self.heard.items() if step < max(lost)]
+        log.error("engine steps %s lost: failing %d requests that may have been in them", lost, len(suspects))
+        for rid in suspects:
+            self._fail(rid, f"engine output lost (steps {lost})", abort=True)
 
     async def _housekeeping(self) -> None:
-        """Re-send Aborts that got no terminal message (I7) and publish the protocol counters."""
+        """Find lost steps on a quiet link, re-send Aborts that got no terminal message (I7), publish counters."""
         while True:
             await asyncio.sleep(self.stats_interval_s)
+            self._find_lost()
             now = time.monotonic()
             for rid, t in list(self.tombstones.items()):
                 if now - t.since < self.abort_timeout_s:

@@ -26,6 +26,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     stats_to: list[str] = []  # actors that receive EngineStats (the HTTP actor)
     detokenizer: str = DETOKENIZER
     debug_checks: bool = False  # fill the device relay buffer with -1 and assert every read slot was written
+    abort_timeout_s: float = 5.0  # the detokenizer re-sends an unanswered Abort after this (DESIGN I7)
+    max_abort_tries: int = 3  # ... and drops the tombstone after this many tries
+    step_gate: bool = False  # tests: Probe(seq=k) to the scheduler lets k more steps finish (k < 0: all)
 
     def threads(self) -> int:
         """Torch threads for the engine: oversubscribing these small machines was measured to cut decode 5x."""

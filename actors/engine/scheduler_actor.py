@@ -11,10 +11,18 @@ Abort cases (DESIGN section 3; request state at the scheduler x event -> action)
   decoding, step in flight   Abort -> its sample of that step is discarded (counted); blocks freed, then AbortAck
   decoding, nothing in flight Abort -> blocks freed, AbortAck now
   finished (terminal sent)   Abort -> late abort: ignored, counted (the detokenizer has the terminal entry)
-  unknown / aborted twice    Abort -> late abort: ignored, counted
+  aborted twice              Abort -> late abort: ignored, counted
+  unknown (never added)      Abort -> late abort, counted; remembered: if its AddRequest comes after all (the
+                                      link reordered them), it is registered and acked at once, never run
+  added before               AddRequest -> a duplicate (ids are unique, DESIGN I1): dropped, logged
   any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
   any live request           Shutdown -> aborted (reason "shutdown"), acks sent, then the actor stops
 Every AbortAck is sent after the StepOutputs of the step that last touched the request (one FIFO link).
+Every executed step sends one StepOutputs (possibly without entries), numbered by `step`: the detokenizer
+tells a duplicate from a lost message by those numbers. The last `RECENT_IDS` ids are remembered.
+
+Test hook (`EngineConfig.step_gate`): a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
+a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile.
 """
 
 from __future__ import annotations
@@ -45,12 +53,16 @@ from messages.wire import (
     CheckIdle,
     EngineStats,
     IdleReport,
+    Probe,
     RequestOutput,
     StepOutputs,
     TokenLogprobs,
 )
 
 log = logging.getLogger("sluice.engine")
+
+RECENT_IDS = 1 << 16
+ADDED = "\0added"  # in `recent`: the request was added; otherwise the reason of an Abort that came first
 
 
 def needs_history(req: EngineRequest) -> bool:
@@ -76,12 +88,20 @@ class SchedulerActor(Actor):
         self.late_aborts = 0
         self.abort_reasons: dict[str, str] = {}
         self.silent: set[str] = set()
+        self.recent: dict[str, str] = {}  # the last RECENT_IDS ids seen, oldest first
+        self.duplicates = 0
         self.admitting = True
+        self.gate: int | None = None  # steps that may still be postprocessed (None: no limit)
+        self._gate_moved = asyncio.Event()
+        self._holding = False  # a step is executed and waits at the gate
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
 
     def handlers(self):
-        return {AddRequest: self.on_add, Abort: self.on_abort, ActorDown: self.on_actor_down, CheckIdle: self.on_check}
+        table = {AddRequest: self.on_add, Abort: self.on_abort, ActorDown: self.on_actor_down, CheckIdle: self.on_check}
+        if self.config.step_gate:
+            table[Probe] = self.on_gate
+        return table
 
     async def on_start(self) -> None:
         torch.set_num_threads(self.config.threads())
@@ -109,11 +129,22 @@ class SchedulerActor(Actor):
     # ------------------------------------------------------------ handlers
 
     def on_add(self, msg: AddRequest) -> None:
+        rid = msg.request_id
+        early_abort = self.recent.get(rid)
+        if early_abort == ADDED or rid in self.sched.requests:
+            self.duplicates += 1
+            log.warning("[%s] duplicate AddRequest dropped", rid)
+            return
+        self._remember(rid, ADDED)
         self.tell(self.config.detokenizer, msg)  # registration precedes every output (FIFO link)
+        if early_abort is not None:
+            log.info("[%s] aborted before it arrived (%s)", rid, early_abort)
+            self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=early_abort))
+            return
         error = self._validate(msg)
         if error:
-            log.warning("[%s] rejected: %s", msg.request_id, error)
-            out = RequestOutput(request_id=msg.request_id, seq=0, new_token_ids=[], finish_reason="error", error=error)
+            log.warning("[%s] rejected: %s", rid, error)
+            out = RequestOutput(request_id=rid, seq=0, new_token_ids=[], finish_reason="error", error=error)
             self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
             return
         req = EngineRequest.from_msg(msg)
@@ -125,8 +156,6 @@ class SchedulerActor(Actor):
     def _validate(self, msg: AddRequest) -> str | None:
         if not self.admitting:
             return "the server is shutting down"
-        if msg.request_id in self.sched.requests:
-            return f"duplicate request id {msg.request_id}"
         n = len(msg.prompt_token_ids)
         if n == 0:
             return "the prompt is empty"
@@ -147,6 +176,13 @@ class SchedulerActor(Actor):
         else:
             self.late_aborts += 1
             log.debug("[%s] late abort (%s) ignored", msg.request_id, msg.reason)
+            if msg.request_id not in self.recent:
+                self._remember(msg.request_id, msg.reason)
+
+    def _remember(self, rid: str, what: str) -> None:
+        self.recent[rid] = what
+        if len(self.recent) > RECENT_IDS:
+            del self.recent[next(iter(self.recent))]
 
     def on_actor_down(self, msg: ActorDown) -> None:
         if msg.actor != self.config.detokenizer:
@@ -161,10 +197,28 @@ class SchedulerActor(Actor):
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = self.sched.check_idle()
         details["abort_reasons"] = len(self.abort_reasons)
+        details["silent_aborts"] = len(self.silent)
+        details["pending_asks"] = self.pending_asks
+        details["gate_permits"] = self.gate or 0
+        details["held_steps"] = int(self._holding)
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
+
+    def on_gate(self, msg: Probe) -> None:
+        self.gate = None if msg.seq < 0 else msg.seq
+        self._gate_moved.set()
+
+    async def _pass_gate(self) -> None:
+        self._holding = self.gate == 0
+        while self.gate == 0:
+            self._gate_moved.clear()
+            await self._gate_moved.wait()
+        self._holding = False
+        if self.gate is not None:
+            self.gate -= 1
 
     async def on_shutdown(self, reason: str) -> None:
         self.admitting = False
+        self.on_gate(Probe(seq=-1))
         for req in (*self.sched.waiting, *self.sched.running):
             self.on_abort(Abort(request_id=req.request_id, reason="shutdown"))
         deadline = time.monotonic() + 10
@@ -195,7 +249,9 @@ class SchedulerActor(Actor):
                     inflight.append((batch, loop.run_in_executor(self._device, self.executor.run, batch, rows, slots)))
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
                 done, future = inflight.popleft()
-                await self._postprocess(done, await future)
+                result = await future
+                await self._pass_gate()
+                await self._postprocess(done, result)
             elif not inflight:
                 self._work.clear()
                 if not self.sched.has_unfinished():
@@ -240,8 +296,7 @@ class SchedulerActor(Actor):
                     top_ids=[lp["top_ids"][j][:n]],
                     top_logprobs=[lp["top_logprobs"][j][:n]],
                 )
-        if outputs:
-            self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
+        self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
         self._send_acks()
 
     async def _publish_stats(self) -> None:

@@ -1,0 +1,133 @@
+"""Shared by the cancellation tests: engines on the tiny random Llama, the step gate, the idle invariant.
+
+Engines are expensive to start (a process importing torch), so the fault-free gated engine is
+session-scoped and shared by the modules that import its fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from actors.engine.config import SCHEDULER, EngineConfig
+from frontend.offline import AsyncLLM
+from messages.sampling_params import SamplingParams
+from messages.wire import CheckIdle, Finished, Probe
+from tests.tiny_model import make_tiny_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+LONG_PROMPT = list(range(1000, 1100))  # 100 tokens: four chunked-prefill steps at a 32-token budget
+
+
+def engine_config(model_dir, **overrides) -> EngineConfig:
+    options = {
+        "model": str(model_dir),
+        "num_kv_blocks": 64,
+        "block_size": 16,
+        "max_model_len": 256,
+        "max_num_batched_tokens": 32,
+        "max_num_seqs": 8,
+        "engine_threads": 1,
+        "step_gate": True,
+        "stats_interval_s": 0.05,
+        **overrides,
+    }
+    return EngineConfig(**options)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cancel") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+async def clean_llm(model_dir):
+    """A fault-free engine (async scheduling, step gate available): the reference for faulty runs."""
+    async with AsyncLLM(engine_config(model_dir)) as llm:
+        yield llm
+
+
+async def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"{what} not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def gate(llm: AsyncLLM, steps: int | None) -> None:
+    """Let `steps` more engine steps finish (None: all of them)."""
+    llm.client.tell(SCHEDULER, Probe(seq=-1 if steps is None else steps))
+
+
+async def scheduler_state(llm: AsyncLLM) -> dict[str, int]:
+    return (await llm.client.ask(SCHEDULER, CheckIdle(), timeout=10)).details
+
+
+async def wait_state(llm: AsyncLLM, timeout: float = 20.0, **expected: int) -> dict[str, int]:
+    """Poll the scheduler until its state has every `expected` value (a barrier: the asks queue behind
+    every message the client sent before, on the same FIFO link)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        state = await scheduler_state(llm)
+        if all(state[k] == v for k, v in expected.items()):
+            return state
+        assert asyncio.get_running_loop().time() < deadline, f"scheduler never reached {expected}: {state}"
+        await asyncio.sleep(0.005)
+
+
+async def assert_idle(llm: AsyncLLM, timeout: float = 15.0) -> None:
+    """The idle invariant: no per-request state anywhere, every KV block free, no pending asks."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        reports = await llm.idle_reports()
+        if not any(v for details in reports.values() for v in details.values()):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"not idle: {reports}")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Run:
+    """One request consumed in the background: what its stream delivered."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: Finished | None = None
+    task: asyncio.Task | None = None
+
+    async def wait_tokens(self, n: int) -> None:
+        await wait_for(lambda: len(self.token_ids) >= n or self.finished is not None, what=f"{n} tokens")
+
+    async def done(self, timeout: float = 20.0) -> Finished:
+        await asyncio.wait_for(asyncio.shield(self.task), timeout)
+        return self.finished
+
+
+def start(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str | None = None) -> Run:
+    run = Run(request_id or llm.new_id())
+
+    async def consume():
+        async for item in llm.stream(prompt, params, run.request_id):
+            assert run.finished is None, "output after Finished"
+            run.token_ids += item.token_ids
+            run.text += item.text
+            if isinstance(item, Finished):
+                run.finished = item
+
+    run.task = asyncio.create_task(consume())
+    return run
+
+
+def stop_string_at(tokenizer, token_ids: list[int], first: int = 3) -> tuple[str, int]:
+    """(stop, j): a stop string whose first match in the decoded output ends inside the text of
+    token j, the first token from `first` on that completes some text."""
+    for j in range(first, len(token_ids)):
+        before, upto = tokenizer.decode(token_ids[:j]), tokenizer.decode(token_ids[: j + 1])
+        if len(upto) > len(before) and upto.startswith(before) and "\ufffd" not in upto:
+            stop = next(upto[-m:] for m in range(1, len(upto) + 1) if upto.find(upto[-m:]) + m > len(before))
+            return stop, j
+    raise AssertionError("no token completes any text")
