@@ -15,10 +15,11 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from actors.engine.config import DETOKENIZER
 from messages.wire import DetokStats, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-HTTP, DETOKENIZER = "http", "detokenizer"
+HTTP = "http"  # the `actor` label of the HTTP actor's own counters
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
@@ -68,6 +69,13 @@ class Metrics:
 
     def on_detok_stats(self, msg: DetokStats) -> None:
         self.detok = msg
+
+    def forget(self, actor: str) -> None:
+        """`actor` died: its gauges read 0 and its counters restart (a counter reset) until it reports again."""
+        if actor == DETOKENIZER:
+            self.detok = NO_DETOK_STATS
+        else:
+            self.engine = NO_ENGINE_STATS
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

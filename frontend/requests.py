@@ -22,14 +22,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from actors.engine.config import SCHEDULER
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.request_state import Choice, HttpRequest
 from messages.wire import Abort, Finished, Msg, TextDelta, TextOutputs
 
 log = logging.getLogger("sluice.http")
-
-SCHEDULER = "scheduler"
 
 
 @dataclass(slots=True)

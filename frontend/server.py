@@ -18,12 +18,13 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
+from actors.engine.config import DETOKENIZER, SCHEDULER
 from actors.runtime import Actor
 from frontend import openai_format as fmt
 from frontend.metrics import CONTENT_TYPE, Metrics
 from frontend.protocol import RequestError, ServingContext, parse_chat, parse_completion
 from frontend.request_state import HttpRequest
-from frontend.requests import SCHEDULER, RequestTable
+from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
 from frontend.tokenizer import Tokenizer
 from messages.wire import (
@@ -41,7 +42,6 @@ from messages.wire import (
 log = logging.getLogger("sluice.http")
 
 HTTP = "http"
-DETOKENIZER = "detokenizer"
 PARSE_INLINE_BYTES = 16 << 10  # larger bodies are parsed and tokenized off the event loop
 
 _encode = msgspec.json.Encoder().encode
@@ -85,6 +85,7 @@ class HttpActor(Actor):
         self.down: set[str] = set()  # actors of the request path that are down
         self.admitting = True
         self.created = int(time.time())
+        self.runner: web.AppRunner | None = None
         self._draining: asyncio.Future | None = None
 
     def handlers(self):
@@ -122,6 +123,7 @@ class HttpActor(Actor):
         if msg.actor not in (SCHEDULER, DETOKENIZER):
             return
         self.down.add(msg.actor)
+        self.metrics.forget(msg.actor)
         log.error("%s is down (%s): failing %d requests", msg.actor, msg.reason, len(self.table.live))
         # the engine aborts its requests itself when the detokenizer dies; when the engine dies,
         # the detokenizer sends Finished(error) for every id it has, which closes our tombstones
@@ -161,7 +163,8 @@ class HttpActor(Actor):
             while self.table.live and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             self.table.fail_all(RequestError(503, "the server is shutting down"), send_abort=False)
-        await self.runner.cleanup()
+        if self.runner is not None:
+            await self.runner.cleanup()
 
     async def _housekeeping(self) -> None:
         while True:
