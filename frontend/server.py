@@ -248,17 +248,19 @@ class HttpActor(Actor):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            if head := stream_head(req):
-                await resp.write(head)
-            while not req.done:
-                await req.wake.wait()
-                req.wake.clear()
-                # everything buffered while the last write was in flight goes out as one event per choice
-                data = stream_events(req, self.ctx.tokenizer)
-                if req.done:
+            data = stream_head(req)
+            while True:  # each pass writes everything buffered meanwhile, one event per choice
+                data += stream_events(req, self.ctx.tokenizer)
+                done = req.done
+                if done:
                     data += stream_tail(req)
                 if data:
                     await resp.write(data)
+                if done:
+                    break
+                await req.wake.wait()
+                req.wake.clear()
+                data = b""
             await resp.write_eof()
         except ConnectionError:
             log.info("[%s] client disconnected", req.id)
