@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import aiohttp
 import openai
@@ -186,3 +187,34 @@ async def test_shutdown_aborts_in_flight_requests_and_waits_for_them(tiny_model_
     assert [(a.request_id, a.reason) for a in engine.aborts] == [(rid, "shutdown")]
     assert [c["choices"][0]["finish_reason"] for c in got] == [None, "abort"]
     assert server.children["http"].exitcode == 0
+
+
+async def test_a_slow_client_stalls_no_one_and_gets_its_text_coalesced(fake):
+    fake.engine.hold = True
+    piece = "x" * 65536
+    # a client with small socket buffers that sends its request and reads nothing until the end
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    sock.connect(("127.0.0.1", fake.server.http.port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+    body = json.dumps(STREAM).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.0\r\nAuthorization: Bearer {fake.api_key}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    slow_id = await held_request(fake, 0)
+    for i in range(60):  # 40 MB in 60 steps: far more than the socket buffers hold, so the writer blocks
+        for j in range(10):
+            fake.engine.emit(slow_id, piece, [i * 10 + j])
+        await asyncio.sleep(0.005)
+    async with fake.session() as s:
+        fast = asyncio.ensure_future(s.post("/v1/completions", json={"prompt": "hi"}))
+        fast_id = await held_request(fake, 1)
+        fake.engine.finish(fast_id, "length", "done", [1])
+        assert (await (await fast).json())["choices"][0]["text"] == "done"
+    fake.engine.finish(slow_id, "length")
+    got = events((await reader.read()).split(b"\r\n\r\n", 1)[1])
+    writer.close()
+    texts = [e["choices"][0]["text"] for e in got]
+    assert "".join(texts) == piece * 600
+    assert max(map(len, texts)) > len(piece) * 300  # what piled up behind the blocked write: one event
