@@ -115,41 +115,63 @@ class Actor:
         while True:
             msg = await self.inbox.get()
             try:
-                await self.dispatch(msg)
+                pending = self.dispatch(msg)
+                if pending is not None:
+                    await pending
             except FatalError:
                 raise
             except Exception:
                 self.handler_errors += 1
                 log.exception("%s: handler failed on %s", self.name, _short(msg))
 
-    async def dispatch(self, msg: Msg) -> None:
+    def dispatch(self, msg: Msg) -> Awaitable | None:
+        """Handle `msg`; returns an awaitable only when there is something to await (the hot path is sync)."""
         self.handled += 1
+        handler = self._handlers.get(type(msg))
+        if handler is None or isinstance(msg, Reply | ActorDown):
+            return self._runtime(msg, handler)
+        result = handler(msg)
+        if result is None:
+            return None
+        if inspect.isawaitable(result):
+            return self._answer_later(msg, result)
+        self._answer(msg, result)
+        return None
+
+    def _runtime(self, msg: Msg, handler: Handler | None) -> Awaitable | None:
+        """What the runtime handles itself: replies to asks, Ping, Shutdown, ActorDown bookkeeping."""
         if isinstance(msg, Reply):
             fut = self._pending.get(msg.corr_id)
             if fut is None or fut.done():
                 self.late_replies += 1
             else:
                 fut.set_result(msg)
-            return
+            return None
         if isinstance(msg, ActorDown):
             self.router.forget(msg.actor)
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            if isinstance(msg, Ping):
-                self.tell(msg.reply_to, Pong(corr_id=msg.corr_id, payload=msg.payload))
-            elif isinstance(msg, Shutdown):
-                await self.on_shutdown(msg.reason)
-                self.stop()
-            elif not isinstance(msg, ActorDown | ActorUp):
-                self.unexpected += 1
-                log.warning("%s: no handler for %s, dropped", self.name, type(msg).__name__)
-            return
-        result = handler(msg)
-        if inspect.isawaitable(result):
-            result = await result
+            if handler is not None:
+                result = handler(msg)
+                return result if inspect.isawaitable(result) else None
+        elif isinstance(msg, Ping):
+            self.tell(msg.reply_to, Pong(corr_id=msg.corr_id, payload=msg.payload))
+        elif isinstance(msg, Shutdown):
+            return self._shutdown(msg.reason)
+        elif not isinstance(msg, ActorUp):
+            self.unexpected += 1
+            log.warning("%s: no handler for %s, dropped", self.name, type(msg).__name__)
+        return None
+
+    async def _answer_later(self, msg: Msg, result: Awaitable) -> None:
+        self._answer(msg, await result)
+
+    def _answer(self, msg: Msg, result: Any) -> None:
         if isinstance(msg, Query) and isinstance(result, Reply):
             result.corr_id = msg.corr_id
             self.tell(msg.reply_to, result)
+
+    async def _shutdown(self, reason: str) -> None:
+        await self.on_shutdown(reason)
+        self.stop()
 
 
 def _short(msg: Msg, limit: int = 300) -> str:

@@ -33,19 +33,27 @@ class Inbox:
         self._sock: zmq.Socket | None = None
         self.bad_frames = 0
 
-    def put(self, msg: Msg) -> None:
+    def put(self, msg: Msg | bytes) -> None:
         self._queue.append(msg)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def get(self) -> Msg:
-        while not self._queue:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._queue.popleft()
+        while True:
+            while not self._queue:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            item = self._queue.popleft()
+            if type(item) is not bytes:
+                return item
+            try:  # decoded when taken: a backlog stays bytes, not live objects for the GC to walk
+                return self.codec.decode(item)
+            except BadFrame as e:
+                self.bad_frames += 1
+                log.warning("%s: dropped a bad frame: %s", self.name, e)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -62,13 +70,12 @@ class Inbox:
 
     def _drain(self) -> None:
         sock = self._sock
-        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frame = sock.recv(zmq.NOBLOCK, copy=True)
+        while sock is not None:  # the FD is edge-triggered: read until EAGAIN
             try:
-                self.put(self.codec.decode(frame))
-            except BadFrame as e:
-                self.bad_frames += 1
-                log.warning("%s: dropped a bad frame: %s", self.name, e)
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.put(frame)
 
     def close(self) -> None:
         if self._sock is not None:

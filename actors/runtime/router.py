@@ -92,7 +92,7 @@ class Router:
             return Link(name, local.put, remote=False, faults=self.faults)
         sock = self._sockets[(src, dst)] = push_socket(self.ctx, self.placement.address(dst))
         encode = self.codec.encode
-        return Link(name, lambda msg: sock.send(encode(msg), zmq.NOBLOCK, copy=False), remote=True, faults=self.faults)
+        return Link(name, lambda msg: sock.send(encode(msg), zmq.NOBLOCK), remote=True, faults=self.faults)
 
     def forget(self, dst: str) -> None:
         """Drop links to `dst` (it died): reconnect lazily, so nothing queued for the dead
