@@ -97,9 +97,12 @@ def main() -> None:
     ap.add_argument("--logits", choices=["peaked", "flat"], default="peaked")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-reference", action="store_true", help="skip the (slow) sort-based reference")
+    ap.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
+    ap.add_argument("--vocabs", type=int, nargs="*", help="override the vocabulary sizes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches, vocabs = ([1, 32], [128256]) if args.quick else ([1, 8, 32, 128, 256], [49152, 128256, 151936])
+    batches, vocabs = args.batches or batches, args.vocabs or vocabs
     sampler = Sampler()
     print(f"device={args.device} threads={args.threads} logits={args.logits}; ms per step (median)")
     print(

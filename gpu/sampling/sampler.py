@@ -94,14 +94,14 @@ class Sampler:
             cols[:, MASS].index_copy_(0, rows, block_mass.sum(-1))
             draw.index_copy_(0, rows, draw_vocab(blocks, rows, block_mass, sub))
         dynamic = blocks.x.is_cpu if self.dynamic_fallback is None else self.dynamic_fallback
-        rows, wide = (meta.window_rows, None) if dynamic else (meta.covered_rows, meta.uncovered_rows)
-        if rows.numel():
-            values, ids = blocks.top(rows, meta.window)
-            token, fits = draw_window(values, ids, cols.index_select(0, rows))
-            draw.index_copy_(0, rows, token)
-            wide = rows[~fits] if dynamic else wide
-        rows = wide
-        if rows is not None and rows.numel():  # the rows the first window may not hold
+        if dynamic:  # the rows that did not fit, level by level (data-dependent subsets: CPU only)
+            rows = meta.window_rows
+            for k in (meta.window, 8 * meta.window):
+                rows = self._window(blocks, rows, k, cols, draw)
+        else:
+            self._window(blocks, meta.covered_rows, meta.window, cols, draw)
+            rows = meta.uncovered_rows
+        if rows.numel():  # a window that holds the whole kept set, however wide
             sub = cols.index_select(0, rows)
             if dynamic:
                 values, ids = threshold_window(blocks, rows, kept_lower_bound(blocks, rows, sub, meta.vocab_size))
@@ -109,6 +109,16 @@ class Sampler:
                 values, ids = blocks.x[rows].sort(-1, descending=True)
             draw.index_copy_(0, rows, draw_window(values, ids, sub)[0])
         return draw
+
+    @staticmethod
+    def _window(blocks: Blocks, rows: torch.Tensor, k: int, cols: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+        """Draw `rows` from their top-k window into `draw`; returns the rows whose kept set may not fit it."""
+        if not rows.numel():
+            return rows
+        values, ids = blocks.top(rows, k)
+        token, fits = draw_window(values, ids, cols.index_select(0, rows))
+        draw.index_copy_(0, rows, token)
+        return rows[~fits]
 
     def _whole_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """x itself when its width is whole blocks, else a copy padded with -inf (never sampled)."""
