@@ -18,8 +18,9 @@ Abort cases (DESIGN section 3; request state at the scheduler x event -> action)
   any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
   any live request           Shutdown -> aborted (reason "shutdown"), acks sent, then the actor stops
 Every AbortAck is sent after the StepOutputs of the step that last touched the request (one FIFO link).
-Every executed step sends one StepOutputs (possibly without entries), numbered by `step`: the detokenizer
-tells a duplicate from a lost message by those numbers. The last `RECENT_IDS` ids are remembered.
+Every executed step sends one StepOutputs (possibly without entries), numbered by `step`, and so does
+the engine each time it goes idle: the detokenizer tells duplicates and lost messages by those numbers.
+The last `RECENT_IDS` ids are remembered.
 
 Test hook (`EngineConfig.step_gate`): a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
 a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile.
@@ -255,8 +256,15 @@ class SchedulerActor(Actor):
             elif not inflight:
                 self._work.clear()
                 if not self.sched.has_unfinished():
+                    self._idle_marker()
                     await self._work.wait()
             await asyncio.sleep(0)  # handlers (aborts, new requests) run between steps
+
+    def _idle_marker(self) -> None:
+        """An empty StepOutputs with a step number of its own, sent as the engine goes idle: a lost
+        last step shows as a gap at the detokenizer even when no other step follows."""
+        step, self.sched.next_step = self.sched.next_step, self.sched.next_step + 1
+        self.tell(self.config.detokenizer, StepOutputs(step=step, outputs=[]))
 
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)

@@ -1,0 +1,277 @@
+"""The cancellation protocol under injected link faults (DESIGN section 8), through the real engine
+and detokenizer processes: duplicates and delays change no output; reorders and losses fail only
+the requests they hit, cleanly (no hang, no corrupted text: what arrived is a prefix of the
+fault-free output); lost Aborts are re-sent and their tombstones bounded (I7). References come from
+the fault-free engine; the idle invariant holds after every test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.runtime import FaultPlan, FaultRule
+from actors.runtime.faults import FaultInjector
+from frontend.offline import AsyncLLM
+from messages.sampling_params import SamplingParams
+from tests.cancel_harness import (
+    LONG_PROMPT,
+    Run,
+    assert_idle,
+    clean_llm,  # noqa: F401 (a fixture)
+    engine_config,
+    gate,
+    model_dir,  # noqa: F401 (a fixture)
+    start,
+    stop_string_at,
+    wait_for,
+    wait_state,
+)
+
+PROMPTS = [[5, 6, 7], [100, 200, 300, 400], LONG_PROMPT, [42] * 20, [9, 8, 7, 6, 5, 4, 3, 2]]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+    SamplingParams(temperature=0.7, seed=2, max_tokens=16, min_tokens=4, repetition_penalty=1.2, ignore_eos=True),
+]
+WORKLOAD = [(p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(PROMPTS * 3)]
+STOP_BASE = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+async def outcomes(llm: AsyncLLM, workload=WORKLOAD) -> list[Run]:
+    runs = [start(llm, prompt, params) for prompt, params in workload]
+    for run in runs:
+        await run.done(timeout=60)
+    return runs
+
+
+def key(run: Run) -> tuple:
+    return run.token_ids, run.text, run.finished.finish_reason
+
+
+@pytest.fixture(scope="module")
+async def reference(clean_llm):  # noqa: F811
+    return [key(r) for r in await outcomes(clean_llm)]
+
+
+def assert_clean_failures(runs: list[Run], reference: list[tuple]) -> int:
+    """Every request ended; a failed one got a prefix of its fault-free output and says why. Returns the failures."""
+    failed = 0
+    for run, (tokens, text, reason) in zip(runs, reference, strict=True):
+        if run.finished.finish_reason == "error":
+            failed += 1
+            assert "lost output" in run.finished.error or "seq" in run.finished.error, run.finished.error
+            assert run.token_ids == tokens[: len(run.token_ids)] and text.startswith(run.text)
+        else:
+            assert key(run) == (tokens, text, reason)
+    return failed
+
+
+# ---------------------------------------------------------------- duplicates, delays, lost Aborts
+
+LOSSY = FaultPlan(
+    seed=3,
+    rules=[
+        FaultRule(link="detokenizer->scheduler", msg_type="Abort", action="drop"),
+        FaultRule(link="client->scheduler", msg_type="Abort", action="reorder", delay_ms=60_000),
+        *(
+            FaultRule(msg_type=t, action="duplicate", probability=0.3)
+            for t in ("AddRequest", "StepOutputs", "AbortAck", "TextOutputs", "Finished")
+        ),
+        FaultRule(msg_type="*Outputs", action="delay", probability=0.1, delay_ms=5),
+    ],
+)
+
+
+@pytest.fixture(scope="module")
+async def lossy(model_dir):  # noqa: F811
+    """Every link duplicates and delays; the detokenizer's Aborts are lost; the client's Aborts are
+    held back until its next message (the next ask, in these tests)."""
+    config = engine_config(model_dir, abort_timeout_s=1.0, max_abort_tries=2)
+    async with AsyncLLM(config, fault_plan=LOSSY) as llm:
+        yield llm
+
+
+@pytest.fixture
+async def lossy_llm(lossy):
+    yield lossy
+    gate(lossy, None)
+    await assert_idle(lossy)
+    assert lossy.client.outputs_after_finished == 0
+
+
+async def test_duplicates_and_delays_change_no_output(lossy_llm, reference):
+    runs = await outcomes(lossy_llm)
+    assert [key(r) for r in runs] == reference
+    assert lossy_llm.client.duplicates > 0, "the plan duplicated TextOutputs"
+
+
+async def stop_case(llm: AsyncLLM) -> tuple[Run, str, int]:
+    free = start(llm, [11, 12, 13], STOP_BASE)
+    await free.done()
+    stop, j = stop_string_at(llm.tokenizer, free.token_ids)
+    return free, stop, j
+
+
+async def test_lost_stop_abort_leaves_every_later_step_stale(lossy_llm):
+    """The stop string is found in token j but its Abort is lost: the engine runs the request to
+    max_tokens, k steps ahead of the client's Finished; all k outputs are stale, dropped, never
+    forwarded, and the terminal entry closes the tombstone."""
+    free, stop, j = await stop_case(lossy_llm)
+    engine0, detok0 = await lossy_llm.fresh_stats()
+    run = start(lossy_llm, [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    fin = await run.done()
+    assert (fin.finish_reason, run.token_ids) == ("stop", free.token_ids[: j + 1])
+    assert run.text == free.text[: free.text.index(stop)]
+    await assert_idle(lossy_llm)
+    engine1, detok1 = await lossy_llm.fresh_stats()
+    assert detok1.stale_outputs_dropped_total - detok0.stale_outputs_dropped_total == 24 - (j + 1)
+    assert engine1.late_aborts_total == engine0.late_aborts_total, "no Abort reached the engine"
+
+
+async def test_unanswered_abort_tombstone_is_dropped_after_bounded_tries(lossy_llm):
+    """I7: the engine is held after the stop step, so no terminal message comes; the lost Abort is
+    re-sent (lost again) and after max_abort_tries the tombstone is dropped. The request's later
+    outputs then belong to nobody: protocol violations, counted and dropped."""
+    _, stop, j = await stop_case(lossy_llm)
+    _, detok0 = await lossy_llm.fresh_stats()
+    gate(lossy_llm, 0)
+    run = start(lossy_llm, [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    await wait_state(lossy_llm, held_steps=1)
+    gate(lossy_llm, j + 1)
+    assert (await run.done()).finish_reason == "stop"
+    await wait_for(lambda: (s := lossy_llm.client.detok_stats) is not None and s.num_tombstones == 1, what="tombstone")
+    await wait_for(lambda: lossy_llm.client.detok_stats.num_tombstones == 0, timeout=10, what="tombstone dropped")
+    state = await wait_state(lossy_llm, running=1, held_steps=1)  # the engine never heard of the abort
+    assert state["requests"] == 1
+    gate(lossy_llm, None)
+    await assert_idle(lossy_llm)
+    _, detok1 = await lossy_llm.fresh_stats()
+    assert detok1.protocol_violations_total - detok0.protocol_violations_total >= 24 - (j + 1)
+
+
+async def test_abort_delayed_past_the_natural_end_is_counted_late(lossy_llm):
+    engine0, _ = await lossy_llm.fresh_stats()
+    run = start(lossy_llm, [7, 8, 9], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    await run.wait_tokens(1)
+    lossy_llm.abort(run.request_id)  # held on the link until the client's next message
+    fin = await run.done()
+    assert (fin.finish_reason, len(run.token_ids)) == ("length", 4)
+    await wait_state(lossy_llm)  # this ask releases the Abort behind it
+    await wait_state(lossy_llm)  # this one proves it was handled
+    engine1, _ = await lossy_llm.fresh_stats()
+    assert engine1.late_aborts_total - engine0.late_aborts_total == 1
+
+
+# ---------------------------------------------------------------- reorders
+
+REORDER = FaultPlan(
+    seed=5,
+    rules=[
+        FaultRule(link="scheduler->detokenizer", action="reorder", delay_ms=200),
+        FaultRule(link="detokenizer->client", msg_type="TextOutputs", action="reorder", delay_ms=200),
+        FaultRule(link="client->scheduler", msg_type="AddRequest", action="reorder", delay_ms=200),
+        FaultRule(link="detokenizer->scheduler", msg_type="Abort", action="reorder", delay_ms=60_000),
+    ],
+)
+
+
+@pytest.fixture(scope="module")
+async def reorder(model_dir):  # noqa: F811
+    """Every message on every request-path link is swapped with the next one (or held 200 ms);
+    the detokenizer's Aborts wait for the next Abort (its I7 re-send, at the latest)."""
+    async with AsyncLLM(engine_config(model_dir, abort_timeout_s=0.3), fault_plan=REORDER) as llm:
+        yield llm
+
+
+@pytest.fixture
+async def reorder_llm(reorder):
+    yield reorder
+    await assert_idle(reorder)
+    assert reorder.client.outputs_after_finished == 0
+
+
+async def test_reorders_fail_the_requests_they_hit_cleanly(reorder_llm, reference):
+    runs = await outcomes(reorder_llm)
+    assert assert_clean_failures(runs, reference) > 0
+    assert reorder_llm.client.gaps + sum("seq" in r.finished.error for r in runs if r.finished.error) > 0
+
+
+async def test_an_abort_that_overtakes_its_request_still_ends_it(reorder_llm):
+    engine0, _ = await reorder_llm.fresh_stats()
+    run = start(reorder_llm, [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    await wait_for(lambda: run.request_id in reorder_llm.client.streams, what="AddRequest sent")
+    reorder_llm.abort(run.request_id)  # overtakes the AddRequest held on the link
+    fin = await run.done()
+    assert run.token_ids == []
+    if fin.finish_reason == "error":  # the AbortAck overtook the registration too: its text is "lost"
+        assert "before the request was registered" in fin.error
+    else:
+        assert (fin.finish_reason, fin.stop_reason) == ("abort", "client")
+    engine1, _ = await reorder_llm.fresh_stats()
+    assert engine1.late_aborts_total - engine0.late_aborts_total == 1  # an Abort for an id not yet added
+    assert engine1.generation_tokens_total == engine0.generation_tokens_total, "never scheduled"
+
+
+# ---------------------------------------------------------------- lost StepOutputs
+
+
+def drop_plan(p: float = 0.08) -> tuple[FaultPlan, int, int]:
+    """A plan that drops StepOutputs d1 and d2 (5 <= d1 <= 15, d1 + 4 <= d2 <= d1 + 10) and no other
+    of the first d2 + 40: found by replaying the injector, which draws once per StepOutputs. The
+    detokenizer's Aborts are held until the next one (an I7 re-send, if nothing else)."""
+    for seed in range(100_000):
+        rules = [FaultRule(link="scheduler->detokenizer", msg_type="StepOutputs", action="drop", probability=p)]
+        injector = FaultInjector(FaultPlan(seed=seed, rules=rules))
+        drops = [i for i in range(120) if injector.decide("scheduler->detokenizer", "StepOutputs")]
+        fits = len(drops) >= 2 and 5 <= drops[0] <= 15 and 4 <= drops[1] - drops[0] <= 10
+        if fits and (len(drops) == 2 or drops[2] > drops[1] + 40):
+            held = FaultRule(link="detokenizer->scheduler", msg_type="Abort", action="reorder", delay_ms=60_000)
+            return FaultPlan(seed=seed, rules=[*rules, held]), drops[0], drops[1]
+    raise AssertionError("no seed fits")
+
+
+async def test_lost_step_outputs_fail_only_the_requests_in_them(model_dir, clean_llm):  # noqa: F811
+    """Sync scheduling, every step let through by the gate, so step numbers are known (step 0 is the
+    engine's idle marker at start). Step d1 holds tokens of A and B: both fail on the gap and the
+    engine aborts them (their Aborts ride on each other). Step d2 holds only T's terminal entry: the
+    idle marker after it shows the gap, T fails once the loss is certain, its Abort comes late
+    (re-sent: the first one is held back) and its tombstone expires (I7). C before and E after are
+    untouched."""
+    plan, d1, d2 = drop_plan()
+    long, short = (
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+    )
+    m = d2 - d1 - 2  # T is admitted in step d1 + 3: its terminal entry is in step d2
+    config = engine_config(model_dir, async_scheduling=False, abort_timeout_s=0.3)
+    async with AsyncLLM(config, fault_plan=plan) as llm:
+        gate(llm, 0)
+        a = start(llm, [31, 32], long)
+        await wait_state(llm, held_steps=1)  # step 1: A
+        b, c = start(llm, [33, 34], long), start(llm, [35, 36], short)
+        await wait_state(llm, waiting=2)
+        gate(llm, d1 + 1)  # steps 1 .. d1 + 1; B and C from step 2, C done in step 4
+        for run in (a, b):
+            fin = await run.done()
+            assert fin.finish_reason == "error" and "seq" in fin.error
+        await wait_state(llm, running=0, held_steps=1)  # both aborted while step d1 + 2 is held
+        engine0, _ = await llm.fresh_stats()
+        t = start(llm, [37, 38], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        await wait_state(llm, waiting=1)
+        gate(llm, 1 + m)
+        fin = await t.done()
+        assert fin.finish_reason == "error" and "lost" in fin.error and len(t.token_ids) == m - 1
+        gate(llm, None)
+        e = start(llm, [39, 40], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        await e.done()
+        await assert_idle(llm)
+        engine1, _ = await llm.fresh_stats()
+        assert engine1.late_aborts_total - engine0.late_aborts_total >= 2, "T's Abort was re-sent"
+    for run, prompt, params in ((a, [31, 32], long), (b, [33, 34], long), (c, [35, 36], short), (e, [39, 40], None)):
+        ref = start(clean_llm, prompt, params or SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        await ref.done()
+        if run in (c, e):
+            assert (run.token_ids, run.finished.finish_reason) == (ref.token_ids, "length")
+        else:
+            assert run.token_ids == ref.token_ids[: len(run.token_ids)] and len(run.token_ids) == d1 - 1 - (run is b)
