@@ -187,7 +187,7 @@ class RequestTable:
             if now - t.since < self.abort_timeout_s:
                 continue
             if t.tries >= self.max_abort_tries:
-                log.error("[%s] no Finished after %d aborts; tombstone dropped", rid, t.tries)
+                log.error("[%s] no Finished in time (%s); tombstone dropped", rid, t.reason)
                 del self.tombstones[rid]
             else:
                 t.tries, t.since = t.tries + 1, now
