@@ -72,9 +72,9 @@ def reference(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return ids.gather(1, choice).squeeze(1)
 
 
-def timed(fns: dict, base: torch.Tensor, reps: int) -> dict[str, float]:
-    """Median seconds of each fn(logits), interleaved so that load on a shared machine hits them alike; each call
-    gets a fresh copy of the logits (the sampler works in place)."""
+def timed(fns: dict, base: torch.Tensor, reps: int, stat=statistics.median) -> dict[str, float]:
+    """Seconds of each fn(logits) (median, or `stat`), interleaved so that load on a shared machine hits them
+    alike; each call gets a fresh copy of the logits (the sampler works in place)."""
     x = base.clone()
     times = {name: [] for name in fns}
     for _ in range(reps + 1):
@@ -87,7 +87,7 @@ def timed(fns: dict, base: torch.Tensor, reps: int) -> dict[str, float]:
             if x.is_cuda:
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t[1:]) for name, t in times.items()}
+    return {name: stat(t[1:]) for name, t in times.items()}
 
 
 def main() -> None:
@@ -99,12 +99,14 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true", help="skip the (slow) sort-based reference")
     ap.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     ap.add_argument("--vocabs", type=int, nargs="*", help="override the vocabulary sizes")
+    ap.add_argument("--stat", choices=["median", "min"], default="median", help="min: best of the repetitions")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches, vocabs = ([1, 32], [128256]) if args.quick else ([1, 8, 32, 128, 256], [49152, 128256, 151936])
     batches, vocabs = args.batches or batches, args.vocabs or vocabs
     sampler = Sampler()
-    print(f"device={args.device} threads={args.threads} logits={args.logits}; ms per step (median)")
+    stat = min if args.stat == "min" else statistics.median
+    print(f"device={args.device} threads={args.threads} logits={args.logits}; ms per step ({args.stat})")
     print(
         f"{'B':>4} {'V':>7} {'argmax':>9} {'sampler':>9} {'ratio':>6} {'reference':>10} {'ref/argmax':>10} {'build':>7}"
     )
@@ -116,10 +118,11 @@ def main() -> None:
             t0 = time.perf_counter()
             meta = SamplingMetadata.build(rows, v, args.device)
             build = time.perf_counter() - t0
-            t = timed({"argmax": lambda x: x.argmax(-1), "sampler": lambda x, m=meta: sampler(x, m)}, base, reps)
+            fns = {"argmax": lambda x: x.argmax(-1), "sampler": lambda x, m=meta: sampler(x, m)}
+            t = timed(fns, base, reps, stat)
             t_argmax, t_sampler = t["argmax"], t["sampler"]
             ref_fn = {"ref": lambda x, r=rows: reference(x, r)}
-            ref = "-" if args.no_reference else timed(ref_fn, base, min(reps, 3))["ref"] * 1e3
+            ref = "-" if args.no_reference else timed(ref_fn, base, min(reps, 3), stat)["ref"] * 1e3
             ref_ratio = "-" if args.no_reference else f"{ref / (t_argmax * 1e3):.0f}x"
             ref = ref if isinstance(ref, str) else f"{ref:.2f}"
             print(

@@ -89,10 +89,10 @@ class Sampler:
         draw = argmax.clone()
         rows = meta.mass_rows  # drawn over the whole vocabulary; top-p-only rows are redrawn in their window below
         if rows.numel():
-            sub = cols.index_select(0, rows)
-            block_mass = vocab_mass(blocks, rows, sub, self._buffer("vocab", rows.numel(), blocks.x))
+            sub, e = cols.index_select(0, rows), self._buffer("vocab", rows.numel(), blocks.x)
+            block_mass = vocab_mass(blocks, rows, sub, out=e)
             cols[:, MASS].index_copy_(0, rows, block_mass.sum(-1))
-            draw.index_copy_(0, rows, draw_vocab(blocks, rows, block_mass, sub))
+            draw.index_copy_(0, rows, draw_vocab(e, block_mass, sub))
         dynamic = blocks.x.is_cpu if self.dynamic_fallback is None else self.dynamic_fallback
         if dynamic:  # the rows that did not fit, level by level (data-dependent subsets: CPU only)
             rows = meta.window_rows

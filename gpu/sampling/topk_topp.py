@@ -82,19 +82,21 @@ def invert_cdf(w: torch.Tensor, u: torch.Tensor, residual: bool = False):
 def draw_window(values: torch.Tensor, ids: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw from the rows' window (logits sorted descending, [n, k]) after temperature, min-p, top-k, top-p.
 
-    A MASS > 0 marks a top-p-only row: its nucleus is measured against the whole-vocabulary mass. Returns
-    (token ids, fits): fits is False where the kept set may reach beyond the window, and that row's token must
-    come from a wider window instead.
+    Each truncation keeps a prefix of the sorted window, so a row keeps its first n tokens. A MASS > 0 marks a
+    top-p-only row: its nucleus is measured against the whole-vocabulary mass. Returns (token ids, fits): fits is
+    False where the kept set may reach beyond the window, and that row's token must come from a wider window.
     """
     t, top_k, top_p, min_p, u, mass = cols.unbind(1)
     k = values.shape[1]
     e = ((values - values[:, :1]) / t[:, None]).exp()  # probability relative to the top token (float64)
-    w = e * ((e >= min_p[:, None]) & (torch.arange(k, device=e.device) < top_k[:, None]))  # min-p, then top-k
-    c = w.cumsum(-1)
-    z = torch.where(mass > 0, mass, c[:, -1])
-    w = w * (c - w < (top_p * z)[:, None])  # top-p: keep while the mass before a token is below p
-    fits = torch.where(mass > 0, c[:, -1] >= top_p * z, (top_k <= k) | (e[:, -1] < min_p))
-    return ids.gather(1, invert_cdf(w, u)[:, None]).squeeze(1), fits
+    c = e.cumsum(-1)
+    n = torch.minimum((e >= min_p[:, None]).sum(-1), top_k.long()).clamp_(1, k)  # min-p, then top-k
+    top_p_only = mass > 0
+    pz = top_p * torch.where(top_p_only, mass, c.gather(1, n[:, None] - 1).squeeze(1))
+    n = torch.minimum(n, (c - e < pz[:, None]).sum(-1)).clamp_(min=1)  # top-p keeps the token that crosses p
+    fits = torch.where(top_p_only, c[:, -1] >= pz, (top_k <= k) | (e[:, -1] < min_p))
+    i = torch.searchsorted(c, u[:, None] * c.gather(1, n[:, None] - 1), right=True)  # inverse CDF of the kept set
+    return ids.gather(1, torch.minimum(i, n[:, None] - 1)).squeeze(1), fits
 
 
 def kept_lower_bound(blocks: Blocks, rows: torch.Tensor, cols: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -134,18 +136,18 @@ def threshold_window(blocks: Blocks, rows: torch.Tensor, theta: torch.Tensor) ->
 
 
 def vocab_mass(blocks: Blocks, rows: torch.Tensor, cols: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Block sums [n, nb] (float64) of exp((x - max) / T) over the whole rows (out: a [n, nb * BLOCK] scratch)."""
+    """exp((x - max) / T) of the whole rows into out ([n, nb * BLOCK], float32); returns their block sums [n, nb]."""
     e = torch.index_select(blocks.x, 0, rows, out=out)
     e.sub_(blocks.row_max[rows, None]).div_(cols[:, T, None].float()).exp_()
     return e.view(len(rows), -1, BLOCK).sum(-1).double()
 
 
-def draw_vocab(blocks: Blocks, rows: torch.Tensor, block_mass: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Draw over the whole vocabulary: a block by its mass, then a token inside it with the residual uniform."""
+def draw_vocab(e: torch.Tensor, block_mass: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Draw over the whole vocabulary (e, block_mass from `vocab_mass`): a block by its mass, then a token inside
+    it with the residual uniform."""
     blk, r = invert_cdf(block_mass, cols[:, U], residual=True)
-    vals = blocks.blocks[rows, blk]  # [n, BLOCK]
-    e = ((vals - blocks.row_max[rows, None]) / cols[:, T, None]).exp()
-    return blk * BLOCK + invert_cdf(e, r)
+    w = e.view(len(e), -1, BLOCK)[torch.arange(len(e), device=e.device), blk].double()  # [n, BLOCK]
+    return blk * BLOCK + invert_cdf(w, r)
 
 
 def flashinfer_available(x: torch.Tensor) -> bool:
