@@ -49,6 +49,7 @@ class Actor:
         self._tasks: asyncio.TaskGroup | None = None
         self._owned: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
+        self.started = asyncio.Event()  # set once on_start returned: the actor is Ready
         self._handlers: dict[type, Handler] = {}
 
     # ------------------------------------------------------------ to override
@@ -106,6 +107,7 @@ class Actor:
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             await self.on_start()
+            self.started.set()
             self.spawn(self._receive())
             await self._stopped.wait()
             for task in list(self._owned):

@@ -83,9 +83,8 @@ async def _serve(config: ChildConfig) -> int:
         async with asyncio.TaskGroup() as tasks:
             for actor in actors:
                 tasks.create_task(actor.run(router))
-            await asyncio.sleep(0)  # let every actor bind its inbox before announcing
-            while any(a.inbox is None for a in actors):
-                await asyncio.sleep(0.001)
+            # Ready only once every on_start returned (model loaded): a failing start fails fast
+            await asyncio.gather(*(a.started.wait() for a in actors))
             for actor in actors:
                 router.send(actor.name, SUPERVISOR, Ready(actor=actor.name, pid=os.getpid()))
         return EXIT_OK
