@@ -1,7 +1,8 @@
 """SamplingMetadata: one step's per-row sampling parameters as tensors, built once per step from host lists.
 
-Everything data-dependent that the sampler's branches need (all_greedy, which rows are dense / windowed / seeded,
-the largest logprobs count) is decided here on the host, so the sampler never reads a tensor value back.
+Everything the sampler's branches depend on (all_greedy; which rows are drawn over the whole vocabulary, in the
+window, or from their own generator; the largest logprobs count) is decided here on the host, so the sampler never
+reads a tensor value back to choose a path.
 Per-token work here is proportional to the ids a row names (bias, allowed ids, bad words, penalty tokens), never to
 the vocabulary.
 """
@@ -33,7 +34,7 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # or an int64 numpy array kept per request: no per-step conversion then
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # set for seeded requests (make_generator)
     eos_token_ids: list[int] = field(default_factory=list)
@@ -82,13 +83,13 @@ class SamplingMetadata:
     uncovered_rows: torch.Tensor  # the other window rows: their kept set may reach beyond the window
     seeded_rows: torch.Tensor  # the random rows with a generator of their own ...
     generators: list[torch.Generator]  # ... and those generators, in the same order
+    logprob_rows: torch.Tensor  # the rows that asked for logprobs
+    max_num_logprobs: int | None  # N of the top-N logprobs (the largest asked); None = no row asked
     allowed: TokenEntries | None = None
     bad_words: TokenEntries | None = None
     min_tokens: TokenEntries | None = None
     logit_bias: TokenEntries | None = None
     penalties: PenaltyTokens | None = None
-    max_num_logprobs: int | None = None  # N of the top-N logprobs; None = no row asked
-    logprob_rows: torch.Tensor | None = None  # the rows that asked
 
     @classmethod
     def build(
@@ -126,13 +127,13 @@ class SamplingMetadata:
             uncovered_rows=_put([i for i in window_rows if top_k[i] > window], torch.int64, device),
             seeded_rows=_put(seeded, torch.int64, device),
             generators=[rows[i].generator for i in seeded],
+            logprob_rows=_put(logprob_rows, torch.int64, device),
+            max_num_logprobs=max((ps[i].logprobs for i in logprob_rows), default=None),
             allowed=allowed.tensors(device),
             bad_words=bad_words.tensors(device),
             min_tokens=min_tokens.tensors(device),
             logit_bias=logit_bias.tensors(device),
             penalties=_penalties(rows, device),
-            max_num_logprobs=max((ps[i].logprobs for i in logprob_rows), default=None),
-            logprob_rows=_put(logprob_rows, torch.int64, device),
         )
 
 
