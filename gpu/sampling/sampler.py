@@ -61,6 +61,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        assert logits.shape[1] == meta.vocab_size, "one logit per vocabulary entry"
         x = logits.float().contiguous()
         raw = self._raw_logprobs(x, meta) if meta.max_num_logprobs is not None else None
         x = self._whole_blocks(x)
