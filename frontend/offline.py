@@ -61,7 +61,8 @@ class ClientActor(Actor):
     A duplicate delta is dropped; a gap (a lost or reordered TextOutputs, or a Finished that reports
     more tokens than arrived) ends the stream with an error, and the engine is told to abort it.
     Output for a stream that has ended is counted: `outputs_after_finished` when it brings tokens past
-    a complete Finished (a protocol bug), `late_outputs` otherwise (a duplicate, or a stream ended here)."""
+    the count its Finished reported (a protocol bug), `late_outputs` otherwise (a duplicate, a message
+    the link reordered behind the Finished, or a stream ended here)."""
 
     name = CLIENT
 
@@ -106,7 +107,7 @@ class ClientActor(Actor):
             self._fail(rid, f"lost output: {msg.num_output_tokens} tokens, {stream.received} received", abort=False)
         else:
             self._end(rid, msg)
-            self.ended[rid] = stream.received + len(msg.token_ids)
+            self.ended[rid] = max(stream.received + len(msg.token_ids), msg.num_output_tokens)
             if len(self.ended) > ENDED_IDS:
                 del self.ended[next(iter(self.ended))]
 

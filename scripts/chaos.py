@@ -165,7 +165,13 @@ def compare(jobs: list[Job], reference: list[Outcome], chaos: list[Outcome]) -> 
         else:
             report.counts["natural"] += 1
             if (got.token_ids, got.text, got.reason) != (ref.token_ids, ref.text, ref.reason):
-                report.problems.append(f"job {job.index}: {got.reason} output differs from the fault-free run")
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids, strict=False)) if a != b), None
+                )
+                report.problems.append(
+                    f"job {job.index}: {got.reason} output differs from the fault-free run ({ref.reason}): "
+                    f"{len(got.token_ids)} vs {len(ref.token_ids)} tokens, first difference at {at}, {job.params}"
+                )
     return report
 
 

@@ -9,7 +9,7 @@ neither live nor tombstoned are protocol violations: logged, counted, dropped.
 Cases (state x event -> action):
   LIVE       entry                -> TextDelta (+ Finished when terminal: CLOSED)
   LIVE       entry with stop str  -> Finished(stop) to the client now, Abort(stop) to the scheduler: TOMBSTONED
-  LIVE       entry with a seq gap -> Finished(error) now, Abort(error): TOMBSTONED (a StepOutputs lost or reordered)
+  LIVE       entry with a seq gap -> Finished(error) now, without its tokens; Abort(error): TOMBSTONED
   LIVE       entry seen before    -> dropped (its seq is behind: a duplicate)
   LIVE       AbortAck             -> Finished(abort) to the client: CLOSED
   LIVE       a step it may have been in is lost -> Finished(error), Abort(error): TOMBSTONED (see Steps)
@@ -24,15 +24,16 @@ Cases (state x event -> action):
   any        Shutdown             -> handles messages on until every request is closed (the scheduler aborts them
                                      all), at most SHUTDOWN_DRAIN_S; what is left ends as abort
 
-Steps. The scheduler sends one StepOutputs per engine step, numbered; step 0 starts a new engine
-incarnation. A number seen before is a duplicate message, dropped whole. A skipped number is
-missing: if it arrives late it was reordered, and its entries are handled as usual (the per-request
-seq checks already failed the requests it displaced). Still missing LOST_AFTER_STEPS steps later or
-after LOST_AFTER_S, it is lost: it may have held the tokens or the terminal entry of any live request
-not heard from since, so those fail; the engine acks the ones it still runs, and the tombstones of
-the ones it had finished expire by I7. Reorders are not repaired by buffering: a link is one FIFO
-ZMQ pipe, so a reorder means a fault or a bug, and failing cleanly (DESIGN I6) keeps the hot path
-free of a reorder buffer and its timer.
+Steps. The scheduler sends one StepOutputs per engine step, and one as it goes idle, numbered
+(actors.protocol.StepNumbers; step 0 starts a new engine incarnation). A number seen before is a
+duplicate message, dropped whole. A skipped number is missing: if it arrives late it was reordered,
+and its entries are handled as usual (the per-request seq checks already failed the requests it
+displaced). Still missing two steps later or after a second, it is lost: it may have held the tokens
+or the terminal entry of any live request not heard from since, so those fail (conservatively: a
+request waiting in the engine's queue fails too); the engine acks the ones it still runs, and the
+tombstones of the ones it had finished expire by I7. Reorders are not repaired by buffering: a link
+is one FIFO ZMQ pipe, so a reorder means a fault or a bug, and failing cleanly (DESIGN I6) keeps the
+hot path free of a reorder buffer and its timer.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import token_table
 from actors.detokenizer.request_state import DetokRequestState
+from actors.protocol import RecentIds, StepNumbers
 from actors.runtime import Actor
 from messages.wire import (
     Abort,
@@ -64,10 +66,7 @@ from messages.wire import (
 log = logging.getLogger("sluice.detokenizer")
 
 SCHEDULER = "scheduler"
-LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
-LOST_AFTER_S = 1.0
 SHUTDOWN_DRAIN_S = 5.0
-RECENT_IDS = 1 << 16
 CLOSED, ORPHAN, ORPHAN_ENDED = "closed", "orphan", "orphan-ended"  # `recent`: what became of an id not live
 
 
@@ -100,9 +99,8 @@ class DetokenizerActor(Actor):
         self.clients: dict[str, str] = {}  # request id -> the actor that receives its text
         self.heard: dict[str, int] = {}  # request id -> the last step it was registered by or had an entry in
         self.tombstones: dict[str, Tombstone] = {}
-        self.recent: dict[str, str] = {}  # the last RECENT_IDS ids that are not live, oldest first
-        self.next_step: int | None = None
-        self.missing: dict[int, float] = {}  # step -> when it was found missing
+        self.recent = RecentIds()  # ids not live: CLOSED | ORPHAN | ORPHAN_ENDED
+        self.steps = StepNumbers()
         self.stale_dropped = 0
         self.violations = 0
         self.duplicate_steps = 0
@@ -132,12 +130,12 @@ class DetokenizerActor(Actor):
         self.recent.pop(rid, None)
         self.live[rid] = DetokRequestState(msg, self.tokenizer)
         self.clients[rid] = msg.client
-        self.heard[rid] = -1 if self.next_step is None else self.next_step - 1
+        self.heard[rid] = self.steps.last
         if before is not None:  # outputs overtook the registration: they are gone
             self._fail(rid, "engine output arrived before the request was registered", abort=before == ORPHAN)
 
     def on_step(self, msg: StepOutputs) -> None:
-        if msg.step >= 0 and not self._track(msg.step):
+        if msg.step >= 0 and not self.steps.accept(msg.step):
             self.duplicate_steps += 1
             return
         batches: dict[str, TextOutputs] = {}
@@ -191,10 +189,9 @@ class DetokenizerActor(Actor):
             for rid in list(self.live):
                 self._fail(rid, "the engine died", abort=False)
             for rid in self.tombstones:
-                self._remember(rid, CLOSED)
+                self.recent.remember(rid, CLOSED)
             self.tombstones.clear()
-            self.next_step = None
-            self.missing.clear()
+            self.steps.reset()
         else:
             for rid in [r for r, c in self.clients.items() if c == msg.actor and r in self.live]:
                 self._close(rid)
@@ -235,7 +232,7 @@ class DetokenizerActor(Actor):
         self.live.pop(rid, None)
         self.clients.pop(rid, None)
         self.heard.pop(rid, None)
-        self._remember(rid, CLOSED)
+        self.recent.remember(rid, CLOSED)
 
     def _fail(self, rid: str, error: str, abort: bool) -> None:
         """End a LIVE request with an error; with `abort`, the engine still runs it: TOMBSTONED."""
@@ -253,38 +250,17 @@ class DetokenizerActor(Actor):
     def _close_tombstone(self, rid: str) -> None:
         self.tombstones.pop(rid, None)
 
-    def _remember(self, rid: str, what: str) -> None:
-        self.recent[rid] = what
-        if len(self.recent) > RECENT_IDS:
-            del self.recent[next(iter(self.recent))]
-
     def _violation(self, rid: str, what: str, ended: bool = False) -> None:
         self.violations += 1
         log.info("[%s] protocol violation: %s for an id neither live nor tombstoned; dropped", rid, what)
         before = self.recent.get(rid)
         if before is None or before == ORPHAN:
-            self._remember(rid, ORPHAN_ENDED if ended else ORPHAN)
-
-    def _track(self, step: int) -> bool:
-        """Message-level check of the step numbers: False for a duplicate message."""
-        if self.next_step is None or (step == 0 and self.next_step > 1):  # a new engine incarnation
-            self.missing.clear()
-        elif step >= self.next_step:
-            now = time.monotonic()
-            for s in range(self.next_step, step):
-                self.missing[s] = now
-        else:
-            return self.missing.pop(step, None) is not None  # a late (reordered) message, or a duplicate
-        self.next_step = step + 1
-        return True
+            self.recent.remember(rid, ORPHAN_ENDED if ended else ORPHAN)
 
     def _find_lost(self) -> None:
-        now, last = time.monotonic(), (self.next_step or 0) - 1
-        lost = [s for s, t in self.missing.items() if last - s >= LOST_AFTER_STEPS or now - t >= LOST_AFTER_S]
+        lost = self.steps.lost()
         if not lost:
             return
-        for s in lost:
-            del self.missing[s]
         self.lost_steps += len(lost)
         suspects = [rid for rid, step in self.heard.items() if step < max(lost)]
         log.error("engine steps %s lost: failing %d requests that may have been in them", lost, len(suspects))

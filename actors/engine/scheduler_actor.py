@@ -20,7 +20,7 @@ Abort cases (DESIGN section 3; request state at the scheduler x event -> action)
 Every AbortAck is sent after the StepOutputs of the step that last touched the request (one FIFO link).
 Every executed step sends one StepOutputs (possibly without entries), numbered by `step`, and so does
 the engine each time it goes idle: the detokenizer tells duplicates and lost messages by those numbers.
-The last `RECENT_IDS` ids are remembered.
+The last 65536 ids are remembered (RecentIds).
 
 Test hook (`EngineConfig.step_gate`): a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
 a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile.
@@ -41,6 +41,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
+from actors.protocol import RecentIds, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
@@ -62,7 +63,6 @@ from messages.wire import (
 
 log = logging.getLogger("sluice.engine")
 
-RECENT_IDS = 1 << 16
 ADDED = "\0added"  # in `recent`: the request was added; otherwise the reason of an Abort that came first
 
 
@@ -89,19 +89,17 @@ class SchedulerActor(Actor):
         self.late_aborts = 0
         self.abort_reasons: dict[str, str] = {}
         self.silent: set[str] = set()
-        self.recent: dict[str, str] = {}  # the last RECENT_IDS ids seen, oldest first
+        self.recent = RecentIds()  # ids seen
         self.duplicates = 0
         self.admitting = True
-        self.gate: int | None = None  # steps that may still be postprocessed (None: no limit)
-        self._gate_moved = asyncio.Event()
-        self._holding = False  # a step is executed and waits at the gate
+        self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
 
     def handlers(self):
         table = {AddRequest: self.on_add, Abort: self.on_abort, ActorDown: self.on_actor_down, CheckIdle: self.on_check}
         if self.config.step_gate:
-            table[Probe] = self.on_gate
+            table[Probe] = lambda msg: self.gate.set(None if msg.seq < 0 else msg.seq)
         return table
 
     async def on_start(self) -> None:
@@ -136,7 +134,7 @@ class SchedulerActor(Actor):
             self.duplicates += 1
             log.warning("[%s] duplicate AddRequest dropped", rid)
             return
-        self._remember(rid, ADDED)
+        self.recent.remember(rid, ADDED)
         self.tell(self.config.detokenizer, msg)  # registration precedes every output (FIFO link)
         if early_abort is not None:
             log.info("[%s] aborted before it arrived (%s)", rid, early_abort)
@@ -178,12 +176,7 @@ class SchedulerActor(Actor):
             self.late_aborts += 1
             log.debug("[%s] late abort (%s) ignored", msg.request_id, msg.reason)
             if msg.request_id not in self.recent:
-                self._remember(msg.request_id, msg.reason)
-
-    def _remember(self, rid: str, what: str) -> None:
-        self.recent[rid] = what
-        if len(self.recent) > RECENT_IDS:
-            del self.recent[next(iter(self.recent))]
+                self.recent.remember(msg.request_id, msg.reason)
 
     def on_actor_down(self, msg: ActorDown) -> None:
         if msg.actor != self.config.detokenizer:
@@ -200,26 +193,13 @@ class SchedulerActor(Actor):
         details["abort_reasons"] = len(self.abort_reasons)
         details["silent_aborts"] = len(self.silent)
         details["pending_asks"] = self.pending_asks
-        details["gate_permits"] = self.gate or 0
-        details["held_steps"] = int(self._holding)
+        details["gate_permits"] = self.gate.permits or 0
+        details["held_steps"] = int(self.gate.holding)
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
-
-    def on_gate(self, msg: Probe) -> None:
-        self.gate = None if msg.seq < 0 else msg.seq
-        self._gate_moved.set()
-
-    async def _pass_gate(self) -> None:
-        self._holding = self.gate == 0
-        while self.gate == 0:
-            self._gate_moved.clear()
-            await self._gate_moved.wait()
-        self._holding = False
-        if self.gate is not None:
-            self.gate -= 1
 
     async def on_shutdown(self, reason: str) -> None:
         self.admitting = False
-        self.on_gate(Probe(seq=-1))
+        self.gate.set(None)
         for req in (*self.sched.waiting, *self.sched.running):
             self.on_abort(Abort(request_id=req.request_id, reason="shutdown"))
         deadline = time.monotonic() + 10
@@ -251,7 +231,7 @@ class SchedulerActor(Actor):
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
                 done, future = inflight.popleft()
                 result = await future
-                await self._pass_gate()
+                await self.gate.wait()
                 await self._postprocess(done, result)
             elif not inflight:
                 self._work.clear()

@@ -1,0 +1,87 @@
+"""Bookkeeping for the cancellation protocol (DESIGN section 3): a bounded memory of request ids
+(duplicates and overtaken messages), the StepOutputs numbering (duplicates, reorders, losses), and
+the step gate tests use to hold an engine step in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
+LOST_AFTER_S = 1.0
+
+
+class RecentIds(dict[str, str]):
+    """The last `capacity` request ids, each with a note, oldest forgotten first. Ids are unique for
+    the life of the server (I1), so this tells a duplicate or an overtaken message from a new request."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        super().__init__()
+        self.capacity = capacity
+
+    def remember(self, rid: str, note: str) -> None:
+        self[rid] = note
+        if len(self) > self.capacity:
+            del self[next(iter(self))]
+
+
+class StepNumbers:
+    """The message-level seq check on one link's numbered StepOutputs (step 0 starts an engine incarnation).
+
+    `accept` is False for a duplicate. A skipped number is missing until it arrives late (reordered:
+    accepted) or `lost` declares it lost: LOST_AFTER_STEPS later steps came, or LOST_AFTER_S passed."""
+
+    def __init__(self):
+        self.next: int | None = None
+        self.missing: dict[int, float] = {}  # step -> when it was found missing
+
+    @property
+    def last(self) -> int:
+        """The highest step accepted (-1: none yet)."""
+        return -1 if self.next is None else self.next - 1
+
+    def reset(self) -> None:
+        self.next = None
+        self.missing.clear()
+
+    def accept(self, step: int) -> bool:
+        if self.next is None or (step == 0 and self.next > 1):
+            self.missing.clear()
+        elif step >= self.next:
+            now = time.monotonic()
+            for s in range(self.next, step):
+                self.missing[s] = now
+        else:
+            return self.missing.pop(step, None) is not None  # a late (reordered) message, or a duplicate
+        self.next = step + 1
+        return True
+
+    def lost(self) -> list[int]:
+        now = time.monotonic()
+        gone = [s for s, t in self.missing.items() if self.last - s >= LOST_AFTER_STEPS or now - t >= LOST_AFTER_S]
+        for s in gone:
+            del self.missing[s]
+        return gone
+
+
+class StepGate:
+    """A test hook that makes protocol races deterministic (EngineConfig.step_gate): `set(k)` lets k more
+    steps through `wait()` (None: all). A step held there is executed and still in flight."""
+
+    def __init__(self):
+        self.permits: int | None = None
+        self.holding = False
+        self._moved = asyncio.Event()
+
+    def set(self, permits: int | None) -> None:
+        self.permits = permits
+        self._moved.set()
+
+    async def wait(self) -> None:
+        self.holding = self.permits == 0
+        while self.permits == 0:
+            self._moved.clear()
+            await self._moved.wait()
+        self.holding = False
+        if self.permits is not None:
+            self.permits -= 1
