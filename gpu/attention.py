@@ -39,9 +39,10 @@ class SegmentPlan:
 @dataclass
 class Segment:
     max_q: int
-    q_gather: torch.Tensor  # [rows, max_q] token index of each padded query (padding repeats the row's last token)
-    out_index: torch.Tensor  # [n] token index of each real query ...
-    pad_index: torch.Tensor  # [n] ... and its flat padded position
+    # None when the segment is the whole batch with one query per row (pure decode): queries need no gather/scatter
+    q_gather: torch.Tensor | None  # [rows, max_q] token index of each padded query (padding repeats the last token)
+    out_index: torch.Tensor | None  # [n] token index of each real query ...
+    pad_index: torch.Tensor | None  # [n] ... and its flat padded position
     kv_slots: torch.Tensor  # [rows, max_k] cache slot of each key (padding points at any slot: masked or unused)
     mask: torch.Tensor | None  # [rows, 1, max_q, max_k] key j visible to query i iff j <= ctx_len + i
 
@@ -52,7 +53,7 @@ class Segment:
             device = t["ctx_lens"].device
             last_key = t["ctx_lens"][:, None] + torch.arange(plan.max_q, device=device)
             mask = (torch.arange(plan.max_k, device=device) <= last_key[..., None]).unsqueeze(1)
-        return cls(plan.max_q, t["q_gather"], t["out_index"], t["pad_index"], t["kv_slots"], mask)
+        return cls(plan.max_q, t.get("q_gather"), t.get("out_index"), t.get("pad_index"), t["kv_slots"], mask)
 
 
 @dataclass
@@ -85,13 +86,9 @@ def _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size)
     real = i < q[:, None]
     q_gather = query_start_loc[rows, None] + np.minimum(i, q[:, None] - 1)
     kv_slots = block_tables[rows][:, j // block_size] * block_size + j % block_size
-    arrays = dict(
-        q_gather=q_gather,
-        out_index=q_gather[real],
-        pad_index=np.flatnonzero(real),
-        kv_slots=kv_slots,
-        ctx_lens=k - q,
-    )
+    arrays = dict(kv_slots=kv_slots, ctx_lens=k - q)
+    if max_q > 1 or len(rows) < len(query_lens):
+        arrays.update(q_gather=q_gather, out_index=q_gather[real], pad_index=np.flatnonzero(real))
     masked = max_q > 1 or bool((k != max_k).any())
     return SegmentPlan(len(rows), max_q, max_k, masked, arrays)
 
@@ -117,8 +114,11 @@ def paged_attention(
     keys, values = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     out = torch.empty_like(q)
     for s in meta.segments:
-        qs = q[s.q_gather].transpose(1, 2)  # [rows, heads, max_q, head_dim]
         ks, vs = keys[s.kv_slots].transpose(1, 2), values[s.kv_slots].transpose(1, 2)
+        if s.q_gather is None:  # the only segment: token i is row i's one query
+            o = F.scaled_dot_product_attention(q[:, :, None], ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
+            return o.squeeze(2)
+        qs = q[s.q_gather].transpose(1, 2)  # [rows, heads, max_q, head_dim]
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
         out[s.out_index] = o.transpose(1, 2).flatten(0, 1)[s.pad_index]
     return out
