@@ -11,7 +11,7 @@ LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
 
 
-class RecentIds(dict[str, str]):
+class RecentIds(dict):
     """The last `capacity` request ids, each with a note, oldest forgotten first. Ids are unique for
     the life of the server (I1), so this tells a duplicate or an overtaken message from a new request."""
 
@@ -19,7 +19,7 @@ class RecentIds(dict[str, str]):
         super().__init__()
         self.capacity = capacity
 
-    def remember(self, rid: str, note: str) -> None:
+    def remember(self, rid: str, note) -> None:
         self[rid] = note
         if len(self) > self.capacity:
             del self[next(iter(self))]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from actors.engine.config import DETOKENIZER, SCHEDULER, EngineConfig
 from actors.graph import engine_processes
+from actors.protocol import RecentIds
 from actors.runtime import Actor, ActorSystem, FaultPlan, RestartPolicy
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import SamplingParams
@@ -33,7 +34,6 @@ from messages.wire import (
 )
 
 CLIENT = "client"
-ENDED_IDS = 1 << 16
 
 log = logging.getLogger("sluice.offline")
 
@@ -69,7 +69,7 @@ class ClientActor(Actor):
     def __init__(self):
         super().__init__()
         self.streams: dict[str, Stream] = {}
-        self.ended: dict[str, int] = {}  # the last ENDED_IDS requests with a complete Finished -> their tokens
+        self.ended = RecentIds()  # request id -> the tokens its Finished accounts for
         self.engine_stats: EngineStats | None = None
         self.detok_stats: DetokStats | None = None
         self.duplicates = self.gaps = self.late_outputs = self.outputs_after_finished = 0
@@ -91,7 +91,7 @@ class ClientActor(Actor):
             elif delta.seq < stream.received:
                 self.duplicates += 1
             elif delta.seq > stream.received:
-                self._fail(delta.request_id, f"lost output: delta seq {delta.seq}, expected {stream.received}")
+                self._gap(delta.request_id, f"delta seq {delta.seq}, expected {stream.received}")
             else:
                 stream.received += len(delta.token_ids)
                 stream.queue.put_nowait(delta)
@@ -104,28 +104,27 @@ class ClientActor(Actor):
         if stream is None:
             self._late(rid, msg.num_output_tokens)
         elif msg.finish_reason != "error" and stream.received < msg.num_output_tokens - len(msg.token_ids):
-            self._fail(rid, f"lost output: {msg.num_output_tokens} tokens, {stream.received} received", abort=False)
+            self._gap(rid, f"Finished after {msg.num_output_tokens} tokens, {stream.received} received", abort=False)
         else:
             self._end(rid, msg)
-            self.ended[rid] = max(stream.received + len(msg.token_ids), msg.num_output_tokens)
-            if len(self.ended) > ENDED_IDS:
-                del self.ended[next(iter(self.ended))]
+            self.ended.remember(rid, max(stream.received + len(msg.token_ids), msg.num_output_tokens))
 
     def on_down(self, msg: ActorDown) -> None:
         if msg.actor in (SCHEDULER, DETOKENIZER):
-            for rid in list(self.streams):
-                self._fail(rid, f"{msg.actor} died", abort=False)
+            self.fail_all(f"{msg.actor} died")
 
     def fail_all(self, error: str) -> None:
         for rid in list(self.streams):
-            self._fail(rid, error, abort=False)
+            self._fail(rid, error)
 
     def _end(self, rid: str, msg: Finished) -> None:
         self.streams.pop(rid).queue.put_nowait(msg)
 
-    def _fail(self, rid: str, error: str, abort: bool = True) -> None:
-        if error.startswith("lost output"):
-            self.gaps += 1
+    def _gap(self, rid: str, what: str, abort: bool = True) -> None:
+        self.gaps += 1
+        self._fail(rid, f"lost output: {what}", abort)
+
+    def _fail(self, rid: str, error: str, abort: bool = False) -> None:
         received = self.streams[rid].received
         self._end(rid, Finished(request_id=rid, finish_reason="error", error=error, num_output_tokens=received))
         if abort:  # the engine may still run it
