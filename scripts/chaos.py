@@ -6,11 +6,16 @@ Many concurrent requests (Poisson arrivals) with random explicit aborts (after k
 random delay), stop strings, sibling requests (one prompt, derived seeds: n > 1 style), a long prompt
 (chunked prefill) and a KV cache small enough to preempt, under a fault plan that delays,
 duplicates and reorders StepOutputs, TextOutputs, AbortAcks and Aborts. Checked afterwards: every
-stream ended (no hang), no output after a Finished, the idle invariant, and every request that
-ended naturally has exactly the output of a fault-free run of the same workload, while an aborted
-or failed one has a prefix of it (a fault never corrupts text). Sampled rows use top_k=8: over the
-near-flat distribution of a random model, a wide nucleus would let the last-bit logit differences
-of another batch composition flip a seeded draw.
+stream ended (no hang), no output after a Finished, the idle invariant; every stream holds exactly
+the tokens the engine sent for it (recorded before the faulty links, EngineConfig.record_outputs),
+all of them when it ended with "length", a prefix otherwise; and where those tokens agree with a
+fault-free run of the same workload, the text does too (a fault never corrupts text).
+
+Tokens may legitimately differ from the fault-free run: CPU matmuls are not batch-invariant, so the
+logits move in their last bits with the batch composition, and a near-tie at a truncation boundary
+(the 8th/9th logits of top_k=8 tie within 5e-7 in ~1e-4 of draws on the random model) can flip a
+seeded draw. Such requests are counted as `diverged`; more of them than numerics explain (a seed or
+row mix-up changes most seeded requests) is a problem.
 
 The seed fixes the workload, the abort schedule and the fault decisions per link message (faults.py);
 which requests a faulty message carries depends on batching, i.e. on timing, so a failure is
@@ -28,6 +33,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,6 +59,7 @@ class Job:
 
 @dataclass
 class Outcome:
+    request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finished: Finished | None = None
@@ -105,8 +113,9 @@ def fault_plan(seed: int) -> FaultPlan:
     return FaultPlan(seed=seed, rules=rules)
 
 
-def chaos_config(model: str) -> EngineConfig:
+def chaos_config(model: str, record_outputs: str | None = None) -> EngineConfig:
     return EngineConfig(
+        record_outputs=record_outputs,
         model=model,
         max_num_seqs=32,
         num_kv_blocks=60,  # less than 32 running requests need: preemption happens
@@ -124,7 +133,8 @@ async def run(llm: AsyncLLM, jobs: list[Job], aborts: bool) -> list[Outcome]:
 
     async def one(job: Job) -> Outcome:
         await asyncio.sleep(max(0.0, start + job.arrival_s - loop.time()))
-        out, rid, sent = Outcome(), f"chaos-{tag}-{job.index}", False
+        rid, sent = f"chaos-{tag}-{job.index}", False
+        out = Outcome(rid)
         if aborts and job.abort_after_s is not None:
             loop.call_later(job.abort_after_s, llm.abort, rid)
         async for item in llm.stream(job.prompt, job.params, rid):
@@ -150,28 +160,37 @@ class Report:
         return "\n".join(lines + [f"PROBLEM: {p}" for p in self.problems[:20]])
 
 
-def compare(jobs: list[Job], reference: list[Outcome], chaos: list[Outcome]) -> Report:
-    report = Report(counts={"natural": 0, "aborted": 0, "failed": 0})
+def sent_tokens(path: str) -> dict[str, list[int]]:
+    """The tokens the engine sent per request (EngineConfig.record_outputs)."""
+    sent: dict[str, list[int]] = {}
+    for line in Path(path).read_bytes().splitlines():
+        for rid, token_ids in msgspec.json.decode(line):
+            sent.setdefault(rid, []).extend(token_ids)
+    return sent
+
+
+def compare(jobs: list[Job], reference: list[Outcome], chaos: list[Outcome], sent: dict[str, list[int]]) -> Report:
+    report = Report(counts={"natural": 0, "aborted": 0, "failed": 0, "diverged": 0})
     for job, ref, got in zip(jobs, reference, chaos, strict=True):
+        natural = got.reason in ("length", "stop")
+        report.counts["natural" if natural else "aborted" if got.reason == "abort" else "failed"] += 1
+        engine = sent.get(got.request_id, [])
+        if got.token_ids != (engine if got.reason == "length" else engine[: len(got.token_ids)]):
+            report.problems.append(
+                f"job {job.index}: {got.reason} stream holds {got.token_ids}, the engine sent {engine}"
+            )
         if ref.reason not in ("length", "stop"):
             report.problems.append(f"job {job.index}: the fault-free run ended with {ref.finished}")
-        elif got.reason in ("abort", "error"):
-            report.counts["aborted" if got.reason == "abort" else "failed"] += 1
-            prefix = got.token_ids == ref.token_ids[: len(got.token_ids)] and ref.text.startswith(got.text)
-            if not prefix:
-                report.problems.append(f"job {job.index}: {got.reason} output is not a prefix of the reference")
-            if got.reason == "abort" and job.abort_after_tokens is None and job.abort_after_s is None:
-                report.problems.append(f"job {job.index}: aborted without an abort")
-        else:
-            report.counts["natural"] += 1
-            if (got.token_ids, got.text, got.reason) != (ref.token_ids, ref.text, ref.reason):
-                at = next(
-                    (i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids, strict=False)) if a != b), None
-                )
-                report.problems.append(
-                    f"job {job.index}: {got.reason} output differs from the fault-free run ({ref.reason}): "
-                    f"{len(got.token_ids)} vs {len(ref.token_ids)} tokens, first difference at {at}, {job.params}"
-                )
+        elif got.token_ids != ref.token_ids[: len(got.token_ids)]:
+            report.counts["diverged"] += 1  # numerics (see the module docstring): the engine's tokens are checked
+        elif natural and (got.token_ids, got.text, got.reason) != (ref.token_ids, ref.text, ref.reason):
+            report.problems.append(f"job {job.index}: {got.reason} output differs from the fault-free run {ref}")
+        elif not natural and not ref.text.startswith(got.text):
+            report.problems.append(f"job {job.index}: {got.reason} text is not a prefix of the fault-free run's")
+        if got.reason == "abort" and job.abort_after_tokens is None and job.abort_after_s is None:
+            report.problems.append(f"job {job.index}: aborted without an abort")
+    if report.counts["diverged"] > max(2, len(jobs) // 500):
+        report.problems.append(f"{report.counts['diverged']} requests diverged: more than last-bit numerics explain")
     return report
 
 
@@ -183,17 +202,17 @@ async def chaos(reference_llm: AsyncLLM, chaos_llm: AsyncLLM, seed: int, n: int,
         got = await asyncio.wait_for(run(chaos_llm, jobs, aborts=True), timeout_s)
     except TimeoutError:
         return Report(problems=[f"hang: {len(chaos_llm.client.streams)} streams never ended"])
-    report = compare(jobs, reference, got)
     client = chaos_llm.client
-    if client.outputs_after_finished:
-        report.problems.append(f"{client.outputs_after_finished} outputs after a Finished")
+    problems = [f"{client.outputs_after_finished} outputs after a Finished"] if client.outputs_after_finished else []
     for _ in range(500):
         reports = await chaos_llm.idle_reports()
         if not any(v for details in reports.values() for v in details.values()):
             break
         await asyncio.sleep(0.02)
     else:
-        report.problems.append(f"not idle: {reports}")
+        problems.append(f"not idle: {reports}")
+    report = compare(jobs, reference, got, sent_tokens(chaos_llm.config.record_outputs))
+    report.problems += problems
     engine, detok = await chaos_llm.fresh_stats()
     report.counts |= {
         "client_duplicates": client.duplicates,
@@ -217,9 +236,12 @@ async def main() -> int:
         from tests.tiny_model import make_tiny_model_dir
 
         model = str(make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="sluice-chaos-")) / "model"))
-    config = chaos_config(model)
+    record = str(Path(tempfile.mkdtemp(prefix="sluice-chaos-")) / "sent.jsonl")
     t0 = time.perf_counter()
-    async with AsyncLLM(config) as clean, AsyncLLM(config, fault_plan=fault_plan(args.seed)) as faulty:
+    async with (
+        AsyncLLM(chaos_config(model)) as clean,
+        AsyncLLM(chaos_config(model, record), fault_plan=fault_plan(args.seed)) as faulty,
+    ):
         report = await chaos(clean, faulty, args.seed, args.requests)
     print(f"{args.requests} requests, seed {args.seed}, {time.perf_counter() - t0:.1f} s")
     print(report)

@@ -29,6 +29,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     abort_timeout_s: float = 5.0  # the detokenizer re-sends an unanswered Abort after this (DESIGN I7)
     max_abort_tries: int = 3  # ... and drops the tombstone after this many tries
     step_gate: bool = False  # tests: Probe(seq=k) to the scheduler lets k more steps finish (k < 0: all)
+    record_outputs: str | None = None  # tests: a file each step's sent tokens are appended to (JSON lines)
 
     def threads(self) -> int:
         """Torch threads for the engine: oversubscribing these small machines was measured to cut decode 5x."""

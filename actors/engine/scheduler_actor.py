@@ -22,8 +22,10 @@ Every executed step sends one StepOutputs (possibly without entries), numbered b
 the engine each time it goes idle: the detokenizer tells duplicates and lost messages by those numbers.
 The last 65536 ids are remembered (RecentIds).
 
-Test hook (`EngineConfig.step_gate`): a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
+Test hooks: with `EngineConfig.step_gate`, a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
 a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile.
+With `EngineConfig.record_outputs`, every StepOutputs' [request id, token ids] pairs are appended to that
+file as it is sent: what the client must receive whatever the links do to it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import concurrent.futures
 import logging
 import time
 
+import msgspec
 import torch
 
 from actors.engine.block_manager import BlockManager
@@ -95,6 +98,7 @@ class SchedulerActor(Actor):
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
+        self._record = self.config.record_outputs and open(self.config.record_outputs, "ab", buffering=0)  # noqa: SIM115
 
     def handlers(self):
         table = {AddRequest: self.on_add, Abort: self.on_abort, ActorDown: self.on_actor_down, CheckIdle: self.on_check}
@@ -206,6 +210,8 @@ class SchedulerActor(Actor):
         while (self.sched.has_unfinished() or self.sched.in_flight) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self._device.shutdown(wait=False, cancel_futures=True)
+        if self._record:
+            self._record.close()
 
     def _send_acks(self) -> None:
         for rid in self.sched.drain_aborted():
@@ -285,6 +291,8 @@ class SchedulerActor(Actor):
                     top_logprobs=[lp["top_logprobs"][j][:n]],
                 )
         self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
+        if self._record:
+            self._record.write(msgspec.json.encode([[o.request_id, o.new_token_ids] for o in outputs]) + b"\n")
         self._send_acks()
 
     async def _publish_stats(self) -> None:

@@ -85,6 +85,10 @@ def draw_window(values: torch.Tensor, ids: torch.Tensor, cols: torch.Tensor) -> 
     Each truncation keeps a prefix of the sorted window, so a row keeps its first n tokens. A MASS > 0 marks a
     top-p-only row: its nucleus is measured against the whole-vocabulary mass. Returns (token ids, fits): fits is
     False where the kept set may reach beyond the window, and that row's token must come from a wider window.
+
+    The draw inverts the CDF of the kept set in token-id order, not value order: the model's logits move in the
+    last bits with the batch composition (CPU matmuls are not batch-invariant), and near-tied tokens swapping
+    places would otherwise move a seeded row's token whenever its uniform fell in either of them.
     """
     t, top_k, top_p, min_p, u, mass = cols.unbind(1)
     k = values.shape[1]
@@ -95,8 +99,9 @@ def draw_window(values: torch.Tensor, ids: torch.Tensor, cols: torch.Tensor) -> 
     pz = top_p * torch.where(top_p_only, mass, c.gather(1, n[:, None] - 1).squeeze(1))
     n = torch.minimum(n, (c - e < pz[:, None]).sum(-1)).clamp_(min=1)  # top-p keeps the token that crosses p
     fits = torch.where(top_p_only, c[:, -1] >= pz, (top_k <= k) | (e[:, -1] < min_p))
-    i = torch.searchsorted(c, u[:, None] * c.gather(1, n[:, None] - 1), right=True)  # inverse CDF of the kept set
-    return ids.gather(1, torch.minimum(i, n[:, None] - 1)).squeeze(1), fits
+    kept = e.masked_fill_(torch.arange(k, device=e.device) >= n[:, None], 0.0)
+    order = ids.argsort(-1)
+    return ids.gather(1, order.gather(1, invert_cdf(kept.gather(1, order), u)[:, None])).squeeze(1), fits
 
 
 def kept_lower_bound(blocks: Blocks, rows: torch.Tensor, cols: torch.Tensor, vocab_size: int) -> torch.Tensor:
