@@ -260,10 +260,16 @@ class SchedulerActor(Actor):
         for row in batch.rows:
             if row.sample:
                 req = self.sched.requests[row.request_id]
-                history = req.output_token_ids if needs_history(req) else []
+                # One step ahead, the list lags the device by the step in flight; a request whose sampling reads
+                # it (needs_history) is only scheduled in sync steps, and the others read just its length
+                # (min_tokens), which stays past min_tokens once it is.
                 rows.append(
                     SamplingRow(
-                        req.params, req.prompt_token_ids, history, req.sampling_state, list(self.model.eos_token_ids)
+                        req.params,
+                        req.prompt_token_ids,
+                        req.output_token_ids,
+                        req.sampling_state,
+                        list(self.model.eos_token_ids),
                     )
                 )
                 slots.append(row.slot)
