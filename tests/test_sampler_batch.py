@@ -4,7 +4,7 @@ position; seeds are honoured and distinct; the exact wide-window paths agree tok
 import pytest
 import torch
 
-from gpu.sampling import Sampler, SamplingMetadata, SamplingRow, child_seed, make_generator
+from gpu.sampling import MetadataCache, Sampler, SamplingMetadata, SamplingRow, child_seed, make_generator
 from messages.sampling_params import SamplingParams as SP
 
 V = 500
@@ -105,3 +105,25 @@ def test_child_seeds_are_distinct_and_in_range():
     for seed in (2**63 - 1, -(2**63)):
         assert all(-(2**63) <= child_seed(seed, i) < 2**63 for i in range(4))
         make_generator(child_seed(seed, 3), "cpu")  # any int64 seed is accepted
+
+
+def test_metadata_is_reused_only_while_nothing_in_it_can_change():
+    cache = MetadataCache(V, "cpu")
+    params = [SP(temperature=0.7, top_p=0.9), SP(temperature=0.0), SP(top_k=5, seed=3)]
+    gens = [None, None, make_generator(3, "cpu")]
+
+    def rows(output: list[int], extra: SP | None = None) -> list[SamplingRow]:
+        ps = params + ([extra] if extra else [])
+        return [SamplingRow(p, [1, 2], output, g) for p, g in zip(ps, [*gens, None], strict=False)]
+
+    first = cache.build(rows([]))
+    assert cache.build(rows([5, 6])) is first  # the same requests, nothing reads the output
+    joined = cache.build(rows([5], SP(temperature=1.0)))
+    assert joined is not first and len(joined.greedy) == 4
+    penalised = SP(presence_penalty=1.0)
+    a, b = cache.build(rows([5], penalised)), cache.build(rows([5, 5], penalised))
+    assert a is not b and b.penalties.token_ids.shape[1] == 2  # counts follow the output
+    held = SP(min_tokens=2)
+    assert cache.build(rows([], held)) is not cache.build(rows([7], held))  # EOS masked until the 2nd token
+    released = cache.build(rows([7, 8], held))
+    assert cache.build(rows([7, 8, 9], held)) is released and released.min_tokens is None

@@ -17,7 +17,7 @@ from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.kv_cache import num_blocks_for_memory
 from gpu.runner import ModelRunner, resolve_device, resolve_dtype
-from gpu.sampling import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
+from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingRow
 
 
 @dataclass
@@ -64,7 +64,7 @@ class StepExecutor:
         )
         self.sampler = Sampler()
         self.device = self.runner.device
-        self.vocab_size = model.vocab_size
+        self.metadata = MetadataCache(model.vocab_size, self.device)
         self.debug_checks = config.debug_checks
         if self.debug_checks:
             self.runner.prev_sampled.fill_(-1)
@@ -77,7 +77,7 @@ class StepExecutor:
         logits = self.runner.execute(batch)
         if not rows:  # only partial chunked-prefill rows: nothing samples this step
             return StepResult(torch.empty(0, dtype=torch.int64), None, None)
-        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        out = self.sampler(logits, self.metadata.build(rows))
         if slots:
             self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), out.sampled)
         return self._to_host(out.sampled, out.logprobs)

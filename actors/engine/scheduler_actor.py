@@ -48,7 +48,7 @@ from actors.protocol import RecentIds, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
-from gpu.sampling import SamplingRow, make_generator
+from gpu.sampling import SamplingRow, make_generator, reads_output
 from messages.sampling_params import ParamError
 from messages.wire import (
     Abort,
@@ -71,14 +71,7 @@ ADDED = "\0added"  # in `recent`: the request was added; otherwise the reason of
 
 def needs_history(req: EngineRequest) -> bool:
     """Sampling that reads the output so far: the host must know every token before the step."""
-    p = req.params
-    return (
-        p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or bool(p.bad_words_token_ids)
-        or len(req.output_token_ids) < p.min_tokens
-    )
+    return reads_output(req.params, len(req.output_token_ids))
 
 
 class SchedulerActor(Actor):

@@ -1,15 +1,17 @@
 """The sampling pipeline: SamplingMetadata.build once per step, then Sampler()(logits, metadata)."""
 
 from .logprobs import LogprobsTensors
-from .metadata import SamplingMetadata, SamplingRow, child_seed, make_generator
+from .metadata import MetadataCache, SamplingMetadata, SamplingRow, child_seed, make_generator, reads_output
 from .sampler import Sampler, SamplerOutput
 
 __all__ = [
     "LogprobsTensors",
+    "MetadataCache",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingRow",
     "child_seed",
     "make_generator",
+    "reads_output",
 ]

@@ -26,6 +26,17 @@ def child_seed(seed: int, index: int) -> int:
     return (seed + index + (1 << 63)) % _U64 - (1 << 63)
 
 
+def reads_output(p: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row's sampling reads its output so far (penalties, bad words, min_tokens not reached yet)."""
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or bool(p.bad_words_token_ids)
+        or num_output_tokens < p.min_tokens
+    )
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A per-request generator: a seeded row draws only from it, so its tokens do not depend on the batch."""
     return torch.Generator(device=device).manual_seed(seed % _U64)
@@ -135,6 +146,29 @@ class SamplingMetadata:
             logit_bias=logit_bias.tensors(device),
             penalties=_penalties(rows, device),
         )
+
+
+class MetadataCache:
+    """SamplingMetadata.build, reusing the last step's metadata while the batch holds the same requests in the same
+    rows and none of them reads its output (penalties, bad words, min_tokens not reached): then nothing in it can
+    have changed. Decode steps of a steady batch build nothing. (Rows are compared by identity; the cache holds
+    the last rows, so an id cannot be reused by a new request's parameters meanwhile.)"""
+
+    def __init__(self, vocab_size: int, device: torch.device | str):
+        self.vocab_size, self.device = vocab_size, device
+        self._rows: list[SamplingRow] = []
+        self._meta: SamplingMetadata | None = None
+
+    def build(self, rows: list[SamplingRow]) -> SamplingMetadata:
+        same = len(rows) == len(self._rows) and all(
+            a.params is b.params and a.generator is b.generator for a, b in zip(rows, self._rows, strict=True)
+        )
+        if not same or self._meta is None:
+            meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            static = not any(reads_output(r.params, len(r.output_token_ids)) for r in rows)
+            self._rows, self._meta = (rows, meta) if static else ([], None)
+            return meta
+        return self._meta
 
 
 class _Entries:
