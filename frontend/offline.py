@@ -19,6 +19,7 @@ from actors.engine.config import DETOKENIZER, SCHEDULER, EngineConfig
 from actors.graph import engine_processes
 from actors.protocol import RecentIds
 from actors.runtime import Actor, ActorSystem, FaultPlan, RestartPolicy
+from frontend.openai_format import join_logprobs
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import SamplingParams
 from messages.wire import (
@@ -31,6 +32,7 @@ from messages.wire import (
     Finished,
     TextDelta,
     TextOutputs,
+    TokenLogprobs,
 )
 
 CLIENT = "client"
@@ -47,6 +49,8 @@ class Completion:
     stop_reason: int | str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    logprobs: TokenLogprobs | None = None  # params.logprobs: aligned with token_ids
+    prompt_logprobs: TokenLogprobs | None = None  # params.prompt_logprobs: aligned with the prompt after its first
 
 
 @dataclass
@@ -191,13 +195,16 @@ class AsyncLLM:
     async def generate_one(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> Completion:
-        out = Completion(request_id=request_id or self.new_id())
+        out, logprobs = Completion(request_id=request_id or self.new_id()), []
         async for item in self.stream(prompt, params, out.request_id):
             out.text += item.text
             out.token_ids += item.token_ids
+            if item.logprobs is not None:
+                logprobs.append(item.logprobs)
             if isinstance(item, Finished):
                 out.finish_reason, out.stop_reason, out.error = item.finish_reason, item.stop_reason, item.error
-                out.num_prompt_tokens = item.num_prompt_tokens
+                out.num_prompt_tokens, out.prompt_logprobs = item.num_prompt_tokens, item.prompt_logprobs
+        out.logprobs = join_logprobs(logprobs) if params.logprobs is not None else None
         return out
 
     async def generate(

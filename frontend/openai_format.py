@@ -94,6 +94,20 @@ def completion_logprobs(token_ids: list[int], lp: TokenLogprobs, vocab: TokenVoc
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
+def prompt_logprobs(prompt_ids: list[int], lp: TokenLogprobs, vocab: TokenVocab) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then for each next one {token id: {logprob, rank,
+    decoded_token}} holding that token and the top-N of the position."""
+    out: list[dict | None] = [None]
+    for i, token in enumerate(prompt_ids[1:]):
+        entry = {token: (lp.sampled[i], lp.ranks[i])}
+        for rank, (t, x) in enumerate(zip(lp.top_ids[i], lp.top_logprobs[i], strict=True), 1):
+            entry.setdefault(t, (x, rank))
+        out.append(
+            {str(t): {"logprob": _lp(x), "rank": r, "decoded_token": vocab.token_str(t)} for t, (x, r) in entry.items()}
+        )
+    return out
+
+
 def _chat_entry(vocab: TokenVocab, token_id: int, logprob: float) -> dict:
     return {"token": vocab.token_str(token_id), "logprob": _lp(logprob), "bytes": list(vocab.token_bytes(token_id))}
 

@@ -202,6 +202,8 @@ def _sampling_params(
 ) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise RequestError(400, "stream_options is only allowed when stream is true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM
+        raise RequestError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
     fields = {k: v for k in _SAMPLING_KEYS if (v := getattr(req, k)) is not None}
     stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
     # a defaulted max_tokens is resolved per prompt in _fit; verify against the largest possible

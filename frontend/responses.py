@@ -65,7 +65,7 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
 def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
     """The non-streaming response of a request whose choices all finished without error."""
     p = req.parsed
-    choices = []
+    choices, extra = [], {}
     for c in req.choices:
         text, ids, lps = c.take()
         fin = c.finished
@@ -75,8 +75,11 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
         else:
             logprobs = _logprobs(fmt.completion_logprobs, ids, lps, vocab) if p.logprobs is not None else None
             choices.append(fmt.completion_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))
+        if fin.prompt_logprobs is not None:  # vLLM: per choice for completions, once per response for chat
+            prompt = fmt.prompt_logprobs(p.prompts[c.index // p.n].token_ids, fin.prompt_logprobs, vocab)
+            (choices[-1] if p.kind == "completion" else extra).setdefault("prompt_logprobs", prompt)
     build = fmt.chat_completion if p.kind == "chat" else fmt.completion
-    return build(p.request_id, p.model, p.created, choices, _usage(req))
+    return build(p.request_id, p.model, p.created, choices, _usage(req)) | extra
 
 
 def _logprobs(build, ids: list[int], lps: list[TokenLogprobs], vocab: TokenVocab) -> dict:

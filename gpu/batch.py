@@ -21,6 +21,9 @@ class ScheduledRow:
     num_computed: int  # tokens of this request already in the KV cache (first position)
     block_table: list[int]  # the request's KV blocks, covering num_computed + len(token_ids)
     sample: bool  # False for a partial chunked-prefill row: its logits are not computed
+    # prompt_logprobs: the prompt tokens that follow this row's first fed tokens, one per fed token whose logits
+    # the runner also returns (after the sampling rows' logits)
+    prompt_targets: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -70,7 +70,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: BatchSpec) -> torch.Tensor:
-        """Run one step; float32 logits [num sampling rows, vocab] in batch order of the sampling rows."""
+        """Run one step; float32 logits [num sampling rows + num prompt targets, vocab]: the sampling rows in batch
+        order, then, row by row, the first fed tokens of rows with prompt_targets (one per target)."""
         if not batch.rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         host, plans, max_query_len, max_seq_len = self._prepare(batch)
@@ -123,6 +124,10 @@ class ModelRunner:
             block_tables=block_tables,
             logits_indices=query_start_loc[1:][sample] - 1,
         )
+        targets = [(i, len(r.prompt_targets)) for i, r in enumerate(rows) if r.prompt_targets]
+        if targets:
+            extra = [np.arange(query_start_loc[i], query_start_loc[i] + k) for i, k in targets]
+            host["logits_indices"] = np.concatenate([host["logits_indices"], *extra])
         placeholders = np.flatnonzero(input_ids == PLACEHOLDER)
         if placeholders.size:
             host["placeholders"] = placeholders

@@ -133,6 +133,8 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     stop_reason: int | str | None = None  # the stop token id (or stop string downstream)
     logprobs: TokenLogprobs | None = None
     error: str | None = None
+    # with seq 0, for prompt_logprobs: one entry per prompt token after the first (the logits of the token before)
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 class StepOutputs(Msg, kw_only=True):
@@ -165,6 +167,7 @@ class Finished(Msg, kw_only=True):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: TokenLogprobs | None = None  # RequestOutput.prompt_logprobs, passed on
 
 
 class TextOutputs(Msg, kw_only=True):

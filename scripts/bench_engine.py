@@ -117,7 +117,7 @@ class BareEngine:
         return rows, [s for _, s in reqs]
 
     def _update(self, sched: Scheduler, batch, result, out: dict[str, list[int]]) -> None:
-        sampled, _ = result.host()
+        sampled = result.host()[0]
         for o in sched.update(batch, sampled):
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
         self.steps += 1

@@ -3,6 +3,9 @@ list lags the device by a step there)."""
 
 from __future__ import annotations
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from messages.sampling_params import SamplingParams
 from tests.cancel_harness import clean_llm, model_dir  # noqa: F401 (fixtures)
 
@@ -25,3 +28,36 @@ async def test_min_tokens_holds_stop_token_ids_then_releases_them(clean_llm):  #
     )
     out = await clean_llm.generate_one(prompt, params)
     assert (out.finish_reason, out.stop_reason, len(out.token_ids)) == ("stop", 700, 6), out
+
+
+async def test_logprobs_and_prompt_logprobs_match_hf_across_prefill_chunks(clean_llm, model_dir):  # noqa: F811
+    """Raw logprobs of every prompt token after the first (its logit at the position before), their ranks and the
+    top-3, through a prompt prefilled in three chunks (32-token budget); and the sampled tokens' logprobs."""
+    prompt = list(range(300, 380))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    out = await clean_llm.generate_one(prompt, params)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        ref = model(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
+    plp = out.prompt_logprobs
+    assert plp is not None and len(plp.sampled) == len(prompt) - 1
+    expected = ref[torch.arange(len(prompt) - 1), prompt[1:]]
+    assert torch.allclose(torch.tensor(plp.sampled), expected, atol=1e-4)
+    rows = ref[: len(prompt) - 1]
+    ranks = torch.tensor(plp.ranks)  # within what HF's own rounding allows
+    assert ((rows > expected[:, None] + 1e-4).sum(-1) <= ranks).all()
+    assert (ranks <= (rows >= expected[:, None] - 1e-4).sum(-1)).all()
+    top = torch.tensor(plp.top_logprobs)
+    assert torch.allclose(top, rows.topk(3).values, atol=1e-4)
+    assert torch.allclose(rows.gather(1, torch.tensor(plp.top_ids)), top, atol=1e-4)
+    lp = out.logprobs
+    decode = ref[len(prompt) - 1 : -1]
+    assert lp.top_ids == decode.topk(2).indices.tolist() and [ids[0] for ids in lp.top_ids] == out.token_ids
+    assert torch.allclose(torch.tensor(lp.sampled), decode.max(-1).values, atol=1e-4) and lp.ranks == [1] * 4
+
+
+async def test_no_prompt_logprobs_unless_asked(clean_llm):  # noqa: F811
+    out = await clean_llm.generate_one([5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
+    assert out.prompt_logprobs is None and out.logprobs is None
+    out = await clean_llm.generate_one([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
+    assert len(out.prompt_logprobs.sampled) == 2 and out.prompt_logprobs.top_ids == [[], []]

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import IncrementalDetokenizer, token_table
 from actors.detokenizer.stop_strings import StopChecker
-from messages.wire import AddRequest, Finished, RequestOutput, TextDelta
+from messages.wire import AddRequest, Finished, RequestOutput, TextDelta, TokenLogprobs
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -71,6 +71,7 @@ class DetokRequestState:
         self.abort_reason: str | None = None
         self.duplicates_dropped = 0
         self.logprobs_text: DecodedLogprobs | None = None  # of the last processed entry
+        self.prompt_logprobs: TokenLogprobs | None = None  # from the first entry, for the Finished
         self._stop = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._offsets: list[int] | None = [] if params.logprobs is not None else None
         self._decoded_chars = 0  # length of the generated text decoded so far (before hold-back)
@@ -121,6 +122,7 @@ class DetokRequestState:
         if self._error is not None or out.finish_reason == "error" or out.error is not None:
             return None, self._fail(out, self._error or out.error or "engine error")
         self.num_output_tokens = n_before + len(ids)
+        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
         self._plain = self._offsets is None and self.num_output_tokens >= self.params.min_tokens
         # The engine stopped on EOS / a stop token: the token's text is not output (vLLM).
         stop_terminated = out.finish_reason == "stop" and not self.params.include_stop_str_in_output
@@ -199,6 +201,7 @@ class DetokRequestState:
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
             error=error,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def _fail(self, out: RequestOutput, error: str) -> Finished:

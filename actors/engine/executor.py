@@ -18,6 +18,8 @@ from gpu.config import ModelConfig
 from gpu.kv_cache import num_blocks_for_memory
 from gpu.runner import ModelRunner, resolve_device, resolve_dtype
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingRow
+from gpu.sampling.logprobs import gather_logprobs, log_softmax_into
+from gpu.sampling.topk_topp import BLOCK
 
 
 @dataclass
@@ -25,21 +27,25 @@ class StepResult:
     sampled: torch.Tensor  # [num sampling rows] int64 on the host
     logprobs: LogprobsTensors | None
     ready: torch.cuda.Event | None  # set when the host copies are complete
+    prompt_logprobs: LogprobsTensors | None = None  # one entry per prompt target, rows in batch order
 
-    def host(self) -> tuple[list[int], dict[str, list] | None]:
-        """The sampled ids (and logprobs) as Python lists. Waits only for this step's copy."""
+    def host(self) -> tuple[list[int], dict[str, list] | None, dict[str, list] | None]:
+        """The sampled ids, their logprobs and the prompt logprobs as Python lists. Waits only for this step's
+        copy."""
         if self.ready is not None:
             self.ready.synchronize()
-        lp = self.logprobs
-        lists = None
-        if lp is not None:
-            lists = {
-                "sampled": lp.sampled.tolist(),
-                "ranks": lp.ranks.tolist(),
-                "top_ids": lp.top_ids.tolist(),
-                "top_logprobs": lp.top_logprobs.tolist(),
-            }
-        return self.sampled.tolist(), lists
+        return self.sampled.tolist(), _lists(self.logprobs), _lists(self.prompt_logprobs)
+
+
+def _lists(lp: LogprobsTensors | None) -> dict[str, list] | None:
+    if lp is None:
+        return None
+    return {
+        "sampled": lp.sampled.tolist(),
+        "ranks": lp.ranks.tolist(),
+        "top_ids": lp.top_ids.tolist(),
+        "top_logprobs": lp.top_logprobs.tolist(),
+    }
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
@@ -70,30 +76,45 @@ class StepExecutor:
             self.runner.prev_sampled.fill_(-1)
 
     @torch.inference_mode()
-    def run(self, batch: BatchSpec, rows: list[SamplingRow], slots: list[int]) -> StepResult:
-        """Forward + sample one step; leave the sampled ids on the device for the next step."""
+    def run(
+        self, batch: BatchSpec, rows: list[SamplingRow], slots: list[int], num_prompt_logprobs: int = 0
+    ) -> StepResult:
+        """Forward + sample one step; leave the sampled ids on the device for the next step.
+        num_prompt_logprobs: the top-N of the prompt logprobs (the largest a row with prompt_targets asked for)."""
         if self.debug_checks:
             self._check_relay(batch)
         logits = self.runner.execute(batch)
+        plp = self._prompt_logprobs(batch, logits[len(rows) :], num_prompt_logprobs)
         if not rows:  # only partial chunked-prefill rows: nothing samples this step
-            return StepResult(torch.empty(0, dtype=torch.int64), None, None)
-        out = self.sampler(logits, self.metadata.build(rows))
+            return self._to_host(torch.empty(0, dtype=torch.int64), None, plp)
+        out = self.sampler(logits[: len(rows)], self.metadata.build(rows))
         if slots:
             self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), out.sampled)
-        return self._to_host(out.sampled, out.logprobs)
+        return self._to_host(out.sampled, out.logprobs, plp)
 
-    def _to_host(self, sampled: torch.Tensor, lp: LogprobsTensors | None) -> StepResult:
+    def _prompt_logprobs(self, batch: BatchSpec, logits: torch.Tensor, n: int) -> LogprobsTensors | None:
+        """Raw logprobs of each prompt target under the logits of the token before it, and the top-n."""
+        if not len(logits):
+            return None
+        targets = torch.tensor([t for r in batch.rows for t in r.prompt_targets], device=logits.device)
+        width = -(-logits.shape[1] // BLOCK) * BLOCK
+        lp = log_softmax_into(logits, torch.empty(len(logits), width, device=logits.device), torch.empty_like(logits))
+        return gather_logprobs(lp, logits.shape[1], targets, max(n, 1))
+
+    def _to_host(self, sampled: torch.Tensor, lp: LogprobsTensors | None, plp: LogprobsTensors | None) -> StepResult:
         if self.device.type == "cpu":
-            return StepResult(sampled, lp, None)
+            return StepResult(sampled, lp, None, plp)
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-        host_lp = lp and LogprobsTensors(*(copy(t) for t in (lp.sampled, lp.ranks, lp.top_ids, lp.top_logprobs)))
-        host = copy(sampled)
+        def copies(x: LogprobsTensors | None) -> LogprobsTensors | None:
+            return x and LogprobsTensors(*(copy(t) for t in (x.sampled, x.ranks, x.top_ids, x.top_logprobs)))
+
+        host, host_lp, host_plp = copy(sampled), copies(lp), copies(plp)
         event = torch.cuda.Event()
         event.record()
-        return StepResult(host, host_lp, event)
+        return StepResult(host, host_lp, event, host_plp)
 
     def _check_relay(self, batch: BatchSpec) -> None:
         """Debug mode: every placeholder reads a relay slot that some earlier step wrote."""

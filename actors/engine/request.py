@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from gpu.batch import PLACEHOLDER
 from messages.sampling_params import SamplingParams
-from messages.wire import AddRequest
+from messages.wire import AddRequest, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +41,7 @@ class EngineRequest:
     finish_reason: str | None = None
     stop_reason: int | None = None
     sampling_state: object = None  # owned by the sampler (seeded generator, penalty state...)
+    prompt_logprobs: TokenLogprobs | None = None  # collected chunk by chunk; sent with the first output
 
     @classmethod
     def from_msg(cls, msg: AddRequest) -> EngineRequest:

@@ -208,8 +208,11 @@ class Scheduler:
     def _row(self, req: EngineRequest, n: int) -> ScheduledRow:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
+        # prompt_logprobs: the prompt tokens after the fed ones, until the first output token is known
+        wants = req.params.prompt_logprobs is not None and not req.output_token_ids and not req.num_pending_tokens
+        targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
         row = ScheduledRow(
-            req.request_id, req.slot, req.token_ids(start, start + n), start, list(req.block_table), sample
+            req.request_id, req.slot, req.token_ids(start, start + n), start, list(req.block_table), sample, targets
         )
         req.num_computed_tokens += n
         req.num_pending_tokens += sample
@@ -233,6 +236,7 @@ class Scheduler:
             new_token_ids=[token],
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            prompt_logprobs=req.prompt_logprobs if seq == 0 else None,
         )
 
     def _finish(self, req: EngineRequest, reason: str, stop_reason: int | None = None) -> None:

@@ -42,6 +42,7 @@ import torch
 from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks
+from actors.engine.logprobs import collect_prompt_logprobs, entries
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.protocol import RecentIds, StepGate
@@ -61,7 +62,6 @@ from messages.wire import (
     Probe,
     RequestOutput,
     StepOutputs,
-    TokenLogprobs,
 )
 
 log = logging.getLogger("sluice.engine")
@@ -226,7 +226,16 @@ class SchedulerActor(Actor):
                 batch = self.sched.schedule()
                 if batch.rows:
                     rows, slots = self._sampling_rows(batch)
-                    inflight.append((batch, loop.run_in_executor(self._device, self.executor.run, batch, rows, slots)))
+                    n = max(
+                        (
+                            self.sched.requests[r.request_id].params.prompt_logprobs
+                            for r in batch.rows
+                            if r.prompt_targets
+                        ),
+                        default=0,
+                    )
+                    run = loop.run_in_executor(self._device, self.executor.run, batch, rows, slots, n)
+                    inflight.append((batch, run))
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
                 done, future = inflight.popleft()
                 result = await future
@@ -270,9 +279,11 @@ class SchedulerActor(Actor):
 
     async def _postprocess(self, batch: BatchSpec, result: StepResult) -> None:
         if result.ready is None:
-            sampled, lp = result.host()
+            sampled, lp, plp = result.host()
         else:  # wait for this step's copy off the loop: handlers keep running meanwhile
-            sampled, lp = await asyncio.get_running_loop().run_in_executor(None, result.host)
+            sampled, lp, plp = await asyncio.get_running_loop().run_in_executor(None, result.host)
+        if plp is not None:
+            collect_prompt_logprobs(batch, plp, self.sched.requests)
         want = {}
         if lp is not None:
             for j, i in enumerate(batch.sampling_rows):
@@ -283,12 +294,7 @@ class SchedulerActor(Actor):
         for out in outputs:
             if out.request_id in want:
                 j, n = want[out.request_id]
-                out.logprobs = TokenLogprobs(
-                    sampled=[lp["sampled"][j]],
-                    ranks=[lp["ranks"][j]],
-                    top_ids=[lp["top_ids"][j][:n]],
-                    top_logprobs=[lp["top_logprobs"][j][:n]],
-                )
+                out.logprobs = entries(lp, j, j + 1, n)
         self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
         if self._record:
             self._record.write(msgspec.json.encode([[o.request_id, o.new_token_ids] for o in outputs]) + b"\n")

@@ -1,0 +1,36 @@
+"""Host-side logprobs: a step's lists from the executor (StepResult.host) cut into each request's TokenLogprobs."""
+
+from __future__ import annotations
+
+from gpu.batch import BatchSpec
+from messages.wire import TokenLogprobs
+
+
+def entries(lists: dict[str, list], start: int, stop: int, n: int) -> TokenLogprobs:
+    """Entries start..stop-1 of a step's logprob lists, each top-N cut to the request's n."""
+    return TokenLogprobs(
+        sampled=lists["sampled"][start:stop],
+        ranks=lists["ranks"][start:stop],
+        top_ids=[ids[:n] for ids in lists["top_ids"][start:stop]],
+        top_logprobs=[lps[:n] for lps in lists["top_logprobs"][start:stop]],
+    )
+
+
+def collect_prompt_logprobs(batch: BatchSpec, lists: dict[str, list], requests: dict) -> None:
+    """Append each row's prompt logprobs to its request (a row from position 0 starts them afresh: a request
+    preempted before its first output computes its prompt again)."""
+    k = 0
+    for row in batch.rows:
+        if not row.prompt_targets:
+            continue
+        req = requests[row.request_id]
+        more = entries(lists, k, k + len(row.prompt_targets), req.params.prompt_logprobs)
+        k += len(row.prompt_targets)
+        old = req.prompt_logprobs
+        if row.num_computed and old is not None:
+            more = TokenLogprobs(*(a + b for a, b in zip(_fields(old), _fields(more), strict=True)))
+        req.prompt_logprobs = more
+
+
+def _fields(lp: TokenLogprobs) -> tuple[list, list, list, list]:
+    return lp.sampled, lp.ranks, lp.top_ids, lp.top_logprobs

@@ -1,0 +1,45 @@
+"""prompt_logprobs over HTTP (vLLM's extension), through the official `openai` client on the tiny model."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+GREEDY = {"temperature": 0.0, "max_tokens": 2}
+
+
+async def test_completion_prompt_logprobs_per_choice(server):
+    prompt = server.tokenizer.encode("The quick brown fox jumps")
+    out = await server.client().completions.create(
+        model=None, prompt=prompt, n=2, extra_body={"prompt_logprobs": 2}, **GREEDY
+    )
+    for choice in out.choices:
+        plp = choice.model_extra["prompt_logprobs"]
+        assert len(plp) == len(prompt) and plp[0] is None
+        for token, entry in zip(prompt[1:], plp[1:], strict=True):
+            assert str(token) in entry and 2 <= len(entry) <= 3  # the prompt token and the top-2
+            mine = entry[str(token)]
+            assert (
+                mine["logprob"] <= 0 and mine["rank"] >= 1 and mine["decoded_token"] == server.tokenizer.decode([token])
+            )
+            by_rank = {e["rank"]: e["logprob"] for e in entry.values()}
+            assert by_rank[1] >= by_rank[2] >= mine["logprob"] or mine["rank"] <= 2
+    plain = await server.client().completions.create(model=None, prompt=prompt, **GREEDY)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+
+
+async def test_chat_prompt_logprobs_once_per_response(server):
+    messages = [{"role": "user", "content": "Hi"}]
+    out = await server.client().chat.completions.create(
+        model=None, messages=messages, extra_body={"prompt_logprobs": 0}, **GREEDY
+    )
+    plp = out.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == out.usage.prompt_tokens and all(len(e) == 1 for e in plp[1:])
+
+
+async def test_prompt_logprobs_with_stream_is_a_400(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        await server.client().completions.create(
+            model=None, prompt="Hi", stream=True, extra_body={"prompt_logprobs": 1}, **GREEDY
+        )
+    assert e.value.body["param"] == "prompt_logprobs"
