@@ -19,7 +19,6 @@ from actors.engine.config import DETOKENIZER, SCHEDULER, EngineConfig
 from actors.graph import engine_processes
 from actors.protocol import RecentIds
 from actors.runtime import Actor, ActorSystem, FaultPlan, RestartPolicy
-from frontend.openai_format import join_logprobs
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import SamplingParams
 from messages.wire import (
@@ -204,7 +203,7 @@ class AsyncLLM:
             if isinstance(item, Finished):
                 out.finish_reason, out.stop_reason, out.error = item.finish_reason, item.stop_reason, item.error
                 out.num_prompt_tokens, out.prompt_logprobs = item.num_prompt_tokens, item.prompt_logprobs
-        out.logprobs = join_logprobs(logprobs) if params.logprobs is not None else None
+        out.logprobs = TokenLogprobs.join(logprobs) if params.logprobs is not None else None
         return out
 
     async def generate(

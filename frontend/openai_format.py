@@ -66,17 +66,6 @@ def _lp(x: float) -> float:
     return x if x >= LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN
 
 
-def join_logprobs(parts: list[TokenLogprobs]) -> TokenLogprobs:
-    """Concatenate the logprobs of consecutive deltas (for non-streaming responses)."""
-    out = TokenLogprobs(sampled=[], ranks=[], top_ids=[], top_logprobs=[])
-    for p in parts:
-        out.sampled += p.sampled
-        out.ranks += p.ranks
-        out.top_ids += p.top_ids
-        out.top_logprobs += p.top_logprobs
-    return out
-
-
 def completion_logprobs(token_ids: list[int], lp: TokenLogprobs, vocab: TokenVocab, text_offset: int = 0) -> dict:
     """Completions logprobs; `top_logprobs[i]` holds the sampled token and the top-N (vLLM).
     `text_offset` is where the first token's text starts in the choice's text."""

@@ -49,14 +49,14 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
     reason, stop_reason = (fin.finish_reason, fin.stop_reason) if ending else (None, None)
     c.final_sent |= ending
     if p.kind == "chat":
-        logprobs = fmt.chat_logprobs(ids, fmt.join_logprobs(lps), vocab) if p.logprobs is not None and ids else None
+        logprobs = fmt.chat_logprobs(ids, TokenLogprobs.join(lps), vocab) if p.logprobs is not None and ids else None
         delta = fmt.chat_delta(
             c.index, content=text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs
         )
         return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta]))
     logprobs = None
     if p.logprobs is not None and ids:
-        logprobs = fmt.completion_logprobs(ids, fmt.join_logprobs(lps), vocab, c.text_offset)
+        logprobs = fmt.completion_logprobs(ids, TokenLogprobs.join(lps), vocab, c.text_offset)
         c.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
     choice = fmt.completion_choice(c.index, text, reason, stop_reason, logprobs)
     return sse(fmt.completion(p.request_id, p.model, p.created, [choice]))
@@ -83,7 +83,7 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
 
 
 def _logprobs(build, ids: list[int], lps: list[TokenLogprobs], vocab: TokenVocab) -> dict:
-    return build(ids, fmt.join_logprobs(lps), vocab)
+    return build(ids, TokenLogprobs.join(lps), vocab)
 
 
 def _usage(req: HttpRequest) -> dict:

@@ -122,6 +122,17 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
 
+    @staticmethod
+    def join(parts: list[TokenLogprobs]) -> TokenLogprobs:
+        """The entries of consecutive parts, in order (a request's deltas, a prompt's chunks)."""
+        out = TokenLogprobs(sampled=[], ranks=[], top_ids=[], top_logprobs=[])
+        for p in parts:
+            out.sampled += p.sampled
+            out.ranks += p.ranks
+            out.top_ids += p.top_ids
+            out.top_logprobs += p.top_logprobs
+        return out
+
 
 class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     """One request's new tokens in one engine step. `seq` = index of its first new token."""

@@ -146,7 +146,7 @@ def test_chat_stream_sequence(tok):
 def test_join_logprobs():
     a = TokenLogprobs(sampled=[-1.0], ranks=[1], top_ids=[[4]], top_logprobs=[[-1.0]])
     b = TokenLogprobs(sampled=[-2.0, -3.0], ranks=[2, 1], top_ids=[[5], [6]], top_logprobs=[[-0.5], [-3.0]])
-    assert fmt.join_logprobs([a, b]) == TokenLogprobs(
+    assert TokenLogprobs.join([a, b]) == TokenLogprobs(
         [-1.0, -2.0, -3.0], [1, 2, 1], [[4], [5], [6]], [[-1.0], [-0.5], [-3.0]]
     )
     assert a.sampled == [-1.0]  # inputs untouched

@@ -27,10 +27,4 @@ def collect_prompt_logprobs(batch: BatchSpec, lists: dict[str, list], requests: 
         more = entries(lists, k, k + len(row.prompt_targets), req.params.prompt_logprobs)
         k += len(row.prompt_targets)
         old = req.prompt_logprobs
-        if row.num_computed and old is not None:
-            more = TokenLogprobs(*(a + b for a, b in zip(_fields(old), _fields(more), strict=True)))
-        req.prompt_logprobs = more
-
-
-def _fields(lp: TokenLogprobs) -> tuple[list, list, list, list]:
-    return lp.sampled, lp.ranks, lp.top_ids, lp.top_logprobs
+        req.prompt_logprobs = TokenLogprobs.join([old, more]) if row.num_computed and old is not None else more
