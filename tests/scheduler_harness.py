@@ -1,0 +1,134 @@
+"""Drives the Scheduler for its tests: a fake paged-KV model whose next token hashes the context it
+reads back through the block tables, so a wrong position, block table, placeholder or recompute
+changes the output, and a harness that checks every step. `Harness.run` ends idle: no request,
+block, slot or in-flight step left."""
+
+import random
+from collections import defaultdict, deque
+
+from actors.engine.block_manager import BlockManager
+from actors.engine.request import EngineRequest
+from actors.engine.scheduler import Scheduler
+from gpu.batch import PLACEHOLDER, BatchSpec
+from messages.sampling_params import SamplingParams
+
+VOCAB = 97
+EOS = 96
+
+
+def next_token(ctx: list[int]) -> int:
+    h = 17
+    for t in ctx:
+        h = (h * 131 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+def chain(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+def expected(prompt, p: SamplingParams, max_model_len: int, eos=(EOS,)):
+    """The oracle: tokens and (finish_reason, stop_reason) of an unbatched run."""
+    out = []
+    for tok in chain(prompt, min(p.max_tokens, max_model_len - len(prompt))):
+        out.append(tok)
+        if len(out) > p.min_tokens and tok in eos and not p.ignore_eos:
+            return out, ("stop", None)
+        if len(out) > p.min_tokens and tok in p.stop_token_ids:
+            return out, ("stop", tok)
+    return out, ("length", None)
+
+
+class FakeModel:
+    """Executes batches in order like a device: writes fed tokens into a paged KV dict, reads the
+    whole context back for sampling rows, keeps the last sample per slot for PLACEHOLDERs."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.kv: dict[tuple[int, int], int] = {}
+        self.prev: dict[int, int] = {}
+
+    def execute(self, batch: BatchSpec) -> list[int]:
+        sampled = []
+        for row in batch.rows:
+            ids = list(row.token_ids)
+            assert ids and PLACEHOLDER not in ids[:-1]
+            if ids[-1] == PLACEHOLDER:
+                ids[-1] = self.prev[row.slot]
+            end = row.num_computed + len(ids)
+            assert len(row.block_table) >= -(-end // self.bs)
+            for pos, tok in enumerate(ids, row.num_computed):
+                self.kv[row.block_table[pos // self.bs], pos % self.bs] = tok
+            if row.sample:
+                tok = next_token([self.kv[row.block_table[p // self.bs], p % self.bs] for p in range(end)])
+                self.prev[row.slot] = tok
+                sampled.append(tok)
+        return sampled
+
+
+class Harness:
+    """Drives schedule/execute/update in sync mode or one batch ahead, checking every step."""
+
+    def __init__(
+        self, one_ahead=False, num_blocks=64, block_size=4, max_num_seqs=4, budget=32, max_model_len=64, eos=(EOS,)
+    ):
+        self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, eos)
+        self.model = FakeModel(block_size)
+        self.one_ahead = one_ahead
+        self.queue: deque[tuple[BatchSpec, list[int]]] = deque()  # scheduled, not yet updated
+        self.empty_before = False
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.finish: dict[str, tuple] = {}
+        self.acks: list[str] = []
+        self.batches: list[BatchSpec] = []
+
+    def add(self, rid, prompt, **params):
+        self.sched.add_request(EngineRequest(rid, list(prompt), SamplingParams(**params)))
+
+    def step(self) -> BatchSpec:
+        s = self.sched
+        batch = s.schedule()
+        assert batch.rows or self.queue or not s.has_unfinished(), "deadlock: nothing to run, nothing in flight"
+        assert batch.num_tokens <= s.max_num_batched_tokens and len(batch.rows) <= s.max_num_seqs
+        assert len({r.request_id for r in batch.rows}) == len({r.slot for r in batch.rows}) == len(batch.rows)
+        assert all(r.num_computed + len(r.token_ids) < s.max_model_len for r in batch.rows)
+        sampled = self.model.execute(batch)
+        self.batches.append(batch)
+        if batch.rows:
+            self.queue.append((batch, sampled))
+        # One-ahead: update a batch once the next one is scheduled; after an empty schedule, try
+        # scheduling once more before letting the device catch up.
+        if len(self.queue) == 2 or (self.queue and not (self.one_ahead and (batch.rows or not self.empty_before))):
+            self._update(*self.queue.popleft())
+        self.empty_before = not batch.rows
+        return batch
+
+    def _update(self, batch, sampled):
+        for out in self.sched.update(batch, sampled):
+            assert out.request_id not in self.finish and out.seq == len(self.tokens[out.request_id])
+            self.tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason:
+                self.finish[out.request_id] = (out.finish_reason, out.stop_reason)
+        acks = self.sched.drain_aborted()
+        assert not set(acks) & set(self.acks) and not set(acks) & set(self.finish)
+        self.acks += acks
+
+    def run(self, max_steps=2000):
+        for _ in range(max_steps):
+            if not (self.sched.has_unfinished() or self.queue):
+                break
+            self.step()
+        self.acks += self.sched.drain_aborted()
+        assert set(self.sched.check_idle().values()) == {0}, self.sched.check_idle()
+        bm = self.sched.block_manager
+        for row in (r for b in self.batches for r in b.rows):  # tables as scheduled, not grown later
+            assert len(row.block_table) == -(-(row.num_computed + len(row.token_ids)) // bm.block_size)
+        assert bm.num_free_blocks == bm.num_blocks and sorted(bm.free_block_ids) == list(range(bm.num_blocks))
+
+
+def prompts(n, seed=0, lo=1, hi=30):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
