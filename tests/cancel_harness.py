@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from actors.engine.config import SCHEDULER, EngineConfig
@@ -19,6 +20,8 @@ from tests.tiny_model import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 LONG_PROMPT = list(range(1000, 1100))  # 100 tokens: four chunked-prefill steps at a 32-token budget
+STOP_PROMPT = [11, 12, 13]
+STOP_BASE = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def engine_config(model_dir, **overrides) -> EngineConfig:
@@ -120,6 +123,23 @@ def start(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str | None 
 
     run.task = asyncio.create_task(consume())
     return run
+
+
+async def start_held(llm: AsyncLLM, prompt, params: SamplingParams) -> Run:
+    """Start a request with the gate closed: returns once its first step has executed and is held."""
+    gate(llm, 0)
+    run = start(llm, prompt, params)
+    await wait_state(llm, held_steps=1)
+    return run
+
+
+async def stop_case(llm: AsyncLLM) -> tuple[Run, SamplingParams, int]:
+    """(free, params, j): STOP_PROMPT's fault-free run, and STOP_BASE with a stop string that first
+    matches inside the text of its token j."""
+    free = start(llm, STOP_PROMPT, STOP_BASE)
+    await free.done()
+    stop, j = stop_string_at(llm.tokenizer, free.token_ids)
+    return free, msgspec.structs.replace(STOP_BASE, stop=[stop]), j
 
 
 def stop_string_at(tokenizer, token_ids: list[int], first: int = 3) -> tuple[str, int]:

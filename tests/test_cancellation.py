@@ -16,6 +16,7 @@ from messages.sampling_params import SamplingParams
 from tests.cancel_harness import (
     GREEDY,
     LONG_PROMPT,
+    STOP_PROMPT,
     assert_idle,
     clean_llm,  # noqa: F401 (a fixture)
     engine_config,
@@ -23,7 +24,8 @@ from tests.cancel_harness import (
     model_dir,  # noqa: F401 (a fixture)
     scheduler_state,
     start,
-    stop_string_at,
+    start_held,
+    stop_case,
     wait_state,
 )
 
@@ -53,9 +55,7 @@ def steps_ahead(llm: AsyncLLM) -> int:
 
 
 async def test_abort_while_waiting_is_acked_at_once(llm):
-    gate(llm, 0)
-    head = start(llm, [1, 2, 3], GREEDY)
-    await wait_state(llm, held_steps=1)
+    head = await start_held(llm, [1, 2, 3], GREEDY)
     queued = start(llm, [4, 5, 6], GREEDY)
     await wait_state(llm, waiting=1)
     llm.abort(queued.request_id)
@@ -68,9 +68,7 @@ async def test_abort_while_waiting_is_acked_at_once(llm):
 
 
 async def test_abort_mid_chunked_prefill_frees_after_the_steps_in_flight(llm):
-    gate(llm, 0)
-    run = start(llm, LONG_PROMPT, GREEDY)
-    await wait_state(llm, held_steps=1)  # chunk 1 executed
+    run = await start_held(llm, LONG_PROMPT, GREEDY)  # chunk 1 executed
     gate(llm, 1)
     await wait_state(llm, gate_permits=0, held_steps=1)  # chunk 1 done, chunk 2 executed and held
     llm.abort(run.request_id)
@@ -87,9 +85,7 @@ async def test_abort_mid_chunked_prefill_frees_after_the_steps_in_flight(llm):
 async def test_abort_while_the_final_step_runs_wins(llm):
     """The Abort reaches the scheduler before the final step's update: finish_reason abort (vLLM #29987)."""
     engine0, _ = await llm.fresh_stats()
-    gate(llm, 0)
-    run = start(llm, [7, 8, 9], FOUR)
-    await wait_state(llm, held_steps=1)
+    run = await start_held(llm, [7, 8, 9], FOUR)
     gate(llm, 3)
     await wait_state(llm, gate_permits=0, held_steps=1)  # tokens 0..2 are out; the step sampling token 3 is held
     await run.wait_tokens(3)
@@ -109,9 +105,7 @@ async def test_abort_after_the_final_update_is_late(llm):
     counted), and the client gets exactly one Finished, with the natural reason."""
     engine0, detok0 = await llm.fresh_stats()
     late0 = llm.client.late_outputs
-    gate(llm, 0)
-    run = start(llm, [7, 8, 9], FOUR)
-    await wait_state(llm, held_steps=1)
+    run = await start_held(llm, [7, 8, 9], FOUR)
     gate(llm, 4)
     await wait_state(llm, gate_permits=0, requests=0)  # the scheduler sent the terminal entry
     llm.abort(run.request_id)
@@ -131,14 +125,10 @@ async def test_stop_string_while_the_engine_runs_ahead(llm):
     """The detokenizer finds a stop string in token j while the engine holds step j+1 (and, with async
     scheduling, j+2) in flight: the client has its Finished(stop) at once; the Abort discards the
     samples in flight, so no stale output is even sent."""
-    prompt, params = [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    free = start(llm, prompt, params)
-    await free.done()
-    stop, j = stop_string_at(llm.tokenizer, free.token_ids)
+    free, params, j = await stop_case(llm)
+    stop = params.stop[0]
     engine0, detok0 = await llm.fresh_stats()
-    gate(llm, 0)
-    run = start(llm, prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
-    await wait_state(llm, held_steps=1)
+    run = await start_held(llm, STOP_PROMPT, params)
     gate(llm, j + 1)
     fin = await run.done()
     assert (fin.finish_reason, fin.stop_reason) == ("stop", stop)

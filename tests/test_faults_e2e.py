@@ -15,6 +15,7 @@ from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
 from tests.cancel_harness import (
     LONG_PROMPT,
+    STOP_PROMPT,
     Run,
     assert_idle,
     clean_llm,  # noqa: F401 (a fixture)
@@ -22,7 +23,8 @@ from tests.cancel_harness import (
     gate,
     model_dir,  # noqa: F401 (a fixture)
     start,
-    stop_string_at,
+    start_held,
+    stop_case,
     wait_for,
     wait_state,
 )
@@ -35,7 +37,6 @@ PARAMS = [
     SamplingParams(temperature=0.7, seed=2, max_tokens=16, min_tokens=4, repetition_penalty=1.2, ignore_eos=True),
 ]
 WORKLOAD = [(p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(PROMPTS * 3)]
-STOP_BASE = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 async def outcomes(llm: AsyncLLM, workload=WORKLOAD) -> list[Run]:
@@ -106,23 +107,16 @@ async def test_duplicates_and_delays_change_no_output(lossy_llm, reference):
     assert lossy_llm.client.duplicates > 0, "the plan duplicated TextOutputs"
 
 
-async def stop_case(llm: AsyncLLM) -> tuple[Run, str, int]:
-    free = start(llm, [11, 12, 13], STOP_BASE)
-    await free.done()
-    stop, j = stop_string_at(llm.tokenizer, free.token_ids)
-    return free, stop, j
-
-
 async def test_lost_stop_abort_leaves_every_later_step_stale(lossy_llm):
     """The stop string is found in token j but its Abort is lost: the engine runs the request to
     max_tokens, k steps ahead of the client's Finished; all k outputs are stale, dropped, never
     forwarded, and the terminal entry closes the tombstone."""
-    free, stop, j = await stop_case(lossy_llm)
+    free, params, j = await stop_case(lossy_llm)
     engine0, detok0 = await lossy_llm.fresh_stats()
-    run = start(lossy_llm, [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    run = start(lossy_llm, STOP_PROMPT, params)
     fin = await run.done()
     assert (fin.finish_reason, run.token_ids) == ("stop", free.token_ids[: j + 1])
-    assert run.text == free.text[: free.text.index(stop)]
+    assert run.text == free.text[: free.text.index(params.stop[0])]
     await assert_idle(lossy_llm)
     engine1, detok1 = await lossy_llm.fresh_stats()
     assert detok1.stale_outputs_dropped_total - detok0.stale_outputs_dropped_total == 24 - (j + 1)
@@ -133,11 +127,9 @@ async def test_unanswered_abort_tombstone_is_dropped_after_bounded_tries(lossy_l
     """I7: the engine is held after the stop step, so no terminal message comes; the lost Abort is
     re-sent (lost again) and after max_abort_tries the tombstone is dropped. The request's later
     outputs then belong to nobody: protocol violations, counted and dropped."""
-    _, stop, j = await stop_case(lossy_llm)
+    _, params, j = await stop_case(lossy_llm)
     _, detok0 = await lossy_llm.fresh_stats()
-    gate(lossy_llm, 0)
-    run = start(lossy_llm, [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
-    await wait_state(lossy_llm, held_steps=1)
+    run = await start_held(lossy_llm, STOP_PROMPT, params)
     gate(lossy_llm, j + 1)
     assert (await run.done()).finish_reason == "stop"
     await wait_for(lambda: (s := lossy_llm.client.detok_stats) is not None and s.num_tombstones == 1, what="tombstone")
@@ -246,9 +238,7 @@ async def test_lost_step_outputs_fail_only_the_requests_in_them(model_dir, clean
     m = d2 - d1 - 2  # T is admitted in step d1 + 3: its terminal entry is in step d2
     config = engine_config(model_dir, async_scheduling=False, abort_timeout_s=0.3)
     async with AsyncLLM(config, fault_plan=plan) as llm:
-        gate(llm, 0)
-        a = start(llm, [31, 32], long)
-        await wait_state(llm, held_steps=1)  # step 1: A
+        a = await start_held(llm, [31, 32], long)  # step 1: A
         b, c = start(llm, [33, 34], long), start(llm, [35, 36], short)
         await wait_state(llm, waiting=2)
         gate(llm, d1 + 1)  # steps 1 .. d1 + 1; B and C from step 2, C done in step 4
