@@ -12,10 +12,11 @@ import msgspec
 import pytest
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.engine.config import SCHEDULER, EngineConfig
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
 from messages.wire import CheckIdle
+from tests.cancel_harness import assert_idle
 from tests.tiny_model import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -58,12 +59,7 @@ async def llm(request, model_dir):
 @pytest.fixture(autouse=True)
 async def idle_after(llm):
     yield
-    for _ in range(100):  # aborts and acks settle within a few steps
-        reports = await llm.idle_reports()
-        if not any(v for details in reports.values() for v in details.values()):
-            return
-        await asyncio.sleep(0.05)
-    pytest.fail(f"not idle after the test: {reports}")
+    await assert_idle(llm)
 
 
 def hf_greedy(model_dir, prompt_ids: list[int], n: int) -> list[int]:
@@ -153,8 +149,12 @@ async def test_explicit_abort(llm):
     finished = [item async for item in stream][-1]
     assert finished.finish_reason == "abort"
     late = await llm.generate_one([1, 2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    await llm.client.ask(SCHEDULER, CheckIdle())  # FIFO barrier: rid's aborts were handled ...
+    before, _ = await llm.fresh_stats()  # ... so stats published after it count them
     llm.abort(late.request_id)  # finished: a late abort, ignored
-    await asyncio.sleep(0.2)
+    await llm.client.ask(SCHEDULER, CheckIdle())
+    after, _ = await llm.fresh_stats()
+    assert after.late_aborts_total - before.late_aborts_total == 1
 
 
 async def test_finish_while_next_step_in_flight_discards_the_extra_sample(llm, model_dir):
@@ -163,14 +163,15 @@ async def test_finish_while_next_step_in_flight_discards_the_extra_sample(llm, m
     sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
     free = await llm.generate_one(prompt, sampled)
     stop_tok = next(t for i, t in enumerate(free.token_ids) if i >= 2 and t not in free.token_ids[:i])
-    before = await llm.client.ask("scheduler", CheckIdle())
+    before = await llm.client.ask(SCHEDULER, CheckIdle())
     stopping = msgspec.structs.replace(sampled, stop_token_ids=[stop_tok])
     outs = await llm.generate([prompt] * 3, stopping)
     cut = free.token_ids[: free.token_ids.index(stop_tok) + 1]
     assert all(o.token_ids == cut and o.finish_reason == "stop" for o in outs)
-    await asyncio.sleep(2 * llm.config.stats_interval_s)
+    await assert_idle(llm)  # the junk steps are updated; stats published after this reply count them
+    stats, _ = await llm.fresh_stats()
     if llm.config.async_scheduling:
-        assert llm.client.engine_stats.discarded_samples_total >= 3
+        assert stats.discarded_samples_total >= 3
     assert before.idle
 
 

@@ -3,12 +3,13 @@ random-weight Llama, driven by the official `openai` client and by raw aiohttp."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
 import openai
 import pytest
+
+from tests.test_http_faults import wait_for_status
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 CHAT = [{"role": "user", "content": "Tell me a story."}]
@@ -233,11 +234,7 @@ async def test_engine_death_fails_in_flight_streams_and_the_server_recovers(serv
             raw = await resp.read()
         assert raw.endswith(b"data: [DONE]\n\n")
         assert "error" in json.loads(raw.split(b"\n\n")[-3][6:])
-        for _ in range(1200):  # the supervisor restarts the engine: /health is 503 until ActorUp
-            async with s.get("/health") as health:
-                if health.status == 200:
-                    break
-            await asyncio.sleep(0.1)
+        await wait_for_status(s, "/health", 200, timeout=120)  # 503 until the restarted engine's ActorUp
         async with s.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}) as resp:
             assert resp.status == 200
     await server.wait_metrics({unknown: before, ("sluice:num_tombstones", (("actor", "http"),)): 0})
