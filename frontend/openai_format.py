@@ -83,6 +83,18 @@ def completion_logprobs(token_ids: list[int], lp: TokenLogprobs, vocab: TokenVoc
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
+def echo_logprobs(
+    prompt_ids: list[int], plp: TokenLogprobs, token_ids: list[int], lp: TokenLogprobs, vocab: TokenVocab
+) -> dict:
+    """Completions logprobs with echo: the prompt's tokens first (the first one has no logprob), then the output's."""
+    first = vocab.token_str(prompt_ids[0])
+    head = completion_logprobs(prompt_ids[1:], plp, vocab, len(first))
+    end = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else len(first)
+    tail = completion_logprobs(token_ids, lp, vocab, end)
+    lead = {"tokens": first, "token_logprobs": None, "top_logprobs": None, "text_offset": 0}
+    return {key: [lead[key], *head[key], *tail[key]] for key in lead}
+
+
 def prompt_logprobs(prompt_ids: list[int], lp: TokenLogprobs, vocab: TokenVocab) -> list[dict | None]:
     """vLLM's prompt_logprobs: None for the first prompt token, then for each next one {token id: {logprob, rank,
     decoded_token}} holding that token and the top-N of the position."""

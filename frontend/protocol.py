@@ -139,7 +139,9 @@ def parse_completion(body: bytes, ctx: ServingContext) -> ParsedRequest:
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise RequestError(400, "best_of is not supported (it must be null or equal to n)", "best_of")
     if req.echo and req.logprobs is not None:
-        raise RequestError(400, "echo with logprobs is not supported (it needs prompt logprobs)", "echo")
+        if req.stream:
+            raise RequestError(400, "echo with logprobs is not available when stream is true", "echo")
+        req.prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs)  # the echoed prompt's logprobs
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is msgspec.UNSET else req.max_tokens
     params = _sampling_params(req, ctx, max_tokens, req.logprobs, {})
     prompts = []

@@ -72,6 +72,10 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
         if p.kind == "chat":
             logprobs = _logprobs(fmt.chat_logprobs, ids, lps, vocab) if p.logprobs is not None else None
             choices.append(fmt.chat_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))
+        elif p.echo and p.logprobs is not None:
+            prompt = p.prompts[c.index // p.n].token_ids
+            logprobs = fmt.echo_logprobs(prompt, fin.prompt_logprobs, ids, TokenLogprobs.join(lps), vocab)
+            choices.append(fmt.completion_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))
         else:
             logprobs = _logprobs(fmt.completion_logprobs, ids, lps, vocab) if p.logprobs is not None else None
             choices.append(fmt.completion_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))

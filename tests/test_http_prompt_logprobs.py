@@ -43,3 +43,17 @@ async def test_prompt_logprobs_with_stream_is_a_400(server):
             model=None, prompt="Hi", stream=True, extra_body={"prompt_logprobs": 1}, **GREEDY
         )
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+async def test_echo_with_logprobs_covers_the_prompt_then_the_output(server):
+    prompt = server.tokenizer.encode("Echo me back")
+    out = await server.client().completions.create(model=None, prompt=prompt, echo=True, logprobs=1, **GREEDY)
+    lp = out.choices[0].logprobs
+    n = len(prompt) + 2
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == out.choices[0].text  # the echoed prompt, then the completion
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    alone = await server.client().completions.create(model=None, prompt=prompt, logprobs=1, **GREEDY)
+    assert lp.token_logprobs[-2:] == alone.choices[0].logprobs.token_logprobs
