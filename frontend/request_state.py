@@ -12,12 +12,8 @@ import time
 import msgspec
 
 from frontend.protocol import ParsedRequest, RequestError
+from messages.sampling_params import child_seed
 from messages.wire import AddRequest, Finished, TokenLogprobs
-
-
-def child_seed(seed: int, index: int) -> int:
-    """gpu.sampling.child_seed, without importing torch into the HTTP process (a test pins them equal)."""
-    return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 class Choice:

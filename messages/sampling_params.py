@@ -15,6 +15,12 @@ MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
 
 
+def child_seed(seed: int, index: int) -> int:
+    """The seed of child `index` of an n > 1 request (vLLM: seed + index; child 0 keeps the parent's seed),
+    wrapped into int64."""
+    return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 class ParamError(ValueError):
     """A request field is invalid; `param` names it (OpenAI error body `param`)."""
 
