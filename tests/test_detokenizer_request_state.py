@@ -140,13 +140,13 @@ def test_a_seq_gap_fails_the_request_cleanly():
     state = make_state()
     _, fin = run(state, [outs[0], outs[2]])
     assert fin.finish_reason == "error" and "seq 2" in fin.error and "expected seq 1" in fin.error
-    assert state.abort_reason == "error" and fin.text == ""
+    assert state.abort_reason == "error" and fin.text == "" and fin.token_ids == [] and fin.logprobs is None
 
 
 def test_out_of_vocabulary_ids_fail_the_request():
     state = make_state()
     _, fin = state.process(RequestOutput(request_id="req-1", seq=0, new_token_ids=[905, 10**6]))
-    assert fin.finish_reason == "error" and "outside the vocabulary" in fin.error
+    assert fin.finish_reason == "error" and "outside the vocabulary" in fin.error and fin.token_ids == []
     assert state.abort_reason == "error"
     bad_prompt = AddRequest(request_id="r2", prompt_token_ids=[1, -5], params=SamplingParams())
     _, fin = DetokRequestState(bad_prompt, smollm2()).process(RequestOutput(request_id="r2", seq=0, new_token_ids=[7]))

@@ -157,8 +157,6 @@ class DetokenizerActor(Actor):
             if delta is not None:
                 batch.deltas.append(delta)
             if finished is not None:
-                if finished.finish_reason == "error":  # the failing entry's tokens are not delivered
-                    finished.token_ids, finished.logprobs = [], None
                 batch.finished.append(finished)
                 self._close(rid)
                 if out.finish_reason is None:  # we ended it; the engine still runs it

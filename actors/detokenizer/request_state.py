@@ -188,16 +188,17 @@ class DetokRequestState:
         return self._finish(out, out.finish_reason, out.stop_reason, text)
 
     def _finish(
-        self, out: RequestOutput, reason: str, stop_reason: int | str | None, text: str, error: str | None = None
+        self, out: RequestOutput | None, reason: str, stop_reason: int | str | None, text: str, error: str | None = None
     ) -> Finished:
+        """The Finished that ends the request, with `out`'s tokens (None: the entry's tokens are not delivered)."""
         self.finished, self._plain = True, False
         return Finished(
             request_id=self.request_id,
             finish_reason=reason,
             stop_reason=stop_reason,
             text=text,
-            token_ids=out.new_token_ids,
-            logprobs=out.logprobs,
+            token_ids=[] if out is None else out.new_token_ids,
+            logprobs=None if out is None else out.logprobs,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
             error=error,
@@ -205,9 +206,10 @@ class DetokRequestState:
         )
 
     def _fail(self, out: RequestOutput, error: str) -> Finished:
+        """The failing entry's tokens are not delivered: the client gets the error after the text it has."""
         if out.finish_reason is None:
             self.abort_reason = "error"
-        return self._finish(out, "error", None, "", f"request {self.request_id}: {error}")
+        return self._finish(None, "error", None, "", f"request {self.request_id}: {error}")
 
     def _set_logprobs_text(self, out: RequestOutput, skipped: int) -> None:
         offsets = self._offsets + [self._decoded_chars] * skipped  # a skipped stop token sits at the end
