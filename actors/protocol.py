@@ -1,11 +1,15 @@
 """Bookkeeping for the cancellation protocol (DESIGN section 3): a bounded memory of request ids
-(duplicates and overtaken messages), the StepOutputs numbering (duplicates, reorders, losses), and
-the step gate tests use to hold an engine step in flight."""
+(duplicates and overtaken messages), the tombstones of aborted requests (I4, I7), the StepOutputs
+numbering (duplicates, reorders, losses), and the step gate tests use to hold an engine step in flight.
+Pure Python: the HTTP process imports it."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
@@ -23,6 +27,40 @@ class RecentIds(dict):
         self[rid] = note
         if len(self) > self.capacity:
             del self[next(iter(self))]
+
+
+@dataclass(slots=True)
+class Tombstone:
+    reason: str  # of the Abort, re-sent with it
+    since: float  # when the last Abort was sent
+    tries: int
+
+
+class Tombstones(dict):
+    """Requests this party aborted, awaiting their terminal message (I4): request id -> Tombstone."""
+
+    def __init__(self, abort_timeout_s: float, max_abort_tries: int, log: logging.Logger):
+        super().__init__()
+        self.abort_timeout_s = abort_timeout_s
+        self.max_abort_tries = max_abort_tries
+        self.log = log
+
+    def add(self, rid: str, reason: str, aborted: bool = True) -> None:
+        """`aborted`: an Abort was sent. Without one (the engine is gone) one timeout passes, then it is dropped."""
+        self[rid] = Tombstone(reason, time.monotonic(), 1 if aborted else self.max_abort_tries)
+
+    def expire(self, now: float, resend: Callable[[str, str], None]) -> None:
+        """I7: `resend(rid, reason)` the Abort of a tombstone that got no terminal message within the timeout;
+        after max_abort_tries the tombstone is dropped with an error log."""
+        for rid, t in list(self.items()):
+            if now - t.since < self.abort_timeout_s:
+                continue
+            if t.tries >= self.max_abort_tries:
+                self.log.error("[%s] no terminal message in time (%s); tombstone dropped", rid, t.reason)
+                del self[rid]
+            else:
+                t.tries, t.since = t.tries + 1, now
+                resend(rid, t.reason)
 
 
 class StepNumbers:

@@ -20,22 +20,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from actors.engine.config import SCHEDULER
+from actors.protocol import Tombstones
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.request_state import Choice, HttpRequest
 from messages.wire import Abort, Finished, Msg, TextDelta, TextOutputs
 
 log = logging.getLogger("sluice.http")
-
-
-@dataclass(slots=True)
-class Tombstone:
-    reason: str
-    since: float
-    tries: int
 
 
 class RequestTable:
@@ -48,10 +41,8 @@ class RequestTable:
     ):
         self.tell = tell
         self.metrics = metrics
-        self.abort_timeout_s = abort_timeout_s
-        self.max_abort_tries = max_abort_tries
         self.live: dict[str, Choice] = {}  # engine request id -> choice
-        self.tombstones: dict[str, Tombstone] = {}
+        self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
         metrics.num_tombstones = lambda: len(self.tombstones)
 
     def add(self, parsed: ParsedRequest, client: str) -> HttpRequest:
@@ -146,11 +137,10 @@ class RequestTable:
 
     def _tombstone(self, c: Choice, reason: str, send_abort: bool = True) -> None:
         self._close(c, "abort")
-        # without an Abort (the engine is gone) one timeout passes, then the tombstone is dropped
-        self.tombstones[c.engine_id] = Tombstone(reason, time.monotonic(), 1 if send_abort else self.max_abort_tries)
+        self.tombstones.add(c.engine_id, reason, aborted=send_abort)
         if send_abort:
             self.metrics.aborts.labels(reason).inc()
-            self.tell(SCHEDULER, Abort(request_id=c.engine_id, reason=reason))
+            self._abort(c.engine_id, reason)
 
     def cancel(self, req: HttpRequest, reason: str = "client") -> None:
         """The client is gone: tombstone every live choice and abort it in the engine."""
@@ -173,7 +163,7 @@ class RequestTable:
         """Shutdown: ask the engine to abort everything; choices stay LIVE until their Finished."""
         for rid in self.live:
             self.metrics.aborts.labels(reason).inc()
-            self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
+            self._abort(rid, reason)
 
     def fail_all(self, error: RequestError, send_abort: bool) -> None:
         """Every live request fails now (an actor on the request path died, or the drain timed out)."""
@@ -183,12 +173,7 @@ class RequestTable:
 
     def expire(self, now: float) -> None:
         """I7: re-send an Abort that got no Finished in time; give up after max_abort_tries."""
-        for rid, t in list(self.tombstones.items()):
-            if now - t.since < self.abort_timeout_s:
-                continue
-            if t.tries >= self.max_abort_tries:
-                log.error("[%s] no Finished in time (%s); tombstone dropped", rid, t.reason)
-                del self.tombstones[rid]
-            else:
-                t.tries, t.since = t.tries + 1, now
-                self.tell(SCHEDULER, Abort(request_id=rid, reason=t.reason))
+        self.tombstones.expire(now, self._abort)
+
+    def _abort(self, rid: str, reason: str) -> None:
+        self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))

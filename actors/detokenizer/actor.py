@@ -41,14 +41,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import token_table
 from actors.detokenizer.request_state import DetokRequestState
-from actors.protocol import RecentIds, StepNumbers
+from actors.protocol import RecentIds, StepNumbers, Tombstones
 from actors.runtime import Actor
 from messages.wire import (
     Abort,
@@ -70,14 +69,6 @@ SHUTDOWN_DRAIN_S = 5.0
 CLOSED, ORPHAN, ORPHAN_ENDED = "closed", "orphan", "orphan-ended"  # `recent`: what became of an id not live
 
 
-@dataclass
-class Tombstone:
-    reason: str
-    client: str
-    since: float
-    tries: int = 1
-
-
 class DetokenizerActor(Actor):
     name = "detokenizer"
 
@@ -92,13 +83,11 @@ class DetokenizerActor(Actor):
         super().__init__()
         self.tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
         self.stats_to = client
-        self.abort_timeout_s = abort_timeout_s
-        self.max_abort_tries = max_abort_tries
         self.stats_interval_s = stats_interval_s
         self.live: dict[str, DetokRequestState] = {}
         self.clients: dict[str, str] = {}  # request id -> the actor that receives its text
         self.heard: dict[str, int] = {}  # request id -> the last step it was registered by or had an entry in
-        self.tombstones: dict[str, Tombstone] = {}
+        self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
         self.recent = RecentIds()  # ids not live: CLOSED | ORPHAN | ORPHAN_ENDED
         self.steps = StepNumbers()
         self.stale_dropped = 0
@@ -160,7 +149,7 @@ class DetokenizerActor(Actor):
                 batch.finished.append(finished)
                 self._close(rid)
                 if out.finish_reason is None:  # we ended it; the engine still runs it
-                    self._tombstone(rid, state.abort_reason or "stop", client)
+                    self._tombstone(rid, state.abort_reason or "stop")
         for client, batch in batches.items():
             if batch.deltas or batch.finished:
                 self.tell(client, batch)
@@ -193,7 +182,7 @@ class DetokenizerActor(Actor):
         else:
             for rid in [r for r, c in self.clients.items() if c == msg.actor and r in self.live]:
                 self._close(rid)
-                self._tombstone(rid, "client", msg.actor)
+                self._tombstone(rid, "client")
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = {
@@ -222,7 +211,7 @@ class DetokenizerActor(Actor):
             finished.stop_reason = reason
             self._close(rid)
             self.tell(client, finished)
-            self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
+            self._abort(rid, reason)
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -239,10 +228,13 @@ class DetokenizerActor(Actor):
         self._close(rid)
         self.tell(client, finished)
         if abort:
-            self._tombstone(rid, "error", client)
+            self._tombstone(rid, "error")
 
-    def _tombstone(self, rid: str, reason: str, client: str) -> None:
-        self.tombstones[rid] = Tombstone(reason, client, time.monotonic())
+    def _tombstone(self, rid: str, reason: str) -> None:
+        self.tombstones.add(rid, reason)
+        self._abort(rid, reason)
+
+    def _abort(self, rid: str, reason: str) -> None:
         self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
 
     def _close_tombstone(self, rid: str) -> None:
@@ -270,16 +262,7 @@ class DetokenizerActor(Actor):
         while True:
             await asyncio.sleep(self.stats_interval_s)
             self._find_lost()
-            now = time.monotonic()
-            for rid, t in list(self.tombstones.items()):
-                if now - t.since < self.abort_timeout_s:
-                    continue
-                if t.tries >= self.max_abort_tries:
-                    log.error("[%s] no terminal message after %d aborts; tombstone dropped", rid, t.tries)
-                    del self.tombstones[rid]
-                else:
-                    t.tries, t.since = t.tries + 1, now
-                    self.tell(SCHEDULER, Abort(request_id=rid, reason=t.reason))
+            self.tombstones.expire(time.monotonic(), self._abort)
             stats = DetokStats(
                 stale_outputs_dropped_total=self.stale_dropped,
                 protocol_violations_total=self.violations,

@@ -1,0 +1,33 @@
+"""actors.protocol.Tombstones: DESIGN I7, shared by the detokenizer and the HTTP actor. An Abort without a
+terminal message is re-sent after each timeout; after max_abort_tries the tombstone is dropped."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from actors.protocol import Tombstones
+
+
+def test_an_unanswered_abort_is_resent_with_its_reason_then_dropped(caplog):
+    tombstones, sent = Tombstones(1.0, 3, logging.getLogger("test")), []
+    tombstones.add("a", "client")
+    tombstones.add("b", "stop")
+    t0 = time.monotonic()
+    tombstones.expire(t0 + 0.5, lambda rid, reason: sent.append((rid, reason)))
+    assert sent == []
+    del tombstones["b"]  # its terminal message came
+    for i in (1, 2):
+        tombstones.expire(t0 + 1.01 * i, lambda rid, reason: sent.append((rid, reason)))
+        assert sent == [("a", "client")] * i and tombstones["a"].tries == 1 + i
+    with caplog.at_level(logging.ERROR):
+        tombstones.expire(t0 + 3.1, lambda rid, reason: sent.append((rid, reason)))
+    assert len(sent) == 2 and not tombstones
+    assert "[a] no terminal message in time (client); tombstone dropped" in caplog.text
+
+
+def test_a_tombstone_without_an_abort_is_dropped_after_one_timeout():
+    tombstones, sent = Tombstones(1.0, 3, logging.getLogger("test")), []
+    tombstones.add("a", "error", aborted=False)  # the engine is gone: nobody to abort
+    tombstones.expire(time.monotonic() + 1.01, lambda rid, reason: sent.append((rid, reason)))
+    assert not tombstones and not sent
