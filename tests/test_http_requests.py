@@ -10,10 +10,9 @@ import pytest
 
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, PromptInput, RequestError
-from frontend.request_state import child_seed
 from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
-from messages.sampling_params import SamplingParams
+from messages.sampling_params import SamplingParams, child_seed
 from messages.wire import Abort, AddRequest, Finished, TextDelta, TextOutputs, TokenLogprobs
 
 
@@ -57,15 +56,12 @@ def aborts(sent) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("seed", [7, (1 << 63) - 2, -(1 << 63)])
 def test_n_fans_out_into_engine_requests_with_derived_seeds(seed):
-    from gpu.sampling import child_seed as engine_child_seed
-
     table, _, sent = make_table()
     table.add(parsed(n=3, prompts=((1, 2), (3,)), seed=seed), "http")
     assert all(isinstance(m, AddRequest) and m.client == "http" and m.params.n == 1 for m in sent)
     assert [m.request_id for m in sent] == [f"cmpl-abc-{i}" for i in range(6)]
     assert [m.prompt_token_ids for m in sent] == [[1, 2]] * 3 + [[3]] * 3
-    assert [m.params.seed for m in sent] == [engine_child_seed(seed, j) for j in (0, 1, 2, 0, 1, 2)]
-    assert child_seed(seed, 5) == engine_child_seed(seed, 5)
+    assert [m.params.seed for m in sent] == [child_seed(seed, j) for j in (0, 1, 2, 0, 1, 2)]
 
 
 def test_a_slow_client_gets_one_coalesced_event_per_choice():

@@ -4,8 +4,9 @@ position; seeds are honoured and distinct; the exact wide-window paths agree tok
 import pytest
 import torch
 
-from gpu.sampling import MetadataCache, Sampler, SamplingMetadata, SamplingRow, child_seed, make_generator
+from gpu.sampling import MetadataCache, Sampler, SamplingMetadata, SamplingRow, make_generator
 from messages.sampling_params import SamplingParams as SP
+from messages.sampling_params import child_seed
 
 V = 500
 REQUESTS = {

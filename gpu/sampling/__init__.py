@@ -1,7 +1,7 @@
 """The sampling pipeline: SamplingMetadata.build once per step, then Sampler()(logits, metadata)."""
 
 from .logprobs import LogprobsTensors
-from .metadata import MetadataCache, SamplingMetadata, SamplingRow, child_seed, make_generator, reads_output
+from .metadata import MetadataCache, SamplingMetadata, SamplingRow, make_generator, reads_output
 from .sampler import Sampler, SamplerOutput
 
 __all__ = [
@@ -11,7 +11,6 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingRow",
-    "child_seed",
     "make_generator",
     "reads_output",
 ]

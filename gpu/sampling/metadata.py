@@ -21,11 +21,6 @@ WINDOW = 64  # top-K window: exact whenever a row's kept set fits (wider exact w
 _U64 = 1 << 64
 
 
-def child_seed(seed: int, index: int) -> int:
-    """The seed of child `index` of an n > 1 request (vLLM: seed + index; child 0 keeps the parent's seed)."""
-    return (seed + index + (1 << 63)) % _U64 - (1 << 63)
-
-
 def reads_output(p: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row's sampling reads its output so far (penalties, bad words, min_tokens not reached yet)."""
     return (
