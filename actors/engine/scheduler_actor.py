@@ -88,6 +88,8 @@ class SchedulerActor(Actor):
         self.recent = RecentIds()  # ids seen
         self.duplicates = 0
         self.admitting = True
+        self.queued: dict[str, float] = {}  # with stats_to: request id -> arrival here, until first scheduled
+        self.queue_times: list[float] = []  # arrival -> first scheduled, since the last EngineStats
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
@@ -147,6 +149,8 @@ class SchedulerActor(Actor):
         if msg.params.seed is not None:
             req.sampling_state = make_generator(msg.params.seed, self.executor.device)
         self.sched.add_request(req)
+        if self.config.stats_to:
+            self.queued[rid] = time.monotonic()
         self._work.set()
 
     def _validate(self, msg: AddRequest) -> str | None:
@@ -189,6 +193,7 @@ class SchedulerActor(Actor):
         details = self.sched.check_idle()
         details["abort_reasons"] = len(self.abort_reasons)
         details["silent_aborts"] = len(self.silent)
+        details["queued"] = len(self.queued)
         details["pending_asks"] = self.pending_asks
         details["gate_permits"] = self.gate.permits or 0
         details["held_steps"] = int(self.gate.holding)
@@ -209,6 +214,7 @@ class SchedulerActor(Actor):
     def _send_acks(self) -> None:
         for rid in self.sched.drain_aborted():
             reason = self.abort_reasons.pop(rid, "client")
+            self.queued.pop(rid, None)  # aborted before it was scheduled
             if rid in self.silent:
                 self.silent.discard(rid)
             else:
@@ -225,6 +231,8 @@ class SchedulerActor(Actor):
             if len(inflight) < depth and not (inflight and self._must_sync()):
                 batch = self.sched.schedule()
                 if batch.rows:
+                    if self.queued:
+                        self._note_first_scheduled(batch)
                     rows, slots = self._sampling_rows(batch)
                     n = max(
                         (
@@ -300,9 +308,17 @@ class SchedulerActor(Actor):
             self._record.write(msgspec.json.encode([[o.request_id, o.new_token_ids] for o in outputs]) + b"\n")
         self._send_acks()
 
+    def _note_first_scheduled(self, batch: BatchSpec) -> None:
+        now = time.monotonic()
+        for row in batch.rows:
+            arrival = self.queued.pop(row.request_id, None)
+            if arrival is not None:
+                self.queue_times.append(now - arrival)
+
     async def _publish_stats(self) -> None:
         while True:
             s = self.sched.stats()
+            queue_times, self.queue_times = self.queue_times, []
             stats = EngineStats(
                 num_running=s["num_running"],
                 num_waiting=s["num_waiting"],
@@ -312,6 +328,7 @@ class SchedulerActor(Actor):
                 late_aborts_total=self.late_aborts,
                 discarded_samples_total=s["num_discarded_samples"],
                 num_preemptions_total=s["num_preemptions"],
+                queue_times_s=queue_times,
             )
             for actor in self.config.stats_to:
                 self.tell(actor, stats)
