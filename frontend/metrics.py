@@ -56,7 +56,8 @@ class Metrics:
         )
         # the HTTP actor's protocol counters (RequestTable increments them)
         self.stale_dropped = 0
-        self.violations: collections.Counter[str] = collections.Counter()  # by kind: unknown_id, duplicate, gap
+        # by kind: unknown_id, duplicate, gap, after_finished (output past the count a Finished reported)
+        self.violations: collections.Counter[str] = collections.Counter()
         self.num_tombstones: Callable[[], int] = lambda: 0
         self.engine = NO_ENGINE_STATS
         self.detok = NO_DETOK_STATS
@@ -104,9 +105,11 @@ class _Snapshots:
         stale.add_metric([DETOKENIZER], d.stale_outputs_dropped_total)
         yield stale
         violations = CounterMetricFamily(
-            "sluice:protocol_violations", "Outputs for unknown ids, duplicates, gaps.", labels=["actor", "kind"]
+            "sluice:protocol_violations",
+            "Outputs for unknown ids, duplicates, gaps, past a Finished.",
+            labels=["actor", "kind"],
         )
-        for kind in ("unknown_id", "duplicate", "gap"):
+        for kind in ("unknown_id", "duplicate", "gap", "after_finished"):
             violations.add_metric([HTTP, kind], m.violations[kind])
         violations.add_metric([DETOKENIZER, "any"], d.protocol_violations_total)
         yield violations

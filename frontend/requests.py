@@ -9,7 +9,10 @@ Choice states (DESIGN section 3, the HTTP party), state x event -> action:
   TOMBSTONED  TextDelta               -> stale: dropped, counted
   TOMBSTONED  Finished                -> CLOSED
   TOMBSTONED  no Finished in time     -> Abort re-sent; after max_abort_tries dropped with an error (I7)
-  unknown     TextDelta / Finished    -> protocol violation "unknown_id": logged, counted, dropped
+  CLOSED      TextDelta / Finished    -> within the token count its Finished reported: "duplicate"; past it:
+                                         protocol violation "after_finished" (I2 broken); logged, counted, dropped
+  unknown     TextDelta / Finished    -> protocol violation "unknown_id": logged, counted, dropped (an id CLOSED
+                                         long ago, or whose tombstone was dropped, is unknown)
   any         scheduler down          -> live requests fail (503); their ids become tombstones, closed by
                                          the detokenizer's Finished(error) (no Abort: the engine is gone)
   any         detokenizer down        -> live requests fail (503); tombstones cleared (nobody can close them)
@@ -22,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from actors.engine.config import SCHEDULER
-from actors.protocol import Tombstones
+from actors.protocol import RecentIds, Tombstones
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.request_state import Choice, HttpRequest
@@ -43,6 +46,7 @@ class RequestTable:
         self.metrics = metrics
         self.live: dict[str, Choice] = {}  # engine request id -> choice
         self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
+        self.closed = RecentIds()  # engine request id -> the tokens its Finished accounts for
         metrics.num_tombstones = lambda: len(self.tombstones)
 
     def add(self, parsed: ParsedRequest, client: str) -> HttpRequest:
@@ -65,7 +69,8 @@ class RequestTable:
     def _on_delta(self, delta: TextDelta, now: float) -> None:
         c = self.live.get(delta.request_id)
         if c is None:
-            self._not_live(delta.request_id, f"TextDelta seq {delta.seq}", terminal=False)
+            end = delta.seq + len(delta.token_ids)
+            self._not_live(delta.request_id, f"TextDelta seq {delta.seq}", end, terminal=False)
         elif delta.seq != c.num_tokens:
             if delta.seq + len(delta.token_ids) <= c.num_tokens:
                 self._violation("duplicate", c.engine_id, f"TextDelta seq {delta.seq} (expected {c.num_tokens})")
@@ -81,9 +86,10 @@ class RequestTable:
         rid = fin.request_id
         c = self.live.get(rid)
         if c is None:
-            self._not_live(rid, f"Finished({fin.finish_reason})", terminal=True)
+            self._not_live(rid, f"Finished({fin.finish_reason})", fin.num_output_tokens, terminal=True)
             return
         seen = c.num_tokens + len(fin.token_ids)
+        self.closed.remember(rid, max(seen, fin.num_output_tokens))
         if fin.finish_reason != "error" and fin.num_output_tokens != seen:  # a lost delta: fail, never corrupt
             what = f"Finished after {fin.num_output_tokens} tokens, {seen} received"
             self._violation("gap", rid, what)
@@ -108,15 +114,22 @@ class RequestTable:
             self.metrics.itl.observe(now - c.last_output)
         c.last_output = now
 
-    def _not_live(self, rid: str, what: str, terminal: bool) -> None:
+    def _not_live(self, rid: str, what: str, end: int, terminal: bool) -> None:
+        """Output for a choice not LIVE; `end`: the token count it reaches (a Finished: the count it reports)."""
+        final = self.closed.get(rid)
         if rid in self.tombstones:
             if terminal:
                 del self.tombstones[rid]
+                self.closed.remember(rid, end)
                 log.debug("[%s] tombstone closed by %s", rid, what)
             else:
                 self.metrics.stale_dropped += 1
-        else:
+        elif final is None:
             self._violation("unknown_id", rid, f"{what} for an id neither live nor tombstoned")
+        elif end > final:
+            self._violation("after_finished", rid, f"{what} reaches token {end}, past the {final} of its Finished")
+        else:
+            self._violation("duplicate", rid, f"{what} after its Finished")
 
     def _violation(self, kind: str, rid: str, what: str) -> None:
         self.metrics.violations[kind] += 1

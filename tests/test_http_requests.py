@@ -118,7 +118,22 @@ def test_outputs_after_a_disconnect_are_stale_and_unknown_ids_are_violations():
     assert metrics.stale_dropped == 1 and not table.tombstones and not table.live
     table.on_finished(Finished(request_id=rid, finish_reason="abort"))  # a duplicate terminal message
     table.on_outputs(delta("never-seen", 0, "x"))
-    assert metrics.violations["unknown_id"] == 2 and metrics.stale_dropped == 1
+    assert metrics.violations == {"duplicate": 1, "unknown_id": 1} and metrics.stale_dropped == 1
+
+
+def test_output_past_the_count_of_its_finished_is_a_violation_and_a_late_duplicate_is_not():
+    table, metrics, _ = make_table()
+    req = table.add(parsed(), "http")
+    rid = req.choices[0].engine_id
+    table.on_outputs(delta(rid, 0, "a"))
+    table.on_finished(Finished(request_id=rid, finish_reason="length", text="b", token_ids=[1], num_output_tokens=2))
+    table.on_outputs(delta(rid, 0, "a"))  # a duplicated message: tokens the Finished accounts for
+    table.on_finished(Finished(request_id=rid, finish_reason="length", num_output_tokens=2))
+    assert metrics.violations == {"duplicate": 2}
+    table.on_outputs(delta(rid, 2, "c"))  # token 2: nothing may follow the terminal message (I2)
+    table.on_finished(Finished(request_id=rid, finish_reason="length", num_output_tokens=3))
+    assert metrics.violations == {"duplicate": 2, "after_finished": 2}
+    assert response_body(req, VOCAB)["choices"][0]["text"] == "ab" and not table.live and not table.tombstones
 
 
 def test_an_unanswered_abort_is_resent_then_the_tombstone_is_dropped():
