@@ -48,6 +48,25 @@ def _lists(lp: LogprobsTensors | None) -> dict[str, list] | None:
     }
 
 
+def step_inputs(batch: BatchSpec, requests: dict, eos_token_ids: list[int]) -> tuple[list[SamplingRow], list[int], int]:
+    """StepExecutor.run's inputs besides the batch: a SamplingRow and relay slot per row that samples, and the
+    top-N of the prompt logprobs (the largest a row with prompt targets asked for)."""
+    rows, slots, n = [], [], 0
+    for row in batch.rows:
+        req = requests[row.request_id]
+        if row.prompt_targets:
+            n = max(n, req.params.prompt_logprobs)
+        if row.sample:
+            # One step ahead, the output list lags the device by the step in flight: a request whose sampling
+            # reads it (reads_output) is only scheduled in sync steps; the others read only its length
+            # (min_tokens), which stays past min_tokens once it is.
+            rows.append(
+                SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_state, eos_token_ids)
+            )
+            slots.append(row.slot)
+    return rows, slots, n
+
+
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
     if config.num_kv_blocks:
         return config.num_kv_blocks

@@ -16,6 +16,16 @@ def entries(lists: dict[str, list], start: int, stop: int, n: int) -> TokenLogpr
     )
 
 
+def wanted_logprobs(batch: BatchSpec, requests: dict) -> dict[str, tuple[int, int, int]]:
+    """Request id -> the (start, stop, n) of its sampled token's entry, for the rows whose request asked."""
+    want = {}
+    for j, i in enumerate(batch.sampling_rows):
+        req = requests[batch.rows[i].request_id]
+        if req.params.logprobs is not None:
+            want[req.request_id] = (j, j + 1, req.params.logprobs)
+    return want
+
+
 def collect_prompt_logprobs(batch: BatchSpec, lists: dict[str, list], requests: dict) -> None:
     """Append each row's prompt logprobs to its request (a row from position 0 starts them afresh: a request
     preempted before its first output computes its prompt again)."""

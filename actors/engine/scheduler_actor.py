@@ -41,15 +41,15 @@ import torch
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
-from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks
-from actors.engine.logprobs import collect_prompt_logprobs, entries
+from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks, step_inputs
+from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.protocol import RecentIds, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
-from gpu.sampling import SamplingRow, make_generator, reads_output
+from gpu.sampling import make_generator, reads_output
 from messages.sampling_params import ParamError
 from messages.wire import (
     Abort,
@@ -233,17 +233,8 @@ class SchedulerActor(Actor):
                 if batch.rows:
                     if self.queued:
                         self._note_first_scheduled(batch)
-                    rows, slots = self._sampling_rows(batch)
-                    n = max(
-                        (
-                            self.sched.requests[r.request_id].params.prompt_logprobs
-                            for r in batch.rows
-                            if r.prompt_targets
-                        ),
-                        default=0,
-                    )
-                    run = loop.run_in_executor(self._device, self.executor.run, batch, rows, slots, n)
-                    inflight.append((batch, run))
+                    inputs = step_inputs(batch, self.sched.requests, self.model.eos_token_ids)
+                    inflight.append((batch, loop.run_in_executor(self._device, self.executor.run, batch, *inputs)))
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
                 done, future = inflight.popleft()
                 result = await future
@@ -265,26 +256,6 @@ class SchedulerActor(Actor):
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)
 
-    def _sampling_rows(self, batch: BatchSpec) -> tuple[list[SamplingRow], list[int]]:
-        rows, slots = [], []
-        for row in batch.rows:
-            if row.sample:
-                req = self.sched.requests[row.request_id]
-                # One step ahead, the list lags the device by the step in flight; a request whose sampling reads
-                # it (needs_history) is only scheduled in sync steps, and the others read just its length
-                # (min_tokens), which stays past min_tokens once it is.
-                rows.append(
-                    SamplingRow(
-                        req.params,
-                        req.prompt_token_ids,
-                        req.output_token_ids,
-                        req.sampling_state,
-                        list(self.model.eos_token_ids),
-                    )
-                )
-                slots.append(row.slot)
-        return rows, slots
-
     async def _postprocess(self, batch: BatchSpec, result: StepResult) -> None:
         if result.ready is None:
             sampled, lp, plp = result.host()
@@ -292,17 +263,11 @@ class SchedulerActor(Actor):
             sampled, lp, plp = await asyncio.get_running_loop().run_in_executor(None, result.host)
         if plp is not None:
             collect_prompt_logprobs(batch, plp, self.sched.requests)
-        want = {}
-        if lp is not None:
-            for j, i in enumerate(batch.sampling_rows):
-                req = self.sched.requests[batch.rows[i].request_id]
-                if req.params.logprobs is not None:
-                    want[req.request_id] = (j, req.params.logprobs)
+        want = wanted_logprobs(batch, self.sched.requests) if lp is not None else {}  # before update() ends any
         outputs = self.sched.update(batch, sampled)
         for out in outputs:
             if out.request_id in want:
-                j, n = want[out.request_id]
-                out.logprobs = entries(lp, j, j + 1, n)
+                out.logprobs = entries(lp, *want[out.request_id])
         self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
         if self._record:
             self._record.write(msgspec.json.encode([[o.request_id, o.new_token_ids] for o in outputs]) + b"\n")
