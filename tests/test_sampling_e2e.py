@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
-from tests.cancel_harness import clean_llm, model_dir  # noqa: F401 (fixtures)
+from tests.cancel_harness import clean_llm, engine_config, model_dir  # noqa: F401 (fixtures)
 
 EOS = 2  # the tiny model's
 
@@ -61,3 +62,22 @@ async def test_no_prompt_logprobs_unless_asked(clean_llm):  # noqa: F811
     assert out.prompt_logprobs is None and out.logprobs is None
     out = await clean_llm.generate_one([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
     assert len(out.prompt_logprobs.sampled) == 2 and out.prompt_logprobs.top_ids == [[], []]
+
+
+async def test_prompt_logprobs_survive_preemption(clean_llm, model_dir):  # noqa: F811
+    """A KV cache too small for three 70-token prompts: requests are preempted (recompute), some mid-prefill, and
+    prompt logprobs computed again from position 0 must replace, not extend, the partial ones."""
+    prompts = [list(range(1000 + 100 * i, 1070 + 100 * i)) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    solo = [await clean_llm.generate_one(p, params) for p in prompts]
+    async with AsyncLLM(
+        engine_config(model_dir, num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=16, step_gate=False)
+    ) as llm:
+        together = await llm.generate(prompts, params)
+        engine, _ = await llm.fresh_stats()
+    assert engine.num_preemptions_total > 0
+    for a, b in zip(solo, together, strict=True):
+        assert len(b.prompt_logprobs.sampled) == 69 and a.token_ids == b.token_ids
+        assert torch.allclose(
+            torch.tensor(a.prompt_logprobs.sampled), torch.tensor(b.prompt_logprobs.sampled), atol=1e-4
+        )
