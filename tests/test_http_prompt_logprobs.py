@@ -57,3 +57,12 @@ async def test_echo_with_logprobs_covers_the_prompt_then_the_output(server):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
     alone = await server.client().completions.create(model=None, prompt=prompt, logprobs=1, **GREEDY)
     assert lp.token_logprobs[-2:] == alone.choices[0].logprobs.token_logprobs
+
+
+async def test_a_one_token_prompt_has_no_prompt_logprobs_but_the_first_null(server):
+    one = {"model": None, "prompt": [5], **GREEDY}
+    out = await server.client().completions.create(**one, extra_body={"prompt_logprobs": 1})
+    assert out.choices[0].model_extra["prompt_logprobs"] == [None]
+    echoed = await server.client().completions.create(**one, echo=True, logprobs=1)
+    lp = echoed.choices[0].logprobs
+    assert len(lp.tokens) == 3 and lp.token_logprobs[0] is None and lp.text_offset[0] == 0

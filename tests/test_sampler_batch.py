@@ -109,22 +109,35 @@ def test_child_seeds_are_distinct_and_in_range():
 
 
 def test_metadata_is_reused_only_while_nothing_in_it_can_change():
+    """Rows are the same requests when they hold the same output lists (one per request), params and generators."""
     cache = MetadataCache(V, "cpu")
-    params = [SP(temperature=0.7, top_p=0.9), SP(temperature=0.0), SP(top_k=5, seed=3)]
+    shared = SP(temperature=0.7, top_p=0.9)  # two requests may share one params object
+    params = [shared, shared, SP(top_k=5, seed=3)]
     gens = [None, None, make_generator(3, "cpu")]
+    outputs = [[], [], []]
 
-    def rows(output: list[int], extra: SP | None = None) -> list[SamplingRow]:
-        ps = params + ([extra] if extra else [])
-        return [SamplingRow(p, [1, 2], output, g) for p, g in zip(ps, [*gens, None], strict=False)]
+    def rows(extra: SP | None = None, extra_output: list[int] | None = None) -> list[SamplingRow]:
+        ps, outs = params + ([extra] if extra else []), outputs + ([extra_output] if extra else [])
+        return [SamplingRow(p, [1, 2], o, g) for p, o, g in zip(ps, outs, [*gens, None], strict=False)]
 
-    first = cache.build(rows([]))
-    assert cache.build(rows([5, 6])) is first  # the same requests, nothing reads the output
-    joined = cache.build(rows([5], SP(temperature=1.0)))
+    first = cache.build(rows())
+    for out in outputs:
+        out.append(5)
+    assert cache.build(rows()) is first  # the same requests, one token on: nothing reads the output
+    outputs[0] = [5]  # another request with the same params object in row 0
+    assert cache.build(rows()) is not first
+    joined = cache.build(rows(SP(temperature=1.0), []))
     assert joined is not first and len(joined.greedy) == 4
-    penalised = SP(presence_penalty=1.0)
-    a, b = cache.build(rows([5], penalised)), cache.build(rows([5, 5], penalised))
+    penalised, seen = SP(presence_penalty=1.0), [5]
+    a = cache.build(rows(penalised, seen))
+    seen.append(5)
+    b = cache.build(rows(penalised, seen))
     assert a is not b and b.penalties.token_ids.shape[1] == 2  # counts follow the output
-    held = SP(min_tokens=2)
-    assert cache.build(rows([], held)) is not cache.build(rows([7], held))  # EOS masked until the 2nd token
-    released = cache.build(rows([7, 8], held))
-    assert cache.build(rows([7, 8, 9], held)) is released and released.min_tokens is None
+    held, history = SP(min_tokens=2), []
+    unmet = cache.build(rows(held, history))
+    history.append(7)
+    assert cache.build(rows(held, history)) is not unmet  # EOS masked until the 2nd token
+    history.append(8)
+    released = cache.build(rows(held, history))
+    history.append(9)
+    assert cache.build(rows(held, history)) is released and released.min_tokens is None

@@ -143,13 +143,7 @@ class DetokRequestState:
 
     def abort(self, reason: str = "abort") -> Finished:
         """The terminal message of an aborted request (AbortAck, actor death): no more text."""
-        self.finished = True
-        return Finished(
-            request_id=self.request_id,
-            finish_reason=reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=self.num_output_tokens,
-        )
+        return self._finish(None, reason, None, "")
 
     # ------------------------------------------------------------------ internals
 

@@ -13,13 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.config import EngineConfig
+from actors.engine.request import EngineRequest
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.kv_cache import num_blocks_for_memory
 from gpu.runner import ModelRunner, resolve_device, resolve_dtype
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingRow
-from gpu.sampling.logprobs import gather_logprobs, log_softmax_into
-from gpu.sampling.topk_topp import BLOCK
 
 
 @dataclass
@@ -48,7 +47,9 @@ def _lists(lp: LogprobsTensors | None) -> dict[str, list] | None:
     }
 
 
-def step_inputs(batch: BatchSpec, requests: dict, eos_token_ids: list[int]) -> tuple[list[SamplingRow], list[int], int]:
+def step_inputs(
+    batch: BatchSpec, requests: dict[str, EngineRequest], eos_token_ids: list[int]
+) -> tuple[list[SamplingRow], list[int], int]:
     """StepExecutor.run's inputs besides the batch: a SamplingRow and relay slot per row that samples, and the
     top-N of the prompt logprobs (the largest a row with prompt targets asked for)."""
     rows, slots, n = [], [], 0
@@ -57,9 +58,9 @@ def step_inputs(batch: BatchSpec, requests: dict, eos_token_ids: list[int]) -> t
         if row.prompt_targets:
             n = max(n, req.params.prompt_logprobs)
         if row.sample:
-            # One step ahead, the output list lags the device by the step in flight: a request whose sampling
-            # reads it (reads_output) is only scheduled in sync steps; the others read only its length
-            # (min_tokens), which stays past min_tokens once it is.
+            # One step ahead, the output list lags the device by the step in flight. A request whose sampling
+            # reads it (reads_output) never has a step in flight when it is scheduled (the loop syncs first, or
+            # it was just admitted); the others read only its length (min_tokens), past min_tokens once it is.
             rows.append(
                 SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_state, eos_token_ids)
             )
@@ -116,9 +117,7 @@ class StepExecutor:
         if not len(logits):
             return None
         targets = torch.tensor([t for r in batch.rows for t in r.prompt_targets], device=logits.device)
-        width = -(-logits.shape[1] // BLOCK) * BLOCK
-        lp = log_softmax_into(logits, torch.empty(len(logits), width, device=logits.device), torch.empty_like(logits))
-        return gather_logprobs(lp, logits.shape[1], targets, max(n, 1))
+        return self.sampler.logprobs_of(logits, targets, max(n, 1))
 
     def _to_host(self, sampled: torch.Tensor, lp: LogprobsTensors | None, plp: LogprobsTensors | None) -> StepResult:
         if self.device.type == "cpu":

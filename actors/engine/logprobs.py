@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from actors.engine.request import EngineRequest
 from gpu.batch import BatchSpec
 from messages.wire import TokenLogprobs
 
@@ -16,7 +17,7 @@ def entries(lists: dict[str, list], start: int, stop: int, n: int) -> TokenLogpr
     )
 
 
-def wanted_logprobs(batch: BatchSpec, requests: dict) -> dict[str, tuple[int, int, int]]:
+def wanted_logprobs(batch: BatchSpec, requests: dict[str, EngineRequest]) -> dict[str, tuple[int, int, int]]:
     """Request id -> the (start, stop, n) of its sampled token's entry, for the rows whose request asked."""
     want = {}
     for j, i in enumerate(batch.sampling_rows):
@@ -26,7 +27,7 @@ def wanted_logprobs(batch: BatchSpec, requests: dict) -> dict[str, tuple[int, in
     return want
 
 
-def collect_prompt_logprobs(batch: BatchSpec, lists: dict[str, list], requests: dict) -> None:
+def collect_prompt_logprobs(batch: BatchSpec, lists: dict[str, list], requests: dict[str, EngineRequest]) -> None:
     """Append each row's prompt logprobs to its request (a row from position 0 starts them afresh: a request
     preempted before its first output computes its prompt again)."""
     k = 0

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from actors.engine.block_manager import BlockManager
 from actors.engine.request import EngineRequest, RequestStatus
 from gpu.batch import BatchSpec, ScheduledRow
-from messages.wire import RequestOutput
+from messages.wire import RequestOutput, TokenLogprobs
 
 
 class Scheduler:
@@ -236,8 +236,16 @@ class Scheduler:
             new_token_ids=[token],
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            prompt_logprobs=req.prompt_logprobs if seq == 0 else None,
+            prompt_logprobs=self._take_prompt_logprobs(req) if seq == 0 else None,
         )
+
+    @staticmethod
+    def _take_prompt_logprobs(req: EngineRequest) -> TokenLogprobs | None:
+        """The prompt logprobs, for the first output only (a one-token prompt has none: an empty list)."""
+        if req.params.prompt_logprobs is None:
+            return None
+        lp, req.prompt_logprobs = req.prompt_logprobs, None
+        return lp or TokenLogprobs(sampled=[], ranks=[])
 
     def _finish(self, req: EngineRequest, reason: str, stop_reason: int | None = None) -> None:
         self._dequeue(req)

@@ -1,4 +1,5 @@
-"""The sampling pipeline: SamplingMetadata.build once per step, then Sampler()(logits, metadata)."""
+"""The sampling pipeline: SamplingMetadata once per step (MetadataCache reuses it while the batch is unchanged),
+then Sampler()(logits, metadata)."""
 
 from .logprobs import LogprobsTensors
 from .metadata import MetadataCache, SamplingMetadata, SamplingRow, make_generator, reads_output

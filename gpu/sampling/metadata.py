@@ -146,8 +146,9 @@ class SamplingMetadata:
 class MetadataCache:
     """SamplingMetadata.build, reusing the last step's metadata while the batch holds the same requests in the same
     rows and none of them reads its output (penalties, bad words, min_tokens not reached): then nothing in it can
-    have changed. Decode steps of a steady batch build nothing. (Rows are compared by identity; the cache holds
-    the last rows, so an id cannot be reused by a new request's parameters meanwhile.)"""
+    have changed. Decode steps of a steady batch build nothing. Rows are compared by the identity of their
+    request's output list (one per request, even where requests share a params object), params and generator;
+    the cache holds the last rows, so no id can be reused meanwhile."""
 
     def __init__(self, vocab_size: int, device: torch.device | str):
         self.vocab_size, self.device = vocab_size, device
@@ -156,7 +157,8 @@ class MetadataCache:
 
     def build(self, rows: list[SamplingRow]) -> SamplingMetadata:
         same = len(rows) == len(self._rows) and all(
-            a.params is b.params and a.generator is b.generator for a, b in zip(rows, self._rows, strict=True)
+            a.output_token_ids is b.output_token_ids and a.params is b.params and a.generator is b.generator
+            for a, b in zip(rows, self._rows, strict=True)
         )
         if not same or self._meta is None:
             meta = SamplingMetadata.build(rows, self.vocab_size, self.device)

@@ -79,6 +79,13 @@ class Sampler:
             sampled = torch.where(meta.greedy | ~blocks.row_max.isfinite(), argmax, draw)
         return SamplerOutput(sampled, None if raw is None else self._logprobs(raw, sampled, meta))
 
+    @torch.inference_mode()
+    def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> LogprobsTensors:
+        """Raw logprobs of token_ids [T] under logits [T, V] (prompt logprobs), their ranks and the top-n."""
+        scratch = self._buffer("vocab", len(logits), logits)
+        lp = log_softmax_into(logits, self._buffer("given", len(logits), logits), scratch)
+        return gather_logprobs(lp, logits.shape[1], token_ids, n)
+
     def _draw(self, blocks: Blocks, meta: SamplingMetadata, argmax: torch.Tensor) -> torch.Tensor:
         """Temperature -> min-p -> top-k -> top-p -> draw for the random rows (the others keep their argmax): in
         `draw_vocab` for untruncated rows, in `draw_window` for the others (first the top-K window, then, for the
@@ -108,7 +115,7 @@ class Sampler:
                 values, ids = threshold_window(blocks, rows, kept_lower_bound(blocks, rows, sub, meta.vocab_size))
             else:
                 values, ids = blocks.x[rows].sort(-1, descending=True)
-            draw.index_copy_(0, rows, draw_window(values, ids, sub)[0])
+            draw.index_copy_(0, rows, draw_window(values, ids, sub, whole_row=not dynamic)[0])
         return draw
 
     @staticmethod
