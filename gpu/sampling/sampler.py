@@ -82,9 +82,7 @@ class Sampler:
     @torch.inference_mode()
     def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> LogprobsTensors:
         """Raw logprobs of token_ids [T] under logits [T, V] (prompt logprobs), their ranks and the top-n."""
-        scratch = self._buffer("vocab", len(logits), logits)
-        lp = log_softmax_into(logits, self._buffer("given", len(logits), logits), scratch)
-        return gather_logprobs(lp, logits.shape[1], token_ids, n)
+        return gather_logprobs(self._log_softmax(logits), logits.shape[1], token_ids, n)
 
     def _draw(self, blocks: Blocks, meta: SamplingMetadata, argmax: torch.Tensor) -> torch.Tensor:
         """Temperature -> min-p -> top-k -> top-p -> draw for the random rows (the others keep their argmax): in
@@ -140,7 +138,10 @@ class Sampler:
 
     def _raw_logprobs(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         rows = meta.logprob_rows
-        x = x if rows.numel() == len(x) else x.index_select(0, rows)
+        return self._log_softmax(x if rows.numel() == len(x) else x.index_select(0, rows))
+
+    def _log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        """log_softmax of x into a reused buffer, valid until the next call (callers gather from it at once)."""
         return log_softmax_into(x, self._buffer("logprobs", len(x), x), self._buffer("vocab", len(x), x))
 
     def _logprobs(self, lp: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> LogprobsTensors:
