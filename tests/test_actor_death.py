@@ -16,6 +16,7 @@ from actors.runtime import RestartPolicy
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
 from tests.cancel_harness import (
+    Run,
     assert_idle,
     engine_config,
     gate,
@@ -95,12 +96,18 @@ async def test_engine_death_ends_every_stream_and_the_restart_serves(llm):
     assert (after.token_ids, after.finished.finish_reason) == (before.token_ids, "length")
 
 
-async def test_detokenizer_death_aborts_its_requests_in_the_engine(llm):
+async def held_runs(llm) -> list[Run]:
+    """PROMPTS running, every one of them known to the engine, its first step executed and held at the gate."""
     gate(llm, 0)
     runs = [start(llm, p, LONG) for p in PROMPTS]
     await wait_state(llm, held_steps=1)
     await wait_for(lambda: all(r.request_id in llm.client.streams for r in runs), what="requests sent")
     await wait_state(llm, requests=len(PROMPTS))
+    return runs
+
+
+async def test_detokenizer_death_aborts_its_requests_in_the_engine(llm):
+    runs = await held_runs(llm)
     old = llm.system.pids()["detokenizer"]
     llm.system.kill("detokenizer")
     for run in runs:
@@ -116,11 +123,7 @@ async def test_detokenizer_death_aborts_its_requests_in_the_engine(llm):
 
 async def test_shutdown_aborts_in_flight_requests_and_exits_zero(llm):
     """Last in this module: it stops the system."""
-    gate(llm, 0)
-    runs = [start(llm, p, LONG) for p in PROMPTS]
-    await wait_state(llm, held_steps=1)
-    await wait_for(lambda: all(r.request_id in llm.client.streams for r in runs), what="requests sent")
-    await wait_state(llm, requests=len(PROMPTS))
+    runs = await held_runs(llm)
     pids = llm.system.pids()
     await llm.system.stop()
     for run in runs:
