@@ -42,7 +42,7 @@ from actors.engine.config import EngineConfig
 from actors.runtime import FaultPlan, FaultRule
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
-from messages.wire import Finished
+from messages.wire import Finished, TextDelta
 
 STOPS = ["e", "a,", "ing", " the", "\n", "s "]
 
@@ -59,10 +59,18 @@ class Job:
 
 @dataclass
 class Outcome:
+    """What a request's stream delivered."""
+
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finished: Finished | None = None
+
+    def add(self, item: TextDelta | Finished) -> None:
+        self.token_ids += item.token_ids
+        self.text += item.text
+        if isinstance(item, Finished):
+            self.finished = item
 
     @property
     def reason(self) -> str | None:
@@ -138,11 +146,8 @@ async def run(llm: AsyncLLM, jobs: list[Job], aborts: bool) -> list[Outcome]:
         if aborts and job.abort_after_s is not None:
             loop.call_later(job.abort_after_s, llm.abort, rid)
         async for item in llm.stream(job.prompt, job.params, rid):
-            out.token_ids += item.token_ids
-            out.text += item.text
-            if isinstance(item, Finished):
-                out.finished = item
-            elif aborts and not sent and len(out.token_ids) >= (job.abort_after_tokens or 1 << 30):
+            out.add(item)
+            if aborts and not sent and not out.finished and len(out.token_ids) >= (job.abort_after_tokens or 1 << 30):
                 llm.abort(rid)
                 sent = True
         return out

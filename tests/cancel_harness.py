@@ -7,7 +7,7 @@ session-scoped and shared by the modules that import its fixture.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -16,6 +16,7 @@ from actors.engine.config import SCHEDULER, EngineConfig
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
 from messages.wire import CheckIdle, Finished, Probe
+from scripts.chaos import Outcome
 from tests.tiny_model import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -93,13 +94,9 @@ async def assert_idle(llm: AsyncLLM, timeout: float = 15.0) -> None:
 
 
 @dataclass
-class Run:
+class Run(Outcome):
     """One request consumed in the background: what its stream delivered."""
 
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finished: Finished | None = None
     task: asyncio.Task | None = None
 
     async def wait_tokens(self, n: int) -> None:
@@ -116,10 +113,7 @@ def start(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str | None 
     async def consume():
         async for item in llm.stream(prompt, params, run.request_id):
             assert run.finished is None, "output after Finished"
-            run.token_ids += item.token_ids
-            run.text += item.text
-            if isinstance(item, Finished):
-                run.finished = item
+            run.add(item)
 
     run.task = asyncio.create_task(consume())
     return run
