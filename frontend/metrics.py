@@ -54,6 +54,9 @@ class Metrics:
         self.queue_time = Histogram(
             "sluice:request_queue_time_seconds", "Arrival to first scheduled.", buckets=REQUEST_BUCKETS, registry=r
         )
+        self.http_requests = Counter(
+            "sluice:http_requests", "HTTP responses by endpoint and status code.", ["endpoint", "status"], registry=r
+        )
         # the HTTP actor's protocol counters (RequestTable increments them)
         self.stale_dropped = 0
         # by kind: unknown_id, duplicate, gap, after_finished (output past the count a Finished reported)

@@ -8,7 +8,6 @@ output if ignored (`suffix`, `best_of` > n, `echo` with `logprobs`) are rejected
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,28 +15,11 @@ from typing import Any, Literal
 
 import msgspec
 
-from frontend.openai_format import error_body, error_type
+from frontend.body import RequestError, decode_body
 from frontend.tokenizer import Tokenizer
-from messages.sampling_params import MAX_LOGPROBS, MAX_N, ParamError, SamplingParams
+from messages.sampling_params import DEFAULT_LIMITS, ParamError, RequestLimits, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class RequestError(Exception):
-    """An error answered with an OpenAI error body; `param` names the offending field."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, type: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type or error_type(status)
-        self.code = code
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
 
 
 @dataclass(frozen=True)
@@ -46,8 +28,7 @@ class ServingContext:
     model_names: list[str]  # the first one answers requests that name no model
     max_model_len: int
     vocab_size: int  # ids >= this are rejected: the model's vocabulary (embedding rows)
-    max_n: int = MAX_N
-    max_logprobs: int = MAX_LOGPROBS
+    limits: RequestLimits = DEFAULT_LIMITS
 
 
 @dataclass(frozen=True)
@@ -128,11 +109,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 _SAMPLING_KEYS = set(_SamplingFields.__struct_fields__) & set(SamplingParams.__struct_fields__) - {"max_tokens", "stop"}
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
-_AT = re.compile(r"(?: - at `key` in | - at )`\$\.?([^`]*)`$")
 
 
-def parse_completion(body: bytes, ctx: ServingContext) -> ParsedRequest:
-    req = _decode(body, CompletionRequest)
+def new_request_id(prefix: str) -> str:
+    """cmpl-<hex> / chatcmpl-<hex>: named before parsing, so every log line about the call carries it."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = None) -> ParsedRequest:
+    req = decode_body(body, CompletionRequest)
     model = _model(req, ctx)
     if req.suffix is not None:
         raise RequestError(400, "suffix is not supported", "suffix")
@@ -145,15 +130,16 @@ def parse_completion(body: bytes, ctx: ServingContext) -> ParsedRequest:
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is msgspec.UNSET else req.max_tokens
     params = _sampling_params(req, ctx, max_tokens, req.logprobs, {})
     prompts = []
-    for text, ids in _completion_prompts(req.prompt, ctx):
+    for text, ids in _completion_prompts(req.prompt, ctx, max_tokens):
         if text is None and req.echo:
             text = ctx.tokenizer.decode(ids)
         prompts.append(_fit(text, ids, params, max_tokens, ctx, "prompt", "max_tokens"))
-    return _parsed("completion", "cmpl", model, prompts, req, echo=bool(req.echo))
+    _check_total(prompts, ctx, "max_tokens" if req.max_tokens else "n")
+    return _parsed("completion", request_id or new_request_id("cmpl"), model, prompts, req, echo=bool(req.echo))
 
 
-def parse_chat(body: bytes, ctx: ServingContext) -> ParsedRequest:
-    req = _decode(body, ChatCompletionRequest)
+def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) -> ParsedRequest:
+    req = decode_body(body, ChatCompletionRequest)
     model = _model(req, ctx)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -165,30 +151,19 @@ def parse_chat(body: bytes, ctx: ServingContext) -> ParsedRequest:
     params = _sampling_params(req, ctx, max_tokens, logprobs, {"logprobs": "top_logprobs", "max_tokens": max_param})
     if req.messages is None:
         raise RequestError(400, "messages is required", "messages")
+    if len(req.messages) > ctx.max_model_len:  # every message renders to one token at least
+        raise RequestError(
+            400, f"messages: {len(req.messages)} messages cannot fit in {ctx.max_model_len} tokens", "messages"
+        )
+    _check_chars(sum(map(_content_chars, req.messages)), max_tokens, ctx, "messages", max_param)
     try:
         text = ctx.tokenizer.render_chat(req.messages)
     except ParamError as e:
         raise RequestError(400, str(e), e.param) from e
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
     prompt = _fit(text, ids, params, max_tokens, ctx, "messages", max_param)
-    return _parsed("chat", "chatcmpl", model, [prompt], req, echo=False)
-
-
-def _decode(body: bytes, type_: type[_SamplingFields]):
-    try:
-        return msgspec.json.decode(body, type=type_)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        m = _AT.search(msg)
-        if m is None:
-            raise RequestError(400, f"Invalid request body: {msg}") from e
-        param = m.group(1).replace("[...]", "")  # msgspec's placeholder for a dict value
-        missing = re.match(r"Object missing required field `([^`]*)`", msg)
-        if missing:
-            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-        raise RequestError(400, f"Invalid value for '{param}': {msg[: m.start()]}", param) from e
-    except msgspec.DecodeError as e:
-        raise RequestError(400, f"Invalid JSON body: {e}") from e
+    _check_total([prompt], ctx, max_param if max_tokens else "n")
+    return _parsed("chat", request_id or new_request_id("chatcmpl"), model, [prompt], req, echo=False)
 
 
 def _model(req: _SamplingFields, ctx: ServingContext) -> str:
@@ -213,9 +188,10 @@ def _sampling_params(
         **fields, stop=stop, logprobs=logprobs, max_tokens=ctx.max_model_len if max_tokens is None else max_tokens
     )
     try:
+        params.verify(ctx.vocab_size, ctx.limits)  # sizes first: nothing below iterates over an unbounded list
         if params.bad_words:
             params.bad_words_token_ids = ctx.tokenizer.bad_words_token_ids(params.bad_words)
-        params.verify(ctx.vocab_size, ctx.max_n, ctx.max_logprobs)
+            params.verify(ctx.vocab_size, ctx.limits)  # again, for the bad words' token ids
     except ParamError as e:
         param = rename.get(e.param, e.param)
         raise RequestError(400, str(e).replace(e.param, param, 1), param) from e
@@ -229,17 +205,24 @@ def _token_ids(value) -> list[int] | None:
         return None
 
 
-def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
+def _completion_prompts(prompt, ctx: ServingContext, max_tokens: int | None) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise RequestError(400, "prompt must not be empty", "prompt")
     if (ids := _token_ids(prompt)) is not None:
         prompt = [ids]
-    out = []
+    if len(prompt) > ctx.limits.max_prompts:
+        raise RequestError(
+            400, f"prompt: {len(prompt)} prompts, more than the {ctx.limits.max_prompts} allowed", "prompt"
+        )
+    out: list[tuple[str | None, list[int]]] = []
+    texts = []  # (index in out, text): tokenized together, in parallel and without the GIL
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            ids, text = ctx.tokenizer.encode(p) if p else [], p
+            _check_chars(len(p), max_tokens, ctx, "prompt", "max_tokens")
+            texts.append((i, p))
+            ids, text = [], p
         elif (ids := _token_ids(p)) is not None:
             text = None
             if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
@@ -249,25 +232,49 @@ def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, l
                 )
         else:
             raise RequestError(400, f"prompt must be {_PROMPT_SHAPES}", "prompt")
+        out.append((text, ids))
+    for (i, text), ids in zip(texts, ctx.tokenizer.encode_batch([t for _, t in texts]), strict=True):
+        out[i] = (text, ids if text else [])
+    for i, (_, ids) in enumerate(out):
         if not ids:
             where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
             raise RequestError(400, f"{where} must not be empty", "prompt")
-        out.append((text, ids))
     return out
 
 
-def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, prompt_param, max_param) -> PromptInput:
-    """Resolve a defaulted max_tokens and check that prompt + completion fit the context."""
-    budget = ctx.max_model_len - len(ids)
+def _content_chars(message) -> int:
+    """The characters a chat message's content brings to the prompt (shapes are checked later)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):
+        return sum(len(t) for part in content if isinstance(part, dict) and isinstance(t := part.get("text"), str))
+    return len(content) if isinstance(content, str) else 0
+
+
+def _check_chars(chars: int, max_tokens, ctx: ServingContext, prompt_param, max_param) -> None:
+    """Refuse a prompt that cannot fit from its length in characters alone, before tokenizing it."""
+    if ctx.tokenizer.max_token_chars is not None:
+        at_least = -(-chars // ctx.tokenizer.max_token_chars)
+        _check_fits(at_least, max_tokens, ctx, prompt_param, max_param, f"at least {at_least} ({chars} characters)")
+
+
+def _check_fits(num_tokens: int, max_tokens, ctx: ServingContext, prompt_param, max_param, shown=None) -> int:
+    """The tokens left for the completion; a 400 when prompt + completion cannot fit the context."""
+    budget = ctx.max_model_len - num_tokens
     if budget < 1 or (max_tokens is not None and max_tokens > budget):
         want = max_tokens or 1
         raise RequestError(
             400,
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
-            f"{len(ids) + want} tokens ({len(ids)} in the {prompt_param}, {want} in the completion). "
-            f"Please reduce the length of the {prompt_param} or completion.",
+            f"{'at least ' if shown else ''}{num_tokens + want} tokens ({shown or num_tokens} in the {prompt_param}, "
+            f"{want} in the completion). Please reduce the length of the {prompt_param} or completion.",
             prompt_param if budget < 1 else max_param,
         )
+    return budget
+
+
+def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, prompt_param, max_param) -> PromptInput:
+    """Resolve a defaulted max_tokens and check that prompt + completion fit the context."""
+    budget = _check_fits(len(ids), max_tokens, ctx, prompt_param, max_param)
     if max_tokens is None and params.max_tokens != budget:
         if params.min_tokens > budget:
             raise RequestError(400, f"min_tokens ({params.min_tokens}) exceeds the {budget} tokens left", "min_tokens")
@@ -275,7 +282,18 @@ def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, pro
     return PromptInput(text, ids, params)
 
 
-def _parsed(kind, prefix: str, model: str, prompts: list[PromptInput], req, echo: bool) -> ParsedRequest:
+def _check_total(prompts: list[PromptInput], ctx: ServingContext, param: str) -> None:
+    """prompts x n x max_tokens: the work one call may ask of the engine."""
+    total = sum(p.params.max_tokens * p.params.n for p in prompts)
+    if total > ctx.limits.max_total_tokens:
+        raise RequestError(
+            400,
+            f"{param}: the call asks for up to {total} tokens (prompts x n x max_tokens), more than the "
+            f"{ctx.limits.max_total_tokens} allowed",
+            param,
+        )
+
+
+def _parsed(kind, request_id: str, model: str, prompts: list[PromptInput], req, echo: bool) -> ParsedRequest:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
     return ParsedRequest(kind, request_id, model, int(time.time()), prompts, bool(req.stream), include_usage, echo)

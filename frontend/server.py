@@ -22,11 +22,12 @@ from actors.engine.config import DETOKENIZER, SCHEDULER
 from actors.runtime import Actor
 from frontend import openai_format as fmt
 from frontend.metrics import CONTENT_TYPE, Metrics
-from frontend.protocol import RequestError, ServingContext, parse_chat, parse_completion
+from frontend.protocol import RequestError, ServingContext, new_request_id, parse_chat, parse_completion
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
 from frontend.tokenizer import Tokenizer
+from messages.sampling_params import RequestLimits
 from messages.wire import (
     ActorDown,
     ActorUp,
@@ -43,6 +44,8 @@ log = logging.getLogger("sluice.http")
 
 HTTP = "http"
 PARSE_INLINE_BYTES = 16 << 10  # larger bodies are parsed and tokenized off the event loop
+REQUEST_ID = web.RequestKey("sluice_request_id", str)  # set once the handler has named the request
+STREAM_ERROR = web.RequestKey("sluice_stream_error", RequestError)  # an error sent inside a 200 stream
 
 _encode = msgspec.json.Encoder().encode
 
@@ -56,6 +59,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     abort_timeout_s: float = 5.0  # I7: an Abort without a Finished is re-sent after this
     max_abort_tries: int = 3
     drain_timeout_s: float = 5.0  # shutdown waits this long for in-flight requests to finish
+    limits: RequestLimits = RequestLimits()  # per-request sizes (stop strings, bad words, ...)
 
     @property
     def url(self) -> str:
@@ -104,7 +108,7 @@ class HttpActor(Actor):
         """Asks are answered only after this returns: the launcher's first answered ask means "listening"."""
         tokenizer = Tokenizer.from_model_dir(self.model)
         names = self.config.served_model_name or [Path(self.model).name]
-        self.ctx = ServingContext(tokenizer, names, self.max_model_len, self.vocab_size)
+        self.ctx = ServingContext(tokenizer, names, self.max_model_len, self.vocab_size, self.config.limits)
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -175,21 +179,34 @@ class HttpActor(Actor):
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every response is counted by endpoint and status; every error is logged with the request id
+        (5xx as errors: a 5xx is a bug or a dead actor, never the client's fault)."""
         try:
             if self.config.api_key and request.path.startswith("/v1/"):
-                given = request.headers.get("Authorization", "").encode()
+                given = request.headers.get("Authorization", "").encode("utf-8", "replace")
                 if not hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode()):
                     raise RequestError(401, "Invalid or missing API key", code="invalid_api_key")
-            return await handler(request)
+            resp = await handler(request)
+            error = request.get(STREAM_ERROR)
         except RequestError as e:
-            return _error(e)
+            resp, error = _error(e), e
         except web.HTTPException as e:  # unknown route (404), wrong method (405), body too large (413)
             if e.status < 400:
                 raise
-            return _error(RequestError(e.status, e.text or e.reason))
+            error = RequestError(e.status, e.text or e.reason)
+            resp = _error(error)
         except Exception:
-            log.exception("%s %s failed", request.method, request.path)
-            return _error(RequestError(500, "internal server error"))
+            log.exception("[%s] %s %s failed", request.get(REQUEST_ID, "-"), request.method, request.path)
+            error = RequestError(500, "internal server error")
+            resp = _error(error)
+        if error is not None:
+            level = logging.ERROR if error.status >= 500 else logging.INFO
+            rid = request.get(REQUEST_ID, "-")
+            log.log(level, "[%s] %s %s: %d %s", rid, request.method, request.path, error.status, error.message)
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "other"
+        self.metrics.http_requests.labels(endpoint, str(error.status if error else resp.status)).inc()
+        return resp
 
     def _check_available(self) -> None:
         if not self.admitting:
@@ -208,18 +225,19 @@ class HttpActor(Actor):
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_completion)
+        return await self._generate(request, parse_completion, "cmpl")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_chat)
+        return await self._generate(request, parse_chat, "chatcmpl")
 
-    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, parse, prefix: str) -> web.StreamResponse:
         self._check_available()
+        request[REQUEST_ID] = rid = new_request_id(prefix)
         body = await request.read()
         if len(body) > PARSE_INLINE_BYTES:
-            parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx)
+            parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx, rid)
         else:
-            parsed = parse(body, self.ctx)
+            parsed = parse(body, self.ctx, rid)
         self._check_available()  # an actor may have died while we parsed
         req = self.table.add(parsed, self.name)
         log.info(
@@ -254,6 +272,8 @@ class HttpActor(Actor):
                 done = req.done
                 if done:
                     data += stream_tail(req)
+                    if req.error is not None:
+                        request[STREAM_ERROR] = req.error
                 if data:
                     await resp.write(data)
                 if done:

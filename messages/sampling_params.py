@@ -10,8 +10,6 @@ import math
 
 import msgspec
 
-MAX_N = 128
-MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
 
 
@@ -27,6 +25,26 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request sizes that cost work for the whole life of a request (every step, every token):
+    over one, the request is refused with a ParamError naming the field. vLLM has no such limits;
+    the defaults are generous enough for any real client. `sluice serve --max-...` sets them."""
+
+    max_n: int = 128  # choices per prompt
+    max_logprobs: int = 20  # top-N logprobs and prompt_logprobs (vLLM's --max-logprobs)
+    max_stop: int = 64  # stop strings: each decoded chunk is searched for every one
+    max_stop_chars: int = 1024  # characters per stop string: up to this many are held back while streaming
+    max_bad_words: int = 256  # each (with and without a leading space) is matched every step
+    max_bad_word_chars: int = 256  # characters per bad word
+    max_logit_bias: int = 1024  # logit_bias entries, added every step
+    max_allowed_token_ids: int | None = None  # allowed_token_ids entries; None: the vocabulary size
+    max_prompts: int = 1024  # prompts in one /v1/completions call
+    max_total_tokens: int = 1 << 20  # prompts x n x max_tokens: the tokens one call may ask the engine for
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -61,9 +79,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def verify(self, vocab_size: int, max_n: int = MAX_N, max_logprobs: int = MAX_LOGPROBS) -> None:
-        """Raise ParamError for the first invalid field."""
-        _int_in("n", self.n, 1, max_n)
+    def verify(self, vocab_size: int, limits: RequestLimits | None = DEFAULT_LIMITS) -> None:
+        """Raise ParamError for the first invalid field. `limits=None` checks validity only (the engine:
+        the frontend that admitted the request enforced its limits)."""
+        _int_in("n", self.n, 1, limits.max_n if limits else 1 << 31)
         _float_in("temperature", self.temperature, 0.0, 2.0e4)
         _float_in("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
@@ -72,6 +91,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _float_in("repetition_penalty", self.repetition_penalty, 0.0, 1.0e4, lo_open=True)
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if limits is not None:
+            self._verify_sizes(vocab_size, limits)
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 _token("logit_bias", tok, vocab_size)
@@ -90,6 +111,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
             _int_in("seed", self.seed, -(1 << 63), (1 << 63) - 1)
+        max_logprobs = limits.max_logprobs if limits else vocab_size
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, max_logprobs)
         if self.prompt_logprobs is not None:
@@ -99,6 +121,21 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 raise ParamError("stop", "stop strings must be non-empty strings")
         for tok in self.stop_token_ids:
             _token("stop_token_ids", tok, vocab_size)
+
+    def _verify_sizes(self, vocab_size: int, limits: RequestLimits) -> None:
+        """The per-request sizes bounded by `limits`, checked before anything iterates over them."""
+        _at_most("stop", len(self.stop), limits.max_stop, "stop strings")
+        for s in self.stop:
+            if isinstance(s, str):
+                _at_most("stop", len(s), limits.max_stop_chars, "characters in a stop string")
+        _at_most("bad_words", len(self.bad_words or ()), limits.max_bad_words, "bad words")
+        for w in self.bad_words or ():
+            if not isinstance(w, str):
+                raise ParamError("bad_words", "bad_words must be strings")
+            _at_most("bad_words", len(w), limits.max_bad_word_chars, "characters in a bad word")
+        _at_most("logit_bias", len(self.logit_bias or ()), limits.max_logit_bias, "logit_bias entries")
+        max_allowed = vocab_size if limits.max_allowed_token_ids is None else limits.max_allowed_token_ids
+        _at_most("allowed_token_ids", len(self.allowed_token_ids or ()), max_allowed, "allowed_token_ids entries")
 
     def clamped_logit_bias(self) -> dict[int, float]:
         return {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, b)) for t, b in (self.logit_bias or {}).items()}
@@ -122,6 +159,11 @@ def _int_in(param: str, value, lo: int, hi: int) -> None:
         raise ParamError(param, f"{param} must be an integer, got {value!r}")
     if not lo <= value <= hi:
         raise ParamError(param, f"{param} must be in [{lo}, {hi}], got {value}")
+
+
+def _at_most(param: str, size: int, limit: int, what: str) -> None:
+    if size > limit:
+        raise ParamError(param, f"{param}: {size} {what}, more than the {limit} allowed")
 
 
 def _token(param: str, tok, vocab_size: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from frontend.protocol import ParsedRequest, RequestError, ServingContext, parse_chat, parse_completion
 from frontend.tokenizer import Tokenizer
-from messages.sampling_params import SamplingParams
+from messages.sampling_params import RequestLimits, SamplingParams
 from tests.test_tokenizer import write_tiny_model_dir
 
 MAX_MODEL_LEN = 64
@@ -186,7 +186,7 @@ def test_malformed_bodies(ctx, body, message):
 def test_non_finite_numbers(ctx):
     assert _error(parse_completion, ctx, b'{"prompt": "hi", "temperature": NaN}').param is None  # not JSON
     err = _error(parse_completion, ctx, b'{"prompt": "hi", "temperature": 1e999}')
-    assert (err.param, err.message) == ("temperature", "Invalid value for 'temperature': Number out of range")
+    assert (err.param, err.message) == ("temperature", "temperature must be a finite number, got inf")
 
 
 COMPLETION_ERRORS = [
@@ -275,7 +275,8 @@ def test_chat_errors(ctx, fields, param, message):
 
 
 def test_limits_come_from_the_context(ctx):
-    small = ServingContext(ctx.tokenizer, ["tiny"], MAX_MODEL_LEN, vocab_size=10, max_n=4, max_logprobs=1)
+    limits = RequestLimits(max_n=4, max_logprobs=1)
+    small = ServingContext(ctx.tokenizer, ["tiny"], MAX_MODEL_LEN, vocab_size=10, limits=limits)
     assert _error(parse_completion, small, b'{"prompt": [10]}').param == "prompt"
     assert _error(parse_completion, small, b'{"prompt": [9], "n": 5}').param == "n"
     assert _error(parse_completion, small, b'{"prompt": [9], "logprobs": 2}').param == "logprobs"
