@@ -11,7 +11,10 @@ import logging
 import os
 import sys
 
+import msgspec
+
 from actors.engine.config import EngineConfig
+from messages.sampling_params import RequestLimits
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _DEFAULTS = EngineConfig(model="")
@@ -72,6 +75,26 @@ def _setup(args: argparse.Namespace, default_level: str):
     return resolve_model(args.model)
 
 
+_LIMIT_HELP = {
+    "max_n": "choices per prompt",
+    "max_logprobs": "top-N logprobs and prompt_logprobs",
+    "max_stop": "stop strings per request",
+    "max_stop_chars": "characters per stop string",
+    "max_bad_words": "bad words per request",
+    "max_bad_word_chars": "characters per bad word",
+    "max_logit_bias": "logit_bias entries per request",
+    "max_allowed_token_ids": "allowed_token_ids entries per request (default: the vocabulary size)",
+    "max_prompts": "prompts in one /v1/completions call",
+    "max_total_tokens": "prompts x n x max_tokens of one call",
+}
+
+
+def _limit_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("request limits (a request over one is refused with a 400 naming the field)")
+    for name, default in msgspec.structs.asdict(RequestLimits()).items():
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=_LIMIT_HELP[name])
+
+
 # ---------------------------------------------------------------- serve
 
 
@@ -86,6 +109,7 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=args.served_model_name or [model.name],
         api_key=args.api_key,
+        limits=RequestLimits(**{name: getattr(args, name) for name in RequestLimits.__struct_fields__}),
     )
     return uvloop.run(_serve(_engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
 
@@ -184,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SLUICE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SLUICE_API_KEY)",
     )
+    _limit_arguments(p)
     p.set_defaults(func=serve)
 
     p = commands.add_parser(

@@ -169,7 +169,7 @@ async def test_unknown_route_and_model_are_404(server):
 
 
 async def test_oversize_body_is_413(server):
-    async with server.session() as s, s.post("/v1/completions", data=b"x" * (2 << 20)) as resp:
+    async with server.session() as s, s.post("/v1/completions", data=b"x" * (17 << 20)) as resp:
         assert resp.status == 413
         assert (await resp.json())["error"]["message"]
 
