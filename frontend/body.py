@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import msgspec
@@ -78,7 +79,9 @@ def _no_lone_surrogate(obj) -> None:
         raise _Malformed("a string holds a lone UTF-16 surrogate") from e
 
 
-def decode_body(body: bytes, type_: type[T]) -> T:
+def decode_body(body: bytes, type_: type[T], refused: Mapping[str, Callable[[object], bool]] = {}) -> T:
+    """`refused`: top-level fields of the API that are not honoured -> whether a value is their no-op
+    (present with anything else, the field is refused, naming it)."""
     try:
         text = body.decode("utf-8")
         obj = json.loads(text, object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant)
@@ -90,6 +93,10 @@ def decode_body(body: bytes, type_: type[T]) -> T:
         raise RequestError(400, "Invalid JSON body: nested too deeply") from e
     except ValueError as e:  # JSONDecodeError, _Malformed, an integer too long
         raise RequestError(400, f"Invalid JSON body: {e}") from e
+    if isinstance(obj, dict):
+        for key, noop in refused.items():
+            if key in obj and not noop(obj[key]):
+                raise RequestError(400, f"{key} is not supported", key)
     try:
         return msgspec.convert(obj, type_, str_keys=True)
     except msgspec.ValidationError as e:

@@ -1,9 +1,10 @@
 """OpenAI request parsing: JSON body -> validated, tokenized `ParsedRequest`, or a `RequestError`.
 
-Pure functions (no event loop, no actors), so the HTTP actor can run them in an executor. Unknown
-fields are ignored (OpenAI clients send extras such as `user`, `service_tier`, `metadata`); `null`
-means "default" for every optional field. Fields that would silently change the meaning of the
-output if ignored (`suffix`, `best_of` > n, `echo` with `logprobs`) are rejected with a 400.
+Pure functions (no event loop, no actors), so the HTTP actor can run them in an executor. The
+fields each endpoint reads, and those it refuses, are in `frontend.fields`; `suffix`, `best_of` > n
+and streamed `echo` with `logprobs` are refused here. Work is bounded before anything expensive:
+sizes against `RequestLimits` before iterating, a prompt's length in characters against the context
+before tokenizing (`Tokenizer.max_token_chars`), and n x max_tokens against `max_total_tokens`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,18 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
 from frontend.body import RequestError, decode_body
+from frontend.fields import (
+    NOT_HONOURED_IN_CHAT,
+    NOT_HONOURED_IN_COMPLETIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import DEFAULT_LIMITS, ParamError, RequestLimits, SamplingParams
 
@@ -59,55 +67,7 @@ class ParsedRequest:
         return self.prompts[0].params.logprobs
 
 
-class StreamOptions(msgspec.Struct):
-    include_usage: bool | None = None
-
-
-class _SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields common to both endpoints: OpenAI's, then vLLM's extras."""
-
-    model: str | None = None
-    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
-
-
-class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[Any] | None = None
-    echo: bool | None = None
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[Any] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
-
-
-_SAMPLING_KEYS = set(_SamplingFields.__struct_fields__) & set(SamplingParams.__struct_fields__) - {"max_tokens", "stop"}
+_SAMPLING_KEYS = set(SamplingFields.__struct_fields__) & set(SamplingParams.__struct_fields__) - {"max_tokens", "stop"}
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
@@ -117,7 +77,7 @@ def new_request_id(prefix: str) -> str:
 
 
 def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = None) -> ParsedRequest:
-    req = decode_body(body, CompletionRequest)
+    req = decode_body(body, CompletionRequest, NOT_HONOURED_IN_COMPLETIONS)
     model = _model(req, ctx)
     if req.suffix is not None:
         raise RequestError(400, "suffix is not supported", "suffix")
@@ -139,7 +99,7 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
 
 
 def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) -> ParsedRequest:
-    req = decode_body(body, ChatCompletionRequest)
+    req = decode_body(body, ChatCompletionRequest, NOT_HONOURED_IN_CHAT)
     model = _model(req, ctx)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -166,7 +126,7 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
     return _parsed("chat", request_id or new_request_id("chatcmpl"), model, [prompt], req, echo=False)
 
 
-def _model(req: _SamplingFields, ctx: ServingContext) -> str:
+def _model(req: SamplingFields, ctx: ServingContext) -> str:
     if req.model is None:
         return ctx.model_names[0]
     if req.model not in ctx.model_names:
@@ -254,19 +214,21 @@ def _check_chars(chars: int, max_tokens, ctx: ServingContext, prompt_param, max_
     """Refuse a prompt that cannot fit from its length in characters alone, before tokenizing it."""
     if ctx.tokenizer.max_token_chars is not None:
         at_least = -(-chars // ctx.tokenizer.max_token_chars)
-        _check_fits(at_least, max_tokens, ctx, prompt_param, max_param, f"at least {at_least} ({chars} characters)")
+        _check_fits(at_least, max_tokens, ctx, prompt_param, max_param, chars)
 
 
-def _check_fits(num_tokens: int, max_tokens, ctx: ServingContext, prompt_param, max_param, shown=None) -> int:
-    """The tokens left for the completion; a 400 when prompt + completion cannot fit the context."""
+def _check_fits(num_tokens: int, max_tokens, ctx: ServingContext, prompt_param, max_param, chars=None) -> int:
+    """The tokens left for the completion; a 400 when prompt + completion cannot fit the context.
+    `chars`: the prompt is `chars` characters long and `num_tokens` a lower bound of its tokens."""
     budget = ctx.max_model_len - num_tokens
     if budget < 1 or (max_tokens is not None and max_tokens > budget):
         want = max_tokens or 1
+        at_least, of = ("at least ", f" of {chars} characters") if chars is not None else ("", "")
         raise RequestError(
             400,
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
-            f"{'at least ' if shown else ''}{num_tokens + want} tokens ({shown or num_tokens} in the {prompt_param}, "
-            f"{want} in the completion). Please reduce the length of the {prompt_param} or completion.",
+            f"{at_least}{num_tokens + want} tokens ({at_least}{num_tokens} in the {prompt_param}{of}, {want} in the "
+            f"completion). Please reduce the length of the {prompt_param} or completion.",
             prompt_param if budget < 1 else max_param,
         )
     return budget

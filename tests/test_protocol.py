@@ -259,7 +259,7 @@ CHAT_ERRORS = [
     ({"messages": USER_HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
     ({"messages": USER_HI, "top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs"),
     ({"messages": USER_HI, "max_completion_tokens": 64}, "max_completion_tokens", "maximum context length is 64"),
-    ({"messages": USER_HI, "max_tokens": 64}, "max_tokens", "in the messages, 64 in the completion"),
+    ({"messages": USER_HI, "max_tokens": 64}, "max_tokens", "in the messages of 2 characters, 64 in the completion"),
     ({"messages": USER_HI, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be in"),
     ({"messages": [{"role": "user", "content": "fox " * 64}]}, "messages", "maximum context length is 64 tokens"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool messages are not supported"),

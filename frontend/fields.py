@@ -1,0 +1,104 @@
+"""The request bodies' fields: what each endpoint reads (msgspec Structs; `null` means "default"
+for every optional field, unknown fields are ignored: OpenAI clients send `user`, `metadata`,
+`service_tier`), and the fields of OpenAI's or vLLM's API that Sluice does not honour (yet), each
+with the values that are its no-op. Any other value of those is refused with a 400 naming it: a
+field accepted but ignored would silently change the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields common to both endpoints: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | list[Any] | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+
+def _is(*noops):
+    return lambda value: value in noops
+
+
+def _empty(value) -> bool:
+    return not value
+
+
+_NOT_HONOURED = {
+    "tools": _empty,
+    "functions": _empty,
+    "tool_choice": _is(None, "none", "auto"),
+    "function_call": _is(None, "none", "auto"),
+    "response_format": _is(None, {"type": "text"}),
+    "structured_outputs": _empty,
+    "guided_json": _empty,
+    "guided_regex": _empty,
+    "guided_choice": _empty,
+    "guided_grammar": _empty,
+    "guided_decoding_backend": _empty,
+    "use_beam_search": _empty,
+    "length_penalty": _is(None, 1, 1.0),
+    "truncate_prompt_tokens": _is(None),
+    "priority": _is(None, 0),
+    "return_tokens_as_token_ids": _empty,
+    "prompt_embeds": _empty,
+    "audio": _empty,
+    "modalities": _is(None, ["text"]),
+    "prediction": _empty,
+    "reasoning_effort": _is(None),
+}
+NOT_HONOURED_IN_CHAT = {
+    **_NOT_HONOURED,
+    "echo": _empty,
+    "add_generation_prompt": _is(None, True),
+    "continue_final_message": _empty,
+    "add_special_tokens": _is(None, False),
+    "chat_template": _empty,
+    "chat_template_kwargs": _empty,
+    "documents": _empty,
+}
+NOT_HONOURED_IN_COMPLETIONS = {**_NOT_HONOURED, "add_special_tokens": _is(None, True)}

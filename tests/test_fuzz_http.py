@@ -1,0 +1,162 @@
+"""Property-based fuzzing of both generation endpoints (hypothesis, fixed seed): bodies built from
+the request fields with hostile values at any depth, raw byte mutations of valid bodies, and
+random headers. Properties: no response is a 5xx, every response arrives within BOUND_S, the server
+counted no 5xx, and canary streams running meanwhile finish with exactly their undisturbed output.
+
+Hypothesis drives a plain blocking HTTP client in a worker thread (it has no asyncio runner), so the
+test's event loop keeps reading the canaries meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import time
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.canary import Canary, undisturbed
+
+BOUND_S = 30.0  # liveness: valid fuzz requests are capped at 32 tokens each
+EXAMPLES = 250
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=40),
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30,
+)
+token_ids = st.lists(st.integers(min_value=-5, max_value=60_000), min_size=0, max_size=12)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]), "content": st.text(max_size=60)}
+)
+FIELD_VALUES = {
+    "model": st.text(max_size=10),
+    "n": st.integers(-2, 4) | json_values,
+    "temperature": st.floats(-1, 3) | json_values,
+    "top_p": st.floats(-0.5, 1.5),
+    "top_k": st.integers(-3, 100),
+    "min_p": st.floats(-0.5, 1.5),
+    "seed": st.integers(-(2**70), 2**70),
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=70),
+    "stop_token_ids": token_ids,
+    "logit_bias": st.dictionaries(st.integers(-5, 60_000).map(str) | st.text(max_size=4), st.floats(-200, 200)),
+    "allowed_token_ids": token_ids,
+    "bad_words": st.lists(st.text(max_size=8), max_size=5),
+    "presence_penalty": st.floats(-3, 3),
+    "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3),
+    "min_tokens": st.integers(-1, 40),
+    "logprobs": st.integers(-1, 25) | st.booleans(),
+    "top_logprobs": st.integers(-1, 25),
+    "prompt_logprobs": st.integers(-1, 25),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | json_values}),
+    "echo": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "user": json_values,
+}
+PROMPT = {
+    "completions": st.text(max_size=80) | token_ids | st.lists(st.text(max_size=20) | token_ids, max_size=3),
+    "chat/completions": st.lists(message, max_size=4),
+}
+
+
+@st.composite
+def bodies(draw, endpoint: str) -> bytes:
+    key = "prompt" if endpoint == "completions" else "messages"
+    fields = draw(st.dictionaries(st.sampled_from(sorted(FIELD_VALUES)), st.just(None), max_size=8))
+    body = {k: draw(FIELD_VALUES[k] | json_values if draw(st.booleans()) else FIELD_VALUES[k]) for k in fields}
+    if draw(st.integers(0, 9)):  # mostly a well-shaped prompt, sometimes anything at all
+        body[key] = draw(PROMPT[endpoint])
+    elif draw(st.booleans()):
+        body[key] = draw(json_values)
+    body["max_tokens"] = draw(st.integers(1, 32) | st.integers(-(10**20), 10**20) | json_values)
+    if isinstance(body.get("n"), int) and body["n"] > 4:
+        body["n"] = 4  # keep valid requests small: the properties are about bad input
+    data = json.dumps(body).encode()
+    mutation = draw(st.sampled_from(["none", "none", "bytes", "truncate", "duplicate", "nest", "raw"]))
+    if mutation == "bytes":
+        at = draw(st.integers(0, len(data)))
+        return data[:at] + draw(st.binary(min_size=1, max_size=8)) + data[at:]
+    if mutation == "truncate":
+        return data[: draw(st.integers(0, len(data)))]
+    if mutation == "duplicate":
+        return data[:-1] + b', "max_tokens": 1}'
+    if mutation == "nest":
+        depth = draw(st.integers(100, 200_000))
+        return b'{"%s": %s%s}' % (key.encode(), b"[" * depth, b"]" * depth)
+    if mutation == "raw":
+        return draw(st.binary(max_size=64))
+    return data
+
+
+headers = st.fixed_dictionaries(
+    {},
+    optional={
+        "Content-Type": st.sampled_from(["application/json", "text/plain", "multipart/form-data", ""]),
+        "Authorization": st.binary(max_size=20).map(lambda b: b"Bearer " + b.replace(b"\r", b"").replace(b"\n", b"")),
+        "Accept-Encoding": st.sampled_from(["gzip", "identity", "*"]),
+        "X-Request-Id": st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=30),
+    },
+)
+
+
+def _post(host: str, port: int, path: str, data: bytes, hdrs: dict) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=BOUND_S)
+    try:
+        conn.putrequest("POST", path)
+        for name, value in hdrs.items():
+            conn.putheader(name, value)
+        conn.putheader("Content-Length", str(len(data)))
+        conn.endheaders(data)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def fuzz(host: str, port: int, seen: list[int]) -> None:
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(endpoint=st.sampled_from(["completions", "chat/completions"]), data=st.data(), hdrs=headers)
+    def one(endpoint, data, hdrs):
+        body = data.draw(bodies(endpoint))
+        start = time.monotonic()
+        status, payload = _post(host, port, f"/v1/{endpoint}", body, hdrs)
+        assert time.monotonic() - start < BOUND_S
+        assert status < 500, (status, body[:300], payload[:300])
+        seen.append(status)
+
+    one()
+
+
+async def test_fuzzed_requests_get_no_5xx_in_bounded_time_and_canaries_stay_intact(server):
+    baseline = await undisturbed(server.url)
+    before = await server.metrics()
+    statuses: list[int] = []
+    fuzzing = asyncio.ensure_future(asyncio.to_thread(fuzz, server.server.http.host, server.server.http.port, statuses))
+    canaries = []
+    while not fuzzing.done():  # canaries back to back for as long as the fuzzing runs
+        canaries.append(await Canary(server.url).start().task)
+    await fuzzing
+    assert len(canaries) >= 2 and all(c == baseline for c in canaries)
+    assert {200, 400} <= set(statuses)  # both valid and invalid requests were generated
+    after = await server.metrics()
+    fives = {k: v - before.get(k, 0) for k, v in after.items() if k[0] == "sluice:http_requests_total"}
+    assert not {k: v for k, v in fives.items() if dict(k[1])["status"].startswith("5") and v}, fives

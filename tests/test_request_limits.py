@@ -1,0 +1,159 @@
+"""Bounded work before anything expensive (issue 11), unit level: strict JSON bodies, per-request size
+limits, the length pre-check that refuses a prompt before tokenizing it, fields refused rather than
+ignored, and tokenizing without the GIL."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from frontend.body import decode_body
+from frontend.fields import CompletionRequest
+from frontend.protocol import RequestError, ServingContext, parse_chat, parse_completion
+from frontend.tokenizer import Tokenizer
+from messages.sampling_params import RequestLimits
+from tests.test_tokenizer import write_tiny_model_dir
+
+LIMITS = RequestLimits(
+    max_stop=2, max_stop_chars=5, max_bad_words=2, max_bad_word_chars=4, max_logit_bias=2, max_allowed_token_ids=3,
+    max_prompts=2, max_total_tokens=40,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory) -> ServingContext:
+    tok = Tokenizer.from_model_dir(write_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
+    return ServingContext(tok, ["tiny"], max_model_len=64, vocab_size=tok.vocab_size, limits=LIMITS)
+
+
+def _error(parse, ctx, body: bytes) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        parse(body, ctx)
+    assert e.value.status == 400
+    return e.value
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"prompt": "caf\xc3\x28"}', "not UTF-8"),
+        (b'{"prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),
+        (b'{"prompt": "a\\udc00"}', "lone UTF-16 surrogate"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        (b'{"prompt": "hi", "n": 1, "n": 2}', "duplicate key 'n'"),
+        (b'{"prompt": "hi", "logit_bias": {"5": 1, "5": 2}}', "duplicate key '5'"),
+        (b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", "Invalid JSON body"),
+        (b'{"prompt": "hi", "temperature": -Infinity}', "not a JSON number"),
+        (b'\xef\xbb\xbf{"prompt": "hi"}', "Invalid JSON body"),
+    ],
+)
+def test_malformed_json_is_400_without_a_field(ctx, body, message):
+    err = _error(parse_completion, ctx, body)
+    assert err.param is None and message in err.message
+
+
+def test_a_surrogate_pair_is_one_character(ctx):
+    assert parse_completion(b'{"prompt": "\\ud83e\\udd17", "max_tokens": 1}', ctx).prompts[0].text == "🤗"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"stop": ["a", "b", "c"]}, "stop"),
+        ({"stop": "abcdef"}, "stop"),
+        ({"bad_words": ["a", "b", "c"]}, "bad_words"),
+        ({"bad_words": ["abcde"]}, "bad_words"),
+        ({"logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias"),
+        ({"allowed_token_ids": [1, 2, 3, 4]}, "allowed_token_ids"),
+        ({"prompt": ["a", "b", "c"]}, "prompt"),
+        ({"n": 3, "max_tokens": 14}, "max_tokens"),  # 42 > max_total_tokens
+    ],
+)
+def test_sizes_over_a_limit_are_400_naming_the_field(ctx, fields, param):
+    err = _error(parse_completion, ctx, json.dumps({"prompt": "hi", **fields}).encode())
+    assert err.param == param and "allowed" in err.message
+
+
+def test_sizes_at_the_limits_are_accepted(ctx):
+    body = {"prompt": ["a", "b"], "stop": ["abcde", "x"], "bad_words": ["abcd", "y"], "max_tokens": 10}
+    body |= {"logit_bias": {"1": 1, "2": 1}, "allowed_token_ids": [1, 2, 3], "n": 2}
+    assert len(parse_completion(json.dumps(body).encode(), ctx).prompts) == 2
+
+
+def test_a_defaulted_max_tokens_counts_against_the_total(ctx):
+    err = _error(parse_chat, ctx, json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}).encode())
+    assert err.param == "n" and "up to" in err.message
+
+
+def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
+    tokenized = []
+    monkeypatch.setattr(ctx.tokenizer, "encode_batch", lambda texts, *a: tokenized.append(texts) or [[1]] * len(texts))
+    long = "x" * (64 * ctx.tokenizer.max_token_chars)
+    err = _error(parse_completion, ctx, json.dumps({"prompt": long}).encode())
+    assert (
+        err.param == "prompt"
+        and f"at least 80 tokens (at least 64 in the prompt of {len(long)} characters, 16" in err.message
+    )
+    messages = [{"role": "user", "content": [{"type": "text", "text": long}]}]
+    assert _error(parse_chat, ctx, json.dumps({"messages": messages}).encode()).param == "messages"
+    assert _error(
+        parse_chat, ctx, json.dumps({"messages": [{"role": "user", "content": "x"}] * 65}).encode()
+    ).param == ("messages")
+    assert tokenized == []  # refused before tokenizing
+
+
+@pytest.mark.parametrize(
+    ("parse", "fields", "param"),
+    [
+        (parse_chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (parse_chat, {"tool_choice": "required"}, "tool_choice"),
+        (parse_chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (parse_chat, {"chat_template": "{{ x }}"}, "chat_template"),
+        (parse_chat, {"echo": True}, "echo"),
+        (parse_completion, {"guided_json": {"type": "object"}}, "guided_json"),
+        (parse_completion, {"use_beam_search": True}, "use_beam_search"),
+        (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),
+    ],
+)
+def test_fields_not_honoured_are_refused(ctx, parse, fields, param):
+    base = {"prompt": "hi"} if parse is parse_completion else {"messages": [{"role": "user", "content": "hi"}]}
+    err = _error(parse, ctx, json.dumps({**base, "max_tokens": 1, **fields}).encode())
+    assert (err.param, err.message) == (param, f"{param} is not supported")
+
+
+def test_their_no_op_values_are_accepted(ctx):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [], "tool_choice": "none"}
+    body |= {"response_format": {"type": "text"}, "add_generation_prompt": True, "user": "u", "metadata": {"k": 1}}
+    assert parse_chat(json.dumps(body).encode(), ctx).prompts
+
+
+def test_decode_body_converts_string_keys_and_names_the_field():
+    assert decode_body(b'{"logit_bias": {"12": 1}}', CompletionRequest).logit_bias == {12: 1.0}
+    with pytest.raises(RequestError) as e:
+        decode_body(b'{"logit_bias": {"x": 1}}', CompletionRequest)
+    assert e.value.param == "logit_bias"
+
+
+def test_tokenizing_releases_the_gil(ctx):
+    """A thread tokenizing a long text leaves the interpreter to others (the event loop's heartbeat)."""
+    text = "hello world " * 200_000
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.perf_counter()
+    ctx.tokenizer.encode(text)
+    took = time.perf_counter() - start
+    done.set()
+    ticker.join()
+    during = [t for t in ticks if start <= t <= start + took]
+    # a tokenizer holding the GIL lets the ticker run once at most (measured: 0 vs ~1 per ms)
+    assert len(during) >= max(3, took / 0.001 / 10), (took, len(during))
