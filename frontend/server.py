@@ -22,7 +22,7 @@ from actors.engine.config import DETOKENIZER, SCHEDULER
 from actors.runtime import Actor
 from frontend import openai_format as fmt
 from frontend.metrics import CONTENT_TYPE, Metrics
-from frontend.protocol import RequestError, ServingContext, new_request_id, parse_chat, parse_completion
+from frontend.protocol import ParsedRequest, RequestError, ServingContext, new_request_id, parse_chat, parse_completion
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
@@ -44,6 +44,7 @@ log = logging.getLogger("sluice.http")
 
 HTTP = "http"
 PARSE_INLINE_BYTES = 16 << 10  # larger bodies are parsed and tokenized off the event loop
+LARGE_BODIES = 4  # large bodies read and parsed at once (the rest wait, unread)
 REQUEST_ID = web.RequestKey("sluice_request_id", str)  # set once the handler has named the request
 STREAM_ERROR = web.RequestKey("sluice_stream_error", RequestError)  # an error sent inside a 200 stream
 
@@ -91,6 +92,7 @@ class HttpActor(Actor):
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self._draining: asyncio.Future | None = None
+        self._large_bodies = asyncio.Semaphore(LARGE_BODIES)
 
     def handlers(self):
         return {
@@ -233,26 +235,33 @@ class HttpActor(Actor):
     async def _generate(self, request: web.Request, parse, prefix: str) -> web.StreamResponse:
         self._check_available()
         request[REQUEST_ID] = rid = new_request_id(prefix)
-        body = await request.read()
-        if len(body) > PARSE_INLINE_BYTES:
-            parsed = await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx, rid)
-        else:
-            parsed = parse(body, self.ctx, rid)
+        parsed = await self._parse(request, parse, rid)
         self._check_available()  # an actor may have died while we parsed
         req = self.table.add(parsed, self.name)
+        stream = ", stream" if parsed.stream else ""
         log.info(
             "[%s] %s: %d prompt tokens, %d choices%s",
-            req.id,
+            rid,
             request.path,
             req.num_prompt_tokens,
             len(req.choices),
-            ", stream" if parsed.stream else "",
+            stream,
         )
         try:
             return await (self._stream(request, req) if parsed.stream else self._respond(req))
         finally:
             if not req.done:  # the client went away (a failed write, or this handler was cancelled)
                 self.table.cancel(req, "client")
+
+    async def _parse(self, request: web.Request, parse, rid: str) -> ParsedRequest:
+        """Small bodies are parsed inline. Large ones (or of unknown length) are read and parsed
+        LARGE_BODIES at a time, off the event loop: a flood of 16 MB bodies waits in the kernel's
+        socket buffers, not in our memory."""
+        if request.content_length is not None and request.content_length <= PARSE_INLINE_BYTES:
+            return parse(await request.read(), self.ctx, rid)
+        async with self._large_bodies:
+            body = await request.read()
+            return await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx, rid)
 
     async def _respond(self, req: HttpRequest) -> web.Response:
         while not req.done:
