@@ -24,6 +24,13 @@ class ScheduledRow:
     # prompt_logprobs: the prompt tokens that follow this row's first fed tokens, one per fed token whose logits
     # the runner also returns (after the sampling rows' logits)
     prompt_targets: list[int] = field(default_factory=list)
+    # speculative decoding: the last len(draft_token_ids) fed tokens are drafts; the row samples at its last
+    # 1 + len(draft_token_ids) positions (each draft is verified, then the bonus position)
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return (1 + len(self.draft_token_ids)) if self.sample else 0
 
 
 @dataclass
@@ -38,3 +45,8 @@ class BatchSpec:
     @property
     def sampling_rows(self) -> list[int]:
         return [i for i, r in enumerate(self.rows) if r.sample]
+
+    @property
+    def num_samples(self) -> int:
+        """Sampled positions: one per sampling row, 1 + K for a row verifying K drafts."""
+        return sum(r.num_samples for r in self.rows)

@@ -70,8 +70,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: BatchSpec) -> torch.Tensor:
-        """Run one step; float32 logits [num sampling rows + num prompt targets, vocab]: the sampling rows in batch
-        order, then, row by row, the first fed tokens of rows with prompt_targets (one per target)."""
+        """Run one step; float32 logits [num sampled positions + num prompt targets, vocab]: the sampled positions in
+        batch order (1 + K for a row verifying K drafts), then, row by row, the first fed tokens of rows with
+        prompt_targets (one per target)."""
         if not batch.rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         host, plans, max_query_len, max_seq_len = self._prepare(batch)
@@ -114,7 +115,8 @@ class ModelRunner:
                 )
             block_tables[i, : len(r.block_table)] = r.block_table
         input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int64, num_tokens)
-        sample = np.array([r.sample for r in rows], bool)
+        num_logits = np.array([r.num_samples for r in rows], np.int64)  # a sampling row's last 1 (+ K) positions
+        offset = np.arange(num_logits.sum()) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
         host = dict(
             input_ids=input_ids,
             positions=positions,
@@ -122,7 +124,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             slot_mapping=block_tables[token_row, positions // bs] * bs + positions % bs,
             block_tables=block_tables,
-            logits_indices=query_start_loc[1:][sample] - 1,
+            logits_indices=np.repeat(query_start_loc[1:] - num_logits, num_logits) + offset,
         )
         targets = [(i, len(r.prompt_targets)) for i, r in enumerate(rows) if r.prompt_targets]
         if targets:

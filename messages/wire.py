@@ -201,6 +201,10 @@ class EngineStats(Msg, kw_only=True):
     discarded_samples_total: int = 0
     num_preemptions_total: int = 0
     queue_times_s: list[float] = []  # arrival -> first scheduled, one per request scheduled since the last EngineStats
+    spec_num_drafts: int = 0  # speculative decoding: rows that verified drafts
+    spec_num_draft_tokens: int = 0  # draft tokens verified
+    spec_num_accepted_tokens: int = 0  # draft tokens accepted
+    spec_accepted_per_pos: list[int] = []  # [i]: drafts accepted at position i
 
 
 class DetokStats(Msg, kw_only=True):

@@ -49,6 +49,12 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks: {request.request_id} needs {missing}, {self.num_free_blocks} free")
         request.block_table.extend(self.free_block_ids.popleft() for _ in range(missing))
 
+    def trim(self, request: EngineRequest) -> None:
+        """Return the blocks past those covering num_computed_tokens (speculative lookahead not kept)."""
+        keep = self.num_blocks_for(request.num_computed_tokens)
+        self.free_block_ids.extend(request.block_table[keep:])
+        del request.block_table[keep:]
+
     def free(self, request: EngineRequest) -> None:
         """Return the request's blocks to the free list (idempotent)."""
         self.free_block_ids.extend(request.block_table)

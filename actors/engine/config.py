@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import msgspec
 
 SCHEDULER = "scheduler"
 DETOKENIZER = "detokenizer"
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `--speculative-config` shape. "ngram" (prompt lookup) runs; "draft_model" is refused for now."""
+
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int  # K: draft tokens verified per step (a request gains 1..K+1 tokens)
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix n-gram looked up ...
+    prompt_lookup_max: int = 4  # ... and the longest, tried first
+    model: str | None = None  # draft_model: its directory or .gguf
+
+    def verify(self) -> None:
+        """Raise ValueError naming what is wrong."""
+        if self.method == "draft_model":
+            raise ValueError('speculative method "draft_model" is not implemented yet; use "ngram"')
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                f"{self.prompt_lookup_max}"
+            )
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -21,7 +44,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
     engine_threads: int | None = None  # None: the cores left after the other actors
-    async_scheduling: bool = True
+    async_scheduling: bool = True  # speculative decoding steps synchronously (the proposer reads the last tokens)
+    speculative: SpeculativeConfig | None = None  # off by default
     stats_interval_s: float = 0.5
     stats_to: list[str] = []  # actors that receive EngineStats (the HTTP actor)
     detokenizer: str = DETOKENIZER

@@ -19,21 +19,24 @@ from gpu.config import ModelConfig
 from gpu.kv_cache import num_blocks_for_memory
 from gpu.runner import ModelRunner, resolve_device, resolve_dtype
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingRow
+from gpu.sampling.spec import NO_DRAFT, num_emitted
 
 
 @dataclass
 class StepResult:
-    sampled: torch.Tensor  # [num sampling rows] int64 on the host
-    logprobs: LogprobsTensors | None
+    sampled: torch.Tensor  # [num sampled positions] int64 on the host (1 + K for a row verifying K drafts)
+    logprobs: LogprobsTensors | None  # one entry per sampled position
     ready: torch.cuda.Event | None  # set when the host copies are complete
     prompt_logprobs: LogprobsTensors | None = None  # one entry per prompt target, rows in batch order
+    num_emitted: torch.Tensor | None = None  # [num sampling rows]: positions each emits; None: one each
 
-    def host(self) -> tuple[list[int], dict[str, list] | None, dict[str, list] | None]:
-        """The sampled ids, their logprobs and the prompt logprobs as Python lists. Waits only for this step's
-        copy."""
+    def host(self) -> tuple[list[int], list[int] | None, dict[str, list] | None, dict[str, list] | None]:
+        """The sampled ids, how many each row emits, their logprobs and the prompt logprobs as Python lists.
+        Waits only for this step's copy."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.sampled.tolist(), _lists(self.logprobs), _lists(self.prompt_logprobs)
+        emitted = None if self.num_emitted is None else self.num_emitted.tolist()
+        return self.sampled.tolist(), emitted, _lists(self.logprobs), _lists(self.prompt_logprobs)
 
 
 def _lists(lp: LogprobsTensors | None) -> dict[str, list] | None:
@@ -50,7 +53,8 @@ def _lists(lp: LogprobsTensors | None) -> dict[str, list] | None:
 def step_inputs(
     batch: BatchSpec, requests: dict[str, EngineRequest], eos_token_ids: list[int]
 ) -> tuple[list[SamplingRow], list[int], int]:
-    """StepExecutor.run's inputs besides the batch: a SamplingRow and relay slot per row that samples, and the
+    """StepExecutor.run's inputs besides the batch: a SamplingRow per sampled position (a row verifying K drafts
+    has K + 1, position j with the first j drafts in its output history), a relay slot per sampling row, and the
     top-N of the prompt logprobs (the largest a row with prompt targets asked for)."""
     rows, slots, n = [], [], 0
     for row in batch.rows:
@@ -61,9 +65,9 @@ def step_inputs(
             # One step ahead, the output list lags the device by the step in flight. A request whose sampling
             # reads it (reads_output) never has a step in flight when it is scheduled (the loop syncs first, or
             # it was just admitted); the others read only its length (min_tokens), past min_tokens once it is.
-            rows.append(
-                SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_state, eos_token_ids)
-            )
+            for j in range(row.num_samples):
+                output = req.output_token_ids + row.draft_token_ids[:j] if j else req.output_token_ids
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, output, req.sampling_state, eos_token_ids))
             slots.append(row.slot)
     return rows, slots, n
 
@@ -108,9 +112,20 @@ class StepExecutor:
         if not rows:  # only partial chunked-prefill rows: nothing samples this step
             return self._to_host(torch.empty(0, dtype=torch.int64), None, plp)
         out = self.sampler(logits[: len(rows)], self.metadata.build(rows))
+        last, emitted = self._verify(batch, out.sampled)
         if slots:
-            self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), out.sampled)
-        return self._to_host(out.sampled, out.logprobs, plp)
+            self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), last)
+        return self._to_host(out.sampled, out.logprobs, plp, emitted)
+
+    def _verify(self, batch: BatchSpec, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each sampling row's last emitted token (for the relay) and, when rows verify drafts, how many
+        positions each emits (gpu/sampling/spec.py)."""
+        if len(sampled) == len(batch.sampling_rows):
+            return sampled, None
+        counts = torch.tensor([r.num_samples for r in batch.rows if r.sample], device=sampled.device)
+        drafts = [t for r in batch.rows if r.sample for t in (*r.draft_token_ids, NO_DRAFT)]
+        emitted = num_emitted(sampled, torch.tensor(drafts, device=sampled.device), counts)
+        return sampled[counts.cumsum(0) - counts + emitted - 1], emitted
 
     def _prompt_logprobs(self, batch: BatchSpec, logits: torch.Tensor, n: int) -> LogprobsTensors | None:
         """Raw logprobs of each prompt target under the logits of the token before it, and the top-n."""
@@ -119,9 +134,15 @@ class StepExecutor:
         targets = torch.tensor([t for r in batch.rows for t in r.prompt_targets], device=logits.device)
         return self.sampler.logprobs_of(logits, targets, max(n, 1))
 
-    def _to_host(self, sampled: torch.Tensor, lp: LogprobsTensors | None, plp: LogprobsTensors | None) -> StepResult:
+    def _to_host(
+        self,
+        sampled: torch.Tensor,
+        lp: LogprobsTensors | None,
+        plp: LogprobsTensors | None,
+        emitted: torch.Tensor | None = None,
+    ) -> StepResult:
         if self.device.type == "cpu":
-            return StepResult(sampled, lp, None, plp)
+            return StepResult(sampled, lp, None, plp, emitted)
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
@@ -130,9 +151,10 @@ class StepExecutor:
             return x and LogprobsTensors(*(copy(t) for t in (x.sampled, x.ranks, x.top_ids, x.top_logprobs)))
 
         host, host_lp, host_plp = copy(sampled), copies(lp), copies(plp)
+        host_emitted = None if emitted is None else copy(emitted)
         event = torch.cuda.Event()
         event.record()
-        return StepResult(host, host_lp, event, host_plp)
+        return StepResult(host, host_lp, event, host_plp, host_emitted)
 
     def _check_relay(self, batch: BatchSpec) -> None:
         """Debug mode: every placeholder reads a relay slot that some earlier step wrote."""

@@ -17,13 +17,15 @@ def entries(lists: dict[str, list], start: int, stop: int, n: int) -> TokenLogpr
     )
 
 
-def wanted_logprobs(batch: BatchSpec, requests: dict[str, EngineRequest]) -> dict[str, tuple[int, int, int]]:
-    """Request id -> the (start, stop, n) of its sampled token's entry, for the rows whose request asked."""
-    want = {}
-    for j, i in enumerate(batch.sampling_rows):
-        req = requests[batch.rows[i].request_id]
-        if req.params.logprobs is not None:
-            want[req.request_id] = (j, j + 1, req.params.logprobs)
+def wanted_logprobs(batch: BatchSpec, requests: dict[str, EngineRequest]) -> dict[str, tuple[int, int]]:
+    """Request id -> (its first sampled position in the step's lists, its top-N), for the rows whose request
+    asked; the entries of the tokens it emits follow from there."""
+    want, pos = {}, 0
+    for row in batch.rows:
+        req = requests[row.request_id]
+        if row.sample and req.params.logprobs is not None:
+            want[req.request_id] = (pos, req.params.logprobs)
+        pos += row.num_samples
     return want
 
 

@@ -20,15 +20,21 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
   and is not re-admitted until its in-flight sample is known, so it resumes from prompt + output
   and produces exactly the tokens it would have produced without preemption.
 - A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot.
+- Speculative decoding (a `proposer`): a decoding request with nothing in flight feeds its last token
+  and up to K draft tokens, and samples at each of those positions; `update()` receives how many
+  tokens each row emits (1..K+1), appends them up to the first that ends the request (no token after
+  the end ever gets out), rolls `num_computed_tokens` back past the rejected drafts (their KV slots
+  are rewritten later) and frees the lookahead blocks no longer needed.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.request import EngineRequest, RequestStatus
+from actors.engine.speculative import SpecStats
 from gpu.batch import BatchSpec, ScheduledRow
 from messages.wire import RequestOutput, TokenLogprobs
 
@@ -41,6 +47,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int],
+        proposer: Callable[[EngineRequest, int], list[int]] | None = None,
     ):
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
             raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
@@ -51,6 +58,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.proposer = proposer  # (request, at most k) -> draft tokens continuing its known sequence
         self.requests: dict[str, EngineRequest] = {}  # every request still holding anything
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []  # in admission order: preemption takes the last
@@ -62,6 +70,7 @@ class Scheduler:
         self.num_discarded_samples = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.spec = SpecStats()
 
     # ---------------------------------------------------------------- requests
 
@@ -112,10 +121,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._ends_in_flight(req):
+            if self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens:  # (drafts in flight)
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, budget) if n == 1 else []
+            n += len(drafts)
             while not self.block_manager.may_append(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -125,7 +136,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break
             self.block_manager.append_slots(req, n)
-            batch.rows.append(self._row(req, n))
+            batch.rows.append(self._row(req, n, drafts))
             budget -= n
             i += 1
         # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
@@ -148,27 +159,32 @@ class Scheduler:
             self.next_step += 1
         return batch
 
-    def update(self, batch: BatchSpec, sampled: list[int]) -> list[RequestOutput]:
-        """Apply a step's results: `sampled[i]` is the token of the i-th row with sample=True."""
+    def update(self, batch: BatchSpec, sampled: list[int], num_emitted: list[int] | None = None) -> list[RequestOutput]:
+        """Apply a step's results: `sampled` holds the batch's sampled positions in order (1 per sampling row,
+        1 + K for a row verifying K drafts); `num_emitted[j]`: how many leading positions sampling row j emits
+        (None: one each)."""
         if not batch.rows:
             return []
         if not self.in_flight or self.in_flight[0] != batch.step:
             raise RuntimeError(f"update() for step {batch.step}, expected {list(self.in_flight)[:1]}")
-        if len(sampled) != len(batch.sampling_rows):
-            raise ValueError(f"{len(sampled)} sampled tokens for {len(batch.sampling_rows)} sampling rows")
+        if len(sampled) != batch.num_samples:
+            raise ValueError(f"{len(sampled)} sampled tokens for {batch.num_samples} sampled positions")
         self.in_flight.popleft()
         outputs = []
-        tokens = iter(sampled)
+        pos, emitted = 0, iter(num_emitted or [1] * len(batch.sampling_rows))
         for row in batch.rows:
             req = self.requests[row.request_id]
             req.num_inflight_steps -= 1
             if row.sample:
-                token = next(tokens)
+                n = next(emitted)
+                tokens, pos = sampled[pos : pos + n], pos + row.num_samples
                 req.num_pending_tokens -= 1
+                if row.draft_token_ids:
+                    self._verified(req, len(row.draft_token_ids), n - 1)
                 if req.is_finished:
-                    self.num_discarded_samples += 1
+                    self.num_discarded_samples += len(tokens)
                 else:
-                    outputs.append(self._append_token(req, token))
+                    outputs.append(self._append_tokens(req, tokens))
             self._settle(req)
         return outputs
 
@@ -205,24 +221,56 @@ class Scheduler:
         """Whether the request's pending samples certainly end it: another row would be junk."""
         return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
 
-    def _row(self, req: EngineRequest, n: int) -> ScheduledRow:
-        start = req.num_computed_tokens
-        sample = start + n == req.num_tokens
+    def _drafts(self, req: EngineRequest, budget: int) -> list[int]:
+        """Draft tokens for a decoding request with nothing in flight, as many as the step may emit without
+        passing max_tokens or max_model_len."""
+        if self.proposer is None or req.num_pending_tokens:
+            return []
+        k = min(budget, req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        return self.proposer(req, k) if k > 0 else []
+
+    def _row(self, req: EngineRequest, n: int, drafts: list[int] = ()) -> ScheduledRow:
+        start, fed = req.num_computed_tokens, n - len(drafts)
+        sample = start + fed == req.num_tokens
         # prompt_logprobs: the prompt tokens after the fed ones, until the first output token is known
         wants = req.params.prompt_logprobs is not None and not req.output_token_ids and not req.num_pending_tokens
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
+        token_ids = req.token_ids(start, start + fed) + list(drafts)
         row = ScheduledRow(
-            req.request_id, req.slot, req.token_ids(start, start + n), start, list(req.block_table), sample, targets
+            req.request_id, req.slot, token_ids, start, list(req.block_table), sample, targets, list(drafts)
         )
         req.num_computed_tokens += n
         req.num_pending_tokens += sample
         req.num_inflight_steps += 1
         return row
 
-    def _append_token(self, req: EngineRequest, token: int) -> RequestOutput:
+    def _verified(self, req: EngineRequest, num_drafts: int, accepted: int) -> None:
+        """A row verified `num_drafts` drafts and accepted `accepted`: the rejected ones' KV is junk."""
+        req.num_computed_tokens -= num_drafts - accepted
+        self.block_manager.trim(req)
+        self.spec.observe(num_drafts, accepted)
+
+    def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
+        """Append a step's tokens up to the first that ends the request; the rest are discarded."""
         seq = req.next_seq
-        req.output_token_ids.append(token)
-        self.generation_tokens_total += 1
+        for kept, token in enumerate(tokens, 1):
+            req.output_token_ids.append(token)
+            self.generation_tokens_total += 1
+            if self._ends(req, token):
+                self.num_discarded_samples += len(tokens) - kept
+                tokens = tokens[:kept]
+                break
+        return RequestOutput(
+            request_id=req.request_id,
+            seq=seq,
+            new_token_ids=tokens,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            prompt_logprobs=self._take_prompt_logprobs(req) if seq == 0 else None,
+        )
+
+    def _ends(self, req: EngineRequest, token: int) -> bool:
+        """Finish the request if `token`, just appended, ends it."""
         p = req.params
         if len(req.output_token_ids) > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos:
             self._finish(req, "stop")
@@ -230,14 +278,7 @@ class Scheduler:
             self._finish(req, "stop", token)
         elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
             self._finish(req, "length")
-        return RequestOutput(
-            request_id=req.request_id,
-            seq=seq,
-            new_token_ids=[token],
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            prompt_logprobs=self._take_prompt_logprobs(req) if seq == 0 else None,
-        )
+        return req.is_finished
 
     @staticmethod
     def _take_prompt_logprobs(req: EngineRequest) -> TokenLogprobs | None:

@@ -45,6 +45,7 @@ from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks, step
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
+from actors.engine.speculative import ngram_proposer
 from actors.protocol import RecentIds, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
@@ -79,7 +80,7 @@ class SchedulerActor(Actor):
 
     def __init__(self, config: dict):
         super().__init__()
-        self.config = EngineConfig(**config)
+        self.config = msgspec.convert(config, EngineConfig)
         self.model = ModelConfig.from_path(self.config.model)
         self.max_model_len = min(self.config.max_model_len, self.model.max_model_len)
         self.late_aborts = 0
@@ -112,6 +113,7 @@ class SchedulerActor(Actor):
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.model.eos_token_ids,
+            proposer=self.config.speculative and ngram_proposer(self.config.speculative),
         )
         log.info(
             "engine ready: %s, %d KV blocks of %d, max_model_len %d",
@@ -223,7 +225,8 @@ class SchedulerActor(Actor):
     # ------------------------------------------------------------ the step loop
 
     async def _step_loop(self) -> None:
-        depth = 2 if self.config.async_scheduling else 1
+        # speculation steps synchronously: the proposer reads the tokens of the step before
+        depth = 2 if self.config.async_scheduling and not self.config.speculative else 1
         inflight: collections.deque[tuple[BatchSpec, asyncio.Future]] = collections.deque()
         loop = asyncio.get_running_loop()
         while True:
@@ -258,16 +261,17 @@ class SchedulerActor(Actor):
 
     async def _postprocess(self, batch: BatchSpec, result: StepResult) -> None:
         if result.ready is None:
-            sampled, lp, plp = result.host()
+            sampled, emitted, lp, plp = result.host()
         else:  # wait for this step's copy off the loop: handlers keep running meanwhile
-            sampled, lp, plp = await asyncio.get_running_loop().run_in_executor(None, result.host)
+            sampled, emitted, lp, plp = await asyncio.get_running_loop().run_in_executor(None, result.host)
         if plp is not None:
             collect_prompt_logprobs(batch, plp, self.sched.requests)
         want = wanted_logprobs(batch, self.sched.requests) if lp is not None else {}  # before update() ends any
-        outputs = self.sched.update(batch, sampled)
+        outputs = self.sched.update(batch, sampled, emitted)
         for out in outputs:
             if out.request_id in want:
-                out.logprobs = entries(lp, *want[out.request_id])
+                start, n = want[out.request_id]
+                out.logprobs = entries(lp, start, start + len(out.new_token_ids), n)
         self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
         if self._record:
             self._record.write(msgspec.json.encode([[o.request_id, o.new_token_ids] for o in outputs]) + b"\n")
@@ -282,7 +286,7 @@ class SchedulerActor(Actor):
 
     async def _publish_stats(self) -> None:
         while True:
-            s = self.sched.stats()
+            s, spec = self.sched.stats(), self.sched.spec
             queue_times, self.queue_times = self.queue_times, []
             stats = EngineStats(
                 num_running=s["num_running"],
@@ -294,6 +298,10 @@ class SchedulerActor(Actor):
                 discarded_samples_total=s["num_discarded_samples"],
                 num_preemptions_total=s["num_preemptions"],
                 queue_times_s=queue_times,
+                spec_num_drafts=spec.num_drafts,
+                spec_num_draft_tokens=spec.num_draft_tokens,
+                spec_num_accepted_tokens=spec.num_accepted_tokens,
+                spec_accepted_per_pos=spec.accepted_per_pos,
             )
             for actor in self.config.stats_to:
                 self.tell(actor, stats)
