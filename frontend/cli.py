@@ -13,7 +13,7 @@ import sys
 
 import msgspec
 
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, SpeculativeConfig
 from messages.sampling_params import RequestLimits
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -50,14 +50,33 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.async_scheduling,
         help="plan step N+1 while step N runs",
     )
+    g.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (default: off)',
+    )
     parser.add_argument("--fault-plan", metavar="FILE", help="fault injection plan, JSON (or $SLUICE_FAULT_PLAN)")
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        config = msgspec.json.decode(text, type=SpeculativeConfig)
+        config.verify()
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return config
+
+
 def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks")
-    fields += ("kv_cache_memory_gb", "dtype", "device", "engine_threads", "async_scheduling")
-    return EngineConfig(model=model, **{f: getattr(args, f) for f in fields})
+    fields += ("kv_cache_memory_gb", "dtype", "device", "engine_threads", "async_scheduling", "speculative_config")
+    values = {f: getattr(args, f) for f in fields}
+    values["speculative"] = values.pop("speculative_config")
+    return EngineConfig(model=model, **values)
 
 
 def _fault_plan(args: argparse.Namespace):

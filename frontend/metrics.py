@@ -101,6 +101,15 @@ class _Snapshots:
         yield _counter("sluice:late_aborts", "Aborts for finished or unknown requests (ignored).", e.late_aborts_total)
         yield _counter("sluice:num_preemptions", "Recompute preemptions.", e.num_preemptions_total)
         yield _counter("sluice:discarded_samples", "Samples of aborted requests discarded.", e.discarded_samples_total)
+        yield _counter("sluice:spec_decode_num_drafts", "Rows that verified draft tokens.", e.spec_num_drafts)
+        yield _counter("sluice:spec_decode_num_draft_tokens", "Draft tokens verified.", e.spec_num_draft_tokens)
+        yield _counter("sluice:spec_decode_num_accepted_tokens", "Draft tokens accepted.", e.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily(
+            "sluice:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.", labels=["position"]
+        )
+        for pos, count in enumerate(e.spec_accepted_per_pos):
+            per_pos.add_metric([str(pos)], count)
+        yield per_pos
         stale = CounterMetricFamily(
             "sluice:stale_outputs_dropped", "Outputs for tombstoned requests (dropped).", labels=["actor"]
         )

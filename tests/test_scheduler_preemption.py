@@ -3,6 +3,7 @@ preempted request waits a step, then resumes before later arrivals (tests.schedu
 
 import pytest
 
+from actors.engine.metrics import engine_stats
 from messages.sampling_params import SamplingParams
 from tests.scheduler_harness import Harness, chain, expected, prompts
 
@@ -35,7 +36,7 @@ def test_preempted_request_waits_a_step_then_resumes_first(one_ahead):
         admitted += new
     h.run()
     assert h.sched.num_preemptions > 0 and admitted.index("B", 2) < admitted.index("C")
-    stats = h.sched.stats()
-    assert (stats["prompt_tokens_total"], stats["generation_tokens_total"], stats["kv_usage"]) == (18, 30, 0.0)
+    stats = engine_stats(h.sched)
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total, stats.kv_usage) == (18, 30, 0.0)
     for rid in "ABC":
         assert (h.tokens[rid], h.finish[rid]) == (chain([ord(rid)] * 6, 10), ("length", None))

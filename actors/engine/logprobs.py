@@ -41,3 +41,11 @@ def collect_prompt_logprobs(batch: BatchSpec, lists: dict[str, list], requests: 
         k += len(row.prompt_targets)
         old = req.prompt_logprobs
         req.prompt_logprobs = TokenLogprobs.join([old, more]) if row.num_computed and old is not None else more
+
+
+def take_prompt_logprobs(req: EngineRequest) -> TokenLogprobs | None:
+    """The prompt logprobs, for the request's first output only (a one-token prompt has none: an empty list)."""
+    if req.params.prompt_logprobs is None:
+        return None
+    lp, req.prompt_logprobs = req.prompt_logprobs, None
+    return lp or TokenLogprobs(sampled=[], ranks=[])

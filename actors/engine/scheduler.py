@@ -33,10 +33,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from actors.engine.block_manager import BlockManager
+from actors.engine.logprobs import take_prompt_logprobs
+from actors.engine.metrics import SpecStats
 from actors.engine.request import EngineRequest, RequestStatus
-from actors.engine.speculative import SpecStats
 from gpu.batch import BatchSpec, ScheduledRow
-from messages.wire import RequestOutput, TokenLogprobs
+from messages.wire import RequestOutput
 
 
 class Scheduler:
@@ -190,18 +191,6 @@ class Scheduler:
 
     # ---------------------------------------------------------------- metrics
 
-    def stats(self) -> dict[str, float]:
-        return {
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            "kv_usage": self.block_manager.usage,
-            "num_preemptions": self.num_preemptions,
-            "num_discarded_samples": self.num_discarded_samples,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-            "num_in_flight_steps": len(self.in_flight),
-        }
-
     def check_idle(self) -> dict[str, int]:
         """Per-request state left over: all zero when the engine is idle."""
         bm = self.block_manager
@@ -266,7 +255,7 @@ class Scheduler:
             new_token_ids=tokens,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            prompt_logprobs=self._take_prompt_logprobs(req) if seq == 0 else None,
+            prompt_logprobs=take_prompt_logprobs(req) if seq == 0 else None,
         )
 
     def _ends(self, req: EngineRequest, token: int) -> bool:
@@ -279,14 +268,6 @@ class Scheduler:
         elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
             self._finish(req, "length")
         return req.is_finished
-
-    @staticmethod
-    def _take_prompt_logprobs(req: EngineRequest) -> TokenLogprobs | None:
-        """The prompt logprobs, for the first output only (a one-token prompt has none: an empty list)."""
-        if req.params.prompt_logprobs is None:
-            return None
-        lp, req.prompt_logprobs = req.prompt_logprobs, None
-        return lp or TokenLogprobs(sampled=[], ranks=[])
 
     def _finish(self, req: EngineRequest, reason: str, stop_reason: int | None = None) -> None:
         self._dequeue(req)

@@ -43,6 +43,7 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks, step_inputs
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
+from actors.engine.metrics import engine_stats, log_speculation
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import ngram_proposer
@@ -58,7 +59,6 @@ from messages.wire import (
     ActorDown,
     AddRequest,
     CheckIdle,
-    EngineStats,
     IdleReport,
     Probe,
     RequestOutput,
@@ -125,6 +125,8 @@ class SchedulerActor(Actor):
         self.spawn(self._step_loop())
         if self.config.stats_to:
             self.spawn(self._publish_stats())
+        if self.config.speculative:
+            self.spawn(log_speculation(lambda: self.sched.spec))
 
     # ------------------------------------------------------------ handlers
 
@@ -286,23 +288,8 @@ class SchedulerActor(Actor):
 
     async def _publish_stats(self) -> None:
         while True:
-            s, spec = self.sched.stats(), self.sched.spec
             queue_times, self.queue_times = self.queue_times, []
-            stats = EngineStats(
-                num_running=s["num_running"],
-                num_waiting=s["num_waiting"],
-                kv_usage=s["kv_usage"],
-                prompt_tokens_total=s["prompt_tokens_total"],
-                generation_tokens_total=s["generation_tokens_total"],
-                late_aborts_total=self.late_aborts,
-                discarded_samples_total=s["num_discarded_samples"],
-                num_preemptions_total=s["num_preemptions"],
-                queue_times_s=queue_times,
-                spec_num_drafts=spec.num_drafts,
-                spec_num_draft_tokens=spec.num_draft_tokens,
-                spec_num_accepted_tokens=spec.num_accepted_tokens,
-                spec_accepted_per_pos=spec.accepted_per_pos,
-            )
+            stats = engine_stats(self.sched, self.late_aborts, queue_times)
             for actor in self.config.stats_to:
                 self.tell(actor, stats)
             await asyncio.sleep(self.config.stats_interval_s)

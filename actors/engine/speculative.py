@@ -1,6 +1,5 @@
-"""Speculative decoding on the host: the n-gram (prompt lookup) proposer and the acceptance counters.
-
-The proposer drafts tokens from the request's own prompt and output.
+"""Speculative decoding on the host: the n-gram (prompt lookup) proposer, drafting tokens from the
+request's own prompt and output.
 The longest suffix n-gram of the sequence (n from prompt_lookup_max down to prompt_lookup_min) is
 looked up earlier in the sequence; the tokens that followed its most recent earlier occurrence are
 the draft. The draft distribution q is a point mass on them, so verification needs no draft
@@ -10,7 +9,6 @@ probabilities (gpu/sampling/spec.py). Host-side numpy: O(length x n) compares pe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -40,21 +38,3 @@ def ngram_proposer(config: SpeculativeConfig) -> Callable[[EngineRequest, int], 
         return propose_ngram(tokens, min(k, big_k), lo, hi)
 
     return propose
-
-
-@dataclass
-class SpecStats:
-    """vLLM's spec_decode counters: rows that verified drafts, draft tokens, accepted ones (and per position)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
-
-    def observe(self, num_drafts: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += accepted
-        self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
-        for i in range(accepted):
-            self.accepted_per_pos[i] += 1

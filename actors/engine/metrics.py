@@ -1,0 +1,74 @@
+"""The engine's counters: EngineStats for /metrics, and speculative decoding's acceptance (vLLM's
+spec_decode counters and its periodic log line)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from messages.wire import EngineStats
+
+if TYPE_CHECKING:
+    from actors.engine.scheduler import Scheduler
+
+log = logging.getLogger("sluice.engine")
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec_decode counters: rows that verified drafts, draft tokens, accepted ones (and per position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def observe(self, num_drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def since(self, last: SpecStats) -> str | None:
+        """Acceptance rate and mean accepted length since `last` (None: no drafts since)."""
+        drafts, accepted = self.num_drafts - last.num_drafts, self.num_accepted_tokens - last.num_accepted_tokens
+        if not drafts:
+            return None
+        rate = accepted / (self.num_draft_tokens - last.num_draft_tokens)
+        return f"{drafts} drafts, acceptance rate {100 * rate:.1f}%, mean accepted length {1 + accepted / drafts:.2f}"
+
+
+def engine_stats(sched: Scheduler, late_aborts_total: int = 0, queue_times_s: list[float] = ()) -> EngineStats:
+    """The numbers /metrics shows; the actor adds what only it knows."""
+    spec = sched.spec
+    return EngineStats(
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        kv_usage=sched.block_manager.usage,
+        prompt_tokens_total=sched.prompt_tokens_total,
+        generation_tokens_total=sched.generation_tokens_total,
+        late_aborts_total=late_aborts_total,
+        discarded_samples_total=sched.num_discarded_samples,
+        num_preemptions_total=sched.num_preemptions,
+        queue_times_s=list(queue_times_s),
+        spec_num_drafts=spec.num_drafts,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_accepted_per_pos=list(spec.accepted_per_pos),
+    )
+
+
+async def log_speculation(current: Callable[[], SpecStats], every_s: float = 10.0) -> None:
+    """vLLM's periodic SpecDecoding line: acceptance since the last one."""
+    last = SpecStats()
+    while True:
+        await asyncio.sleep(every_s)
+        if line := current().since(last):
+            log.info("speculative decoding: %s", line)
+        last = copy.deepcopy(current())
