@@ -51,8 +51,10 @@ class FakeModel:
         self.kv: dict[tuple[int, int], int] = {}
         self.prev: dict[int, int] = {}
 
-    def execute(self, batch: BatchSpec) -> list[int]:
-        sampled = []
+    def execute(self, batch: BatchSpec) -> tuple[list[int], list[int]]:
+        """The sampled positions in order (a row verifying K drafts samples its last K + 1) and how many each
+        sampling row emits: its drafts up to the first the model disagrees with, plus one."""
+        sampled, emitted = [], []
         for row in batch.rows:
             ids = list(row.token_ids)
             assert ids and PLACEHOLDER not in ids[:-1]
@@ -63,22 +65,35 @@ class FakeModel:
             for pos, tok in enumerate(ids, row.num_computed):
                 self.kv[row.block_table[pos // self.bs], pos % self.bs] = tok
             if row.sample:
-                tok = next_token([self.kv[row.block_table[p // self.bs], p % self.bs] for p in range(end)])
-                self.prev[row.slot] = tok
-                sampled.append(tok)
-        return sampled
+                ctx = [self.kv[row.block_table[p // self.bs], p % self.bs] for p in range(end)]
+                k = len(row.draft_token_ids)
+                samples = [next_token(ctx[: end - k + j]) for j in range(k + 1)]
+                n = next((j for j in range(k) if samples[j] != row.draft_token_ids[j]), k) + 1
+                self.prev[row.slot] = samples[n - 1]
+                sampled += samples
+                emitted.append(n)
+        return sampled, emitted
 
 
 class Harness:
     """Drives schedule/execute/update in sync mode or one batch ahead, checking every step."""
 
     def __init__(
-        self, one_ahead=False, num_blocks=64, block_size=4, max_num_seqs=4, budget=32, max_model_len=64, eos=(EOS,)
+        self,
+        one_ahead=False,
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=4,
+        budget=32,
+        max_model_len=64,
+        eos=(EOS,),
+        proposer=None,
     ):
-        self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, eos)
+        blocks = BlockManager(num_blocks, block_size)
+        self.sched = Scheduler(blocks, max_num_seqs, budget, max_model_len, eos, proposer)
         self.model = FakeModel(block_size)
         self.one_ahead = one_ahead
-        self.queue: deque[tuple[BatchSpec, list[int]]] = deque()  # scheduled, not yet updated
+        self.queue: deque[tuple[BatchSpec, tuple[list[int], list[int]]]] = deque()  # scheduled, not yet updated
         self.empty_before = False
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finish: dict[str, tuple] = {}
@@ -106,8 +121,8 @@ class Harness:
         self.empty_before = not batch.rows
         return batch
 
-    def _update(self, batch, sampled):
-        for out in self.sched.update(batch, sampled):
+    def _update(self, batch, result):
+        for out in self.sched.update(batch, *result):
             assert out.request_id not in self.finish and out.seq == len(self.tokens[out.request_id])
             self.tokens[out.request_id] += out.new_token_ids
             if out.finish_reason:

@@ -1,0 +1,114 @@
+"""Speculative decoding, unit level: the n-gram proposer, the vectorised verification of point-mass drafts,
+and multi-token steps through the scheduler (a request gains 1..K+1 tokens; nothing after its end gets out;
+rejected drafts' KV is rolled back and lookahead blocks freed; the engine ends idle)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engine.metrics import SpecStats
+from actors.engine.speculative import propose_ngram
+from gpu.sampling.spec import NO_DRAFT, num_emitted
+from messages.sampling_params import SamplingParams
+from tests.scheduler_harness import EOS, Harness, chain, expected, prompts
+
+
+def test_ngram_proposes_what_followed_the_most_recent_longest_match():
+    seq = np.array([1, 2, 3, 9, 1, 2, 3, 8, 7, 5, 2, 3])
+    assert propose_ngram(seq, 2, 1, 3) == [8, 7]  # "2 3" (no "5 2 3" earlier) most recently followed by 8
+    assert propose_ngram(seq, 2, 3, 3) == []  # no earlier "5 2 3"
+    assert propose_ngram(np.array([4, 4, 4]), 5, 1, 4) == [4]  # "4 4" recurs at 0, one token follows it
+    assert propose_ngram(np.array([1, 2, 3, 4, 1, 2]), 10, 2, 2) == [3, 4, 1, 2]
+    assert propose_ngram(np.array([7]), 3, 1, 2) == []
+
+
+def test_num_emitted_is_the_accepted_prefix_plus_one():
+    rows = [  # (sampled, drafts): the last position of each row is the bonus one
+        ([5, 6, 7], [5, 6]),  # all accepted: 2 drafts + bonus
+        ([9], []),  # no drafts: the plain sample
+        ([1, 2, 3, 4], [8, 2, 3]),  # first rejected
+        ([1, 2, 3, 4], [1, 9, 3]),  # middle rejected (a later match does not count)
+        ([1, 2, 3, 4], [1, 2, 9]),  # last rejected
+    ]
+    sampled = torch.tensor([t for s, _ in rows for t in s])
+    drafts = torch.tensor([t for _, d in rows for t in (*d, NO_DRAFT)])
+    counts = torch.tensor([len(s) for s, _ in rows])
+    assert num_emitted(sampled, drafts, counts).tolist() == [3, 1, 1, 2, 3]
+
+
+def oracle(max_model_len=64):
+    """A proposer that knows the model: every draft is accepted."""
+    return lambda req, k: chain(req.prompt_token_ids + req.output_token_ids, k)
+
+
+def noisy(seed: int):
+    """Drafts from the model, each replaced by a random token with probability 1/3."""
+    rng = random.Random(seed)
+    return lambda req, k: [
+        t if rng.random() < 2 / 3 else rng.randrange(97) for t in chain(req.prompt_token_ids + req.output_token_ids, k)
+    ]
+
+
+@pytest.mark.parametrize("proposer", [oracle(), noisy(1), lambda req, k: [3] * k], ids=["oracle", "noisy", "wrong"])
+@pytest.mark.parametrize("one_ahead", [False, True])
+def test_speculative_outputs_equal_plain_decoding(proposer, one_ahead):
+    h = Harness(one_ahead=one_ahead, num_blocks=40, max_num_seqs=4, budget=24, proposer=proposer)
+    cases = {}
+    for i, prompt in enumerate(prompts(8, seed=3)):
+        p = SamplingParams(max_tokens=5 + 7 * i, stop_token_ids=[11] if i % 3 == 0 else [], min_tokens=i % 4)
+        h.add(f"r{i}", prompt, **{f: getattr(p, f) for f in ("max_tokens", "stop_token_ids", "min_tokens")})
+        cases[f"r{i}"] = expected(prompt, p, 64)
+    h.run()
+    for rid, (tokens, finish) in cases.items():
+        assert (h.tokens[rid], h.finish[rid]) == (tokens, finish), rid
+    if not one_ahead:
+        assert any(len(r.draft_token_ids) > 1 for b in h.batches for r in b.rows)
+
+
+def test_a_run_is_cut_at_its_end_and_the_rest_discarded():
+    prompt = [5, 6, 7]
+    tokens = chain(prompt, 12)
+    h = Harness(proposer=oracle())
+    h.add("eos", prompt, max_tokens=12, stop_token_ids=[tokens[2]])
+    h.add("len", prompt, max_tokens=2)
+    h.run()
+    assert h.tokens["eos"] == tokens[:3] and h.finish["eos"] == ("stop", tokens[2])
+    assert h.tokens["len"] == tokens[:2] and h.finish["len"] == ("length", None)
+    assert h.sched.num_discarded_samples >= 1  # tokens of the accepted run after the stop token
+
+
+def test_rejected_drafts_roll_back_and_lookahead_blocks_are_freed():
+    h = Harness(num_blocks=16, block_size=4, proposer=lambda req, k: [EOS - 1] * k)  # always rejected
+    h.add("a", [1, 2, 3], max_tokens=20, ignore_eos=True)
+    h.step()  # prefill
+    h.step()  # decode with up to 19 drafts... all rejected
+    req = h.sched.requests["a"]
+    assert req.num_computed_tokens == 4 and len(req.block_table) == 1  # prompt + 1 token: one block kept
+    assert h.sched.spec.num_drafts == 1 and h.sched.spec.num_accepted_tokens == 0
+    h.run()
+
+
+def test_an_abort_during_a_speculative_step_frees_everything():
+    h = Harness(proposer=oracle())
+    h.add("a", [1, 2, 3], max_tokens=30, ignore_eos=True)
+    h.step()  # prefill
+    batch = h.sched.schedule()
+    assert batch.rows[0].draft_token_ids  # a speculative step, in flight from here ...
+    result = h.model.execute(batch)
+    assert h.sched.abort("a")  # ... when the abort comes: nothing is freed yet (I5)
+    assert h.sched.drain_aborted() == [] and h.sched.requests["a"].block_table
+    h._update(batch, result)
+    assert h.acks == ["a"] and len(h.tokens["a"]) == 1  # the prefill's token; the step's are discarded
+    h.run()
+
+
+def test_spec_stats_count_acceptance_per_position():
+    s = SpecStats()
+    s.observe(3, 2)
+    s.observe(4, 0)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos) == (2, 7, 2, [1, 1, 0, 0])
+    assert s.since(SpecStats()) == "2 drafts, acceptance rate 28.6%, mean accepted length 2.00"
