@@ -133,6 +133,12 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
             out.top_logprobs += p.top_logprobs
         return out
 
+    def part(self, start: int, stop: int) -> TokenLogprobs:
+        """Entries start..stop-1."""
+        return TokenLogprobs(
+            self.sampled[start:stop], self.ranks[start:stop], self.top_ids[start:stop], self.top_logprobs[start:stop]
+        )
+
 
 class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     """One request's new tokens in one engine step. `seq` = index of its first new token."""
@@ -146,6 +152,24 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     error: str | None = None
     # with seq 0, for prompt_logprobs: one entry per prompt token after the first (the logits of the token before)
     prompt_logprobs: TokenLogprobs | None = None
+
+    def split(self) -> list[RequestOutput]:
+        """One entry per token (a speculative run token by token): the finish on the last, prompt logprobs on the
+        first."""
+        n = len(self.new_token_ids)
+        return [
+            RequestOutput(
+                request_id=self.request_id,
+                seq=self.seq + i,
+                new_token_ids=[token],
+                finish_reason=self.finish_reason if i == n - 1 else None,
+                stop_reason=self.stop_reason if i == n - 1 else None,
+                logprobs=self.logprobs and self.logprobs.part(i, i + 1),
+                error=self.error,
+                prompt_logprobs=self.prompt_logprobs if i == 0 else None,
+            )
+            for i, token in enumerate(self.new_token_ids)
+        ]
 
 
 class StepOutputs(Msg, kw_only=True):

@@ -205,3 +205,21 @@ def test_logprobs_pass_through_with_token_strings_and_text_offsets():
 def test_decode_logprob_tokens_shows_special_tokens_and_whole_characters():
     tok = smollm2()
     assert decode_logprob_tokens(tok, [EOS, *tok.encode("中 ok").ids]) == ["<|im_end|>", "中", " ok"]
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_stop_string_inside_a_speculative_run_ends_at_its_token(logprobs):
+    tok = smollm2()
+    ids = tok.encode(" one two three four five six").ids
+    state = make_state(stop=[" thr"], logprobs=logprobs)
+    lp = TokenLogprobs(
+        sampled=[-0.5] * len(ids), ranks=[1] * len(ids), top_ids=[[i] for i in ids], top_logprobs=[[-0.5]] * len(ids)
+    )
+    run = RequestOutput(request_id="req-1", seq=0, new_token_ids=ids, logprobs=lp if logprobs is not None else None)
+    deltas, finished = state.process_run(run)  # one entry of six tokens: the third completes the stop string
+    assert (finished.finish_reason, finished.stop_reason, finished.num_output_tokens) == ("stop", " thr", 3)
+    assert [t for d in deltas for t in d.token_ids] + finished.token_ids == ids[:3]
+    assert "".join(d.text for d in deltas) + finished.text == " one two"
+    if logprobs is not None:
+        assert [x for d in deltas for x in d.logprobs.sampled] + finished.logprobs.sampled == [-0.5] * 3
+    assert state.abort_reason == "stop"

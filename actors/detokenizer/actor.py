@@ -140,11 +140,10 @@ class DetokenizerActor(Actor):
                     self._violation(rid, f"StepOutputs entry seq {out.seq}", ended=out.finish_reason is not None)
                 continue
             self.heard[rid] = max(self.heard[rid], msg.step)
-            delta, finished = state.process(out)
+            deltas, finished = state.process_run(out)
             client = self.clients[rid]
             batch = batches.get(client) or batches.setdefault(client, TextOutputs(step=msg.step, deltas=[]))
-            if delta is not None:
-                batch.deltas.append(delta)
+            batch.deltas += deltas
             if finished is not None:
                 batch.finished.append(finished)
                 self._close(rid)

@@ -141,6 +141,22 @@ class DetokRequestState:
             return None, self._finish_naturally(out, text)
         return TextDelta(request_id=self.request_id, seq=out.seq, text=text, token_ids=ids, logprobs=out.logprobs), None
 
+    def process_run(self, out: RequestOutput) -> tuple[list[TextDelta], Finished | None]:
+        """`process` for any entry: one of several tokens (a speculative run) with stop strings goes token by
+        token, so a stop string inside the run ends the request at the token that completes it and the run's
+        later tokens never get out (nor count in its usage)."""
+        if self._stop is None or len(out.new_token_ids) < 2:
+            delta, finished = self.process(out)
+            return [delta] if delta is not None else [], finished
+        deltas = []
+        for part in out.split():
+            delta, finished = self.process(part)
+            if delta is not None:
+                deltas.append(delta)
+            if finished is not None:
+                return deltas, finished
+        return deltas, None
+
     def abort(self, reason: str = "abort") -> Finished:
         """The terminal message of an aborted request (AbortAck, actor death): no more text."""
         return self._finish(None, reason, None, "")
