@@ -6,6 +6,7 @@ import torch
 from safetensors import safe_open
 
 from gpu.config import ModelConfig, ModelLoadError, weight_files
+from gpu.linear import Linear
 from gpu.llama import LlamaForCausalLM
 
 
@@ -35,4 +36,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     missing = sorted(params.keys() - loaded)
     if missing:
         raise ModelLoadError(f"{config.path}: weights missing from the checkpoint: {', '.join(missing[:8])}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()
     return model
