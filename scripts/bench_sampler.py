@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu.sampling import Sampler, SamplingMetadata, SamplingRow, make_generator
+from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
 from messages.sampling_params import SamplingParams as SP
 
 MIX = [
@@ -39,8 +39,7 @@ def make_rows(b: int, device) -> list[SamplingRow]:
     rows = []
     for i in range(b):
         p = MIX[i % len(MIX)]
-        gen = make_generator(p.seed, device) if p.seed is not None else None
-        rows.append(SamplingRow(p, list(range(100, 400)), list(range(500, 564)), gen, [2]))
+        rows.append(SamplingRow(p, list(range(100, 400)), list(range(500, 564)), eos_token_ids=[2]))
     return rows
 
 

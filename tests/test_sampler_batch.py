@@ -1,10 +1,14 @@
 """Mixed batches: greedy and seeded rows give the same tokens whatever else is in the batch and whatever their
 position; seeds are honoured and distinct; the exact wide-window paths agree token for token."""
 
+import msgspec
+import numpy as np
 import pytest
 import torch
+from scipy.stats import kstest
 
-from gpu.sampling import MetadataCache, Sampler, SamplingMetadata, SamplingRow, make_generator
+from gpu.sampling import MetadataCache, Sampler, SamplingMetadata, SamplingRow
+from gpu.sampling.topk_topp import counter_uniforms
 from messages.sampling_params import SamplingParams as SP
 from messages.sampling_params import child_seed
 
@@ -32,10 +36,9 @@ def logits_for(key: str, step: int) -> torch.Tensor:
 def run(keys: list[str], steps: int = 6, **sampler_kw) -> dict[str, list[int]]:
     window = sampler_kw.pop("window", 64)
     sampler = Sampler(**sampler_kw)
-    gens = {k: make_generator(REQUESTS[k].seed, "cpu") for k in keys if REQUESTS[k].seed is not None}
     out = {k: [] for k in keys}
     for step in range(steps):
-        rows = [SamplingRow(REQUESTS[k], [1, 2, 3], out[k], gens.get(k), eos_token_ids=[0]) for k in keys]
+        rows = [SamplingRow(REQUESTS[k], [1, 2, 3], out[k], eos_token_ids=[0]) for k in keys]
         meta = SamplingMetadata.build(rows, V, "cpu", window=window)
         logits = torch.stack([logits_for(k, step) for k in keys])
         for k, token in zip(keys, sampler(logits, meta).sampled.tolist(), strict=True):
@@ -82,22 +85,34 @@ def test_seeded_draw_survives_last_bit_swaps_of_near_tied_logits(params):
     assert x.argsort(descending=True)[:8].tolist() != swapped.argsort(descending=True)[:8].tolist()
 
     def tokens(logits: torch.Tensor) -> list[int]:
-        rows = [SamplingRow(params, [], [], make_generator(seed, "cpu")) for seed in range(2000)]
+        rows = [SamplingRow(msgspec.structs.replace(params, seed=seed), [], []) for seed in range(2000)]
         return Sampler()(logits.expand(2000, V).clone(), SamplingMetadata.build(rows, V, "cpu")).sampled.tolist()
 
     reference = tokens(x)
     assert len(set(reference)) > 2 and tokens(swapped) == reference
 
 
-def test_different_seeds_give_different_tokens():
+def test_different_seeds_give_different_tokens_and_a_position_its_own():
     def tokens(seed: int) -> list[int]:
-        gen = make_generator(seed, "cpu")
         params = SP(temperature=1.0, top_p=0.95, seed=seed)
-        meta = SamplingMetadata.build([SamplingRow(params, [], [], gen)], V, "cpu")
-        return [Sampler()(logits_for("x", 0)[None], meta).sampled.item() for _ in range(20)]
+        metas = [SamplingMetadata.build([SamplingRow(params, [], [], position)], V, "cpu") for position in range(20)]
+        return [Sampler()(logits_for("x", 0)[None], meta).sampled.item() for meta in metas]
 
     assert tokens(1) == tokens(1)
     assert tokens(1) != tokens(2)
+    assert len(set(tokens(1))) > 3  # each output position draws its own uniform
+
+
+def test_counter_uniforms_are_uniform_and_keyed_by_seed_and_position():
+    """Kolmogorov-Smirnov at ALPHA = 0.001 over 100k (seed, position) pairs; it rejects a skewed variant."""
+    seeds = torch.arange(-50, 50).repeat_interleave(1000)
+    positions = torch.arange(1000).repeat(100)
+    u = counter_uniforms(seeds, positions).numpy()
+    assert kstest(u, "uniform").pvalue > 1e-3 and u.min() >= 0.0 and u.max() < 1.0
+    assert kstest(np.sqrt(u), "uniform").pvalue < 1e-3  # the test has the power to reject a wrong law
+    assert len(np.unique(u)) == len(u)
+    one = counter_uniforms(torch.tensor([7]), torch.tensor([3]))
+    assert one.item() == counter_uniforms(torch.tensor([7, 7]), torch.tensor([2, 3]))[1].item()
 
 
 def test_child_seeds_are_distinct_and_in_range():
@@ -105,25 +120,27 @@ def test_child_seeds_are_distinct_and_in_range():
     assert seeds[0] == 42 and len(set(seeds)) == 128
     for seed in (2**63 - 1, -(2**63)):
         assert all(-(2**63) <= child_seed(seed, i) < 2**63 for i in range(4))
-        make_generator(child_seed(seed, 3), "cpu")  # any int64 seed is accepted
+        assert 0.0 <= counter_uniforms(torch.tensor([child_seed(seed, 3)]), torch.tensor([5])).item() < 1.0
 
 
 def test_metadata_is_reused_only_while_nothing_in_it_can_change():
-    """Rows are the same requests when they hold the same output lists (one per request), params and generators."""
+    """Rows are the same requests when they hold the same output lists (one per request) and params; a seeded
+    row's position is set afresh."""
     cache = MetadataCache(V, "cpu")
     shared = SP(temperature=0.7, top_p=0.9)  # two requests may share one params object
     params = [shared, shared, SP(top_k=5, seed=3)]
-    gens = [None, None, make_generator(3, "cpu")]
     outputs = [[], [], []]
 
     def rows(extra: SP | None = None, extra_output: list[int] | None = None) -> list[SamplingRow]:
         ps, outs = params + ([extra] if extra else []), outputs + ([extra_output] if extra else [])
-        return [SamplingRow(p, [1, 2], o, g) for p, o, g in zip(ps, outs, [*gens, None], strict=False)]
+        return [SamplingRow(p, [1, 2], o) for p, o in zip(ps, outs, strict=True)]
 
     first = cache.build(rows())
+    assert first.positions.tolist() == [0]
     for out in outputs:
         out.append(5)
     assert cache.build(rows()) is first  # the same requests, one token on: nothing reads the output
+    assert first.positions.tolist() == [1]
     outputs[0] = [5]  # another request with the same params object in row 0
     assert cache.build(rows()) is not first
     joined = cache.build(rows(SP(temperature=1.0), []))

@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram) end to end, through the engine and detokenizer processes.
 
-On the real SmolLM2: greedy output with speculation is identical to greedy output without it, for 10
+On the real SmolLM2: greedy and seeded output with speculation is identical to output without it, for 12
 prompts batched together (repetitive ones, where drafts are accepted, and others), with stop strings, stop
 tokens, EOS and odd max_tokens ending requests inside accepted runs; speculation steps synchronously, so
 the engine's async_scheduling setting must not matter. On the tiny model: an abort during a speculative
@@ -39,6 +39,9 @@ REQUESTS = [  # (user message, sampling params)
     ("What is the capital of France?", GREEDY),
     ("Explain photosynthesis in one sentence.", GREEDY),
     ("Say hello in five languages.", msgspec.structs.replace(GREEDY, logprobs=2)),
+    # seeded sampling: a seeded row's uniforms are keyed by output position, so speculation changes nothing
+    (f"Repeat this passage exactly: {PASSAGE}", SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=5)),
+    ("Write a short poem about the sea.", SamplingParams(temperature=1.0, top_k=40, max_tokens=48, seed=6)),
 ]
 
 

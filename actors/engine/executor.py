@@ -65,9 +65,10 @@ def step_inputs(
             # One step ahead, the output list lags the device by the step in flight. A request whose sampling
             # reads it (reads_output) never has a step in flight when it is scheduled (the loop syncs first, or
             # it was just admitted); the others read only its length (min_tokens), past min_tokens once it is.
+            position = req.num_output_tokens - 1  # the output token this row samples (pending ones included)
             for j in range(row.num_samples):
                 output = req.output_token_ids + row.draft_token_ids[:j] if j else req.output_token_ids
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, output, req.sampling_state, eos_token_ids))
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, output, position + j, eos_token_ids))
             slots.append(row.slot)
     return rows, slots, n
 

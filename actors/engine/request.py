@@ -40,7 +40,6 @@ class EngineRequest:
     slot: int = -1  # stable index in [0, max_num_seqs) while admitted; -1 when it holds none
     finish_reason: str | None = None
     stop_reason: int | None = None
-    sampling_state: object = None  # owned by the sampler (seeded generator, penalty state...)
     prompt_logprobs: TokenLogprobs | None = None  # collected chunk by chunk; sent with the first output
 
     @classmethod

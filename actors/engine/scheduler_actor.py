@@ -51,7 +51,7 @@ from actors.protocol import RecentIds, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
-from gpu.sampling import make_generator, reads_output
+from gpu.sampling import reads_output
 from messages.sampling_params import ParamError
 from messages.wire import (
     Abort,
@@ -149,10 +149,7 @@ class SchedulerActor(Actor):
             out = RequestOutput(request_id=rid, seq=0, new_token_ids=[], finish_reason="error", error=error)
             self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
             return
-        req = EngineRequest.from_msg(msg)
-        if msg.params.seed is not None:
-            req.sampling_state = make_generator(msg.params.seed, self.executor.device)
-        self.sched.add_request(req)
+        self.sched.add_request(EngineRequest.from_msg(msg))
         if self.config.stats_to:
             self.queued[rid] = time.monotonic()
         self._work.set()

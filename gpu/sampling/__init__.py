@@ -2,7 +2,7 @@
 then Sampler()(logits, metadata)."""
 
 from .logprobs import LogprobsTensors
-from .metadata import MetadataCache, SamplingMetadata, SamplingRow, make_generator, reads_output
+from .metadata import MetadataCache, SamplingMetadata, SamplingRow, reads_output
 from .sampler import Sampler, SamplerOutput
 
 __all__ = [
@@ -12,6 +12,5 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingRow",
-    "make_generator",
     "reads_output",
 ]

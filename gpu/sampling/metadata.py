@@ -1,7 +1,7 @@
 """SamplingMetadata: one step's per-row sampling parameters as tensors, built once per step from host lists.
 
 Everything the sampler's branches depend on (all_greedy; which rows are drawn over the whole vocabulary, in the
-window, or from their own generator; the largest logprobs count) is decided here on the host, so the sampler never
+window, or keyed by their seed; the largest logprobs count) is decided here on the host, so the sampler never
 reads a tensor value back to choose a path.
 Per-token work here is proportional to the ids a row names (bias, allowed ids, bad words, penalty tokens), never to
 the vocabulary.
@@ -18,8 +18,6 @@ from messages.sampling_params import SamplingParams
 
 WINDOW = 64  # top-K window: exact whenever a row's kept set fits (wider exact windows take the other rows)
 
-_U64 = 1 << 64
-
 
 def reads_output(p: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row's sampling reads its output so far (penalties, bad words, min_tokens not reached yet)."""
@@ -32,18 +30,18 @@ def reads_output(p: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A per-request generator: a seeded row draws only from it, so its tokens do not depend on the batch."""
-    return torch.Generator(device=device).manual_seed(seed % _U64)
-
-
 @dataclass
 class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]  # or an int64 numpy array kept per request: no per-step conversion then
     output_token_ids: list[int]
-    generator: torch.Generator | None = None  # set for seeded requests (make_generator)
+    # the index of the output token this row samples (None: len(output_token_ids)); keys a seeded row's uniform
+    position: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def sample_position(self) -> int:
+        return len(self.output_token_ids) if self.position is None else self.position
 
 
 @dataclass
@@ -87,8 +85,9 @@ class SamplingMetadata:
     window_rows: torch.Tensor  # top-k / top-p / min-p: drawn inside the top-K window
     covered_rows: torch.Tensor  # the window rows with top_k <= K: the window always holds their kept set
     uncovered_rows: torch.Tensor  # the other window rows: their kept set may reach beyond the window
-    seeded_rows: torch.Tensor  # the random rows with a generator of their own ...
-    generators: list[torch.Generator]  # ... and those generators, in the same order
+    seeded_rows: torch.Tensor  # the random rows with a seed ...
+    seeds: torch.Tensor  # ... their seeds [S] int64 ...
+    positions: torch.Tensor  # ... and the output positions they sample [S] int64 (set afresh every step)
     logprob_rows: torch.Tensor  # the rows that asked for logprobs
     max_num_logprobs: int | None  # N of the top-N logprobs (the largest asked); None = no row asked
     allowed: TokenEntries | None = None
@@ -107,7 +106,7 @@ class SamplingMetadata:
         random = [i for i, g in enumerate(greedy) if not g]
         untruncated = [i for i in random if top_k[i] == vocab_size and ps[i].min_p == 0.0]
         window_rows = sorted(set(random) - {i for i in untruncated if ps[i].top_p >= 1.0})
-        seeded = [i for i in random if rows[i].generator is not None]
+        seeded = [i for i in random if ps[i].seed is not None]
         logprob_rows = [i for i, p in enumerate(ps) if p.logprobs is not None]
         params = [(1.0 if g else p.temperature, k, p.top_p, p.min_p) for p, g, k in zip(ps, greedy, top_k, strict=True)]
         allowed, bad_words, min_tokens, logit_bias = _Entries(), _Entries(), _Entries(), _Entries()
@@ -132,7 +131,8 @@ class SamplingMetadata:
             covered_rows=_put([i for i in window_rows if top_k[i] <= window], torch.int64, device),
             uncovered_rows=_put([i for i in window_rows if top_k[i] > window], torch.int64, device),
             seeded_rows=_put(seeded, torch.int64, device),
-            generators=[rows[i].generator for i in seeded],
+            seeds=_put([ps[i].seed for i in seeded], torch.int64, device),
+            positions=_put([rows[i].sample_position for i in seeded], torch.int64, device),
             logprob_rows=_put(logprob_rows, torch.int64, device),
             max_num_logprobs=max((ps[i].logprobs for i in logprob_rows), default=None),
             allowed=allowed.tensors(device),
@@ -147,8 +147,8 @@ class MetadataCache:
     """SamplingMetadata.build, reusing the last step's metadata while the batch holds the same requests in the same
     rows and none of them reads its output (penalties, bad words, min_tokens not reached): then nothing in it can
     have changed. Decode steps of a steady batch build nothing. Rows are compared by the identity of their
-    request's output list (one per request, even where requests share a params object), params and generator;
-    the cache holds the last rows, so no id can be reused meanwhile."""
+    request's output list (one per request, even where requests share a params object) and params; the cache
+    holds the last rows, so no id can be reused meanwhile. The seeded rows' positions are set afresh each step."""
 
     def __init__(self, vocab_size: int, device: torch.device | str):
         self.vocab_size, self.device = vocab_size, device
@@ -157,7 +157,7 @@ class MetadataCache:
 
     def build(self, rows: list[SamplingRow]) -> SamplingMetadata:
         same = len(rows) == len(self._rows) and all(
-            a.output_token_ids is b.output_token_ids and a.params is b.params and a.generator is b.generator
+            a.output_token_ids is b.output_token_ids and a.params is b.params
             for a, b in zip(rows, self._rows, strict=True)
         )
         if not same or self._meta is None:
@@ -165,7 +165,11 @@ class MetadataCache:
             static = not any(reads_output(r.params, len(r.output_token_ids)) for r in rows)
             self._rows, self._meta = (rows, meta) if static else ([], None)
             return meta
-        return self._meta
+        meta = self._meta
+        if meta.seeds.numel():
+            positions = [r.sample_position for r in rows if r.params.seed is not None and not r.params.greedy]
+            meta.positions = _put(positions, torch.int64, self.device)
+        return meta
 
 
 class _Entries:

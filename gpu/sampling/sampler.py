@@ -88,9 +88,9 @@ class Sampler:
         """Temperature -> min-p -> top-k -> top-p -> draw for the random rows (the others keep their argmax): in
         `draw_vocab` for untruncated rows, in `draw_window` for the others (first the top-K window, then, for the
         rows whose kept set may outgrow it, a wider exact window)."""
-        if flashinfer_available(blocks.x) and not meta.generators:
+        if flashinfer_available(blocks.x) and not meta.seeds.numel():
             return draw_flashinfer(blocks.x, meta.params)
-        u = uniforms(len(argmax), meta.seeded_rows, meta.generators, argmax.device)
+        u = uniforms(len(argmax), meta.seeded_rows, meta.seeds, meta.positions)
         cols = torch.cat([meta.params, u[:, None], torch.zeros_like(u)[:, None]], 1)  # [B, 6]: see topk_topp
         draw = argmax.clone()
         rows = meta.mass_rows  # drawn over the whole vocabulary; top-p-only rows are redrawn in their window below

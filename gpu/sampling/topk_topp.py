@@ -9,8 +9,9 @@ So everything here is made of block reductions over the logits viewed as [B, nb,
   largest maxima (every block ranked above a token's block holds a distinct larger-or-equal logit). It costs
   ~1 us per K at 128k (K = 64: ~0.3x argmax), hence a small first window.
 - A draw inverts the CDF with one float64 uniform per row: inside the window for truncating rows (`draw_window`),
-  block by block over the whole vocabulary for untruncated rows (`draw_vocab`). One uniform per row and step is
-  also what makes a seeded row's tokens independent of the batch.
+  block by block over the whole vocabulary for untruncated rows (`draw_vocab`). A seeded row's uniform is a
+  counter-based function of (seed, output position) (`counter_uniforms`): its tokens depend on neither the batch
+  nor how the request was scheduled.
 - A truncating row whose kept set does not fit the window (a nucleus wider than K tokens, a min-p threshold below
   the K-th logit, K < top_k) is drawn from a wider window that provably holds its kept set: on CPU an 8K window,
   then the logits above a lower bound of the kept set (`kept_lower_bound`, `threshold_window`); elsewhere its
@@ -173,10 +174,35 @@ def draw_flashinfer(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return _flashinfer_top_k_top_p(x, top_k.int(), top_p, deterministic=True).long()
 
 
-def uniforms(n: int, seeded_rows: torch.Tensor, generators: list[torch.Generator], device) -> torch.Tensor:
-    """One float64 uniform per row; a seeded row's comes from its own generator (exactly one per step)."""
-    u = torch.rand(n, dtype=torch.float64, device=device)
-    if generators:
-        seeded = [torch.rand(1, dtype=torch.float64, device=device, generator=g) for g in generators]
-        u.index_copy_(0, seeded_rows, torch.cat(seeded))
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (multiplication wraps): a bijection that scatters every input bit."""
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in [0, 1), a pure function of (seed, output position): a seeded request draws the same
+    uniform for its n-th token however it is scheduled (batch, speculation, preemption, a restarted engine)."""
+    z = _mix(_mix(seeds + _GOLDEN) + positions * _GOLDEN)
+    return _shr(z, 11).double() * 2.0**-53
+
+
+def uniforms(n: int, seeded_rows: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform per row; a seeded row's is keyed by its seed and the output position it samples."""
+    u = torch.rand(n, dtype=torch.float64, device=seeds.device)
+    if seeds.numel():
+        u.index_copy_(0, seeded_rows, counter_uniforms(seeds, positions))
     return u
