@@ -38,7 +38,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, SpeculativeConfig
 from actors.runtime import FaultPlan, FaultRule
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
@@ -121,8 +121,11 @@ def fault_plan(seed: int) -> FaultPlan:
     return FaultPlan(seed=seed, rules=rules)
 
 
-def chaos_config(model: str, record_outputs: str | None = None) -> EngineConfig:
+def chaos_config(
+    model: str, record_outputs: str | None = None, speculative: SpeculativeConfig | None = None
+) -> EngineConfig:
     return EngineConfig(
+        speculative=speculative,
         record_outputs=record_outputs,
         model=model,
         max_num_seqs=32,
@@ -226,6 +229,8 @@ async def chaos(reference_llm: AsyncLLM, chaos_llm: AsyncLLM, seed: int, n: int,
         "stale_outputs": detok.stale_outputs_dropped_total,
         "violations": detok.protocol_violations_total,
         "preemptions": engine.num_preemptions_total,
+        "spec_drafts": engine.spec_num_drafts,
+        "spec_accepted_tokens": engine.spec_num_accepted_tokens,
     }
     return report
 

@@ -6,6 +6,9 @@ the text (see scripts/chaos.py for the few requests last-bit numerics may let di
 
 from __future__ import annotations
 
+import pytest
+
+from actors.engine.config import SpeculativeConfig
 from frontend.offline import AsyncLLM
 from messages.wire import Finished
 from scripts.chaos import Outcome, chaos, chaos_config, compare, fault_plan, workload
@@ -19,8 +22,14 @@ def test_same_seed_same_workload_and_plan():
     assert fault_plan(SEED) == fault_plan(SEED)
 
 
-async def test_chaos(model_dir, clean_llm, tmp_path):  # noqa: F811
-    config = chaos_config(str(model_dir), record_outputs=str(tmp_path / "sent.jsonl"))
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+
+
+@pytest.mark.parametrize("speculative", [None, NGRAM], ids=["plain", "ngram"])
+async def test_chaos(model_dir, clean_llm, tmp_path, speculative):  # noqa: F811
+    """The faulty engine may speculate: its streams must still equal the plain fault-free run's (greedy and
+    seeded rows alike: a seeded row's uniforms are keyed by output position)."""
+    config = chaos_config(str(model_dir), record_outputs=str(tmp_path / "sent.jsonl"), speculative=speculative)
     async with AsyncLLM(config, fault_plan=fault_plan(SEED)) as faulty:
         report = await chaos(clean_llm, faulty, SEED, REQUESTS, timeout_s=120)
     print(report)
@@ -28,6 +37,7 @@ async def test_chaos(model_dir, clean_llm, tmp_path):  # noqa: F811
     counts = report.counts
     assert counts["aborted"] > 0 and counts["natural"] >= REQUESTS // 2, counts
     assert counts["client_duplicates"] > 0 and counts["late_aborts"] > 0, counts
+    assert (counts["spec_accepted_tokens"] > 0) == (speculative is not None), counts
 
 
 def test_compare_checks_streams_against_what_the_engine_sent():
