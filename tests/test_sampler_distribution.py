@@ -161,3 +161,45 @@ def test_penalties_bias_and_masks_match_their_target():
 
     kwargs = {"temperature": 0.9, "top_p": 0.95}
     check(draw(x, params, output=output), target(processed(True), **kwargs), target(processed(False), **kwargs))
+
+
+def test_penalties_apply_before_temperature():
+    """(x - penalty) / T, not x / T - penalty: at T = 0.5 the two differ by a factor of two in the penalty."""
+    vocab = 40
+    x = logits_of(vocab, seed=4)
+    top = x.argsort(descending=True).tolist()
+    output = [top[0], top[0], top[1]]  # penalise the likeliest tokens: the orders differ most there
+    counts = torch.bincount(torch.tensor(output), minlength=vocab).double()
+    penalty = 0.8 * counts + 0.6 * (counts > 0)
+    params = SP(temperature=0.5, frequency_penalty=0.8, presence_penalty=0.6)
+    good = target(x.double() - penalty, temperature=0.5)
+    bad = target(x.double() - 0.5 * penalty, temperature=0.5)  # what penalising after temperature amounts to
+    check(draw(x, params, output=output), good, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_sample_their_float32_values(dtype):
+    x = logits_of(40, seed=5).to(dtype)
+    params = SP(temperature=0.9, top_p=0.9)
+    exact = target(x.float(), temperature=0.9, top_p=0.9)
+    check(draw(x, params), exact, target(x.float(), temperature=0.9, top_p=0.9, wrong="top_p_without_boundary_token"))
+
+
+def test_tiny_temperature_is_sampled_not_greedy():
+    """T = 1e-3 is above the greedy threshold (1e-5): a draw from a very peaked distribution, no overflow."""
+    x = torch.tensor([2.0, 2.0005, 1.0, 2.0015, -1.0] + [0.0] * 35)
+    counts = draw(x, SP(temperature=1e-3))
+    exact = target(x, temperature=1e-3)
+    assert 0.5 < exact[3] < 0.9 and counts[[0, 1, 3]].sum() == counts.sum()
+    check(counts, exact, target(x, temperature=1e-2))
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 4}, {"dynamic": False}], ids=["window", "tie_past_window", "static"])
+def test_top_k_keeps_every_token_tied_with_the_kth(kw):
+    """As vLLM: top-k keeps the tokens whose logit is at least the k-th largest, so ties at the boundary never
+    depend on the order a kernel returns them in (also when the tie runs past the window)."""
+    x = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 0.5] + [0.0] * 34)
+    counts = draw(x, SP(temperature=1.0, top_k=3), **kw)
+    p = np.exp(x.double().numpy())
+    p[5:] = 0.0
+    check(counts, p / p.sum(), target(x, top_k=3))  # the wrong one keeps exactly 3 tokens

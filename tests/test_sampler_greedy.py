@@ -96,3 +96,15 @@ def test_top_k_larger_than_vocab_is_top_k_off():
 
 def test_empty_batch():
     assert sample(torch.empty(0, 100), []).shape == (0,)
+
+
+@pytest.mark.parametrize("sentinel", [*SENTINELS, ALL_OFF], ids=[*map(str, SENTINELS), "all"])
+def test_disabled_sentinels_leave_a_seeded_draw_unchanged(sentinel):
+    """At temperature > 0 too: a sentinel read as a live value (top_p 1.0 cutting the tail, top_k 0 keeping
+    nothing, min_p 0 masking) would move some of 64 seeded draws."""
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1))
+    plain = [SP(temperature=0.9, seed=s) for s in range(64)]
+    with_sentinel = [SP(temperature=0.9, seed=s, **sentinel) for s in range(64)]
+    reference = sample(logits, plain, output=[5, 6, 5])
+    assert len(set(reference.tolist())) > 10
+    assert torch.equal(sample(logits, with_sentinel, output=[5, 6, 5]), reference)

@@ -85,7 +85,10 @@ def draw_window(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw from the rows' window (logits sorted descending, [n, k]) after temperature, min-p, top-k, top-p.
 
-    Each truncation keeps a prefix of the sorted window, so a row keeps its first n tokens. A MASS > 0 marks a
+    Each truncation keeps a prefix of the sorted window, so a row keeps its first n tokens. Top-k keeps every token
+    tied with the k-th largest logit (as vLLM), so which of tied tokens survive never depends on kernel order; a tie
+    that runs past the window makes the row not fit (on CPU it is then drawn from a wider window; the static
+    device path, which never reads values back, cuts such a tie, of more than the window's 64 tokens, there). A MASS > 0 marks a
     top-p-only row: its nucleus is measured against the whole-vocabulary mass. Returns (token ids, fits): fits is
     False where the kept set may reach beyond the window, and that row's token must come from a wider window.
 
@@ -99,11 +102,13 @@ def draw_window(
     k = values.shape[1]
     e = ((values - values[:, :1]) / t[:, None]).exp()  # probability relative to the top token (float64)
     c = e.cumsum(-1)
-    n = torch.minimum((e >= min_p[:, None]).sum(-1), top_k.long()).clamp_(1, k)  # min-p, then top-k
+    kth = values.gather(1, (top_k.long() - 1).clamp_(0, k - 1)[:, None])  # top-k keeps every logit >= the k-th
+    n = torch.minimum((e >= min_p[:, None]).sum(-1), (values >= kth).sum(-1)).clamp_(1, k)  # min-p, then top-k
     top_p_only = mass > 0
     pz = top_p * torch.where(top_p_only, mass, c.gather(1, n[:, None] - 1).squeeze(1))
     n = torch.minimum(n, (c - e < pz[:, None]).sum(-1)).clamp_(min=1)  # top-p keeps the token that crosses p
-    fits = torch.where(top_p_only, c[:, -1] >= pz, (top_k <= k) | (e[:, -1] < min_p))
+    top_k_fits = (top_k <= k) & (values[:, -1] < kth.squeeze(1))  # (no tie with the k-th beyond the window)
+    fits = torch.where(top_p_only, c[:, -1] >= pz, top_k_fits | (e[:, -1] < min_p))
     kept = e.masked_fill_(torch.arange(k, device=e.device) >= n[:, None], 0.0)
     if whole_row:
         return invert_cdf(torch.zeros_like(kept).scatter_(1, ids, kept), u), fits
