@@ -37,7 +37,7 @@ def test_num_emitted_is_the_accepted_prefix_plus_one():
     sampled = torch.tensor([t for s, _ in rows for t in s])
     drafts = torch.tensor([t for _, d in rows for t in (*d, NO_DRAFT)])
     counts = torch.tensor([len(s) for s, _ in rows])
-    assert num_emitted(sampled, drafts, counts).tolist() == [3, 1, 1, 2, 3]
+    assert num_emitted(sampled == drafts, counts).tolist() == [3, 1, 1, 2, 3]
 
 
 def oracle(max_model_len=64):

@@ -125,7 +125,7 @@ class StepExecutor:
             return sampled, None
         counts = torch.tensor([r.num_samples for r in batch.rows if r.sample], device=sampled.device)
         drafts = [t for r in batch.rows if r.sample for t in (*r.draft_token_ids, NO_DRAFT)]
-        emitted = num_emitted(sampled, torch.tensor(drafts, device=sampled.device), counts)
+        emitted = num_emitted(sampled == torch.tensor(drafts, device=sampled.device), counts)
         return sampled[counts.cumsum(0) - counts + emitted - 1], emitted
 
     def _prompt_logprobs(self, batch: BatchSpec, logits: torch.Tensor, n: int) -> LogprobsTensors | None:

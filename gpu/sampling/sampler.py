@@ -33,10 +33,20 @@ from .topk_topp import (
     draw_window,
     flashinfer_available,
     kept_lower_bound,
+    kept_weights,
     threshold_window,
     uniforms,
     vocab_mass,
 )
+
+
+def _process(x: torch.Tensor, meta: SamplingMetadata) -> None:
+    """The processors that can move the argmax, in place, in their order."""
+    apply_allowed(x, meta.allowed)
+    apply_ban(x, meta.bad_words)
+    apply_ban(x, meta.min_tokens)
+    apply_logit_bias(x, meta.logit_bias)
+    apply_penalties(x, meta.penalties)
 
 
 @dataclass
@@ -65,11 +75,7 @@ class Sampler:
         x = logits.float().contiguous()
         raw = self._raw_logprobs(x, meta) if meta.max_num_logprobs is not None else None
         x = self._whole_blocks(x)
-        apply_allowed(x, meta.allowed)
-        apply_ban(x, meta.bad_words)
-        apply_ban(x, meta.min_tokens)
-        apply_logit_bias(x, meta.logit_bias)
-        apply_penalties(x, meta.penalties)
+        _process(x, meta)
         blocks = Blocks(x)
         argmax = blocks.argmax()
         if meta.all_greedy:
@@ -78,6 +84,22 @@ class Sampler:
             draw = self._draw(blocks, meta, argmax)
             sampled = torch.where(meta.greedy | ~blocks.row_max.isfinite(), argmax, draw)
         return SamplerOutput(sampled, None if raw is None else self._logprobs(raw, sampled, meta))
+
+    @torch.inference_mode()
+    def probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row samples from, dense ([B, V] float64, rows sum to 1): the same pipeline as
+        __call__, with greedy (and non-finite) rows a point mass on their argmax. Exact through each random row's
+        sorted logits (~50x an argmax on CPU): for verifying draft-model speculation, where q is not a point mass."""
+        x = logits.float().clone()
+        _process(x, meta)
+        values, ids = x.sort(-1, descending=True)
+        cols = torch.cat([meta.params, torch.zeros(len(x), 2, dtype=meta.params.dtype, device=x.device)], 1)
+        kept, _ = kept_weights(values, cols)
+        probs = torch.zeros_like(kept).scatter_(1, ids, kept)
+        probs /= probs.sum(-1, keepdim=True)
+        point = meta.greedy | ~values[:, 0].isfinite()
+        one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+        return torch.where(point[:, None], one_hot, probs)
 
     @torch.inference_mode()
     def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> LogprobsTensors:

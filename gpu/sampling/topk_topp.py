@@ -80,25 +80,18 @@ def invert_cdf(w: torch.Tensor, u: torch.Tensor, residual: bool = False):
     return i.squeeze(1), ((t - c.gather(1, i) + wi) / wi).clamp_(0.0, 1.0).squeeze(1)
 
 
-def draw_window(
-    values: torch.Tensor, ids: torch.Tensor, cols: torch.Tensor, whole_row: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw from the rows' window (logits sorted descending, [n, k]) after temperature, min-p, top-k, top-p.
+def kept_weights(values: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, min-p, top-k and top-p over the rows' window (logits sorted descending, [n, k]): the kept
+    tokens' weights exp((x - max) / T) (float64, 0 where dropped) and `fits`, False where the kept set may reach
+    beyond the window.
 
     Each truncation keeps a prefix of the sorted window, so a row keeps its first n tokens. Top-k keeps every token
     tied with the k-th largest logit (as vLLM), so which of tied tokens survive never depends on kernel order; a tie
-    that runs past the window makes the row not fit (on CPU it is then drawn from a wider window; the static
-    device path, which never reads values back, cuts such a tie, of more than the window's 64 tokens, there). A MASS > 0 marks a
-    top-p-only row: its nucleus is measured against the whole-vocabulary mass. Returns (token ids, fits): fits is
-    False where the kept set may reach beyond the window, and that row's token must come from a wider window.
-
-    The draw inverts the CDF of the kept set in token-id order, not value order: the model's logits move in the
-    last bits with the batch composition (CPU matmuls are not batch-invariant), and near-tied tokens swapping
-    places would otherwise move a seeded row's token whenever its uniform fell in either of them. With
-    `whole_row` (ids: a permutation of the row, i.e. a sorted row), the weights are laid out by id in O(V)
-    instead of sorting the ids.
+    that runs past the window makes the row not fit (on CPU it is then drawn from a wider window; the static device
+    path, which never reads values back, cuts such a tie, of more than the window's 64 tokens, there). A MASS > 0
+    marks a top-p-only row: its nucleus is measured against the whole-vocabulary mass.
     """
-    t, top_k, top_p, min_p, u, mass = cols.unbind(1)
+    t, top_k, top_p, min_p, _, mass = cols.unbind(1)
     k = values.shape[1]
     e = ((values - values[:, :1]) / t[:, None]).exp()  # probability relative to the top token (float64)
     c = e.cumsum(-1)
@@ -109,7 +102,23 @@ def draw_window(
     n = torch.minimum(n, (c - e < pz[:, None]).sum(-1)).clamp_(min=1)  # top-p keeps the token that crosses p
     top_k_fits = (top_k <= k) & (values[:, -1] < kth.squeeze(1))  # (no tie with the k-th beyond the window)
     fits = torch.where(top_p_only, c[:, -1] >= pz, top_k_fits | (e[:, -1] < min_p))
-    kept = e.masked_fill_(torch.arange(k, device=e.device) >= n[:, None], 0.0)
+    return e.masked_fill_(torch.arange(k, device=e.device) >= n[:, None], 0.0), fits
+
+
+def draw_window(
+    values: torch.Tensor, ids: torch.Tensor, cols: torch.Tensor, whole_row: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw from the rows' window (logits sorted descending, [n, k], see `kept_weights`) with each row's uniform.
+    Returns (token ids, fits): where not `fits`, the token must come from a wider window.
+
+    The draw inverts the CDF of the kept set in token-id order, not value order: the model's logits move in the
+    last bits with the batch composition (CPU matmuls are not batch-invariant), and near-tied tokens swapping
+    places would otherwise move a seeded row's token whenever its uniform fell in either of them. With
+    `whole_row` (ids: a permutation of the row, i.e. a sorted row), the weights are laid out by id in O(V)
+    instead of sorting the ids.
+    """
+    kept, fits = kept_weights(values, cols)
+    u = cols[:, U]
     if whole_row:
         return invert_cdf(torch.zeros_like(kept).scatter_(1, ids, kept), u), fits
     order = ids.argsort(-1)
@@ -198,10 +207,11 @@ def _signed(c: int) -> int:
 _GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
-def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """float64 uniforms in [0, 1), a pure function of (seed, output position): a seeded request draws the same
-    uniform for its n-th token however it is scheduled (batch, speculation, preemption, a restarted engine)."""
-    z = _mix(_mix(seeds + _GOLDEN) + positions * _GOLDEN)
+def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """float64 uniforms in [0, 1), a pure function of (seed, output position, stream): a seeded request draws the
+    same uniform for its n-th token however it is scheduled (batch, speculation, preemption, a restarted engine).
+    Streams other than 0 serve speculation's extra draws (draft tokens, acceptance tests, residual draws)."""
+    z = _mix(_mix(seeds + _GOLDEN) + positions * _GOLDEN + stream * _M1)
     return _shr(z, 11).double() * 2.0**-53
 
 
