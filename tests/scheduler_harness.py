@@ -89,8 +89,8 @@ class Harness:
         eos=(EOS,),
         proposer=None,
     ):
-        blocks = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(blocks, max_num_seqs, budget, max_model_len, eos, proposer)
+        self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, eos)
+        self.proposer = proposer  # (request, at most k) -> drafts
         self.model = FakeModel(block_size)
         self.one_ahead = one_ahead
         self.queue: deque[tuple[BatchSpec, tuple[list[int], list[int]]]] = deque()  # scheduled, not yet updated
@@ -103,9 +103,14 @@ class Harness:
     def add(self, rid, prompt, **params):
         self.sched.add_request(EngineRequest(rid, list(prompt), SamplingParams(**params)))
 
+    def drafts(self) -> dict[str, list[int]] | None:
+        if self.proposer is None:
+            return None
+        return {req.request_id: self.proposer(req, k) for req, k in self.sched.speculation_candidates()}
+
     def step(self) -> BatchSpec:
         s = self.sched
-        batch = s.schedule()
+        batch = s.schedule(self.drafts())
         assert batch.rows or self.queue or not s.has_unfinished(), "deadlock: nothing to run, nothing in flight"
         assert batch.num_tokens <= s.max_num_batched_tokens and len(batch.rows) <= s.max_num_seqs
         assert len({r.request_id for r in batch.rows}) == len({r.slot for r in batch.rows}) == len(batch.rows)

@@ -96,7 +96,7 @@ def test_an_abort_during_a_speculative_step_frees_everything():
     h = Harness(proposer=oracle())
     h.add("a", [1, 2, 3], max_tokens=30, ignore_eos=True)
     h.step()  # prefill
-    batch = h.sched.schedule()
+    batch = h.sched.schedule(h.drafts())
     assert batch.rows[0].draft_token_ids  # a speculative step, in flight from here ...
     result = h.model.execute(batch)
     assert h.sched.abort("a")  # ... when the abort comes: nothing is freed yet (I5)

@@ -12,7 +12,8 @@ DETOKENIZER = "detokenizer"
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's `--speculative-config` shape. "ngram" (prompt lookup) runs; "draft_model" is refused for now."""
+    """vLLM's `--speculative-config` shape: "ngram" (prompt lookup) or "draft_model" (a smaller model with the
+    same vocabulary)."""
 
     method: Literal["ngram", "draft_model"]
     num_speculative_tokens: int  # K: draft tokens verified per step (a request gains 1..K+1 tokens)
@@ -22,8 +23,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
     def verify(self) -> None:
         """Raise ValueError naming what is wrong."""
-        if self.method == "draft_model":
-            raise ValueError('speculative method "draft_model" is not implemented yet; use "ngram"')
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('"model" (a directory or .gguf) is required with method "draft_model", and only then')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -18,8 +18,10 @@ from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.kv_cache import num_blocks_for_memory
 from gpu.runner import ModelRunner, resolve_device, resolve_dtype
-from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingRow
-from gpu.sampling.spec import NO_DRAFT, num_emitted
+from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow
+from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
+
+ACCEPT, RESIDUAL = 2, 3  # counter_uniforms streams of draft-model verification (1: the draft tokens)
 
 
 @dataclass
@@ -96,6 +98,7 @@ class StepExecutor:
         self.sampler = Sampler()
         self.device = self.runner.device
         self.metadata = MetadataCache(model.vocab_size, self.device)
+        self.draft = None  # the DraftProposer whose q verifies draft-model speculation (set by the actor)
         self.debug_checks = config.debug_checks
         if self.debug_checks:
             self.runner.prev_sampled.fill_(-1)
@@ -112,21 +115,49 @@ class StepExecutor:
         plp = self._prompt_logprobs(batch, logits[len(rows) :], num_prompt_logprobs)
         if not rows:  # only partial chunked-prefill rows: nothing samples this step
             return self._to_host(torch.empty(0, dtype=torch.int64), None, plp)
-        out = self.sampler(logits[: len(rows)], self.metadata.build(rows))
-        last, emitted = self._verify(batch, out.sampled)
+        logits = logits[: len(rows)]
+        spec = self._spec_rows(batch, logits, rows) if self.draft is not None else None
+        out = self.sampler(logits, self.metadata.build(rows))
+        tokens, emitted, last = self._verify(batch, out.sampled, spec)
         if slots:
             self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), last)
-        return self._to_host(out.sampled, out.logprobs, plp, emitted)
+        return self._to_host(tokens, out.logprobs, plp, emitted)
 
-    def _verify(self, batch: BatchSpec, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each sampling row's last emitted token (for the relay) and, when rows verify drafts, how many
-        positions each emits (gpu/sampling/spec.py)."""
+    def _spec_rows(self, batch: BatchSpec, logits: torch.Tensor, rows: list[SamplingRow]):
+        """Draft-model speculation: the positions of the rows with drafts, their target distributions p (computed
+        before the sampler works on the logits in place) and their draft distributions q (zero at bonus positions)."""
+        idx, qs, pos = [], [], 0
+        for r in batch.rows:
+            if r.draft_token_ids:
+                k = len(r.draft_token_ids)
+                idx += range(pos, pos + k + 1)
+                q = self.draft.q[r.request_id][:k]
+                qs += [q, q.new_zeros(1, q.shape[1])]
+            pos += r.num_samples
+        if not idx:
+            return None
+        sub = [rows[i] for i in idx]
+        p = self.sampler.probs(logits[idx], SamplingMetadata.build(sub, logits.shape[1], logits.device))
+        return torch.tensor(idx, device=logits.device), p, torch.cat(qs), sub
+
+    def _verify(self, batch: BatchSpec, sampled: torch.Tensor, spec):
+        """(the token at each sampled position, how many positions each sampling row emits (None: one each), each
+        row's last emitted token): point-mass drafts verified by comparison, draft-model ones by rejection
+        sampling (gpu/sampling/spec.py)."""
         if len(sampled) == len(batch.sampling_rows):
-            return sampled, None
+            return sampled, None, sampled
         counts = torch.tensor([r.num_samples for r in batch.rows if r.sample], device=sampled.device)
-        drafts = [t for r in batch.rows if r.sample for t in (*r.draft_token_ids, NO_DRAFT)]
-        emitted = num_emitted(sampled == torch.tensor(drafts, device=sampled.device), counts)
-        return sampled[counts.cumsum(0) - counts + emitted - 1], emitted
+        drafts = torch.tensor(
+            [t for r in batch.rows if r.sample for t in (*r.draft_token_ids, NO_DRAFT)], device=sampled.device
+        )
+        accepted = sampled == drafts
+        if spec is not None:
+            idx, p, q, sub = spec
+            u_accept, u_residual = (row_uniforms(sub, stream, sampled.device) for stream in (ACCEPT, RESIDUAL))
+            token, ok = verify_draft_probs(p, q, drafts[idx], sampled[idx], u_accept, u_residual)
+            sampled, accepted = sampled.index_put((idx,), token), accepted.index_put((idx,), ok)
+        emitted = num_emitted(accepted, counts)
+        return sampled, emitted, sampled[counts.cumsum(0) - counts + emitted - 1]
 
     def _prompt_logprobs(self, batch: BatchSpec, logits: torch.Tensor, n: int) -> LogprobsTensors | None:
         """Raw logprobs of each prompt target under the logits of the token before it, and the top-n."""

@@ -20,8 +20,9 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
   and is not re-admitted until its in-flight sample is known, so it resumes from prompt + output
   and produces exactly the tokens it would have produced without preemption.
 - A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot.
-- Speculative decoding (a `proposer`): a decoding request with nothing in flight feeds its last token
-  and up to K draft tokens, and samples at each of those positions; `update()` receives how many
+- Speculative decoding: `speculation_candidates()` names the decoding requests with nothing in flight
+  and how many drafts each may take; a proposer drafts for them (on the device thread), and
+  `schedule(drafts)` feeds each its last token and its drafts and samples at each of those positions; `update()` receives how many
   tokens each row emits (1..K+1), appends them up to the first that ends the request (no token after
   the end ever gets out), rolls `num_computed_tokens` back past the rejected drafts (their KV slots
   are rewritten later) and frees the lookahead blocks no longer needed.
@@ -48,7 +49,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int],
-        proposer: Callable[[EngineRequest, int], list[int]] | None = None,
+        release: Callable[[str], None] | None = None,
     ):
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
             raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
@@ -59,7 +60,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.proposer = proposer  # (request, at most k) -> draft tokens continuing its known sequence
+        self.release = release  # told each finished request's id once it is freed (the proposer's state)
         self.requests: dict[str, EngineRequest] = {}  # every request still holding anything
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []  # in admission order: preemption takes the last
@@ -112,8 +113,21 @@ class Scheduler:
 
     # ---------------------------------------------------------------- step
 
-    def schedule(self) -> BatchSpec:
-        """Plan the next step. A batch without rows is not in flight and needs no update()."""
+    def speculation_candidates(self) -> list[tuple[EngineRequest, int]]:
+        """The decoding requests with nothing in flight, and how many drafts each step may verify without passing
+        max_tokens or max_model_len (the step budget may cut them further)."""
+        out = []
+        for req in self.running:
+            if req.num_pending_tokens or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            k = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            if k > 0:
+                out.append((req, k))
+        return out
+
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> BatchSpec:
+        """Plan the next step; `drafts`: request id -> draft tokens (for speculation_candidates()). A batch without
+        rows is not in flight and needs no update()."""
         if len(self.in_flight) > 1:
             raise RuntimeError("schedule() may run at most one batch ahead of update()")
         batch = BatchSpec(step=self.next_step)
@@ -126,8 +140,8 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._drafts(req, budget) if n == 1 else []
-            n += len(drafts)
+            row_drafts = (drafts or {}).get(req.request_id, [])[: budget - 1] if n == 1 else []
+            n += len(row_drafts)
             while not self.block_manager.may_append(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -137,7 +151,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break
             self.block_manager.append_slots(req, n)
-            batch.rows.append(self._row(req, n, drafts))
+            batch.rows.append(self._row(req, n, row_drafts))
             budget -= n
             i += 1
         # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
@@ -209,14 +223,6 @@ class Scheduler:
     def _ends_in_flight(self, req: EngineRequest) -> bool:
         """Whether the request's pending samples certainly end it: another row would be junk."""
         return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
-
-    def _drafts(self, req: EngineRequest, budget: int) -> list[int]:
-        """Draft tokens for a decoding request with nothing in flight, as many as the step may emit without
-        passing max_tokens or max_model_len."""
-        if self.proposer is None or req.num_pending_tokens:
-            return []
-        k = min(budget, req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-        return self.proposer(req, k) if k > 0 else []
 
     def _row(self, req: EngineRequest, n: int, drafts: list[int] = ()) -> ScheduledRow:
         start, fed = req.num_computed_tokens, n - len(drafts)
@@ -300,3 +306,5 @@ class Scheduler:
             del self.requests[req.request_id]
             if req.status is RequestStatus.ABORTED:
                 self.aborted_freed.append(req.request_id)
+            if self.release:
+                self.release(req.request_id)

@@ -41,12 +41,13 @@ import torch
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
+from actors.engine.draft import DraftProposer
 from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks, step_inputs
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.metrics import engine_stats, log_speculation
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
-from actors.engine.speculative import ngram_proposer
+from actors.engine.speculative import make_proposer
 from actors.protocol import RecentIds, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
@@ -107,13 +108,15 @@ class SchedulerActor(Actor):
         blocks = num_kv_blocks(self.config, self.model)
         loop = asyncio.get_running_loop()
         self.executor = await loop.run_in_executor(self._device, StepExecutor, self.config, self.model, blocks)
+        self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
+        self.executor.draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
         self.sched = Scheduler(
             BlockManager(blocks, self.config.block_size),
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.model.eos_token_ids,
-            proposer=self.config.speculative and ngram_proposer(self.config.speculative),
+            release=self.proposer and self.proposer.release,
         )
         log.info(
             "engine ready: %s, %d KV blocks of %d, max_model_len %d",
@@ -231,7 +234,8 @@ class SchedulerActor(Actor):
         while True:
             batch = None
             if len(inflight) < depth and not (inflight and self._must_sync()):
-                batch = self.sched.schedule()
+                drafts = await self._propose() if self.proposer and not inflight else None
+                batch = self.sched.schedule(drafts)
                 if batch.rows:
                     if self.queued:
                         self._note_first_scheduled(batch)
@@ -248,6 +252,13 @@ class SchedulerActor(Actor):
                     self._idle_marker()
                     await self._work.wait()
             await asyncio.sleep(0)  # handlers (aborts, new requests) run between steps
+
+    async def _propose(self) -> dict[str, list[int]] | None:
+        """Drafts for the requests that may speculate, drafted on the device thread."""
+        candidates = self.sched.speculation_candidates()
+        if not candidates:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self._device, self.proposer.propose, candidates)
 
     def _idle_marker(self) -> None:
         """An empty StepOutputs with a step number of its own, sent as the engine goes idle: a lost

@@ -1,5 +1,6 @@
 """Speculative decoding on the host: the n-gram (prompt lookup) proposer, drafting tokens from the
-request's own prompt and output.
+request's own prompt and output, and `make_proposer` (the draft-model proposer is actors/engine/draft.py).
+
 The longest suffix n-gram of the sequence (n from prompt_lookup_max down to prompt_lookup_min) is
 looked up earlier in the sequence; the tokens that followed its most recent earlier occurrence are
 the draft. The draft distribution q is a point mass on them, so verification needs no draft
@@ -8,13 +9,17 @@ probabilities (gpu/sampling/spec.py). Host-side numpy: O(length x n) compares pe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from actors.engine.config import SpeculativeConfig
+from actors.engine.config import EngineConfig, SpeculativeConfig
 from actors.engine.request import EngineRequest
+from gpu.config import ModelConfig
+
+if TYPE_CHECKING:
+    from actors.engine.draft import DraftProposer
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -29,12 +34,32 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
     return []
 
 
-def ngram_proposer(config: SpeculativeConfig) -> Callable[[EngineRequest, int], list[int]]:
-    """The scheduler's proposer: (request, at most k) -> up to min(k, K) draft tokens."""
-    lo, hi, big_k = config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
+class NgramProposer:
+    """The scheduler's proposer for method "ngram" (the draft-model one is actors/engine/draft.py)."""
 
-    def propose(req: EngineRequest, k: int) -> list[int]:
-        tokens = np.fromiter((*req.prompt_token_ids, *req.output_token_ids), np.int64)
-        return propose_ngram(tokens, min(k, big_k), lo, hi)
+    def __init__(self, config: SpeculativeConfig):
+        self.lo, self.hi, self.k = config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
 
-    return propose
+    def propose(self, items: list[tuple[EngineRequest, int]]) -> dict[str, list[int]]:
+        """Up to min(k, K) drafts for each (request, k)."""
+        out = {}
+        for req, k in items:
+            tokens = np.fromiter((*req.prompt_token_ids, *req.output_token_ids), np.int64)
+            out[req.request_id] = propose_ngram(tokens, min(k, self.k), self.lo, self.hi)
+        return out
+
+    def release(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
+
+def make_proposer(config: EngineConfig, model: ModelConfig, num_blocks: int) -> NgramProposer | DraftProposer | None:
+    """The proposer `config.speculative` asks for (None: no speculation). Loads a draft model: call it on the
+    device thread."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    from actors.engine.draft import DraftProposer
+
+    return DraftProposer(config, model, num_blocks)
