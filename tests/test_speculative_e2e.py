@@ -1,10 +1,12 @@
-"""Speculative decoding (n-gram) end to end, through the engine and detokenizer processes.
+"""Speculative decoding end to end, through the engine and detokenizer processes.
 
-On the real SmolLM2: greedy and seeded output with speculation is identical to output without it, for 12
-prompts batched together (repetitive ones, where drafts are accepted, and others), with stop strings, stop
-tokens, EOS and odd max_tokens ending requests inside accepted runs; speculation steps synchronously, so
-the engine's async_scheduling setting must not matter. On the tiny model: an abort during a speculative
-step frees everything, and nothing of the request follows its Finished.
+On the real SmolLM2, 12 prompts batched together (repetitive ones, where drafts are accepted, and others), with
+stop strings, stop tokens, EOS and odd max_tokens ending requests inside accepted runs: with n-gram drafts, greedy
+and seeded output is identical to output without speculation (seeded rows' uniforms are keyed by output
+position); with a draft model (the model itself: everything accepted; the tiny random model: nothing), greedy
+output is identical (seeded output then follows the same law, not the same draws: tests/test_spec_distribution.py).
+Speculation steps synchronously, so the engine's async_scheduling setting must not matter. On the tiny model: an
+abort during a speculative step frees everything, and nothing of the request follows its Finished.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from frontend.launch import resolve_model
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
 from tests.cancel_harness import assert_idle, engine_config, gate, model_dir, start_held, wait_state  # noqa: F401
+from tests.tiny_model import make_tiny_model_dir
 
 pytestmark = pytest.mark.real_model
 
@@ -67,23 +70,48 @@ async def plain():
     return (await generate(None))[0]
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-async def test_greedy_output_with_ngram_speculation_is_identical(plain, async_scheduling):
-    outs, engine = await generate(NGRAM, async_scheduling)
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-draft")))
+
+
+def check_identical(outs, plain, greedy_only: bool = False) -> None:
     for i, (got, want) in enumerate(zip(outs, plain, strict=True)):
+        if greedy_only and not REQUESTS[i][1].greedy:
+            continue
         assert got[:4] == want[:4], f"request {i}: {REQUESTS[i][0][:40]!r}"
         if want[4] is not None:  # logprobs for every emitted token; values up to batch-shape numerics
             assert got[4].top_ids == want[4].top_ids
             assert got[4].sampled == pytest.approx(want[4].sampled, abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+async def test_greedy_and_seeded_output_with_ngram_speculation_is_identical(plain, async_scheduling):
+    outs, engine = await generate(NGRAM, async_scheduling)
+    check_identical(outs, plain)
     assert plain[0][2] == "stop" and plain[1][2] == "length" and len(plain[1][0]) == 37
     assert plain[2][3] == "the ships" and plain[3][3] == "winter" and plain[4][3] == 30  # the stops did stop
     assert engine.spec_num_accepted_tokens > 0.3 * engine.spec_num_draft_tokens  # drafts were often accepted
     assert engine.spec_accepted_per_pos[3] > 0  # whole runs of 4 were accepted
 
 
-async def test_an_abort_during_a_speculative_step_frees_everything(model_dir):  # noqa: F811
-    ngram = msgspec.structs.replace(NGRAM, prompt_lookup_min=1)
-    async with AsyncLLM(engine_config(model_dir, speculative=ngram)) as llm:
+@pytest.mark.parametrize("draft", ["self", "tiny"])
+async def test_greedy_output_with_a_draft_model_is_identical(plain, tiny_draft, draft):
+    path = str(resolve_model(None).path) if draft == "self" else tiny_draft
+    spec = SpeculativeConfig(method="draft_model", model=path, num_speculative_tokens=3)
+    outs, engine = await generate(spec)
+    check_identical(outs, plain, greedy_only=True)
+    accepted = engine.spec_num_accepted_tokens / engine.spec_num_draft_tokens
+    assert accepted > 0.95 if draft == "self" else accepted < 0.05, accepted  # greedy self-drafts always agree
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+async def test_an_abort_during_a_speculative_step_frees_everything(model_dir, method):  # noqa: F811
+    if method == "ngram":
+        spec = msgspec.structs.replace(NGRAM, prompt_lookup_min=1)
+    else:  # the tiny model drafting for itself
+        spec = SpeculativeConfig(method="draft_model", model=str(model_dir), num_speculative_tokens=3)
+    async with AsyncLLM(engine_config(model_dir, speculative=spec)) as llm:
         # the output confined to the prompt's tokens: its last token always recurs, so the step drafts
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, allowed_token_ids=[5, 6, 7])
         run = await start_held(llm, [5, 6, 7, 5, 6, 7, 5, 6], params)  # the prefill step, held

@@ -80,7 +80,8 @@ class SamplingMetadata:
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     window: int  # K of the top-K window the truncating rows are drawn from
-    # Random rows by how they are drawn (host-known index tensors):
+    random_rows: torch.Tensor  # the rows that are not greedy (host-known index tensors from here on)
+    # Random rows by how they are drawn:
     mass_rows: torch.Tensor  # no top-k / min-p: need the whole-vocabulary mass (and without top-p, a draw over it)
     window_rows: torch.Tensor  # top-k / top-p / min-p: drawn inside the top-K window
     covered_rows: torch.Tensor  # the window rows with top_k <= K: the window always holds their kept set
@@ -126,6 +127,7 @@ class SamplingMetadata:
             greedy=_put(greedy, torch.bool, device),
             all_greedy=not random,
             window=window,
+            random_rows=_put(random, torch.int64, device),
             mass_rows=_put(untruncated, torch.int64, device),
             window_rows=_put(window_rows, torch.int64, device),
             covered_rows=_put([i for i in window_rows if top_k[i] <= window], torch.int64, device),

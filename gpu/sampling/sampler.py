@@ -92,14 +92,17 @@ class Sampler:
         sorted logits (~50x an argmax on CPU): for verifying draft-model speculation, where q is not a point mass."""
         x = logits.float().clone()
         _process(x, meta)
-        values, ids = x.sort(-1, descending=True)
-        cols = torch.cat([meta.params, torch.zeros(len(x), 2, dtype=meta.params.dtype, device=x.device)], 1)
-        kept, _ = kept_weights(values, cols)
-        probs = torch.zeros_like(kept).scatter_(1, ids, kept)
-        probs /= probs.sum(-1, keepdim=True)
-        point = meta.greedy | ~values[:, 0].isfinite()
-        one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
-        return torch.where(point[:, None], one_hot, probs)
+        probs = torch.zeros(x.shape, dtype=torch.float64, device=x.device).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+        rows = (~meta.greedy & x.amax(-1).isfinite()).nonzero().squeeze(1)  # the others: a point mass
+        if rows.numel():
+            values, ids = x[rows].sort(-1, descending=True)
+            cols = meta.params[rows]
+            kept, _ = kept_weights(
+                values, torch.cat([cols, torch.zeros(len(rows), 2, dtype=cols.dtype, device=x.device)], 1)
+            )
+            dense = torch.zeros_like(kept).scatter_(1, ids, kept)
+            probs[rows] = dense / dense.sum(-1, keepdim=True)
+        return probs
 
     @torch.inference_mode()
     def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> LogprobsTensors:

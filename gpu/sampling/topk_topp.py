@@ -211,7 +211,7 @@ def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int =
     """float64 uniforms in [0, 1), a pure function of (seed, output position, stream): a seeded request draws the
     same uniform for its n-th token however it is scheduled (batch, speculation, preemption, a restarted engine).
     Streams other than 0 serve speculation's extra draws (draft tokens, acceptance tests, residual draws)."""
-    z = _mix(_mix(seeds + _GOLDEN) + positions * _GOLDEN + stream * _M1)
+    z = _mix(_mix(seeds + _GOLDEN) + positions * _GOLDEN + _signed(stream * _M1 % (1 << 64)))
     return _shr(z, 11).double() * 2.0**-53
 
 
