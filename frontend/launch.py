@@ -57,6 +57,14 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
 def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]:
     model = resolve_model(engine.model)
     engine = msgspec.structs.replace(engine, model=str(model.path))
+    spec = engine.speculative
+    if spec is not None and spec.model is not None:  # a draft .gguf is converted here too, before anything starts
+        draft = resolve_model(spec.model)
+        if draft.vocab_size != model.vocab_size:
+            raise ModelLoadError(
+                f"the draft model's vocabulary ({draft.vocab_size}) is not the model's ({model.vocab_size})"
+            )
+        engine = msgspec.structs.replace(engine, speculative=msgspec.structs.replace(spec, model=str(draft.path)))
     return [http_process(model, engine, http), *engine_processes(engine, HTTP)]
 
 
