@@ -12,7 +12,8 @@ import torch
 
 from actors.engine.metrics import SpecStats
 from actors.engine.speculative import propose_ngram
-from gpu.sampling.spec import NO_DRAFT, num_emitted
+from gpu.sampling import SamplingRow
+from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
 from messages.sampling_params import SamplingParams
 from tests.scheduler_harness import EOS, Harness, chain, expected, prompts
 
@@ -112,3 +113,40 @@ def test_spec_stats_count_acceptance_per_position():
     s.observe(4, 0)
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos) == (2, 7, 2, [1, 1, 0, 0])
     assert s.since(SpecStats()) == "2 drafts, acceptance rate 28.6%, mean accepted length 2.00"
+
+
+def _one_hot(token: int, v: int = 8) -> torch.Tensor:
+    return torch.zeros(v, dtype=torch.float64).index_fill_(0, torch.tensor([token]), 1.0)
+
+
+def test_verify_draft_probs_edge_cases():
+    """vLLM's cases for the rejection sampler with draft distributions, one position each (then the bonus)."""
+    v, u = 8, torch.tensor([0.5, 0.0], dtype=torch.float64)
+    p_uniform = torch.full((v,), 1.0 / v, dtype=torch.float64)
+
+    def run(p0, q0, draft, sampled_bonus=7, u_accept=u, u_residual=u):
+        p = torch.stack([p0, p_uniform])
+        q = torch.stack([q0, torch.zeros(v, dtype=torch.float64)])
+        tokens, accepted = verify_draft_probs(
+            p, q, torch.tensor([draft, NO_DRAFT]), torch.tensor([0, sampled_bonus]), u_accept, u_residual
+        )
+        return tokens.tolist(), accepted.tolist(), num_emitted(accepted, torch.tensor([2])).item()
+
+    assert run(p_uniform, p_uniform, 3) == ([3, 7], [True, False], 2)  # p == q: always accepted, then the bonus
+    assert run(_one_hot(3), _one_hot(3), 3) == ([3, 7], [True, False], 2)  # greedy, the draft is the argmax
+    assert run(_one_hot(5), _one_hot(3), 3) == ([5, 7], [False, False], 1)  # greedy: rejected, the argmax emitted
+    zero_p = p_uniform.clone().index_fill_(0, torch.tensor([3]), 0.0) * v / (v - 1)
+    for ua in (0.0, 0.5, 0.999):  # zero target probability: always rejected, never re-drawn
+        tokens, accepted, n = run(zero_p, p_uniform, 3, u_accept=torch.tensor([ua, 0.0], dtype=torch.float64))
+        assert not accepted[0] and tokens[0] != 3 and n == 1
+    half = torch.tensor([0.5, 0.5] + [0.0] * (v - 2), dtype=torch.float64)
+    assert run(half, _one_hot(0), 0, u_accept=torch.tensor([0.49, 0], dtype=torch.float64))[1][0]  # 0.49 < 0.5
+    assert not run(half, _one_hot(0), 0, u_accept=torch.tensor([0.51, 0], dtype=torch.float64))[1][0]
+    assert run(half, _one_hot(0), 0, u_accept=torch.tensor([0.51, 0], dtype=torch.float64))[0][0] == 1  # residual
+
+
+def test_seeded_uniforms_are_keyed_by_seed_position_and_stream():
+    rows = [SamplingRow(SamplingParams(seed=3), [], [], position) for position in (0, 1, 0)]
+    a, b = row_uniforms(rows, 2, "cpu"), row_uniforms(rows, 2, "cpu")
+    assert torch.equal(a, b) and a[0] == a[2] and a[0] != a[1]
+    assert not torch.equal(row_uniforms(rows, 3, "cpu"), a)
