@@ -90,6 +90,9 @@ _NOT_HONOURED = {
     "modalities": _is(None, ["text"]),
     "prediction": _empty,
     "reasoning_effort": _is(None),
+    "guidance_scale": _is(None, 1, 1.0),  # classifier-free guidance (issue 14)
+    "negative_prompt": _is(None),
+    "logprobs_mode": _is(None, "raw_logprobs"),
 }
 NOT_HONOURED_IN_CHAT = {
     **_NOT_HONOURED,

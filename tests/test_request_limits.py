@@ -116,6 +116,8 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
         (parse_completion, {"guided_json": {"type": "object"}}, "guided_json"),
         (parse_completion, {"use_beam_search": True}, "use_beam_search"),
         (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),
+        (parse_completion, {"guidance_scale": 3.0}, "guidance_scale"),
+        (parse_chat, {"negative_prompt": "bad"}, "negative_prompt"),
     ],
 )
 def test_fields_not_honoured_are_refused(ctx, parse, fields, param):
@@ -127,6 +129,7 @@ def test_fields_not_honoured_are_refused(ctx, parse, fields, param):
 def test_their_no_op_values_are_accepted(ctx):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [], "tool_choice": "none"}
     body |= {"response_format": {"type": "text"}, "add_generation_prompt": True, "user": "u", "metadata": {"k": 1}}
+    body |= {"guidance_scale": 1.0, "store": False, "parallel_tool_calls": True, "service_tier": "auto"}
     assert parse_chat(json.dumps(body).encode(), ctx).prompts
 
 
