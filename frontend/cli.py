@@ -103,8 +103,9 @@ _LIMIT_HELP = {
     "max_bad_word_chars": "characters per bad word",
     "max_logit_bias": "logit_bias entries per request",
     "max_allowed_token_ids": "allowed_token_ids entries per request (default: the vocabulary size)",
-    "max_prompts": "prompts in one /v1/completions call",
-    "max_total_tokens": "prompts x n x max_tokens of one call",
+    "max_stop_token_ids": "stop_token_ids entries per request",
+    "max_choices": "prompts x n of one call",
+    "max_total_tokens": "sum over a call's choices of prompt + max_tokens",
 }
 
 

@@ -14,6 +14,7 @@ import msgspec
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk (refused: not implemented)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -93,9 +94,13 @@ _NOT_HONOURED = {
     "guidance_scale": _is(None, 1, 1.0),  # classifier-free guidance (issue 14)
     "negative_prompt": _is(None),
     "logprobs_mode": _is(None, "raw_logprobs"),
+    "logits_processors": _empty,
+    "guided_whitespace_pattern": _empty,
+    "structural_tag": _empty,
 }
 NOT_HONOURED_IN_CHAT = {
     **_NOT_HONOURED,
+    "best_of": _is(None, 1),
     "echo": _empty,
     "add_generation_prompt": _is(None, True),
     "continue_final_message": _empty,

@@ -139,6 +139,9 @@ def _sampling_params(
 ) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise RequestError(400, "stream_options is only allowed when stream is true", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        param = "stream_options.continuous_usage_stats"
+        raise RequestError(400, f"{param} is not supported", param)
     if req.prompt_logprobs is not None and req.stream:  # as vLLM
         raise RequestError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
     fields = {k: v for k in _SAMPLING_KEYS if (v := getattr(req, k)) is not None}
@@ -172,9 +175,9 @@ def _completion_prompts(prompt, ctx: ServingContext, max_tokens: int | None) -> 
         raise RequestError(400, "prompt must not be empty", "prompt")
     if (ids := _token_ids(prompt)) is not None:
         prompt = [ids]
-    if len(prompt) > ctx.limits.max_prompts:
+    if len(prompt) > ctx.limits.max_choices:
         raise RequestError(
-            400, f"prompt: {len(prompt)} prompts, more than the {ctx.limits.max_prompts} allowed", "prompt"
+            400, f"prompt: {len(prompt)} prompts, more than the {ctx.limits.max_choices} allowed", "prompt"
         )
     out: list[tuple[str | None, list[int]]] = []
     texts = []  # (index in out, text): tokenized together, in parallel and without the GIL
@@ -245,13 +248,20 @@ def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, pro
 
 
 def _check_total(prompts: list[PromptInput], ctx: ServingContext, param: str) -> None:
-    """prompts x n x max_tokens: the work one call may ask of the engine."""
-    total = sum(p.params.max_tokens * p.params.n for p in prompts)
-    if total > ctx.limits.max_total_tokens:
+    """The engine requests one call starts (prompts x n) and the tokens they may cost (prompt + max_tokens each)."""
+    n, limits = prompts[0].params.n, ctx.limits
+    if len(prompts) * n > limits.max_choices:
         raise RequestError(
             400,
-            f"{param}: the call asks for up to {total} tokens (prompts x n x max_tokens), more than the "
-            f"{ctx.limits.max_total_tokens} allowed",
+            f"n: {len(prompts)} prompts x n = {len(prompts) * n} choices, more than the {limits.max_choices} allowed",
+            "n",
+        )
+    total = sum((len(p.token_ids) + p.params.max_tokens) * n for p in prompts)
+    if total > limits.max_total_tokens:
+        raise RequestError(
+            400,
+            f"{param}: the call may cost {total} tokens (prompt + max_tokens, for each of prompts x n choices), "
+            f"more than the {limits.max_total_tokens} allowed",
             param,
         )
 

@@ -44,7 +44,7 @@ log = logging.getLogger("sluice.http")
 
 HTTP = "http"
 PARSE_INLINE_BYTES = 16 << 10  # larger bodies are parsed and tokenized off the event loop
-LARGE_BODIES = 4  # large bodies read and parsed at once (the rest wait, unread)
+LARGE_READS, LARGE_PARSES = 32, 4  # large bodies read / parsed at once (the rest wait, unread)
 REQUEST_ID = web.RequestKey("sluice_request_id", str)  # set once the handler has named the request
 STREAM_ERROR = web.RequestKey("sluice_stream_error", RequestError)  # an error sent inside a 200 stream
 
@@ -57,6 +57,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     served_model_name: list[str] = []  # default: the model directory's name
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/*
     max_body_bytes: int = 16 << 20
+    body_timeout_s: float = 30.0  # a request body must arrive within this
     abort_timeout_s: float = 5.0  # I7: an Abort without a Finished is re-sent after this
     max_abort_tries: int = 3
     drain_timeout_s: float = 5.0  # shutdown waits this long for in-flight requests to finish
@@ -92,7 +93,7 @@ class HttpActor(Actor):
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self._draining: asyncio.Future | None = None
-        self._large_bodies = asyncio.Semaphore(LARGE_BODIES)
+        self._large_reads, self._large_parses = asyncio.Semaphore(LARGE_READS), asyncio.Semaphore(LARGE_PARSES)
 
     def handlers(self):
         return {
@@ -254,14 +255,23 @@ class HttpActor(Actor):
                 self.table.cancel(req, "client")
 
     async def _parse(self, request: web.Request, parse, rid: str) -> ParsedRequest:
-        """Small bodies are parsed inline. Large ones (or of unknown length) are read and parsed
-        LARGE_BODIES at a time, off the event loop: a flood of 16 MB bodies waits in the kernel's
-        socket buffers, not in our memory."""
+        """Small bodies are parsed inline. Large ones (or of unknown length) are read LARGE_READS at a time, each
+        within body_timeout_s (a client that stops sending gets a 408 and frees its place), and parsed
+        LARGE_PARSES at a time, off the event loop: a flood of 16 MB bodies waits in the kernel's socket
+        buffers, not in our memory."""
         if request.content_length is not None and request.content_length <= PARSE_INLINE_BYTES:
-            return parse(await request.read(), self.ctx, rid)
-        async with self._large_bodies:
-            body = await request.read()
+            return parse(await self._read(request), self.ctx, rid)
+        async with self._large_reads:
+            body = await self._read(request)
+        async with self._large_parses:
             return await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx, rid)
+
+    async def _read(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within {self.config.body_timeout_s} s") from None
 
     async def _respond(self, req: HttpRequest) -> web.Response:
         while not req.done:

@@ -175,6 +175,9 @@ def _chat_message(i: int, message) -> dict[str, str]:
     role = message.get("role")
     if role not in ROLES:
         raise ParamError(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
+    for key in ("tool_calls", "function_call", "tool_call_id"):
+        if message.get(key):
+            raise ParamError(f"messages[{i}].{key}", f"messages[{i}].{key}: tool calls are not supported")
     content = message.get("content")
     if isinstance(content, list):
         texts = []

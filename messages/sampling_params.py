@@ -40,8 +40,9 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_bad_word_chars: int = 256  # characters per bad word
     max_logit_bias: int = 1024  # logit_bias entries, added every step
     max_allowed_token_ids: int | None = None  # allowed_token_ids entries; None: the vocabulary size
-    max_prompts: int = 1024  # prompts in one /v1/completions call
-    max_total_tokens: int = 1 << 20  # prompts x n x max_tokens: the tokens one call may ask the engine for
+    max_stop_token_ids: int = 1024  # stop_token_ids entries: each output token is checked against them
+    max_choices: int = 256  # prompts x n: the engine requests one call may start
+    max_total_tokens: int = 1 << 20  # sum over choices of prompt + max_tokens: the tokens one call may cost
 
 
 DEFAULT_LIMITS = RequestLimits()
@@ -85,7 +86,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _int_in("n", self.n, 1, limits.max_n if limits else 1 << 31)
         _float_in("temperature", self.temperature, 0.0, 2.0e4)
         _float_in("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k < 1 << 31:
             raise ParamError("top_k", f"top_k must be -1 (off), 0 (off) or a positive int, got {self.top_k!r}")
         _float_in("min_p", self.min_p, 0.0, 1.0)
         _float_in("repetition_penalty", self.repetition_penalty, 0.0, 1.0e4, lo_open=True)
@@ -100,8 +101,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty")
-            for tok in self.allowed_token_ids:
-                _token("allowed_token_ids", tok, vocab_size)
+            _tokens("allowed_token_ids", self.allowed_token_ids, vocab_size)
         for seq in self.bad_words_token_ids or []:
             for tok in seq:
                 _token("bad_words", tok, vocab_size)
@@ -119,8 +119,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ParamError("stop", "stop strings must be non-empty strings")
-        for tok in self.stop_token_ids:
-            _token("stop_token_ids", tok, vocab_size)
+        _tokens("stop_token_ids", self.stop_token_ids, vocab_size)
 
     def _verify_sizes(self, vocab_size: int, limits: RequestLimits) -> None:
         """The per-request sizes bounded by `limits`, checked before anything iterates over them."""
@@ -136,6 +135,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _at_most("logit_bias", len(self.logit_bias or ()), limits.max_logit_bias, "logit_bias entries")
         max_allowed = vocab_size if limits.max_allowed_token_ids is None else limits.max_allowed_token_ids
         _at_most("allowed_token_ids", len(self.allowed_token_ids or ()), max_allowed, "allowed_token_ids entries")
+        _at_most("stop_token_ids", len(self.stop_token_ids), limits.max_stop_token_ids, "stop_token_ids entries")
 
     def clamped_logit_bias(self) -> dict[int, float]:
         return {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, b)) for t, b in (self.logit_bias or {}).items()}
@@ -164,6 +164,14 @@ def _int_in(param: str, value, lo: int, hi: int) -> None:
 def _at_most(param: str, size: int, limit: int, what: str) -> None:
     if size > limit:
         raise ParamError(param, f"{param}: {size} {what}, more than the {limit} allowed")
+
+
+def _tokens(param: str, tokens: list, vocab_size: int) -> None:
+    """Every entry a token id: at C speed for a list of ints (what msgspec decodes), entry by entry otherwise."""
+    if tokens and all(type(t) is int for t in tokens) and min(tokens) >= 0 and max(tokens) < vocab_size:
+        return
+    for tok in tokens:
+        _token(param, tok, vocab_size)
 
 
 def _token(param: str, tok, vocab_size: int) -> None:

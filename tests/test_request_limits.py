@@ -19,7 +19,7 @@ from tests.test_tokenizer import write_tiny_model_dir
 
 LIMITS = RequestLimits(
     max_stop=2, max_stop_chars=5, max_bad_words=2, max_bad_word_chars=4, max_logit_bias=2, max_allowed_token_ids=3,
-    max_prompts=2, max_total_tokens=40,
+    max_stop_token_ids=2, max_choices=4, max_total_tokens=80,
 )  # fmt: skip
 
 
@@ -68,8 +68,10 @@ def test_a_surrogate_pair_is_one_character(ctx):
         ({"bad_words": ["abcde"]}, "bad_words"),
         ({"logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias"),
         ({"allowed_token_ids": [1, 2, 3, 4]}, "allowed_token_ids"),
-        ({"prompt": ["a", "b", "c"]}, "prompt"),
-        ({"n": 3, "max_tokens": 14}, "max_tokens"),  # 42 > max_total_tokens
+        ({"prompt": ["a", "b", "c", "d", "e"]}, "prompt"),
+        ({"prompt": ["a", "b", "c"], "n": 2}, "n"),  # 6 choices > 4
+        ({"n": 3, "max_tokens": 26}, "max_tokens"),  # 3 x (1 + 26) = 81 > max_total_tokens
+        ({"stop_token_ids": [1, 2, 3]}, "stop_token_ids"),
     ],
 )
 def test_sizes_over_a_limit_are_400_naming_the_field(ctx, fields, param):
@@ -78,14 +80,14 @@ def test_sizes_over_a_limit_are_400_naming_the_field(ctx, fields, param):
 
 
 def test_sizes_at_the_limits_are_accepted(ctx):
-    body = {"prompt": ["a", "b"], "stop": ["abcde", "x"], "bad_words": ["abcd", "y"], "max_tokens": 10}
-    body |= {"logit_bias": {"1": 1, "2": 1}, "allowed_token_ids": [1, 2, 3], "n": 2}
+    body = {"prompt": ["a", "b"], "stop": ["abcde", "x"], "bad_words": ["abcd", "y"], "max_tokens": 19}
+    body |= {"logit_bias": {"1": 1, "2": 1}, "allowed_token_ids": [1, 2, 3], "n": 2, "stop_token_ids": [4, 5]}
     assert len(parse_completion(json.dumps(body).encode(), ctx).prompts) == 2
 
 
 def test_a_defaulted_max_tokens_counts_against_the_total(ctx):
     err = _error(parse_chat, ctx, json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}).encode())
-    assert err.param == "n" and "up to" in err.message
+    assert err.param == "n" and "may cost" in err.message
 
 
 def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
@@ -160,3 +162,17 @@ def test_tokenizing_releases_the_gil(ctx):
     during = [t for t in ticks if start <= t <= start + took]
     # a tokenizer holding the GIL lets the ticker run once at most (measured: 0 vs ~1 per ms)
     assert len(during) >= max(3, took / 0.001 / 10), (took, len(during))
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+        ({"best_of": 2}, "best_of"),
+        ({"top_k": 10**23}, "top_k"),  # would not fit the wire's int64
+    ],
+)
+def test_more_fields_that_would_be_ignored_or_break_the_wire_are_refused(ctx, fields, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **fields}
+    assert _error(parse_chat, ctx, json.dumps(body).encode()).param == param

@@ -65,9 +65,8 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, items: list[tuple[EngineRequest, int]]) -> dict[str, list[int]]:
         """Up to min(k, K) drafts for each (request, k); q of each kept in `self.q`."""
-        while self._released:
-            self._free(self._released.pop())
-        jobs = [(req, min(k, self.k), self._prepare(req, min(k, self.k))) for req, k in items]
+        self._free_released()
+        jobs = [(req, min(k, self.k), self._prepare(req, min(k, self.k))) for req, k in items if not req.is_finished]
         jobs = [(req, k, st) for req, k, st in jobs if st is not None]
         drafts: dict[str, list[int]] = {req.request_id: [] for req, _, _ in jobs}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _, _ in jobs}
@@ -93,6 +92,7 @@ class DraftProposer:
                 probs[req.request_id].append(q[i])
         for rid, qs in probs.items():
             self.q[rid] = torch.stack(qs)
+        self._free_released()  # a request aborted meanwhile: its state was (re)made above
         return drafts
 
     def _prepare(self, req: EngineRequest, k: int) -> _DraftKV | None:
@@ -116,6 +116,10 @@ class DraftProposer:
     def release(self, request_id: str) -> None:
         """The request is over: its draft blocks go back (at the next proposal, on the device thread)."""
         self._released.append(request_id)
+
+    def _free_released(self) -> None:
+        while self._released:
+            self._free(self._released.pop())
 
     def _free(self, request_id: str) -> None:
         st = self.states.pop(request_id, None)

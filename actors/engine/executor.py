@@ -119,6 +119,10 @@ class StepExecutor:
         spec = self._spec_rows(batch, logits, rows) if self.draft is not None else None
         out = self.sampler(logits, self.metadata.build(rows))
         tokens, emitted, last = self._verify(batch, out.sampled, spec)
+        if spec is not None and out.logprobs is not None:  # an accepted draft or a residual draw: its own logprob
+            idx, raw = spec[0], spec[4]
+            fixed = self.sampler.logprobs_of(raw, tokens[idx], 1)
+            out.logprobs.sampled[idx], out.logprobs.ranks[idx] = fixed.sampled, fixed.ranks
         if slots:
             self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), last)
         return self._to_host(tokens, out.logprobs, plp, emitted)
@@ -131,14 +135,14 @@ class StepExecutor:
             if r.draft_token_ids:
                 k = len(r.draft_token_ids)
                 idx += range(pos, pos + k + 1)
-                q = self.draft.q[r.request_id][:k]
+                q = self.draft.q.pop(r.request_id)[:k]  # used once: not kept beyond this step
                 qs += [q, q.new_zeros(1, q.shape[1])]
             pos += r.num_samples
         if not idx:
             return None
-        sub = [rows[i] for i in idx]
-        p = self.sampler.probs(logits[idx], SamplingMetadata.build(sub, logits.shape[1], logits.device))
-        return torch.tensor(idx, device=logits.device), p, torch.cat(qs), sub
+        sub, raw = [rows[i] for i in idx], logits[idx]  # (a copy: the sampler then works on the logits in place)
+        p = self.sampler.probs(raw, SamplingMetadata.build(sub, logits.shape[1], logits.device))
+        return torch.tensor(idx, device=logits.device), p, torch.cat(qs), sub, raw
 
     def _verify(self, batch: BatchSpec, sampled: torch.Tensor, spec):
         """(the token at each sampled position, how many positions each sampling row emits (None: one each), each
@@ -152,7 +156,7 @@ class StepExecutor:
         )
         accepted = sampled == drafts
         if spec is not None:
-            idx, p, q, sub = spec
+            idx, p, q, sub, _ = spec
             u_accept, u_residual = (row_uniforms(sub, stream, sampled.device) for stream in (ACCEPT, RESIDUAL))
             token, ok = verify_draft_probs(p, q, drafts[idx], sampled[idx], u_accept, u_residual)
             sampled, accepted = sampled.index_put((idx,), token), accepted.index_put((idx,), ok)

@@ -141,6 +141,8 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             row_drafts = (drafts or {}).get(req.request_id, [])[: budget - 1] if n == 1 else []
+            if row_drafts and not self.block_manager.may_append(req, n + len(row_drafts)):
+                row_drafts = []  # drafts are optional: never preempt another request for their lookahead
             n += len(row_drafts)
             while not self.block_manager.may_append(req, n):
                 victim = self.running.pop()
@@ -240,9 +242,11 @@ class Scheduler:
         return row
 
     def _verified(self, req: EngineRequest, num_drafts: int, accepted: int) -> None:
-        """A row verified `num_drafts` drafts and accepted `accepted`: the rejected ones' KV is junk."""
-        req.num_computed_tokens -= num_drafts - accepted
-        self.block_manager.trim(req)
+        """A row verified `num_drafts` drafts and accepted `accepted`: the rejected ones' KV is junk (unless the
+        request was preempted meanwhile: then it recomputes everything anyway)."""
+        if req.status is RequestStatus.RUNNING:
+            req.num_computed_tokens -= num_drafts - accepted
+            self.block_manager.trim(req)
         self.spec.observe(num_drafts, accepted)
 
     def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
