@@ -12,7 +12,7 @@ import torch
 
 from actors.engine.metrics import SpecStats
 from actors.engine.speculative import propose_ngram
-from gpu.sampling import SamplingRow
+from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
 from messages.sampling_params import SamplingParams
 from tests.scheduler_harness import EOS, Harness, chain, expected, prompts
@@ -176,3 +176,13 @@ def test_a_speculative_row_preempted_in_flight_recomputes():
     """One step ahead, a request may be preempted while its speculative row is in flight: no rollback then."""
     for seed in (16, 17, 18):
         _run_preempting(lambda req, k: [3] * k, seed, one_ahead=True)
+
+
+def test_processed_probs_are_a_point_mass_for_greedy_and_non_finite_rows():
+    x = torch.randn(3, 70, generator=torch.Generator().manual_seed(0))
+    x[2, 5] = float("inf")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=4), SamplingParams(top_p=0.9)]
+    p = Sampler().probs(x, SamplingMetadata.build([SamplingRow(q, [], []) for q in params], 70, "cpu"))
+    assert p.sum(-1).tolist() == pytest.approx([1.0] * 3)
+    assert p[0, x[0].argmax()] == 1.0 and p[2, 5] == 1.0  # greedy; +inf wins, as in the sampler
+    assert (p[1] > 0).sum() == 4 and set((p[1] > 0).nonzero().flatten().tolist()) == set(x[1].topk(4).indices.tolist())

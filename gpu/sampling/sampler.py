@@ -92,17 +92,16 @@ class Sampler:
         sorted logits (~50x an argmax on CPU): for verifying draft-model speculation, where q is not a point mass."""
         x = logits.float().clone()
         _process(x, meta)
-        probs = torch.zeros(x.shape, dtype=torch.float64, device=x.device).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
-        rows = (~meta.greedy & x.amax(-1).isfinite()).nonzero().squeeze(1)  # the others: a point mass
-        if rows.numel():
-            values, ids = x[rows].sort(-1, descending=True)
-            cols = meta.params[rows]
-            kept, _ = kept_weights(
-                values, torch.cat([cols, torch.zeros(len(rows), 2, dtype=cols.dtype, device=x.device)], 1)
-            )
-            dense = torch.zeros_like(kept).scatter_(1, ids, kept)
-            probs[rows] = dense / dense.sum(-1, keepdim=True)
-        return probs
+        point = torch.zeros(x.shape, dtype=torch.float64, device=x.device).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+        rows = meta.random_rows  # host-known: the greedy rows are a point mass
+        if not rows.numel():
+            return point
+        values, ids = x[rows].sort(-1, descending=True)
+        cols = meta.params[rows]
+        kept, _ = kept_weights(values, torch.cat([cols, cols.new_zeros(len(rows), 2)], 1))
+        dense = torch.zeros_like(kept).scatter_(1, ids, kept)
+        finite = values[:, :1].isfinite()  # a row whose maximum is not finite takes its argmax, as in __call__
+        return point.index_copy(0, rows, torch.where(finite, dense / dense.sum(-1, keepdim=True), point[rows]))
 
     @torch.inference_mode()
     def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> LogprobsTensors:

@@ -3,7 +3,8 @@ with a distribution q (a draft model).
 
 Each speculating request's K+1 verified positions are ordinary sampling rows: position j is sampled from
 the request's fully processed target distribution p_j (the section 5 pipeline with the drafts before j in
-its output history), one uniform each from the request's own generator, greedy rows by argmax. Then:
+its output history), one uniform each (a seeded row's keyed by seed and output position), greedy rows by
+argmax. Then:
 
   emitted = sampled[0 .. a], where a = the first position whose sample differs from its draft
             (the bonus position K has no draft, so a <= K): `num_emitted(sampled == drafts, counts)`.
