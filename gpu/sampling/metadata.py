@@ -107,7 +107,7 @@ class SamplingMetadata:
         random = [i for i, g in enumerate(greedy) if not g]
         untruncated = [i for i in random if top_k[i] == vocab_size and ps[i].min_p == 0.0]
         window_rows = sorted(set(random) - {i for i in untruncated if ps[i].top_p >= 1.0})
-        seeded = [i for i in random if ps[i].seed is not None]
+        seeded = [i for i, p in enumerate(ps) if _seeded(p)]
         logprob_rows = [i for i, p in enumerate(ps) if p.logprobs is not None]
         params = [(1.0 if g else p.temperature, k, p.top_p, p.min_p) for p, g, k in zip(ps, greedy, top_k, strict=True)]
         allowed, bad_words, min_tokens, logit_bias = _Entries(), _Entries(), _Entries(), _Entries()
@@ -169,7 +169,7 @@ class MetadataCache:
             return meta
         meta = self._meta
         if meta.seeds.numel():
-            positions = [r.sample_position for r in rows if r.params.seed is not None and not r.params.greedy]
+            positions = [r.sample_position for r in rows if _seeded(r.params)]
             meta.positions = _put(positions, torch.int64, self.device)
         return meta
 
@@ -241,6 +241,11 @@ def _penalties(rows: list[SamplingRow], device) -> PenaltyTokens | None:
         presence=column([p.presence_penalty for p in ps]),
         frequency=column([p.frequency_penalty for p in ps]),
     )
+
+
+def _seeded(p: SamplingParams) -> bool:
+    """A random row with a seed: its uniforms are keyed by (seed, output position)."""
+    return p.seed is not None and not p.greedy
 
 
 def _put(values, dtype: torch.dtype, device) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .metadata import SamplingRow
-from .topk_topp import counter_uniforms, invert_cdf
+from .topk_topp import invert_cdf, uniforms
 
 NO_DRAFT = -1  # the draft "token" at a bonus position: no sample equals it
 
@@ -61,10 +61,10 @@ def verify_draft_probs(
 def row_uniforms(rows: list[SamplingRow], stream: int, device) -> torch.Tensor:
     """One float64 uniform per row for speculation's extra draws: a seeded row's keyed by (seed, the output position
     it samples, stream), the others fresh."""
-    u = torch.rand(len(rows), dtype=torch.float64, device=device)
     seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
-    if seeded:
-        seeds = torch.tensor([rows[i].params.seed for i in seeded], device=device)
-        positions = torch.tensor([rows[i].sample_position for i in seeded], device=device)
-        u[seeded] = counter_uniforms(seeds, positions, stream)
-    return u
+
+    def put(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    seeds, positions = put([rows[i].params.seed for i in seeded]), put([rows[i].sample_position for i in seeded])
+    return uniforms(len(rows), put(seeded), seeds, positions, stream)

@@ -215,9 +215,11 @@ def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int =
     return _shr(z, 11).double() * 2.0**-53
 
 
-def uniforms(n: int, seeded_rows: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def uniforms(
+    n: int, seeded_rows: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int = 0
+) -> torch.Tensor:
     """One float64 uniform per row; a seeded row's is keyed by its seed and the output position it samples."""
     u = torch.rand(n, dtype=torch.float64, device=seeds.device)
     if seeds.numel():
-        u.index_copy_(0, seeded_rows, counter_uniforms(seeds, positions))
+        u.index_copy_(0, seeded_rows, counter_uniforms(seeds, positions, stream))
     return u
