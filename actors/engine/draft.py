@@ -34,7 +34,8 @@ class _DraftKV:
     """A request's state in the draft's KV cache (duck-typed for BlockManager)."""
 
     request_id: str
-    tokens: list[int] = field(default_factory=list)  # what the draft KV holds, position by position
+    tokens: list[int] = field(default_factory=list)  # the request's tokens, then this proposal's drafts
+    num_known: int = 0  # of them, the request's (known when proposing): the KV holds tokens[:num_computed_tokens]
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
 
@@ -73,21 +74,19 @@ class DraftProposer:
         for j in range(max((k for _, k, _ in jobs), default=0)):
             live = [(req, st) for req, k, st in jobs if k > j]
             rows = []
-            for slot, (req, st) in enumerate(live):
-                fed = req.prompt_token_ids + req.output_token_ids + drafts[req.request_id]
+            for slot, (req, st) in enumerate(live):  # feed what the draft KV lacks: then the last draft only
                 start = st.num_computed_tokens
-                rows.append(ScheduledRow(req.request_id, slot, fed[start:], start, list(st.block_table), True))
-                st.tokens, st.num_computed_tokens = fed, len(fed)
+                rows.append(ScheduledRow(req.request_id, slot, st.tokens[start:], start, list(st.block_table), True))
+                st.num_computed_tokens = len(st.tokens)
             logits = self.runner.execute(BatchSpec(step=j, rows=rows))
             sampling = [
-                SamplingRow(
-                    r.params, r.prompt_token_ids, r.output_token_ids + drafts[r.request_id], eos_token_ids=self.eos
-                )
-                for r, _ in live
+                SamplingRow(r.params, r.prompt_token_ids, st.tokens[len(r.prompt_token_ids) :], eos_token_ids=self.eos)
+                for r, st in live
             ]
             q = self.sampler.probs(logits, SamplingMetadata.build(sampling, self.model.vocab_size, logits.device))
             tokens = invert_cdf(q, row_uniforms(sampling, DRAFT_STREAM, logits.device)).tolist()
-            for i, (req, _) in enumerate(live):
+            for i, (req, st) in enumerate(live):
+                st.tokens.append(tokens[i])
                 drafts[req.request_id].append(tokens[i])
                 probs[req.request_id].append(q[i])
         for rid, qs in probs.items():
@@ -96,15 +95,14 @@ class DraftProposer:
         return drafts
 
     def _prepare(self, req: EngineRequest, k: int) -> _DraftKV | None:
-        """The request's draft KV, trusted up to its common prefix with the request's tokens, with blocks for k
-        more tokens; None when the draft cache is full (no drafts then)."""
+        """The request's draft KV, trusted up to where the drafts it holds part from the request's tokens, with
+        blocks for k more tokens; None when the draft cache is full (no drafts then)."""
         st = self.states.get(req.request_id) or self.states.setdefault(req.request_id, _DraftKV(req.request_id))
         tokens = req.prompt_token_ids + req.output_token_ids
-        same = 0
-        for a, b in zip(st.tokens, tokens, strict=False):
-            if a != b:
-                break
-            same += 1
+        same = min(st.num_known, len(st.tokens))  # what was known at the last proposal never changes
+        while same < min(len(st.tokens), len(tokens)) and st.tokens[same] == tokens[same]:
+            same += 1  # accepted drafts
+        st.tokens, st.num_known = tokens, len(tokens)
         st.num_computed_tokens = min(st.num_computed_tokens, same, len(tokens) - 1)
         self.blocks.trim(st)
         need = len(tokens) + k - 1 - st.num_computed_tokens  # the last known token, then k - 1 drafts

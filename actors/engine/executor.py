@@ -25,6 +25,17 @@ ACCEPT, RESIDUAL = 2, 3  # counter_uniforms streams of draft-model verification 
 
 
 @dataclass
+class _DraftCheck:
+    """Draft-model verification inputs for the positions of the rows with drafts."""
+
+    positions: torch.Tensor  # [P'] their indices among the step's sampled positions
+    p: torch.Tensor  # [P', V] the target's processed distributions
+    q: torch.Tensor  # [P', V] the draft's (zero at bonus positions)
+    rows: list[SamplingRow]  # their sampling rows (uniforms are keyed by them)
+    raw: torch.Tensor  # [P', V] their unprocessed logits (logprobs of the tokens finally emitted)
+
+
+@dataclass
 class StepResult:
     sampled: torch.Tensor  # [num sampled positions] int64 on the host (1 + K for a row verifying K drafts)
     logprobs: LogprobsTensors | None  # one entry per sampled position
@@ -120,14 +131,13 @@ class StepExecutor:
         out = self.sampler(logits, self.metadata.build(rows))
         tokens, emitted, last = self._verify(batch, out.sampled, spec)
         if spec is not None and out.logprobs is not None:  # an accepted draft or a residual draw: its own logprob
-            idx, raw = spec[0], spec[4]
-            fixed = self.sampler.logprobs_of(raw, tokens[idx], 1)
-            out.logprobs.sampled[idx], out.logprobs.ranks[idx] = fixed.sampled, fixed.ranks
+            fixed = self.sampler.logprobs_of(spec.raw, tokens[spec.positions], 1)
+            out.logprobs.sampled[spec.positions], out.logprobs.ranks[spec.positions] = fixed.sampled, fixed.ranks
         if slots:
             self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), last)
         return self._to_host(tokens, out.logprobs, plp, emitted)
 
-    def _spec_rows(self, batch: BatchSpec, logits: torch.Tensor, rows: list[SamplingRow]):
+    def _spec_rows(self, batch: BatchSpec, logits: torch.Tensor, rows: list[SamplingRow]) -> _DraftCheck | None:
         """Draft-model speculation: the positions of the rows with drafts, their target distributions p (computed
         before the sampler works on the logits in place) and their draft distributions q (zero at bonus positions)."""
         idx, qs, pos = [], [], 0
@@ -142,9 +152,9 @@ class StepExecutor:
             return None
         sub, raw = [rows[i] for i in idx], logits[idx]  # (a copy: the sampler then works on the logits in place)
         p = self.sampler.probs(raw, SamplingMetadata.build(sub, logits.shape[1], logits.device))
-        return torch.tensor(idx, device=logits.device), p, torch.cat(qs), sub, raw
+        return _DraftCheck(torch.tensor(idx, device=logits.device), p, torch.cat(qs), sub, raw)
 
-    def _verify(self, batch: BatchSpec, sampled: torch.Tensor, spec):
+    def _verify(self, batch: BatchSpec, sampled: torch.Tensor, spec: _DraftCheck | None):
         """(the token at each sampled position, how many positions each sampling row emits (None: one each), each
         row's last emitted token): point-mass drafts verified by comparison, draft-model ones by rejection
         sampling (gpu/sampling/spec.py)."""
@@ -156,9 +166,9 @@ class StepExecutor:
         )
         accepted = sampled == drafts
         if spec is not None:
-            idx, p, q, sub, _ = spec
-            u_accept, u_residual = (row_uniforms(sub, stream, sampled.device) for stream in (ACCEPT, RESIDUAL))
-            token, ok = verify_draft_probs(p, q, drafts[idx], sampled[idx], u_accept, u_residual)
+            idx = spec.positions
+            u_accept, u_residual = (row_uniforms(spec.rows, stream, sampled.device) for stream in (ACCEPT, RESIDUAL))
+            token, ok = verify_draft_probs(spec.p, spec.q, drafts[idx], sampled[idx], u_accept, u_residual)
             sampled, accepted = sampled.index_put((idx,), token), accepted.index_put((idx,), ok)
         emitted = num_emitted(accepted, counts)
         return sampled, emitted, sampled[counts.cumsum(0) - counts + emitted - 1]
