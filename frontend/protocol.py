@@ -4,7 +4,8 @@ Pure functions (no event loop, no actors), so the HTTP actor can run them in an 
 fields each endpoint reads, and those it refuses, are in `frontend.fields`; `suffix`, `best_of` > n
 and streamed `echo` with `logprobs` are refused here. Work is bounded before anything expensive:
 sizes against `RequestLimits` before iterating, a prompt's length in characters against the context
-before tokenizing (`Tokenizer.max_token_chars`), and n x max_tokens against `max_total_tokens`.
+before tokenizing (`Tokenizer.max_token_chars`), and a call's choices and their tokens (prompt + max_tokens)
+against `max_choices` and `max_total_tokens`.
 """
 
 from __future__ import annotations

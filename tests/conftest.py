@@ -121,7 +121,7 @@ async def fake_server(tiny_model_dir):
     from tests.fake_engine import FakeEngine
 
     model = resolve_model(str(tiny_model_dir))
-    http = pick_port(HttpConfig(port=0, api_key=API_KEY, abort_timeout_s=0.3, max_abort_tries=3))
+    http = pick_port(HttpConfig(port=0, api_key=API_KEY, abort_timeout_s=0.3, max_abort_tries=3, body_timeout_s=2.0))
     engine = FakeEngine()
     srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
     await srv.start()

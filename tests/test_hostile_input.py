@@ -95,3 +95,24 @@ async def test_responses_are_counted_by_status(server):
         assert resp.status == 400
     after = await server.metric("sluice:http_requests_total", endpoint="/v1/completions", status="400")
     assert after == before + 1
+
+
+async def test_stalled_bodies_get_a_408_and_block_no_one(fake):
+    """Clients that send headers and stop: each gets a 408 after body_timeout_s (2 s on this server), and while they
+    hang, another large body is still read and answered (they used to hold every large-body place)."""
+    host, port = fake.server.http.host, fake.server.http.port
+    stalled = []
+    for _ in range(5):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{" % fake.api_key.encode()
+        )
+        stalled.append((reader, writer))
+    big = json.dumps({"prompt": "x" * 20_000, "temperature": "hot"}).encode()  # over 16 KiB: the large-body path
+    async with fake.session() as s, s.post("/v1/completions", data=big) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "temperature"
+    for reader, writer in stalled:
+        status_line = await asyncio.wait_for(reader.readline(), BOUND_S)
+        writer.close()
+        assert status_line.split()[1] == b"408"
