@@ -21,11 +21,12 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
   and produces exactly the tokens it would have produced without preemption.
 - A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot.
 - Speculative decoding: `speculation_candidates()` names the decoding requests with nothing in flight
-  and how many drafts each may take; a proposer drafts for them (on the device thread), and
-  `schedule(drafts)` feeds each its last token and its drafts and samples at each of those positions; `update()` receives how many
-  tokens each row emits (1..K+1), appends them up to the first that ends the request (no token after
-  the end ever gets out), rolls `num_computed_tokens` back past the rejected drafts (their KV slots
-  are rewritten later) and frees the lookahead blocks no longer needed.
+  and how many drafts each may take; a proposer drafts for them (on the device thread); `schedule(drafts)`
+  feeds each its last token and its drafts (when their lookahead blocks are free: drafts never preempt)
+  and samples at each of those positions; `update()` receives how many tokens each row emits (1..K+1),
+  appends them up to the first that ends the request (no token after the end ever gets out), rolls
+  `num_computed_tokens` back past the rejected drafts (their KV slots are rewritten later) and frees the
+  lookahead blocks no longer needed.
 """
 
 from __future__ import annotations

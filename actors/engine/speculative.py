@@ -9,17 +9,13 @@ probabilities (gpu/sampling/spec.py). Host-side numpy: O(length x n) compares pe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from actors.engine.config import EngineConfig, SpeculativeConfig
+from actors.engine.draft import DraftProposer
 from actors.engine.request import EngineRequest
 from gpu.config import ModelConfig
-
-if TYPE_CHECKING:
-    from actors.engine.draft import DraftProposer
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -60,6 +56,4 @@ def make_proposer(config: EngineConfig, model: ModelConfig, num_blocks: int) -> 
         return None
     if spec.method == "ngram":
         return NgramProposer(spec)
-    from actors.engine.draft import DraftProposer
-
     return DraftProposer(config, model, num_blocks)
