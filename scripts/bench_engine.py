@@ -1,12 +1,15 @@
 """Engine throughput: the bare engine loop vs HF `generate`, its step-time breakdown, and async vs sync scheduling.
 
-    python scripts/bench_engine.py [--quick] [--threads 1] [--tokens 32] [--repeats 2] [--skip loop|actors]
+    python scripts/bench_engine.py [--quick] [--threads 1] [--tokens 32] [--repeats 2] [--skip loop|actors|mixed]
+                                   [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--batches 1 8 32]
 
 1. Bare engine loop (Scheduler + BlockManager + StepExecutor in this process, no actors) vs HF transformers
    `generate` on the same weights, threads, batch and prompts (greedy, fixed output length, left-padded batch),
    and the bare loop run one step ahead (planning step N+1 on the main thread while step N runs on a device thread).
 2. The sync loop's step time split into schedule / prepare / model / sample / postprocess; overhead = all but model.
 3. async vs sync scheduling through the real actors (AsyncLLM): tokens/s, wall ms per step, engine CPU ms per step.
+4. What one request whose sampling reads its output (a repetition penalty) costs an async batch: the whole batch
+   then steps synchronously while it runs.
 Tokens/s count output tokens over the whole run (prefill included) for every method alike. On a shared machine wall
 time swings with the load, so the single-threaded methods are also timed in CPU time (`cpu`: the process's
 CPU seconds, which other processes' load inflates far less); the stage breakdown is in thread CPU time.
@@ -164,8 +167,8 @@ class BareEngine:
 
 def hf_generate(model, prompts: list[list[int]], n: int, pad: int) -> list[list[int]]:
     width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(
         ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad
     )
@@ -175,7 +178,8 @@ def hf_generate(model, prompts: list[list[int]], n: int, pad: int) -> list[list[
 def bench_vs_hf(args, engine: BareEngine, tokenizer: Tokenizer, model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = engine.executor.runner.dtype
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad, n = engine.model.eos_token_ids[0], args.tokens
     warm = make_prompts(tokenizer, 2)
     engine.run_sync(warm, 4), hf_generate(hf, warm, 4, pad)
@@ -211,8 +215,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-async def serve(config: EngineConfig, prompts: dict[int, list[list[int]]], n: int) -> dict[int, tuple]:
-    """Per batch: output tokens/s, wall seconds, engine-process CPU seconds, load, through the real actors."""
+async def serve(
+    config: EngineConfig, prompts: dict[int, list[list[int]]], n: int, first: SamplingParams | None = None
+) -> dict[int, tuple]:
+    """Per batch: output tokens/s, wall seconds, engine-process CPU seconds, load, through the real actors.
+    first: the first request's own sampling parameters (the others are greedy)."""
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     results = {}
     async with AsyncLLM(config) as llm:
@@ -220,7 +227,11 @@ async def serve(config: EngineConfig, prompts: dict[int, list[list[int]]], n: in
         await llm.generate(next(iter(prompts.values()))[:1], params)  # warm-up
         for b, batch in prompts.items():
             wall, cpu = time.perf_counter(), cpu_seconds(engine)
-            outs = await llm.generate(batch, params)
+            if first is None:
+                outs = await llm.generate(batch, params)
+            else:
+                one, rest = await asyncio.gather(llm.generate(batch[:1], first), llm.generate(batch[1:], params))
+                outs = one + rest
             wall, cpu = time.perf_counter() - wall, cpu_seconds(engine) - cpu
             assert all(len(o.token_ids) == n for o in outs)
             results[b] = (b * n / wall, wall, cpu, load())
@@ -230,7 +241,7 @@ async def serve(config: EngineConfig, prompts: dict[int, list[list[int]]], n: in
 def bench_async(args, model_dir: Path, model: ModelConfig, tokenizer: Tokenizer) -> None:
     n = args.tokens
     prompts = {b: make_prompts(tokenizer, b) for b in args.async_batches}
-    configs = {m: EngineConfig(model=str(model_dir), engine_threads=args.threads, async_scheduling=m) for m in (1, 0)}
+    configs = {m: engine_config(args, model_dir, async_scheduling=m) for m in (1, 0)}
     runs = collections.defaultdict(list)
     for mode in [True, False] + [False, True] * (args.repeats - 1):  # ABBA: drift in the load hits both alike
         for b, r in asyncio.run(serve(configs[mode], prompts, n)).items():
@@ -248,30 +259,61 @@ def bench_async(args, model_dir: Path, model: ModelConfig, tokenizer: Tokenizer)
               f"{1e3 * cpu_a / steps:24.1f} {1e3 * cpu_s / steps:5.1f} | {loads}")  # fmt: skip
 
 
+def engine_config(args, model_dir: Path, **kw) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), engine_threads=args.threads, device=args.device, dtype=args.dtype, max_num_seqs=64, **kw
+    )
+
+
+def bench_mixed(args, model_dir: Path, tokenizer: Tokenizer) -> None:
+    b, n = max(args.async_batches), args.tokens
+    prompts = {b: make_prompts(tokenizer, b)}
+    penalty = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, repetition_penalty=1.1)
+    runs = collections.defaultdict(list)
+    for _ in range(args.repeats):
+        for name, mode, first in (("async", True, None), ("async+1", True, penalty), ("sync", False, None)):
+            runs[name].append(
+                asyncio.run(serve(engine_config(args, model_dir, async_scheduling=mode), prompts, n, first))[b][0]
+            )
+    tok = {name: statistics.median(r) for name, r in runs.items()}
+    print(
+        f"\n## 4. batch {b}, {n} output tokens: one request with a repetition penalty (the batch steps synchronously)"
+    )
+    print(
+        f"tok/s all greedy async {tok['async']:.1f}, with the penalty request {tok['async+1']:.1f} "
+        f"({tok['async+1'] / tok['async']:.3f}x), all greedy sync {tok['sync']:.1f} ({tok['sync'] / tok['async']:.3f}x)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer tokens and batch sizes (~90 s on a quiet machine)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every method (default 1)")
     ap.add_argument("--tokens", type=int, help="output tokens per request (default 32, quick 16)")
     ap.add_argument("--repeats", type=int, help="repetitions of each measurement (default 2, quick 1)")
-    ap.add_argument("--skip", choices=["loop", "actors"], action="append", default=[])
+    ap.add_argument("--skip", choices=["loop", "actors", "mixed"], action="append", default=[])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32 or bfloat16")
+    ap.add_argument("--batches", type=int, nargs="*", help="batch sizes of the bare loop (default 1 8 32)")
     args = ap.parse_args()
     args.tokens = args.tokens or (16 if args.quick else 32)
     args.repeats = args.repeats or (1 if args.quick else 2)
-    args.batches = [1, 8] if args.quick else [1, 8, 32]
+    args.batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
     args.async_batches = [1, 16] if args.quick else [1, 16, 64]
     torch.set_num_threads(args.threads)
     model_dir = default_model_dir()
     model = ModelConfig.from_path(model_dir)
-    print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M')}: {model_dir.name} fp32 on CPU ({os.cpu_count()} cores), "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M')}: {model_dir.name} {args.dtype} on {where}, "
           f"torch threads {args.threads} for every method (more threads than free cores was measured to cut decode "
           f"5x), load {load()}")  # fmt: skip
     tokenizer = Tokenizer.from_model_dir(model_dir)
     if "loop" not in args.skip:
-        config = EngineConfig(model=str(model_dir), engine_threads=args.threads)
-        bench_vs_hf(args, BareEngine(config, model), tokenizer, model_dir)
+        bench_vs_hf(args, BareEngine(engine_config(args, model_dir), model), tokenizer, model_dir)
     if "actors" not in args.skip:
         bench_async(args, model_dir, model, tokenizer)
+    if "mixed" not in args.skip:
+        bench_mixed(args, model_dir, tokenizer)
 
 
 if __name__ == "__main__":

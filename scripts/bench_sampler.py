@@ -1,11 +1,13 @@
 """Per-step sampler time vs plain argmax (the floor) and a sort-based reference, measured in the same run.
 
-    python scripts/bench_sampler.py [--quick] [--threads 1] [--logits peaked|flat] [--device cpu]
+    python scripts/bench_sampler.py [--quick] [--threads 1] [--logits peaked|flat] [--device cpu] [--unseeded]
 
 Rows cycle through a mix of request parameters (greedy, top-p, top-k + top-p, temperature only, min-p,
 penalties + bias, seeded). "peaked" logits imitate a language model (Zipf-like ranks; nucleus sizes close to SmolLM2's:
 at T = 1, top_p = 0.95 median 12 / p90 400 tokens, 15 % of rows wider than 256); "flat" is N(0, 3^2), where T = 1 nuclei are thousands wide.
 The reference is the textbook path: sort -> softmax -> cumsum -> mask -> torch.multinomial.
+On CUDA with FlashInfer installed, unseeded batches (--unseeded drops the seeded row from the mix) are drawn by
+FlashInfer's kernel; the `torch` column then times the same batch through the torch path.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gpu.sampling.sampler as sampler_module
 from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
+from gpu.sampling.topk_topp import flashinfer_available
 from messages.sampling_params import SamplingParams as SP
 
 MIX = [
@@ -35,10 +39,11 @@ MIX = [
 ]
 
 
-def make_rows(b: int, device) -> list[SamplingRow]:
+def make_rows(b: int, device, unseeded: bool = False) -> list[SamplingRow]:
+    mix = [p for p in MIX if not (unseeded and p.seed is not None)]
     rows = []
     for i in range(b):
-        p = MIX[i % len(MIX)]
+        p = mix[i % len(mix)]
         rows.append(SamplingRow(p, list(range(100, 400)), list(range(500, 564)), eos_token_ids=[2]))
     return rows
 
@@ -89,6 +94,19 @@ def timed(fns: dict, base: torch.Tensor, reps: int, stat=statistics.median) -> d
     return {name: stat(t[1:]) for name, t in times.items()}
 
 
+def torch_path(fn):
+    """fn with FlashInfer switched off (the sampler's torch path)."""
+
+    def run(x):
+        saved, sampler_module.flashinfer_available = sampler_module.flashinfer_available, lambda x: False
+        try:
+            return fn(x)
+        finally:
+            sampler_module.flashinfer_available = saved
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B in {1, 32}, V = 128256, fewer repetitions")
@@ -99,25 +117,32 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     ap.add_argument("--vocabs", type=int, nargs="*", help="override the vocabulary sizes")
     ap.add_argument("--stat", choices=["median", "min"], default="median", help="min: best of the repetitions")
+    ap.add_argument("--unseeded", action="store_true", help="leave the seeded row out of the mix")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches, vocabs = ([1, 32], [128256]) if args.quick else ([1, 8, 32, 128, 256], [49152, 128256, 151936])
     batches, vocabs = args.batches or batches, args.vocabs or vocabs
     sampler = Sampler()
     stat = min if args.stat == "min" else statistics.median
-    print(f"device={args.device} threads={args.threads} logits={args.logits}; ms per step ({args.stat})")
+    flashinfer = flashinfer_available(torch.empty(0, device=args.device))
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"device={args.device} ({where}) threads={args.threads} logits={args.logits} flashinfer={flashinfer}; "
+          f"ms per step ({args.stat})")  # fmt: skip
     print(
         f"{'B':>4} {'V':>7} {'argmax':>9} {'sampler':>9} {'ratio':>6} {'reference':>10} {'ref/argmax':>10} {'build':>7}"
+        + (f" {'torch':>9} {'torch/argmax':>12}" if flashinfer else "")
     )
     for v in vocabs:
         for b in batches:
             reps = 5 if args.quick or b * v > 8_000_000 else 11
-            rows = make_rows(b, args.device)
+            rows = make_rows(b, args.device, args.unseeded)
             base = make_logits(b, v, args.logits, args.device)
             t0 = time.perf_counter()
             meta = SamplingMetadata.build(rows, v, args.device)
             build = time.perf_counter() - t0
             fns = {"argmax": lambda x: x.argmax(-1), "sampler": lambda x, m=meta: sampler(x, m)}
+            if flashinfer:
+                fns["torch"] = torch_path(lambda x, m=meta: sampler(x, m))
             t = timed(fns, base, reps, stat)
             t_argmax, t_sampler = t["argmax"], t["sampler"]
             ref_fn = {"ref": lambda x, r=rows: reference(x, r)}
@@ -126,7 +151,8 @@ def main() -> None:
             ref = ref if isinstance(ref, str) else f"{ref:.2f}"
             print(
                 f"{b:>4} {v:>7} {t_argmax * 1e3:>9.3f} {t_sampler * 1e3:>9.3f} {t_sampler / t_argmax:>5.2f}x"
-                f" {ref:>10} {ref_ratio:>10} {build * 1e3:>7.2f}",
+                f" {ref:>10} {ref_ratio:>10} {build * 1e3:>7.2f}"
+                + (f" {t['torch'] * 1e3:>9.3f} {t['torch'] / t_argmax:>11.2f}x" if flashinfer else ""),
                 flush=True,
             )
 

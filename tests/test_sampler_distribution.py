@@ -2,7 +2,8 @@
 transform and combination (chi-square, significance level ALPHA = 0.001), and the same test rejects a subtly
 wrong target (the classic ordering / boundary mistakes), so it has the power to catch them.
 
-The draws are batched as many identical rows; seeds are fixed, so the outcome is deterministic.
+The draws are batched as many identical rows; seeds are fixed, so the outcome is deterministic. The transforms are
+also drawn on CUDA when a GPU is present: the torch path, and FlashInfer's sampler when it is installed.
 """
 
 import numpy as np
@@ -10,7 +11,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import gpu.sampling.sampler as sampler_module
 from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
+from gpu.sampling.topk_topp import flashinfer_available
 from messages.sampling_params import SamplingParams as SP
 
 ALPHA = 1e-3
@@ -44,16 +47,37 @@ def target(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, wrong=None) -
     return final / final.sum()
 
 
-def draw(logits: torch.Tensor, params: SP, window: int = 64, dynamic=None, output=(), seed=0) -> np.ndarray:
+def draw(
+    logits: torch.Tensor, params: SP, window: int = 64, dynamic=None, output=(), seed=0, device="cpu"
+) -> np.ndarray:
     rows = [SamplingRow(params, [1, 2, 3], list(output), eos_token_ids=[0])] * ROWS
-    meta = SamplingMetadata.build(rows, len(logits), "cpu", window=window)
-    sampler = Sampler(dynamic_fallback=dynamic)
+    meta = SamplingMetadata.build(rows, len(logits), device, window=window)
+    draws = Sampler(dynamic_fallback=dynamic)
     torch.manual_seed(seed)
     counts = np.zeros(len(logits), np.int64)
+    logits = logits.to(device)
     for _ in range(CALLS):
-        tokens = sampler(logits.expand(ROWS, -1).clone(), meta).sampled
-        counts += np.bincount(tokens.numpy(), minlength=len(logits))
+        tokens = draws(logits.expand(ROWS, -1).clone(), meta).sampled
+        counts += np.bincount(tokens.cpu().numpy(), minlength=len(logits))
     return counts
+
+
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.cuda),
+        pytest.param("cuda-flashinfer", marks=pytest.mark.cuda),
+    ]
+)
+def device(request, monkeypatch):
+    """Where the draws run: CPU, CUDA's torch path, or FlashInfer's kernel (when installed)."""
+    if request.param == "cuda-flashinfer":
+        if not flashinfer_available(torch.empty(0, device="cuda")):
+            pytest.skip("flashinfer is not installed")
+        return "cuda"
+    if request.param == "cuda":
+        monkeypatch.setattr(sampler_module, "flashinfer_available", lambda x: False)
+    return request.param
 
 
 def p_value(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -105,10 +129,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_transform_matches_its_target(name):
+def test_transform_matches_its_target(name, device):
     vocab, params, kwargs, wrong = CASES[name]
     x = logits_of(vocab)
-    check(draw(x, params), target(x, **kwargs), target(x, **kwargs, wrong=wrong))
+    check(draw(x, params, device=device), target(x, **kwargs), target(x, **kwargs, wrong=wrong))
 
 
 # Kept sets wider than both CPU window levels (4 and 8 x 4 tokens here): exact through the CPU threshold window

@@ -18,7 +18,7 @@ from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.kv_cache import num_blocks_for_memory
 from gpu.runner import ModelRunner, resolve_device, resolve_dtype
-from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow
+from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow, to_device
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
 
 ACCEPT, RESIDUAL = 2, 3  # counter_uniforms streams of draft-model verification (1: the draft tokens)
@@ -152,7 +152,7 @@ class StepExecutor:
             return None
         sub, raw = [rows[i] for i in idx], logits[idx]  # (a copy: the sampler then works on the logits in place)
         p = self.sampler.probs(raw, SamplingMetadata.build(sub, logits.shape[1], logits.device))
-        return _DraftCheck(torch.tensor(idx, device=logits.device), p, torch.cat(qs), sub, raw)
+        return _DraftCheck(to_device(idx, torch.int64, logits.device), p, torch.cat(qs), sub, raw)
 
     def _verify(self, batch: BatchSpec, sampled: torch.Tensor, spec: _DraftCheck | None):
         """(the token at each sampled position, how many positions each sampling row emits (None: one each), each
@@ -160,10 +160,9 @@ class StepExecutor:
         sampling (gpu/sampling/spec.py)."""
         if len(sampled) == len(batch.sampling_rows):
             return sampled, None, sampled
-        counts = torch.tensor([r.num_samples for r in batch.rows if r.sample], device=sampled.device)
-        drafts = torch.tensor(
-            [t for r in batch.rows if r.sample for t in (*r.draft_token_ids, NO_DRAFT)], device=sampled.device
-        )
+        counts = to_device([r.num_samples for r in batch.rows if r.sample], torch.int64, sampled.device)
+        drafts = [t for r in batch.rows if r.sample for t in (*r.draft_token_ids, NO_DRAFT)]
+        drafts = to_device(drafts, torch.int64, sampled.device)
         accepted = sampled == drafts
         if spec is not None:
             idx = spec.positions
@@ -177,7 +176,7 @@ class StepExecutor:
         """Raw logprobs of each prompt target under the logits of the token before it, and the top-n."""
         if not len(logits):
             return None
-        targets = torch.tensor([t for r in batch.rows for t in r.prompt_targets], device=logits.device)
+        targets = to_device([t for r in batch.rows for t in r.prompt_targets], torch.int64, logits.device)
         return self.sampler.logprobs_of(logits, targets, max(n, 1))
 
     def _to_host(

@@ -2,7 +2,7 @@
 then Sampler()(logits, metadata)."""
 
 from .logprobs import LogprobsTensors
-from .metadata import MetadataCache, SamplingMetadata, SamplingRow, reads_output
+from .metadata import MetadataCache, SamplingMetadata, SamplingRow, reads_output, to_device
 from .sampler import Sampler, SamplerOutput
 
 __all__ = [
@@ -13,4 +13,5 @@ __all__ = [
     "SamplingMetadata",
     "SamplingRow",
     "reads_output",
+    "to_device",
 ]

@@ -123,19 +123,19 @@ class SamplingMetadata:
                 logit_bias.add(i, list(bias), list(bias.values()))
         return cls(
             vocab_size=vocab_size,
-            params=_put(params, torch.float64, device).view(-1, 4),
-            greedy=_put(greedy, torch.bool, device),
+            params=to_device(params, torch.float64, device).view(-1, 4),
+            greedy=to_device(greedy, torch.bool, device),
             all_greedy=not random,
             window=window,
-            random_rows=_put(random, torch.int64, device),
-            mass_rows=_put(untruncated, torch.int64, device),
-            window_rows=_put(window_rows, torch.int64, device),
-            covered_rows=_put([i for i in window_rows if top_k[i] <= window], torch.int64, device),
-            uncovered_rows=_put([i for i in window_rows if top_k[i] > window], torch.int64, device),
-            seeded_rows=_put(seeded, torch.int64, device),
-            seeds=_put([ps[i].seed for i in seeded], torch.int64, device),
-            positions=_put([rows[i].sample_position for i in seeded], torch.int64, device),
-            logprob_rows=_put(logprob_rows, torch.int64, device),
+            random_rows=to_device(random, torch.int64, device),
+            mass_rows=to_device(untruncated, torch.int64, device),
+            window_rows=to_device(window_rows, torch.int64, device),
+            covered_rows=to_device([i for i in window_rows if top_k[i] <= window], torch.int64, device),
+            uncovered_rows=to_device([i for i in window_rows if top_k[i] > window], torch.int64, device),
+            seeded_rows=to_device(seeded, torch.int64, device),
+            seeds=to_device([ps[i].seed for i in seeded], torch.int64, device),
+            positions=to_device([rows[i].sample_position for i in seeded], torch.int64, device),
+            logprob_rows=to_device(logprob_rows, torch.int64, device),
             max_num_logprobs=max((ps[i].logprobs for i in logprob_rows), default=None),
             allowed=allowed.tensors(device),
             bad_words=bad_words.tensors(device),
@@ -170,7 +170,7 @@ class MetadataCache:
         meta = self._meta
         if meta.seeds.numel():
             positions = [r.sample_position for r in rows if _seeded(r.params)]
-            meta.positions = _put(positions, torch.int64, self.device)
+            meta.positions = to_device(positions, torch.int64, self.device)
         return meta
 
 
@@ -189,10 +189,10 @@ class _Entries:
         if not self.rows:
             return None
         return TokenEntries(
-            rows=_put(self.rows, torch.int64, device),
-            tokens=_put(self.tokens, torch.int64, device),
-            values=_put(self.values, torch.float32, device) if self.values else None,
-            row_ids=_put(sorted(set(self.rows)), torch.int64, device),
+            rows=to_device(self.rows, torch.int64, device),
+            tokens=to_device(self.tokens, torch.int64, device),
+            values=to_device(self.values, torch.float32, device) if self.values else None,
+            row_ids=to_device(sorted(set(self.rows)), torch.int64, device),
         )
 
 
@@ -227,16 +227,16 @@ def _penalties(rows: list[SamplingRow], device) -> PenaltyTokens | None:
         token_ids[j, : len(s)] = s
         token_ids[j, len(s) :] = s[-1]
     pos = torch.arange(token_ids.shape[1], device=device)
-    end = _put(lengths, torch.int64, device)[:, None]
+    end = to_device(lengths, torch.int64, device)[:, None]
     ps = [rows[i].params for i in idx]
 
     def column(values) -> torch.Tensor:
-        return _put(values, torch.float32, device)[:, None]
+        return to_device(values, torch.float32, device)[:, None]
 
     return PenaltyTokens(
-        rows=_put(idx, torch.int64, device),
-        token_ids=_put(token_ids, torch.int64, device),
-        output_weight=((pos >= end - _put(outs, torch.int64, device)[:, None]) & (pos < end)).float(),
+        rows=to_device(idx, torch.int64, device),
+        token_ids=to_device(token_ids, torch.int64, device),
+        output_weight=((pos >= end - to_device(outs, torch.int64, device)[:, None]) & (pos < end)).float(),
         repetition=column([p.repetition_penalty for p in ps]),
         presence=column([p.presence_penalty for p in ps]),
         frequency=column([p.frequency_penalty for p in ps]),
@@ -248,5 +248,6 @@ def _seeded(p: SamplingParams) -> bool:
     return p.seed is not None and not p.greedy
 
 
-def _put(values, dtype: torch.dtype, device) -> torch.Tensor:
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host values as a tensor on `device`, without a host sync (torch.tensor(..., device=cuda) synchronizes)."""
     return torch.as_tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)

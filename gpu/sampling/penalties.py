@@ -23,7 +23,7 @@ def apply_allowed(x: torch.Tensor, allowed: TokenEntries | None) -> None:
 def apply_ban(x: torch.Tensor, banned: TokenEntries | None) -> None:
     """Banned ids (bad words, EOS / stop ids before min_tokens) become -inf."""
     if banned is not None:
-        x.index_put_((banned.rows, banned.tokens), torch.tensor(float("-inf"), device=x.device))
+        x.index_put_((banned.rows, banned.tokens), x.new_full((), float("-inf")))
 
 
 def apply_logit_bias(x: torch.Tensor, bias: TokenEntries | None) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import SamplingRow
+from .metadata import SamplingRow, to_device
 from .topk_topp import invert_cdf, uniforms
 
 NO_DRAFT = -1  # the draft "token" at a bonus position: no sample equals it
@@ -32,7 +32,7 @@ def num_emitted(accepted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """accepted [P]: whether each flat position's draft was accepted (row after row, `counts` [R] positions each, a
     row's last position a bonus one, never accepted). Returns [R]: how many leading positions each row emits (its
     accepted drafts, plus the token at the first rejection or the bonus)."""
-    rows = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    rows = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=len(accepted))
     local = torch.arange(len(accepted), device=accepted.device) - (counts.cumsum(0) - counts)[rows]
     first_miss = torch.where(accepted, len(accepted), local)
     first = torch.full_like(counts, len(accepted)).scatter_reduce_(0, rows, first_miss, "amin")
@@ -62,9 +62,6 @@ def row_uniforms(rows: list[SamplingRow], stream: int, device) -> torch.Tensor:
     """One float64 uniform per row for speculation's extra draws: a seeded row's keyed by (seed, the output position
     it samples, stream), the others fresh."""
     seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
-
-    def put(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    seeds, positions = put([rows[i].params.seed for i in seeded]), put([rows[i].sample_position for i in seeded])
-    return uniforms(len(rows), put(seeded), seeds, positions, stream)
+    seeds = to_device([rows[i].params.seed for i in seeded], torch.int64, device)
+    positions = to_device([rows[i].sample_position for i in seeded], torch.int64, device)
+    return uniforms(len(rows), to_device(seeded, torch.int64, device), seeds, positions, stream)
