@@ -38,9 +38,11 @@ class RotaryEmbedding:
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
         self.inv_freq = _scale_inv_freq(inv_freq, config.rope_scaling)
 
+    def to(self, device: torch.device) -> None:
+        """Move the frequencies to the model's device once, at load (a lazy move would block the first step)."""
+        self.inv_freq = self.inv_freq.to(device)
+
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -16,6 +16,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         model = LlamaForCausalLM(config)
     model = model.to(dtype).to_empty(device=device).requires_grad_(False).eval()
     model.tie_weights()
+    model.model.rotary.to(device)  # computed, not a weight: built on the host
     params = dict(model.named_parameters())  # a tied lm_head is not listed: it is embed_tokens
     loaded: set[str] = set()
     for file in weight_files(config.path):

@@ -241,7 +241,7 @@ async def serve(
 def bench_async(args, model_dir: Path, model: ModelConfig, tokenizer: Tokenizer) -> None:
     n = args.tokens
     prompts = {b: make_prompts(tokenizer, b) for b in args.async_batches}
-    configs = {m: engine_config(args, model_dir, async_scheduling=m) for m in (1, 0)}
+    configs = {m: engine_config(args, model_dir, async_scheduling=m) for m in (True, False)}
     runs = collections.defaultdict(list)
     for mode in [True, False] + [False, True] * (args.repeats - 1):  # ABBA: drift in the load hits both alike
         for b, r in asyncio.run(serve(configs[mode], prompts, n)).items():

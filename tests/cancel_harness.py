@@ -34,6 +34,7 @@ def engine_config(model_dir, **overrides) -> EngineConfig:
         "max_num_batched_tokens": 32,
         "max_num_seqs": 8,
         "engine_threads": 1,
+        "dtype": "float32",  # outputs are compared with HF's fp32 (bf16 on CUDA: the server fixture, test_cuda)
         "step_gate": True,
         "stats_interval_s": 0.05,
         **overrides,

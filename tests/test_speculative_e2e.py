@@ -50,9 +50,11 @@ REQUESTS = [  # (user message, sampling params)
 
 async def generate(speculative, async_scheduling: bool = True):
     model = resolve_model(None)
+    # fp32 on every device: verification runs a token in a differently shaped batch than plain decoding would, and
+    # bf16's coarser rounding of another shape flips near-ties (vLLM promises spec/plain identity only up to that)
     config = engine_config(
         model.path, speculative=speculative, async_scheduling=async_scheduling, step_gate=False,
-        num_kv_blocks=None, max_model_len=1024, max_num_batched_tokens=512, engine_threads=None,
+        num_kv_blocks=None, max_model_len=1024, max_num_batched_tokens=512, engine_threads=None, dtype="float32",
     )  # fmt: skip
     async with AsyncLLM(config, log_level="WARNING") as llm:
 

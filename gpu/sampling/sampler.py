@@ -127,9 +127,10 @@ class Sampler:
         if dynamic:  # the rows that did not fit, level by level (data-dependent subsets: CPU only)
             rows = meta.window_rows
             for k in (meta.window, 8 * meta.window):
-                rows = self._window(blocks, rows, k, cols, draw)
-        else:
-            self._window(blocks, meta.covered_rows, meta.window, cols, draw)
+                rows = rows[~self._window(blocks, rows, k, cols, draw)] if rows.numel() else rows
+        else:  # covered rows always fit: nothing is read back (a boolean mask would sync the device)
+            if meta.covered_rows.numel():
+                self._window(blocks, meta.covered_rows, meta.window, cols, draw)
             rows = meta.uncovered_rows
         if rows.numel():  # a window that holds the whole kept set, however wide
             sub = cols.index_select(0, rows)
@@ -142,13 +143,11 @@ class Sampler:
 
     @staticmethod
     def _window(blocks: Blocks, rows: torch.Tensor, k: int, cols: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
-        """Draw `rows` from their top-k window into `draw`; returns the rows whose kept set may not fit it."""
-        if not rows.numel():
-            return rows
+        """Draw `rows` (not empty) from their top-k window into `draw`; returns whether each one's kept set fits it."""
         values, ids = blocks.top(rows, k)
         token, fits = draw_window(values, ids, cols.index_select(0, rows))
         draw.index_copy_(0, rows, token)
-        return rows[~fits]
+        return fits
 
     def _whole_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """x itself when its width is whole blocks, else a copy padded with -inf (never sampled)."""
