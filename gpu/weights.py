@@ -39,5 +39,5 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         raise ModelLoadError(f"{config.path}: weights missing from the checkpoint: {', '.join(missing[:8])}")
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack()
+            module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)
     return model
