@@ -33,6 +33,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget per step"
     )
+    g.add_argument(
+        "--max-prefill-tokens-with-decodes",
+        type=int,
+        default=_DEFAULTS.max_prefill_tokens_with_decodes,
+        help="prompt tokens a step that also decodes may take (bounds the stall a long prompt costs the others)",
+    )
     g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
     kv = g.add_mutually_exclusive_group()
     kv.add_argument(
@@ -72,7 +78,8 @@ def _speculative_config(text: str) -> SpeculativeConfig:
 
 
 def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
-    fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks")
+    fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens_with_decodes")
+    fields += ("block_size", "num_kv_blocks")
     fields += ("kv_cache_memory_gb", "dtype", "device", "engine_threads", "async_scheduling", "speculative_config")
     values = {f: getattr(args, f) for f in fields}
     values["speculative"] = values.pop("speculative_config")

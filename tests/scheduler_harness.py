@@ -88,8 +88,12 @@ class Harness:
         max_model_len=64,
         eos=(EOS,),
         proposer=None,
+        prefill_with_decodes=None,
     ):
-        self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, eos)
+        self.sched = Scheduler(
+            BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, eos,
+            max_prefill_tokens_with_decodes=prefill_with_decodes,
+        )  # fmt: skip
         self.proposer = proposer  # (request, at most k) -> drafts
         self.model = FakeModel(block_size)
         self.one_ahead = one_ahead

@@ -46,6 +46,24 @@ def test_chunked_prefill_splits_prompt_and_samples_on_last_chunk():
     assert h.tokens["long"] == chain(list(range(20)), 3) and h.tokens["short"] == chain([5, 6], 6)
 
 
+def test_a_step_that_decodes_prefills_at_most_its_prefill_allowance():
+    """A wave of prompts arriving together prefills in one step (nothing decodes yet); a prompt arriving while
+    others decode is fed max_prefill_tokens_with_decodes at a time beside their decode rows, and still finishes."""
+    h = Harness(budget=32, prefill_with_decodes=5)
+    for i in range(3):
+        h.add(f"wave{i}", list(range(10 * i, 10 * i + 8)), max_tokens=12, ignore_eos=True)
+    assert [len(r.token_ids) for r in h.step().rows] == [8, 8, 8]  # the whole wave, beyond the allowance
+    h.add("late", list(range(100, 117)), max_tokens=2)
+    chunks = []
+    while not h.tokens["late"]:
+        b = h.step()
+        assert [len(r.token_ids) for r in b.rows if r.request_id != "late"] == [1, 1, 1]
+        chunks += [len(r.token_ids) for r in b.rows if r.request_id == "late"]
+    assert chunks == [5, 5, 5, 2]
+    h.run()
+    assert h.tokens["late"] == chain(list(range(100, 117)), 2)
+
+
 def test_contract_misuse_raises():
     h = Harness(one_ahead=True)
     h.add("a", [1, 2], max_tokens=5)

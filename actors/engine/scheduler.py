@@ -51,6 +51,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int],
         release: Callable[[str], None] | None = None,
+        max_prefill_tokens_with_decodes: int | None = None,
     ):
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
             raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
@@ -59,6 +60,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # prompt tokens a step that also decodes may take (None: the whole budget): a long prompt then delays the
+        # running requests' next tokens by a bounded chunk, while a step without decodes prefills a whole wave
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.release = release  # told each finished request's id once it is freed (the proposer's state)
@@ -133,6 +137,10 @@ class Scheduler:
             raise RuntimeError("schedule() may run at most one batch ahead of update()")
         batch = BatchSpec(step=self.next_step)
         budget = self.max_num_batched_tokens
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        prefill = (
+            min(budget, self.max_prefill_tokens_with_decodes) if decoding else budget
+        )  # rows of more than one token
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -141,6 +149,12 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1:
+                n = min(n, prefill)
+                prefill -= n
+            if n == 0:
+                i += 1
+                continue
             row_drafts = (drafts or {}).get(req.request_id, [])[: budget - 1] if n == 1 else []
             if row_drafts and not self.block_manager.may_append(req, n + len(row_drafts)):
                 row_drafts = []  # drafts are optional: never preempt another request for their lookahead
@@ -158,9 +172,9 @@ class Scheduler:
             budget -= n
             i += 1
         # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
-        while self.waiting and budget > 0 and self.free_slots and not preempted:
+        while self.waiting and min(budget, prefill) > 0 and self.free_slots and not preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)
+            n = min(req.num_tokens, budget, prefill)
             if req.num_inflight_steps or not self.block_manager.can_allocate(n):
                 break  # strict FIFO: the head waits for its in-flight sample or for free blocks
             self.waiting.popleft()
@@ -172,6 +186,7 @@ class Scheduler:
             self.block_manager.allocate(req, n)
             batch.rows.append(self._row(req, n))
             budget -= n
+            prefill -= n
         if batch.rows:
             self.in_flight.append(batch.step)
             self.next_step += 1
