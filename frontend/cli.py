@@ -34,10 +34,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget per step"
     )
     g.add_argument(
-        "--max-prefill-tokens-with-decodes",
+        "--long-prefill-token-threshold",
         type=int,
-        default=_DEFAULTS.max_prefill_tokens_with_decodes,
-        help="prompt tokens a step that also decodes may take (bounds the stall a long prompt costs the others)",
+        default=_DEFAULTS.long_prefill_token_threshold,
+        help="a prompt's tokens per step while others decode (bounds the stall a long prompt costs them)",
     )
     g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
     kv = g.add_mutually_exclusive_group()
@@ -49,6 +49,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")
+    g.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantization (CPU, float32)"
+    )
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: the cores left over)")
     g.add_argument(
         "--async-scheduling",
@@ -78,9 +81,10 @@ def _speculative_config(text: str) -> SpeculativeConfig:
 
 
 def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
-    fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_prefill_tokens_with_decodes")
+    fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "long_prefill_token_threshold")
     fields += ("block_size", "num_kv_blocks")
-    fields += ("kv_cache_memory_gb", "dtype", "device", "engine_threads", "async_scheduling", "speculative_config")
+    fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
+    fields += ("speculative_config",)
     values = {f: getattr(args, f) for f in fields}
     values["speculative"] = values.pop("speculative_config")
     return EngineConfig(model=model, **values)

@@ -16,6 +16,7 @@ from gpu.attention import AttentionMetadata, Segment, plan_segments, use_flash_a
 from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.config import ModelConfig
 from gpu.kv_cache import KVCache
+from gpu.quant import Quantization
 from gpu.weights import load_model
 
 
@@ -46,6 +47,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         num_threads: int | None = None,
+        quantization: Quantization | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -61,7 +63,7 @@ class ModelRunner:
             max_num_seqs,
             max_num_batched_tokens,
         )
-        self.model = load_model(model_config, self.device, self.dtype)
+        self.model = load_model(model_config, self.device, self.dtype, quantization)
         self.kv_cache = KVCache(model_config, num_blocks, block_size, self.dtype, self.device)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.flash = use_flash_attn(self.device, self.dtype, block_size)

@@ -8,10 +8,17 @@ from safetensors import safe_open
 from gpu.config import ModelConfig, ModelLoadError, weight_files
 from gpu.linear import Linear
 from gpu.llama import LlamaForCausalLM
+from gpu.quant import Quantization, quantize_model
 
 
 @torch.no_grad()
-def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def load_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, quantization: Quantization | None = None
+) -> LlamaForCausalLM:
+    """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
+    int8 or int4 one (gpu/quant.py)."""
+    if quantization and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(dtype).to_empty(device=device).requires_grad_(False).eval()
@@ -37,6 +44,9 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     missing = sorted(params.keys() - loaded)
     if missing:
         raise ModelLoadError(f"{config.path}: weights missing from the checkpoint: {', '.join(missing[:8])}")
+    if quantization:
+        quantize_model(model, quantization)
+        return model
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)

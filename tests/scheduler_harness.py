@@ -88,11 +88,11 @@ class Harness:
         max_model_len=64,
         eos=(EOS,),
         proposer=None,
-        prefill_with_decodes=None,
+        long_prefill=None,
     ):
         self.sched = Scheduler(
             BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, eos,
-            max_prefill_tokens_with_decodes=prefill_with_decodes,
+            long_prefill_token_threshold=long_prefill,
         )  # fmt: skip
         self.proposer = proposer  # (request, at most k) -> drafts
         self.model = FakeModel(block_size)

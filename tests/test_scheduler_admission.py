@@ -46,22 +46,25 @@ def test_chunked_prefill_splits_prompt_and_samples_on_last_chunk():
     assert h.tokens["long"] == chain(list(range(20)), 3) and h.tokens["short"] == chain([5, 6], 6)
 
 
-def test_a_step_that_decodes_prefills_at_most_its_prefill_allowance():
-    """A wave of prompts arriving together prefills in one step (nothing decodes yet); a prompt arriving while
-    others decode is fed max_prefill_tokens_with_decodes at a time beside their decode rows, and still finishes."""
-    h = Harness(budget=32, prefill_with_decodes=5)
+def test_a_long_prompt_is_chunked_while_others_decode_and_a_wave_is_not():
+    """A wave of prompts arriving together prefills in one step (nothing decodes yet), beyond the threshold; a long
+    prompt arriving while others decode is fed long_prefill_token_threshold tokens per step beside their decode
+    rows, while a short one arriving with it is prefilled whole; both finish."""
+    h = Harness(budget=32, long_prefill=5, max_num_seqs=5)
     for i in range(3):
         h.add(f"wave{i}", list(range(10 * i, 10 * i + 8)), max_tokens=12, ignore_eos=True)
-    assert [len(r.token_ids) for r in h.step().rows] == [8, 8, 8]  # the whole wave, beyond the allowance
-    h.add("late", list(range(100, 117)), max_tokens=2)
+    assert [len(r.token_ids) for r in h.step().rows] == [8, 8, 8]
+    h.add("long", list(range(100, 117)), max_tokens=2)
+    h.add("short", [7, 8, 9, 10, 11], max_tokens=2)
     chunks = []
-    while not h.tokens["late"]:
+    while not h.tokens["long"]:
         b = h.step()
-        assert [len(r.token_ids) for r in b.rows if r.request_id != "late"] == [1, 1, 1]
-        chunks += [len(r.token_ids) for r in b.rows if r.request_id == "late"]
-    assert chunks == [5, 5, 5, 2]
+        assert [len(r.token_ids) for r in b.rows if r.request_id.startswith("wave")] == [1, 1, 1]
+        chunks += [len(r.token_ids) for r in b.rows if r.request_id == "long"]
+    assert chunks == [5, 5, 5, 2] and h.batches[1].rows[-1].request_id == "short"
+    assert len(h.batches[1].rows[-1].token_ids) == 5  # the short prompt, whole, in the same step
     h.run()
-    assert h.tokens["late"] == chain(list(range(100, 117)), 2)
+    assert h.tokens["long"] == chain(list(range(100, 117)), 2) and h.tokens["short"] == chain([7, 8, 9, 10, 11], 2)
 
 
 def test_contract_misuse_raises():

@@ -38,10 +38,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # an HF-style directory (already converted when it was a .gguf)
     device: str = "auto"
     dtype: str = "auto"
+    quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
     max_num_seqs: int = 64
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048  # a step's token budget: a wave of 128-token prompts prefills in one step
-    max_prefill_tokens_with_decodes: int | None = 256  # ... but a step that also decodes prefills at most this
+    long_prefill_token_threshold: int | None = 256  # ... but one prompt gets at most this in a step that decodes
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0

@@ -105,6 +105,7 @@ class StepExecutor:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_threads=config.threads(),
+            quantization=config.quantization,
         )
         self.sampler = Sampler()
         self.device = self.runner.device

@@ -51,7 +51,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int],
         release: Callable[[str], None] | None = None,
-        max_prefill_tokens_with_decodes: int | None = None,
+        long_prefill_token_threshold: int | None = None,
     ):
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
             raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
@@ -60,9 +60,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # prompt tokens a step that also decodes may take (None: the whole budget): a long prompt then delays the
-        # running requests' next tokens by a bounded chunk, while a step without decodes prefills a whole wave
-        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes or max_num_batched_tokens
+        # vLLM's knob, applied while others decode: one request's prefill chunk in a step that also decodes (None:
+        # the budget). A long prompt then delays the running requests by a bounded chunk per step; a wave of short
+        # prompts, or any prompt while nothing decodes, still prefills at once.
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.release = release  # told each finished request's id once it is freed (the proposer's state)
@@ -138,9 +139,7 @@ class Scheduler:
         batch = BatchSpec(step=self.next_step)
         budget = self.max_num_batched_tokens
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        prefill = (
-            min(budget, self.max_prefill_tokens_with_decodes) if decoding else budget
-        )  # rows of more than one token
+        chunk = self.long_prefill_token_threshold if decoding else budget  # one request's prefill this step
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -148,13 +147,7 @@ class Scheduler:
             if self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens:  # (drafts in flight)
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n > 1:
-                n = min(n, prefill)
-                prefill -= n
-            if n == 0:
-                i += 1
-                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
             row_drafts = (drafts or {}).get(req.request_id, [])[: budget - 1] if n == 1 else []
             if row_drafts and not self.block_manager.may_append(req, n + len(row_drafts)):
                 row_drafts = []  # drafts are optional: never preempt another request for their lookahead
@@ -172,9 +165,9 @@ class Scheduler:
             budget -= n
             i += 1
         # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
-        while self.waiting and min(budget, prefill) > 0 and self.free_slots and not preempted:
+        while self.waiting and budget > 0 and self.free_slots and not preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget, prefill)
+            n = min(req.num_tokens, budget, chunk)
             if req.num_inflight_steps or not self.block_manager.can_allocate(n):
                 break  # strict FIFO: the head waits for its in-flight sample or for free blocks
             self.waiting.popleft()
@@ -186,7 +179,6 @@ class Scheduler:
             self.block_manager.allocate(req, n)
             batch.rows.append(self._row(req, n))
             budget -= n
-            prefill -= n
         if batch.rows:
             self.in_flight.append(batch.step)
             self.next_step += 1

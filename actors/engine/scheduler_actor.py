@@ -117,7 +117,7 @@ class SchedulerActor(Actor):
             max_model_len=self.max_model_len,
             eos_token_ids=self.model.eos_token_ids,
             release=self.proposer and self.proposer.release,
-            max_prefill_tokens_with_decodes=self.config.max_prefill_tokens_with_decodes,
+            long_prefill_token_threshold=self.config.long_prefill_token_threshold,
         )
         log.info(
             "engine ready: %s, %d KV blocks of %d, max_model_len %d",
