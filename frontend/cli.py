@@ -52,7 +52,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantization (CPU, float32)"
     )
-    g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: the cores left over)")
+    g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: every core)")
     g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
