@@ -37,7 +37,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--long-prefill-token-threshold",
         type=int,
         default=_DEFAULTS.long_prefill_token_threshold,
-        help="a prompt's tokens per step while others decode (bounds the stall a long prompt costs them)",
+        help="a prompt's tokens per step while others decode (bounds the stall a long prompt costs them; 0: off)",
     )
     g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
     kv = g.add_mutually_exclusive_group()

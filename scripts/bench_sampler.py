@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gpu.sampling.sampler as sampler_module
 from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
 from gpu.sampling.topk_topp import flashinfer_available
 from messages.sampling_params import SamplingParams as SP
@@ -94,19 +93,6 @@ def timed(fns: dict, base: torch.Tensor, reps: int, stat=statistics.median) -> d
     return {name: stat(t[1:]) for name, t in times.items()}
 
 
-def torch_path(fn):
-    """fn with FlashInfer switched off (the sampler's torch path)."""
-
-    def run(x):
-        saved, sampler_module.flashinfer_available = sampler_module.flashinfer_available, lambda x: False
-        try:
-            return fn(x)
-        finally:
-            sampler_module.flashinfer_available = saved
-
-    return run
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B in {1, 32}, V = 128256, fewer repetitions")
@@ -122,7 +108,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batches, vocabs = ([1, 32], [128256]) if args.quick else ([1, 8, 32, 128, 256], [49152, 128256, 151936])
     batches, vocabs = args.batches or batches, args.vocabs or vocabs
-    sampler = Sampler()
+    sampler, torch_sampler = Sampler(), Sampler(flashinfer=False)
     stat = min if args.stat == "min" else statistics.median
     flashinfer = flashinfer_available(torch.empty(0, device=args.device))
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
@@ -142,7 +128,7 @@ def main() -> None:
             build = time.perf_counter() - t0
             fns = {"argmax": lambda x: x.argmax(-1), "sampler": lambda x, m=meta: sampler(x, m)}
             if flashinfer:
-                fns["torch"] = torch_path(lambda x, m=meta: sampler(x, m))
+                fns["torch"] = lambda x, m=meta: torch_sampler(x, m)
             t = timed(fns, base, reps, stat)
             t_argmax, t_sampler = t["argmax"], t["sampler"]
             ref_fn = {"ref": lambda x, r=rows: reference(x, r)}

@@ -7,6 +7,7 @@ mixed workload preempts. After every test both must be idle (no requests, every 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import msgspec
 import pytest
@@ -181,3 +182,9 @@ async def test_debug_relay_checks_hold_in_async_mode(model_dir):
     async with AsyncLLM(config) as engine:
         outs = await engine.generate(PROMPTS, GREEDY)
         assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
+
+
+def test_engine_threads_default_to_every_core_this_process_may_use():
+    """Measured fastest on 2 cores with the HTTP and detokenizer processes busy (docs/PERFORMANCE.md)."""
+    assert EngineConfig(model="m").threads() == len(os.sched_getaffinity(0))
+    assert EngineConfig(model="m", engine_threads=3).threads() == 3

@@ -9,7 +9,9 @@ import torch
 
 from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
+from gpu.config import ModelConfig
 from gpu.quant import GROUP, QUANT_ROWS, QuantLinear
+from gpu.runner import ModelRunner
 from messages.sampling_params import SamplingParams
 
 MODES = ["int8", "int4"]
@@ -60,3 +62,8 @@ async def test_quantized_engine_serves_and_stays_close_to_float32(tiny_model_dir
     assert all(len(o.token_ids) == 12 for o in outs[mode])
     pairs = zip(outs[mode], outs[None], strict=True)
     assert any(q.logprobs.sampled != f.logprobs.sampled for q, f in pairs)  # the weights really are quantized
+
+
+def test_quantization_is_refused_outside_cpu_float32(tiny_model_dir):
+    with pytest.raises(ValueError, match="CPU in float32 only"):
+        ModelRunner(ModelConfig.from_path(tiny_model_dir), device="cpu", dtype="bfloat16", quantization="int8")

@@ -11,7 +11,6 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import gpu.sampling.sampler as sampler_module
 from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
 from gpu.sampling.topk_topp import flashinfer_available
 from messages.sampling_params import SamplingParams as SP
@@ -50,9 +49,11 @@ def target(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, wrong=None) -
 def draw(
     logits: torch.Tensor, params: SP, window: int = 64, dynamic=None, output=(), seed=0, device="cpu"
 ) -> np.ndarray:
+    """device: "cpu", "cuda" (the torch path) or "cuda-flashinfer"."""
     rows = [SamplingRow(params, [1, 2, 3], list(output), eos_token_ids=[0])] * ROWS
+    draws = Sampler(dynamic_fallback=dynamic, flashinfer=device == "cuda-flashinfer")
+    device = device.removesuffix("-flashinfer")
     meta = SamplingMetadata.build(rows, len(logits), device, window=window)
-    draws = Sampler(dynamic_fallback=dynamic)
     torch.manual_seed(seed)
     counts = np.zeros(len(logits), np.int64)
     logits = logits.to(device)
@@ -69,14 +70,10 @@ def draw(
         pytest.param("cuda-flashinfer", marks=pytest.mark.cuda),
     ]
 )
-def device(request, monkeypatch):
+def device(request):
     """Where the draws run: CPU, CUDA's torch path, or FlashInfer's kernel (when installed)."""
-    if request.param == "cuda-flashinfer":
-        if not flashinfer_available(torch.empty(0, device="cuda")):
-            pytest.skip("flashinfer is not installed")
-        return "cuda"
-    if request.param == "cuda":
-        monkeypatch.setattr(sampler_module, "flashinfer_available", lambda x: False)
+    if request.param == "cuda-flashinfer" and not flashinfer_available(torch.empty(0, device="cuda")):
+        pytest.skip("flashinfer is not installed")
     return request.param
 
 

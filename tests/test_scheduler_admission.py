@@ -88,3 +88,5 @@ def test_contract_misuse_raises():
     assert h.tokens["a"] == chain([1, 2], 5)
     with pytest.raises(ValueError):
         Scheduler(BlockManager(3, 4), 4, 32, 13, ())  # the cache cannot hold one max_model_len sequence
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Scheduler(BlockManager(8, 4), 4, 32, 13, (), long_prefill_token_threshold=-1)

@@ -57,12 +57,14 @@ class Scheduler:
             raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        if (long_prefill_token_threshold or 0) < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {long_prefill_token_threshold}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # vLLM's knob, applied while others decode: one request's prefill chunk in a step that also decodes (None:
-        # the budget). A long prompt then delays the running requests by a bounded chunk per step; a wave of short
-        # prompts, or any prompt while nothing decodes, still prefills at once.
+        # vLLM's knob, applied while others decode: one request's prefill chunk in a step that also decodes (0 or
+        # None: off, the budget). A long prompt then delays the running requests by a bounded chunk per step; a wave
+        # of short prompts, or any prompt while nothing decodes, still prefills at once.
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)

@@ -63,10 +63,12 @@ class Sampler:
     exactly the rows that did not fit, from the logits above a lower bound of their kept set. False (default
     elsewhere): every row the window does not always cover (top_k > K or off) is drawn from its sorted row; the
     rows are chosen from the parameters alone, so nothing is read back.
+    flashinfer: draw unseeded CUDA batches with FlashInfer's kernel when it is installed (False: the torch path).
     """
 
-    def __init__(self, dynamic_fallback: bool | None = None):
+    def __init__(self, dynamic_fallback: bool | None = None, flashinfer: bool = True):
         self.dynamic_fallback = dynamic_fallback
+        self.flashinfer = flashinfer
         self._buffers: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
@@ -112,7 +114,7 @@ class Sampler:
         """Temperature -> min-p -> top-k -> top-p -> draw for the random rows (the others keep their argmax): in
         `draw_vocab` for untruncated rows, in `draw_window` for the others (first the top-K window, then, for the
         rows whose kept set may outgrow it, a wider exact window)."""
-        if flashinfer_available(blocks.x) and not meta.seeds.numel():
+        if self.flashinfer and flashinfer_available(blocks.x) and not meta.seeds.numel():
             return draw_flashinfer(blocks.x, meta.params)
         u = uniforms(len(argmax), meta.seeded_rows, meta.seeds, meta.positions)
         cols = torch.cat([meta.params, u[:, None], torch.zeros_like(u)[:, None]], 1)  # [B, 6]: see topk_topp
