@@ -10,11 +10,12 @@ import argparse
 import logging
 import os
 import sys
+from typing import get_args
 
 import msgspec
 
 from actors.engine.config import EngineConfig, SpeculativeConfig
-from messages.sampling_params import RequestLimits
+from messages.sampling_params import LogprobsMode, RequestLimits
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _DEFAULTS = EngineConfig(model="")
@@ -67,6 +68,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (default: off)',
     )
+    g.add_argument(
+        "--logprobs-mode",
+        choices=get_args(LogprobsMode),
+        default=_DEFAULTS.logprobs_mode,
+        help="logprobs of the model's distribution (raw) or of the one sampled from, after penalties, temperature "
+        "and truncation (processed); prompt logprobs are always raw",
+    )
     parser.add_argument("--fault-plan", metavar="FILE", help="fault injection plan, JSON (or $SLUICE_FAULT_PLAN)")
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -84,7 +92,7 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "long_prefill_token_threshold")
     fields += ("block_size", "num_kv_blocks")
     fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
-    fields += ("speculative_config",)
+    fields += ("speculative_config", "logprobs_mode")
     values = {f: getattr(args, f) for f in fields}
     values["speculative"] = values.pop("speculative_config")
     return EngineConfig(model=model, **values)

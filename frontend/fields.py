@@ -93,7 +93,7 @@ _NOT_HONOURED = {
     "reasoning_effort": _is(None),
     "guidance_scale": _is(None, 1, 1.0),  # classifier-free guidance (issue 14)
     "negative_prompt": _is(None),
-    "logprobs_mode": _is(None, "raw_logprobs"),
+    "logprobs_mode": _is(None),  # server-wide: sluice serve --logprobs-mode
     "logits_processors": _empty,
     "guided_whitespace_pattern": _empty,
     "structural_tag": _empty,

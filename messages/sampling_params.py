@@ -7,10 +7,15 @@ failure names the offending field (`ParamError.param`) so the HTTP layer can ans
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import msgspec
 
 LOGIT_BIAS_LIMIT = 100.0
+
+# What a response's logprobs are logprobs of (server-wide, vLLM's --logprobs-mode): the model's distribution
+# (log_softmax of the raw logits), or the one actually sampled from (gpu/sampling/sampler.py says which steps).
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -120,6 +120,7 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
         (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),
         (parse_completion, {"guidance_scale": 3.0}, "guidance_scale"),
         (parse_chat, {"negative_prompt": "bad"}, "negative_prompt"),
+        (parse_chat, {"logprobs_mode": "raw_logprobs"}, "logprobs_mode"),  # server-wide: --logprobs-mode
     ],
 )
 def test_fields_not_honoured_are_refused(ctx, parse, fields, param):

@@ -81,3 +81,24 @@ async def test_prompt_logprobs_survive_preemption(clean_llm, model_dir):  # noqa
         assert torch.allclose(
             torch.tensor(a.prompt_logprobs.sampled), torch.tensor(b.prompt_logprobs.sampled), atol=1e-4
         )
+
+
+async def test_processed_logprobs_mode_reports_the_distribution_sampled_from(model_dir):  # noqa: F811
+    """logprobs_mode "processed_logprobs" through the engine: with top_k=3 at temperature 0.8 each step's top-5
+    logprobs are the model's logits / 0.8 renormalised over their top 3 (HF's, fp32), the other two -inf, and the
+    sampled token among the three; prompt logprobs stay raw."""
+    prompt = list(range(300, 340))
+    params = SamplingParams(temperature=0.8, top_k=3, seed=7, max_tokens=4, logprobs=5, prompt_logprobs=1)
+    async with AsyncLLM(engine_config(model_dir, logprobs_mode="processed_logprobs")) as llm:
+        out = await llm.generate_one(prompt, params)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0]
+    top3 = (logits[len(prompt) - 1 : -1] / 0.8).topk(3)
+    expected = torch.cat([top3.values.log_softmax(-1), torch.full((4, 2), float("-inf"))], 1)
+    lp = out.logprobs
+    assert torch.allclose(torch.tensor(lp.top_logprobs), expected, atol=1e-4)
+    assert [ids[:3] for ids in lp.top_ids] == top3.indices.tolist()
+    assert all(token in ids[:3] for token, ids in zip(out.token_ids, lp.top_ids, strict=True))
+    raw = logits[: len(prompt) - 1].log_softmax(-1)[torch.arange(len(prompt) - 1), prompt[1:]]
+    assert torch.allclose(torch.tensor(out.prompt_logprobs.sampled), raw, atol=1e-4)

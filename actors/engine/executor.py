@@ -33,6 +33,7 @@ class _DraftCheck:
     q: torch.Tensor  # [P', V] the draft's (zero at bonus positions)
     rows: list[SamplingRow]  # their sampling rows (uniforms are keyed by them)
     raw: torch.Tensor  # [P', V] their unprocessed logits (logprobs of the tokens finally emitted)
+    meta: SamplingMetadata  # their sampling metadata (processed logprobs)
 
 
 @dataclass
@@ -107,7 +108,7 @@ class StepExecutor:
             num_threads=config.threads(),
             quantization=config.quantization,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode=config.logprobs_mode)
         self.device = self.runner.device
         self.metadata = MetadataCache(model.vocab_size, self.device)
         self.draft = None  # the DraftProposer whose q verifies draft-model speculation (set by the actor)
@@ -132,7 +133,7 @@ class StepExecutor:
         out = self.sampler(logits, self.metadata.build(rows))
         tokens, emitted, last = self._verify(batch, out.sampled, spec)
         if spec is not None and out.logprobs is not None:  # an accepted draft or a residual draw: its own logprob
-            fixed = self.sampler.logprobs_of(spec.raw, tokens[spec.positions], 1)
+            fixed = self.sampler.logprobs_of(spec.raw, tokens[spec.positions], 1, spec.meta)
             out.logprobs.sampled[spec.positions], out.logprobs.ranks[spec.positions] = fixed.sampled, fixed.ranks
         if slots:
             self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), last)
@@ -152,8 +153,9 @@ class StepExecutor:
         if not idx:
             return None
         sub, raw = [rows[i] for i in idx], logits[idx]  # (a copy: the sampler then works on the logits in place)
-        p = self.sampler.probs(raw, SamplingMetadata.build(sub, logits.shape[1], logits.device))
-        return _DraftCheck(to_device(idx, torch.int64, logits.device), p, torch.cat(qs), sub, raw)
+        meta = SamplingMetadata.build(sub, logits.shape[1], logits.device)
+        p = self.sampler.probs(raw, meta)
+        return _DraftCheck(to_device(idx, torch.int64, logits.device), p, torch.cat(qs), sub, raw, meta)
 
     def _verify(self, batch: BatchSpec, sampled: torch.Tensor, spec: _DraftCheck | None):
         """(the token at each sampled position, how many positions each sampling row emits (None: one each), each

@@ -6,6 +6,12 @@ Order of operations (part of correctness; each step is one line of `Sampler.__ca
   batch returns here) -> temperature (greedy rows divide by 1) -> min-p -> top-k -> top-p (keeping the boundary
   token) -> draw -> per-row where(greedy, argmax, draw) -> the sampled token's logprob, its rank and the top-N.
 
+Logprobs are raw (above; vLLM's default) or, with logprobs_mode "processed_logprobs", those of the distribution
+each row samples from: a random row's after the processors, temperature, min-p, top-k and top-p (-inf where
+truncated); a greedy row's after the processors alone (log_softmax at temperature 1, untruncated: its true
+distribution is a point mass, whose logprobs say nothing), as vLLM reports them. Computed before the draw from
+each logprob row's sorted logits (~50x an argmax on CPU: opt-in).
+
 The processors before the argmax can move it; the transforms after it cannot, so greedy rows skip them.
 Edge cases (defined, never a crash):
 - A row whose maximum is not finite takes its argmax (torch.argmax semantics): with a NaN, the first NaN; else
@@ -20,6 +26,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from messages.sampling_params import LogprobsMode
 
 from .logprobs import LogprobsTensors, gather_logprobs, log_softmax_into
 from .metadata import SamplingMetadata
@@ -64,20 +72,30 @@ class Sampler:
     elsewhere): every row the window does not always cover (top_k > K or off) is drawn from its sorted row; the
     rows are chosen from the parameters alone, so nothing is read back.
     flashinfer: draw unseeded CUDA batches with FlashInfer's kernel when it is installed (False: the torch path).
+    logprobs_mode: what the logprobs report (module docstring).
     """
 
-    def __init__(self, dynamic_fallback: bool | None = None, flashinfer: bool = True):
+    def __init__(
+        self,
+        dynamic_fallback: bool | None = None,
+        flashinfer: bool = True,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+    ):
         self.dynamic_fallback = dynamic_fallback
         self.flashinfer = flashinfer
+        self.processed = logprobs_mode == "processed_logprobs"
         self._buffers: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         assert logits.shape[1] == meta.vocab_size, "one logit per vocabulary entry"
         x = logits.float().contiguous()
-        raw = self._raw_logprobs(x, meta) if meta.max_num_logprobs is not None else None
+        wants_logprobs = meta.max_num_logprobs is not None
+        lp = self._raw_logprobs(x, meta) if wants_logprobs and not self.processed else None
         x = self._whole_blocks(x)
         _process(x, meta)
+        if wants_logprobs and self.processed:
+            lp = self._processed_logprobs(x, meta, meta.logprob_rows)
         blocks = Blocks(x)
         argmax = blocks.argmax()
         if meta.all_greedy:
@@ -85,7 +103,7 @@ class Sampler:
         else:
             draw = self._draw(blocks, meta, argmax)
             sampled = torch.where(meta.greedy | ~blocks.row_max.isfinite(), argmax, draw)
-        return SamplerOutput(sampled, None if raw is None else self._logprobs(raw, sampled, meta))
+        return SamplerOutput(sampled, None if lp is None else self._logprobs(lp, sampled, meta))
 
     @torch.inference_mode()
     def probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -98,17 +116,21 @@ class Sampler:
         rows = meta.random_rows  # host-known: the greedy rows are a point mass
         if not rows.numel():
             return point
-        values, ids = x[rows].sort(-1, descending=True)
-        cols = meta.params[rows]
-        kept, _ = kept_weights(values, torch.cat([cols, cols.new_zeros(len(rows), 2)], 1))
-        dense = torch.zeros_like(kept).scatter_(1, ids, kept)
-        finite = values[:, :1].isfinite()  # a row whose maximum is not finite takes its argmax, as in __call__
-        return point.index_copy(0, rows, torch.where(finite, dense / dense.sum(-1, keepdim=True), point[rows]))
+        dense, finite = _truncated(x[rows], meta.params[rows])
+        return point.index_copy(0, rows, torch.where(finite, dense, point[rows]))
 
     @torch.inference_mode()
-    def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> LogprobsTensors:
-        """Raw logprobs of token_ids [T] under logits [T, V] (prompt logprobs), their ranks and the top-n."""
-        return gather_logprobs(self._log_softmax(logits), logits.shape[1], token_ids, n)
+    def logprobs_of(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, n: int, meta: SamplingMetadata | None = None
+    ) -> LogprobsTensors:
+        """Logprobs of token_ids [T] under logits [T, V], their ranks and the top-n: raw (prompt logprobs), or, given
+        the rows' metadata, in this sampler's mode (tokens chosen outside the draw: draft verification)."""
+        if meta is None or not self.processed:
+            return gather_logprobs(self._log_softmax(logits), logits.shape[1], token_ids, n)
+        x = self._whole_blocks(logits.float().clone())
+        _process(x, meta)
+        lp = self._processed_logprobs(x, meta, torch.arange(len(x), device=x.device))
+        return gather_logprobs(lp, logits.shape[1], token_ids, n)
 
     def _draw(self, blocks: Blocks, meta: SamplingMetadata, argmax: torch.Tensor) -> torch.Tensor:
         """Temperature -> min-p -> top-k -> top-p -> draw for the random rows (the others keep their argmax): in
@@ -161,6 +183,14 @@ class Sampler:
         padded[:, v:] = float("-inf")
         return padded
 
+    def _processed_logprobs(self, x: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """Processed logprobs of `rows` of x (processed, whole blocks): module docstring."""
+        sub = x.index_select(0, rows)
+        dense, finite = _truncated(sub, meta.params[rows])
+        truncated = dense.log_().float()
+        untruncated = self._log_softmax(sub)  # a greedy (or non-finite) row's
+        return untruncated.copy_(torch.where(meta.greedy[rows, None] | ~finite, untruncated, truncated))
+
     def _raw_logprobs(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         rows = meta.logprob_rows
         return self._log_softmax(x if rows.numel() == len(x) else x.index_select(0, rows))
@@ -185,3 +215,13 @@ class Sampler:
         if buf is None or buf.numel() < rows * width or buf.device != like.device:
             buf = self._buffers[name] = torch.empty(rows * width, dtype=torch.float32, device=like.device)
         return buf[: rows * width].view(rows, width)
+
+
+def _truncated(x: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution rows x [n, V] (processed logits) are drawn from under their params [n, 4] (temperature,
+    top-k, top-p, min-p), exact through their sorted logits: float64 [n, V], and whether each row's maximum is
+    finite (where it is not, the row takes its argmax and the distribution is meaningless)."""
+    values, ids = x.sort(-1, descending=True)
+    kept, _ = kept_weights(values, torch.cat([params, params.new_zeros(len(x), 2)], 1))
+    dense = torch.zeros_like(kept).scatter_(1, ids, kept)
+    return dense / dense.sum(-1, keepdim=True), values[:, :1].isfinite()
