@@ -27,10 +27,20 @@ class ScheduledRow:
     # speculative decoding: the last len(draft_token_ids) fed tokens are drafts; the row samples at its last
     # 1 + len(draft_token_ids) positions (each draft is verified, then the bonus position)
     draft_token_ids: list[int] = field(default_factory=list)
+    # classifier-free guidance: set on the unconditional companion row of a guided request, which follows its
+    # parent's row and carries its id (the slot and block table are the companion's own); when both sample, the parent samples from
+    # l_u + guidance_scale * (l_c - l_u) with this row's logits as l_u, and this row samples nothing itself
+    guidance_scale: float | None = None
 
     @property
     def num_samples(self) -> int:
-        return (1 + len(self.draft_token_ids)) if self.sample else 0
+        """Sampled positions (a companion row has none)."""
+        return (1 + len(self.draft_token_ids)) if self.sample and self.guidance_scale is None else 0
+
+    @property
+    def num_logits(self) -> int:
+        """Positions whose logits the runner returns: the sampled ones, and a sampling companion row's last."""
+        return 1 if self.sample and self.guidance_scale is not None else self.num_samples
 
 
 @dataclass
@@ -44,7 +54,7 @@ class BatchSpec:
 
     @property
     def sampling_rows(self) -> list[int]:
-        return [i for i, r in enumerate(self.rows) if r.sample]
+        return [i for i, r in enumerate(self.rows) if r.num_samples]
 
     @property
     def num_samples(self) -> int:

@@ -76,8 +76,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: BatchSpec) -> torch.Tensor:
-        """Run one step; float32 logits [num sampled positions + num prompt targets, vocab]: the sampled positions in
-        batch order (1 + K for a row verifying K drafts), then, row by row, the first fed tokens of rows with
+        """Run one step; float32 logits [num logit positions + num prompt targets, vocab]: the positions each row
+        samples at, in batch order (1 + K for a row verifying K drafts; a sampling CFG companion row's last), then, row by row, the first fed tokens of rows with
         prompt_targets (one per target)."""
         if not batch.rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
@@ -121,7 +121,7 @@ class ModelRunner:
                 )
             block_tables[i, : len(r.block_table)] = r.block_table
         input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int64, num_tokens)
-        num_logits = np.array([r.num_samples for r in rows], np.int64)  # a sampling row's last 1 (+ K) positions
+        num_logits = np.array([r.num_logits for r in rows], np.int64)  # a sampling row's last 1 (+ K) positions
         offset = np.arange(num_logits.sum()) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
         host = dict(
             input_ids=input_ids,

@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 LOGIT_BIAS_LIMIT = 100.0
+MAX_GUIDANCE_SCALE = 20.0
 
 # What a response's logprobs are logprobs of (server-wide, vLLM's --logprobs-mode): the model's distribution
 # (log_softmax of the raw logits), or the one actually sampled from (gpu/sampling/sampler.py says which steps).
@@ -80,6 +81,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # classifier-free guidance: sample from l_u + s * (l_c - l_u), l_u the logits of an unconditional companion
+    # sequence (the negative prompt, then the same output tokens); 1.0 = off
+    guidance_scale: float = 1.0
+    negative_prompt_token_ids: list[int] | None = None  # the companion's prompt (None: the model's BOS token alone)
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance_scale != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +134,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             if not isinstance(s, str) or not s:
                 raise ParamError("stop", "stop strings must be non-empty strings")
         _tokens("stop_token_ids", self.stop_token_ids, vocab_size)
+        _float_in("guidance_scale", self.guidance_scale, 0.0, MAX_GUIDANCE_SCALE, lo_open=True)
+        if self.negative_prompt_token_ids is not None:
+            if not self.negative_prompt_token_ids:
+                raise ParamError("negative_prompt", "negative_prompt must not be empty")
+            _tokens("negative_prompt", self.negative_prompt_token_ids, vocab_size)
 
     def _verify_sizes(self, vocab_size: int, limits: RequestLimits) -> None:
         """The per-request sizes bounded by `limits`, checked before anything iterates over them."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from actors.engine.request import EngineRequest
+from actors.engine.request import Companion, EngineRequest
 
 
 class BlockManager:
@@ -30,19 +30,23 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a request without blocks could get blocks for `num_tokens` tokens."""
-        return self.num_blocks_for(num_tokens) <= self.num_free_blocks
+    def can_allocate(self, num_tokens: int, companion_tokens: int = 0) -> bool:
+        """Whether a request without blocks (and its CFG companion) could get blocks for their first tokens."""
+        return self.num_blocks_for(num_tokens) + self.num_blocks_for(companion_tokens) <= self.num_free_blocks
 
     def allocate(self, request: EngineRequest, num_tokens: int) -> None:
         """Give a request without blocks the blocks for its first `num_tokens` tokens."""
         assert not request.block_table and request.num_computed_tokens == 0, request.request_id
         self.append_slots(request, num_tokens)
 
-    def may_append(self, request: EngineRequest, num_new_tokens: int) -> bool:
-        return self._num_missing(request, num_new_tokens) <= self.num_free_blocks
+    def may_append(self, request: EngineRequest, num_new_tokens: int, companion_tokens: int = 0) -> bool:
+        """Whether the request (and its CFG companion) can grow by that many tokens."""
+        missing = self._num_missing(request, num_new_tokens)
+        if request.companion is not None:
+            missing += self._num_missing(request.companion, companion_tokens)
+        return missing <= self.num_free_blocks
 
-    def append_slots(self, request: EngineRequest, num_new_tokens: int) -> None:
+    def append_slots(self, request: EngineRequest | Companion, num_new_tokens: int) -> None:
         """Grow the block table to cover num_computed_tokens + num_new_tokens tokens."""
         missing = self._num_missing(request, num_new_tokens)
         if missing > self.num_free_blocks:
@@ -56,10 +60,11 @@ class BlockManager:
         del request.block_table[keep:]
 
     def free(self, request: EngineRequest) -> None:
-        """Return the request's blocks to the free list (idempotent)."""
-        self.free_block_ids.extend(request.block_table)
-        request.block_table = []
+        """Return the request's blocks, and its CFG companion's, to the free list (idempotent)."""
+        for seq in request.sequences:
+            self.free_block_ids.extend(seq.block_table)
+            seq.block_table = []
 
-    def _num_missing(self, request: EngineRequest, num_new_tokens: int) -> int:
+    def _num_missing(self, request: EngineRequest | Companion, num_new_tokens: int) -> int:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
         return max(0, needed - len(request.block_table))

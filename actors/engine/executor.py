@@ -75,7 +75,7 @@ def step_inputs(
         req = requests[row.request_id]
         if row.prompt_targets:
             n = max(n, req.params.prompt_logprobs)
-        if row.sample:
+        if row.num_samples:
             # One step ahead, the output list lags the device by the step in flight. A request whose sampling
             # reads it (reads_output) never has a step in flight when it is scheduled (the loop syncs first, or
             # it was just admitted); the others read only its length (min_tokens), past min_tokens once it is.
@@ -85,6 +85,29 @@ def step_inputs(
                 rows.append(SamplingRow(req.params, req.prompt_token_ids, output, position + j, eos_token_ids))
             slots.append(row.slot)
     return rows, slots, n
+
+
+def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Classifier-free guidance: from the logits of every position the runner returned, those of the sampled
+    positions, a guided row's replaced by l_u + s * (l_c - l_u) with its companion row's (the next position) as
+    l_u, in float32, one expression for all guided rows. Also (the guided row's index among the sampling rows,
+    its companion's slot) for the relay."""
+    cond, scales, keep, companions, pos, j = [], [], [], [], 0, 0
+    for row in batch.rows:
+        if row.guidance_scale is not None and row.sample:
+            cond.append(pos - 1)  # its parent's sampled position, just before
+            scales.append(row.guidance_scale)
+            companions.append((j - 1, row.slot))
+        else:
+            keep.extend(range(pos, pos + row.num_logits))
+            j += row.num_samples > 0
+        pos += row.num_logits
+    if not cond:
+        return logits, companions
+    idx = to_device(cond, torch.int64, logits.device)
+    scale = to_device(scales, torch.float32, logits.device)[:, None]
+    guided = torch.lerp(logits[idx + 1].float(), logits[idx].float(), scale)
+    return logits.float().index_copy(0, idx, guided)[to_device(keep, torch.int64, logits.device)], companions
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
@@ -125,18 +148,23 @@ class StepExecutor:
         if self.debug_checks:
             self._check_relay(batch)
         logits = self.runner.execute(batch)
-        plp = self._prompt_logprobs(batch, logits[len(rows) :], num_prompt_logprobs)
+        num_logits = sum(r.num_logits for r in batch.rows)
+        plp = self._prompt_logprobs(batch, logits[num_logits:], num_prompt_logprobs)
         if not rows:  # only partial chunked-prefill rows: nothing samples this step
             return self._to_host(torch.empty(0, dtype=torch.int64), None, plp)
-        logits = logits[: len(rows)]
+        logits, companions = guide(batch, logits[:num_logits])
         spec = self._spec_rows(batch, logits, rows) if self.draft is not None else None
         out = self.sampler(logits, self.metadata.build(rows))
         tokens, emitted, last = self._verify(batch, out.sampled, spec)
         if spec is not None and out.logprobs is not None:  # an accepted draft or a residual draw: its own logprob
             fixed = self.sampler.logprobs_of(spec.raw, tokens[spec.positions], 1, spec.meta)
             out.logprobs.sampled[spec.positions], out.logprobs.ranks[spec.positions] = fixed.sampled, fixed.ranks
-        if slots:
-            self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), last)
+        if slots:  # a CFG companion's next input is its parent's token
+            relay = [slot for _, slot in companions]
+            last = torch.cat(
+                [last, last.index_select(0, to_device([j for j, _ in companions], torch.int64, last.device))]
+            )
+            self.runner.set_prev_sampled(torch.tensor(slots + relay, dtype=torch.int64), last)
         return self._to_host(tokens, out.logprobs, plp, emitted)
 
     def _spec_rows(self, batch: BatchSpec, logits: torch.Tensor, rows: list[SamplingRow]) -> _DraftCheck | None:

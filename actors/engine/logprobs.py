@@ -23,7 +23,7 @@ def wanted_logprobs(batch: BatchSpec, requests: dict[str, EngineRequest]) -> dic
     want, pos = {}, 0
     for row in batch.rows:
         req = requests[row.request_id]
-        if row.sample and req.params.logprobs is not None:
+        if row.num_samples and req.params.logprobs is not None:
             want[req.request_id] = (pos, req.params.logprobs)
         pos += row.num_samples
     return want

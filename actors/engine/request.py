@@ -5,6 +5,10 @@ Token accounting (vLLM v1 style): the request's sequence is `prompt + output + p
 scheduling). `num_computed_tokens` counts tokens whose KV is computed or being computed by a
 scheduled step: it advances when a step is scheduled, and drops to 0 on preemption, after which
 the request re-prefills prompt + output (recompute) and continues exactly where it was.
+
+A guided request (classifier-free guidance) owns a `Companion`: its unconditional sequence, the negative prompt
+followed by the request's own output and pending tokens, with its own KV blocks and slot (actors/engine/guidance.py
+schedules the pair).
 """
 
 from __future__ import annotations
@@ -41,10 +45,15 @@ class EngineRequest:
     finish_reason: str | None = None
     stop_reason: int | None = None
     prompt_logprobs: TokenLogprobs | None = None  # collected chunk by chunk; sent with the first output
+    companion: Companion | None = None  # classifier-free guidance's unconditional sequence
 
     @classmethod
-    def from_msg(cls, msg: AddRequest) -> EngineRequest:
-        return cls(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.arrival_time)
+    def from_msg(cls, msg: AddRequest, bos_token_id: int | None = None) -> EngineRequest:
+        """A guided request gets its companion: the negative prompt, or the BOS token alone."""
+        req = cls(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.arrival_time)
+        if msg.params.guided:
+            req.companion = Companion(req, list(msg.params.negative_prompt_token_ids or [bos_token_id]))
+        return req
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,6 +66,16 @@ class EngineRequest:
     @property
     def num_tokens(self) -> int:
         return self.num_known_tokens + self.num_pending_tokens
+
+    @property
+    def sequences(self) -> tuple[EngineRequest] | tuple[EngineRequest, Companion]:
+        """This sequence and its CFG companion's: each holds KV blocks and a slot."""
+        return (self,) if self.companion is None else (self, self.companion)
+
+    @property
+    def overhang(self) -> int:
+        """How much longer the CFG companion's sequence is than this one (max_model_len bounds both)."""
+        return max(0, len(self.companion.prompt_token_ids) - self.num_prompt_tokens) if self.companion else 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -79,6 +98,34 @@ class EngineRequest:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of the sequence; pending ones (only ever the last) are PLACEHOLDER."""
-        p, k = self.num_prompt_tokens, self.num_known_tokens
-        ids = self.prompt_token_ids[start : min(end, p)] + self.output_token_ids[max(start - p, 0) : max(end - p, 0)]
-        return ids + [PLACEHOLDER] * (end - max(start, k)) if end > k else ids
+        return _sequence(self.prompt_token_ids, self.output_token_ids, start, end)
+
+
+@dataclass(eq=False)
+class Companion:
+    """The unconditional sequence of a guided request: never seen outside the engine, scheduled, preempted and
+    freed with its parent (whose in-flight count covers its rows). Duck-types the BlockManager's request."""
+
+    parent: EngineRequest
+    prompt_token_ids: list[int]  # the negative prompt
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    slot: int = -1
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.parent.request_id}/uncond"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.parent.num_output_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return _sequence(self.prompt_token_ids, self.parent.output_token_ids, start, end)
+
+
+def _sequence(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output + pending tokens (PLACEHOLDER: sampled by a step in flight)."""
+    p, k = len(prompt), len(prompt) + len(output)
+    ids = prompt[start : min(end, p)] + output[max(start - p, 0) : max(end - p, 0)]
+    return ids + [PLACEHOLDER] * (end - max(start, k)) if end > k else ids

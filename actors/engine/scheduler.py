@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from actors.engine.block_manager import BlockManager
+from actors.engine.guidance import companion_row, plan_tokens
 from actors.engine.logprobs import take_prompt_logprobs
 from actors.engine.metrics import SpecStats
 from actors.engine.request import EngineRequest, RequestStatus
@@ -126,7 +127,7 @@ class Scheduler:
         max_tokens or max_model_len (the step budget may cut them further)."""
         out = []
         for req in self.running:
-            if req.num_pending_tokens or req.num_tokens - req.num_computed_tokens != 1:
+            if req.companion or req.num_pending_tokens or req.num_tokens - req.num_computed_tokens != 1:
                 continue
             k = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if k > 0:
@@ -149,12 +150,12 @@ class Scheduler:
             if self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens:  # (drafts in flight)
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
-            row_drafts = (drafts or {}).get(req.request_id, [])[: budget - 1] if n == 1 else []
+            n, m = plan_tokens(req, budget, chunk)
+            row_drafts = (drafts or {}).get(req.request_id, [])[: budget - 1] if n == 1 and not m else []
             if row_drafts and not self.block_manager.may_append(req, n + len(row_drafts)):
                 row_drafts = []  # drafts are optional: never preempt another request for their lookahead
             n += len(row_drafts)
-            while not self.block_manager.may_append(req, n):
+            while not self.block_manager.may_append(req, n, m):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -163,24 +164,29 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break
             self.block_manager.append_slots(req, n)
-            batch.rows.append(self._row(req, n, row_drafts))
-            budget -= n
+            self._add_rows(batch, req, n, m, row_drafts)
+            budget -= n + m
             i += 1
         # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
         while self.waiting and budget > 0 and self.free_slots and not preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget, chunk)
-            if req.num_inflight_steps or not self.block_manager.can_allocate(n):
-                break  # strict FIFO: the head waits for its in-flight sample or for free blocks
+            n, m = plan_tokens(req, budget, chunk)
+            slots = 1 + (req.companion is not None)
+            if req.num_inflight_steps or len(self.free_slots) < slots or not self.block_manager.can_allocate(n, m):
+                break  # strict FIFO: the head waits for its in-flight sample, for slots or for free blocks
+            if not n + m:
+                break
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 self.prompt_tokens_total += req.num_prompt_tokens
             req.status = RequestStatus.RUNNING
             req.slot = self.free_slots.pop()
+            if req.companion:
+                req.companion.slot = self.free_slots.pop()
             self.running.append(req)
             self.block_manager.allocate(req, n)
-            batch.rows.append(self._row(req, n))
-            budget -= n
+            self._add_rows(batch, req, n, m)
+            budget -= n + m
         if batch.rows:
             self.in_flight.append(batch.step)
             self.next_step += 1
@@ -202,7 +208,7 @@ class Scheduler:
         for row in batch.rows:
             req = self.requests[row.request_id]
             req.num_inflight_steps -= 1
-            if row.sample:
+            if row.num_samples:
                 n = next(emitted)
                 tokens, pos = sampled[pos : pos + n], pos + row.num_samples
                 req.num_pending_tokens -= 1
@@ -234,7 +240,16 @@ class Scheduler:
 
     def _ends_in_flight(self, req: EngineRequest) -> bool:
         """Whether the request's pending samples certainly end it: another row would be junk."""
-        return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+        return req.num_output_tokens >= req.params.max_tokens or req.num_tokens + req.overhang >= self.max_model_len
+
+    def _add_rows(self, batch: BatchSpec, req: EngineRequest, n: int, m: int, drafts: list[int] = ()) -> None:
+        """The request's row (n tokens), then its CFG companion's (m tokens; built first: the parent's row adds a
+        pending token to both sequences)."""
+        guide = companion_row(req, m, self.block_manager) if m else None
+        if n:
+            batch.rows.append(self._row(req, n, drafts))
+        if guide:
+            batch.rows.append(guide)
 
     def _row(self, req: EngineRequest, n: int, drafts: list[int] = ()) -> ScheduledRow:
         start, fed = req.num_computed_tokens, n - len(drafts)
@@ -285,7 +300,7 @@ class Scheduler:
             self._finish(req, "stop")
         elif len(req.output_token_ids) > p.min_tokens and token in p.stop_token_ids:
             self._finish(req, "stop", token)
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens + req.overhang >= self.max_model_len:
             self._finish(req, "length")
         return req.is_finished
 
@@ -297,6 +312,8 @@ class Scheduler:
     def _preempt(self, req: EngineRequest) -> None:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        if req.companion:
+            req.companion.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -312,9 +329,10 @@ class Scheduler:
         """Free what a request no longer needs once no in-flight step references it (I5)."""
         if req.num_inflight_steps or req.status is RequestStatus.RUNNING:
             return
-        if req.slot >= 0:
-            self.free_slots.append(req.slot)
-            req.slot = -1
+        for seq in req.sequences:
+            if seq.slot >= 0:
+                self.free_slots.append(seq.slot)
+                seq.slot = -1
         if req.is_finished:
             self.block_manager.free(req)
             del self.requests[req.request_id]

@@ -43,6 +43,7 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.draft import DraftProposer
 from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks, step_inputs
+from actors.engine.guidance import guidance_error
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.metrics import engine_stats, log_speculation
 from actors.engine.request import EngineRequest
@@ -153,7 +154,7 @@ class SchedulerActor(Actor):
             out = RequestOutput(request_id=rid, seq=0, new_token_ids=[], finish_reason="error", error=error)
             self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
             return
-        self.sched.add_request(EngineRequest.from_msg(msg))
+        self.sched.add_request(EngineRequest.from_msg(msg, self.model.bos_token_id))
         if self.config.stats_to:
             self.queued[rid] = time.monotonic()
         self._work.set()
@@ -171,7 +172,9 @@ class SchedulerActor(Actor):
         except ParamError as e:
             return str(e)
         bad = next((t for t in msg.prompt_token_ids if not 0 <= t < self.model.vocab_size), None)
-        return None if bad is None else f"prompt token id {bad} is outside the vocabulary"
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary"
+        return guidance_error(msg.params, self.config, self.model) if msg.params.guided else None
 
     def on_abort(self, msg: Abort) -> None:
         if self.sched.abort(msg.request_id):

@@ -1,0 +1,59 @@
+"""Classifier-free guidance in the scheduler: a guided request and its Companion are planned as one unit.
+
+The companion's logits must come from the step in which its parent samples, at the same output position: in a
+step where the parent feeds its last token (and samples) the companion feeds its own last token too, and its row
+guides the parent's; in any other step each half is fed short of its end. Both halves end a sampling step fully
+computed, and every output token extends both, so whenever the parent has tokens left the companion has at least
+one too. Decoding, a pair costs two tokens of the step's budget, two slots and both halves' KV blocks.
+"""
+
+from __future__ import annotations
+
+from actors.engine.block_manager import BlockManager
+from actors.engine.config import EngineConfig
+from actors.engine.request import EngineRequest
+from gpu.batch import ScheduledRow
+from gpu.config import ModelConfig
+from messages.sampling_params import SamplingParams
+
+
+def guidance_error(params: SamplingParams, config: EngineConfig, model: ModelConfig) -> str | None:
+    """Why the engine cannot guide this request (None: it can)."""
+    negative = params.negative_prompt_token_ids
+    if config.speculative:
+        return "guidance_scale with speculative decoding is not supported yet"
+    if negative is None and model.bos_token_id is None:
+        return "negative_prompt is required: the model has no BOS token to guide against"
+    max_model_len = min(config.max_model_len, model.max_model_len)
+    if negative is not None and len(negative) >= max_model_len:
+        return f"the negative prompt has {len(negative)} tokens; max_model_len is {max_model_len}"
+    if config.max_num_seqs < 2 or config.max_num_batched_tokens < 2:
+        return "guidance_scale needs max_num_seqs and max_num_batched_tokens of at least 2"
+    return None
+
+
+def plan_tokens(req: EngineRequest, budget: int, chunk: int) -> tuple[int, int]:
+    """(request tokens, companion tokens) to feed this step. A pair: both whole when they fit the budget and each
+    the per-request chunk (the parent samples), else each short of its end (prefill progress; (0, 0): wait)."""
+    left = req.num_tokens - req.num_computed_tokens
+    c = req.companion
+    if c is None:
+        return min(left, budget, chunk), 0
+    c_left = c.num_tokens - c.num_computed_tokens
+    if left + c_left <= budget and max(left, c_left) <= chunk:
+        return left, c_left
+    n = min(left - 1, chunk, budget)
+    return n, min(c_left - 1, chunk, budget - n)
+
+
+def companion_row(req: EngineRequest, m: int, block_manager: BlockManager) -> ScheduledRow:
+    """The companion's row feeding its next m tokens (its blocks grown to cover them); it samples (guides its
+    parent) when they reach its end. Counted in the parent's in-flight steps."""
+    c = req.companion
+    block_manager.append_slots(c, m)
+    start = c.num_computed_tokens
+    row = ScheduledRow(req.request_id, c.slot, c.token_ids(start, start + m), start, list(c.block_table), False)
+    row.sample, row.guidance_scale = start + m == c.num_tokens, req.params.guidance_scale
+    c.num_computed_tokens += m
+    req.num_inflight_steps += 1
+    return row

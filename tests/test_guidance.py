@@ -1,0 +1,100 @@
+"""Classifier-free guidance through the real engine (tiny model, fp32) against HF transformers: each guided token
+is drawn from l_u + s * (l_c - l_u), l_c the logits of prompt + output so far and l_u those of the negative prompt
+(or BOS alone) + the same output; pairs stay together through chunked prefill, async scheduling and preemption."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from frontend.offline import AsyncLLM
+from messages.sampling_params import SamplingParams
+from tests.cancel_harness import engine_config, model_dir  # noqa: F401 (fixtures)
+
+BOS = 1  # the tiny model's
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(100, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):  # noqa: F811
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def guided_reference(hf, prompt: list[int], negative: list[int], scale: float, steps: int) -> tuple[list, list]:
+    """Greedy guided tokens and each step's guided log-distribution, computed plainly with HF."""
+    out, dists = [], []
+    with torch.inference_mode():
+        for _ in range(steps):
+            cond = hf(torch.tensor([prompt + out])).logits[0, -1]
+            uncond = hf(torch.tensor([negative + out])).logits[0, -1]
+            guided = (uncond + scale * (cond - uncond)).log_softmax(-1)
+            dists.append(guided)
+            out.append(int(guided.argmax()))
+    return out, dists
+
+
+@pytest.mark.parametrize("scale", [1.5, 3.0])
+async def test_processed_logprobs_are_the_guided_distribution(model_dir, hf, scale):  # noqa: F811
+    """--logprobs-mode processed_logprobs, temperature 1: the first token's top-5 logprobs equal HF's guided
+    log_softmax within 1e-3, with a negative prompt and with the BOS default."""
+    prompt, negative = list(range(300, 340)), [BOS, 7, 8, 9]
+    config = engine_config(model_dir, logprobs_mode="processed_logprobs")
+    async with AsyncLLM(config) as llm:
+        for neg in (negative, None):
+            params = SamplingParams(temperature=1.0, seed=3, max_tokens=1, logprobs=5, guidance_scale=scale)
+            params.negative_prompt_token_ids = neg
+            out = await llm.generate_one(prompt, params)
+            _, (dist,) = guided_reference(hf, prompt, neg or [BOS], scale, 1)
+            top = dist.topk(5)
+            assert out.logprobs.top_ids[0] == top.indices.tolist(), (neg, out)
+            assert torch.allclose(torch.tensor(out.logprobs.top_logprobs[0]), top.values, atol=1e-3)
+        assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+async def test_greedy_guided_matches_hf_through_chunked_prefill(model_dir, hf, async_scheduling):  # noqa: F811
+    """A 50-token prompt and a 20-token negative prompt against a 32-token step budget: the pair is prefilled in
+    chunks of different lengths; every greedy token is HF's guided argmax; an unguided request beside it is
+    unchanged."""
+    prompt, negative, scale = random_ids(50, 0), random_ids(20, 1), 5.0
+    expected, _ = guided_reference(hf, prompt, negative, scale, 8)
+    with torch.inference_mode():
+        plain = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+    assert expected != plain  # guidance changes this output: the test can tell
+    guided = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, guidance_scale=scale)
+    guided.negative_prompt_token_ids = negative
+    unguided = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    async with AsyncLLM(engine_config(model_dir, async_scheduling=async_scheduling)) as llm:
+        a, b = await llm.generate([prompt, prompt], [guided, unguided])
+        assert a.token_ids == expected and b.token_ids == plain
+        assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())
+
+
+async def test_pairs_survive_preemption_and_aborts(model_dir, hf):  # noqa: F811
+    """Four guided requests in a 12-block cache (each pair needs ~6 blocks by its end): pairs are preempted and
+    resumed together and every output is HF's guided greedy one; aborted guided requests free both halves."""
+    prompts = [random_ids(30, 10 + i) for i in range(4)]
+    negative, scale = [BOS, *random_ids(2, 9)], 5.0
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, guidance_scale=scale)
+    params.negative_prompt_token_ids = negative
+    async with AsyncLLM(engine_config(model_dir, num_kv_blocks=12, max_model_len=96)) as llm:
+        outs = await llm.generate(prompts, params)
+        stats, _ = await llm.fresh_stats()
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert out.token_ids == guided_reference(hf, prompt, negative, scale, 24)[0]
+        assert stats.num_preemptions_total > 0
+        ids = [llm.new_id() for _ in range(3)]
+        runs = [llm.generate_one(p, params, rid) for p, rid in zip(prompts, ids, strict=False)]
+        tasks = [asyncio.ensure_future(r) for r in runs]
+        await asyncio.sleep(0)
+        for rid in ids:
+            llm.abort(rid)
+        done = await asyncio.gather(*tasks)
+        assert all(o.finish_reason in ("abort", "length") for o in done)
+        assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())
