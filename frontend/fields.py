@@ -44,6 +44,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    guidance_scale: float | None = None  # classifier-free guidance (frontend/guidance.py)
+    negative_prompt: str | list[Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -91,8 +93,6 @@ _NOT_HONOURED = {
     "modalities": _is(None, ["text"]),
     "prediction": _empty,
     "reasoning_effort": _is(None),
-    "guidance_scale": _is(None, 1, 1.0),  # classifier-free guidance (issue 14)
-    "negative_prompt": _is(None),
     "logprobs_mode": _is(None),  # server-wide: sluice serve --logprobs-mode
     "logits_processors": _empty,
     "guided_whitespace_pattern": _empty,

@@ -25,6 +25,7 @@ from frontend.fields import (
     CompletionRequest,
     SamplingFields,
 )
+from frontend.guidance import negative_prompt_ids
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import DEFAULT_LIMITS, ParamError, RequestLimits, SamplingParams
 
@@ -38,6 +39,7 @@ class ServingContext:
     max_model_len: int
     vocab_size: int  # ids >= this are rejected: the model's vocabulary (embedding rows)
     limits: RequestLimits = DEFAULT_LIMITS
+    guidance: bool = True  # classifier-free guidance available (not with speculative decoding yet)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
         req.prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs)  # the echoed prompt's logprobs
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is msgspec.UNSET else req.max_tokens
     params = _sampling_params(req, ctx, max_tokens, req.logprobs, {})
+    params.negative_prompt_token_ids = negative_prompt_ids(req, ctx)
     prompts = []
     for text, ids in _completion_prompts(req.prompt, ctx, max_tokens):
         if text is None and req.echo:
@@ -122,6 +125,7 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
     except ParamError as e:
         raise RequestError(400, str(e), e.param) from e
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+    params.negative_prompt_token_ids = negative_prompt_ids(req, ctx, req.messages)
     prompt = _fit(text, ids, params, max_tokens, ctx, "messages", max_param)
     _check_total([prompt], ctx, max_param if max_tokens else "n")
     return _parsed("chat", request_id or new_request_id("chatcmpl"), model, [prompt], req, echo=False)

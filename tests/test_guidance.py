@@ -98,3 +98,26 @@ async def test_pairs_survive_preemption_and_aborts(model_dir, hf):  # noqa: F811
         done = await asyncio.gather(*tasks)
         assert all(o.finish_reason in ("abort", "length") for o in done)
         assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())
+
+
+async def test_guided_completion_over_http_with_n_2(server, hf_server):
+    """guidance_scale and negative_prompt (token ids) through the OpenAI client: both choices of n = 2 (each with
+    its own companion) are HF's guided greedy output."""
+    prompt, negative, scale = random_ids(30, 0), random_ids(5, 1), 5.0
+    expected, _ = guided_reference(hf_server, prompt, negative, scale, 6)
+    response = await server.client().completions.create(
+        model=None,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0.0,
+        n=2,
+        extra_body={"ignore_eos": True, "guidance_scale": scale, "negative_prompt": negative},
+    )
+    texts = [c.text for c in response.choices]
+    assert texts == [server.tokenizer.decode(expected)] * 2
+    assert response.usage.prompt_tokens == 30 and response.usage.completion_tokens == 12
+
+
+@pytest.fixture(scope="module")
+def hf_server(server):
+    return AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32).eval()

@@ -4,6 +4,7 @@ ignored, and tokenizing without the GIL."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -118,8 +119,6 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
         (parse_completion, {"guided_json": {"type": "object"}}, "guided_json"),
         (parse_completion, {"use_beam_search": True}, "use_beam_search"),
         (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),
-        (parse_completion, {"guidance_scale": 3.0}, "guidance_scale"),
-        (parse_chat, {"negative_prompt": "bad"}, "negative_prompt"),
         (parse_chat, {"logprobs_mode": "raw_logprobs"}, "logprobs_mode"),  # server-wide: --logprobs-mode
     ],
 )
@@ -132,7 +131,7 @@ def test_fields_not_honoured_are_refused(ctx, parse, fields, param):
 def test_their_no_op_values_are_accepted(ctx):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [], "tool_choice": "none"}
     body |= {"response_format": {"type": "text"}, "add_generation_prompt": True, "user": "u", "metadata": {"k": 1}}
-    body |= {"guidance_scale": 1.0, "store": False, "parallel_tool_calls": True, "service_tier": "auto"}
+    body |= {"store": False, "parallel_tool_calls": True, "service_tier": "auto"}
     assert parse_chat(json.dumps(body).encode(), ctx).prompts
 
 
@@ -177,3 +176,38 @@ def test_tokenizing_releases_the_gil(ctx):
 def test_more_fields_that_would_be_ignored_or_break_the_wire_are_refused(ctx, fields, param):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **fields}
     assert _error(parse_chat, ctx, json.dumps(body).encode()).param == param
+
+
+@pytest.mark.parametrize(
+    ("parse", "fields", "param"),
+    [
+        (parse_completion, {"guidance_scale": 0}, "guidance_scale"),
+        (parse_chat, {"guidance_scale": 20.5}, "guidance_scale"),
+        (parse_chat, {"negative_prompt": "bad"}, "negative_prompt"),  # guidance off: it would change nothing
+        (parse_chat, {"guidance_scale": 2, "negative_prompt": [1, 2]}, "negative_prompt"),  # chat: a string
+        (parse_completion, {"guidance_scale": 2, "negative_prompt": [1, True]}, "negative_prompt"),
+        (parse_completion, {"guidance_scale": 2, "negative_prompt": [10**9]}, "negative_prompt"),
+        (parse_completion, {"guidance_scale": 2, "negative_prompt": ""}, "negative_prompt"),
+        (parse_completion, {"guidance_scale": 2, "negative_prompt": "x" * 10**6}, "negative_prompt"),
+    ],
+)
+def test_bad_guidance_fields_are_refused(ctx, parse, fields, param):
+    base = {"prompt": "hi"} if parse is parse_completion else {"messages": [{"role": "user", "content": "hi"}]}
+    assert _error(parse, ctx, json.dumps({**base, "max_tokens": 1, **fields}).encode()).param == param
+
+
+def test_negative_prompts_become_the_companions_prompt(ctx):
+    body = {"prompt": "hi", "max_tokens": 1, "guidance_scale": 2.5, "negative_prompt": "bad text"}
+    params = parse_completion(json.dumps(body).encode(), ctx).prompts[0].params
+    assert (params.guidance_scale, params.negative_prompt_token_ids) == (2.5, ctx.tokenizer.encode("bad text"))
+    body["negative_prompt"] = [5, 6]
+    assert parse_completion(json.dumps(body).encode(), ctx).prompts[0].params.negative_prompt_token_ids == [5, 6]
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "praise cats"}]
+    body = {"messages": chat, "max_tokens": 1, "guidance_scale": 3, "negative_prompt": "praise dogs"}
+    params = parse_chat(json.dumps(body).encode(), ctx).prompts[0].params
+    rendered = ctx.tokenizer.render_chat([chat[0], {"role": "user", "content": "praise dogs"}])
+    assert params.negative_prompt_token_ids == ctx.tokenizer.encode(rendered, add_special_tokens=False)
+    del body["negative_prompt"]  # the engine guides against BOS alone
+    assert parse_chat(json.dumps(body).encode(), ctx).prompts[0].params.negative_prompt_token_ids is None
+    spec = dataclasses.replace(ctx, guidance=False)  # a server with speculative decoding
+    assert _error(parse_chat, spec, json.dumps(body).encode()).param == "guidance_scale"

@@ -1,0 +1,71 @@
+"""Classifier-free guidance's request fields (vLLM-style extras on both endpoints): `guidance_scale` (0 < s <= 20,
+1 = off; SamplingParams validates it) and `negative_prompt`, turned here into the unconditional companion's token
+ids. Completions: a string (encoded as prompts are, BOS included) or token ids. Chat: a string, used as the content
+of the last user turn of an otherwise identical conversation rendered with the same template. Without it the
+engine guides against the model's BOS token alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from frontend.body import RequestError
+from messages.sampling_params import ParamError
+
+if TYPE_CHECKING:
+    from frontend.protocol import ServingContext
+
+PARAM = "negative_prompt"
+
+
+def negative_prompt_ids(req, ctx: ServingContext, messages: list | None = None) -> list[int] | None:
+    """The companion's prompt for a request (`messages`: a chat request's conversation), or None: the default."""
+    negative, guided = req.negative_prompt, req.guidance_scale not in (None, 1, 1.0)
+    if guided and not ctx.guidance:
+        raise RequestError(400, "guidance_scale is not supported with speculative decoding yet", "guidance_scale")
+    if negative is None:
+        return None
+    if not guided:
+        raise RequestError(400, f"{PARAM} requires guidance_scale other than 1 (guidance is off)", PARAM)
+    if isinstance(negative, str):
+        _check_chars(len(negative), ctx)
+        ids = _rendered(negative, messages, ctx) if messages is not None else ctx.tokenizer.encode(negative)
+    elif messages is not None:
+        raise RequestError(400, f"{PARAM} must be a string in chat completions", PARAM)
+    else:
+        ids = _token_ids(negative)
+    if not ids:
+        raise RequestError(400, f"{PARAM} must not be empty", PARAM)
+    if len(ids) >= ctx.max_model_len:
+        raise RequestError(400, f"{PARAM} has {len(ids)} tokens; the context holds {ctx.max_model_len}", PARAM)
+    if not all(0 <= t < ctx.vocab_size for t in ids):
+        raise RequestError(400, f"{PARAM}: a token id is outside the vocabulary [0, {ctx.vocab_size})", PARAM)
+    return ids
+
+
+def _check_chars(chars: int, ctx: ServingContext) -> None:
+    """Refuse a negative prompt that cannot fit the context from its length alone, before tokenizing it."""
+    most = ctx.tokenizer.max_token_chars
+    if most is not None and -(-chars // most) >= ctx.max_model_len:
+        raise RequestError(400, f"{PARAM} of {chars} characters cannot fit in {ctx.max_model_len} tokens", PARAM)
+
+
+def _token_ids(value) -> list[int]:
+    try:
+        return msgspec.convert(value, list[int])
+    except msgspec.ValidationError:
+        raise RequestError(400, f"{PARAM} must be a string or a list of token ids", PARAM) from None
+
+
+def _rendered(text: str, messages: list, ctx: ServingContext) -> list[int]:
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise RequestError(400, f"{PARAM} replaces the last user message, and there is none", PARAM)
+    i = users[-1]
+    try:
+        rendered = ctx.tokenizer.render_chat([*messages[:i], {**messages[i], "content": text}, *messages[i + 1 :]])
+    except ParamError as e:
+        raise RequestError(400, str(e), e.param) from e
+    return ctx.tokenizer.encode(rendered, add_special_tokens=False)
