@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from frontend.offline import AsyncLLM
@@ -15,6 +16,7 @@ from messages.sampling_params import SamplingParams
 from tests.cancel_harness import engine_config, model_dir  # noqa: F401 (fixtures)
 
 BOS = 1  # the tiny model's
+ALPHA = 0.001  # significance level of the chi-square test
 
 
 def random_ids(n: int, seed: int) -> list[int]:
@@ -121,3 +123,32 @@ async def test_guided_completion_over_http_with_n_2(server, hf_server):
 @pytest.fixture(scope="module")
 def hf_server(server):
     return AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32).eval()
+
+
+async def test_seeded_guided_draws_follow_the_guided_distribution(model_dir, hf):  # noqa: F811
+    """Chi-square at significance level 0.001 over 1,200 seeded first tokens (temperature 1, top-k 6): they follow
+    HF's guided distribution renormalised over its top 6, and the same counts reject the unguided one."""
+    prompt, negative, scale, n = random_ids(12, 5), random_ids(3, 6), 3.0, 1200
+    config = engine_config(model_dir, max_num_seqs=64, num_kv_blocks=256, max_num_batched_tokens=512)
+    params = [
+        SamplingParams(temperature=1.0, top_k=6, seed=i, max_tokens=1, guidance_scale=scale) for i in range(n)
+    ]
+    for p in params:
+        p.negative_prompt_token_ids = negative
+    async with AsyncLLM(config) as llm:
+        outs = await llm.generate([prompt] * n, params)
+    _, (guided,) = guided_reference(hf, prompt, negative, scale, 1)
+    with torch.inference_mode():
+        unguided = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    drawn = [o.token_ids[0] for o in outs]
+
+    def p_value(logprobs: torch.Tensor) -> float:
+        top = logprobs.topk(6)
+        expected = top.values.double().softmax(-1).numpy() * n
+        observed = [sum(t == token for t in drawn) for token in top.indices.tolist()]
+        if sum(observed) < n:  # a draw outside this distribution's support
+            return 0.0
+        return chisquare(observed, expected).pvalue
+
+    assert p_value(guided) > ALPHA
+    assert p_value(unguided) < ALPHA
