@@ -130,9 +130,7 @@ async def test_seeded_guided_draws_follow_the_guided_distribution(model_dir, hf)
     HF's guided distribution renormalised over its top 6, and the same counts reject the unguided one."""
     prompt, negative, scale, n = random_ids(12, 5), random_ids(3, 6), 3.0, 1200
     config = engine_config(model_dir, max_num_seqs=64, num_kv_blocks=256, max_num_batched_tokens=512)
-    params = [
-        SamplingParams(temperature=1.0, top_k=6, seed=i, max_tokens=1, guidance_scale=scale) for i in range(n)
-    ]
+    params = [SamplingParams(temperature=1.0, top_k=6, seed=i, max_tokens=1, guidance_scale=scale) for i in range(n)]
     for p in params:
         p.negative_prompt_token_ids = negative
     async with AsyncLLM(config) as llm:
