@@ -22,12 +22,10 @@ PARAM = "negative_prompt"
 
 def negative_prompt_ids(req, ctx: ServingContext, messages: list | None = None) -> list[int] | None:
     """The companion's prompt for a request (`messages`: a chat request's conversation), or None: the default."""
-    negative, guided = req.negative_prompt, req.guidance_scale not in (None, 1, 1.0)
-    if guided and not ctx.guidance:
-        raise RequestError(400, "guidance_scale is not supported with speculative decoding yet", "guidance_scale")
+    negative = req.negative_prompt
     if negative is None:
         return None
-    if not guided:
+    if req.guidance_scale in (None, 1, 1.0):
         raise RequestError(400, f"{PARAM} requires guidance_scale other than 1 (guidance is off)", PARAM)
     if isinstance(negative, str):
         _check_chars(len(negative), ctx)

@@ -50,7 +50,6 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
         "http": msgspec.to_builtins(http),
         "max_model_len": min(engine.max_model_len, model.max_model_len),
         "vocab_size": model.vocab_size,
-        "guidance": engine.speculative is None,  # the engine cannot guide speculated requests yet
     }
     return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
 

@@ -39,7 +39,6 @@ class ServingContext:
     max_model_len: int
     vocab_size: int  # ids >= this are rejected: the model's vocabulary (embedding rows)
     limits: RequestLimits = DEFAULT_LIMITS
-    guidance: bool = True  # classifier-free guidance available (not with speculative decoding yet)
 
 
 @dataclass(frozen=True)

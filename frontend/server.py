@@ -80,13 +80,12 @@ def _error(e: RequestError) -> web.Response:
 class HttpActor(Actor):
     name = HTTP
 
-    def __init__(self, model: str, http: dict, max_model_len: int, vocab_size: int, guidance: bool = True):
+    def __init__(self, model: str, http: dict, max_model_len: int, vocab_size: int):
         super().__init__()
         self.config = msgspec.convert(http, HttpConfig)
         self.model = model
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.guidance = guidance
         self.metrics = Metrics()
         self.table = RequestTable(self.tell, self.metrics, self.config.abort_timeout_s, self.config.max_abort_tries)
         self.down: set[str] = set()  # actors of the request path that are down
@@ -112,9 +111,7 @@ class HttpActor(Actor):
         """Asks are answered only after this returns: the launcher's first answered ask means "listening"."""
         tokenizer = Tokenizer.from_model_dir(self.model)
         names = self.config.served_model_name or [Path(self.model).name]
-        self.ctx = ServingContext(
-            tokenizer, names, self.max_model_len, self.vocab_size, self.config.limits, guidance=self.guidance
-        )
+        self.ctx = ServingContext(tokenizer, names, self.max_model_len, self.vocab_size, self.config.limits)
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)

@@ -39,8 +39,9 @@ class ScheduledRow:
 
     @property
     def num_logits(self) -> int:
-        """Positions whose logits the runner returns: the sampled ones, and a sampling companion row's last."""
-        return 1 if self.sample and self.guidance_scale is not None else self.num_samples
+        """Positions whose logits the runner returns: the sampled ones, and a sampling companion row's (its last
+        1 + K: it is fed its parent's drafts too)."""
+        return 1 + len(self.draft_token_ids) if self.sample and self.guidance_scale is not None else self.num_samples
 
 
 @dataclass

@@ -77,9 +77,9 @@ class Outcome:
         return self.finished and self.finished.finish_reason
 
 
-def workload(seed: int, n: int, rate: float = 150.0, guided: bool = True) -> list[Job]:
-    """`n` jobs arriving at `rate` per second; siblings share a prompt and differ by seed; with `guided`, about one
-    in six is guided by classifier-free guidance (a companion sequence each: pairs preempted and aborted together)."""
+def workload(seed: int, n: int, rate: float = 150.0) -> list[Job]:
+    """`n` jobs arriving at `rate` per second; siblings share a prompt and differ by seed; about one in six is
+    guided by classifier-free guidance (a companion sequence each: pairs preempted and aborted together)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(1, 40))] for _ in range(12)]
     prompts.append(list(range(2000, 2100)))  # chunked prefill
@@ -89,7 +89,7 @@ def workload(seed: int, n: int, rate: float = 150.0, guided: bool = True) -> lis
         stop = [rng.choice(STOPS)] if rng.random() < 0.3 else []
         siblings = 3 if rng.random() < 0.15 else 1
         sampled, base_seed = siblings > 1 or rng.random() < 0.4, rng.randrange(1 << 30)
-        guidance_scale = 2.5 if rng.random() < 0.15 and guided else 1.0
+        guidance_scale = 2.5 if rng.random() < 0.15 else 1.0
         for k in range(siblings):
             params = SamplingParams(
                 temperature=0.8 if sampled else 0.0,
@@ -206,9 +206,8 @@ def compare(jobs: list[Job], reference: list[Outcome], chaos: list[Outcome], sen
 
 
 async def chaos(reference_llm: AsyncLLM, chaos_llm: AsyncLLM, seed: int, n: int, timeout_s: float = 300) -> Report:
-    """The workload of `seed` on a fault-free engine, then with aborts on the faulty one; compared. Guided requests
-    are in it unless the faulty engine speculates (which does not guide yet)."""
-    jobs = workload(seed, n, guided=chaos_llm.config.speculative is None)
+    """The workload of `seed` on a fault-free engine, then with aborts on the faulty one; compared."""
+    jobs = workload(seed, n)
     reference = await asyncio.wait_for(run(reference_llm, jobs, aborts=False), timeout_s)
     try:
         got = await asyncio.wait_for(run(chaos_llm, jobs, aborts=True), timeout_s)

@@ -150,3 +150,25 @@ async def test_seeded_guided_draws_follow_the_guided_distribution(model_dir, hf)
 
     assert p_value(guided) > ALPHA
     assert p_value(unguided) < ALPHA
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+async def test_guided_speculative_decoding_is_guided_decoding(model_dir, hf, method):  # noqa: F811
+    """Both halves are fed the drafts and verified over the K + 1 positions against the guided target (the draft
+    itself unguided): greedy guided output is HF's guided argmax, with drafts accepted; aborts leave nothing."""
+    from actors.engine.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, prompt_lookup_min=1)
+    if method == "draft_model":
+        spec.model = str(model_dir)
+    prompts = [random_ids(8, 20) * 4, random_ids(30, 21)]
+    negative, scale = [BOS, *random_ids(4, 22)], 1.5
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, guidance_scale=scale)
+    params.negative_prompt_token_ids = negative
+    async with AsyncLLM(engine_config(model_dir, speculative=spec, max_num_batched_tokens=64)) as llm:
+        outs = await llm.generate(prompts, params)
+        stats, _ = await llm.fresh_stats()
+        assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == guided_reference(hf, prompt, negative, scale, 16)[0]
+    assert stats.spec_num_accepted_tokens > 0

@@ -4,7 +4,6 @@ ignored, and tokenizing without the GIL."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -209,5 +208,3 @@ def test_negative_prompts_become_the_companions_prompt(ctx):
     assert params.negative_prompt_token_ids == ctx.tokenizer.encode(rendered, add_special_tokens=False)
     del body["negative_prompt"]  # the engine guides against BOS alone
     assert parse_chat(json.dumps(body).encode(), ctx).prompts[0].params.negative_prompt_token_ids is None
-    spec = dataclasses.replace(ctx, guidance=False)  # a server with speculative decoding
-    assert _error(parse_chat, spec, json.dumps(body).encode()).param == "guidance_scale"

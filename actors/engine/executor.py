@@ -89,14 +89,16 @@ def step_inputs(
 
 def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Classifier-free guidance: from the logits of every position the runner returned, those of the sampled
-    positions, a guided row's replaced by l_u + s * (l_c - l_u) with its companion row's (the next position) as
-    l_u, in float32, one expression for all guided rows. Also (the guided row's index among the sampling rows,
+    positions, a guided row's replaced by l_u + s * (l_c - l_u) with its companion row's (the next 1 + K positions)
+    as l_u, in float32, one expression for all guided rows. Also (the guided row's index among the sampling rows,
     its companion's slot) for the relay."""
-    cond, scales, keep, companions, pos, j = [], [], [], [], 0, 0
+    cond, uncond, scales, keep, companions, pos, j = [], [], [], [], [], 0, 0
     for row in batch.rows:
         if row.guidance_scale is not None and row.sample:
-            cond.append(pos - 1)  # its parent's sampled position, just before
-            scales.append(row.guidance_scale)
+            k = row.num_logits  # 1 + K: its parent's sampled positions are the k just before
+            cond.extend(range(pos - k, pos))
+            uncond.extend(range(pos, pos + k))
+            scales.extend([row.guidance_scale] * k)
             companions.append((j - 1, row.slot))
         else:
             keep.extend(range(pos, pos + row.num_logits))
@@ -106,7 +108,7 @@ def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tu
         return logits, companions
     idx = to_device(cond, torch.int64, logits.device)
     scale = to_device(scales, torch.float32, logits.device)[:, None]
-    guided = torch.lerp(logits[idx + 1].float(), logits[idx].float(), scale)
+    guided = torch.lerp(logits[to_device(uncond, torch.int64, logits.device)].float(), logits[idx].float(), scale)
     return logits.float().index_copy(0, idx, guided)[to_device(keep, torch.int64, logits.device)], companions
 
 
@@ -172,7 +174,7 @@ class StepExecutor:
         before the sampler works on the logits in place) and their draft distributions q (zero at bonus positions)."""
         idx, qs, pos = [], [], 0
         for r in batch.rows:
-            if r.draft_token_ids:
+            if r.draft_token_ids and r.num_samples:  # (a CFG companion row is fed its parent's drafts too)
                 k = len(r.draft_token_ids)
                 idx += range(pos, pos + k + 1)
                 q = self.draft.q.pop(r.request_id)[:k]  # used once: not kept beyond this step
@@ -191,8 +193,8 @@ class StepExecutor:
         sampling (gpu/sampling/spec.py)."""
         if len(sampled) == len(batch.sampling_rows):
             return sampled, None, sampled
-        counts = to_device([r.num_samples for r in batch.rows if r.sample], torch.int64, sampled.device)
-        drafts = [t for r in batch.rows if r.sample for t in (*r.draft_token_ids, NO_DRAFT)]
+        counts = to_device([r.num_samples for r in batch.rows if r.num_samples], torch.int64, sampled.device)
+        drafts = [t for r in batch.rows if r.num_samples for t in (*r.draft_token_ids, NO_DRAFT)]
         drafts = to_device(drafts, torch.int64, sampled.device)
         accepted = sampled == drafts
         if spec is not None:

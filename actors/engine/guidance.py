@@ -20,8 +20,6 @@ from messages.sampling_params import SamplingParams
 def guidance_error(params: SamplingParams, config: EngineConfig, model: ModelConfig) -> str | None:
     """Why the engine cannot guide this request (None: it can)."""
     negative = params.negative_prompt_token_ids
-    if config.speculative:
-        return "guidance_scale with speculative decoding is not supported yet"
     if negative is None and model.bos_token_id is None:
         return "negative_prompt is required: the model has no BOS token to guide against"
     max_model_len = min(config.max_model_len, model.max_model_len)
@@ -46,14 +44,15 @@ def plan_tokens(req: EngineRequest, budget: int, chunk: int) -> tuple[int, int]:
     return n, min(c_left - 1, chunk, budget - n)
 
 
-def companion_row(req: EngineRequest, m: int, block_manager: BlockManager) -> ScheduledRow:
-    """The companion's row feeding its next m tokens (its blocks grown to cover them); it samples (guides its
-    parent) when they reach its end. Counted in the parent's in-flight steps."""
+def companion_row(req: EngineRequest, m: int, block_manager: BlockManager, drafts: list[int] = ()) -> ScheduledRow:
+    """The companion's row feeding its next m tokens, the parent's drafts among them (its blocks grown to cover
+    them); it guides its parent when they reach its end. Counted in the parent's in-flight steps."""
     c = req.companion
     block_manager.append_slots(c, m)
-    start = c.num_computed_tokens
-    row = ScheduledRow(req.request_id, c.slot, c.token_ids(start, start + m), start, list(c.block_table), False)
-    row.sample, row.guidance_scale = start + m == c.num_tokens, req.params.guidance_scale
+    start, fed = c.num_computed_tokens, m - len(drafts)
+    tokens = c.token_ids(start, start + fed) + list(drafts)
+    row = ScheduledRow(req.request_id, c.slot, tokens, start, list(c.block_table), start + fed == c.num_tokens)
+    row.draft_token_ids, row.guidance_scale = list(drafts), req.params.guidance_scale
     c.num_computed_tokens += m
     req.num_inflight_steps += 1
     return row

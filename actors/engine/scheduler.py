@@ -127,9 +127,10 @@ class Scheduler:
         max_tokens or max_model_len (the step budget may cut them further)."""
         out = []
         for req in self.running:
-            if req.companion or req.num_pending_tokens or req.num_tokens - req.num_computed_tokens != 1:
+            if req.num_pending_tokens or req.num_tokens - req.num_computed_tokens != 1:
                 continue
-            k = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            room = self.max_model_len - req.num_tokens - req.overhang
+            k = min(req.params.max_tokens - req.num_output_tokens, room) - 1
             if k > 0:
                 out.append((req, k))
         return out
@@ -151,10 +152,11 @@ class Scheduler:
                 i += 1
                 continue
             n, m = plan_tokens(req, budget, chunk)
-            row_drafts = (drafts or {}).get(req.request_id, [])[: budget - 1] if n == 1 and not m else []
-            if row_drafts and not self.block_manager.may_append(req, n + len(row_drafts)):
-                row_drafts = []  # drafts are optional: never preempt another request for their lookahead
-            n += len(row_drafts)
+            row_drafts = (drafts or {}).get(req.request_id, [])[: (budget - n - m) // (1 + m)] if n == 1 else []
+            k = len(row_drafts)
+            if k and not self.block_manager.may_append(req, n + k, m + k * m):  # (a CFG companion feeds them too)
+                row_drafts, k = [], 0  # drafts are optional: never preempt another request for their lookahead
+            n, m = n + k, m + k * m
             while not self.block_manager.may_append(req, n, m):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -245,7 +247,7 @@ class Scheduler:
     def _add_rows(self, batch: BatchSpec, req: EngineRequest, n: int, m: int, drafts: list[int] = ()) -> None:
         """The request's row (n tokens), then its CFG companion's (m tokens; built first: the parent's row adds a
         pending token to both sequences)."""
-        guide = companion_row(req, m, self.block_manager) if m else None
+        guide = companion_row(req, m, self.block_manager, drafts) if m else None
         if n:
             batch.rows.append(self._row(req, n, drafts))
         if guide:
@@ -270,8 +272,9 @@ class Scheduler:
         """A row verified `num_drafts` drafts and accepted `accepted`: the rejected ones' KV is junk (unless the
         request was preempted meanwhile: then it recomputes everything anyway)."""
         if req.status is RequestStatus.RUNNING:
-            req.num_computed_tokens -= num_drafts - accepted
-            self.block_manager.trim(req)
+            for seq in req.sequences:
+                seq.num_computed_tokens -= num_drafts - accepted
+                self.block_manager.trim(seq)
         self.spec.observe(num_drafts, accepted)
 
     def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
