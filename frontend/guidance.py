@@ -2,7 +2,8 @@
 1 = off; SamplingParams validates it) and `negative_prompt`, turned here into the unconditional companion's token
 ids. Completions: a string (encoded as prompts are, BOS included) or token ids. Chat: a string, used as the content
 of the last user turn of an otherwise identical conversation rendered with the same template. Without it the
-engine guides against the model's BOS token alone.
+engine guides against the model's BOS token alone; for a model without one, chat renders the conversation with an
+empty last user turn and completions require the field.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ PARAM = "negative_prompt"
 
 def negative_prompt_ids(req, ctx: ServingContext, messages: list | None = None) -> list[int] | None:
     """The companion's prompt for a request (`messages`: a chat request's conversation), or None: the default."""
-    negative = req.negative_prompt
+    negative, guided = req.negative_prompt, req.guidance_scale not in (None, 1, 1.0)
     if negative is None:
-        return None
-    if req.guidance_scale in (None, 1, 1.0):
+        if not guided or "bos_token" in ctx.tokenizer.special_tokens:
+            return None  # the engine's default: BOS alone
+        if messages is None:
+            raise RequestError(400, f"{PARAM} is required with guidance_scale: the model has no BOS token", PARAM)
+        negative = ""  # an empty user turn
+    if not guided:
         raise RequestError(400, f"{PARAM} requires guidance_scale other than 1 (guidance is off)", PARAM)
     if isinstance(negative, str):
         _check_chars(len(negative), ctx)
@@ -34,7 +39,7 @@ def negative_prompt_ids(req, ctx: ServingContext, messages: list | None = None) 
         raise RequestError(400, f"{PARAM} must be a string in chat completions", PARAM)
     else:
         ids = _token_ids(negative)
-    if not ids:
+    if not ids:  # (an empty chat turn still renders the template's tokens)
         raise RequestError(400, f"{PARAM} must not be empty", PARAM)
     if len(ids) >= ctx.max_model_len:
         raise RequestError(400, f"{PARAM} has {len(ids)} tokens; the context holds {ctx.max_model_len}", PARAM)

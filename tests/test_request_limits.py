@@ -208,3 +208,14 @@ def test_negative_prompts_become_the_companions_prompt(ctx):
     assert params.negative_prompt_token_ids == ctx.tokenizer.encode(rendered, add_special_tokens=False)
     del body["negative_prompt"]  # the engine guides against BOS alone
     assert parse_chat(json.dumps(body).encode(), ctx).prompts[0].params.negative_prompt_token_ids is None
+
+
+def test_without_bos_chat_guides_against_an_empty_user_turn(ctx, monkeypatch):
+    monkeypatch.delitem(ctx.tokenizer.special_tokens, "bos_token")
+    chat = [{"role": "user", "content": "praise cats"}]
+    body = {"messages": chat, "max_tokens": 1, "guidance_scale": 3}
+    rendered = ctx.tokenizer.render_chat([{"role": "user", "content": ""}])
+    ids = parse_chat(json.dumps(body).encode(), ctx).prompts[0].params.negative_prompt_token_ids
+    assert ids == ctx.tokenizer.encode(rendered, add_special_tokens=False)
+    body = {"prompt": "hi", "max_tokens": 1, "guidance_scale": 3}
+    assert _error(parse_completion, ctx, json.dumps(body).encode()).param == "negative_prompt"
