@@ -111,3 +111,11 @@ def decode_body(body: bytes, type_: type[T], refused: Mapping[str, Callable[[obj
         raise RequestError(400, f"Invalid value for '{param}': {msg[: m.start()]}", param) from e
     except RecursionError as e:
         raise RequestError(400, "Invalid JSON body: nested too deeply") from e
+
+
+def token_ids(value) -> list[int] | None:
+    """value as a list of token ids, or None when it is not one."""
+    try:
+        return msgspec.convert(value, list[int])  # C-speed; rejects bools, floats, nesting
+    except msgspec.ValidationError:
+        return None

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from frontend.body import RequestError
+from frontend.body import RequestError, token_ids
 from messages.sampling_params import ParamError
 
 if TYPE_CHECKING:
@@ -37,8 +35,8 @@ def negative_prompt_ids(req, ctx: ServingContext, messages: list | None = None) 
         ids = _rendered(negative, messages, ctx) if messages is not None else ctx.tokenizer.encode(negative)
     elif messages is not None:
         raise RequestError(400, f"{PARAM} must be a string in chat completions", PARAM)
-    else:
-        ids = _token_ids(negative)
+    elif (ids := token_ids(negative)) is None:
+        raise RequestError(400, f"{PARAM} must be a string or a list of token ids", PARAM)
     if not ids:  # (an empty chat turn still renders the template's tokens)
         raise RequestError(400, f"{PARAM} must not be empty", PARAM)
     if len(ids) >= ctx.max_model_len:
@@ -53,13 +51,6 @@ def _check_chars(chars: int, ctx: ServingContext) -> None:
     most = ctx.tokenizer.max_token_chars
     if most is not None and -(-chars // most) >= ctx.max_model_len:
         raise RequestError(400, f"{PARAM} of {chars} characters cannot fit in {ctx.max_model_len} tokens", PARAM)
-
-
-def _token_ids(value) -> list[int]:
-    try:
-        return msgspec.convert(value, list[int])
-    except msgspec.ValidationError:
-        raise RequestError(400, f"{PARAM} must be a string or a list of token ids", PARAM) from None
 
 
 def _rendered(text: str, messages: list, ctx: ServingContext) -> list[int]:

@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from frontend.body import RequestError, decode_body
+from frontend.body import RequestError, decode_body, token_ids
 from frontend.fields import (
     NOT_HONOURED_IN_CHAT,
     NOT_HONOURED_IN_COMPLETIONS,
@@ -165,19 +165,12 @@ def _sampling_params(
     return params
 
 
-def _token_ids(value) -> list[int] | None:
-    try:
-        return msgspec.convert(value, list[int])  # C-speed; rejects bools, floats, nesting
-    except msgspec.ValidationError:
-        return None
-
-
 def _completion_prompts(prompt, ctx: ServingContext, max_tokens: int | None) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise RequestError(400, "prompt must not be empty", "prompt")
-    if (ids := _token_ids(prompt)) is not None:
+    if (ids := token_ids(prompt)) is not None:
         prompt = [ids]
     if len(prompt) > ctx.limits.max_choices:
         raise RequestError(
@@ -190,7 +183,7 @@ def _completion_prompts(prompt, ctx: ServingContext, max_tokens: int | None) -> 
             _check_chars(len(p), max_tokens, ctx, "prompt", "max_tokens")
             texts.append((i, p))
             ids, text = [], p
-        elif (ids := _token_ids(p)) is not None:
+        elif (ids := token_ids(p)) is not None:
             text = None
             if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
                 bad = next(t for t in ids if not 0 <= t < ctx.vocab_size)

@@ -76,9 +76,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: BatchSpec) -> torch.Tensor:
-        """Run one step; float32 logits [num logit positions + num prompt targets, vocab]: the positions each row
-        samples at, in batch order (1 + K for a row verifying K drafts; a sampling CFG companion row's last), then, row by row, the first fed tokens of rows with
-        prompt_targets (one per target)."""
+        """Run one step; float32 logits [num logit positions + num prompt targets, vocab]: each row's
+        `num_logits` positions in batch order (1 + K for a row verifying K drafts, as many for its CFG companion),
+        then, row by row, the first fed tokens of rows with prompt_targets (one per target)."""
         if not batch.rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         host, plans, max_query_len, max_seq_len = self._prepare(batch)

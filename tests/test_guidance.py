@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+from actors.engine.config import SpeculativeConfig
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
 from tests.cancel_harness import engine_config, model_dir  # noqa: F401 (fixtures)
@@ -156,8 +157,6 @@ async def test_seeded_guided_draws_follow_the_guided_distribution(model_dir, hf)
 async def test_guided_speculative_decoding_is_guided_decoding(model_dir, hf, method):  # noqa: F811
     """Both halves are fed the drafts and verified over the K + 1 positions against the guided target (the draft
     itself unguided): greedy guided output is HF's guided argmax, with drafts accepted; aborts leave nothing."""
-    from actors.engine.config import SpeculativeConfig
-
     spec = SpeculativeConfig(method=method, num_speculative_tokens=3, prompt_lookup_min=1)
     if method == "draft_model":
         spec.model = str(model_dir)
@@ -172,3 +171,14 @@ async def test_guided_speculative_decoding_is_guided_decoding(model_dir, hf, met
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == guided_reference(hf, prompt, negative, scale, 16)[0]
     assert stats.spec_num_accepted_tokens > 0
+
+
+async def test_a_longer_negative_prompt_ends_the_request_at_the_context_end(model_dir):  # noqa: F811
+    """max_model_len bounds both halves: with a 40-token negative prompt and a 10-token prompt in a 64-token
+    context, the companion reaches the end after 24 output tokens, and so does the request ("length")."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, guidance_scale=2.0)
+    params.negative_prompt_token_ids = random_ids(40, 30)
+    async with AsyncLLM(engine_config(model_dir, max_model_len=64)) as llm:
+        out = await llm.generate_one(random_ids(10, 31), params)
+        assert (out.finish_reason, len(out.token_ids)) == ("length", 24)
+        assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())

@@ -42,7 +42,7 @@ class BlockManager:
     def may_append(self, request: EngineRequest, num_new_tokens: int, companion_tokens: int = 0) -> bool:
         """Whether the request (and its CFG companion) can grow by that many tokens."""
         missing = self._num_missing(request, num_new_tokens)
-        if request.companion is not None:
+        if companion_tokens:
             missing += self._num_missing(request.companion, companion_tokens)
         return missing <= self.num_free_blocks
 
@@ -59,11 +59,10 @@ class BlockManager:
         self.free_block_ids.extend(request.block_table[keep:])
         del request.block_table[keep:]
 
-    def free(self, request: EngineRequest) -> None:
-        """Return the request's blocks, and its CFG companion's, to the free list (idempotent)."""
-        for seq in request.sequences:
-            self.free_block_ids.extend(seq.block_table)
-            seq.block_table = []
+    def free(self, request: EngineRequest | Companion) -> None:
+        """Return the sequence's blocks to the free list (idempotent)."""
+        self.free_block_ids.extend(request.block_table)
+        request.block_table = []
 
     def _num_missing(self, request: EngineRequest | Companion, num_new_tokens: int) -> int:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)

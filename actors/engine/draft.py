@@ -38,11 +38,6 @@ class _DraftKV:
     num_known: int = 0  # of them, the request's (known when proposing): the KV holds tokens[:num_computed_tokens]
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    companion = None  # (guided requests are not speculated)
-
-    @property
-    def sequences(self) -> tuple[_DraftKV]:
-        return (self,)
 
 
 class DraftProposer:

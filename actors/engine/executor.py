@@ -88,7 +88,7 @@ def step_inputs(
 
 
 def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Classifier-free guidance: from the logits of every position the runner returned, those of the sampled
+    """Classifier-free guidance: from the (float32) logits of every position the runner returned, those of the sampled
     positions, a guided row's replaced by l_u + s * (l_c - l_u) with its companion row's (the next 1 + K positions)
     as l_u, in float32, one expression for all guided rows. Also (the guided row's index among the sampling rows,
     its companion's slot) for the relay."""
@@ -108,8 +108,8 @@ def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tu
         return logits, companions
     idx = to_device(cond, torch.int64, logits.device)
     scale = to_device(scales, torch.float32, logits.device)[:, None]
-    guided = torch.lerp(logits[to_device(uncond, torch.int64, logits.device)].float(), logits[idx].float(), scale)
-    return logits.float().index_copy(0, idx, guided)[to_device(keep, torch.int64, logits.device)], companions
+    guided = torch.lerp(logits[to_device(uncond, torch.int64, logits.device)], logits[idx], scale)
+    return logits.index_copy(0, idx, guided)[to_device(keep, torch.int64, logits.device)], companions
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
@@ -161,12 +161,12 @@ class StepExecutor:
         if spec is not None and out.logprobs is not None:  # an accepted draft or a residual draw: its own logprob
             fixed = self.sampler.logprobs_of(spec.raw, tokens[spec.positions], 1, spec.meta)
             out.logprobs.sampled[spec.positions], out.logprobs.ranks[spec.positions] = fixed.sampled, fixed.ranks
-        if slots:  # a CFG companion's next input is its parent's token
-            relay = [slot for _, slot in companions]
-            last = torch.cat(
-                [last, last.index_select(0, to_device([j for j, _ in companions], torch.int64, last.device))]
-            )
-            self.runner.set_prev_sampled(torch.tensor(slots + relay, dtype=torch.int64), last)
+        if companions:  # a CFG companion's next input is its parent's token
+            slots = slots + [slot for _, slot in companions]
+            parents = to_device([j for j, _ in companions], torch.int64, last.device)
+            last = torch.cat([last, last.index_select(0, parents)])
+        if slots:
+            self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), last)
         return self._to_host(tokens, out.logprobs, plp, emitted)
 
     def _spec_rows(self, batch: BatchSpec, logits: torch.Tensor, rows: list[SamplingRow]) -> _DraftCheck | None:

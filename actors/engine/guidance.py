@@ -51,8 +51,16 @@ def companion_row(req: EngineRequest, m: int, block_manager: BlockManager, draft
     block_manager.append_slots(c, m)
     start, fed = c.num_computed_tokens, m - len(drafts)
     tokens = c.token_ids(start, start + fed) + list(drafts)
-    row = ScheduledRow(req.request_id, c.slot, tokens, start, list(c.block_table), start + fed == c.num_tokens)
-    row.draft_token_ids, row.guidance_scale = list(drafts), req.params.guidance_scale
+    row = ScheduledRow(
+        req.request_id,
+        c.slot,
+        tokens,
+        start,
+        list(c.block_table),
+        sample=start + fed == c.num_tokens,
+        draft_token_ids=list(drafts),
+        guidance_scale=req.params.guidance_scale,
+    )
     c.num_computed_tokens += m
     req.num_inflight_steps += 1
     return row

@@ -173,18 +173,15 @@ class Scheduler:
         while self.waiting and budget > 0 and self.free_slots and not preempted:
             req = self.waiting[0]
             n, m = plan_tokens(req, budget, chunk)
-            slots = 1 + (req.companion is not None)
-            if req.num_inflight_steps or len(self.free_slots) < slots or not self.block_manager.can_allocate(n, m):
-                break  # strict FIFO: the head waits for its in-flight sample, for slots or for free blocks
-            if not n + m:
-                break
+            blocked = req.num_inflight_steps or len(self.free_slots) < len(req.sequences) or not n + m
+            if blocked or not self.block_manager.can_allocate(n, m):
+                break  # strict FIFO: the head waits for its in-flight sample, for slots, budget or free blocks
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 self.prompt_tokens_total += req.num_prompt_tokens
             req.status = RequestStatus.RUNNING
-            req.slot = self.free_slots.pop()
-            if req.companion:
-                req.companion.slot = self.free_slots.pop()
+            for seq in req.sequences:
+                seq.slot = self.free_slots.pop()
             self.running.append(req)
             self.block_manager.allocate(req, n)
             self._add_rows(batch, req, n, m)
@@ -313,10 +310,9 @@ class Scheduler:
         req.finish_reason, req.stop_reason = reason, stop_reason
 
     def _preempt(self, req: EngineRequest) -> None:
-        self.block_manager.free(req)
-        req.num_computed_tokens = 0
-        if req.companion:
-            req.companion.num_computed_tokens = 0
+        for seq in req.sequences:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -336,8 +332,9 @@ class Scheduler:
             if seq.slot >= 0:
                 self.free_slots.append(seq.slot)
                 seq.slot = -1
+            if req.is_finished:
+                self.block_manager.free(seq)
         if req.is_finished:
-            self.block_manager.free(req)
             del self.requests[req.request_id]
             if req.status is RequestStatus.ABORTED:
                 self.aborted_freed.append(req.request_id)
