@@ -18,6 +18,13 @@ MAX_GUIDANCE_SCALE = 20.0
 # (log_softmax of the raw logits), or the one actually sampled from (gpu/sampling/sampler.py says which steps).
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
+# The languages a structured output can be given in (issue 15; vLLM's `structured_outputs` keys, plus OpenAI's
+# json_object): each compiled by xgrammar (actors/engine/grammar.py).
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+# Fields that cannot be combined with a grammar: each could ban every token the grammar allows (or, min_tokens,
+# the EOS that ends a complete output), leaving a row nothing to sample. Refused with a 400 naming the field.
+GRAMMAR_EXCLUSIVE = ("min_tokens", "allowed_token_ids", "bad_words")
+
 
 def child_seed(seed: int, index: int) -> int:
     """The seed of child `index` of an n > 1 request (vLLM: seed + index; child 0 keeps the parent's seed),
@@ -49,9 +56,19 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_stop_token_ids: int = 1024  # stop_token_ids entries: each output token is checked against them
     max_choices: int = 256  # prompts x n: the engine requests one call may start
     max_total_tokens: int = 1 << 20  # sum over choices of prompt + max_tokens: the tokens one call may cost
+    max_grammar_chars: int = 1 << 16  # characters of a structured output's spec (schema, regex, grammar, choices)
 
 
 DEFAULT_LIMITS = RequestLimits()
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """What a constrained request's output must match; the frontend compiled it once to validate it."""
+
+    kind: GrammarKind
+    # json: the JSON schema's text; regex: the pattern; choice: a JSON list of the strings; grammar: EBNF (GBNF);
+    # structural_tag: xgrammar's structural tag as JSON text; json_object: "" (any JSON object)
+    spec: str = ""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -85,6 +102,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # sequence (the negative prompt, then the same output tokens); 1.0 = off
     guidance_scale: float = 1.0
     negative_prompt_token_ids: list[int] | None = None  # the companion's prompt (None: the model's BOS token alone)
+    structured: StructuredOutput | None = None  # grammar-constrained output (None: unconstrained)
 
     @property
     def guided(self) -> bool:
@@ -139,6 +157,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             if not self.negative_prompt_token_ids:
                 raise ParamError("negative_prompt", "negative_prompt must not be empty")
             _tokens("negative_prompt", self.negative_prompt_token_ids, vocab_size)
+        if self.structured is not None:
+            for name in GRAMMAR_EXCLUSIVE:
+                if getattr(self, name):
+                    raise ParamError(name, f"{name} cannot be combined with structured outputs: the grammar decides")
 
     def _verify_sizes(self, vocab_size: int, limits: RequestLimits) -> None:
         """The per-request sizes bounded by `limits`, checked before anything iterates over them."""
@@ -155,6 +177,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         max_allowed = vocab_size if limits.max_allowed_token_ids is None else limits.max_allowed_token_ids
         _at_most("allowed_token_ids", len(self.allowed_token_ids or ()), max_allowed, "allowed_token_ids entries")
         _at_most("stop_token_ids", len(self.stop_token_ids), limits.max_stop_token_ids, "stop_token_ids entries")
+        if self.structured is not None:
+            size = len(self.structured.spec)
+            _at_most("structured_outputs", size, limits.max_grammar_chars, "characters in the grammar")
 
     def clamped_logit_bias(self) -> dict[int, float]:
         return {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, b)) for t, b in (self.logit_bias or {}).items()}

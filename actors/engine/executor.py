@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.config import EngineConfig
+from actors.engine.grammar import StepMasks
 from actors.engine.request import EngineRequest
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
@@ -66,11 +67,12 @@ def _lists(lp: LogprobsTensors | None) -> dict[str, list] | None:
 
 def step_inputs(
     batch: BatchSpec, requests: dict[str, EngineRequest], eos_token_ids: list[int]
-) -> tuple[list[SamplingRow], list[int], int]:
+) -> tuple[list[SamplingRow], list[int], int, StepMasks | None]:
     """StepExecutor.run's inputs besides the batch: a SamplingRow per sampled position (a row verifying K drafts
-    has K + 1, position j with the first j drafts in its output history), a relay slot per sampling row, and the
-    top-N of the prompt logprobs (the largest a row with prompt targets asked for)."""
-    rows, slots, n = [], [], 0
+    has K + 1, position j with the first j drafts in its output history), a relay slot per sampling row, the
+    top-N of the prompt logprobs (the largest a row with prompt targets asked for), and the grammar masks of the
+    constrained rows (None: none samples; rows whose last token is in flight are filled later: StepMasks)."""
+    rows, slots, n, masks = [], [], 0, None
     for row in batch.rows:
         req = requests[row.request_id]
         if row.prompt_targets:
@@ -84,7 +86,13 @@ def step_inputs(
                 output = req.output_token_ids + row.draft_token_ids[:j] if j else req.output_token_ids
                 rows.append(SamplingRow(req.params, req.prompt_token_ids, output, position + j, eos_token_ids))
             slots.append(row.slot)
-    return rows, slots, n
+            if req.grammar is not None:
+                masks = masks or StepMasks(batch.num_samples, req.grammar.vocab_size)
+                first = len(rows) - row.num_samples  # pending > 1: the sample of the step in flight is unknown
+                masks.add(req.grammar, first, row.draft_token_ids, defer=req.num_pending_tokens > 1)
+    if masks is not None:
+        masks.seal()
+    return rows, slots, n, masks
 
 
 def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -143,10 +151,16 @@ class StepExecutor:
 
     @torch.inference_mode()
     def run(
-        self, batch: BatchSpec, rows: list[SamplingRow], slots: list[int], num_prompt_logprobs: int = 0
+        self,
+        batch: BatchSpec,
+        rows: list[SamplingRow],
+        slots: list[int],
+        num_prompt_logprobs: int = 0,
+        masks: StepMasks | None = None,
     ) -> StepResult:
         """Forward + sample one step; leave the sampled ids on the device for the next step.
-        num_prompt_logprobs: the top-N of the prompt logprobs (the largest a row with prompt_targets asked for)."""
+        num_prompt_logprobs: the top-N of the prompt logprobs (the largest a row with prompt_targets asked for).
+        masks: the constrained rows' grammar masks, applied after CFG (waiting for their last fills)."""
         if self.debug_checks:
             self._check_relay(batch)
         logits = self.runner.execute(batch)
@@ -155,6 +169,8 @@ class StepExecutor:
         if not rows:  # only partial chunked-prefill rows: nothing samples this step
             return self._to_host(torch.empty(0, dtype=torch.int64), None, plp)
         logits, companions = guide(batch, logits[:num_logits])
+        if masks is not None:
+            masks.apply(logits)
         spec = self._spec_rows(batch, logits, rows) if self.draft is not None else None
         out = self.sampler(logits, self.metadata.build(rows))
         tokens, emitted, last = self._verify(batch, out.sampled, spec)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from actors.engine.grammar import Matcher
 from gpu.batch import PLACEHOLDER
 from messages.sampling_params import SamplingParams
 from messages.wire import AddRequest, TokenLogprobs
@@ -46,11 +47,15 @@ class EngineRequest:
     stop_reason: int | None = None
     prompt_logprobs: TokenLogprobs | None = None  # collected chunk by chunk; sent with the first output
     companion: Companion | None = None  # classifier-free guidance's unconditional sequence
+    grammar: Matcher | None = None  # structured outputs: accepts each emitted token (actors/engine/grammar.py)
+    error: str | None = None  # why the request ended with finish_reason "error"
 
     @classmethod
-    def from_msg(cls, msg: AddRequest, bos_token_id: int | None = None) -> EngineRequest:
+    def from_msg(
+        cls, msg: AddRequest, bos_token_id: int | None = None, grammar: Matcher | None = None
+    ) -> EngineRequest:
         """A guided request gets its companion: the negative prompt, or the BOS token alone."""
-        req = cls(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.arrival_time)
+        req = cls(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.arrival_time, grammar=grammar)
         if msg.params.guided:
             req.companion = Companion(req, list(msg.params.negative_prompt_token_ids or [bos_token_id]))
         return req

@@ -291,12 +291,18 @@ class Scheduler:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             prompt_logprobs=take_prompt_logprobs(req) if seq == 0 else None,
+            error=req.error,
         )
 
     def _ends(self, req: EngineRequest, token: int) -> bool:
-        """Finish the request if `token`, just appended, ends it."""
+        """Finish the request if `token`, just appended, ends it (a grammar ends it once complete)."""
         p = req.params
-        if len(req.output_token_ids) > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos:
+        if req.grammar is not None and not req.grammar.accept(token):  # the mask forbids it: a bug
+            req.error = f"token {token} is not allowed by the request's grammar"
+            self._finish(req, "error")
+        elif (req.grammar is not None and req.grammar.terminated) or (
+            len(req.output_token_ids) > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos
+        ):
             self._finish(req, "stop")
         elif len(req.output_token_ids) > p.min_tokens and token in p.stop_token_ids:
             self._finish(req, "stop", token)

@@ -12,6 +12,7 @@ Abort cases (DESIGN section 3; request state at the scheduler x event -> action)
   decoding, nothing in flight Abort -> blocks freed, AbortAck now
   finished (terminal sent)   Abort -> late abort: ignored, counted (the detokenizer has the terminal entry)
   aborted twice              Abort -> late abort: ignored, counted
+  compiling its grammar      Abort -> dropped, AbortAck now (the compile finishes unused)
   unknown (never added)      Abort -> late abort, counted; remembered: if its AddRequest comes after all (the
                                       link reordered them), it is registered and acked at once, never run
   added before               AddRequest -> a duplicate (ids are unique, DESIGN I1): dropped, logged
@@ -43,6 +44,7 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.draft import DraftProposer
 from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks, step_inputs
+from actors.engine.grammar import GrammarError, Matcher, StepMasks, grammars, warm
 from actors.engine.guidance import guidance_error
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.metrics import engine_stats, log_speculation
@@ -92,6 +94,7 @@ class SchedulerActor(Actor):
         self.duplicates = 0
         self.admitting = True
         self.queued: dict[str, float] = {}  # with stats_to: request id -> arrival here, until first scheduled
+        self.compiling: dict[str, AddRequest] = {}  # constrained requests whose grammar is being compiled
         self.queue_times: list[float] = []  # arrival -> first scheduled, since the last EngineStats
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
         self._work = asyncio.Event()
@@ -111,6 +114,8 @@ class SchedulerActor(Actor):
         self.executor = await loop.run_in_executor(self._device, StepExecutor, self.config, self.model, blocks)
         self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
         self.executor.draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
+        self.grammar_key = (self.config.model, self.model.vocab_size, tuple(self.model.eos_token_ids))
+        warm(*self.grammar_key)
         self.sched = Scheduler(
             BlockManager(blocks, self.config.block_size),
             max_num_seqs=self.config.max_num_seqs,
@@ -150,14 +155,40 @@ class SchedulerActor(Actor):
             return
         error = self._validate(msg)
         if error:
-            log.warning("[%s] rejected: %s", rid, error)
-            out = RequestOutput(request_id=rid, seq=0, new_token_ids=[], finish_reason="error", error=error)
-            self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
-            return
-        self.sched.add_request(EngineRequest.from_msg(msg, self.model.bos_token_id))
+            self._reject(rid, error)
+        elif msg.params.structured is not None:
+            self.compiling[rid] = msg
+            self.spawn(self._compile(msg))
+        else:
+            self._admit(msg)
+
+    def _admit(self, msg: AddRequest, grammar: Matcher | None = None) -> None:
+        self.sched.add_request(EngineRequest.from_msg(msg, self.model.bos_token_id, grammar))
         if self.config.stats_to:
-            self.queued[rid] = time.monotonic()
+            self.queued[msg.request_id] = time.monotonic()
         self._work.set()
+
+    def _reject(self, rid: str, error: str) -> None:
+        log.warning("[%s] rejected: %s", rid, error)
+        out = RequestOutput(request_id=rid, seq=0, new_token_ids=[], finish_reason="error", error=error)
+        self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
+
+    async def _compile(self, msg: AddRequest) -> None:
+        """A constrained request's matcher, compiled off the loop; then it joins the queue (unless aborted)."""
+        spec = self.config.speculative
+        rollback = spec.num_speculative_tokens if spec else 0
+        try:
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: grammars(*self.grammar_key).matcher(msg.params.structured, rollback)
+            )
+        except GrammarError as e:
+            grammar, error = None, f"invalid structured output: {e}"
+        if self.compiling.pop(msg.request_id, None) is None:
+            return  # aborted meanwhile (acked then)
+        if grammar is None:
+            self._reject(msg.request_id, error)
+        else:
+            self._admit(msg, grammar)
 
     def _validate(self, msg: AddRequest) -> str | None:
         if not self.admitting:
@@ -177,7 +208,10 @@ class SchedulerActor(Actor):
         return guidance_error(msg.params, self.config, self.model) if msg.params.guided else None
 
     def on_abort(self, msg: Abort) -> None:
-        if self.sched.abort(msg.request_id):
+        if self.compiling.pop(msg.request_id, None) is not None:
+            log.info("[%s] aborted while its grammar compiled (%s)", msg.request_id, msg.reason)
+            self.tell(self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason))
+        elif self.sched.abort(msg.request_id):
             self.abort_reasons[msg.request_id] = msg.reason
             log.info("[%s] aborted (%s)", msg.request_id, msg.reason)
             self._send_acks()
@@ -191,8 +225,9 @@ class SchedulerActor(Actor):
         if msg.actor != self.config.detokenizer:
             return
         live = [r.request_id for r in (*self.sched.waiting, *self.sched.running)]
-        log.warning("detokenizer down: aborting %d requests silently", len(live))
+        log.warning("detokenizer down: aborting %d requests silently", len(live) + len(self.compiling))
         self.silent.update(live)
+        self.compiling.clear()
         for rid in live:
             self.sched.abort(rid)
         self._send_acks()
@@ -202,6 +237,7 @@ class SchedulerActor(Actor):
         details["abort_reasons"] = len(self.abort_reasons)
         details["silent_aborts"] = len(self.silent)
         details["queued"] = len(self.queued)
+        details["compiling"] = len(self.compiling)
         details["pending_asks"] = self.pending_asks
         details["gate_permits"] = self.gate.permits or 0
         details["held_steps"] = int(self.gate.holding)
@@ -210,8 +246,8 @@ class SchedulerActor(Actor):
     async def on_shutdown(self, reason: str) -> None:
         self.admitting = False
         self.gate.set(None)
-        for req in (*self.sched.waiting, *self.sched.running):
-            self.on_abort(Abort(request_id=req.request_id, reason="shutdown"))
+        for rid in [*self.compiling, *(r.request_id for r in (*self.sched.waiting, *self.sched.running))]:
+            self.on_abort(Abort(request_id=rid, reason="shutdown"))
         deadline = time.monotonic() + 10
         while (self.sched.has_unfinished() or self.sched.in_flight) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -233,7 +269,7 @@ class SchedulerActor(Actor):
     async def _step_loop(self) -> None:
         # speculation steps synchronously: the proposer reads the tokens of the step before
         depth = 2 if self.config.async_scheduling and not self.config.speculative else 1
-        inflight: collections.deque[tuple[BatchSpec, asyncio.Future]] = collections.deque()
+        inflight: collections.deque[tuple[BatchSpec, asyncio.Future, StepMasks | None]] = collections.deque()
         loop = asyncio.get_running_loop()
         while True:
             batch = None
@@ -244,12 +280,15 @@ class SchedulerActor(Actor):
                     if self.queued:
                         self._note_first_scheduled(batch)
                     inputs = step_inputs(batch, self.sched.requests, self.model.eos_token_ids)
-                    inflight.append((batch, loop.run_in_executor(self._device, self.executor.run, batch, *inputs)))
+                    step = loop.run_in_executor(self._device, self.executor.run, batch, *inputs)
+                    inflight.append((batch, step, inputs[-1]))
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
-                done, future = inflight.popleft()
+                done, future, _ = inflight.popleft()
                 result = await future
                 await self.gate.wait()
                 await self._postprocess(done, result)
+                if inflight and inflight[0][2] is not None:  # the next step's rows that waited for these tokens
+                    inflight[0][2].fill_deferred()
             elif not inflight:
                 self._work.clear()
                 if not self.sched.has_unfinished():

@@ -1,0 +1,199 @@
+"""Structured outputs (issue 15): StructuredOutput specs compiled by xgrammar, a matcher per constrained request,
+and each step's token bitmask.
+
+- `Grammars` (one per process, thread-safe): spec -> xgrammar CompiledGrammar, cached by spec (xgrammar's
+  cache); a bad spec raises GrammarError. `check(spec, timeout)` compiles on the instance's own threads and
+  gives up waiting after `timeout` (the frontend's validation: a spec slower than that is refused; its compile
+  runs on, at most `threads` at a time, and a second request with the same spec waits on the same compile).
+  xgrammar takes ~2.5 s to import: `warm()` builds the instance on a background thread at startup.
+- `Matcher`: a constrained request's grammar state. The scheduler `accept()`s each token as it is emitted; the
+  grammar ends the request once the matcher has accepted a stop token (EOS), ignore_eos notwithstanding.
+- `StepMasks`: one step's bitmask over its sampled positions (int32 [P, ceil(V / 32)], all allowed except the
+  constrained rows'). A row whose previous token is known is filled when the step is scheduled; a row whose
+  previous token is still in flight (async scheduling) once the step before is postprocessed, while this step's
+  forward runs. The device thread waits for the last fill (with a deadline) after CFG and before the sampler,
+  and applies the mask with xgrammar's kernel (DESIGN 5a). A row verifying K drafts gets K + 1 masks: position
+  j's with the matcher advanced through the first j drafts (then rolled back), so a draft the grammar rejects is
+  never accepted and the bonus or resampled token is drawn from the masked distribution.
+
+JSON schemas are compiled in xgrammar's strict mode (no properties beyond those the schema names) with compact
+separators (", ", ": ") and no free whitespace: every output validates against the schema, and a small model
+cannot loop on whitespace until max_tokens.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import re
+import threading
+from pathlib import Path
+
+import torch
+
+from messages.sampling_params import StructuredOutput
+
+MASK_DEADLINE_S = 60.0  # the device thread's wait for a step's masks: only a bug can make it expire
+
+
+class GrammarError(ValueError):
+    """The spec is invalid, or took too long to compile."""
+
+
+class Grammars:
+    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: list[int], threads: int = 2):
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_dir) / "tokenizer.json"))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sluice-grammar")
+        self._running: dict[StructuredOutput, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput):
+        """The CompiledGrammar of `spec` (cached); GrammarError when it is invalid."""
+        c = self._compiler
+        try:
+            match spec.kind:
+                case "json":
+                    if not isinstance(json.loads(spec.spec), (dict, bool)):
+                        raise GrammarError("a JSON schema must be an object")
+                    return c.compile_json_schema(spec.spec, any_whitespace=False)
+                case "json_object":
+                    return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                case "regex":
+                    return c.compile_regex(spec.spec)
+                case "choice":
+                    return c.compile_grammar(_choice_ebnf(json.loads(spec.spec)))
+                case "grammar":
+                    return c.compile_grammar(spec.spec)
+                case "structural_tag":
+                    return c.compile_structural_tag(spec.spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError (and ValueError, TypeError) with its C++ location
+            raise GrammarError(_clean(str(e)) or type(e).__name__) from e
+        raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+
+    def check(self, spec: StructuredOutput, timeout: float) -> None:
+        """Compile `spec` within `timeout` seconds, or raise GrammarError."""
+        with self._lock:
+            future = self._running.get(spec)
+            if future is None:
+                future = self._running[spec] = self._pool.submit(self.compile, spec)
+                future.add_done_callback(lambda _: self._forget(spec))
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise GrammarError(f"the grammar took more than {timeout:g} s to compile") from None
+
+    def matcher(self, spec: StructuredOutput, max_rollback: int = 0) -> Matcher:
+        return Matcher(self.compile(spec), self.vocab_size, max_rollback)
+
+    def _forget(self, spec: StructuredOutput) -> None:
+        with self._lock:
+            self._running.pop(spec, None)
+
+
+@functools.cache
+def grammars(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Grammars:
+    """This process's Grammars for a model (built once)."""
+    return Grammars(model_dir, vocab_size, list(stop_token_ids))
+
+
+def warm(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    """Import xgrammar and build the process's Grammars on a background thread."""
+    threading.Thread(target=grammars, args=(model_dir, vocab_size, stop_token_ids), daemon=True).start()
+
+
+def _choice_ebnf(choices) -> str:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise GrammarError("choice must be a non-empty list of strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _clean(message: str) -> str:
+    """xgrammar's message without its '[time] file.cc:line: ' prefix and 'Check failed' noise."""
+    message = re.sub(r"\[[\d:]+\] [^\s:]+:\d+: ", "", message).strip()
+    return re.sub(r"^Check failed: .*? is false: ", "", message)
+
+
+class Matcher:
+    """One constrained request's grammar state (module docstring)."""
+
+    def __init__(self, compiled, vocab_size: int, max_rollback: int):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback)
+
+    def accept(self, token: int) -> bool:
+        """Advance past an emitted token; False: the grammar does not allow it (the matcher is unchanged)."""
+        return self._m.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        return self._m.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] = ()) -> None:
+        """Rows row .. row + len(drafts) of `bitmask`: the allowed next tokens now and after each draft prefix
+        (rows after a draft the grammar rejects stay all-allowed: nothing there is emitted)."""
+        if self._m.is_terminated():  # a junk row after the request ended: its sample is discarded
+            return
+        self._m.fill_next_token_bitmask(bitmask, row)
+        accepted = 0
+        for j, token in enumerate(drafts, 1):
+            if not self._m.accept_token(token):
+                break
+            accepted += 1
+            if self._m.is_terminated():
+                break
+            self._m.fill_next_token_bitmask(bitmask, row + j)
+        if accepted:
+            self._m.rollback(accepted)
+
+
+class StepMasks:
+    """One step's grammar bitmask (module docstring). Filled on the event loop, applied on the device thread."""
+
+    def __init__(self, num_positions: int, vocab_size: int):
+        import xgrammar as xgr
+
+        self.bitmask = xgr.allocate_token_bitmask(num_positions, vocab_size)
+        self.vocab_size = vocab_size
+        self.rows: list[int] = []  # the sampled positions that are masked
+        self.deferred: list[tuple[Matcher, int]] = []  # filled once the step before is postprocessed
+        self._ready = threading.Event()
+
+    def add(self, matcher: Matcher, row: int, drafts: list[int], defer: bool) -> None:
+        self.rows.extend(range(row, row + 1 + len(drafts)))
+        if defer:  # async scheduling: its previous token is in flight (never with drafts: speculation is sync)
+            self.deferred.append((matcher, row))
+        else:
+            matcher.fill(self.bitmask, row, drafts)
+
+    def seal(self) -> None:
+        """Nothing is left to fill until the deferred rows are (fill_deferred)."""
+        if not self.deferred:
+            self._ready.set()
+
+    def fill_deferred(self) -> None:
+        """Fill the rows whose previous token is now accepted (or whose request ended: then all-allowed)."""
+        for matcher, row in self.deferred:
+            matcher.fill(self.bitmask, row)
+        self.deferred = []
+        self._ready.set()
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Mask the logits [P, V] in place: disallowed tokens become -inf (device thread; waits for the fills)."""
+        import xgrammar as xgr
+
+        if not self._ready.wait(MASK_DEADLINE_S):
+            raise RuntimeError(f"grammar masks not filled within {MASK_DEADLINE_S} s")
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self.rows)
