@@ -91,8 +91,8 @@ class Grammars:
         except concurrent.futures.TimeoutError:
             raise GrammarError(f"the grammar took more than {timeout:g} s to compile") from None
 
-    def matcher(self, spec: StructuredOutput, max_rollback: int = 0) -> Matcher:
-        return Matcher(self.compile(spec), self.vocab_size, max_rollback)
+    def matcher(self, spec: StructuredOutput) -> Matcher:
+        return Matcher(self.compile(spec), self.vocab_size)
 
     def _forget(self, spec: StructuredOutput) -> None:
         with self._lock:
@@ -125,11 +125,11 @@ def _clean(message: str) -> str:
 class Matcher:
     """One constrained request's grammar state (module docstring)."""
 
-    def __init__(self, compiled, vocab_size: int, max_rollback: int):
+    def __init__(self, compiled, vocab_size: int):
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback)
+        self._m = xgr.GrammarMatcher(compiled)  # (rollback is unbounded: speculation rolls drafts back)
 
     def accept(self, token: int) -> bool:
         """Advance past an emitted token; False: the grammar does not allow it (the matcher is unchanged)."""

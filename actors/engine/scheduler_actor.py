@@ -175,11 +175,9 @@ class SchedulerActor(Actor):
 
     async def _compile(self, msg: AddRequest) -> None:
         """A constrained request's matcher, compiled off the loop; then it joins the queue (unless aborted)."""
-        spec = self.config.speculative
-        rollback = spec.num_speculative_tokens if spec else 0
         try:
             grammar = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: grammars(*self.grammar_key).matcher(msg.params.structured, rollback)
+                None, lambda: grammars(*self.grammar_key).matcher(msg.params.structured)
             )
         except GrammarError as e:
             grammar, error = None, f"invalid structured output: {e}"

@@ -1,0 +1,188 @@
+"""Structured outputs through the real engine (tiny model, fp32): every constrained greedy token is HF's argmax
+under the grammar's mask (computed plainly, step by step), in sync and async scheduling and with speculation;
+unconstrained requests beside constrained ones are unchanged; seeded draws follow the masked distribution; aborts
+(also while the grammar compiles) leave nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+import torch
+import xgrammar as xgr
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from actors.engine.config import SpeculativeConfig
+from actors.engine.grammar import GrammarError, grammars
+from frontend.offline import AsyncLLM
+from messages.sampling_params import SamplingParams, StructuredOutput
+from tests.cancel_harness import engine_config, model_dir  # noqa: F401 (fixtures)
+
+EOS, VOCAB = 2, 49152  # the tiny model's
+ALPHA = 0.001  # significance level of the chi-square test
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["color", "n"],
+}
+SPECS = {
+    "regex": StructuredOutput(kind="regex", spec=r"[a-z]{2,5}-\d{2}"),
+    "choice": StructuredOutput(kind="choice", spec='["alpha", "beta", "gamma delta"]'),
+    "json": StructuredOutput(kind="json", spec=json.dumps(SCHEMA)),
+    "grammar": StructuredOutput(kind="grammar", spec='root ::= "(" num ("+" num)? ")"\nnum ::= [0-9] [0-9]?'),
+}
+
+
+def valid(name: str, text: str) -> bool:
+    if name == "regex":
+        return re.fullmatch(r"[a-z]{2,5}-\d{2}", text) is not None
+    if name == "choice":
+        return text in ("alpha", "beta", "gamma delta")
+    if name == "grammar":
+        return re.fullmatch(r"\([0-9]{1,2}(\+[0-9]{1,2})?\)", text) is not None
+    value = json.loads(text)
+    return set(value) == {"color", "n"} and value["color"] in ("red", "green", "blue") and 0 <= value["n"] <= 99
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):  # noqa: F811
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def compiler(model_dir):  # noqa: F811
+    return grammars(str(model_dir), VOCAB, (EOS,))
+
+
+def masked_reference(hf, model_dir, spec: StructuredOutput, prompt: list[int], steps: int) -> list[int]:  # noqa: F811
+    """Greedy tokens under the grammar, computed plainly: HF's logits, xgrammar's mask, argmax, accept."""
+    matcher, bitmask, out = compiler(model_dir).matcher(spec), xgr.allocate_token_bitmask(1, VOCAB), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1:].clone()
+            matcher.fill(bitmask, 0)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            out.append(int(logits.argmax()))
+            assert matcher.accept(out[-1])
+            if matcher.terminated:
+                break
+    return out
+
+
+def idle(reports: dict) -> bool:
+    return all(not any(v for v in r.values()) for r in reports.values())
+
+
+@pytest.mark.parametrize(
+    "variant", ["async", "sync", "ngram", "draft_model"], ids=["async", "sync", "ngram", "draft_model"]
+)
+async def test_constrained_greedy_is_the_masked_argmax_and_neighbours_are_unchanged(model_dir, hf, variant):  # noqa: F811
+    """Four constrained requests (regex, choice, JSON schema, EBNF) beside two unconstrained ones: each constrained
+    output is HF's masked greedy one, valid and ended by the grammar ("stop"); the unconstrained ones equal their
+    output alone; speculation accepts drafts and changes nothing."""
+    spec = None
+    if variant in ("ngram", "draft_model"):
+        spec = SpeculativeConfig(method=variant, num_speculative_tokens=3, prompt_lookup_min=1)
+        spec.model = str(model_dir) if variant == "draft_model" else None
+    config = engine_config(model_dir, async_scheduling=variant != "sync", speculative=spec, max_num_batched_tokens=64)
+    prompt = [1, *range(300, 310)] * 2
+    constrained = [SamplingParams(temperature=0, max_tokens=40, structured=s) for s in SPECS.values()]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    async with AsyncLLM(config) as llm:
+        alone = await llm.generate([prompt, prompt[3:]], free)
+        outs = await llm.generate([prompt] * 4 + [prompt, prompt[3:]], [*constrained, free, free])
+        stats, _ = await llm.fresh_stats()
+        assert idle(await llm.idle_reports())
+    for (name, s), out in zip(SPECS.items(), outs, strict=False):
+        assert out.finish_reason == "stop" and valid(name, llm.tokenizer.decode(out.token_ids[:-1])), (name, out)
+        assert out.token_ids == masked_reference(hf, model_dir, s, prompt, 40), name
+    assert [o.token_ids for o in outs[4:]] == [o.token_ids for o in alone]
+    if spec is not None:
+        assert stats.spec_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["plain", "guided"])
+async def test_seeded_draws_follow_the_masked_distribution(model_dir, hf, scale):  # noqa: F811
+    """Chi-square at significance level 0.001 over 1,000 seeded first tokens at temperature 1 under the regex
+    [a-e]x (its first token is one of a..e or a token ax..ex) with a logit bias that favours some of them and a
+    +10 on a token outside the grammar (the tiny model's own logits are nearly flat): the draws follow HF's
+    softmax of logits + bias renormalised over the allowed tokens (with CFG: of l_u + s (l_c - l_u) + bias), never
+    the biased outsider, and the same counts reject a sampler that masked after temperature 2 (the wrong order)."""
+    prompt, n = [1, *range(500, 512)], 1000
+    spec = StructuredOutput(kind="regex", spec="[a-e]x")
+    bitmask, mask = xgr.allocate_token_bitmask(1, VOCAB), torch.zeros(1, VOCAB)
+    compiler(model_dir).matcher(spec).fill(bitmask, 0)
+    xgr.apply_token_bitmask_inplace(mask, bitmask)
+    allowed = mask[0].isfinite().nonzero()[:, 0].tolist()  # a .. e, and those of "ax" .. "ex" that are tokens
+    assert len(allowed) > 5
+    bias = {allowed[0]: 3.0, allowed[1]: 1.5, allowed[2]: -2.0, 300: 10.0}
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=1, structured=spec, guidance_scale=scale, logit_bias=bias)
+        for i in range(n)
+    ]
+    config = engine_config(model_dir, max_num_seqs=64, num_kv_blocks=256, max_num_batched_tokens=512)
+    async with AsyncLLM(config) as llm:
+        outs = await llm.generate([prompt] * n, params)
+    with torch.inference_mode():
+        cond = hf(torch.tensor([prompt])).logits[0, -1]
+        uncond = hf(torch.tensor([[1]])).logits[0, -1]
+    logits = (uncond + scale * (cond - uncond))[allowed].double()
+    logits += torch.tensor([bias.get(t, 0.0) for t in allowed], dtype=torch.float64)
+    observed = [sum(o.token_ids[0] == t for o in outs) for t in allowed]
+    assert sum(observed) == n  # every draw is one of the allowed tokens
+    assert chisquare(observed, logits.softmax(-1).numpy() * n).pvalue > ALPHA
+    assert chisquare(observed, (logits / 2).softmax(-1).numpy() * n).pvalue < ALPHA
+
+
+async def test_aborts_free_matchers_also_while_compiling(model_dir):  # noqa: F811
+    """A request aborted while its grammar compiles (a 20,000-character string bound takes a while) is acked and
+    never runs; constrained requests aborted mid-decode end with "abort"; the engine is idle after both."""
+    slow = StructuredOutput(kind="json", spec=json.dumps({"type": "string", "maxLength": 20000}))
+    spec = StructuredOutput(kind="json", spec=json.dumps({"type": "array", "items": {"type": "integer"}}))
+    async with AsyncLLM(engine_config(model_dir)) as llm:
+        rid = llm.new_id()
+        task = asyncio.ensure_future(llm.generate_one([1, 5, 6], SamplingParams(max_tokens=5, structured=slow), rid))
+        await asyncio.sleep(0)
+        llm.abort(rid)
+        assert (await task).finish_reason == "abort"
+        ids = [llm.new_id() for _ in range(3)]
+        params = SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured=spec)
+        tasks = [asyncio.ensure_future(llm.generate_one([1, 7, 8, 9 + i], params, r)) for i, r in enumerate(ids)]
+        await asyncio.sleep(0.3)
+        for r in ids:
+            llm.abort(r)
+        assert {o.finish_reason for o in await asyncio.gather(*tasks)} <= {"abort", "stop", "length"}
+        assert idle(await llm.idle_reports())
+
+
+async def test_an_invalid_spec_reaching_the_engine_fails_that_request_only(model_dir):  # noqa: F811
+    """The offline API has no frontend check: the engine's compile error ends that request with an error naming
+    the problem; a request beside it is served."""
+    bad = SamplingParams(max_tokens=4, structured=StructuredOutput(kind="regex", spec="(a"))
+    async with AsyncLLM(engine_config(model_dir)) as llm:
+        failed, served = await llm.generate([[1, 5], [1, 6]], [bad, SamplingParams(max_tokens=4, ignore_eos=True)])
+        assert failed.finish_reason == "error" and "invalid structured output" in failed.error
+        assert served.finish_reason == "length" and len(served.token_ids) == 4
+        assert idle(await llm.idle_reports())
+
+
+def test_compile_errors_and_the_compile_deadline(model_dir):  # noqa: F811
+    """Bad specs raise GrammarError with xgrammar's message (no C++ location); check() gives up waiting after its
+    timeout on a slow spec, and a second check of the same spec shares the running compile."""
+    g = compiler(model_dir)
+    for spec, words in [
+        (StructuredOutput(kind="json", spec='{"type": "nonsense"}'), "nonsense"),
+        (StructuredOutput(kind="regex", spec="(a"), "parenthesis"),
+        (StructuredOutput(kind="grammar", spec="root ::= "), "EBNF"),
+        (StructuredOutput(kind="choice", spec="[]"), "non-empty"),
+        (StructuredOutput(kind="json", spec="[1]"), "object"),
+    ]:
+        with pytest.raises(GrammarError, match=words) as e:
+            g.compile(spec)
+        assert ".cc:" not in str(e.value)
+    slow = StructuredOutput(kind="json", spec=json.dumps({"type": "string", "maxLength": 30000}))
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="took more than"):
+            g.check(slow, timeout=0.001)
