@@ -10,11 +10,13 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import get_args
 
 import msgspec
 
 from actors.engine.config import EngineConfig, SpeculativeConfig
+from frontend.tools import TOOL_CALL_PARSERS
 from messages.sampling_params import LogprobsMode, RequestLimits
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -125,6 +127,7 @@ _LIMIT_HELP = {
     "max_stop_token_ids": "stop_token_ids entries per request",
     "max_choices": "prompts x n of one call",
     "max_total_tokens": "sum over a call's choices of prompt + max_tokens",
+    "max_grammar_chars": "characters of a structured output's schema, regex, grammar or choices",
 }
 
 
@@ -149,8 +152,22 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or [model.name],
         api_key=args.api_key,
         limits=RequestLimits(**{name: getattr(args, name) for name in RequestLimits.__struct_fields__}),
+        chat_template=_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        grammar_timeout_s=args.grammar_compile_timeout,
     )
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     return uvloop.run(_serve(_engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
+
+
+def _chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise SystemExit(f"--chat-template: {e}") from e
 
 
 async def _serve(engine: EngineConfig, http, fault_plan, log_level: str) -> int:
@@ -246,6 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("SLUICE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SLUICE_API_KEY)",
+    )
+    g = p.add_argument_group("structured outputs and tools")
+    g.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the model's own")
+    g.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='honour tool_choice "auto" (needs --tool-call-parser)'
+    )
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the tool-call convention the model writes")
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a structured output's spec may take to compile (slower ones get a 400)",
     )
     _limit_arguments(p)
     p.set_defaults(func=serve)

@@ -46,6 +46,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     guidance_scale: float | None = None  # classifier-free guidance (frontend/guidance.py)
     negative_prompt: str | list[Any] | None = None
+    # structured outputs (frontend/structured.py): OpenAI's, vLLM's, and vLLM's older spellings
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -61,6 +69,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: Any = None  # frontend/tools.py
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def _is(*noops):
@@ -72,17 +83,8 @@ def _empty(value) -> bool:
 
 
 _NOT_HONOURED = {
-    "tools": _empty,
     "functions": _empty,
-    "tool_choice": _is(None, "none", "auto"),
     "function_call": _is(None, "none", "auto"),
-    "response_format": _is(None, {"type": "text"}),
-    "structured_outputs": _empty,
-    "guided_json": _empty,
-    "guided_regex": _empty,
-    "guided_choice": _empty,
-    "guided_grammar": _empty,
-    "guided_decoding_backend": _empty,
     "use_beam_search": _empty,
     "length_penalty": _is(None, 1, 1.0),
     "truncate_prompt_tokens": _is(None),
@@ -109,4 +111,9 @@ NOT_HONOURED_IN_CHAT = {
     "chat_template_kwargs": _empty,
     "documents": _empty,
 }
-NOT_HONOURED_IN_COMPLETIONS = {**_NOT_HONOURED, "add_special_tokens": _is(None, True)}
+NOT_HONOURED_IN_COMPLETIONS = {
+    **_NOT_HONOURED,
+    "add_special_tokens": _is(None, True),
+    "tools": _empty,  # chat only
+    "tool_choice": _is(None, "none"),
+}

@@ -26,8 +26,10 @@ from frontend.fields import (
     SamplingFields,
 )
 from frontend.guidance import negative_prompt_ids
+from frontend.structured import structured_output
 from frontend.tokenizer import Tokenizer
-from messages.sampling_params import DEFAULT_LIMITS, ParamError, RequestLimits, SamplingParams
+from frontend.tools import tool_grammar
+from messages.sampling_params import DEFAULT_LIMITS, ParamError, RequestLimits, SamplingParams, StructuredOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -39,6 +41,9 @@ class ServingContext:
     max_model_len: int
     vocab_size: int  # ids >= this are rejected: the model's vocabulary (embedding rows)
     limits: RequestLimits = DEFAULT_LIMITS
+    model_dir: str | None = None  # where structured outputs find the tokenizer their grammars are compiled for
+    grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this (frontend/structured.py)
+    tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     echo: bool
+    grammar_param: str | None = None  # the field the prompts' StructuredOutput came from (compiled before admission)
+    tool_calls: bool = False  # chat with tools: the output is parsed into message.tool_calls
 
     @property
     def n(self) -> int:
@@ -90,7 +97,8 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
             raise RequestError(400, "echo with logprobs is not available when stream is true", "echo")
         req.prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs)  # the echoed prompt's logprobs
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is msgspec.UNSET else req.max_tokens
-    params = _sampling_params(req, ctx, max_tokens, req.logprobs, {})
+    structured, grammar_param = structured_output(req)
+    params = _sampling_params(req, ctx, max_tokens, req.logprobs, {}, structured, grammar_param)
     params.negative_prompt_token_ids = negative_prompt_ids(req, ctx)
     prompts = []
     for text, ids in _completion_prompts(req.prompt, ctx, max_tokens):
@@ -98,7 +106,8 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
             text = ctx.tokenizer.decode(ids)
         prompts.append(_fit(text, ids, params, max_tokens, ctx, "prompt", "max_tokens"))
     _check_total(prompts, ctx, "max_tokens" if req.max_tokens else "n")
-    return _parsed("completion", request_id or new_request_id("cmpl"), model, prompts, req, echo=bool(req.echo))
+    rid = request_id or new_request_id("cmpl")
+    return _parsed("completion", rid, model, prompts, req, echo=bool(req.echo), grammar_param=grammar_param)
 
 
 def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) -> ParsedRequest:
@@ -111,7 +120,14 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
     if max_tokens is None and req.max_tokens is not msgspec.UNSET:
         max_tokens = req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(req, ctx, max_tokens, logprobs, {"logprobs": "top_logprobs", "max_tokens": max_param})
+    structured, grammar_param = structured_output(req)
+    tools, tool_spec, tool_calls = tool_grammar(req, ctx.tool_call_parser)
+    if tool_spec is not None:
+        if structured is not None:
+            raise RequestError(400, f"{grammar_param} cannot be combined with tool_choice {req.tool_choice!r}", "tools")
+        structured, grammar_param = tool_spec, "tools"
+    rename = {"logprobs": "top_logprobs", "max_tokens": max_param}
+    params = _sampling_params(req, ctx, max_tokens, logprobs, rename, structured, grammar_param)
     if req.messages is None:
         raise RequestError(400, "messages is required", "messages")
     if len(req.messages) > ctx.max_model_len:  # every message renders to one token at least
@@ -120,14 +136,15 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
         )
     _check_chars(sum(map(_content_chars, req.messages)), max_tokens, ctx, "messages", max_param)
     try:
-        text = ctx.tokenizer.render_chat(req.messages)
+        text = ctx.tokenizer.render_chat(req.messages, tools=tools)
     except ParamError as e:
         raise RequestError(400, str(e), e.param) from e
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
     params.negative_prompt_token_ids = negative_prompt_ids(req, ctx, req.messages)
     prompt = _fit(text, ids, params, max_tokens, ctx, "messages", max_param)
     _check_total([prompt], ctx, max_param if max_tokens else "n")
-    return _parsed("chat", request_id or new_request_id("chatcmpl"), model, [prompt], req, echo=False)
+    rid = request_id or new_request_id("chatcmpl")
+    return _parsed("chat", rid, model, [prompt], req, echo=False, grammar_param=grammar_param, tool_calls=tool_calls)
 
 
 def _model(req: SamplingFields, ctx: ServingContext) -> str:
@@ -139,7 +156,13 @@ def _model(req: SamplingFields, ctx: ServingContext) -> str:
 
 
 def _sampling_params(
-    req, ctx: ServingContext, max_tokens: int | None, logprobs: int | None, rename: dict
+    req,
+    ctx: ServingContext,
+    max_tokens: int | None,
+    logprobs: int | None,
+    rename: dict,
+    structured: StructuredOutput | None = None,
+    grammar_param: str | None = None,
 ) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise RequestError(400, "stream_options is only allowed when stream is true", "stream_options")
@@ -151,9 +174,9 @@ def _sampling_params(
     fields = {k: v for k in _SAMPLING_KEYS if (v := getattr(req, k)) is not None}
     stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
     # a defaulted max_tokens is resolved per prompt in _fit; verify against the largest possible
-    params = SamplingParams(
-        **fields, stop=stop, logprobs=logprobs, max_tokens=ctx.max_model_len if max_tokens is None else max_tokens
-    )
+    limit = ctx.max_model_len if max_tokens is None else max_tokens
+    params = SamplingParams(**fields, stop=stop, logprobs=logprobs, max_tokens=limit, structured=structured)
+    rename = {**rename, "structured_outputs": grammar_param or "structured_outputs"}
     try:
         params.verify(ctx.vocab_size, ctx.limits)  # sizes first: nothing below iterates over an unbounded list
         if params.bad_words:
@@ -263,6 +286,7 @@ def _check_total(prompts: list[PromptInput], ctx: ServingContext, param: str) ->
         )
 
 
-def _parsed(kind, request_id: str, model: str, prompts: list[PromptInput], req, echo: bool) -> ParsedRequest:
+def _parsed(kind, request_id: str, model: str, prompts: list[PromptInput], req, echo: bool, **extra) -> ParsedRequest:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ParsedRequest(kind, request_id, model, int(time.time()), prompts, bool(req.stream), include_usage, echo)
+    created = int(time.time())
+    return ParsedRequest(kind, request_id, model, created, prompts, bool(req.stream), include_usage, echo, **extra)

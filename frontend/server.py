@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 
 from actors.engine.config import DETOKENIZER, SCHEDULER
+from actors.engine.grammar import warm
 from actors.runtime import Actor
 from frontend import openai_format as fmt
 from frontend.metrics import CONTENT_TYPE, Metrics
@@ -26,6 +27,7 @@ from frontend.protocol import ParsedRequest, RequestError, ServingContext, new_r
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
+from frontend.structured import compile_check
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import RequestLimits
 from messages.wire import (
@@ -62,6 +64,9 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     max_abort_tries: int = 3
     drain_timeout_s: float = 5.0  # shutdown waits this long for in-flight requests to finish
     limits: RequestLimits = RequestLimits()  # per-request sizes (stop strings, bad words, ...)
+    chat_template: str | None = None  # replaces the model's own (--chat-template FILE)
+    tool_call_parser: str | None = None  # set (with --enable-auto-tool-choice): tool_choice "auto" is honoured
+    grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this
 
     @property
     def url(self) -> str:
@@ -109,9 +114,20 @@ class HttpActor(Actor):
 
     async def on_start(self) -> None:
         """Asks are answered only after this returns: the launcher's first answered ask means "listening"."""
-        tokenizer = Tokenizer.from_model_dir(self.model)
-        names = self.config.served_model_name or [Path(self.model).name]
-        self.ctx = ServingContext(tokenizer, names, self.max_model_len, self.vocab_size, self.config.limits)
+        c = self.config
+        tokenizer = Tokenizer.from_model_dir(self.model, c.chat_template)
+        names = c.served_model_name or [Path(self.model).name]
+        self.ctx = ServingContext(
+            tokenizer,
+            names,
+            self.max_model_len,
+            self.vocab_size,
+            c.limits,
+            self.model,
+            c.grammar_timeout_s,
+            c.tool_call_parser,
+        )
+        warm(self.model, self.vocab_size, tuple(tokenizer.eos_token_ids))
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -237,6 +253,8 @@ class HttpActor(Actor):
         self._check_available()
         request[REQUEST_ID] = rid = new_request_id(prefix)
         parsed = await self._parse(request, parse, rid)
+        if parsed.grammar_param is not None:
+            await compile_check(parsed.prompts[0].params.structured, parsed.grammar_param, self.ctx)
         self._check_available()  # an actor may have died while we parsed
         req = self.table.add(parsed, self.name)
         stream = ", stream" if parsed.stream else ""

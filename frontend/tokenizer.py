@@ -101,7 +101,8 @@ class Tokenizer:
         self.max_token_chars = _max_token_chars(hf)
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> Tokenizer:
+    def from_model_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """chat_template: replaces the model's own (sluice serve --chat-template FILE)."""
         path = Path(path)
         hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
         config = _json(path / "tokenizer_config.json")
@@ -118,7 +119,7 @@ class Tokenizer:
         ]:
             if isinstance(tok_id, int) and tok_id not in eos_ids:
                 eos_ids.append(tok_id)
-        return cls(hf, template, special, eos_ids)
+        return cls(hf, chat_template or template, special, eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; the tokenizer's post-processor adds BOS only where the model needs it."""
@@ -154,8 +155,9 @@ class Tokenizer:
         unique = dict.fromkeys(tuple(ids) for ids in self.encode_batch(texts, add_special_tokens=False))
         return [list(ids) for ids in unique]
 
-    def render_chat(self, messages: list, add_generation_prompt: bool = True) -> str:
-        """The prompt text for OpenAI chat `messages`; raises ParamError naming the bad field."""
+    def render_chat(self, messages: list, add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """The prompt text for OpenAI chat `messages` (and `tools`, for templates that render them); raises
+        ParamError naming the bad field."""
         if self._template is None:
             raise ParamError("messages", "this model has no chat template; use /v1/completions")
         if not isinstance(messages, list) or not messages:
@@ -163,22 +165,30 @@ class Tokenizer:
         chat = [_chat_message(i, m) for i, m in enumerate(messages)]
         try:
             return self._template.render(
-                messages=chat, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=chat, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
             )
         except jinja2.TemplateError as e:
             raise ParamError("messages", f"the chat template rejected the messages: {e}") from e
 
 
-def _chat_message(i: int, message) -> dict[str, str]:
+def _chat_message(i: int, message) -> dict:
     if not isinstance(message, dict):
         raise ParamError(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
     role = message.get("role")
     if role not in ROLES:
         raise ParamError(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
-    for key in ("tool_calls", "function_call", "tool_call_id"):
-        if message.get(key):
-            raise ParamError(f"messages[{i}].{key}", f"messages[{i}].{key}: tool calls are not supported")
+    if message.get("function_call"):
+        raise ParamError(
+            f"messages[{i}].function_call", f"messages[{i}].function_call is not supported: use tool_calls"
+        )
+    extra = {}
+    if message.get("tool_calls"):
+        extra["tool_calls"] = _tool_calls(i, message["tool_calls"])
+    if isinstance(tool_call_id := message.get("tool_call_id"), str):
+        extra["tool_call_id"] = tool_call_id
     content = message.get("content")
+    if content is None and extra.get("tool_calls"):
+        content = ""
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -191,4 +201,22 @@ def _chat_message(i: int, message) -> dict[str, str]:
         content = "\n".join(texts)  # vLLM joins text parts with newlines for string-content templates
     if not isinstance(content, str):
         raise ParamError(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **extra}
+
+
+def _tool_calls(i: int, calls) -> list[dict]:
+    """An assistant message's tool calls, their arguments parsed into objects for the template (as vLLM)."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ParamError(param, f"{param} must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise ParamError(f"{param}[{j}]", f"{param}[{j}] must have function.name and function.arguments strings")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except ValueError as e:
+            raise ParamError(f"{param}[{j}]", f"{param}[{j}].function.arguments is not valid JSON: {e}") from e
+        out.append({**call, "function": {"name": fn["name"], "arguments": arguments}})
+    return out

@@ -120,7 +120,7 @@ async def server(tiny_model_dir):
     engine = EngineConfig(
         model=str(tiny_model_dir), max_model_len=512, max_num_seqs=16, num_kv_blocks=256, engine_threads=1
     )
-    srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
+    srv = await start_server(engine, HttpConfig(port=0, tool_call_parser="hermes"), log_level="WARNING")
     yield ServerHandle(srv, tiny_model_dir)
     await srv.stop()
 

@@ -110,12 +110,11 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
 @pytest.mark.parametrize(
     ("parse", "fields", "param"),
     [
-        (parse_chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        (parse_chat, {"tool_choice": "required"}, "tool_choice"),
-        (parse_chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (parse_chat, {"functions": [{"name": "f"}]}, "functions"),  # OpenAI's deprecated spelling of tools
+        (parse_chat, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         (parse_chat, {"chat_template": "{{ x }}"}, "chat_template"),
         (parse_chat, {"echo": True}, "echo"),
-        (parse_completion, {"guided_json": {"type": "object"}}, "guided_json"),
+        (parse_completion, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat only
         (parse_completion, {"use_beam_search": True}, "use_beam_search"),
         (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),
         (parse_chat, {"logprobs_mode": "raw_logprobs"}, "logprobs_mode"),  # server-wide: --logprobs-mode
@@ -166,7 +165,7 @@ def test_tokenizing_releases_the_gil(ctx):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls[0]"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
         ({"best_of": 2}, "best_of"),
         ({"top_k": 10**23}, "top_k"),  # would not fit the wire's int64

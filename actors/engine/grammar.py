@@ -29,10 +29,12 @@ import json
 import re
 import threading
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from messages.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:  # the HTTP process's main module imports this (frontend/structured.py): torch stays out of it
+    import torch
 
 MASK_DEADLINE_S = 60.0  # the device thread's wait for a step's masks: only a bug can make it expire
 

@@ -1,0 +1,123 @@
+"""The request fields that constrain the output to a grammar, read into one StructuredOutput (issue 15).
+
+At most one of them per request (a 400 names the second):
+- OpenAI's `response_format`: {"type": "text"} (unconstrained), {"type": "json_object"}, or {"type": "json_schema",
+  "json_schema": {"name", "schema", "strict", "description"}} (no schema: any JSON object). Every output
+  validates against the schema whatever `strict` says (the compiler's strict mode only narrows it further).
+- vLLM's `structured_outputs`: exactly one of `json` (a schema, as an object or its JSON text), `regex`, `choice`
+  (a list of strings), `grammar` (EBNF / GBNF, root rule `root`), `json_object` (true), `structural_tag`
+  (xgrammar's, as an object or its JSON text); and its older spellings `guided_json`, `guided_regex`,
+  `guided_choice`, `guided_grammar`, with `guided_decoding_backend` null, "auto" or "xgrammar" (the only engine).
+- Chat `tools` with `tool_choice` (frontend/tools.py), read there into the same StructuredOutput.
+
+Parsing only reads the fields (it may run on the event loop); `compile_check` compiles the spec off the loop
+within `ServingContext.grammar_timeout_s`, so an invalid or too slow spec is a 400 naming its field before
+anything reaches the engine, and nothing blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from actors.engine.grammar import GrammarError, grammars
+from frontend.body import RequestError
+from messages.sampling_params import GrammarKind, StructuredOutput
+
+_KEYS: dict[str, GrammarKind] = {
+    "json": "json",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+    "structural_tag": "structural_tag",
+}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+BACKENDS = (None, "auto", "xgrammar")
+
+
+def structured_output(req) -> tuple[StructuredOutput | None, str | None]:
+    """The request's StructuredOutput (None: unconstrained) and the field it came from."""
+    found: list[tuple[StructuredOutput, str]] = []
+    if (fmt := _response_format(req.response_format)) is not None:
+        found.append(fmt)
+    if req.structured_outputs is not None:
+        found.append(_structured_outputs(req.structured_outputs))
+    for field, kind in _GUIDED.items():
+        if (value := getattr(req, field)) is not None:
+            found.append((_spec(kind, value, field), field))
+    if req.guided_decoding_backend not in BACKENDS:
+        raise RequestError(400, "guided_decoding_backend must be null, 'auto' or 'xgrammar'", "guided_decoding_backend")
+    if len(found) > 1:
+        first, second = found[0][1], found[1][1]
+        raise RequestError(400, f"{second}: only one of {first} and {second} may be given", second)
+    return found[0] if found else (None, None)
+
+
+async def compile_check(spec: StructuredOutput, param: str, ctx) -> None:
+    """Compile `spec` off the event loop within ctx.grammar_timeout_s; a 400 naming `param` if it is invalid."""
+    key = (ctx.model_dir, ctx.vocab_size, tuple(ctx.tokenizer.eos_token_ids))
+    try:
+        compiler = await asyncio.get_running_loop().run_in_executor(None, grammars, *key)
+        await asyncio.get_running_loop().run_in_executor(None, compiler.check, spec, ctx.grammar_timeout_s)
+    except GrammarError as e:
+        raise RequestError(400, f"{param}: {e}", param) from e
+
+
+def _response_format(value) -> tuple[StructuredOutput, str] | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(kind="json_object"), "response_format"
+    if kind == "json_schema":
+        body = value.get("json_schema")
+        if not isinstance(body, dict):
+            raise RequestError(400, "response_format.json_schema must be an object", "response_format.json_schema")
+        schema, param = body.get("schema"), "response_format.json_schema.schema"
+        return (StructuredOutput(kind="json_object") if schema is None else _spec("json", schema, param)), param
+    raise RequestError(
+        400, "response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format.type"
+    )
+
+
+def _structured_outputs(value) -> tuple[StructuredOutput, str]:
+    if not isinstance(value, dict):
+        raise RequestError(400, "structured_outputs must be an object", "structured_outputs")
+    unknown = sorted(set(value) - set(_KEYS) - {"disable_any_whitespace"})
+    if unknown:
+        param = f"structured_outputs.{unknown[0]}"
+        raise RequestError(400, f"{param} is not supported (one of {', '.join(_KEYS)})", param)
+    if value.get("disable_any_whitespace") not in (None, True):  # JSON is always compact here (grammar.py)
+        raise RequestError(
+            400, "structured_outputs.disable_any_whitespace: only true is supported", "structured_outputs"
+        )
+    given = [k for k in _KEYS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise RequestError(400, f"structured_outputs needs exactly one of {', '.join(_KEYS)}", "structured_outputs")
+    key = given[0]
+    return _spec(_KEYS[key], value[key], f"structured_outputs.{key}"), f"structured_outputs.{key}"
+
+
+def _spec(kind: GrammarKind, value, param: str) -> StructuredOutput:
+    """The spec text of one constraint, its shape checked (its language is checked by compiling it)."""
+    if kind in ("json", "structural_tag"):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise RequestError(400, f"{param} is not valid JSON: {e}", param) from e
+        if not isinstance(value, dict) and not (kind == "json" and isinstance(value, bool)):
+            raise RequestError(400, f"{param} must be a JSON object", param)
+        return StructuredOutput(kind=kind, spec=json.dumps(value, ensure_ascii=False))
+    if kind == "json_object":
+        return StructuredOutput(kind=kind)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise RequestError(400, f"{param} must be a non-empty list of strings", param)
+        return StructuredOutput(kind=kind, spec=json.dumps(value, ensure_ascii=False))
+    if not isinstance(value, str) or not value:
+        raise RequestError(400, f"{param} must be a non-empty string", param)
+    return StructuredOutput(kind=kind, spec=value)
