@@ -154,9 +154,16 @@ def completion(request_id: str, model: str, created: int, choices: list[dict], u
 
 
 def chat_choice(
-    index: int, content: str, finish_reason: str, stop_reason: int | str | None = None, logprobs: dict | None = None
+    index: int,
+    content: str | None,
+    finish_reason: str,
+    stop_reason: int | str | None = None,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
     message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "index": index,
         "message": message,
@@ -184,10 +191,13 @@ def chat_delta(
     finish_reason: str | None = None,
     stop_reason: int | str | None = None,
     logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
     delta = {"role": role} if role is not None else {}
     if content is not None:
         delta["content"] = content
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason

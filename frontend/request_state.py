@@ -12,6 +12,7 @@ import time
 import msgspec
 
 from frontend.protocol import ParsedRequest, RequestError
+from frontend.tool_parser import ToolCallParser
 from messages.sampling_params import child_seed
 from messages.wire import AddRequest, Finished, TokenLogprobs
 
@@ -19,7 +20,7 @@ from messages.wire import AddRequest, Finished, TokenLogprobs
 class Choice:
     __slots__ = (
         "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "num_tokens", "request",
-        "text", "text_offset", "token_ids",
+        "text", "text_offset", "token_ids", "tools",
     )  # fmt: skip
 
     def __init__(self, request: HttpRequest, index: int, prefix: str | None):
@@ -35,6 +36,7 @@ class Choice:
         self.final_sent = False  # streaming: the finish_reason chunk was written
         self.text_offset = 0  # streaming completions logprobs: where the next token's text starts
         self.last_output = 0.0
+        self.tools = ToolCallParser() if request.parsed.tool_calls and request.parsed.stream else None
 
     def append(self, text: str, token_ids: list[int], logprobs: TokenLogprobs | None) -> None:
         if text:

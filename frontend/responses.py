@@ -11,6 +11,7 @@ from __future__ import annotations
 from frontend import openai_format as fmt
 from frontend.openai_format import SSE_DONE, TokenVocab, sse
 from frontend.request_state import Choice, HttpRequest
+from frontend.tool_parser import ToolCallDelta, parse_tool_calls
 from messages.wire import TokenLogprobs
 
 
@@ -50,8 +51,18 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
     c.final_sent |= ending
     if p.kind == "chat":
         logprobs = fmt.chat_logprobs(ids, TokenLogprobs.join(lps), vocab) if p.logprobs is not None and ids else None
+        calls = None
+        if c.tools is not None:  # text -> content and tool-call deltas (frontend/tool_calls.py)
+            text, deltas = c.tools.feed(text)
+            if ending:
+                rest, more = c.tools.finish()
+                text, deltas = text + rest, deltas + more
+                reason = "tool_calls" if c.tools.calls and reason == "stop" else reason
+            calls = [_delta(d) for d in deltas]
+            if not (text or calls or logprobs or ending):
+                return b""
         delta = fmt.chat_delta(
-            c.index, content=text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs
+            c.index, text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs, tool_calls=calls
         )
         return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta]))
     logprobs = None
@@ -71,7 +82,11 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
         fin = c.finished
         if p.kind == "chat":
             logprobs = _logprobs(fmt.chat_logprobs, ids, lps, vocab) if p.logprobs is not None else None
-            choices.append(fmt.chat_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))
+            content, calls, reason = text, None, fin.finish_reason
+            if p.tool_calls:
+                content, calls = parse_tool_calls(text)
+                reason = "tool_calls" if calls and reason == "stop" else reason
+            choices.append(fmt.chat_choice(c.index, content, reason, fin.stop_reason, logprobs, calls))
         elif p.echo and p.logprobs is not None:
             prompt = p.prompts[c.index // p.n].token_ids
             logprobs = fmt.echo_logprobs(prompt, fin.prompt_logprobs, ids, TokenLogprobs.join(lps), vocab)
@@ -84,6 +99,13 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
             (choices[-1] if p.kind == "completion" else extra).setdefault("prompt_logprobs", prompt)
     build = fmt.chat_completion if p.kind == "chat" else fmt.completion
     return build(p.request_id, p.model, p.created, choices, _usage(req)) | extra
+
+
+def _delta(d: ToolCallDelta) -> dict:
+    """A streamed tool-call delta as OpenAI sends it: id, type and name on a call's first delta only."""
+    first = d.id is not None
+    function = {"name": d.name, "arguments": d.arguments} if first else {"arguments": d.arguments}
+    return {"index": d.index, **({"id": d.id, "type": "function"} if first else {}), "function": function}
 
 
 def _logprobs(build, ids: list[int], lps: list[TokenLogprobs], vocab: TokenVocab) -> dict:

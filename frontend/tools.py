@@ -93,7 +93,7 @@ def _tag(tool: dict) -> dict:
     return {
         "type": "tag",
         "begin": _BEGIN.format(json.dumps(fn["name"])),
-        "content": {"type": "json_schema", "json_schema": schema},
+        "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},  # no whitespace loops
         "end": _END,
     }
 

@@ -96,3 +96,116 @@ async def test_invalid_specs_are_400s_naming_the_field(server, extra, param):
         await server.client().completions.create(model=None, prompt="x", max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == param, e.value.body
     assert await server.idle() and all(not any(v for v in r.values()) for r in (await server.idle()).values())
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+NOOP = {"type": "function", "function": {"name": "noop"}}
+
+
+def valid_weather(call) -> bool:
+    args = json.loads(call.function.arguments)
+    return call.function.name == "get_weather" and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
+async def test_forced_tool_calls(server, tool_choice):
+    """tool_choice required (one call: parallel_tool_calls false) and a named function: the output parses into
+    message.tool_calls whose arguments validate against the schema; finish_reason tool_calls; streamed, the first
+    delta of the call carries its id, type and name, and the argument fragments add up to the same call."""
+    kwargs = dict(
+        model=None, messages=CHAT, max_tokens=60, temperature=0, tools=[WEATHER, NOOP], tool_choice=tool_choice,
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    client = server.client()
+    response = await client.chat.completions.create(**kwargs)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    if tool_choice == "required":  # the grammar may pick either tool
+        assert [c.function.name for c in choice.message.tool_calls] in (["get_weather"], ["noop"])
+    else:
+        (call,) = choice.message.tool_calls
+        assert valid_weather(call) and call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    chunks = await client.chat.completions.create(**kwargs, stream=True)
+    deltas, reasons, content = [], [], ""
+    async for chunk in chunks:
+        for c in chunk.choices:
+            deltas += c.delta.tool_calls or []
+            content += c.delta.content or ""
+            reasons += [c.finish_reason] if c.finish_reason else []
+    assert reasons == ["tool_calls"] and content == ""
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.arguments == ""
+    assert all(d.id is None and d.function.name is None and d.index == 0 for d in deltas[1:])
+    streamed = "".join(d.function.arguments for d in deltas)
+    assert deltas[0].function.name == choice.message.tool_calls[0].function.name
+    assert streamed == choice.message.tool_calls[0].function.arguments  # greedy: the same call
+
+
+async def test_auto_and_none_and_a_tool_conversation(server):
+    """With tools, tool_choice auto (the server runs with the hermes parser) and none answer in text (the tiny
+    model writes no call); a conversation with an assistant tool call and the tool's result is accepted."""
+    client = server.client()
+    for choice in ("auto", "none"):
+        response = await client.chat.completions.create(
+            model=None, messages=CHAT, max_tokens=8, temperature=0, tools=[WEATHER], tool_choice=choice
+        )
+        assert response.choices[0].finish_reason in ("stop", "length") and response.choices[0].message.content
+        assert not response.choices[0].message.tool_calls
+    messages = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+    ]  # fmt: skip
+    response = await client.chat.completions.create(model=None, messages=messages, max_tokens=4, tools=[WEATHER])
+    assert response.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+          "tool_choice": "required"}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools"),
+    ],
+    ids=["unknown_name", "bad_choice", "no_tools", "bad_name", "duplicate", "bad_schema", "with_response_format"],
+)  # fmt: skip
+async def test_invalid_tools_are_400s(server, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        await server.client().chat.completions.create(model=None, messages=CHAT, max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_auto_needs_the_parser(server):
+    """Without --enable-auto-tool-choice (no parser), tool_choice auto, also by default with tools, is a 400
+    explaining the flags, as vLLM answers."""
+    from frontend.body import RequestError
+    from frontend.protocol import ServingContext, parse_chat
+
+    ctx = ServingContext(server.tokenizer, ["tiny"], 512, 49152)
+    for body in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
+        with pytest.raises(RequestError, match="--enable-auto-tool-choice") as e:
+            parse_chat(json.dumps({"messages": CHAT, **body}).encode(), ctx)
+        assert e.value.param == "tool_choice"
+    assert parse_chat(json.dumps({"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"}).encode(), ctx)
