@@ -3,6 +3,7 @@ result; arguments stream as they are read and concatenate to the exact JSON text
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from hypothesis import given, settings
@@ -31,7 +32,7 @@ TEXTS = [
 def streamed(text: str, cuts: list[int]) -> tuple[str, list[dict], dict[int, str], list]:
     parser, content, arguments, firsts = ToolCallParser(), "", {}, []
     bounds = [0, *sorted({c % (len(text) + 1) for c in cuts}), len(text)]
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     for piece in [*pieces, None]:
         more, deltas = parser.finish() if piece is None else parser.feed(piece)
         content += more
