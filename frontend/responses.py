@@ -52,7 +52,7 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
     if p.kind == "chat":
         logprobs = fmt.chat_logprobs(ids, TokenLogprobs.join(lps), vocab) if p.logprobs is not None and ids else None
         calls = None
-        if c.tools is not None:  # text -> content and tool-call deltas (frontend/tool_calls.py)
+        if c.tools is not None:  # text -> content and tool-call deltas (frontend/tool_parser.py)
             text, deltas = c.tools.feed(text)
             if ending:
                 rest, more = c.tools.finish()

@@ -1,5 +1,5 @@
 """Chat tools (issue 15): `tools` and `tool_choice` -> the tools the chat template renders, and the grammar that
-makes the output a valid call; the output is then parsed into `message.tool_calls` (frontend/tool_calls.py).
+makes the output a valid call; the output is then parsed into `message.tool_calls` (frontend/tool_parser.py).
 
 Calls follow the Hermes convention, `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>` (Qwen,
 Hermes and most open chat templates), as an xgrammar structural tag whose ARGS is constrained by the function's

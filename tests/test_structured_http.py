@@ -209,3 +209,34 @@ def test_auto_needs_the_parser(server):
             parse_chat(json.dumps({"messages": CHAT, **body}).encode(), ctx)
         assert e.value.param == "tool_choice"
     assert parse_chat(json.dumps({"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"}).encode(), ctx)
+
+
+@pytest.fixture(scope="module")
+async def tools_server(tiny_model_dir):
+    """A server with --chat-template frontend/templates/chatml_tools.jinja (SmolLM2's own has no tool section)."""
+    from pathlib import Path
+
+    from actors.engine.config import EngineConfig
+    from frontend.launch import start_server
+    from frontend.server import HttpConfig
+    from tests.conftest import ServerHandle
+
+    template = (Path(__file__).parents[1] / "frontend" / "templates" / "chatml_tools.jinja").read_text()
+    engine = EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_kv_blocks=128, engine_threads=1)
+    http = HttpConfig(port=0, chat_template=template, tool_call_parser="hermes")
+    srv = await start_server(engine, http, log_level="WARNING")
+    yield ServerHandle(srv, tiny_model_dir)
+    await srv.stop()
+
+
+async def test_a_chat_template_with_tools(tools_server):
+    """The replacement template renders the tools into the prompt (their JSON costs prompt tokens) and the
+    conversation's tool call and result; a forced call is served as ever."""
+    client = tools_server.client()
+    plain = await client.chat.completions.create(model=None, messages=CHAT, max_tokens=1)
+    with_tools = await client.chat.completions.create(
+        model=None, messages=CHAT, max_tokens=100, temperature=0, tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 100
+    assert with_tools.choices[0].finish_reason == "tool_calls", with_tools.choices[0]
