@@ -1,5 +1,8 @@
 """The sampler: logits [B, V] + SamplingMetadata -> one token id per row (+ raw logprobs), with no host sync.
 
+Before the sampler (DESIGN 5a; actors/engine/executor.py, StepExecutor.run): CFG for guided rows, then the grammar
+bitmask for constrained rows (disallowed tokens -inf; actors/engine/grammar.py). Raw logprobs are of those logits.
+
 Order of operations (part of correctness; each step is one line of `Sampler.__call__`):
   float32 cast -> raw logprobs (if requested) -> allowed-token mask -> bad words -> min_tokens (EOS / stop ids
   masked) -> logit bias (+-100) -> repetition / presence / frequency penalties -> greedy argmax (an all-greedy
