@@ -63,6 +63,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan step N+1 while step N runs",
     )
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.enable_prefix_caching,
+        help="reuse the KV cache blocks of shared prompt prefixes",
+    )
+    g.add_argument(
         "--speculative-config",
         type=_speculative_config,
         default=None,
@@ -94,7 +100,7 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "long_prefill_token_threshold")
     fields += ("block_size", "num_kv_blocks")
     fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
-    fields += ("speculative_config", "logprobs_mode")
+    fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching")
     values = {f: getattr(args, f) for f in fields}
     values["speculative"] = values.pop("speculative_config")
     return EngineConfig(model=model, **values)

@@ -100,6 +100,12 @@ class _Snapshots:
         yield _counter("sluice:generation_tokens", "Tokens generated.", e.generation_tokens_total)
         yield _counter("sluice:late_aborts", "Aborts for finished or unknown requests (ignored).", e.late_aborts_total)
         yield _counter("sluice:num_preemptions", "Recompute preemptions.", e.num_preemptions_total)
+        yield _counter(
+            "sluice:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_cache_queries_total
+        )
+        yield _counter(
+            "sluice:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits_total
+        )
         yield _counter("sluice:discarded_samples", "Samples of aborted requests discarded.", e.discarded_samples_total)
         yield _counter("sluice:spec_decode_num_drafts", "Rows that verified draft tokens.", e.spec_num_drafts)
         yield _counter("sluice:spec_decode_num_draft_tokens", "Draft tokens verified.", e.spec_num_draft_tokens)

@@ -50,6 +50,7 @@ class Completion:
     num_prompt_tokens: int = 0
     logprobs: TokenLogprobs | None = None  # params.logprobs: aligned with token_ids
     prompt_logprobs: TokenLogprobs | None = None  # params.prompt_logprobs: aligned with the prompt after its first
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass
@@ -203,6 +204,7 @@ class AsyncLLM:
             if isinstance(item, Finished):
                 out.finish_reason, out.stop_reason, out.error = item.finish_reason, item.stop_reason, item.error
                 out.num_prompt_tokens, out.prompt_logprobs = item.num_prompt_tokens, item.prompt_logprobs
+                out.num_cached_tokens = item.num_cached_tokens
         out.logprobs = TokenLogprobs.join(logprobs) if params.logprobs is not None else None
         return out
 

@@ -96,5 +96,11 @@ class HttpRequest:
         return sum(len(p.token_ids) for p in self.parsed.prompts)
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache, per prompt (its first choice's: the others share its prompt)."""
+        n = self.parsed.n
+        return sum(c.finished.num_cached_tokens for c in self.choices[::n] if c.finished is not None)
+
+    @property
     def num_output_tokens(self) -> int:
         return sum(c.finished.num_output_tokens for c in self.choices if c.finished is not None)

@@ -113,4 +113,4 @@ def _logprobs(build, ids: list[int], lps: list[TokenLogprobs], vocab: TokenVocab
 
 
 def _usage(req: HttpRequest) -> dict:
-    return fmt.usage(req.num_prompt_tokens, req.num_output_tokens)
+    return fmt.usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)

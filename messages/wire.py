@@ -152,6 +152,7 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     error: str | None = None
     # with seq 0, for prompt_logprobs: one entry per prompt token after the first (the logits of the token before)
     prompt_logprobs: TokenLogprobs | None = None
+    num_cached_tokens: int | None = None  # with seq 0: prompt tokens whose KV came from the prefix cache
 
     def split(self) -> list[RequestOutput]:
         """One entry per token (a speculative run token by token): the finish on the last, prompt logprobs on the
@@ -167,6 +168,7 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
                 logprobs=self.logprobs and self.logprobs.part(i, i + 1),
                 error=self.error,
                 prompt_logprobs=self.prompt_logprobs if i == 0 else None,
+                num_cached_tokens=self.num_cached_tokens if i == 0 else None,
             )
             for i, token in enumerate(self.new_token_ids)
         ]
@@ -203,6 +205,7 @@ class Finished(Msg, kw_only=True):
     num_output_tokens: int = 0
     error: str | None = None
     prompt_logprobs: TokenLogprobs | None = None  # RequestOutput.prompt_logprobs, passed on
+    num_cached_tokens: int = 0  # RequestOutput.num_cached_tokens, passed on
 
 
 class TextOutputs(Msg, kw_only=True):
@@ -229,6 +232,8 @@ class EngineStats(Msg, kw_only=True):
     spec_num_draft_tokens: int = 0  # draft tokens verified
     spec_num_accepted_tokens: int = 0  # draft tokens accepted
     spec_accepted_per_pos: list[int] = []  # [i]: drafts accepted at position i
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache (at first admission)
+    prefix_cache_hits_total: int = 0  # ... and found there
 
 
 class DetokStats(Msg, kw_only=True):

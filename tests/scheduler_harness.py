@@ -89,9 +89,10 @@ class Harness:
         eos=(EOS,),
         proposer=None,
         long_prefill=None,
+        caching=False,
     ):
         self.sched = Scheduler(
-            BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, eos,
+            BlockManager(num_blocks, block_size, caching), max_num_seqs, budget, max_model_len, eos,
             long_prefill_token_threshold=long_prefill,
         )  # fmt: skip
         self.proposer = proposer  # (request, at most k) -> drafts
@@ -150,7 +151,7 @@ class Harness:
         bm = self.sched.block_manager
         for row in (r for b in self.batches for r in b.rows):  # tables as scheduled, not grown later
             assert len(row.block_table) == -(-(row.num_computed + len(row.token_ids)) // bm.block_size)
-        assert bm.num_free_blocks == bm.num_blocks and sorted(bm.free_block_ids) == list(range(bm.num_blocks))
+        assert bm.num_free_blocks == bm.num_blocks and sorted(bm.free_queue) == list(range(bm.num_blocks))
 
 
 def prompts(n, seed=0, lo=1, hi=30):

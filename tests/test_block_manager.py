@@ -51,7 +51,7 @@ def test_free_is_idempotent_and_blocks_are_reused():
     bm.allocate(b, 8)
     assert set(b.block_table) == blocks
     bm.free(b)
-    assert sorted(bm.free_block_ids) == [0, 1, 2, 3]
+    assert sorted(bm.free_queue) == [0, 1, 2, 3]
 
 
 def test_tables_of_live_requests_never_share_blocks():

@@ -77,7 +77,12 @@ def test_a_slow_client_gets_one_coalesced_event_per_choice():
     for c in req.choices:
         table.on_finished(Finished(request_id=c.engine_id, finish_reason="length", num_output_tokens=100))
     assert req.done and [e["choices"][0]["finish_reason"] for e in events(stream_events(req, VOCAB))] == ["length"] * 2
-    assert events(stream_tail(req))[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 200, "total_tokens": 203}
+    assert events(stream_tail(req))[0]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 200,
+        "total_tokens": 203,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_duplicates_are_dropped_and_a_gap_fails_the_request():
@@ -186,7 +191,12 @@ def test_non_streaming_body_has_logprobs_and_exact_usage():
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "AB"} and choice["finish_reason"] == "stop"
     assert [e["token"] for e in choice["logprobs"]["content"]] == ["<7>", "<8>"]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert events(stream_head(req))[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 

@@ -45,7 +45,12 @@ def test_error_body_and_usage():
         "invalid_request_error",
         "server_error",
     )
-    assert fmt.usage(7, 5) == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert fmt.usage(7, 5, 3) == {
+        "prompt_tokens": 7,
+        "completion_tokens": 5,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
 
 
 def test_models_list():

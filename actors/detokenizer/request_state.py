@@ -72,6 +72,7 @@ class DetokRequestState:
         self.duplicates_dropped = 0
         self.logprobs_text: DecodedLogprobs | None = None  # of the last processed entry
         self.prompt_logprobs: TokenLogprobs | None = None  # from the first entry, for the Finished
+        self.num_cached_tokens = 0  # likewise
         self._stop = StopChecker(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._offsets: list[int] | None = [] if params.logprobs is not None else None
         self._decoded_chars = 0  # length of the generated text decoded so far (before hold-back)
@@ -123,6 +124,7 @@ class DetokRequestState:
             return None, self._fail(out, self._error or out.error or "engine error")
         self.num_output_tokens = n_before + len(ids)
         self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self._plain = self._offsets is None and self.num_output_tokens >= self.params.min_tokens
         # The engine stopped on EOS / a stop token: the token's text is not output (vLLM).
         stop_terminated = out.finish_reason == "stop" and not self.params.include_stop_str_in_output
@@ -213,6 +215,7 @@ class DetokRequestState:
             num_output_tokens=self.num_output_tokens,
             error=error,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def _fail(self, out: RequestOutput, error: str) -> Finished:

@@ -1,27 +1,53 @@
-"""BlockManager: the paged KV cache's free list and per-request block tables (no prefix caching).
+"""BlockManager: the paged KV cache's blocks, per-sequence block tables, and automatic prefix caching (DESIGN 5b).
 
-A request's `block_table` always covers its `num_computed_tokens` (tokens computed or scheduled);
-before a step the scheduler grows it to cover the tokens it is about to feed.
+A sequence's `block_table` always covers its `num_computed_tokens` (tokens computed or scheduled); before a step
+the scheduler grows it to cover the tokens it is about to feed.
+
+Prefix caching (on unless `enable_caching=False`):
+- A block is identified by a hash chained over its tokens and its parent block's hash (blake2b, 128 bits: a
+  crafted collision could read another request's KV). A KV entry depends on the token prefix alone (one model per
+  engine), so any two sequences with the same token prefix share it, a CFG companion and a request included.
+- A block is registered (cached) once it is full of known tokens (prompt and emitted output: never a pending
+  sample or a draft) all of which are computed or scheduled: `cache_full_blocks`, after every row is planned. The
+  device runs steps in order, so a block registered at scheduling is written before any later step reads it; a
+  block being prefilled is not full, or its tokens are not all scheduled, so it is not shared yet.
+- A cached block is never written again: its tokens are below every sharer's `num_computed_tokens` (a request
+  that takes cached blocks computes from their end; rollback and re-prefill only touch positions past its known
+  tokens or in blocks of its own).
+- Reference counts: each sequence whose table holds a block counts once. A block whose count drops to 0 goes to
+  the free queue (oldest first), keeping its hash: it is evictable but still a hit until allocation takes it.
+  A sequence's blocks are queued last block first, so its tail is evicted before its head.
+- Idle invariant: no block referenced; every block free, cached or not.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
 
 from actors.engine.request import Companion, EngineRequest
 
+Sequence = EngineRequest | Companion
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> the block holding it
+        self.queries = self.hits = 0  # prompt tokens looked up, and found cached (metrics)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_queue)
 
     @property
     def usage(self) -> float:
@@ -30,14 +56,43 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int, companion_tokens: int = 0) -> bool:
-        """Whether a request without blocks (and its CFG companion) could get blocks for their first tokens."""
-        return self.num_blocks_for(num_tokens) + self.num_blocks_for(companion_tokens) <= self.num_free_blocks
+    # ---------------------------------------------------------------- prefix hits
 
-    def allocate(self, request: EngineRequest, num_tokens: int) -> None:
-        """Give a request without blocks the blocks for its first `num_tokens` tokens."""
-        assert not request.block_table and request.num_computed_tokens == 0, request.request_id
-        self.append_slots(request, num_tokens)
+    def computed_blocks(self, seq: Sequence, usable: bool = True) -> list[int]:
+        """The longest run of cached blocks holding the sequence's known tokens from the start, leaving at least
+        its last token to compute (it must be fed to sample); none when caching is off or not `usable`."""
+        if not (self.enable_caching and usable):
+            return []
+        tokens = seq.all_token_ids
+        hits = []
+        for h in self._hashes(seq, tokens, (len(tokens) - 1) // self.block_size):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, num_tokens: int, hits: list[int] = (), companion: tuple[int, list[int]] = (0, [])):
+        """Whether a sequence without blocks (and its CFG companion), taking `hits` first, can get blocks for
+        `num_tokens` more tokens: new blocks, and hit blocks that leave the free queue, come out of it."""
+        need = 0
+        for n, blocks in ((num_tokens, hits), companion):
+            need += self.num_blocks_for(len(blocks) * self.block_size + n) - len(blocks)
+            need += sum(1 for b in blocks if not self.ref_counts[b])
+        return need <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
+        """Give a sequence without blocks its cached prefix `hits` (already counted in num_computed_tokens) and
+        blocks for `num_tokens` more tokens."""
+        assert not seq.block_table and seq.num_computed_tokens == len(hits) * self.block_size, seq.request_id
+        for block in hits:
+            if not self.ref_counts[block]:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+        seq.block_table = list(hits)
+        self.append_slots(seq, num_tokens)
+
+    # ---------------------------------------------------------------- growth and release
 
     def may_append(self, request: EngineRequest, num_new_tokens: int, companion_tokens: int = 0) -> bool:
         """Whether the request (and its CFG companion) can grow by that many tokens."""
@@ -46,24 +101,59 @@ class BlockManager:
             missing += self._num_missing(request.companion, companion_tokens)
         return missing <= self.num_free_blocks
 
-    def append_slots(self, request: EngineRequest | Companion, num_new_tokens: int) -> None:
-        """Grow the block table to cover num_computed_tokens + num_new_tokens tokens."""
-        missing = self._num_missing(request, num_new_tokens)
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow the block table to cover num_computed_tokens + num_new_tokens tokens (evicting cached blocks from
+        the front of the free queue as needed)."""
+        missing = self._num_missing(seq, num_new_tokens)
         if missing > self.num_free_blocks:
-            raise RuntimeError(f"out of KV blocks: {request.request_id} needs {missing}, {self.num_free_blocks} free")
-        request.block_table.extend(self.free_block_ids.popleft() for _ in range(missing))
+            raise RuntimeError(f"out of KV blocks: {seq.request_id} needs {missing}, {self.num_free_blocks} free")
+        for _ in range(missing):
+            block, _ = self.free_queue.popitem(last=False)
+            if (h := self.block_hash[block]) is not None:
+                del self.cached[h]
+                self.block_hash[block] = None
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
 
-    def trim(self, request: EngineRequest) -> None:
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that are full of known, computed-or-scheduled tokens (module docstring)."""
+        if not self.enable_caching:
+            return
+        tokens = seq.all_token_ids
+        full = min(seq.num_computed_tokens, len(tokens)) // self.block_size
+        for i, h in enumerate(self._hashes(seq, tokens, full)):
+            block = seq.block_table[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block], self.cached[h] = h, block
+
+    def trim(self, seq: Sequence) -> None:
         """Return the blocks past those covering num_computed_tokens (speculative lookahead not kept)."""
-        keep = self.num_blocks_for(request.num_computed_tokens)
-        self.free_block_ids.extend(request.block_table[keep:])
-        del request.block_table[keep:]
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
 
-    def free(self, request: EngineRequest | Companion) -> None:
-        """Return the sequence's blocks to the free list (idempotent)."""
-        self.free_block_ids.extend(request.block_table)
-        request.block_table = []
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks (idempotent); cached ones stay hits until evicted."""
+        self._release(seq.block_table)
+        seq.block_table = []
 
-    def _num_missing(self, request: EngineRequest | Companion, num_new_tokens: int) -> int:
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(request.block_table))
+    def _release(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):  # the tail is evicted first
+            self.ref_counts[block] -= 1
+            if not self.ref_counts[block]:
+                self.free_queue[block] = None
+
+    def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(seq.block_table))
+
+    def _hashes(self, seq: Sequence, tokens: list[int], n: int) -> list[bytes]:
+        """The chained hashes of the sequence's first n full blocks (computed once per block, kept on it)."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        while len(hashes) < n:
+            i = len(hashes)
+            h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
+            h.update(np.asarray(tokens[i * bs : (i + 1) * bs], dtype=np.int64).tobytes())
+            hashes.append(h.digest())
+        return hashes[:n]

@@ -51,6 +51,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     engine_threads: int | None = None  # None: the cores left after the other actors
     async_scheduling: bool = True  # speculative decoding steps synchronously (the proposer reads the last tokens)
     speculative: SpeculativeConfig | None = None  # off by default
+    enable_prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes (actors/engine/block_manager.py)
     logprobs_mode: LogprobsMode = "raw_logprobs"  # what response logprobs report (gpu/sampling/sampler.py)
     stats_interval_s: float = 0.5
     stats_to: list[str] = []  # actors that receive EngineStats (the HTTP actor)

@@ -62,5 +62,6 @@ def companion_row(req: EngineRequest, m: int, block_manager: BlockManager, draft
         guidance_scale=req.params.guidance_scale,
     )
     c.num_computed_tokens += m
+    block_manager.cache_full_blocks(c)
     req.num_inflight_steps += 1
     return row

@@ -61,6 +61,8 @@ def engine_stats(sched: Scheduler, late_aborts_total: int = 0, queue_times_s: li
         spec_num_draft_tokens=spec.num_draft_tokens,
         spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_accepted_per_pos=list(spec.accepted_per_pos),
+        prefix_cache_queries_total=sched.block_manager.queries,
+        prefix_cache_hits_total=sched.block_manager.hits,
     )
 
 

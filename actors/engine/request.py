@@ -48,6 +48,8 @@ class EngineRequest:
     prompt_logprobs: TokenLogprobs | None = None  # collected chunk by chunk; sent with the first output
     companion: Companion | None = None  # classifier-free guidance's unconditional sequence
     grammar: Matcher | None = None  # structured outputs: accepts each emitted token (actors/engine/grammar.py)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' chained hashes
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     error: str | None = None  # why the request ended with finish_reason "error"
 
     @classmethod
@@ -116,10 +118,15 @@ class Companion:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     slot: int = -1
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
         return f"{self.parent.request_id}/uncond"
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.parent.output_token_ids
 
     @property
     def num_tokens(self) -> int:

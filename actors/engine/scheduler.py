@@ -172,18 +172,24 @@ class Scheduler:
         # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
         while self.waiting and budget > 0 and self.free_slots and not preempted:
             req = self.waiting[0]
+            hits = self._prefix_hits(req)  # each sequence's cached prefix (counted as computed from here on)
             n, m = plan_tokens(req, budget, chunk)
             blocked = req.num_inflight_steps or len(self.free_slots) < len(req.sequences) or not n + m
-            if blocked or not self.block_manager.can_allocate(n, m):
+            if blocked or not self.block_manager.can_allocate(n, hits[0], (m, hits[-1]) if m else (0, [])):
+                for seq in req.sequences:
+                    seq.num_computed_tokens = 0
                 break  # strict FIFO: the head waits for its in-flight sample, for slots, budget or free blocks
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 self.prompt_tokens_total += req.num_prompt_tokens
+                req.num_cached_tokens = req.num_computed_tokens
+                self.block_manager.queries += req.num_prompt_tokens
+                self.block_manager.hits += req.num_cached_tokens
             req.status = RequestStatus.RUNNING
-            for seq in req.sequences:
+            for seq, blocks in zip(req.sequences, hits, strict=True):
                 seq.slot = self.free_slots.pop()
+                self.block_manager.allocate(seq, n if seq is req else 0, blocks)
             self.running.append(req)
-            self.block_manager.allocate(req, n)
             self._add_rows(batch, req, n, m)
             budget -= n + m
         if batch.rows:
@@ -241,6 +247,18 @@ class Scheduler:
         """Whether the request's pending samples certainly end it: another row would be junk."""
         return req.num_output_tokens >= req.params.max_tokens or req.num_tokens + req.overhang >= self.max_model_len
 
+    def _prefix_hits(self, req: EngineRequest) -> list[list[int]]:
+        """Each of the request's sequences' cached prefix blocks, its num_computed_tokens set past them (a request
+        asking for prompt logprobs needs every prompt position computed: no hits)."""
+        hits = []
+        for seq in req.sequences:
+            blocks = self.block_manager.computed_blocks(
+                seq, usable=seq is not req or req.params.prompt_logprobs is None
+            )
+            seq.num_computed_tokens = len(blocks) * self.block_manager.block_size
+            hits.append(blocks)
+        return hits
+
     def _add_rows(self, batch: BatchSpec, req: EngineRequest, n: int, m: int, drafts: list[int] = ()) -> None:
         """The request's row (n tokens), then its CFG companion's (m tokens; built first: the parent's row adds a
         pending token to both sequences)."""
@@ -261,6 +279,7 @@ class Scheduler:
             req.request_id, req.slot, token_ids, start, list(req.block_table), sample, targets, list(drafts)
         )
         req.num_computed_tokens += n
+        self.block_manager.cache_full_blocks(req)
         req.num_pending_tokens += sample
         req.num_inflight_steps += 1
         return row
@@ -292,6 +311,7 @@ class Scheduler:
             stop_reason=req.stop_reason,
             prompt_logprobs=take_prompt_logprobs(req) if seq == 0 else None,
             error=req.error,
+            num_cached_tokens=req.num_cached_tokens if seq == 0 else None,
         )
 
     def _ends(self, req: EngineRequest, token: int) -> bool:

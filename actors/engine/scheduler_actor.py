@@ -117,7 +117,7 @@ class SchedulerActor(Actor):
         self.grammar_key = (self.config.model, self.model.vocab_size, tuple(self.model.eos_token_ids))
         warm(*self.grammar_key)
         self.sched = Scheduler(
-            BlockManager(blocks, self.config.block_size),
+            BlockManager(blocks, self.config.block_size, self.config.enable_prefix_caching),
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,

@@ -1,0 +1,91 @@
+"""Prefix caching through the real engine (tiny model, fp32) and over HTTP: outputs are identical with caching on
+and off for a workload that shares prefixes (multi-turn chats on a common system prompt, CFG and grammar-
+constrained requests among them) under chunked prefill, preemption and aborts; usage reports cached_tokens and
+/metrics the hits; prompt_logprobs requests compute every position."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from frontend.offline import AsyncLLM
+from messages.sampling_params import SamplingParams, StructuredOutput
+from tests.cancel_harness import engine_config, model_dir  # noqa: F401 (fixtures)
+from tests.test_guidance import random_ids
+
+
+def conversations() -> list[list[int]]:
+    """Three chats of four turns on one 40-token system prompt: each turn's prompt extends the one before."""
+    system, prompts = random_ids(40, 0), []
+    for chat in range(3):
+        history = list(system)
+        for turn in range(4):
+            history += random_ids(5 + turn, 10 * chat + turn)
+            prompts.append(list(history))
+    return prompts
+
+
+def params(i: int) -> SamplingParams:
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    if i % 5 == 1:
+        p.guidance_scale = 2.0
+    if i % 5 == 3:
+        p.structured, p.ignore_eos = StructuredOutput(kind="regex", spec=r"[a-z]{3,6}"), False
+    return p
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+async def test_outputs_identical_with_and_without_caching(model_dir, async_scheduling):  # noqa: F811
+    """12 prompts with shared prefixes, a 32-token budget and an 8-block cache (preemption), run twice with caching
+    on (the second pass hits what the first left) and once off: the same tokens every time, hits counted; aborted
+    requests leave the engine idle (no block referenced)."""
+    prompts = conversations()
+    runs = {}
+    for caching in (False, True):
+        config = engine_config(
+            model_dir,
+            enable_prefix_caching=caching,
+            num_kv_blocks=8,
+            max_model_len=128,
+            async_scheduling=async_scheduling,
+        )
+        async with AsyncLLM(config) as llm:
+            outs = [await llm.generate(prompts, [params(i) for i in range(len(prompts))]) for _ in range(2)]
+            stats, _ = await llm.fresh_stats()
+            ids = [llm.new_id() for _ in range(4)]
+            tasks = [
+                asyncio.ensure_future(llm.generate_one(p, params(0), r)) for p, r in zip(prompts, ids, strict=False)
+            ]
+            await asyncio.sleep(0.05)
+            for r in ids:
+                llm.abort(r)
+            await asyncio.gather(*tasks)
+            assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())
+        runs[caching] = [[o.token_ids for o in run] for run in outs]
+        assert (stats.prefix_cache_hits_total > 0) == caching and stats.num_preemptions_total > 0
+        cached = [o.num_cached_tokens for o in outs[1]]
+        assert (max(cached) >= 48) == caching, cached  # the second pass finds whole conversations
+    assert runs[True][0] == runs[True][1] == runs[False][0] == runs[False][1]
+
+
+async def test_usage_metrics_and_prompt_logprobs_over_http(server):
+    """A repeated 300-token prompt reports prompt_tokens_details.cached_tokens (whole blocks, its last token
+    computed); /metrics counts queries and hits; a prompt_logprobs request gets every prompt position, cached or
+    not."""
+    client, prompt = server.client(), random_ids(300, 42)
+    before = await server.metric("sluice:prefix_cache_hits_total")
+    first = await client.completions.create(model=None, prompt=prompt, max_tokens=2, temperature=0)
+    second = await client.completions.create(model=None, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < 288 <= second.usage.prompt_tokens_details.cached_tokens
+    assert second.choices[0].text == first.choices[0].text
+    deadline = asyncio.get_running_loop().time() + 30
+    while not (await server.metric("sluice:prefix_cache_hits_total") >= before + 288):  # EngineStats every 0.5 s
+        assert asyncio.get_running_loop().time() < deadline, "the hits never reached /metrics"
+        await asyncio.sleep(0.1)
+    assert await server.metric("sluice:prefix_cache_queries_total") >= 600
+    third = await client.completions.create(
+        model=None, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+    assert len(third.choices[0].prompt_logprobs) == 300
