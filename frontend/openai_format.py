@@ -44,14 +44,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def models_list(names: list[str], max_model_len: int, created: int, owned_by: str = "sluice") -> dict:
-    data = [
-        {"id": n, "object": "model", "created": created, "owned_by": owned_by, "max_model_len": max_model_len}
-        for n in names
-    ]
-    return {"object": "list", "data": data}
-
-
 # ---------------------------------------------------------------- logprobs
 
 

@@ -101,10 +101,10 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
     params = _sampling_params(req, ctx, max_tokens, req.logprobs, {}, structured, grammar_param)
     params.negative_prompt_token_ids = negative_prompt_ids(req, ctx)
     prompts = []
-    for text, ids in _completion_prompts(req.prompt, ctx, max_tokens):
+    for text, ids in _completion_prompts(req.prompt, ctx):
         if text is None and req.echo:
             text = ctx.tokenizer.decode(ids)
-        prompts.append(_fit(text, ids, params, max_tokens, ctx, "prompt", "max_tokens"))
+        prompts.append(_fit(text, ids, params, max_tokens, ctx, "prompt"))
     _check_total(prompts, ctx, "max_tokens" if req.max_tokens else "n")
     rid = request_id or new_request_id("cmpl")
     return _parsed("completion", rid, model, prompts, req, echo=bool(req.echo), grammar_param=grammar_param)
@@ -134,21 +134,21 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
         raise RequestError(
             400, f"messages: {len(req.messages)} messages cannot fit in {ctx.max_model_len} tokens", "messages"
         )
-    _check_chars(sum(map(_content_chars, req.messages)), max_tokens, ctx, "messages", max_param)
+    _check_chars(sum(map(_content_chars, req.messages)), ctx, "messages")
     try:
         text = ctx.tokenizer.render_chat(req.messages, tools=tools)
     except ParamError as e:
         raise RequestError(400, str(e), e.param) from e
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
     params.negative_prompt_token_ids = negative_prompt_ids(req, ctx, req.messages)
-    prompt = _fit(text, ids, params, max_tokens, ctx, "messages", max_param)
+    prompt = _fit(text, ids, params, max_tokens, ctx, "messages")
     _check_total([prompt], ctx, max_param if max_tokens else "n")
     rid = request_id or new_request_id("chatcmpl")
     return _parsed("chat", rid, model, [prompt], req, echo=False, grammar_param=grammar_param, tool_calls=tool_calls)
 
 
 def _model(req: SamplingFields, ctx: ServingContext) -> str:
-    if req.model is None:
+    if not req.model:  # absent or "": the served model (as vLLM)
         return ctx.model_names[0]
     if req.model not in ctx.model_names:
         raise RequestError(404, f"The model `{req.model}` does not exist.", "model", code="model_not_found")
@@ -188,7 +188,7 @@ def _sampling_params(
     return params
 
 
-def _completion_prompts(prompt, ctx: ServingContext, max_tokens: int | None) -> list[tuple[str | None, list[int]]]:
+def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -203,7 +203,7 @@ def _completion_prompts(prompt, ctx: ServingContext, max_tokens: int | None) -> 
     texts = []  # (index in out, text): tokenized together, in parallel and without the GIL
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            _check_chars(len(p), max_tokens, ctx, "prompt", "max_tokens")
+            _check_chars(len(p), ctx, "prompt")
             texts.append((i, p))
             ids, text = [], p
         elif (ids := token_ids(p)) is not None:
@@ -233,37 +233,38 @@ def _content_chars(message) -> int:
     return len(content) if isinstance(content, str) else 0
 
 
-def _check_chars(chars: int, max_tokens, ctx: ServingContext, prompt_param, max_param) -> None:
+def _check_chars(chars: int, ctx: ServingContext, prompt_param) -> None:
     """Refuse a prompt that cannot fit from its length in characters alone, before tokenizing it."""
     if ctx.tokenizer.max_token_chars is not None:
         at_least = -(-chars // ctx.tokenizer.max_token_chars)
-        _check_fits(at_least, max_tokens, ctx, prompt_param, max_param, chars)
+        _check_fits(at_least, ctx, prompt_param, chars)
 
 
-def _check_fits(num_tokens: int, max_tokens, ctx: ServingContext, prompt_param, max_param, chars=None) -> int:
-    """The tokens left for the completion; a 400 when prompt + completion cannot fit the context.
-    `chars`: the prompt is `chars` characters long and `num_tokens` a lower bound of its tokens."""
+def _check_fits(num_tokens: int, ctx: ServingContext, prompt_param, chars=None) -> int:
+    """The tokens left for the completion; a 400 when the prompt alone leaves none. `chars`: the prompt is
+    `chars` characters long and `num_tokens` a lower bound of its tokens."""
     budget = ctx.max_model_len - num_tokens
-    if budget < 1 or (max_tokens is not None and max_tokens > budget):
-        want = max_tokens or 1
+    if budget < 1:
         at_least, of = ("at least ", f" of {chars} characters") if chars is not None else ("", "")
         raise RequestError(
             400,
-            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
-            f"{at_least}{num_tokens + want} tokens ({at_least}{num_tokens} in the {prompt_param}{of}, {want} in the "
-            f"completion). Please reduce the length of the {prompt_param} or completion.",
-            prompt_param if budget < 1 else max_param,
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, the {prompt_param} has "
+            f"{at_least}{num_tokens} tokens{of}, which leaves no room for the completion. Please reduce the length "
+            f"of the {prompt_param}.",
+            prompt_param,
         )
     return budget
 
 
-def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, prompt_param, max_param) -> PromptInput:
-    """Resolve a defaulted max_tokens and check that prompt + completion fit the context."""
-    budget = _check_fits(len(ids), max_tokens, ctx, prompt_param, max_param)
-    if max_tokens is None and params.max_tokens != budget:
-        if params.min_tokens > budget:
-            raise RequestError(400, f"min_tokens ({params.min_tokens}) exceeds the {budget} tokens left", "min_tokens")
-        params = msgspec.structs.replace(params, max_tokens=budget)
+def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, prompt_param) -> PromptInput:
+    """Resolve max_tokens: the tokens left in the context when it is not given, and at most those when it is (as
+    vLLM: the request is served and ends with "length" at the context's end)."""
+    budget = _check_fits(len(ids), ctx, prompt_param)
+    limit = budget if max_tokens is None else min(max_tokens, budget)
+    if params.min_tokens > limit:
+        raise RequestError(400, f"min_tokens ({params.min_tokens}) exceeds the {limit} tokens left", "min_tokens")
+    if params.max_tokens != limit:
+        params = msgspec.structs.replace(params, max_tokens=limit)
     return PromptInput(text, ids, params)
 
 

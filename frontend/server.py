@@ -21,13 +21,13 @@ from aiohttp import web
 from actors.engine.config import DETOKENIZER, SCHEDULER
 from actors.engine.grammar import warm
 from actors.runtime import Actor
-from frontend import openai_format as fmt
 from frontend.metrics import CONTENT_TYPE, Metrics
 from frontend.protocol import ParsedRequest, RequestError, ServingContext, new_request_id, parse_chat, parse_completion
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
 from frontend.structured import compile_check
+from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import RequestLimits
 from messages.wire import (
@@ -132,6 +132,10 @@ class HttpActor(Actor):
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model_card)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", lambda _: _json(server_version()))
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -238,7 +242,17 @@ class HttpActor(Actor):
         return web.Response()
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(fmt.models_list(self.ctx.model_names, self.max_model_len, self.created))
+        cards = [model_card(name, self.ctx, self.created, self.model) for name in self.ctx.model_names]
+        return _json({"object": "list", "data": cards})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        return _json(model_card(request.match_info["model"], self.ctx, self.created, self.model))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return _json(await self._parse(request, lambda body, ctx, _: tokenize(body, ctx), None))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return _json(await self._parse(request, lambda body, ctx, _: detokenize(body, ctx), None))
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

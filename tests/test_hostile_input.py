@@ -40,7 +40,6 @@ CASES = {
     "a 5000-char stop string": ("completions", {"prompt": "hi", "stop": ["s" * 5000]}, "stop"),
     "20,000 bad words": ("completions", {"prompt": "hi", "bad_words": [f"w{i}" for i in range(20_000)]}, "bad_words"),
     "5000 logit_bias entries": ("completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(5000)}}, "logit_bias"),
-    "n x max_tokens": ("chat/completions", _chat("hi", n=128, max_tokens=10_000), "max_tokens"),
     "max_tokens 10^12": ("completions", {"prompt": "hi", "max_tokens": 10**12}, "max_tokens"),
 }  # fmt: skip
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from openai.types import Completion, Model
+from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from frontend import openai_format as fmt
@@ -51,13 +51,6 @@ def test_error_body_and_usage():
         "total_tokens": 12,
         "prompt_tokens_details": {"cached_tokens": 3},
     }
-
-
-def test_models_list():
-    body = fmt.models_list(["tiny", "alias"], 2048, CREATED)
-    assert body["object"] == "list"
-    assert [Model.model_validate(m).id for m in body["data"]] == ["tiny", "alias"]
-    assert body["data"][0]["max_model_len"] == 2048
 
 
 def test_completion_response_with_logprobs(tok):

@@ -97,7 +97,7 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
     err = _error(parse_completion, ctx, json.dumps({"prompt": long}).encode())
     assert (
         err.param == "prompt"
-        and f"at least 80 tokens (at least 64 in the prompt of {len(long)} characters, 16" in err.message
+        and f"the prompt has at least 64 tokens of {len(long)} characters, which leaves no room" in err.message
     )
     messages = [{"role": "user", "content": [{"type": "text", "text": long}]}]
     assert _error(parse_chat, ctx, json.dumps({"messages": messages}).encode()).param == "messages"
