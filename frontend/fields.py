@@ -14,7 +14,7 @@ import msgspec
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk (refused: not implemented)
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

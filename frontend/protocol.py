@@ -65,6 +65,7 @@ class ParsedRequest:
     echo: bool
     grammar_param: str | None = None  # the field the prompts' StructuredOutput came from (compiled before admission)
     tool_calls: bool = False  # chat with tools: the output is parsed into message.tool_calls
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk (vLLM)
 
     @property
     def n(self) -> int:
@@ -166,9 +167,6 @@ def _sampling_params(
 ) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise RequestError(400, "stream_options is only allowed when stream is true", "stream_options")
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        param = "stream_options.continuous_usage_stats"
-        raise RequestError(400, f"{param} is not supported", param)
     if req.prompt_logprobs is not None and req.stream:  # as vLLM
         raise RequestError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
     fields = {k: v for k in _SAMPLING_KEYS if (v := getattr(req, k)) is not None}
@@ -289,5 +287,6 @@ def _check_total(prompts: list[PromptInput], ctx: ServingContext, param: str) ->
 
 def _parsed(kind, request_id: str, model: str, prompts: list[PromptInput], req, echo: bool, **extra) -> ParsedRequest:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra["continuous_usage"] = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     created = int(time.time())
     return ParsedRequest(kind, request_id, model, created, prompts, bool(req.stream), include_usage, echo, **extra)

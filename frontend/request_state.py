@@ -102,5 +102,10 @@ class HttpRequest:
         return sum(c.finished.num_cached_tokens for c in self.choices[::n] if c.finished is not None)
 
     @property
+    def num_tokens_so_far(self) -> int:
+        """Output tokens received so far, over every choice (continuous usage stats)."""
+        return sum(c.finished.num_output_tokens if c.finished is not None else c.num_tokens for c in self.choices)
+
+    @property
     def num_output_tokens(self) -> int:
         return sum(c.finished.num_output_tokens for c in self.choices if c.finished is not None)

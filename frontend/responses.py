@@ -20,7 +20,11 @@ def stream_head(req: HttpRequest) -> bytes:
     if p.kind != "chat":
         return b""
     return b"".join(
-        sse(fmt.chat_chunk(p.request_id, p.model, p.created, [fmt.chat_delta(c.index, role="assistant", content="")]))
+        sse(
+            fmt.chat_chunk(
+                p.request_id, p.model, p.created, [fmt.chat_delta(c.index, role="assistant", content="")], _so_far(req)
+            )
+        )
         for c in req.choices
     )
 
@@ -64,13 +68,13 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
         delta = fmt.chat_delta(
             c.index, text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs, tool_calls=calls
         )
-        return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta]))
+        return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta], _so_far(req)))
     logprobs = None
     if p.logprobs is not None and ids:
         logprobs = fmt.completion_logprobs(ids, TokenLogprobs.join(lps), vocab, c.text_offset)
         c.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
     choice = fmt.completion_choice(c.index, text, reason, stop_reason, logprobs)
-    return sse(fmt.completion(p.request_id, p.model, p.created, [choice]))
+    return sse(fmt.completion(p.request_id, p.model, p.created, [choice], _so_far(req)))
 
 
 def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
@@ -110,6 +114,11 @@ def _delta(d: ToolCallDelta) -> dict:
 
 def _logprobs(build, ids: list[int], lps: list[TokenLogprobs], vocab: TokenVocab) -> dict:
     return build(ids, TokenLogprobs.join(lps), vocab)
+
+
+def _so_far(req: HttpRequest) -> dict | None:
+    """stream_options.continuous_usage_stats: the usage so far, on every chunk (None: not asked for)."""
+    return fmt.usage(req.num_prompt_tokens, req.num_tokens_so_far) if req.parsed.continuous_usage else None
 
 
 def _usage(req: HttpRequest) -> dict:

@@ -61,3 +61,13 @@ async def test_tokenize_detokenize_and_version(server):
                 assert resp.status in (400, 404) and (await resp.json())["error"]["param"] == param, payload
         async with s.get("/version") as resp:
             assert (await resp.json())["version"] == "0.1.0"
+
+
+async def test_continuous_usage_stats(server):
+    """stream_options.continuous_usage_stats: every chunk carries the usage so far, growing to the final one."""
+    chunks = await server.client().chat.completions.create(
+        model=None, messages=CHAT, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    counts = [chunk.usage.completion_tokens async for chunk in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6 and len(counts) >= 3
