@@ -141,6 +141,17 @@ class Harness:
         assert not set(acks) & set(self.acks) and not set(acks) & set(self.finish)
         self.acks += acks
 
+    def traffic(self, reqs, steps: int) -> None:
+        """Step `steps` times; reqs: (id, prompt, params, arrival step, abort step or None), then run to the end."""
+        for t in range(steps):
+            for rid, prompt, p, arrive, abort_at in reqs:
+                if arrive == t:
+                    self.add(rid, prompt, **p)
+                if abort_at == t and arrive <= t:
+                    self.sched.abort(rid)
+            self.step()
+        self.run()
+
     def run(self, max_steps=2000):
         for _ in range(max_steps):
             if not (self.sched.has_unfinished() or self.queue):

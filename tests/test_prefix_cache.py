@@ -108,14 +108,7 @@ def test_outputs_equal_the_oracle_with_sharing(seed, one_ahead, num_blocks):
     for i, prompt in enumerate(shared_prompts(16, seed)):
         p = {"max_tokens": rng.randint(1, 12), "ignore_eos": rng.random() < 0.5}
         reqs.append((f"r{i}", prompt, p, rng.randint(0, 40), rng.choice([None, None, None, rng.randint(0, 50)])))
-    for t in range(150):
-        for rid, prompt, p, arrive, abort_at in reqs:
-            if arrive == t:
-                h.add(rid, prompt, **p)
-            if abort_at == t and arrive <= t:
-                h.sched.abort(rid)
-        h.step()
-    h.run()
+    h.traffic(reqs, 150)
     for rid, prompt, p, *_ in reqs:
         want = expected(prompt, SamplingParams(**p), 48, (EOS,))
         if rid in h.finish:

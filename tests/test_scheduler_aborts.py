@@ -76,14 +76,7 @@ def test_random_traffic_with_aborts_and_preemption(seed):
         reqs.append((f"r{i}", prompt, p, rng.randint(0, 30), rng.choice([None, None, rng.randint(0, 40)])))
     for one_ahead in (False, True):
         h = Harness(one_ahead=one_ahead, num_blocks=14, max_num_seqs=5, budget=16, max_model_len=48, eos=eos)
-        for t in range(120):
-            for rid, prompt, p, arrive, abort_at in reqs:
-                if arrive == t:
-                    h.add(rid, prompt, **p)
-                if abort_at == t and arrive <= t:
-                    h.sched.abort(rid)
-            h.step()
-        h.run()
+        h.traffic(reqs, 120)
         for rid, prompt, p, *_ in reqs:
             assert (rid in h.acks) != (rid in h.finish)
             want = expected(prompt, SamplingParams(**p), 48, eos)
