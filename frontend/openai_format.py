@@ -138,6 +138,7 @@ def completion_choice(
 def completion(request_id: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:
     """A /v1/completions response (with usage) or stream chunk (usage only on the usage chunk)."""
     body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    body["system_fingerprint"] = None  # OpenAI's field; no fingerprint is published (as vLLM)
     if usage is not None:
         body["usage"] = usage
     return body
@@ -174,6 +175,7 @@ def chat_completion(request_id: str, model: str, created: int, choices: list[dic
         "model": model,
         "choices": choices,
         "usage": usage,
+        "system_fingerprint": None,
     }
 
 
@@ -199,6 +201,7 @@ def chat_delta(
 
 def chat_chunk(request_id: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:
     body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    body["system_fingerprint"] = None
     if usage is not None:
         body["usage"] = usage
     return body

@@ -80,7 +80,7 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
 def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
     """The non-streaming response of a request whose choices all finished without error."""
     p = req.parsed
-    choices, extra = [], {}
+    choices, extra = [], {"prompt_logprobs": None}  # (present, null, when not asked for: as vLLM)
     for c in req.choices:
         text, ids, lps = c.take()
         fin = c.finished
@@ -98,11 +98,15 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
         else:
             logprobs = _logprobs(fmt.completion_logprobs, ids, lps, vocab) if p.logprobs is not None else None
             choices.append(fmt.completion_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))
-        if fin.prompt_logprobs is not None:  # vLLM: per choice for completions, once per response for chat
-            prompt = fmt.prompt_logprobs(p.prompts[c.index // p.n].token_ids, fin.prompt_logprobs, vocab)
-            (choices[-1] if p.kind == "completion" else extra).setdefault("prompt_logprobs", prompt)
+        # vLLM: per choice for completions, once per response for chat
+        holder = choices[-1] if p.kind == "completion" else extra
+        if fin.prompt_logprobs is not None and holder.get("prompt_logprobs") is None:
+            holder["prompt_logprobs"] = fmt.prompt_logprobs(
+                p.prompts[c.index // p.n].token_ids, fin.prompt_logprobs, vocab
+            )
+        holder.setdefault("prompt_logprobs", None)
     build = fmt.chat_completion if p.kind == "chat" else fmt.completion
-    return build(p.request_id, p.model, p.created, choices, _usage(req)) | extra
+    return build(p.request_id, p.model, p.created, choices, _usage(req)) | (extra if p.kind == "chat" else {})
 
 
 def _delta(d: ToolCallDelta) -> dict:

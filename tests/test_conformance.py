@@ -4,6 +4,8 @@ beyond the context is served up to its end; the model card by id (404 otherwise)
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -71,3 +73,25 @@ async def test_continuous_usage_stats(server):
     )  # fmt: skip
     counts = [chunk.usage.completion_tokens async for chunk in chunks]
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6 and len(counts) >= 3
+
+
+async def test_response_shape_fields(server):
+    """system_fingerprint (null) on responses and chunks; prompt_logprobs present and null when not asked for (per
+    choice on completions, once on chat), filled when asked for."""
+    async with server.session() as s:
+        async with s.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as resp:
+            body = await resp.json()
+        assert body["system_fingerprint"] is None and body["choices"][0]["prompt_logprobs"] is None
+        async with s.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}) as resp:
+            body = await resp.json()
+        assert body["system_fingerprint"] is None and "prompt_logprobs" in body and body["prompt_logprobs"] is None
+        async with s.post(
+            "/v1/completions", json={"prompt": "hi there", "max_tokens": 1, "prompt_logprobs": 1}
+        ) as resp:
+            body = await resp.json()
+        assert body["choices"][0]["prompt_logprobs"][0] is None and len(body["choices"][0]["prompt_logprobs"]) > 1
+        payload = {"messages": CHAT, "max_tokens": 2, "stream": True}
+        async with s.post("/v1/chat/completions", json=payload) as resp:
+            text = await resp.text()
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert chunks and all("system_fingerprint" in c for c in chunks)

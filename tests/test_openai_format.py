@@ -85,6 +85,7 @@ def test_completion_stream_chunks():
         "created": CREATED,
         "model": MODEL,
         "choices": [{"index": 1, "text": "lo", "logprobs": None, "finish_reason": None, "stop_reason": None}],
+        "system_fingerprint": None,
     }
     usage_chunk = fmt.completion(RID, MODEL, CREATED, [], fmt.usage(2, 3))
     assert Completion.model_validate(usage_chunk).usage.completion_tokens == 3
