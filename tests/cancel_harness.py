@@ -25,6 +25,18 @@ STOP_PROMPT = [11, 12, 13]
 STOP_BASE = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+async def abort_once_decoding(llm: AsyncLLM, prompt: list[int], params: SamplingParams) -> Finished:
+    """Stream a request and abort it when its first tokens arrive (mid-decode, driven by its own output)."""
+    rid, aborted = llm.new_id(), False
+    async for item in llm.stream(prompt, params, rid):
+        if isinstance(item, Finished):
+            return item
+        if item.token_ids and not aborted:
+            llm.abort(rid)
+            aborted = True
+    raise AssertionError("a stream ends with Finished")
+
+
 def engine_config(model_dir, **overrides) -> EngineConfig:
     options = {
         "model": str(model_dir),

@@ -7,6 +7,7 @@ import random
 from collections import defaultdict, deque
 
 from actors.engine.block_manager import BlockManager
+from actors.engine.metrics import idle_details
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from gpu.batch import PLACEHOLDER, BatchSpec
@@ -158,7 +159,7 @@ class Harness:
                 break
             self.step()
         self.acks += self.sched.drain_aborted()
-        assert set(self.sched.check_idle().values()) == {0}, self.sched.check_idle()
+        assert set(idle_details(self.sched).values()) == {0}, idle_details(self.sched)
         bm = self.sched.block_manager
         for row in (r for b in self.batches for r in b.rows):  # tables as scheduled, not grown later
             assert len(row.block_table) == -(-(row.num_computed + len(row.token_ids)) // bm.block_size)

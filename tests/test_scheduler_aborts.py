@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from actors.engine.metrics import idle_details
 from messages.sampling_params import SamplingParams
 from tests.scheduler_harness import EOS, VOCAB, Harness, chain, expected, prompts
 
@@ -41,10 +42,10 @@ def test_abort_in_flight_frees_after_its_last_step():
     h.add("b", [7], max_tokens=20, ignore_eos=True)
     for _ in range(3):
         h.step()  # a is in the batch in flight (and the one before, already updated)
-    used = h.sched.check_idle()["used_blocks"]
+    used = idle_details(h.sched)["used_blocks"]
     assert h.sched.abort("a") and h.sched.drain_aborted() == []  # still referenced in flight
     assert not h.sched.abort("a")
-    assert h.sched.check_idle()["used_blocks"] == used and "a" not in [r.request_id for r in h.step().rows]
+    assert idle_details(h.sched)["used_blocks"] == used and "a" not in [r.request_id for r in h.step().rows]
     assert h.acks == ["a"] and h.sched.num_discarded_samples == 1
     assert h.tokens["a"] == chain([1, 2, 3], 2) and "a" not in h.finish
     h.run()

@@ -19,7 +19,7 @@ from actors.engine.config import SpeculativeConfig
 from actors.engine.grammar import GrammarError, grammars
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams, StructuredOutput
-from tests.cancel_harness import engine_config, model_dir  # noqa: F401 (fixtures)
+from tests.cancel_harness import abort_once_decoding, engine_config, model_dir  # noqa: F401 (fixtures)
 
 EOS, VOCAB = 2, 49152  # the tiny model's
 ALPHA = 0.001  # significance level of the chi-square test
@@ -147,13 +147,9 @@ async def test_aborts_free_matchers_also_while_compiling(model_dir):  # noqa: F8
         await asyncio.sleep(0)
         llm.abort(rid)
         assert (await task).finish_reason == "abort"
-        ids = [llm.new_id() for _ in range(3)]
         params = SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured=spec)
-        tasks = [asyncio.ensure_future(llm.generate_one([1, 7, 8, 9 + i], params, r)) for i, r in enumerate(ids)]
-        await asyncio.sleep(0.3)
-        for r in ids:
-            llm.abort(r)
-        assert {o.finish_reason for o in await asyncio.gather(*tasks)} <= {"abort", "stop", "length"}
+        ends = await asyncio.gather(*(abort_once_decoding(llm, [1, 7, 8, 9 + i], params) for i in range(3)))
+        assert {f.finish_reason for f in ends} <= {"abort", "stop"}  # (a grammar may complete first)
         assert idle(await llm.idle_reports())
 
 

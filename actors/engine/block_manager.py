@@ -72,6 +72,16 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def prefix_hits(self, req: EngineRequest) -> list[list[int]]:
+        """Each of the request's sequences' cached prefix blocks, its num_computed_tokens set past them (a request
+        asking for prompt logprobs needs every prompt position computed: no hits)."""
+        hits = []
+        for seq in req.sequences:
+            blocks = self.computed_blocks(seq, usable=seq is not req or req.params.prompt_logprobs is None)
+            seq.num_computed_tokens = len(blocks) * self.block_size
+            hits.append(blocks)
+        return hits
+
     def can_allocate(self, num_tokens: int, hits: list[int] = (), companion: tuple[int, list[int]] = (0, [])):
         """Whether a sequence without blocks (and its CFG companion), taking `hits` first, can get blocks for
         `num_tokens` more tokens: new blocks, and hit blocks that leave the free queue, come out of it."""

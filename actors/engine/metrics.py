@@ -44,6 +44,20 @@ class SpecStats:
         return f"{drafts} drafts, acceptance rate {100 * rate:.1f}%, mean accepted length {1 + accepted / drafts:.2f}"
 
 
+def idle_details(sched: Scheduler) -> dict[str, int]:
+    """The scheduler's per-request state left over: all zero when the engine is idle."""
+    bm = sched.block_manager
+    return {
+        "requests": len(sched.requests),
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "used_blocks": bm.num_blocks - bm.num_free_blocks,
+        "used_slots": sched.max_num_seqs - len(sched.free_slots),
+        "in_flight_steps": len(sched.in_flight),
+        "undrained_aborts": len(sched.aborted_freed),
+    }
+
+
 def engine_stats(sched: Scheduler, late_aborts_total: int = 0, queue_times_s: list[float] = ()) -> EngineStats:
     """The numbers /metrics shows; the actor adds what only it knows."""
     spec = sched.spec

@@ -172,7 +172,7 @@ class Scheduler:
         # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
         while self.waiting and budget > 0 and self.free_slots and not preempted:
             req = self.waiting[0]
-            hits = self._prefix_hits(req)  # each sequence's cached prefix (counted as computed from here on)
+            hits = self.block_manager.prefix_hits(req)  # each sequence's cached prefix (counted as computed)
             n, m = plan_tokens(req, budget, chunk)
             blocked = req.num_inflight_steps or len(self.free_slots) < len(req.sequences) or not n + m
             if blocked or not self.block_manager.can_allocate(n, hits[0], (m, hits[-1]) if m else (0, [])):
@@ -226,38 +226,11 @@ class Scheduler:
             self._settle(req)
         return outputs
 
-    # ---------------------------------------------------------------- metrics
-
-    def check_idle(self) -> dict[str, int]:
-        """Per-request state left over: all zero when the engine is idle."""
-        bm = self.block_manager
-        return {
-            "requests": len(self.requests),
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "used_blocks": bm.num_blocks - bm.num_free_blocks,
-            "used_slots": self.max_num_seqs - len(self.free_slots),
-            "in_flight_steps": len(self.in_flight),
-            "undrained_aborts": len(self.aborted_freed),
-        }
-
     # ---------------------------------------------------------------- internals
 
     def _ends_in_flight(self, req: EngineRequest) -> bool:
         """Whether the request's pending samples certainly end it: another row would be junk."""
         return req.num_output_tokens >= req.params.max_tokens or req.num_tokens + req.overhang >= self.max_model_len
-
-    def _prefix_hits(self, req: EngineRequest) -> list[list[int]]:
-        """Each of the request's sequences' cached prefix blocks, its num_computed_tokens set past them (a request
-        asking for prompt logprobs needs every prompt position computed: no hits)."""
-        hits = []
-        for seq in req.sequences:
-            blocks = self.block_manager.computed_blocks(
-                seq, usable=seq is not req or req.params.prompt_logprobs is None
-            )
-            seq.num_computed_tokens = len(blocks) * self.block_manager.block_size
-            hits.append(blocks)
-        return hits
 
     def _add_rows(self, batch: BatchSpec, req: EngineRequest, n: int, m: int, drafts: list[int] = ()) -> None:
         """The request's row (n tokens), then its CFG companion's (m tokens; built first: the parent's row adds a

@@ -47,7 +47,7 @@ from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks, step
 from actors.engine.grammar import GrammarError, Matcher, StepMasks, grammars, warm
 from actors.engine.guidance import guidance_error
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
-from actors.engine.metrics import engine_stats, log_speculation
+from actors.engine.metrics import engine_stats, idle_details, log_speculation
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import make_proposer
@@ -231,7 +231,7 @@ class SchedulerActor(Actor):
         self._send_acks()
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
-        details = self.sched.check_idle()
+        details = idle_details(self.sched)
         details["abort_reasons"] = len(self.abort_reasons)
         details["silent_aborts"] = len(self.silent)
         details["queued"] = len(self.queued)
