@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,3 +184,18 @@ def test_compile_errors_and_the_compile_deadline(model_dir):  # noqa: F811
     for _ in range(2):
         with pytest.raises(GrammarError, match="took more than"):
             g.check(slow, timeout=0.001)
+
+
+def test_a_process_exiting_during_the_warm_up_waits_for_it(model_dir):  # noqa: F811
+    """CI once saw the engine exit with SIGABRT on a fast shutdown: its interpreter finalized while the warm-up
+    thread was inside xgrammar's C++. A process that exits right after warm() must let the warm-up finish first:
+    its atexit handlers (which run after the interpreter has joined its threads) see the built instance."""
+    script = (
+        "import atexit, sys\n"
+        "from actors.engine.grammar import grammars, warm\n"
+        "atexit.register(lambda: print('built', grammars.cache_info().currsize, flush=True))\n"
+        f"warm({str(model_dir)!r}, {VOCAB}, ({EOS},))\n"
+        "sys.exit(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "built 1"), done.stderr[-2000:]

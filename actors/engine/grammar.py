@@ -28,6 +28,7 @@ import functools
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor  # imported now: the warm-up may build the pool during exit
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,7 +53,7 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sluice-grammar")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sluice-grammar")
         self._running: dict[StructuredOutput, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
 
@@ -108,8 +109,11 @@ def grammars(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -
 
 
 def warm(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
-    """Import xgrammar and build the process's Grammars on a background thread."""
-    threading.Thread(target=grammars, args=(model_dir, vocab_size, stop_token_ids), daemon=True).start()
+    """Import xgrammar and build the process's Grammars on a background thread.
+
+    Not a daemon: a process that exits while the thread is inside xgrammar's C++ aborts (SIGABRT, "terminate
+    called without an active exception"), so the interpreter waits for it at exit (a few seconds at most)."""
+    threading.Thread(target=grammars, args=(model_dir, vocab_size, stop_token_ids), name="sluice-grammar-warm").start()
 
 
 def _choice_ebnf(choices) -> str:
