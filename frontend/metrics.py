@@ -42,6 +42,9 @@ class Metrics:
             registry=r,
         )
         self.aborts = Counter("sluice:request_aborts", "Aborts sent to the engine, by reason.", ["reason"], registry=r)
+        self.resumed = Counter(
+            "sluice:request_resumes", "Requests re-submitted after an engine-side process died.", registry=r
+        )
         self.ttft = Histogram(
             "sluice:time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, registry=r
         )

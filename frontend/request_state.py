@@ -19,8 +19,8 @@ from messages.wire import AddRequest, Finished, TokenLogprobs
 
 class Choice:
     __slots__ = (
-        "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "num_tokens", "request",
-        "text", "text_offset", "token_ids", "tools",
+        "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "num_chars", "num_tokens",
+        "output_ids", "record", "request", "resumes", "text", "text_offset", "token_ids", "tools",
     )  # fmt: skip
 
     def __init__(self, request: HttpRequest, index: int, prefix: str | None):
@@ -37,13 +37,24 @@ class Choice:
         self.text_offset = 0  # streaming completions logprobs: where the next token's text starts
         self.last_output = 0.0
         self.tools = ToolCallParser() if request.parsed.tool_calls and request.parsed.stream else None
+        # the durable record (DESIGN I8): what re-submits the request after an engine-side death
+        self.record: AddRequest | None = None  # as first sent
+        self.output_ids: list[int] = []  # every token received
+        self.num_chars = 0  # characters of text received
+        self.resumes = 0
 
     def append(self, text: str, token_ids: list[int], logprobs: TokenLogprobs | None) -> None:
         if text:
             self.text.append(text)
+            self.num_chars += len(text)
         self.token_ids += token_ids
+        self.output_ids += token_ids
         if logprobs is not None:
             self.logprobs.append(logprobs)
+
+    def resume_request(self) -> AddRequest:
+        """The record re-submitted: the stream goes on after the tokens and text received."""
+        return msgspec.structs.replace(self.record, resume_token_ids=self.output_ids, resume_chars=self.num_chars)
 
     def take(self) -> tuple[str, list[int], list[TokenLogprobs]]:
         """Everything buffered since the last take, coalesced."""

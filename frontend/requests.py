@@ -13,9 +13,11 @@ Choice states (DESIGN section 3, the HTTP party), state x event -> action:
                                          protocol violation "after_finished" (I2 broken); logged, counted, dropped
   unknown     TextDelta / Finished    -> protocol violation "unknown_id": logged, counted, dropped (an id CLOSED
                                          long ago, or whose tombstone was dropped, is unknown)
-  any         scheduler down          -> live requests fail (503); their ids become tombstones, closed by
-                                         the detokenizer's Finished(error) (no Abort: the engine is gone)
-  any         detokenizer down        -> live requests fail (503); tombstones cleared (nobody can close them)
+  LIVE        scheduler or detokenizer down -> waits (DESIGN I8: the engine side forgets every request)
+  LIVE        both up again           -> re-submitted from its record (prompt, params, the tokens and text it
+                                         has) as a resumed request: its stream goes on from there; one live at
+                                         more than max_resumes deaths fails (503, a poison request)
+  TOMBSTONED  scheduler or detokenizer down -> dropped (nobody will send its Finished)
 """
 
 from __future__ import annotations
@@ -53,9 +55,30 @@ class RequestTable:
         """Register the request and send its AddRequests; `client` is the actor that gets the text."""
         req = HttpRequest(parsed)
         for c, msg in zip(req.choices, req.engine_requests(client), strict=True):
+            c.record = msg
             self.live[c.engine_id] = c
             self.tell(SCHEDULER, msg)
         return req
+
+    def suspend(self) -> None:
+        """An actor of the request path died, and the engine side forgot every request: live choices wait for
+        resume_all; tombstones are dropped (no terminal message will come)."""
+        self.tombstones.clear()
+
+    def resume_all(self, max_resumes: int) -> None:
+        """The request path is whole again: every live choice is re-submitted from its record (DESIGN I8)."""
+        for c in list(self.live.values()):
+            if not c.live:
+                continue  # failed with a poison sibling below
+            if c.resumes >= max_resumes:
+                log.error("[%s] live at %d engine-side deaths: failed", c.engine_id, c.resumes + 1)
+                error = f"request {c.engine_id}: failed after {c.resumes} restarts of the engine side while it ran"
+                self.fail(c.request, RequestError(503, error))
+                continue
+            c.resumes += 1
+            self.metrics.resumed.inc()
+            log.info("[%s] resumed after %d tokens", c.engine_id, len(c.output_ids))
+            self.tell(SCHEDULER, c.resume_request())
 
     # ------------------------------------------------------------ engine outputs
 

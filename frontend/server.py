@@ -67,6 +67,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # replaces the model's own (--chat-template FILE)
     tool_call_parser: str | None = None  # set (with --enable-auto-tool-choice): tool_choice "auto" is honoured
     grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this
+    max_resumes: int = 2  # DESIGN I8: a request live at more engine-side deaths than this fails (a poison request)
 
     @property
     def url(self) -> str:
@@ -151,17 +152,15 @@ class HttpActor(Actor):
             return
         self.down.add(msg.actor)
         self.metrics.forget(msg.actor)
-        log.error("%s is down (%s): failing %d requests", msg.actor, msg.reason, len(self.table.live))
-        # the engine aborts its requests itself when the detokenizer dies; when the engine dies,
-        # the detokenizer sends Finished(error) for every id it has, which closes our tombstones
-        self.table.fail_all(RequestError(503, f"the {msg.actor} died; the request was lost"), send_abort=False)
-        if msg.actor == DETOKENIZER:
-            self.table.tombstones.clear()
+        log.error("%s is down (%s): %d requests wait for it", msg.actor, msg.reason, len(self.table.live))
+        self.table.suspend()
 
     def on_actor_up(self, msg: ActorUp) -> None:
         if msg.actor in self.down:
             self.down.discard(msg.actor)
             log.info("%s is back", msg.actor)
+            if not self.down:
+                self.table.resume_all(self.config.max_resumes)
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = {"requests": len(self.table.live), "tombstones": len(self.table.tombstones)}

@@ -97,6 +97,11 @@ class AddRequest(Msg, kw_only=True):
     params: SamplingParams
     arrival_time: float = 0.0
     client: str = "http"  # the actor that receives this request's text
+    # A resumed request (DESIGN I8: re-submitted by its client after an engine-side process died): the output
+    # tokens it already delivered (the engine recomputes their KV and samples on from seq len(...); None: a new
+    # request), and how many characters of their text the client already has (the detokenizer holds back the rest).
+    resume_token_ids: list[int] | None = None
+    resume_chars: int = 0
 
 
 class Abort(Msg, kw_only=True):
@@ -150,9 +155,9 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     stop_reason: int | str | None = None  # the stop token id (or stop string downstream)
     logprobs: TokenLogprobs | None = None
     error: str | None = None
-    # with seq 0, for prompt_logprobs: one entry per prompt token after the first (the logits of the token before)
+    # with the request's first output (seq 0; a resumed request's first seq), for prompt_logprobs: one entry per prompt token after the first (the logits of the token before)
     prompt_logprobs: TokenLogprobs | None = None
-    num_cached_tokens: int | None = None  # with seq 0: prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int | None = None  # with the first output: prompt tokens whose KV came from the prefix cache
 
     def split(self) -> list[RequestOutput]:
         """One entry per token (a speculative run token by token): the finish on the last, prompt logprobs on the

@@ -3,7 +3,7 @@
 It answers AddRequest by sending the client one TextOutputs per step ("w0", " w1", ... one token
 each, token id 100 + i) and a Finished(length) in the last one; Abort ends a request with
 Finished(abort) (unless `ack_aborts` is off). With `hold` on, requests get no output until the test
-drives them (`emit`, `finish`), and tests may send anything to the HTTP actor (`tell`) to inject
+drives them (`emit`, `finish`); a resumed AddRequest goes on after its tokens. Tests may send anything to the HTTP actor (`tell`) to inject
 protocol faults: duplicates, gaps, unknown ids, stale outputs.
 """
 
@@ -41,7 +41,7 @@ class FakeEngine(Actor):
     def on_add(self, msg: AddRequest) -> None:
         self.added.append(msg)
         self.live[msg.request_id] = msg
-        self.sent[msg.request_id] = 0
+        self.sent[msg.request_id] = len(msg.resume_token_ids or [])  # a resumed request goes on from there
         if not self.hold:
             self.spawn(self._generate(msg.request_id))
 

@@ -223,3 +223,60 @@ def test_a_stop_string_inside_a_speculative_run_ends_at_its_token(logprobs):
     if logprobs is not None:
         assert [x for d in deltas for x in d.logprobs.sampled] + finished.logprobs.sampled == [-0.5] * 3
     assert state.abort_reason == "stop"
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("stop", [[], ["界 dX", "end!"], ["🚀 x", "done 👍"]], ids=["no-stop", "held", "matched"])
+def test_a_resumed_state_goes_on_exactly_as_the_original(method, stop):
+    """DESIGN I8: a state rebuilt from the tokens its client has and the characters of text it received (a
+    restarted detokenizer, a resumed request) streams the rest exactly as the original would have: the held-back
+    text (a stop string's possible start, half a character) comes out where the original releases it, and a stop
+    string completed after the cut ends it at the same place, for a cut after every token."""
+    tok = smollm2()
+    ids = tok.encode(EMOJI_CJK + " " + EMOJI_CJK).ids
+    prompt = tok.encode(PROMPT).ids
+    params = SamplingParams(stop=stop, max_tokens=len(ids))
+    for cut in range(len(ids)):
+        request = AddRequest(request_id="req-1", prompt_token_ids=prompt, params=params)
+        original = DetokRequestState(request, tok, method=method)
+        outputs = entries(ids)
+        delivered = "".join(d.text for d in (original.process(out)[0] for out in outputs[:cut]) if d is not None)
+        if original.finished:  # a stop string matched before the cut
+            break
+        want_deltas, want_finished = run(original, outputs[cut:])
+        resumed = DetokRequestState(
+            AddRequest(
+                request_id="req-1",
+                prompt_token_ids=prompt,
+                params=params,
+                resume_token_ids=ids[:cut],
+                resume_chars=len(delivered),
+            ),
+            tok,
+            method=method,
+        )
+        got_deltas, got_finished = run(resumed, outputs[cut:])
+        assert text_of(got_deltas, got_finished) == text_of(want_deltas, want_finished), cut
+        assert [d.seq for d in got_deltas] == [d.seq for d in want_deltas]
+        assert (got_finished.finish_reason, got_finished.stop_reason, got_finished.num_output_tokens) == (
+            want_finished.finish_reason,
+            want_finished.stop_reason,
+            want_finished.num_output_tokens,
+        )
+
+
+def test_a_resume_that_does_not_match_the_tokens_fails_the_request():
+    """Characters delivered that the tokens do not decode to: the request fails rather than stream wrong text."""
+    tok = smollm2()
+    ids = tok.encode("Hello there").ids
+    request = AddRequest(
+        request_id="req-1",
+        prompt_token_ids=tok.encode(PROMPT).ids,
+        params=SamplingParams(),
+        resume_token_ids=ids,
+        resume_chars=3,
+    )
+    _, finished = DetokRequestState(request, tok).process(
+        RequestOutput(request_id="req-1", seq=len(ids), new_token_ids=[5])
+    )
+    assert finished.finish_reason == "error" and "cannot resume" in finished.error

@@ -129,34 +129,72 @@ async def test_a_gap_ends_the_stream_with_an_error_event(fake):
 
 
 @pytest.mark.parametrize("dead", ["scheduler", "detokenizer"])
-async def test_a_dead_actor_fails_in_flight_requests_and_new_ones_until_it_is_back(fake, dead):
-    fake.engine.hold = True
+async def test_a_dead_actor_pauses_in_flight_requests_and_they_resume_from_their_record(fake, dead):
+    """DESIGN I8 at the HTTP party: while an actor of the request path is down, in-flight streams wait (new
+    requests and /health get 503); once it is back,
+    every live request is re-submitted with the tokens and characters it has, and its stream goes on from there
+    to a normal end: no error, nothing repeated, nothing missing."""
+    fake.engine.hold, fake.engine.ack_aborts = True, False
     supervisor = fake.server.supervisor
-    violations = (await fake.metrics()).get(key("sluice:protocol_violations_total", actor="http", kind="unknown_id"))
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 50}
     async with fake.session() as s:
         stream = asyncio.ensure_future(s.post("/v1/completions", json=STREAM))
-        plain = asyncio.ensure_future(
-            s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-        )
-        ids = [await held_request(fake, 0), await held_request(fake, 1)]
+        plain = asyncio.ensure_future(s.post("/v1/chat/completions", json=chat))
+        ids = [await held_request(fake, i) for i in range(2)]
+        for rid in ids:
+            fake.engine.emit(rid, "w0", [100])
+            fake.engine.emit(rid, " w1", [101])
         supervisor.tell("http", ActorDown(actor=dead, reason="test"))
-        resp = await stream
-        got = events(await resp.read())
-        assert got[-1]["error"]["message"] == f"the {dead} died; the request was lost"
-        resp = await plain
-        assert resp.status == 503 and (await resp.json())["error"]["type"] == "server_error"
-        async with s.get("/health") as health, s.post("/v1/completions", json={"prompt": "x"}) as new:
-            assert health.status == new.status == 503
-        if dead == "scheduler":  # the detokenizer fails what it had; that closes our tombstones
-            assert (await fake.idle())["http"] == {"requests": 0, "tombstones": 2}
-            for rid in ids:
-                fake.engine.finish(rid, "error")
-        await fake.wait_metrics({key("sluice:num_tombstones", actor="http"): 0})
+        await wait_for_status(s, "/health", 503)
+        async with s.post("/v1/completions", json={"prompt": "x"}) as new:
+            assert new.status == 503
+        fake.engine.live.clear()  # the engine side forgets every request
         supervisor.tell("http", ActorUp(actor=dead))
-        await wait_for_status(s, "/health", 200)
-    after = await fake.metrics()
-    assert after.get(key("sluice:protocol_violations_total", actor="http", kind="unknown_id")) == violations
-    assert not fake.engine.aborts  # nothing to abort: the engine is gone, or aborts on its own
+        resumed = [(await held_request(fake, i)) for i in (2, 3)]
+        assert sorted(resumed) == sorted(ids)
+        assert all(r.resume_token_ids == [100, 101] and r.resume_chars == 5 for r in fake.engine.added[2:])
+        for rid in resumed:
+            fake.engine.emit(rid, " w2", [102])
+            fake.engine.finish(rid, "length", text=" w3", token_ids=[103])
+        got = events(await (await stream).read())
+        assert "".join(e["choices"][0]["text"] for e in got if e["choices"]) == "w0 w1 w2 w3"
+        assert got[-1]["choices"][0]["finish_reason"] == "length" and not any("error" in e for e in got)
+        body = await (await plain).json()
+        assert body["choices"][0]["message"]["content"] == "w0 w1 w2 w3"
+        assert body["usage"]["completion_tokens"] == 4
+    assert (await fake.metrics())[key("sluice:request_resumes_total")] >= 2
+
+
+async def test_a_request_live_at_every_death_fails_alone(fake):
+    """A poison request (one that brings the engine down whenever it runs) is failed after max_resumes (2)
+    resumptions; a request that arrived later is resumed and served."""
+    fake.engine.hold = True
+    supervisor = fake.server.supervisor
+
+    async def die_and_return() -> None:
+        supervisor.tell("http", ActorDown(actor="scheduler", reason="test"))
+        async with fake.session() as s:
+            await wait_for_status(s, "/health", 503)
+            fake.engine.live.clear()
+            supervisor.tell("http", ActorUp(actor="scheduler"))
+            await wait_for_status(s, "/health", 200)
+
+    async with fake.session() as s:
+        poison = asyncio.ensure_future(s.post("/v1/completions", json=STREAM))
+        rid = await held_request(fake, 0)
+        await die_and_return()
+        await die_and_return()
+        later = asyncio.ensure_future(s.post("/v1/completions", json=STREAM))
+        await wait_for(lambda: len(fake.engine.added) == 4)
+        survivor = fake.engine.added[3].request_id
+        await die_and_return()
+        got = events(await (await poison).read())
+        assert got[-1]["error"]["type"] == "server_error" and "after 2 restarts" in got[-1]["error"]["message"]
+        await wait_for(lambda: len(fake.engine.added) == 5)
+        assert [a.request_id for a in fake.engine.added] == [rid, rid, rid, survivor, survivor]
+        fake.engine.finish(survivor, "length", text="w0", token_ids=[100])
+        got = events(await (await later).read())
+        assert got[-1]["choices"][0]["finish_reason"] == "length"
 
 
 async def wait_for_status(session, path: str, status: int, timeout: float = 10.0) -> None:

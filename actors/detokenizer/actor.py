@@ -19,7 +19,9 @@ Cases (state x event -> action):
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it fails at once
   CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
-  any        ActorDown(scheduler) -> every LIVE request fails (Finished(error)); tombstones cleared
+  any        AddRequest(resumed)  -> (re)built from its delivered tokens and text (DESIGN I8): LIVE
+  any        ActorDown(scheduler) -> every request forgotten silently (their client re-submits the live ones as
+                                     resumed requests, or fails them); tombstones cleared
   any        ActorDown(client)    -> its LIVE requests are tombstoned and aborted in the engine
   any        Shutdown             -> handles messages on until every request is closed (the scheduler aborts them
                                      all), at most SHUTDOWN_DRAIN_S; what is left ends as abort
@@ -113,7 +115,10 @@ class DetokenizerActor(Actor):
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
         before = self.recent.get(rid)
-        if rid in self.live or rid in self.tombstones or before == CLOSED:
+        if msg.resume_token_ids is not None:  # a copy here is replaced; outputs seen before it belong to an old copy
+            self.tombstones.pop(rid, None)
+            before = None
+        elif rid in self.live or rid in self.tombstones or before == CLOSED:
             self._violation(rid, "AddRequest for an id already in use")
             return
         self.recent.pop(rid, None)
@@ -169,13 +174,10 @@ class DetokenizerActor(Actor):
 
     def on_actor_down(self, msg: ActorDown) -> None:
         if msg.actor == SCHEDULER:
-            log.warning(
-                "engine down: failing %d live requests, clearing %d tombstones", len(self.live), len(self.tombstones)
-            )
+            log.warning("engine down: forgetting %d requests and %d tombstones", len(self.live), len(self.tombstones))
             for rid in list(self.live):
-                self._fail(rid, "the engine died", abort=False)
-            for rid in self.tombstones:
-                self.recent.remember(rid, CLOSED)
+                self._close(rid)
+                self.recent.pop(rid)  # not CLOSED: it may come back resumed
             self.tombstones.clear()
             self.steps.reset()
         else:

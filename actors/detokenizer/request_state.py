@@ -89,6 +89,23 @@ class DetokRequestState:
             )
         except ValueError as e:  # an out-of-vocab prompt id: the first output fails the request
             self._error = f"invalid prompt: {e}"
+        if request.resume_token_ids and self._error is None:
+            self._resume(request.resume_token_ids, request.resume_chars)
+
+    def _resume(self, token_ids: list[int], delivered: int) -> None:
+        """A resumed request (DESIGN I8): decode the tokens its client has; the text past the `delivered`
+        characters it has is the held-back text (a mismatch fails the request rather than corrupt its text)."""
+        self.num_output_tokens = len(token_ids)
+        try:
+            text = self._detok.step(token_ids)
+        except Exception as e:
+            self._error = f"cannot resume: {e}"
+            return
+        self._decoded_chars = len(text)
+        if self._stop is not None:
+            self._stop.resume(text, delivered)
+        elif delivered != len(text):
+            self._error = f"cannot resume: {delivered} characters delivered, the tokens decode to {len(text)}"
 
     def process(self, out: RequestOutput) -> tuple[TextDelta | None, Finished | None]:
         """Consume one engine entry: the text to stream now, or the request's Finished (exactly once).

@@ -45,6 +45,11 @@ class StopChecker:
         self._tail = window[held:]
         return emitted, None
 
+    def resume(self, text: str, delivered: int) -> None:
+        """A stream rebuilt after a restart: `text` was fed before, of which the first `delivered` characters
+        were emitted; the rest is what was held back."""
+        self._tail = text[self._held_from(text) :] if self.include_stop_str_in_output else text[delivered:]
+
     def finish(self) -> str:
         """End of stream: release the held-back characters."""
         text = "" if self.include_stop_str_in_output else self._tail

@@ -94,8 +94,13 @@ class Grammars:
         except concurrent.futures.TimeoutError:
             raise GrammarError(f"the grammar took more than {timeout:g} s to compile") from None
 
-    def matcher(self, spec: StructuredOutput) -> Matcher:
-        return Matcher(self.compile(spec), self.vocab_size)
+    def matcher(self, spec: StructuredOutput, accepted: list[int] = ()) -> Matcher:
+        """A fresh matcher, advanced past `accepted` (a resumed request's tokens); GrammarError if it rejects one."""
+        m = Matcher(self.compile(spec), self.vocab_size)
+        for i, token in enumerate(accepted):
+            if not m.accept(token):
+                raise GrammarError(f"resumed output token {i} ({token}) is not allowed by the grammar")
+        return m
 
     def _forget(self, spec: StructuredOutput) -> None:
         with self._lock:

@@ -1,5 +1,8 @@
 """EngineRequest: the scheduler's per-request state.
 
+A resumed request (DESIGN I8) arrives with the output tokens it already delivered: they are its output from the
+start (recomputed like a preempted request's), and its outputs here start at seq `first_seq`.
+
 Token accounting (vLLM v1 style): the request's sequence is `prompt + output + pending`, where
 `pending` counts tokens sampled by in-flight steps and not yet known on the host (async
 scheduling). `num_computed_tokens` counts tokens whose KV is computed or being computed by a
@@ -51,13 +54,21 @@ class EngineRequest:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' chained hashes
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     error: str | None = None  # why the request ended with finish_reason "error"
+    first_seq: int = 0  # a resumed request's first output seq here (DESIGN I8): the tokens it arrived with
+
+    @property
+    def fresh(self) -> bool:
+        """No output yet in this engine (and none in flight): prompt logprobs and the cached-token count are due."""
+        return self.next_seq == self.first_seq and not self.num_pending_tokens
 
     @classmethod
     def from_msg(
         cls, msg: AddRequest, bos_token_id: int | None = None, grammar: Matcher | None = None
     ) -> EngineRequest:
         """A guided request gets its companion: the negative prompt, or the BOS token alone."""
-        req = cls(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.arrival_time, grammar=grammar)
+        resumed = list(msg.resume_token_ids or [])
+        req = cls(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.arrival_time, resumed, grammar=grammar)
+        req.first_seq = len(resumed)
         if msg.params.guided:
             req.companion = Companion(req, list(msg.params.negative_prompt_token_ids or [bos_token_id]))
         return req

@@ -182,7 +182,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 self.prompt_tokens_total += req.num_prompt_tokens
-                req.num_cached_tokens = req.num_computed_tokens
+                req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
                 self.block_manager.queries += req.num_prompt_tokens
                 self.block_manager.hits += req.num_cached_tokens
             req.status = RequestStatus.RUNNING
@@ -245,7 +245,7 @@ class Scheduler:
         start, fed = req.num_computed_tokens, n - len(drafts)
         sample = start + fed == req.num_tokens
         # prompt_logprobs: the prompt tokens after the fed ones, until the first output token is known
-        wants = req.params.prompt_logprobs is not None and not req.output_token_ids and not req.num_pending_tokens
+        wants = req.params.prompt_logprobs is not None and req.fresh
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
         token_ids = req.token_ids(start, start + fed) + list(drafts)
         row = ScheduledRow(
@@ -282,9 +282,9 @@ class Scheduler:
             new_token_ids=tokens,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            prompt_logprobs=take_prompt_logprobs(req) if seq == 0 else None,
+            prompt_logprobs=take_prompt_logprobs(req) if seq == req.first_seq else None,
             error=req.error,
-            num_cached_tokens=req.num_cached_tokens if seq == 0 else None,
+            num_cached_tokens=req.num_cached_tokens if seq == req.first_seq else None,
         )
 
     def _ends(self, req: EngineRequest, token: int) -> bool:

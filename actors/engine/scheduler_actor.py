@@ -16,6 +16,9 @@ Abort cases (DESIGN section 3; request state at the scheduler x event -> action)
   unknown (never added)      Abort -> late abort, counted; remembered: if its AddRequest comes after all (the
                                       link reordered them), it is registered and acked at once, never run
   added before               AddRequest -> a duplicate (ids are unique, DESIGN I1): dropped, logged
+  unknown or live            AddRequest(resumed, DESIGN I8) -> a live copy is aborted silently; once no copy is left,
+                                      registered and admitted with its delivered tokens, outputs from their count on
+  resumed, copy not yet freed Abort -> remembered: registered and acked at once when the copy is freed
   any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
   any live request           Shutdown -> aborted (reason "shutdown"), acks sent, then the actor stops
 Every AbortAck is sent after the StepOutputs of the step that last touched the request (one FIFO link).
@@ -95,6 +98,7 @@ class SchedulerActor(Actor):
         self.admitting = True
         self.queued: dict[str, float] = {}  # with stats_to: request id -> arrival here, until first scheduled
         self.compiling: dict[str, AddRequest] = {}  # constrained requests whose grammar is being compiled
+        self.resuming: dict[str, AddRequest] = {}  # resumed requests waiting for their earlier copy to be freed
         self.queue_times: list[float] = []  # arrival -> first scheduled, since the last EngineStats
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
         self._work = asyncio.Event()
@@ -143,7 +147,11 @@ class SchedulerActor(Actor):
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
         early_abort = self.recent.get(rid)
-        if early_abort == ADDED or rid in self.sched.requests:
+        if msg.resume_token_ids is not None:
+            if self._resume_later(msg):
+                return
+            early_abort = None if early_abort == ADDED else early_abort
+        elif early_abort == ADDED or rid in self.sched.requests:
             self.duplicates += 1
             log.warning("[%s] duplicate AddRequest dropped", rid)
             return
@@ -162,6 +170,20 @@ class SchedulerActor(Actor):
         else:
             self._admit(msg)
 
+    def _resume_later(self, msg: AddRequest) -> bool:
+        """A resumed request whose earlier copy is still here (the detokenizer restarted while it ran) waits until
+        that copy, aborted silently, is freed; a copy still compiling is dropped now."""
+        rid = msg.request_id
+        self.compiling.pop(rid, None)
+        if rid not in self.sched.requests:
+            log.info("[%s] resumed after %d tokens", rid, len(msg.resume_token_ids))
+            return False
+        if self.sched.abort(rid):
+            self.silent.add(rid)
+        self.resuming[rid] = msg
+        self._send_acks()  # admits it now if the copy is freed already
+        return True
+
     def _admit(self, msg: AddRequest, grammar: Matcher | None = None) -> None:
         self.sched.add_request(EngineRequest.from_msg(msg, self.model.bos_token_id, grammar))
         if self.config.stats_to:
@@ -177,12 +199,13 @@ class SchedulerActor(Actor):
         """A constrained request's matcher, compiled off the loop; then it joins the queue (unless aborted)."""
         try:
             grammar = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: grammars(*self.grammar_key).matcher(msg.params.structured)
+                None, lambda: grammars(*self.grammar_key).matcher(msg.params.structured, msg.resume_token_ids or ())
             )
         except GrammarError as e:
             grammar, error = None, f"invalid structured output: {e}"
-        if self.compiling.pop(msg.request_id, None) is None:
-            return  # aborted meanwhile (acked then)
+        if self.compiling.get(msg.request_id) is not msg:
+            return  # aborted meanwhile (acked then), or resumed (a newer copy compiles)
+        del self.compiling[msg.request_id]
         if grammar is None:
             self._reject(msg.request_id, error)
         else:
@@ -200,13 +223,18 @@ class SchedulerActor(Actor):
             msg.params.verify(self.model.vocab_size, limits=None)  # validity; the frontend enforced its limits
         except ParamError as e:
             return str(e)
-        bad = next((t for t in msg.prompt_token_ids if not 0 <= t < self.model.vocab_size), None)
+        resumed = msg.resume_token_ids or []
+        bad = next((t for t in msg.prompt_token_ids + resumed if not 0 <= t < self.model.vocab_size), None)
         if bad is not None:
-            return f"prompt token id {bad} is outside the vocabulary"
+            return f"token id {bad} is outside the vocabulary"
+        if resumed and (len(resumed) >= msg.params.max_tokens or n + len(resumed) >= self.max_model_len):
+            return f"resumed after {len(resumed)} tokens: nothing is left to generate"
         return guidance_error(msg.params, self.config, self.model) if msg.params.guided else None
 
     def on_abort(self, msg: Abort) -> None:
-        if self.compiling.pop(msg.request_id, None) is not None:
+        if msg.request_id in self.resuming:  # registered, then acked at once, when its earlier copy is freed
+            self.recent.remember(msg.request_id, msg.reason)
+        elif self.compiling.pop(msg.request_id, None) is not None:
             log.info("[%s] aborted while its grammar compiled (%s)", msg.request_id, msg.reason)
             self.tell(self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason))
         elif self.sched.abort(msg.request_id):
@@ -236,6 +264,7 @@ class SchedulerActor(Actor):
         details["silent_aborts"] = len(self.silent)
         details["queued"] = len(self.queued)
         details["compiling"] = len(self.compiling)
+        details["resuming"] = len(self.resuming)
         details["pending_asks"] = self.pending_asks
         details["gate_permits"] = self.gate.permits or 0
         details["held_steps"] = int(self.gate.holding)
@@ -261,6 +290,8 @@ class SchedulerActor(Actor):
                 self.silent.discard(rid)
             else:
                 self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=reason))
+        for rid in [r for r in self.resuming if r not in self.sched.requests]:
+            self.on_add(self.resuming.pop(rid))
 
     # ------------------------------------------------------------ the step loop
 
