@@ -1,6 +1,7 @@
 """Bookkeeping for the cancellation protocol (DESIGN section 3): a bounded memory of request ids
-(duplicates and overtaken messages), the tombstones of aborted requests (I4, I7), the StepOutputs
-numbering (duplicates, reorders, losses), and the step gate tests use to hold an engine step in flight.
+(duplicates and overtaken messages), the tombstones of aborted requests (I4, I7), a client's record of
+a request (I6, I8), the StepOutputs numbering (duplicates, reorders, losses), and the step gate tests
+use to hold an engine step in flight.
 Pure Python: the HTTP process imports it."""
 
 from __future__ import annotations
@@ -11,8 +12,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
+from messages.wire import AddRequest
+
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
+MAX_ATTEMPTS = 8  # a request re-submitted this many times (AddRequest.attempt) is failed at its next loss
 
 
 class RecentIds(dict):
@@ -61,6 +67,49 @@ class Tombstones(dict):
             else:
                 t.tries, t.since = t.tries + 1, now
                 resend(rid, t.reason)
+
+
+class RequestRecord:
+    """A client's durable record of one engine request (DESIGN I8) and the check of its outputs (I6): what it
+    first sent, the tokens and characters of text received so far, and which copy of the request it follows.
+
+    `check(seq, n, attempt)` of an output bringing n tokens: "ok" (the next one: take it, and `received` it),
+    "stale" (an older copy's, still in flight), "duplicate" (seen before) or "gap" (something before it was
+    lost). A newer copy's output (the detokenizer re-submitted the request) makes that copy the one followed."""
+
+    __slots__ = ("add", "attempt", "deaths", "num_chars", "token_ids")
+
+    def __init__(self, add: AddRequest):
+        self.add = add
+        self.token_ids: list[int] = []
+        self.num_chars = 0
+        self.attempt = add.attempt
+        self.deaths = 0  # engine-side deaths it was live at (a poison request's are bounded)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def check(self, seq: int, n: int, attempt: int) -> str:
+        if attempt < self.attempt:
+            return "stale"
+        self.attempt = attempt
+        if seq == len(self.token_ids):
+            return "ok"
+        return "duplicate" if seq + n <= len(self.token_ids) else "gap"
+
+    def received(self, text: str, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        self.num_chars += len(text)
+
+    def resume(self) -> AddRequest | None:
+        """The request's next copy, going on after what was received; None once it had MAX_ATTEMPTS copies."""
+        if self.attempt >= MAX_ATTEMPTS:
+            return None
+        self.attempt += 1
+        return msgspec.structs.replace(
+            self.add, resume_token_ids=list(self.token_ids), resume_chars=self.num_chars, attempt=self.attempt
+        )
 
 
 class StepNumbers:

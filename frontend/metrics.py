@@ -42,9 +42,6 @@ class Metrics:
             registry=r,
         )
         self.aborts = Counter("sluice:request_aborts", "Aborts sent to the engine, by reason.", ["reason"], registry=r)
-        self.resumed = Counter(
-            "sluice:request_resumes", "Requests re-submitted after an engine-side process died.", registry=r
-        )
         self.ttft = Histogram(
             "sluice:time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -64,6 +61,9 @@ class Metrics:
         self.stale_dropped = 0
         # by kind: unknown_id, duplicate, gap, after_finished (output past the count a Finished reported)
         self.violations: collections.Counter[str] = collections.Counter()
+        # requests re-submitted from their record (DESIGN I8), by cause: death (of an engine-side process),
+        # lost_output (a gap in a request's outputs, DESIGN I6)
+        self.resumes: collections.Counter[str] = collections.Counter()
         self.num_tombstones: Callable[[], int] = lambda: 0
         self.engine = NO_ENGINE_STATS
         self.detok = NO_DETOK_STATS
@@ -134,6 +134,15 @@ class _Snapshots:
             violations.add_metric([HTTP, kind], m.violations[kind])
         violations.add_metric([DETOKENIZER, "any"], d.protocol_violations_total)
         yield violations
+        resumes = CounterMetricFamily(
+            "sluice:request_resumes",
+            "Requests re-submitted from what their client has, by who re-submitted them and why.",
+            labels=["actor", "cause"],
+        )
+        for cause in ("death", "lost_output"):
+            resumes.add_metric([HTTP, cause], m.resumes[cause])
+        resumes.add_metric([DETOKENIZER, "lost_output"], d.repairs_total)
+        yield resumes
         tombstones = GaugeMetricFamily(
             "sluice:num_tombstones", "Requests aborted, awaiting Finished.", labels=["actor"]
         )

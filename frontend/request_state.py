@@ -11,6 +11,7 @@ import time
 
 import msgspec
 
+from actors.protocol import RequestRecord
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.tool_parser import ToolCallParser
 from messages.sampling_params import child_seed
@@ -19,8 +20,8 @@ from messages.wire import AddRequest, Finished, TokenLogprobs
 
 class Choice:
     __slots__ = (
-        "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "num_chars", "num_tokens",
-        "output_ids", "record", "request", "resumes", "text", "text_offset", "token_ids", "tools",
+        "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "record", "request", "text",
+        "text_offset", "token_ids", "tools",
     )  # fmt: skip
 
     def __init__(self, request: HttpRequest, index: int, prefix: str | None):
@@ -30,31 +31,25 @@ class Choice:
         self.text: list[str] = [prefix] if prefix else []  # not yet written (echo: the prompt first)
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
-        self.num_tokens = 0  # tokens received: the next delta's seq
+        self.record: RequestRecord | None = None  # set as its AddRequest is sent (RequestTable.add)
         self.finished: Finished | None = None
         self.live = True
         self.final_sent = False  # streaming: the finish_reason chunk was written
         self.text_offset = 0  # streaming completions logprobs: where the next token's text starts
         self.last_output = 0.0
         self.tools = ToolCallParser() if request.parsed.tool_calls and request.parsed.stream else None
-        # the durable record (DESIGN I8): what re-submits the request after an engine-side death
-        self.record: AddRequest | None = None  # as first sent
-        self.output_ids: list[int] = []  # every token received
-        self.num_chars = 0  # characters of text received
-        self.resumes = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens received: the next delta's seq."""
+        return self.record.num_tokens
 
     def append(self, text: str, token_ids: list[int], logprobs: TokenLogprobs | None) -> None:
         if text:
             self.text.append(text)
-            self.num_chars += len(text)
         self.token_ids += token_ids
-        self.output_ids += token_ids
         if logprobs is not None:
             self.logprobs.append(logprobs)
-
-    def resume_request(self) -> AddRequest:
-        """The record re-submitted: the stream goes on after the tokens and text received."""
-        return msgspec.structs.replace(self.record, resume_token_ids=self.output_ids, resume_chars=self.num_chars)
 
     def take(self) -> tuple[str, list[int], list[TokenLogprobs]]:
         """Everything buffered since the last take, coalesced."""

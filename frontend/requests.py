@@ -3,7 +3,9 @@
 Choice states (DESIGN section 3, the HTTP party), state x event -> action:
   LIVE        TextDelta in seq order  -> buffered, the request's writer woken (never awaited here)
   LIVE        TextDelta already seen  -> duplicate: dropped, counted (protocol violation "duplicate")
-  LIVE        TextDelta/Finished gap  -> the request fails (500); its live choices are TOMBSTONED
+  LIVE        TextDelta of an older copy of the request -> stale: dropped, counted (a newer copy's is followed)
+  LIVE        TextDelta/Finished gap  -> re-submitted from its record (the tokens and text it has) as the next copy
+                                         (DESIGN I6: a lost output is repaired); after MAX_ATTEMPTS copies it fails
   LIVE        Finished                -> buffered with its finish reason: CLOSED
   LIVE        client gone, failure    -> Abort to the scheduler: TOMBSTONED
   TOMBSTONED  TextDelta               -> stale: dropped, counted
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from actors.engine.config import SCHEDULER
-from actors.protocol import RecentIds, Tombstones
+from actors.protocol import MAX_ATTEMPTS, RecentIds, RequestRecord, Tombstones
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.request_state import Choice, HttpRequest
@@ -55,7 +57,7 @@ class RequestTable:
         """Register the request and send its AddRequests; `client` is the actor that gets the text."""
         req = HttpRequest(parsed)
         for c, msg in zip(req.choices, req.engine_requests(client), strict=True):
-            c.record = msg
+            c.record = RequestRecord(msg)
             self.live[c.engine_id] = c
             self.tell(SCHEDULER, msg)
         return req
@@ -69,16 +71,24 @@ class RequestTable:
         """The request path is whole again: every live choice is re-submitted from its record (DESIGN I8)."""
         for c in list(self.live.values()):
             if not c.live:
-                continue  # failed with a poison sibling below
-            if c.resumes >= max_resumes:
-                log.error("[%s] live at %d engine-side deaths: failed", c.engine_id, c.resumes + 1)
-                error = f"request {c.engine_id}: failed after {c.resumes} restarts of the engine side while it ran"
+                continue  # failed with a sibling below
+            c.record.deaths += 1
+            if c.record.deaths > max_resumes:
+                log.error("[%s] live at %d engine-side deaths: failed", c.engine_id, c.record.deaths)
+                error = f"request {c.engine_id}: failed after {max_resumes} restarts of the engine side while it ran"
                 self.fail(c.request, RequestError(503, error))
-                continue
-            c.resumes += 1
-            self.metrics.resumed.inc()
-            log.info("[%s] resumed after %d tokens", c.engine_id, len(c.output_ids))
-            self.tell(SCHEDULER, c.resume_request())
+            else:
+                self._resume(c, "death")
+
+    def _resume(self, c: Choice, cause: str) -> None:
+        """Re-submit the choice from its record; one that had too many copies fails."""
+        msg = c.record.resume()
+        if msg is None:
+            self.fail(c.request, RequestError(500, f"request {c.engine_id}: failed after {MAX_ATTEMPTS} resumptions"))
+            return
+        self.metrics.resumes[cause] += 1
+        log.info("[%s] resumed after %d tokens (%s)", c.engine_id, c.num_tokens, cause)
+        self.tell(SCHEDULER, msg)
 
     # ------------------------------------------------------------ engine outputs
 
@@ -94,16 +104,19 @@ class RequestTable:
         if c is None:
             end = delta.seq + len(delta.token_ids)
             self._not_live(delta.request_id, f"TextDelta seq {delta.seq}", end, terminal=False)
-        elif delta.seq != c.num_tokens:
-            if delta.seq + len(delta.token_ids) <= c.num_tokens:
+            return
+        match c.record.check(delta.seq, len(delta.token_ids), delta.attempt):
+            case "ok":
+                c.record.received(delta.text, delta.token_ids)
+                c.append(delta.text, delta.token_ids, delta.logprobs)
+                self._observe_output(c, now)
+                c.request.wake.set()
+            case "stale":
+                self.metrics.stale_dropped += 1
+            case "duplicate":
                 self._violation("duplicate", c.engine_id, f"TextDelta seq {delta.seq} (expected {c.num_tokens})")
-            else:
+            case "gap":
                 self._gap(c, f"TextDelta seq {delta.seq}, expected {c.num_tokens}")
-        else:
-            c.num_tokens += len(delta.token_ids)
-            c.append(delta.text, delta.token_ids, delta.logprobs)
-            self._observe_output(c, now)
-            c.request.wake.set()
 
     def on_finished(self, fin: Finished) -> None:
         rid = fin.request_id
@@ -111,12 +124,14 @@ class RequestTable:
         if c is None:
             self._not_live(rid, f"Finished({fin.finish_reason})", fin.num_output_tokens, terminal=True)
             return
+        if fin.attempt < c.record.attempt:  # an older copy's
+            self.metrics.stale_dropped += 1
+            return
         seen = c.num_tokens + len(fin.token_ids)
+        if fin.finish_reason != "error" and fin.num_output_tokens != seen:  # a lost delta: repair, never corrupt
+            self._gap(c, f"Finished after {fin.num_output_tokens} tokens, {seen} received")
+            return
         self.closed.remember(rid, max(seen, fin.num_output_tokens))
-        if fin.finish_reason != "error" and fin.num_output_tokens != seen:  # a lost delta: fail, never corrupt
-            what = f"Finished after {fin.num_output_tokens} tokens, {seen} received"
-            self._violation("gap", rid, what)
-            fin = Finished(request_id=rid, finish_reason="error", error=f"request {rid}: lost output ({what})")
         c.append(fin.text, fin.token_ids, fin.logprobs)
         c.finished = fin
         now = time.monotonic()
@@ -159,8 +174,9 @@ class RequestTable:
         log.warning("[%s] protocol violation (%s): %s; dropped", rid, kind, what)
 
     def _gap(self, c: Choice, what: str) -> None:
+        """Some output of the choice was lost: it is re-submitted from what it has (DESIGN I6, I8)."""
         self._violation("gap", c.engine_id, what)
-        self.fail(c.request, RequestError(500, f"request {c.engine_id}: lost output ({what})"))
+        self._resume(c, "lost_output")
 
     # ------------------------------------------------------------ ending requests
 

@@ -102,6 +102,10 @@ class AddRequest(Msg, kw_only=True):
     # request), and how many characters of their text the client already has (the detokenizer holds back the rest).
     resume_token_ids: list[int] | None = None
     resume_chars: int = 0
+    # Which copy of the request this is: 0 as first sent, one more at each re-submission (by its client after a
+    # death, or by the detokenizer to repair a lost output). Every output carries it: a party drops the outputs
+    # of a copy older than the one it follows (they may still be in flight when the new copy starts).
+    attempt: int = 0
 
 
 class Abort(Msg, kw_only=True):
@@ -158,6 +162,7 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     # with the request's first output (seq 0; a resumed request's first seq), for prompt_logprobs: one entry per prompt token after the first (the logits of the token before)
     prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int | None = None  # with the first output: prompt tokens whose KV came from the prefix cache
+    attempt: int = 0  # AddRequest.attempt of the copy that produced it
 
     def split(self) -> list[RequestOutput]:
         """One entry per token (a speculative run token by token): the finish on the last, prompt logprobs on the
@@ -174,6 +179,7 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
                 error=self.error,
                 prompt_logprobs=self.prompt_logprobs if i == 0 else None,
                 num_cached_tokens=self.num_cached_tokens if i == 0 else None,
+                attempt=self.attempt,
             )
             for i, token in enumerate(self.new_token_ids)
         ]
@@ -194,6 +200,7 @@ class TextDelta(msgspec.Struct, array_like=True, kw_only=True):
     text: str
     token_ids: list[int]
     logprobs: TokenLogprobs | None = None
+    attempt: int = 0  # RequestOutput.attempt, passed on
 
 
 class Finished(Msg, kw_only=True):
@@ -211,6 +218,7 @@ class Finished(Msg, kw_only=True):
     error: str | None = None
     prompt_logprobs: TokenLogprobs | None = None  # RequestOutput.prompt_logprobs, passed on
     num_cached_tokens: int = 0  # RequestOutput.num_cached_tokens, passed on
+    attempt: int = 0  # AddRequest.attempt of the copy the detokenizer followed
 
 
 class TextOutputs(Msg, kw_only=True):
@@ -247,6 +255,7 @@ class DetokStats(Msg, kw_only=True):
     stale_outputs_dropped_total: int
     protocol_violations_total: int
     num_tombstones: int
+    repairs_total: int = 0  # requests re-submitted because some output of theirs was lost
 
 
 class Opaque(Msg, kw_only=True):

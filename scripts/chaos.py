@@ -1,11 +1,13 @@
 """Seeded chaos for the cancellation protocol, at the engine level (AsyncLLM over the real processes).
 
-    python scripts/chaos.py --requests 5000 --seed 7 [--model DIR]
+    python scripts/chaos.py --requests 5000 --seed 7 [--model DIR] [--drops 0.01] [--kills 2]
 
 Many concurrent requests (Poisson arrivals) with random explicit aborts (after k tokens, or after a
 random delay), stop strings, sibling requests (one prompt, derived seeds: n > 1 style), a long prompt
 (chunked prefill) and a KV cache small enough to preempt, under a fault plan that delays,
-duplicates and reorders StepOutputs, TextOutputs, AbortAcks and Aborts. Checked afterwards: every
+duplicates and reorders StepOutputs, TextOutputs, AbortAcks and Aborts (with --drops, loses StepOutputs
+and TextOutputs too; with --kills, kill -9s the engine or the detokenizer at seeded times: both are
+repaired by resuming requests, DESIGN I6/I8). Checked afterwards: every
 stream ended (no hang), no output after a Finished, the idle invariant; every stream holds exactly
 the tokens the engine sent for it (recorded before the faulty links, EngineConfig.record_outputs),
 all of them when it ended with "length", a prefix otherwise; and where those tokens agree with a
@@ -108,7 +110,9 @@ def workload(seed: int, n: int, rate: float = 150.0) -> list[Job]:
     return jobs[:n]
 
 
-def fault_plan(seed: int) -> FaultPlan:
+def fault_plan(seed: int, drops: float = 0.0) -> FaultPlan:
+    """Duplicates, reorders and delays on every request-path link; with `drops`, StepOutputs and TextOutputs
+    are lost with that probability too."""
     rules = []
     for link, msg_type in (
         ("scheduler->detokenizer", "StepOutputs"),
@@ -120,6 +124,11 @@ def fault_plan(seed: int) -> FaultPlan:
             FaultRule(link=link, msg_type=msg_type, action="duplicate", probability=0.05),
             FaultRule(link=link, msg_type=msg_type, action="reorder", probability=0.01, delay_ms=20),
             FaultRule(link=link, msg_type=msg_type, action="delay", probability=0.03, delay_ms=10),
+        ]
+    if drops:
+        rules += [
+            FaultRule(link="scheduler->detokenizer", msg_type="StepOutputs", action="drop", probability=drops),
+            FaultRule(link="detokenizer->client", msg_type="TextOutputs", action="drop", probability=drops),
         ]
     return FaultPlan(seed=seed, rules=rules)
 
@@ -172,11 +181,14 @@ class Report:
 
 
 def sent_tokens(path: str) -> dict[str, list[int]]:
-    """The tokens the engine sent per request (EngineConfig.record_outputs)."""
+    """The tokens the engine sent per request (EngineConfig.record_outputs): a resumed copy's (DESIGN I8) replace
+    what an earlier copy sent from the position it went on at."""
     sent: dict[str, list[int]] = {}
     for line in Path(path).read_bytes().splitlines():
-        for rid, token_ids in msgspec.json.decode(line):
-            sent.setdefault(rid, []).extend(token_ids)
+        for rid, seq, token_ids in msgspec.json.decode(line):
+            tokens = sent.setdefault(rid, [])
+            del tokens[seq:]
+            tokens.extend(token_ids)
     return sent
 
 
@@ -205,10 +217,23 @@ def compare(jobs: list[Job], reference: list[Outcome], chaos: list[Outcome], sen
     return report
 
 
-async def chaos(reference_llm: AsyncLLM, chaos_llm: AsyncLLM, seed: int, n: int, timeout_s: float = 300) -> Report:
-    """The workload of `seed` on a fault-free engine, then with aborts on the faulty one; compared."""
+def kill_schedule(seed: int, n: int, kills: int, rate: float = 150.0) -> list[tuple[float, str]]:
+    """`kills` process kills at seeded times within the workload's arrivals: (seconds from its start, process)."""
+    rng = random.Random(seed ^ 0x5EED)
+    span = n / rate
+    return sorted((rng.uniform(0.1, 0.9) * span, rng.choice(["engine", "detokenizer"])) for _ in range(kills))
+
+
+async def chaos(
+    reference_llm: AsyncLLM, chaos_llm: AsyncLLM, seed: int, n: int, timeout_s: float = 300, kills: int = 0
+) -> Report:
+    """The workload of `seed` on a fault-free engine, then with aborts (and `kills` kill -9 of an engine-side
+    process at seeded times) on the faulty one; compared."""
     jobs = workload(seed, n)
     reference = await asyncio.wait_for(run(reference_llm, jobs, aborts=False), timeout_s)
+    loop = asyncio.get_running_loop()
+    for at, proc in kill_schedule(seed, n, kills):
+        loop.call_later(at, chaos_llm.system.kill, proc)
     try:
         got = await asyncio.wait_for(run(chaos_llm, jobs, aborts=True), timeout_s)
     except TimeoutError:
@@ -228,6 +253,9 @@ async def chaos(reference_llm: AsyncLLM, chaos_llm: AsyncLLM, seed: int, n: int,
     report.counts |= {
         "client_duplicates": client.duplicates,
         "client_gaps": client.gaps,
+        "client_resumes": client.resumes,
+        "detok_repairs": detok.repairs_total,
+        "restarts": len(chaos_llm.system.restarts),
         "late_aborts": engine.late_aborts_total,
         "stale_outputs": detok.stale_outputs_dropped_total,
         "violations": detok.protocol_violations_total,
@@ -243,6 +271,8 @@ async def main() -> int:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--model", help="an HF-style model directory (default: a tiny random Llama)")
+    parser.add_argument("--drops", type=float, default=0.0, help="probability a StepOutputs / TextOutputs is lost")
+    parser.add_argument("--kills", type=int, default=0, help="kill -9 an engine-side process this many times")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -253,9 +283,9 @@ async def main() -> int:
     t0 = time.perf_counter()
     async with (
         AsyncLLM(chaos_config(model)) as clean,
-        AsyncLLM(chaos_config(model, record), fault_plan=fault_plan(args.seed)) as faulty,
+        AsyncLLM(chaos_config(model, record), fault_plan=fault_plan(args.seed, args.drops)) as faulty,
     ):
-        report = await chaos(clean, faulty, args.seed, args.requests)
+        report = await chaos(clean, faulty, args.seed, args.requests, kills=args.kills)
     print(f"{args.requests} requests, seed {args.seed}, {time.perf_counter() - t0:.1f} s")
     print(report)
     return 1 if report.problems else 0

@@ -61,11 +61,16 @@ class FakeEngine(Actor):
 
     # ------------------------------------------------------------ driven by tests
 
-    def emit(self, rid: str, text: str, token_ids: list[int], seq: int | None = None) -> None:
+    def emit(
+        self, rid: str, text: str, token_ids: list[int], seq: int | None = None, attempt: int | None = None
+    ) -> None:
+        """A delta of the request's live copy (or of an older copy `attempt`: not counted as sent)."""
         seq = self.sent[rid] if seq is None else seq
-        self.sent[rid] = max(self.sent[rid], seq + len(token_ids))
+        if attempt is None:
+            self.sent[rid] = max(self.sent[rid], seq + len(token_ids))
+            attempt = self.live[rid].attempt
         self._steps += 1
-        delta = TextDelta(request_id=rid, seq=seq, text=text, token_ids=token_ids)
+        delta = TextDelta(request_id=rid, seq=seq, text=text, token_ids=token_ids, attempt=attempt)
         self.tell(CLIENT, TextOutputs(step=self._steps, deltas=[delta]))
 
     def finish(self, rid: str, reason: str, text: str = "", token_ids: list[int] = ()) -> None:
@@ -78,6 +83,7 @@ class FakeEngine(Actor):
             token_ids=list(token_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=self.sent[rid],
+            attempt=req.attempt,
         )
         self._steps += 1
         self.tell(CLIENT, TextOutputs(step=self._steps, deltas=[], finished=[fin]))

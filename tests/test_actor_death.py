@@ -1,9 +1,10 @@
-"""Actor death and shutdown through the real processes (DESIGN section 3, "Actor death").
+"""Actor death and shutdown through the real processes (DESIGN section 3, "Actor death", I8), at the offline client.
 
-Killing the engine ends every in-flight stream with an error at once and the restarted engine
-serves; killing the detokenizer fails its requests, the engine aborts them silently, and the
-restarted detokenizer serves; stopping the system aborts what is in flight (reason "shutdown")
-and every process exits 0. No zombies, no leftover state (the idle invariant) after recovery.
+Killing the engine pauses every in-flight stream, and once the engine is back each is resumed from what it
+received and finishes exactly as an undisturbed run; killing the detokenizer does the same (the engine drops its
+copies silently and takes the resumed ones); a stream live at more deaths than the client's max_resumes fails
+alone; stopping the system aborts what is in flight (reason "shutdown") and every process exits 0. No zombies,
+no leftover state (the idle invariant) after recovery.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ PROMPTS = [[50, 51], [52, 53, 54], [55], [56, 57, 58, 59]]
 
 @pytest.fixture(scope="module")
 async def llm(model_dir):  # noqa: F811
-    policy = RestartPolicy(heartbeat_s=0.5, max_restarts=5)
+    policy = RestartPolicy(heartbeat_s=0.5, max_restarts=8)
     async with AsyncLLM(engine_config(model_dir), policy=policy) as engine:
         yield engine
 
@@ -79,21 +80,23 @@ async def test_every_process_is_titled(llm):
             assert f.read().split(b"\0")[0] == f"sluice:{proc}".encode()
 
 
-async def test_engine_death_ends_every_stream_and_the_restart_serves(llm):
-    before = start(llm, [60, 61], SHORT)
-    await before.done()
+async def reference(llm) -> list[list[int]]:
+    runs = [start(llm, p, LONG) for p in PROMPTS]
+    return [(await run.done(), run.token_ids)[1] for run in runs]
+
+
+async def test_engine_death_pauses_every_stream_and_each_resumes_exactly(llm):
+    want = await reference(llm)
     runs = [start(llm, p, LONG) for p in PROMPTS]
     for run in runs:
         await run.wait_tokens(2)
     old = llm.system.pids()["engine"]
     llm.system.kill("engine")
-    for run in runs:
-        fin = await run.done(timeout=2)
-        assert fin.finish_reason == "error" and "died" in fin.error
     await restarted(llm, "engine", old)
-    after = start(llm, [60, 61], SHORT)
-    await after.done()
-    assert (after.token_ids, after.finished.finish_reason) == (before.token_ids, "length")
+    for run, tokens in zip(runs, want, strict=True):
+        assert (await run.done(timeout=60)).finish_reason == "length"
+        assert run.token_ids == tokens
+    assert llm.client.resumes >= len(PROMPTS)
 
 
 async def held_runs(llm) -> list[Run]:
@@ -106,17 +109,32 @@ async def held_runs(llm) -> list[Run]:
     return runs
 
 
-async def test_detokenizer_death_aborts_its_requests_in_the_engine(llm):
+async def test_detokenizer_death_drops_the_engine_copies_and_the_streams_resume(llm):
+    want = await reference(llm)
     runs = await held_runs(llm)
     old = llm.system.pids()["detokenizer"]
     llm.system.kill("detokenizer")
-    for run in runs:
-        fin = await run.done(timeout=2)
-        assert fin.finish_reason == "error" and "detokenizer died" in fin.error
-    state = await wait_state(llm, running=0, waiting=0, held_steps=1)  # aborted while the engine was held
+    state = await wait_state(llm, running=0, waiting=0, held_steps=1)  # dropped while the engine was held
     assert state["silent_aborts"] > 0, "those in the held step: freed after it, no AbortAck for a dead detokenizer"
     gate(llm, None)
     await restarted(llm, "detokenizer", old)
+    for run, tokens in zip(runs, want, strict=True):
+        assert (await run.done(timeout=60)).finish_reason == "length"
+        assert run.token_ids == tokens
+
+
+async def test_a_stream_live_at_more_deaths_than_max_resumes_fails_alone(llm):
+    """max_resumes is 2: a stream through three engine deaths fails (a poison request); the engine serves on."""
+    run = start(llm, [70, 71], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    await run.wait_tokens(1)
+    for deaths in range(3):
+        old = llm.system.pids()["engine"]
+        llm.system.kill("engine")
+        await restarted(llm, "engine", old)
+        if deaths < 2:
+            assert run.finished is None
+    fin = await run.done(timeout=60)
+    assert fin.finish_reason == "error" and "after 2 restarts" in fin.error
     after = start(llm, [62, 63], SHORT)
     assert (await after.done()).finish_reason == "length" and len(after.token_ids) == SHORT.max_tokens
 

@@ -1,8 +1,8 @@
 """The cancellation protocol under injected link faults (DESIGN section 8), through the real engine
-and detokenizer processes: duplicates and delays change no output; reorders and losses fail only
-the requests they hit, cleanly (no hang, no corrupted text: what arrived is a prefix of the
-fault-free output); lost Aborts are re-sent and their tombstones bounded (I7). References come from
-the fault-free engine; the idle invariant holds after every test.
+and detokenizer processes: duplicates and delays change no output; reorders and losses are repaired
+(DESIGN I6 with I8: the party that finds an output missing re-submits the request from what its client
+has) and change no output either; lost Aborts are re-sent and their tombstones bounded (I7). References
+come from the fault-free engine; the idle invariant holds after every test.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ async def reference(clean_llm):  # noqa: F811
     return [key(r) for r in await outcomes(clean_llm)]
 
 
-def assert_clean_failures(runs: list[Run], reference: list[tuple]) -> int:
-    """Every request ended; a failed one got a prefix of its fault-free output and says why. Returns the failures."""
+def assert_clean(runs: list[Run], reference: list[tuple]) -> int:
+    """Every request ended as in the fault-free run, or failed after its repairs with a prefix of that run's
+    output, saying why. Returns the failures."""
     failed = 0
     for run, (tokens, text, reason) in zip(runs, reference, strict=True):
         if run.finished.finish_reason == "error":
@@ -183,10 +184,16 @@ async def reorder_llm(reorder):
     assert reorder.client.outputs_after_finished == 0
 
 
-async def test_reorders_fail_the_requests_they_hit_cleanly(reorder_llm, reference):
+async def test_reorders_are_repaired_or_fail_cleanly(reorder_llm, reference):
+    """Every message of every link reordered: a request whose outputs come out of order is re-submitted from what
+    its client has, again at each reorder that hits a copy; it ends exactly as the fault-free run, or, after
+    MAX_ATTEMPTS copies, fails with a prefix of it (no corruption either way)."""
+    _, detok0 = await reorder_llm.fresh_stats()
     runs = await outcomes(reorder_llm)
-    assert assert_clean_failures(runs, reference) > 0
-    assert reorder_llm.client.gaps + sum("seq" in r.finished.error for r in runs if r.finished.error) > 0
+    failed = assert_clean(runs, reference)
+    _, detok1 = await reorder_llm.fresh_stats()
+    assert reorder_llm.client.gaps + detok1.repairs_total - detok0.repairs_total > 0, "no reorder hit a request"
+    assert failed < len(runs)
 
 
 async def test_an_abort_that_overtakes_its_request_still_ends_it(reorder_llm):
@@ -196,10 +203,7 @@ async def test_an_abort_that_overtakes_its_request_still_ends_it(reorder_llm):
     reorder_llm.abort(run.request_id)  # overtakes the AddRequest held on the link
     fin = await run.done()
     assert run.token_ids == []
-    if fin.finish_reason == "error":  # the AbortAck overtook the registration too: its text is "lost"
-        assert "before the request was registered" in fin.error
-    else:
-        assert (fin.finish_reason, fin.stop_reason) == ("abort", "client")
+    assert (fin.finish_reason, fin.stop_reason) == ("abort", "client")
     engine1, _ = await reorder_llm.fresh_stats()
     assert engine1.late_aborts_total - engine0.late_aborts_total == 1  # an Abort for an id not yet added
     assert engine1.generation_tokens_total == engine0.generation_tokens_total, "never scheduled"
@@ -208,7 +212,7 @@ async def test_an_abort_that_overtakes_its_request_still_ends_it(reorder_llm):
 # ---------------------------------------------------------------- lost StepOutputs
 
 
-def drop_plan(p: float = 0.08) -> tuple[FaultPlan, int, int]:
+def drop_plan(p: float = 0.08) -> FaultPlan:
     """A plan that drops StepOutputs d1 and d2 (5 <= d1 <= 15, d1 + 4 <= d2 <= d1 + 10) and no other
     of the first d2 + 40: found by replaying the injector, which draws once per StepOutputs. The
     detokenizer's Aborts are held until the next one (an I7 re-send, if nothing else)."""
@@ -219,49 +223,22 @@ def drop_plan(p: float = 0.08) -> tuple[FaultPlan, int, int]:
         fits = len(drops) >= 2 and 5 <= drops[0] <= 15 and 4 <= drops[1] - drops[0] <= 10
         if fits and (len(drops) == 2 or drops[2] > drops[1] + 40):
             held = FaultRule(link="detokenizer->scheduler", msg_type="Abort", action="reorder", delay_ms=60_000)
-            return FaultPlan(seed=seed, rules=[*rules, held]), drops[0], drops[1]
+            return FaultPlan(seed=seed, rules=[*rules, held])
     raise AssertionError("no seed fits")
 
 
-async def test_lost_step_outputs_fail_only_the_requests_in_them(model_dir, clean_llm):  # noqa: F811
-    """Sync scheduling, every step let through by the gate, so step numbers are known (step 0 is the
-    engine's idle marker at start). Step d1 holds tokens of A and B: both fail on the gap and the
-    engine aborts them (their Aborts ride on each other). Step d2 holds only T's terminal entry: the
-    idle marker after it shows the gap, T fails once the loss is certain, its Abort comes late
-    (re-sent: the first one is held back) and its tombstone expires (I7). C before and E after are
-    untouched."""
-    plan, d1, d2 = drop_plan()
-    long, short = (
-        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-    )
-    m = d2 - d1 - 2  # T is admitted in step d1 + 3: its terminal entry is in step d2
-    config = engine_config(model_dir, async_scheduling=False, abort_timeout_s=0.3)
-    async with AsyncLLM(config, fault_plan=plan) as llm:
-        a = await start_held(llm, [31, 32], long)  # step 1: A
-        b, c = start(llm, [33, 34], long), start(llm, [35, 36], short)
-        await wait_state(llm, waiting=2)
-        gate(llm, d1 + 1)  # steps 1 .. d1 + 1; B and C from step 2, C done in step 4
-        for run in (a, b):
-            fin = await run.done()
-            assert fin.finish_reason == "error" and "seq" in fin.error
-        await wait_state(llm, running=0, held_steps=1)  # both aborted while step d1 + 2 is held
-        engine0, _ = await llm.fresh_stats()
-        t = start(llm, [37, 38], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
-        await wait_state(llm, waiting=1)
-        gate(llm, 1 + m)
-        fin = await t.done()
-        assert fin.finish_reason == "error" and "lost" in fin.error and len(t.token_ids) == m - 1
-        gate(llm, None)
-        e = start(llm, [39, 40], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        await e.done()
+async def test_lost_step_outputs_are_repaired(model_dir, clean_llm):  # noqa: F811
+    """Two StepOutputs are lost (d1 and d2 of the first d2 + 40): the requests that may have been in them are
+    re-submitted by the detokenizer from what their client has, a request whose terminal entry was lost is run
+    again from there; every stream ends exactly as in the fault-free run, and nothing is left behind."""
+    plan = drop_plan()
+    workload = [
+        ([31 + i, 32 + i], SamplingParams(temperature=0, max_tokens=3 + 5 * i, ignore_eos=True)) for i in range(8)
+    ]
+    want = [key(r) for r in await outcomes(clean_llm, workload)]
+    async with AsyncLLM(engine_config(model_dir, async_scheduling=False), fault_plan=plan) as llm:
+        runs = await outcomes(llm, workload)
         await assert_idle(llm)
-        engine1, _ = await llm.fresh_stats()
-        assert engine1.late_aborts_total - engine0.late_aborts_total >= 2, "T's Abort was re-sent"
-    for run, prompt, params in ((a, [31, 32], long), (b, [33, 34], long), (c, [35, 36], short), (e, [39, 40], None)):
-        ref = start(clean_llm, prompt, params or SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        await ref.done()
-        if run in (c, e):
-            assert (run.token_ids, run.finished.finish_reason) == (ref.token_ids, "length")
-        else:
-            assert run.token_ids == ref.token_ids[: len(run.token_ids)] and len(run.token_ids) == d1 - 1 - (run is b)
+        _, detok = await llm.fresh_stats()
+    assert [key(r) for r in runs] == want
+    assert detok.repairs_total > 0

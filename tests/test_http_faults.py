@@ -114,18 +114,31 @@ async def test_duplicate_outputs_are_dropped(fake):
     assert (await fake.metrics())[duplicates] == before + 2
 
 
-async def test_a_gap_ends_the_stream_with_an_error_event(fake):
-    fake.engine.hold, fake.engine.ack_aborts = True, False
+async def test_a_gap_is_repaired_by_resuming_the_request_from_what_it_has(fake):
+    """DESIGN I6 with I8: a lost delta makes the HTTP party re-submit the request as its next copy (attempt 1)
+    with the tokens and text it has; the old copy's outputs still in flight are stale; the new copy's stream on."""
+    fake.engine.hold = True
+    stale = key("sluice:stale_outputs_dropped_total", actor="http")
+    before = (await fake.metrics()).get(stale, 0.0)
     async with fake.session() as s, s.post("/v1/completions", json=STREAM) as resp:
         rid = await held_request(fake)
         fake.engine.emit(rid, "a", [100])
         fake.engine.emit(rid, "c", [102], seq=2)  # seq 1 was lost
+        await held_request(fake, 1)  # the copy
+        resumed = fake.engine.added[1]
+        assert (resumed.request_id, resumed.attempt, resumed.resume_token_ids, resumed.resume_chars) == (
+            rid,
+            1,
+            [100],
+            1,
+        )
+        fake.engine.emit(rid, "x", [999], seq=3, attempt=0)  # the old copy ran on: stale
+        fake.engine.emit(rid, "b", [101])
+        fake.engine.finish(rid, "length", "c", [102])
         got = events(await resp.read())
-    assert got[0]["choices"][0]["text"] == "a"
-    assert got[-1]["error"]["type"] == "server_error" and "lost output" in got[-1]["error"]["message"]
-    assert [(a.request_id, a.reason) for a in fake.engine.aborts] == [(rid, "error")]
-    fake.engine.finish(rid, "abort")
-    await fake.wait_metrics({key("sluice:num_tombstones", actor="http"): 0})
+    assert "".join(e["choices"][0]["text"] for e in got) == "abc" and not any("error" in e for e in got)
+    assert (await fake.metrics())[stale] == before + 1
+    assert (await fake.metrics())[key("sluice:request_resumes_total", actor="http", cause="lost_output")] >= 1
 
 
 @pytest.mark.parametrize("dead", ["scheduler", "detokenizer"])
@@ -162,7 +175,7 @@ async def test_a_dead_actor_pauses_in_flight_requests_and_they_resume_from_their
         body = await (await plain).json()
         assert body["choices"][0]["message"]["content"] == "w0 w1 w2 w3"
         assert body["usage"]["completion_tokens"] == 4
-    assert (await fake.metrics())[key("sluice:request_resumes_total")] >= 2
+    assert (await fake.metrics())[key("sluice:request_resumes_total", actor="http", cause="death")] >= 2
 
 
 async def test_a_request_live_at_every_death_fails_alone(fake):

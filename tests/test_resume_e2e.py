@@ -99,10 +99,10 @@ async def test_streams_survive_the_death_of_the_engine_and_of_the_detokenizer(ow
     assert all(n == MAX_TOKENS and finish == "length" for _, n, finish, *_ in reference)
     assert len(reference[-1][-1]) == len(own_server.tokenizer.encode(PROMPTS[0]))  # prompt logprobs
     for proc in ("engine", "detokenizer"):
-        before = await own_server.metric("sluice:request_resumes_total")
+        before = await own_server.metric("sluice:request_resumes_total", actor="http", cause="death")
         got, pause = await run_all(own_server, proc)
         assert got == reference, f"{proc} kill changed the output"
-        resumed = await own_server.metric("sluice:request_resumes_total") - before
+        resumed = await own_server.metric("sluice:request_resumes_total", actor="http", cause="death") - before
         assert resumed == len(reference), f"{resumed} of {len(reference)} streams were live at the {proc} kill"
         print(f"{proc} kill -9: {len(got)} streams resumed; the longest pause {pause:.2f} s")
     idle = await own_server.idle()

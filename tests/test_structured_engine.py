@@ -166,6 +166,24 @@ async def test_an_invalid_spec_reaching_the_engine_fails_that_request_only(model
         assert idle(await llm.idle_reports())
 
 
+def test_a_compile_during_the_warm_up_waits_for_it(model_dir):  # noqa: F811
+    """A structured request arriving while the warm-up imports xgrammar once deadlocked the compile: a process
+    asks for a compile at several moments of its warm-up, and every one ends."""
+    script = (
+        "import sys, time\n"
+        "from actors.engine.grammar import grammars, warm\n"
+        "from messages.sampling_params import StructuredOutput\n"
+        f"key = ({str(model_dir)!r}, {VOCAB}, ({EOS},))\n"
+        "warm(*key)\n"
+        "time.sleep(float(sys.argv[1]))\n"
+        "grammars(*key).check(StructuredOutput(kind='regex', spec='[a-z]+'), 30)\n"
+        "print('compiled', flush=True)\n"
+    )
+    for delay in ("0.6", "1.0", "1.4"):
+        done = subprocess.run([sys.executable, "-c", script, delay], capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (0, "compiled"), done.stderr[-2000:]
+
+
 def test_compile_errors_and_the_compile_deadline(model_dir):  # noqa: F811
     """Bad specs raise GrammarError with xgrammar's message (no C++ location); check() gives up waiting after its
     timeout on a slow spec, and a second check of the same spec shares the running compile."""
@@ -192,8 +210,8 @@ def test_a_process_exiting_during_the_warm_up_waits_for_it(model_dir):  # noqa: 
     its atexit handlers (which run after the interpreter has joined its threads) see the built instance."""
     script = (
         "import atexit, sys\n"
-        "from actors.engine.grammar import grammars, warm\n"
-        "atexit.register(lambda: print('built', grammars.cache_info().currsize, flush=True))\n"
+        "from actors.engine.grammar import _build, warm\n"
+        "atexit.register(lambda: print('built', _build.cache_info().currsize, flush=True))\n"
         f"warm({str(model_dir)!r}, {VOCAB}, ({EOS},))\n"
         "sys.exit(0)\n"
     )

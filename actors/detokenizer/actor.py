@@ -9,17 +9,21 @@ neither live nor tombstoned are protocol violations: logged, counted, dropped.
 Cases (state x event -> action):
   LIVE       entry                -> TextDelta (+ Finished when terminal: CLOSED)
   LIVE       entry with stop str  -> Finished(stop) to the client now, Abort(stop) to the scheduler: TOMBSTONED
-  LIVE       entry with a seq gap -> Finished(error) now, without its tokens; Abort(error): TOMBSTONED
+  LIVE       entry with a seq gap -> repaired: re-submitted to the scheduler from what its client has (AddRequest
+                                     with attempt + 1, DESIGN I6/I8), whose copy it replaces and who registers the
+                                     new one here; after MAX_ATTEMPTS: Finished(error), Abort(error): TOMBSTONED
+  LIVE       entry of another copy -> stale (a replaced copy's outputs in flight): dropped, counted
   LIVE       entry seen before    -> dropped (its seq is behind: a duplicate)
   LIVE       AbortAck             -> Finished(abort) to the client: CLOSED
-  LIVE       a step it may have been in is lost -> Finished(error), Abort(error): TOMBSTONED (see Steps)
+  LIVE       a step it may have been in is lost -> repaired likewise (see Steps)
   TOMBSTONED entry                -> stale (dropped); a terminal entry closes the tombstone
   TOMBSTONED AbortAck             -> CLOSED
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
-                                     remembered: if its AddRequest comes after all (reordered), it fails at once
+                                     remembered: if its AddRequest comes after all (reordered), it is repaired
   CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
-  any        AddRequest(resumed)  -> (re)built from its delivered tokens and text (DESIGN I8): LIVE
+  not TOMBSTONED AddRequest(resumed) -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
+  TOMBSTONED AddRequest(resumed)  -> ignored: the Abort this actor sent ends that copy too
   any        ActorDown(scheduler) -> every request forgotten silently (their client re-submits the live ones as
                                      resumed requests, or fails them); tombstones cleared
   any        ActorDown(client)    -> its LIVE requests are tombstoned and aborted in the engine
@@ -30,11 +34,11 @@ Steps. The scheduler sends one StepOutputs per engine step, and one as it goes i
 (actors.protocol.StepNumbers; step 0 starts a new engine incarnation). A number seen before is a
 duplicate message, dropped whole. A skipped number is missing: if it arrives late it was reordered,
 and its entries are handled as usual (the per-request seq checks already failed the requests it
-displaced). Still missing two steps later or after a second, it is lost: it may have held the tokens
-or the terminal entry of any live request not heard from since, so those fail (conservatively: a
-request waiting in the engine's queue fails too); the engine acks the ones it still runs, and the
-tombstones of the ones it had finished expire by I7. Reorders are not repaired by buffering: a link
-is one FIFO ZMQ pipe, so a reorder means a fault or a bug, and failing cleanly (DESIGN I6) keeps the
+displaced). Still missing two steps later or after a second, it is lost (arriving later, it is a
+duplicate): it may have held the tokens or the terminal entry of any live request not heard from since,
+so those are repaired (conservatively: a request waiting in the engine's queue is re-submitted too; a
+request the engine had finished is run again from what its client has). Reorders are not repaired by
+buffering: a link is one FIFO ZMQ pipe, so a reorder means a fault or a bug, and the repair keeps the
 hot path free of a reorder buffer and its timer.
 """
 
@@ -49,7 +53,7 @@ from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import token_table
 from actors.detokenizer.request_state import DetokRequestState
-from actors.protocol import RecentIds, StepNumbers, Tombstones
+from actors.protocol import MAX_ATTEMPTS, RecentIds, StepNumbers, Tombstones
 from actors.runtime import Actor
 from messages.wire import (
     Abort,
@@ -68,7 +72,7 @@ log = logging.getLogger("sluice.detokenizer")
 
 SCHEDULER = "scheduler"
 SHUTDOWN_DRAIN_S = 5.0
-CLOSED, ORPHAN, ORPHAN_ENDED = "closed", "orphan", "orphan-ended"  # `recent`: what became of an id not live
+CLOSED, ORPHAN = "closed", "orphan"  # `recent`: what became of an id not live (ORPHAN: output came, unregistered)
 
 
 class DetokenizerActor(Actor):
@@ -87,15 +91,14 @@ class DetokenizerActor(Actor):
         self.stats_to = client
         self.stats_interval_s = stats_interval_s
         self.live: dict[str, DetokRequestState] = {}
-        self.clients: dict[str, str] = {}  # request id -> the actor that receives its text
-        self.heard: dict[str, int] = {}  # request id -> the last step it was registered by or had an entry in
         self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
-        self.recent = RecentIds()  # ids not live: CLOSED | ORPHAN | ORPHAN_ENDED
+        self.recent = RecentIds()  # ids not live: CLOSED | ORPHAN
         self.steps = StepNumbers()
         self.stale_dropped = 0
         self.violations = 0
         self.duplicate_steps = 0
         self.lost_steps = 0
+        self.repairs = 0
         self._draining = False
 
     def handlers(self):
@@ -115,18 +118,18 @@ class DetokenizerActor(Actor):
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
         before = self.recent.get(rid)
-        if msg.resume_token_ids is not None:  # a copy here is replaced; outputs seen before it belong to an old copy
-            self.tombstones.pop(rid, None)
-            before = None
-        elif rid in self.live or rid in self.tombstones or before == CLOSED:
-            self._violation(rid, "AddRequest for an id already in use")
+        resumed = msg.resume_token_ids is not None  # a copy of a request: it replaces the one here (even CLOSED)
+        if rid in self.tombstones or (not resumed and (rid in self.live or before == CLOSED)):
+            if not resumed:  # (a copy of one this actor ended: the Abort it sent ends the copy too)
+                self._violation(rid, "AddRequest for an id already in use")
             return
+        if resumed:
+            before = None  # outputs seen before it were an older copy's
         self.recent.pop(rid, None)
-        self.live[rid] = DetokRequestState(msg, self.tokenizer)
-        self.clients[rid] = msg.client
-        self.heard[rid] = self.steps.last
+        state = self.live[rid] = DetokRequestState(msg, self.tokenizer)
+        state.heard = self.steps.last
         if before is not None:  # outputs overtook the registration: they are gone
-            self._fail(rid, "engine output arrived before the request was registered", abort=before == ORPHAN)
+            self._repair(rid, "engine output arrived before the request was registered")
 
     def on_step(self, msg: StepOutputs) -> None:
         if msg.step >= 0 and not self.steps.accept(msg.step):
@@ -142,11 +145,17 @@ class DetokenizerActor(Actor):
                     if out.finish_reason is not None:
                         self._close_tombstone(rid)
                 else:
-                    self._violation(rid, f"StepOutputs entry seq {out.seq}", ended=out.finish_reason is not None)
+                    self._violation(rid, f"StepOutputs entry seq {out.seq}")
                 continue
-            self.heard[rid] = max(self.heard[rid], msg.step)
+            if out.attempt != state.attempt:  # a replaced copy's (or a reordered one's): stale
+                self.stale_dropped += 1
+                continue
+            state.heard = max(state.heard, msg.step)
+            if out.seq > state.num_output_tokens and state.attempt < MAX_ATTEMPTS:  # some output of it was lost
+                self._repair(rid, f"output seq {out.seq}, expected {state.num_output_tokens}")
+                continue
             deltas, finished = state.process_run(out)
-            client = self.clients[rid]
+            client = state.client
             batch = batches.get(client) or batches.setdefault(client, TextOutputs(step=msg.step, deltas=[]))
             batch.deltas += deltas
             if finished is not None:
@@ -164,13 +173,13 @@ class DetokenizerActor(Actor):
         if rid in self.tombstones:
             self._close_tombstone(rid)
         elif rid in self.live:
-            client = self.clients[rid]
+            client = self.live[rid].client
             finished = self.live[rid].abort("abort")
             finished.stop_reason = msg.reason  # why it was aborted: client | stop | shutdown | ...
             self._close(rid)
             self.tell(client, finished)
         else:
-            self._violation(rid, "AbortAck", ended=True)
+            self._violation(rid, "AbortAck")
 
     def on_actor_down(self, msg: ActorDown) -> None:
         if msg.actor == SCHEDULER:
@@ -181,7 +190,7 @@ class DetokenizerActor(Actor):
             self.tombstones.clear()
             self.steps.reset()
         else:
-            for rid in [r for r, c in self.clients.items() if c == msg.actor and r in self.live]:
+            for rid in [r for r, state in self.live.items() if state.client == msg.actor]:
                 self._close(rid)
                 self._tombstone(rid, "client")
 
@@ -189,7 +198,6 @@ class DetokenizerActor(Actor):
         details = {
             "live": len(self.live),
             "tombstones": len(self.tombstones),
-            "heard": len(self.heard),
             "pending_asks": self.pending_asks,
         }
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
@@ -208,7 +216,7 @@ class DetokenizerActor(Actor):
         while (self.live or self.tombstones) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for rid in list(self.live):  # the scheduler did not end it (it is not shutting down, or too slow)
-            client, finished = self.clients[rid], self.live[rid].abort("abort")
+            client, finished = self.live[rid].client, self.live[rid].abort("abort")
             finished.stop_reason = reason
             self._close(rid)
             self.tell(client, finished)
@@ -218,13 +226,11 @@ class DetokenizerActor(Actor):
 
     def _close(self, rid: str) -> None:
         self.live.pop(rid, None)
-        self.clients.pop(rid, None)
-        self.heard.pop(rid, None)
         self.recent.remember(rid, CLOSED)
 
     def _fail(self, rid: str, error: str, abort: bool) -> None:
         """End a LIVE request with an error; with `abort`, the engine still runs it: TOMBSTONED."""
-        client, finished = self.clients[rid], self.live[rid].abort("error")
+        client, finished = self.live[rid].client, self.live[rid].abort("error")
         finished.error = f"request {rid}: {error}"
         self._close(rid)
         self.tell(client, finished)
@@ -241,22 +247,35 @@ class DetokenizerActor(Actor):
     def _close_tombstone(self, rid: str) -> None:
         self.tombstones.pop(rid, None)
 
-    def _violation(self, rid: str, what: str, ended: bool = False) -> None:
+    def _violation(self, rid: str, what: str) -> None:
         self.violations += 1
         log.info("[%s] protocol violation: %s for an id neither live nor tombstoned; dropped", rid, what)
-        before = self.recent.get(rid)
-        if before is None or before == ORPHAN:
-            self.recent.remember(rid, ORPHAN_ENDED if ended else ORPHAN)
+        if rid not in self.recent:
+            self.recent.remember(rid, ORPHAN)
 
     def _find_lost(self) -> None:
         lost = self.steps.lost()
         if not lost:
             return
         self.lost_steps += len(lost)
-        suspects = [rid for rid, step in self.heard.items() if step < max(lost)]
-        log.error("engine steps %s lost: failing %d requests that may have been in them", lost, len(suspects))
+        suspects = [rid for rid, state in self.live.items() if state.heard < max(lost)]
+        log.error("engine steps %s lost: repairing %d requests that may have been in them", lost, len(suspects))
         for rid in suspects:
-            self._fail(rid, f"engine output lost (steps {lost})", abort=True)
+            self._repair(rid, f"engine output lost (steps {lost})")
+
+    def _repair(self, rid: str, why: str) -> None:
+        """Some output of a LIVE request may be lost: re-submit it from what its client has (DESIGN I6, I8). The
+        scheduler replaces its copy and registers the new one here; until then its outputs are stale. A request
+        re-submitted MAX_ATTEMPTS times already fails instead."""
+        state = self.live[rid]
+        if state.attempt >= MAX_ATTEMPTS:
+            self._fail(rid, why, abort=True)
+            return
+        resumed = state.resume_request()
+        log.warning("[%s] %s: resumed after %d tokens", rid, why, len(resumed.resume_token_ids))
+        state.attempt = resumed.attempt
+        self.repairs += 1
+        self.tell(SCHEDULER, resumed)
 
     async def _housekeeping(self) -> None:
         """Find lost steps on a quiet link, re-send Aborts that got no terminal message (I7), publish counters."""
@@ -268,5 +287,6 @@ class DetokenizerActor(Actor):
                 stale_outputs_dropped_total=self.stale_dropped,
                 protocol_violations_total=self.violations,
                 num_tombstones=len(self.tombstones),
+                repairs_total=self.repairs,
             )
             self.tell(self.stats_to, stats)

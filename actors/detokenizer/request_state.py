@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import msgspec
 from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import IncrementalDetokenizer, token_table
@@ -62,6 +63,12 @@ class DecodedLogprobs:
 class DetokRequestState:
     def __init__(self, request: AddRequest, tokenizer: Tokenizer, *, method: str | None = None):
         params = request.params
+        self.request = request  # the record a repair re-submits, with what the client has so far:
+        self.output_ids = list(request.resume_token_ids or [])  # ... the tokens
+        self.num_chars = request.resume_chars  # ... and the characters of text
+        self.attempt = request.attempt
+        self.client = request.client  # the actor that receives its text
+        self.heard = -1  # the actor's: the last step that registered it or had an entry of it
         self.request_id = request.request_id
         self.params = params
         self.tokenizer = tokenizer
@@ -125,7 +132,7 @@ class DetokRequestState:
             if matched is not None:
                 self.abort_reason = "stop"
                 return None, self._finish(out, "stop", matched, text)
-        return TextDelta(request_id=self.request_id, seq=out.seq, text=text, token_ids=ids, logprobs=out.logprobs), None
+        return self._delta(out, text), None
 
     def _process(self, out: RequestOutput) -> tuple[TextDelta | None, Finished | None]:
         ids = out.new_token_ids
@@ -158,7 +165,26 @@ class DetokRequestState:
             return None, self._finish(out, "stop", matched, text)
         if out.finish_reason is not None:
             return None, self._finish_naturally(out, text)
-        return TextDelta(request_id=self.request_id, seq=out.seq, text=text, token_ids=ids, logprobs=out.logprobs), None
+        return self._delta(out, text), None
+
+    def _delta(self, out: RequestOutput, text: str) -> TextDelta:
+        """The text released for a non-terminal entry, noted in the record (what the client has)."""
+        self.output_ids += out.new_token_ids
+        self.num_chars += len(text)
+        return TextDelta(
+            request_id=self.request_id,
+            seq=out.seq,
+            text=text,
+            token_ids=out.new_token_ids,
+            logprobs=out.logprobs,
+            attempt=self.attempt,
+        )
+
+    def resume_request(self) -> AddRequest:
+        """The next copy of the request, from what the client has (a repair, DESIGN I6): the stream goes on there."""
+        return msgspec.structs.replace(
+            self.request, resume_token_ids=self.output_ids, resume_chars=self.num_chars, attempt=self.attempt + 1
+        )
 
     def process_run(self, out: RequestOutput) -> tuple[list[TextDelta], Finished | None]:
         """`process` for any entry: one of several tokens (a speculative run) with stop strings goes token by
@@ -233,6 +259,7 @@ class DetokRequestState:
             error=error,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            attempt=self.attempt,
         )
 
     def _fail(self, out: RequestOutput, error: str) -> Finished:

@@ -107,9 +107,18 @@ class Grammars:
             self._running.pop(spec, None)
 
 
-@functools.cache
+_BUILDING = threading.Lock()
+
+
 def grammars(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Grammars:
-    """This process's Grammars for a model (built once)."""
+    """This process's Grammars for a model, built once: a caller that comes while another builds it (the warm-up)
+    waits for that one. (Two threads importing xgrammar at once can deadlock: measured, a compile never ended.)"""
+    with _BUILDING:
+        return _build(model_dir, vocab_size, stop_token_ids)
+
+
+@functools.cache
+def _build(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Grammars:
     return Grammars(model_dir, vocab_size, list(stop_token_ids))
 
 

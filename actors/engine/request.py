@@ -55,6 +55,7 @@ class EngineRequest:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     error: str | None = None  # why the request ended with finish_reason "error"
     first_seq: int = 0  # a resumed request's first output seq here (DESIGN I8): the tokens it arrived with
+    attempt: int = 0  # AddRequest.attempt: which copy of the request this is (its outputs carry it)
 
     @property
     def fresh(self) -> bool:
@@ -68,7 +69,7 @@ class EngineRequest:
         """A guided request gets its companion: the negative prompt, or the BOS token alone."""
         resumed = list(msg.resume_token_ids or [])
         req = cls(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.arrival_time, resumed, grammar=grammar)
-        req.first_seq = len(resumed)
+        req.first_seq, req.attempt = len(resumed), msg.attempt
         if msg.params.guided:
             req.companion = Companion(req, list(msg.params.negative_prompt_token_ids or [bos_token_id]))
         return req

@@ -285,6 +285,7 @@ class Scheduler:
             prompt_logprobs=take_prompt_logprobs(req) if seq == req.first_seq else None,
             error=req.error,
             num_cached_tokens=req.num_cached_tokens if seq == req.first_seq else None,
+            attempt=req.attempt,
         )
 
     def _ends(self, req: EngineRequest, token: int) -> bool:

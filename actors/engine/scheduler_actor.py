@@ -28,8 +28,9 @@ The last 65536 ids are remembered (RecentIds).
 
 Test hooks: with `EngineConfig.step_gate`, a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
 a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile.
-With `EngineConfig.record_outputs`, every StepOutputs' [request id, token ids] pairs are appended to that
-file as it is sent: what the client must receive whatever the links do to it.
+With `EngineConfig.record_outputs`, every StepOutputs' [request id, seq, token ids] entries are appended to that
+file as it is sent: what the client must receive whatever the links do to it (a resumed copy's overwrite the
+positions it regenerates).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ from messages.wire import (
 
 log = logging.getLogger("sluice.engine")
 
-ADDED = "\0added"  # in `recent`: the request was added; otherwise the reason of an Abort that came first
+ADDED = "\0added"  # in `recent`: the request was added ((ADDED, reason) once aborted), or the reason of an Abort
+# that came before it
 
 
 def needs_history(req: EngineRequest) -> bool:
@@ -146,16 +148,16 @@ class SchedulerActor(Actor):
 
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
-        early_abort = self.recent.get(rid)
-        if msg.resume_token_ids is not None:
+        note = early_abort = self.recent.get(rid)
+        if msg.resume_token_ids is not None:  # a copy of an aborted request is registered and acked at once
             if self._resume_later(msg):
                 return
-            early_abort = None if early_abort == ADDED else early_abort
-        elif early_abort == ADDED or rid in self.sched.requests:
+            early_abort = note[1] if isinstance(note, tuple) else None if note == ADDED else note
+        elif note == ADDED or isinstance(note, tuple) or rid in self.sched.requests:
             self.duplicates += 1
             log.warning("[%s] duplicate AddRequest dropped", rid)
             return
-        self.recent.remember(rid, ADDED)
+        self.recent.remember(rid, ADDED if early_abort is None else (ADDED, early_abort))
         self.tell(self.config.detokenizer, msg)  # registration precedes every output (FIFO link)
         if early_abort is not None:
             log.info("[%s] aborted before it arrived (%s)", rid, early_abort)
@@ -163,7 +165,7 @@ class SchedulerActor(Actor):
             return
         error = self._validate(msg)
         if error:
-            self._reject(rid, error)
+            self._reject(msg, error)
         elif msg.params.structured is not None:
             self.compiling[rid] = msg
             self.spawn(self._compile(msg))
@@ -190,9 +192,17 @@ class SchedulerActor(Actor):
             self.queued[msg.request_id] = time.monotonic()
         self._work.set()
 
-    def _reject(self, rid: str, error: str) -> None:
-        log.warning("[%s] rejected: %s", rid, error)
-        out = RequestOutput(request_id=rid, seq=0, new_token_ids=[], finish_reason="error", error=error)
+    def _reject(self, msg: AddRequest, error: str) -> None:
+        log.warning("[%s] rejected: %s", msg.request_id, error)
+        seq = len(msg.resume_token_ids or [])
+        out = RequestOutput(
+            request_id=msg.request_id,
+            seq=seq,
+            new_token_ids=[],
+            finish_reason="error",
+            error=error,
+            attempt=msg.attempt,
+        )
         self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
 
     async def _compile(self, msg: AddRequest) -> None:
@@ -207,7 +217,7 @@ class SchedulerActor(Actor):
             return  # aborted meanwhile (acked then), or resumed (a newer copy compiles)
         del self.compiling[msg.request_id]
         if grammar is None:
-            self._reject(msg.request_id, error)
+            self._reject(msg, error)
         else:
             self._admit(msg, grammar)
 
@@ -236,9 +246,11 @@ class SchedulerActor(Actor):
             self.recent.remember(msg.request_id, msg.reason)
         elif self.compiling.pop(msg.request_id, None) is not None:
             log.info("[%s] aborted while its grammar compiled (%s)", msg.request_id, msg.reason)
+            self.recent.remember(msg.request_id, (ADDED, msg.reason))
             self.tell(self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason))
         elif self.sched.abort(msg.request_id):
             self.abort_reasons[msg.request_id] = msg.reason
+            self.recent.remember(msg.request_id, (ADDED, msg.reason))
             log.info("[%s] aborted (%s)", msg.request_id, msg.reason)
             self._send_acks()
         else:
@@ -356,7 +368,7 @@ class SchedulerActor(Actor):
                 out.logprobs = entries(lp, start, start + len(out.new_token_ids), n)
         self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
         if self._record:
-            self._record.write(msgspec.json.encode([[o.request_id, o.new_token_ids] for o in outputs]) + b"\n")
+            self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
         self._send_acks()
 
     def _note_first_scheduled(self, batch: BatchSpec) -> None:
