@@ -77,14 +77,15 @@ class RequestRecord:
     "stale" (an older copy's, still in flight), "duplicate" (seen before) or "gap" (something before it was
     lost). A newer copy's output (the detokenizer re-submitted the request) makes that copy the one followed."""
 
-    __slots__ = ("add", "attempt", "deaths", "num_chars", "token_ids")
+    __slots__ = ("add", "attempt", "deaths", "heard", "num_chars", "token_ids")
 
-    def __init__(self, add: AddRequest):
+    def __init__(self, add: AddRequest, heard: int):
         self.add = add
         self.token_ids: list[int] = []
         self.num_chars = 0
         self.attempt = add.attempt
         self.deaths = 0  # engine-side deaths it was live at (a poison request's are bounded)
+        self.heard = heard  # the number of the last TextOutputs that had output of it (or that came before it)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +111,12 @@ class RequestRecord:
         return msgspec.structs.replace(
             self.add, resume_token_ids=list(self.token_ids), resume_chars=self.num_chars, attempt=self.attempt
         )
+
+
+def lost_suspects(link: StepNumbers, records: dict[str, RequestRecord]) -> list[str]:
+    """The requests that may have had output in a message `link` now declares lost: not heard from since."""
+    lost = link.lost()
+    return [rid for rid, r in records.items() if r.heard < max(lost)] if lost else []
 
 
 class StepNumbers:

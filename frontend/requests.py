@@ -20,6 +20,8 @@ Choice states (DESIGN section 3, the HTTP party), state x event -> action:
                                          has) as a resumed request: its stream goes on from there; one live at
                                          more than max_resumes deaths fails (503, a poison request)
   TOMBSTONED  scheduler or detokenizer down -> dropped (nobody will send its Finished)
+  LIVE        a TextOutputs lost (a gap in TextOutputs.number, found two messages or a second later) -> repaired
+                                         as a gap if it was not heard from since
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from actors.engine.config import SCHEDULER
-from actors.protocol import MAX_ATTEMPTS, RecentIds, RequestRecord, Tombstones
+from actors.engine.config import DETOKENIZER, SCHEDULER
+from actors.protocol import MAX_ATTEMPTS, RecentIds, RequestRecord, StepNumbers, Tombstones, lost_suspects
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.request_state import Choice, HttpRequest
@@ -49,6 +51,7 @@ class RequestTable:
         self.tell = tell
         self.metrics = metrics
         self.live: dict[str, Choice] = {}  # engine request id -> choice
+        self.link = StepNumbers()  # the numbering of the detokenizer's TextOutputs
         self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
         self.closed = RecentIds()  # engine request id -> the tokens its Finished accounts for
         metrics.num_tombstones = lambda: len(self.tombstones)
@@ -57,15 +60,17 @@ class RequestTable:
         """Register the request and send its AddRequests; `client` is the actor that gets the text."""
         req = HttpRequest(parsed)
         for c, msg in zip(req.choices, req.engine_requests(client), strict=True):
-            c.record = RequestRecord(msg)
+            c.record = RequestRecord(msg, self.link.last)
             self.live[c.engine_id] = c
             self.tell(SCHEDULER, msg)
         return req
 
-    def suspend(self) -> None:
+    def suspend(self, actor: str) -> None:
         """An actor of the request path died, and the engine side forgot every request: live choices wait for
         resume_all; tombstones are dropped (no terminal message will come)."""
         self.tombstones.clear()
+        if actor == DETOKENIZER:
+            self.link.reset()  # its next incarnation numbers from 0
 
     def resume_all(self, max_resumes: int) -> None:
         """The request path is whole again: every live choice is re-submitted from its record (DESIGN I8)."""
@@ -93,18 +98,28 @@ class RequestTable:
     # ------------------------------------------------------------ engine outputs
 
     def on_outputs(self, msg: TextOutputs) -> None:
+        if msg.number >= 0 and not self.link.accept(msg.number):
+            self._violation("duplicate", "-", f"TextOutputs {msg.number} again")
+            return
         now = time.monotonic()
         for delta in msg.deltas:
-            self._on_delta(delta, now)
+            self._on_delta(delta, now, msg.number)
         for fin in msg.finished:
             self.on_finished(fin)
+        self.find_lost()
 
-    def _on_delta(self, delta: TextDelta, now: float) -> None:
+    def find_lost(self) -> None:
+        """Repair the choices that may have had output in a TextOutputs now known to be lost."""
+        for rid in lost_suspects(self.link, {rid: c.record for rid, c in self.live.items()}):
+            self._gap(self.live[rid], "a TextOutputs it may have been in was lost")
+
+    def _on_delta(self, delta: TextDelta, now: float, number: int) -> None:
         c = self.live.get(delta.request_id)
         if c is None:
             end = delta.seq + len(delta.token_ids)
             self._not_live(delta.request_id, f"TextDelta seq {delta.seq}", end, terminal=False)
             return
+        c.record.heard = max(c.record.heard, number)
         match c.record.check(delta.seq, len(delta.token_ids), delta.attempt):
             case "ok":
                 c.record.received(delta.text, delta.token_ids)
@@ -224,8 +239,10 @@ class RequestTable:
             self.fail(req, error, send_abort)
 
     def expire(self, now: float) -> None:
-        """I7: re-send an Abort that got no Finished in time; give up after max_abort_tries."""
+        """I7: re-send an Abort that got no Finished in time; give up after max_abort_tries. And find a TextOutputs
+        lost on a quiet link."""
         self.tombstones.expire(now, self._abort)
+        self.find_lost()
 
     def _abort(self, rid: str, reason: str) -> None:
         self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))

@@ -153,7 +153,7 @@ class HttpActor(Actor):
         self.down.add(msg.actor)
         self.metrics.forget(msg.actor)
         log.error("%s is down (%s): %d requests wait for it", msg.actor, msg.reason, len(self.table.live))
-        self.table.suspend()
+        self.table.suspend(msg.actor)
 
     def on_actor_up(self, msg: ActorUp) -> None:
         if msg.actor in self.down:

@@ -222,11 +222,15 @@ class Finished(Msg, kw_only=True):
 
 
 class TextOutputs(Msg, kw_only=True):
-    """detokenizer -> HTTP: one batched message per engine step."""
+    """detokenizer -> HTTP (a client): one batched message per engine step, a Finished of its own, or (empty) a
+    marker sent on a quiet link after output, so that the loss of a link's last message shows too."""
 
-    step: int
+    step: int  # the engine step it comes from (-1: none)
     deltas: list[TextDelta]
     finished: list[Finished] = []
+    # consecutive per (detokenizer incarnation, client) from 0: the client tells a lost message by a gap, as the
+    # detokenizer does on StepOutputs (actors.protocol.StepNumbers); -1: unnumbered (test doubles)
+    number: int = -1
 
 
 class EngineStats(Msg, kw_only=True):

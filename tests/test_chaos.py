@@ -42,7 +42,7 @@ async def test_chaos(model_dir, clean_llm, tmp_path, speculative, drops, kills):
     assert counts["client_duplicates"] > 0 and counts["late_aborts"] > 0, counts
     assert (counts["spec_accepted_tokens"] > 0) == (speculative is not None), counts
     assert counts["restarts"] == kills, counts
-    assert (counts["client_resumes"] + counts["detok_repairs"] > 0) == bool(drops or kills), counts
+    assert counts["client_resumes"] + counts["detok_repairs"] > 0 or not (drops or kills), counts
 
 
 def test_compare_checks_streams_against_what_the_engine_sent():

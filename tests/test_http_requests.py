@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from actors.protocol import MAX_ATTEMPTS
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, PromptInput, RequestError
 from frontend.requests import RequestTable
@@ -85,30 +86,75 @@ def test_a_slow_client_gets_one_coalesced_event_per_choice():
     }
 
 
-def test_duplicates_are_dropped_and_a_gap_fails_the_request():
+def resumed(sent) -> list[tuple[str, int, list[int], int]]:
+    return [
+        (m.request_id, m.attempt, m.resume_token_ids, m.resume_chars) for m in sent if m.resume_token_ids is not None
+    ]
+
+
+def test_duplicates_are_dropped_and_a_gap_is_repaired_from_the_record():
+    """A gap re-submits the choice (its next copy) with the tokens and characters it has; the old copy's outputs
+    are stale from then on, the new copy's stream on; after MAX_ATTEMPTS copies a gap fails the request."""
     table, metrics, sent = make_table()
     req = table.add(parsed(n=2), "http")
     first, second = (c.engine_id for c in req.choices)
     table.on_outputs(delta(first, 0, "a"))
     table.on_outputs(delta(first, 0, "a"))
     assert metrics.violations["duplicate"] == 1 and req.choices[0].text == ["a"]
-    table.on_outputs(delta(second, 2, "x"))  # seq 0 and 1 lost
-    assert metrics.violations["gap"] == 1
-    assert req.done and req.error.status == 500 and "lost output" in req.error.message
+    table.on_outputs(delta(first, 2, "x"))  # seq 1 lost
+    assert metrics.violations["gap"] == 1 and not req.done and not aborts(sent)
+    assert resumed(sent) == [(first, 1, [0], 1)]
+    table.on_outputs(delta(first, 3, "y"))  # the old copy's: stale
+    assert metrics.stale_dropped == 1
+    copy = TextDelta(request_id=first, seq=1, text="b", token_ids=[1], attempt=1)
+    table.on_outputs(TextOutputs(step=9, deltas=[copy]))
+    assert req.choices[0].text == ["a", "b"] and req.choices[0].num_tokens == 2
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        table.on_outputs(
+            TextOutputs(
+                step=9, deltas=[TextDelta(request_id=second, seq=5, text="z", token_ids=[5], attempt=attempt - 1)]
+            )
+        )
+    assert len(resumed(sent)) == 1 + MAX_ATTEMPTS
+    table.on_outputs(
+        TextOutputs(step=9, deltas=[TextDelta(request_id=second, seq=5, text="z", token_ids=[5], attempt=MAX_ATTEMPTS)])
+    )
+    assert req.done and req.error.status == 500 and "resumptions" in req.error.message
     assert aborts(sent) == [(first, "error"), (second, "error")]
-    assert set(table.tombstones) == {first, second}
     tail = stream_tail(req)
     assert tail.endswith(b"data: [DONE]\n\n") and events(tail)[0]["error"]["type"] == "server_error"
 
 
-def test_a_finished_that_skips_tokens_fails_the_request():
+def test_a_finished_that_skips_tokens_is_repaired():
     table, metrics, sent = make_table()
     req = table.add(parsed(), "http")
     rid = req.choices[0].engine_id
     table.on_outputs(delta(rid, 0, "a"))
     table.on_finished(Finished(request_id=rid, finish_reason="length", text="c", token_ids=[2], num_output_tokens=3))
-    assert metrics.violations["gap"] == 1 and req.done and req.error.status == 500
-    assert not table.tombstones and not aborts(sent)  # the engine already finished it
+    assert metrics.violations["gap"] == 1 and not req.done and resumed(sent) == [(rid, 1, [0], 1)]
+    table.on_finished(
+        Finished(request_id=rid, finish_reason="length", text="bc", token_ids=[1, 2], num_output_tokens=3, attempt=1)
+    )
+    assert req.done and req.error is None and req.choices[0].text == ["a", "bc"]
+
+
+def test_a_lost_textoutputs_repairs_the_choices_not_heard_from_since():
+    """TextOutputs are numbered: a gap in the numbers, once two later messages came (or a second passed), repairs
+    every live choice that has had no output since the lost message; a message seen twice is dropped whole."""
+    table, metrics, sent = make_table()
+    req = table.add(parsed(n=3), "http")
+    a, b, c = (ch.engine_id for ch in req.choices)
+    out = [TextOutputs(step=i, deltas=[], number=i) for i in range(5)]
+    out[0].deltas = [TextDelta(request_id=rid, seq=0, text="x", token_ids=[0]) for rid in (a, b, c)]
+    out[2].deltas = [TextDelta(request_id=a, seq=1, text="y", token_ids=[1])]  # 1 (lost) may have had b's or c's
+    for i in (0, 0, 2):
+        table.on_outputs(out[i])
+    assert metrics.violations["duplicate"] == 1 and not resumed(sent)
+    table.on_outputs(out[3])  # two messages past the missing one: lost
+    assert sorted(resumed(sent)) == [(b, 1, [0], 1), (c, 1, [0], 1)]
+    out[4].deltas = [TextDelta(request_id=c, seq=1, text="z", token_ids=[1])]  # the replaced copy's: stale
+    table.on_outputs(out[4])
+    assert metrics.stale_dropped == 1 and len(resumed(sent)) == 2
 
 
 def test_outputs_after_a_disconnect_are_stale_and_unknown_ids_are_violations():

@@ -1,10 +1,7 @@
 """DetokenizerActor: StepOutputs in, one TextOutputs per step out, exactly one Finished per request.
 
-Request states here: LIVE (registered by the scheduler's forwarded AddRequest) -> CLOSED on its
-terminal message, or LIVE -> TOMBSTONED when this actor ends it early (stop string, seq gap, bad
-token, lost output) and sends Abort to the scheduler -> CLOSED on the terminal message (AbortAck or
-a final entry). Outputs for a tombstoned id are stale: dropped and counted. Outputs for an id that is
-neither live nor tombstoned are protocol violations: logged, counted, dropped.
+Request states: LIVE (registered by the scheduler's forwarded AddRequest) -> CLOSED on its terminal
+message, or -> TOMBSTONED when this actor ends it early and sends Abort -> CLOSED on the terminal message.
 
 Cases (state x event -> action):
   LIVE       entry                -> TextDelta (+ Finished when terminal: CLOSED)
@@ -21,7 +18,8 @@ Cases (state x event -> action):
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it is repaired
-  CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
+  CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped; a copy of an aborted
+                                     one (a repair its AbortAck overtook): dropped
   not TOMBSTONED AddRequest(resumed) -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
   TOMBSTONED AddRequest(resumed)  -> ignored: the Abort this actor sent ends that copy too
   any        ActorDown(scheduler) -> every request forgotten silently (their client re-submits the live ones as
@@ -30,16 +28,15 @@ Cases (state x event -> action):
   any        Shutdown             -> handles messages on until every request is closed (the scheduler aborts them
                                      all), at most SHUTDOWN_DRAIN_S; what is left ends as abort
 
-Steps. The scheduler sends one StepOutputs per engine step, and one as it goes idle, numbered
-(actors.protocol.StepNumbers; step 0 starts a new engine incarnation). A number seen before is a
-duplicate message, dropped whole. A skipped number is missing: if it arrives late it was reordered,
-and its entries are handled as usual (the per-request seq checks already failed the requests it
-displaced). Still missing two steps later or after a second, it is lost (arriving later, it is a
-duplicate): it may have held the tokens or the terminal entry of any live request not heard from since,
-so those are repaired (conservatively: a request waiting in the engine's queue is re-submitted too; a
-request the engine had finished is run again from what its client has). Reorders are not repaired by
-buffering: a link is one FIFO ZMQ pipe, so a reorder means a fault or a bug, and the repair keeps the
-hot path free of a reorder buffer and its timer.
+Steps. The scheduler numbers its StepOutputs (one per engine step, and one as it goes idle; step 0 starts
+an incarnation: actors.protocol.StepNumbers). A number seen before is a duplicate, dropped whole; a skipped
+one is missing until it arrives (reordered: handled as usual) or is lost (two steps later, or after a
+second; arriving later it is a duplicate). A lost step may have held tokens or the terminal entry of any
+live request not heard from since: those are repaired (a request the engine had finished is run again
+from what its client has). Reorders are not buffered (a link is one FIFO pipe: a reorder is a fault or a
+bug), which keeps a reorder buffer and its timer off the hot path. Messages to a client are numbered the
+same way (TextOutputs.number), and one sent output gets an empty marker at the next housekeeping tick, so
+the loss of its last message shows too: the client repairs what that message may have held.
 """
 
 from __future__ import annotations
@@ -62,6 +59,7 @@ from messages.wire import (
     AddRequest,
     CheckIdle,
     DetokStats,
+    Finished,
     IdleReport,
     Shutdown,
     StepOutputs,
@@ -72,7 +70,8 @@ log = logging.getLogger("sluice.detokenizer")
 
 SCHEDULER = "scheduler"
 SHUTDOWN_DRAIN_S = 5.0
-CLOSED, ORPHAN = "closed", "orphan"  # `recent`: what became of an id not live (ORPHAN: output came, unregistered)
+CLOSED, ABORTED, ORPHAN = "closed", "aborted", "orphan"  # `recent`: what became of an id not live (ORPHAN: output
+# came for it unregistered)
 
 
 class DetokenizerActor(Actor):
@@ -91,25 +90,17 @@ class DetokenizerActor(Actor):
         self.stats_to = client
         self.stats_interval_s = stats_interval_s
         self.live: dict[str, DetokRequestState] = {}
+        self.numbers: dict[str, int] = {}  # client -> the number of its next TextOutputs
+        self.unmarked: set[str] = set()  # clients sent output since the last marker
         self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
-        self.recent = RecentIds()  # ids not live: CLOSED | ORPHAN
+        self.recent = RecentIds()  # ids not live: CLOSED | ABORTED | ORPHAN
         self.steps = StepNumbers()
-        self.stale_dropped = 0
-        self.violations = 0
-        self.duplicate_steps = 0
-        self.lost_steps = 0
-        self.repairs = 0
+        self.stale_dropped = self.violations = self.duplicate_steps = self.lost_steps = self.repairs = 0
         self._draining = False
 
     def handlers(self):
-        return {
-            AddRequest: self.on_add,
-            StepOutputs: self.on_step,
-            AbortAck: self.on_ack,
-            ActorDown: self.on_actor_down,
-            CheckIdle: self.on_check,
-            Shutdown: self.on_shutdown_msg,
-        }
+        return {AddRequest: self.on_add, StepOutputs: self.on_step, AbortAck: self.on_ack, ActorDown: self.on_actor_down,
+                CheckIdle: self.on_check, Shutdown: self.on_shutdown_msg}  # fmt: skip
 
     async def on_start(self) -> None:
         token_table(self.tokenizer)  # build the byte tables now, not on the first request
@@ -119,8 +110,12 @@ class DetokenizerActor(Actor):
         rid = msg.request_id
         before = self.recent.get(rid)
         resumed = msg.resume_token_ids is not None  # a copy of a request: it replaces the one here (even CLOSED)
-        if rid in self.tombstones or (not resumed and (rid in self.live or before == CLOSED)):
-            if not resumed:  # (a copy of one this actor ended: the Abort it sent ends the copy too)
+        if (
+            rid in self.tombstones
+            or (resumed and before == ABORTED)
+            or (not resumed and (rid in self.live or before in (CLOSED, ABORTED)))
+        ):
+            if not resumed:  # (a copy of one aborted, or ended here: the Abort sent ends the copy too)
                 self._violation(rid, "AddRequest for an id already in use")
             return
         if resumed:
@@ -165,7 +160,7 @@ class DetokenizerActor(Actor):
                     self._tombstone(rid, state.abort_reason or "stop")
         for client, batch in batches.items():
             if batch.deltas or batch.finished:
-                self.tell(client, batch)
+                self._send(client, batch)
         self._find_lost()
 
     def on_ack(self, msg: AbortAck) -> None:
@@ -173,11 +168,9 @@ class DetokenizerActor(Actor):
         if rid in self.tombstones:
             self._close_tombstone(rid)
         elif rid in self.live:
-            client = self.live[rid].client
             finished = self.live[rid].abort("abort")
             finished.stop_reason = msg.reason  # why it was aborted: client | stop | shutdown | ...
-            self._close(rid)
-            self.tell(client, finished)
+            self._end(rid, finished, aborted=True)
         else:
             self._violation(rid, "AbortAck")
 
@@ -195,11 +188,7 @@ class DetokenizerActor(Actor):
                 self._tombstone(rid, "client")
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
-        details = {
-            "live": len(self.live),
-            "tombstones": len(self.tombstones),
-            "pending_asks": self.pending_asks,
-        }
+        details = {"live": len(self.live), "tombstones": len(self.tombstones), "pending_asks": self.pending_asks}
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     def on_shutdown_msg(self, msg: Shutdown) -> None:
@@ -216,24 +205,36 @@ class DetokenizerActor(Actor):
         while (self.live or self.tombstones) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for rid in list(self.live):  # the scheduler did not end it (it is not shutting down, or too slow)
-            client, finished = self.live[rid].client, self.live[rid].abort("abort")
+            finished = self.live[rid].abort("abort")
             finished.stop_reason = reason
-            self._close(rid)
-            self.tell(client, finished)
+            self._end(rid, finished, aborted=True)
             self._abort(rid, reason)
 
     # ------------------------------------------------------------ bookkeeping
 
-    def _close(self, rid: str) -> None:
-        self.live.pop(rid, None)
-        self.recent.remember(rid, CLOSED)
+    def _send(self, client: str, batch: TextOutputs, marker: bool = False) -> None:
+        """Every message to a client is numbered; a client sent output since the last marker gets one later."""
+        batch.number = self.numbers.get(client, 0)
+        self.numbers[client] = batch.number + 1
+        if not marker:
+            self.unmarked.add(client)
+        self.tell(client, batch)
+
+    def _end(self, rid: str, finished: Finished, aborted: bool = False) -> None:
+        """Send a LIVE request's Finished on its own, and close it."""
+        client = self.live[rid].client
+        self._close(rid, aborted)
+        self._send(client, TextOutputs(step=-1, deltas=[], finished=[finished]))
+
+    def _close(self, rid: str, aborted: bool = False) -> None:
+        self.live.pop(rid)
+        self.recent.remember(rid, ABORTED if aborted else CLOSED)
 
     def _fail(self, rid: str, error: str, abort: bool) -> None:
         """End a LIVE request with an error; with `abort`, the engine still runs it: TOMBSTONED."""
-        client, finished = self.live[rid].client, self.live[rid].abort("error")
+        finished = self.live[rid].abort("error")
         finished.error = f"request {rid}: {error}"
-        self._close(rid)
-        self.tell(client, finished)
+        self._end(rid, finished)
         if abort:
             self._tombstone(rid, "error")
 
@@ -282,6 +283,9 @@ class DetokenizerActor(Actor):
         while True:
             await asyncio.sleep(self.stats_interval_s)
             self._find_lost()
+            for client in self.unmarked:
+                self._send(client, TextOutputs(step=-1, deltas=[]), marker=True)
+            self.unmarked.clear()
             self.tombstones.expire(time.monotonic(), self._abort)
             stats = DetokStats(
                 stale_outputs_dropped_total=self.stale_dropped,

@@ -86,9 +86,11 @@ class Grammars:
         """Compile `spec` within `timeout` seconds, or raise GrammarError."""
         with self._lock:
             future = self._running.get(spec)
-            if future is None:
+            new = future is None
+            if new:
                 future = self._running[spec] = self._pool.submit(self.compile, spec)
-                future.add_done_callback(lambda _: self._forget(spec))
+        if new:  # outside the lock: a compile already done runs the callback here, and it takes the lock
+            future.add_done_callback(lambda _: self._forget(spec))
         try:
             future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -112,7 +114,7 @@ _BUILDING = threading.Lock()
 
 def grammars(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Grammars:
     """This process's Grammars for a model, built once: a caller that comes while another builds it (the warm-up)
-    waits for that one. (Two threads importing xgrammar at once can deadlock: measured, a compile never ended.)"""
+    waits for that one instead of building a second."""
     with _BUILDING:
         return _build(model_dir, vocab_size, stop_token_ids)
 

@@ -1,0 +1,175 @@
+"""The scheduler actor's request intake: AddRequest, Abort and ActorDown, admission, the grammar compile, AbortAcks.
+
+A mixin of SchedulerActor (actors/engine/scheduler_actor.py), on its state: `sched` (the Scheduler), `recent`
+(the last 65536 ids, RecentIds), `compiling`, `resuming`, `silent`, `abort_reasons`, `queued`.
+
+Cases (DESIGN section 3; request state at the scheduler x event -> action):
+  waiting / preempted        Abort -> removed from the queue, AbortAck now
+  mid chunked prefill        Abort -> dropped from the next batch; AbortAck when no in-flight step reads its blocks
+  decoding, step in flight   Abort -> its sample of that step is discarded (counted); blocks freed, then AbortAck
+  decoding, nothing in flight Abort -> blocks freed, AbortAck now
+  finished (terminal sent)   Abort -> late abort: ignored, counted (the detokenizer has the terminal entry)
+  aborted twice              Abort -> late abort: ignored, counted
+  compiling its grammar      Abort -> dropped, AbortAck now (the compile finishes unused)
+  unknown (never added)      Abort -> late abort, counted; remembered: if its AddRequest comes after all (the
+                                      link reordered them), it is registered and acked at once, never run
+  added before               AddRequest -> a duplicate (ids are unique, DESIGN I1): dropped, logged
+  unknown or live            AddRequest(resumed, DESIGN I8) -> a live copy is aborted silently; once no copy is left,
+                                      registered and admitted with its delivered tokens, outputs from their count on
+  resumed, copy not yet freed Abort -> remembered: registered and acked at once when the copy is freed
+  any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from actors.engine.grammar import GrammarError, Matcher, grammars
+from actors.engine.guidance import guidance_error
+from actors.engine.request import EngineRequest
+from messages.sampling_params import ParamError
+from messages.wire import Abort, AbortAck, ActorDown, AddRequest, RequestOutput, StepOutputs
+
+log = logging.getLogger("sluice.engine")
+
+ADDED = "\0added"  # in `recent`: the request was added ((ADDED, reason) once aborted), or the reason of an Abort
+# that came before it
+
+
+class RequestIntake:
+    def on_add(self, msg: AddRequest) -> None:
+        rid = msg.request_id
+        note = early_abort = self.recent.get(rid)
+        if msg.resume_token_ids is not None:  # a copy of an aborted request is registered and acked at once
+            if self._resume_later(msg):
+                return
+            early_abort = note[1] if isinstance(note, tuple) else None if note == ADDED else note
+        elif note == ADDED or isinstance(note, tuple) or rid in self.sched.requests:
+            self.duplicates += 1
+            log.warning("[%s] duplicate AddRequest dropped", rid)
+            return
+        self.recent.remember(rid, ADDED if early_abort is None else (ADDED, early_abort))
+        self.tell(self.config.detokenizer, msg)  # registration precedes every output (FIFO link)
+        if early_abort is not None:
+            log.info("[%s] aborted before it arrived (%s)", rid, early_abort)
+            self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=early_abort))
+            return
+        error = self._validate(msg)
+        if error:
+            self._reject(msg, error)
+        elif msg.params.structured is not None:
+            self.compiling[rid] = msg
+            self.spawn(self._compile(msg))
+        else:
+            self._admit(msg)
+
+    def _resume_later(self, msg: AddRequest) -> bool:
+        """A resumed request whose earlier copy is still here (the detokenizer restarted while it ran) waits until
+        that copy, aborted silently, is freed; a copy still compiling is dropped now."""
+        rid = msg.request_id
+        self.compiling.pop(rid, None)
+        if rid not in self.sched.requests:
+            log.info("[%s] resumed after %d tokens", rid, len(msg.resume_token_ids))
+            return False
+        if self.sched.abort(rid):
+            self.silent.add(rid)
+        self.resuming[rid] = msg
+        self._send_acks()  # admits it now if the copy is freed already
+        return True
+
+    def _admit(self, msg: AddRequest, grammar: Matcher | None = None) -> None:
+        self.sched.add_request(EngineRequest.from_msg(msg, self.model.bos_token_id, grammar))
+        if self.config.stats_to:
+            self.queued[msg.request_id] = time.monotonic()
+        self._work.set()
+
+    def _reject(self, msg: AddRequest, error: str) -> None:
+        log.warning("[%s] rejected: %s", msg.request_id, error)
+        seq = len(msg.resume_token_ids or [])
+        out = RequestOutput(
+            request_id=msg.request_id,
+            seq=seq,
+            new_token_ids=[],
+            finish_reason="error",
+            error=error,
+            attempt=msg.attempt,
+        )
+        self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
+
+    async def _compile(self, msg: AddRequest) -> None:
+        """A constrained request's matcher, compiled off the loop; then it joins the queue (unless aborted)."""
+        try:
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: grammars(*self.grammar_key).matcher(msg.params.structured, msg.resume_token_ids or ())
+            )
+        except GrammarError as e:
+            grammar, error = None, f"invalid structured output: {e}"
+        if self.compiling.get(msg.request_id) is not msg:
+            return  # aborted meanwhile (acked then), or resumed (a newer copy compiles)
+        del self.compiling[msg.request_id]
+        if grammar is None:
+            self._reject(msg, error)
+        else:
+            self._admit(msg, grammar)
+
+    def _validate(self, msg: AddRequest) -> str | None:
+        if not self.admitting:
+            return "the server is shutting down"
+        n = len(msg.prompt_token_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_model_len:
+            return f"the prompt has {n} tokens; max_model_len is {self.max_model_len}"
+        try:
+            msg.params.verify(self.model.vocab_size, limits=None)  # validity; the frontend enforced its limits
+        except ParamError as e:
+            return str(e)
+        resumed = msg.resume_token_ids or []
+        bad = next((t for t in msg.prompt_token_ids + resumed if not 0 <= t < self.model.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary"
+        if resumed and (len(resumed) >= msg.params.max_tokens or n + len(resumed) >= self.max_model_len):
+            return f"resumed after {len(resumed)} tokens: nothing is left to generate"
+        return guidance_error(msg.params, self.config, self.model) if msg.params.guided else None
+
+    def on_abort(self, msg: Abort) -> None:
+        if msg.request_id in self.resuming:  # registered, then acked at once, when its earlier copy is freed
+            self.recent.remember(msg.request_id, msg.reason)
+        elif self.compiling.pop(msg.request_id, None) is not None:
+            log.info("[%s] aborted while its grammar compiled (%s)", msg.request_id, msg.reason)
+            self.recent.remember(msg.request_id, (ADDED, msg.reason))
+            self.tell(self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason))
+        elif self.sched.abort(msg.request_id):
+            self.abort_reasons[msg.request_id] = msg.reason
+            self.recent.remember(msg.request_id, (ADDED, msg.reason))
+            log.info("[%s] aborted (%s)", msg.request_id, msg.reason)
+            self._send_acks()
+        else:
+            self.late_aborts += 1
+            log.debug("[%s] late abort (%s) ignored", msg.request_id, msg.reason)
+            if msg.request_id not in self.recent:
+                self.recent.remember(msg.request_id, msg.reason)
+
+    def _send_acks(self) -> None:
+        for rid in self.sched.drain_aborted():
+            reason = self.abort_reasons.pop(rid, "client")
+            self.queued.pop(rid, None)  # aborted before it was scheduled
+            if rid in self.silent:
+                self.silent.discard(rid)
+            else:
+                self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=reason))
+        for rid in [r for r in self.resuming if r not in self.sched.requests]:
+            self.on_add(self.resuming.pop(rid))
+
+    def on_actor_down(self, msg: ActorDown) -> None:
+        if msg.actor != self.config.detokenizer:
+            return
+        live = [r.request_id for r in (*self.sched.waiting, *self.sched.running)]
+        log.warning("detokenizer down: aborting %d requests silently", len(live) + len(self.compiling))
+        self.silent.update(live)
+        self.compiling.clear()
+        for rid in live:
+            self.sched.abort(rid)
+        self._send_acks()
