@@ -18,7 +18,8 @@ from messages.wire import AddRequest
 
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
-MAX_ATTEMPTS = 8  # a request re-submitted this many times (AddRequest.attempt) is failed at its next loss
+MAX_ATTEMPTS = 32  # a request re-submitted this many times (AddRequest.attempt) is failed at its next loss (a loss
+# repairs every request that may have been in the lost message: a long request under steady loss collects many)
 
 
 class RecentIds(dict):

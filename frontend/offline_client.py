@@ -71,7 +71,10 @@ class ClientActor(Actor):
 
     def add(self, msg: AddRequest) -> Stream:
         stream = self.streams[msg.request_id] = Stream(RequestRecord(msg, self.link.last))
-        self.tell(SCHEDULER, msg)
+        if self.stopped:  # the system is gone: the stream ends at once
+            self._fail(msg.request_id, "the system stopped")
+        else:
+            self.tell(SCHEDULER, msg)
         return stream
 
     def on_text(self, msg: TextOutputs) -> None:
@@ -140,6 +143,10 @@ class ClientActor(Actor):
     def fail_all(self, error: str) -> None:
         for rid in list(self.streams):
             self._fail(rid, error)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
 
     def stop(self) -> None:
         """The system stopped (also when it gave up restarting a process): no stream waits on."""

@@ -237,7 +237,12 @@ async def chaos(
     try:
         got = await asyncio.wait_for(run(chaos_llm, jobs, aborts=True), timeout_s)
     except TimeoutError:
-        return Report(problems=[f"hang: {len(chaos_llm.client.streams)} streams never ended"])
+        stuck = [
+            f"{rid}: attempt {s.record.attempt}, {s.record.num_tokens} tokens, heard {s.record.heard}"
+            for rid, s in list(chaos_llm.client.streams.items())[:5]
+        ]
+        reports = await chaos_llm.idle_reports()
+        return Report(problems=[f"hang: {len(chaos_llm.client.streams)} streams never ended", *stuck, str(reports)])
     client = chaos_llm.client
     problems = [f"{client.outputs_after_finished} outputs after a Finished"] if client.outputs_after_finished else []
     for _ in range(500):

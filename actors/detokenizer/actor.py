@@ -18,8 +18,9 @@ Cases (state x event -> action):
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it is repaired
-  CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped; a copy of an aborted
-                                     one (a repair its AbortAck overtook): dropped
+  CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped; a copy (resumed) of
+                                     an aborted one: its client gets Finished(abort) again (it lost it, or the
+                                     AbortAck overtook a repair), no state is kept
   not TOMBSTONED AddRequest(resumed) -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
   TOMBSTONED AddRequest(resumed)  -> ignored: the Abort this actor sent ends that copy too
   any        ActorDown(scheduler) -> every request forgotten silently (their client re-submits the live ones as
@@ -35,8 +36,8 @@ second; arriving later it is a duplicate). A lost step may have held tokens or t
 live request not heard from since: those are repaired (a request the engine had finished is run again
 from what its client has). Reorders are not buffered (a link is one FIFO pipe: a reorder is a fault or a
 bug), which keeps a reorder buffer and its timer off the hot path. Messages to a client are numbered the
-same way (TextOutputs.number), and one sent output gets an empty marker at the next housekeeping tick, so
-the loss of its last message shows too: the client repairs what that message may have held.
+same way (TextOutputs.number), and one sent output gets an empty marker at each housekeeping tick for a
+while, so the loss of its last message shows too: the client repairs what that message may have held.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ log = logging.getLogger("sluice.detokenizer")
 
 SCHEDULER = "scheduler"
 SHUTDOWN_DRAIN_S = 5.0
-CLOSED, ABORTED, ORPHAN = "closed", "aborted", "orphan"  # `recent`: what became of an id not live (ORPHAN: output
-# came for it unregistered)
+MARKERS_FOR_S = 5.0  # a client gets a marker at each housekeeping tick this long after its last output
+CLOSED, ABORTED, ORPHAN = "closed", "aborted", "orphan"  # `recent`: what became of an id not live
 
 
 class DetokenizerActor(Actor):
@@ -91,9 +92,9 @@ class DetokenizerActor(Actor):
         self.stats_interval_s = stats_interval_s
         self.live: dict[str, DetokRequestState] = {}
         self.numbers: dict[str, int] = {}  # client -> the number of its next TextOutputs
-        self.unmarked: set[str] = set()  # clients sent output since the last marker
+        self.last_sent: dict[str, float] = {}  # client -> when it was last sent output
         self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
-        self.recent = RecentIds()  # ids not live: CLOSED | ABORTED | ORPHAN
+        self.recent = RecentIds()  # ids not live: CLOSED | (ABORTED, reason) | ORPHAN (output came unregistered)
         self.steps = StepNumbers()
         self.stale_dropped = self.violations = self.duplicate_steps = self.lost_steps = self.repairs = 0
         self._draining = False
@@ -110,12 +111,14 @@ class DetokenizerActor(Actor):
         rid = msg.request_id
         before = self.recent.get(rid)
         resumed = msg.resume_token_ids is not None  # a copy of a request: it replaces the one here (even CLOSED)
-        if (
-            rid in self.tombstones
-            or (resumed and before == ABORTED)
-            or (not resumed and (rid in self.live or before in (CLOSED, ABORTED)))
-        ):
-            if not resumed:  # (a copy of one aborted, or ended here: the Abort sent ends the copy too)
+        aborted = isinstance(before, tuple)  # (ABORTED, reason)
+        if resumed and aborted:  # its client lost the Finished(abort): it is told again (the engine acks the copy)
+            fin = Finished(request_id=rid, finish_reason="abort", stop_reason=before[1], attempt=msg.attempt)
+            fin.num_prompt_tokens, fin.num_output_tokens = len(msg.prompt_token_ids), len(msg.resume_token_ids)
+            self._send(msg.client, TextOutputs(step=-1, deltas=[], finished=[fin]))
+            return
+        if rid in self.tombstones or (not resumed and (rid in self.live or before == CLOSED or aborted)):
+            if not resumed:  # (a copy of one ended here: the Abort sent ends the copy too)
                 self._violation(rid, "AddRequest for an id already in use")
             return
         if resumed:
@@ -170,7 +173,7 @@ class DetokenizerActor(Actor):
         elif rid in self.live:
             finished = self.live[rid].abort("abort")
             finished.stop_reason = msg.reason  # why it was aborted: client | stop | shutdown | ...
-            self._end(rid, finished, aborted=True)
+            self._end(rid, finished, aborted=finished.stop_reason)
         else:
             self._violation(rid, "AbortAck")
 
@@ -207,28 +210,28 @@ class DetokenizerActor(Actor):
         for rid in list(self.live):  # the scheduler did not end it (it is not shutting down, or too slow)
             finished = self.live[rid].abort("abort")
             finished.stop_reason = reason
-            self._end(rid, finished, aborted=True)
+            self._end(rid, finished, aborted=finished.stop_reason)
             self._abort(rid, reason)
 
     # ------------------------------------------------------------ bookkeeping
 
     def _send(self, client: str, batch: TextOutputs, marker: bool = False) -> None:
-        """Every message to a client is numbered; a client sent output since the last marker gets one later."""
+        """Every message to a client is numbered; after output, markers follow for MARKERS_FOR_S."""
         batch.number = self.numbers.get(client, 0)
         self.numbers[client] = batch.number + 1
         if not marker:
-            self.unmarked.add(client)
+            self.last_sent[client] = time.monotonic()
         self.tell(client, batch)
 
-    def _end(self, rid: str, finished: Finished, aborted: bool = False) -> None:
+    def _end(self, rid: str, finished: Finished, aborted: str | None = None) -> None:
         """Send a LIVE request's Finished on its own, and close it."""
         client = self.live[rid].client
         self._close(rid, aborted)
         self._send(client, TextOutputs(step=-1, deltas=[], finished=[finished]))
 
-    def _close(self, rid: str, aborted: bool = False) -> None:
+    def _close(self, rid: str, aborted: str | None = None) -> None:
         self.live.pop(rid)
-        self.recent.remember(rid, ABORTED if aborted else CLOSED)
+        self.recent.remember(rid, CLOSED if aborted is None else (ABORTED, aborted))
 
     def _fail(self, rid: str, error: str, abort: bool) -> None:
         """End a LIVE request with an error; with `abort`, the engine still runs it: TOMBSTONED."""
@@ -283,9 +286,9 @@ class DetokenizerActor(Actor):
         while True:
             await asyncio.sleep(self.stats_interval_s)
             self._find_lost()
-            for client in self.unmarked:
-                self._send(client, TextOutputs(step=-1, deltas=[]), marker=True)
-            self.unmarked.clear()
+            for client, sent in self.last_sent.items():
+                if time.monotonic() - sent < MARKERS_FOR_S:
+                    self._send(client, TextOutputs(step=-1, deltas=[]), marker=True)
             self.tombstones.expire(time.monotonic(), self._abort)
             stats = DetokStats(
                 stale_outputs_dropped_total=self.stale_dropped,

@@ -139,11 +139,11 @@ class RequestIntake:
             self.recent.remember(msg.request_id, msg.reason)
         elif self.compiling.pop(msg.request_id, None) is not None:
             log.info("[%s] aborted while its grammar compiled (%s)", msg.request_id, msg.reason)
-            self.recent.remember(msg.request_id, (ADDED, msg.reason))
+            self._aborted(msg)
             self.tell(self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason))
         elif self.sched.abort(msg.request_id):
             self.abort_reasons[msg.request_id] = msg.reason
-            self.recent.remember(msg.request_id, (ADDED, msg.reason))
+            self._aborted(msg)
             log.info("[%s] aborted (%s)", msg.request_id, msg.reason)
             self._send_acks()
         else:
@@ -151,6 +151,12 @@ class RequestIntake:
             log.debug("[%s] late abort (%s) ignored", msg.request_id, msg.reason)
             if msg.request_id not in self.recent:
                 self.recent.remember(msg.request_id, msg.reason)
+
+    def _aborted(self, msg: Abort) -> None:
+        """A later copy of a request its client aborted is acked at once; a copy of one the detokenizer ended (a stop
+        string: its client re-submits it if it lost the Finished) runs, and ends at the stop string again."""
+        if msg.reason != "stop":
+            self.recent.remember(msg.request_id, (ADDED, msg.reason))
 
     def _send_acks(self) -> None:
         for rid in self.sched.drain_aborted():

@@ -170,22 +170,21 @@ class ActorSystem:
         for actor in dead:
             self.router.forget(actor)
             self.broadcast(ActorDown(actor=actor, reason=f"process {proc} exited"), exclude=dead)
-        now = time.monotonic()
-        while self.restarts and now - self.restarts[0] > self.policy.window_s:
-            self.restarts.popleft()
-        if len(self.restarts) >= self.policy.max_restarts:
-            log.error("restart intensity exceeded (%d in %ss): stopping", len(self.restarts), self.policy.window_s)
-            self.exit_code = 1
-            await self.stop()
-            return
-        self.restarts.append(now)
-        try:
-            await self._spawn(proc)
-        except StartupError as e:
-            log.error("restart of %s failed: %s", proc, e)
-            self.exit_code = 1
-            await self.stop()
-            return
+        while True:  # a restart that dies during its startup is tried again, within the same bound
+            now = time.monotonic()
+            while self.restarts and now - self.restarts[0] > self.policy.window_s:
+                self.restarts.popleft()
+            if len(self.restarts) >= self.policy.max_restarts:
+                log.error("restart intensity exceeded (%d in %ss): stopping", len(self.restarts), self.policy.window_s)
+                self.exit_code = 1
+                await self.stop()
+                return
+            self.restarts.append(now)
+            try:
+                await self._spawn(proc)
+                break
+            except StartupError as e:
+                log.error("restart of %s failed: %s", proc, e)
         for actor in dead:
             self.broadcast(ActorUp(actor=actor), exclude=[])
 
