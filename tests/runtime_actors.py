@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from actors.runtime import Actor
@@ -26,6 +27,19 @@ class Echo(Actor):
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = {"bad_frames": self.inbox.bad_frames, "handled": self.handled, "unexpected": self.unexpected}
         return IdleReport(actor=self.name, details=details)
+
+
+class FailsOnceAtStart(Echo):
+    """An Echo that exits during its startup once, when the file `marker` exists (consumed): a death mid-restart."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker = marker
+
+    async def on_start(self) -> None:
+        if os.path.exists(self.marker):
+            os.unlink(self.marker)
+            os._exit(1)
 
 
 class Recorder(Actor):

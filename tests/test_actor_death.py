@@ -148,4 +148,6 @@ async def test_shutdown_aborts_in_flight_requests_and_exits_zero(llm):
         fin = await run.done(timeout=1)
         assert (fin.finish_reason, fin.stop_reason) == ("abort", "shutdown")
     assert {proc: child.exitcode for proc, child in llm.system.children.items()} == {"engine": 0, "detokenizer": 0}
+    late = start(llm, [60, 61], SHORT)  # after the stop: ends at once, never waits
+    assert (await late.done(timeout=1)).error == "the system stopped"
     assert not any(alive(pid) for pid in pids.values()) and not zombie_children()

@@ -7,12 +7,17 @@ come from the fault-free engine; the idle invariant holds after every test.
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
 import pytest
 
 from actors.runtime import FaultPlan, FaultRule
 from actors.runtime.faults import FaultInjector
 from frontend.offline import AsyncLLM
+from frontend.offline_client import CLIENT
 from messages.sampling_params import SamplingParams
+from messages.wire import AddRequest
 from tests.cancel_harness import (
     LONG_PROMPT,
     STOP_PROMPT,
@@ -243,3 +248,22 @@ async def test_lost_step_outputs_are_repaired(model_dir, clean_llm):  # noqa: F8
         _, detok = await llm.fresh_stats()
     assert [key(r) for r in runs] == want
     assert detok.repairs_total > 0
+
+
+async def test_a_copy_of_an_aborted_request_is_told_its_abort_again(clean_llm):  # noqa: F811
+    """A client that lost the Finished(abort) of a request it aborted re-submits it (a resumed copy): the
+    detokenizer answers Finished(abort) again, keeping no state, and the engine never runs the copy."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    run = start(clean_llm, [5, 6], params)
+    await run.wait_tokens(2)
+    clean_llm.abort(run.request_id)
+    assert (await run.done()).finish_reason == "abort"
+    await assert_idle(clean_llm)
+    engine0, _ = await clean_llm.fresh_stats()
+    copy = AddRequest(request_id=run.request_id, prompt_token_ids=[5, 6], params=params, client=CLIENT)
+    stream = clean_llm.client.add(msgspec.structs.replace(copy, resume_token_ids=[], attempt=1))
+    fin = await asyncio.wait_for(stream.queue.get(), 20)
+    assert (fin.finish_reason, fin.stop_reason, fin.attempt) == ("abort", "client", 1)
+    await assert_idle(clean_llm)
+    engine1, _ = await clean_llm.fresh_stats()
+    assert engine1.generation_tokens_total == engine0.generation_tokens_total

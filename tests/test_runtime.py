@@ -117,6 +117,25 @@ async def test_restart_intensity_exceeded_stops_nonzero():
         await system.stop()
 
 
+async def test_a_restart_that_dies_during_startup_is_tried_again(tmp_path):
+    """Within max_restarts, a process that dies while it restarts is restarted again (not the system stopped)."""
+    marker = tmp_path / "fail-next-start"
+    spec = ProcessSpec(
+        name="echoproc",
+        actors=[
+            ActorSpec(name="echo", factory="tests.runtime_actors:FailsOnceAtStart", kwargs={"marker": str(marker)})
+        ],
+    )
+    recorder = Recorder()
+    async with ActorSystem([spec], local=[recorder], policy=FAST) as system:
+        marker.touch()
+        system.kill("echoproc")
+        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert not marker.exists() and not system.done.is_set() and len(system.restarts) == 2
+        recorder.tell("echo", Probe(seq=3))
+        await wait_for(lambda: len(recorder.probes) == 1)
+
+
 LAUNCHER = """
 import asyncio, sys
 from actors.runtime import ActorSpec, ActorSystem, ProcessSpec

@@ -18,13 +18,11 @@ Cases (state x event -> action):
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it is repaired
-  CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped; a copy (resumed) of
-                                     an aborted one: its client gets Finished(abort) again (it lost it, or the
-                                     AbortAck overtook a repair), no state is kept
-  not TOMBSTONED AddRequest(resumed) -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
+  CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
+  aborted    AddRequest(resumed)  -> its client gets Finished(abort) again (it lost it), no state is kept
   TOMBSTONED AddRequest(resumed)  -> ignored: the Abort this actor sent ends that copy too
-  any        ActorDown(scheduler) -> every request forgotten silently (their client re-submits the live ones as
-                                     resumed requests, or fails them); tombstones cleared
+  other      AddRequest(resumed)  -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
+  any        ActorDown(scheduler) -> every request forgotten silently (clients re-submit the live ones)
   any        ActorDown(client)    -> its LIVE requests are tombstoned and aborted in the engine
   any        Shutdown             -> handles messages on until every request is closed (the scheduler aborts them
                                      all), at most SHUTDOWN_DRAIN_S; what is left ends as abort
@@ -110,19 +108,23 @@ class DetokenizerActor(Actor):
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
         before = self.recent.get(rid)
-        resumed = msg.resume_token_ids is not None  # a copy of a request: it replaces the one here (even CLOSED)
-        aborted = isinstance(before, tuple)  # (ABORTED, reason)
+        resumed, aborted = msg.resume_token_ids is not None, isinstance(before, tuple)  # (ABORTED, reason)
         if resumed and aborted:  # its client lost the Finished(abort): it is told again (the engine acks the copy)
-            fin = Finished(request_id=rid, finish_reason="abort", stop_reason=before[1], attempt=msg.attempt)
-            fin.num_prompt_tokens, fin.num_output_tokens = len(msg.prompt_token_ids), len(msg.resume_token_ids)
+            fin = Finished(
+                request_id=rid,
+                finish_reason="abort",
+                stop_reason=before[1],
+                num_prompt_tokens=len(msg.prompt_token_ids),
+                num_output_tokens=len(msg.resume_token_ids),
+                attempt=msg.attempt,
+            )
             self._send(msg.client, TextOutputs(step=-1, deltas=[], finished=[fin]))
             return
         if rid in self.tombstones or (not resumed and (rid in self.live or before == CLOSED or aborted)):
             if not resumed:  # (a copy of one ended here: the Abort sent ends the copy too)
                 self._violation(rid, "AddRequest for an id already in use")
             return
-        if resumed:
-            before = None  # outputs seen before it were an older copy's
+        before = None if resumed else before  # outputs seen before a copy were an older copy's
         self.recent.pop(rid, None)
         state = self.live[rid] = DetokRequestState(msg, self.tokenizer)
         state.heard = self.steps.last
@@ -141,7 +143,7 @@ class DetokenizerActor(Actor):
                 if rid in self.tombstones:
                     self.stale_dropped += 1
                     if out.finish_reason is not None:
-                        self._close_tombstone(rid)
+                        self.tombstones.pop(rid, None)
                 else:
                     self._violation(rid, f"StepOutputs entry seq {out.seq}")
                 continue
@@ -169,11 +171,9 @@ class DetokenizerActor(Actor):
     def on_ack(self, msg: AbortAck) -> None:
         rid = msg.request_id
         if rid in self.tombstones:
-            self._close_tombstone(rid)
+            self.tombstones.pop(rid, None)
         elif rid in self.live:
-            finished = self.live[rid].abort("abort")
-            finished.stop_reason = msg.reason  # why it was aborted: client | stop | shutdown | ...
-            self._end(rid, finished, aborted=finished.stop_reason)
+            self._end_aborted(rid, msg.reason)
         else:
             self._violation(rid, "AbortAck")
 
@@ -208,9 +208,7 @@ class DetokenizerActor(Actor):
         while (self.live or self.tombstones) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for rid in list(self.live):  # the scheduler did not end it (it is not shutting down, or too slow)
-            finished = self.live[rid].abort("abort")
-            finished.stop_reason = reason
-            self._end(rid, finished, aborted=finished.stop_reason)
+            self._end_aborted(rid, reason)
             self._abort(rid, reason)
 
     # ------------------------------------------------------------ bookkeeping
@@ -222,6 +220,11 @@ class DetokenizerActor(Actor):
         if not marker:
             self.last_sent[client] = time.monotonic()
         self.tell(client, batch)
+
+    def _end_aborted(self, rid: str, reason: str) -> None:
+        finished = self.live[rid].abort("abort")
+        finished.stop_reason = reason  # why it was aborted: client | stop | shutdown | ...
+        self._end(rid, finished, aborted=reason)
 
     def _end(self, rid: str, finished: Finished, aborted: str | None = None) -> None:
         """Send a LIVE request's Finished on its own, and close it."""
@@ -247,9 +250,6 @@ class DetokenizerActor(Actor):
 
     def _abort(self, rid: str, reason: str) -> None:
         self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
-
-    def _close_tombstone(self, rid: str) -> None:
-        self.tombstones.pop(rid, None)
 
     def _violation(self, rid: str, what: str) -> None:
         self.violations += 1

@@ -64,8 +64,7 @@ class DetokRequestState:
     def __init__(self, request: AddRequest, tokenizer: Tokenizer, *, method: str | None = None):
         params = request.params
         self.request = request  # the record a repair re-submits, with what the client has so far:
-        self.output_ids = list(request.resume_token_ids or [])  # ... the tokens
-        self.num_chars = request.resume_chars  # ... and the characters of text
+        self.output_ids = list(request.resume_token_ids or [])  # ... the tokens (every token processed)
         self.attempt = request.attempt
         self.client = request.client  # the actor that receives its text
         self.heard = -1  # the actor's: the last step that registered it or had an entry of it
@@ -73,7 +72,6 @@ class DetokRequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.num_output_tokens = 0
         self.finished = False
         self.abort_reason: str | None = None
         self.duplicates_dropped = 0
@@ -86,14 +84,7 @@ class DetokRequestState:
         self._error: str | None = None
         self._plain = False  # may `process` take its hot path? (decided by _process)
         try:
-            self._detok = IncrementalDetokenizer(
-                tokenizer,
-                request.prompt_token_ids,
-                params.skip_special_tokens,
-                params.spaces_between_special_tokens,
-                method=method,
-                request_id=request.request_id,
-            )
+            self._detok = self._new_detok(method)
         except ValueError as e:  # an out-of-vocab prompt id: the first output fails the request
             self._error = f"invalid prompt: {e}"
         if request.resume_token_ids and self._error is None:
@@ -102,7 +93,6 @@ class DetokRequestState:
     def _resume(self, token_ids: list[int], delivered: int) -> None:
         """A resumed request (DESIGN I8): decode the tokens its client has; the text past the `delivered`
         characters it has is the held-back text (a mismatch fails the request rather than corrupt its text)."""
-        self.num_output_tokens = len(token_ids)
         try:
             text = self._detok.step(token_ids)
         except Exception as e:
@@ -114,15 +104,19 @@ class DetokRequestState:
         elif delivered != len(text):
             self._error = f"cannot resume: {delivered} characters delivered, the tokens decode to {len(text)}"
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
     def process(self, out: RequestOutput) -> tuple[TextDelta | None, Finished | None]:
         """Consume one engine entry: the text to stream now, or the request's Finished (exactly once).
         A duplicate entry returns (None, None) and counts in `duplicates_dropped`. The actor drops
         outputs of finished (tombstoned) requests before calling this."""
-        if out.seq != self.num_output_tokens or out.finish_reason is not None or not self._plain:
+        if out.seq != len(self.output_ids) or out.finish_reason is not None or not self._plain:
             return self._process(out)
         # The hot path, a subset of _process: an in-order, unfinished entry past min_tokens, no logprobs.
         ids = out.new_token_ids
-        self.num_output_tokens += len(ids)
+        self.output_ids += ids
         try:
             text = self._detok.step(ids)
         except Exception as e:  # an id outside the vocabulary, a tokenizer error: fail this request only
@@ -132,13 +126,20 @@ class DetokRequestState:
             if matched is not None:
                 self.abort_reason = "stop"
                 return None, self._finish(out, "stop", matched, text)
-        return self._delta(out, text), None
+        return TextDelta(
+            request_id=self.request_id,
+            seq=out.seq,
+            text=text,
+            token_ids=ids,
+            logprobs=out.logprobs,
+            attempt=self.attempt,
+        ), None
 
     def _process(self, out: RequestOutput) -> tuple[TextDelta | None, Finished | None]:
         ids = out.new_token_ids
         if self.finished:
             raise RuntimeError(f"request {self.request_id}: output after Finished")
-        n_before = self.num_output_tokens
+        n_before = len(self.output_ids)
         if out.seq != n_before:
             if out.seq < n_before and out.seq + len(ids) <= n_before:
                 self.duplicates_dropped += 1
@@ -146,7 +147,7 @@ class DetokRequestState:
             return None, self._fail(out, f"output seq {out.seq} ({len(ids)} tokens), expected seq {n_before}")
         if self._error is not None or out.finish_reason == "error" or out.error is not None:
             return None, self._fail(out, self._error or out.error or "engine error")
-        self.num_output_tokens = n_before + len(ids)
+        self.output_ids += ids
         self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self._plain = self._offsets is None and self.num_output_tokens >= self.params.min_tokens
@@ -165,25 +166,33 @@ class DetokRequestState:
             return None, self._finish(out, "stop", matched, text)
         if out.finish_reason is not None:
             return None, self._finish_naturally(out, text)
-        return self._delta(out, text), None
-
-    def _delta(self, out: RequestOutput, text: str) -> TextDelta:
-        """The text released for a non-terminal entry, noted in the record (what the client has)."""
-        self.output_ids += out.new_token_ids
-        self.num_chars += len(text)
         return TextDelta(
             request_id=self.request_id,
             seq=out.seq,
             text=text,
-            token_ids=out.new_token_ids,
+            token_ids=ids,
             logprobs=out.logprobs,
             attempt=self.attempt,
-        )
+        ), None
 
     def resume_request(self) -> AddRequest:
-        """The next copy of the request, from what the client has (a repair, DESIGN I6): the stream goes on there."""
+        """The next copy of the request, from what its client has (a repair, DESIGN I6): the stream goes on there.
+        The characters of text it has are found here, off the per-token path: what all its tokens decode to, less
+        the held-back text."""
+        chars = len(self._new_detok(self._detok.method).step(self.output_ids)) - (self._stop.held if self._stop else 0)
         return msgspec.structs.replace(
-            self.request, resume_token_ids=self.output_ids, resume_chars=self.num_chars, attempt=self.attempt + 1
+            self.request, resume_token_ids=list(self.output_ids), resume_chars=chars, attempt=self.attempt + 1
+        )
+
+    def _new_detok(self, method: str | None) -> IncrementalDetokenizer:
+        p = self.params
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            self.request.prompt_token_ids,
+            p.skip_special_tokens,
+            p.spaces_between_special_tokens,
+            method=method,
+            request_id=self.request_id,
         )
 
     def process_run(self, out: RequestOutput) -> tuple[list[TextDelta], Finished | None]:

@@ -50,6 +50,11 @@ class StopChecker:
         were emitted; the rest is what was held back."""
         self._tail = text[self._held_from(text) :] if self.include_stop_str_in_output else text[delivered:]
 
+    @property
+    def held(self) -> int:
+        """How many characters fed so far are held back (not yet emitted)."""
+        return 0 if self.include_stop_str_in_output else len(self._tail)
+
     def finish(self) -> str:
         """End of stream: release the held-back characters."""
         text = "" if self.include_stop_str_in_output else self._tail
