@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -114,10 +114,11 @@ class RequestRecord:
         )
 
 
-def lost_suspects(link: StepNumbers, records: dict[str, RequestRecord]) -> list[str]:
-    """The requests that may have had output in a message `link` now declares lost: not heard from since."""
+def lost_suspects(link: StepNumbers, records: Iterable[tuple[str, RequestRecord]]) -> list[str]:
+    """The requests that may have had output in a message `link` now declares lost: not heard from since.
+    `records` is read only then (a generator: nothing is built per message while nothing is lost)."""
     lost = link.lost()
-    return [rid for rid, r in records.items() if r.heard < max(lost)] if lost else []
+    return [rid for rid, r in records if r.heard < max(lost)] if lost else []
 
 
 class StepNumbers:

@@ -102,7 +102,7 @@ class ClientActor(Actor):
         self._find_lost()
 
     def _find_lost(self) -> None:
-        for rid in lost_suspects(self.link, {rid: s.record for rid, s in self.streams.items()}):
+        for rid in lost_suspects(self.link, ((rid, s.record) for rid, s in self.streams.items())):
             self._gap(rid, "a TextOutputs it may have been in was lost")
 
     async def _find_lost_on_a_quiet_link(self) -> None:

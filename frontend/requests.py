@@ -110,7 +110,7 @@ class RequestTable:
 
     def find_lost(self) -> None:
         """Repair the choices that may have had output in a TextOutputs now known to be lost."""
-        for rid in lost_suspects(self.link, {rid: c.record for rid, c in self.live.items()}):
+        for rid in lost_suspects(self.link, ((rid, c.record) for rid, c in self.live.items())):
             self._gap(self.live[rid], "a TextOutputs it may have been in was lost")
 
     def _on_delta(self, delta: TextDelta, now: float, number: int) -> None:
