@@ -18,8 +18,16 @@ from messages.wire import AddRequest
 
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
-MAX_ATTEMPTS = 32  # a request re-submitted this many times (AddRequest.attempt) is failed at its next loss (a loss
+MAX_ATTEMPTS = 32  # a request whose copy is numbered this high (AddRequest.attempt) fails at its next loss (a loss
 # repairs every request that may have been in the lost message: a long request under steady loss collects many)
+CLIENT_COPIES, DETOK_COPIES = 1, 0  # the parity of the attempt numbers each party gives the copies it makes
+
+
+def next_attempt(attempt: int, parity: int) -> int:
+    """The number of a new copy of a request whose newest known copy is `attempt`: the next one of the party's
+    parity. A client and the detokenizer may re-submit the same request at once, from different tokens; distinct
+    numbers let every party agree which copy is current (the highest: the scheduler drops a lower one)."""
+    return attempt + 1 if (attempt + 1) % 2 == parity else attempt + 2
 
 
 class RecentIds(dict):
@@ -86,7 +94,7 @@ class RequestRecord:
         self.num_chars = 0
         self.attempt = add.attempt
         self.deaths = 0  # engine-side deaths it was live at (a poison request's are bounded)
-        self.heard = heard  # the number of the last TextOutputs that had output of it (or that came before it)
+        self.heard = heard  # the number of the last TextOutputs whose output of it was taken (or that came before it)
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +116,7 @@ class RequestRecord:
         """The request's next copy, going on after what was received; None once it had MAX_ATTEMPTS copies."""
         if self.attempt >= MAX_ATTEMPTS:
             return None
-        self.attempt += 1
+        self.attempt = next_attempt(self.attempt, CLIENT_COPIES)
         return msgspec.structs.replace(
             self.add, resume_token_ids=list(self.token_ids), resume_chars=self.num_chars, attempt=self.attempt
         )

@@ -86,9 +86,9 @@ class ClientActor(Actor):
             if stream is None:
                 self._late(delta.request_id, delta.seq + len(delta.token_ids))
                 continue
-            stream.record.heard = max(stream.record.heard, msg.number)
             match stream.record.check(delta.seq, len(delta.token_ids), delta.attempt):
-                case "ok":
+                case "ok":  # (only output taken: a lost message before a stale or duplicate one may hold its next)
+                    stream.record.heard = max(stream.record.heard, msg.number)
                     stream.record.received(delta.text, delta.token_ids)
                     stream.queue.put_nowait(delta)
                 case "stale":

@@ -119,9 +119,9 @@ class RequestTable:
             end = delta.seq + len(delta.token_ids)
             self._not_live(delta.request_id, f"TextDelta seq {delta.seq}", end, terminal=False)
             return
-        c.record.heard = max(c.record.heard, number)
         match c.record.check(delta.seq, len(delta.token_ids), delta.attempt):
-            case "ok":
+            case "ok":  # (only output taken: a lost message before a stale or duplicate one may hold its next)
+                c.record.heard = max(c.record.heard, number)
                 c.record.received(delta.text, delta.token_ids)
                 c.append(delta.text, delta.token_ids, delta.logprobs)
                 self._observe_output(c, now)

@@ -102,9 +102,10 @@ class AddRequest(Msg, kw_only=True):
     # request), and how many characters of their text the client already has (the detokenizer holds back the rest).
     resume_token_ids: list[int] | None = None
     resume_chars: int = 0
-    # Which copy of the request this is: 0 as first sent, one more at each re-submission (by its client after a
-    # death, or by the detokenizer to repair a lost output). Every output carries it: a party drops the outputs
-    # of a copy older than the one it follows (they may still be in flight when the new copy starts).
+    # Which copy of the request this is: 0 as first sent, higher at each re-submission (by its client after a
+    # death or a lost TextOutputs: odd numbers; by the detokenizer to repair a lost output: even ones, so copies
+    # made at once never share a number: actors.protocol.next_attempt). The scheduler runs only the highest it has
+    # seen; every output carries it: a party drops the outputs of a copy older than the one it follows.
     attempt: int = 0
 
 
@@ -121,6 +122,7 @@ class AbortAck(Msg, kw_only=True):
 
     request_id: str
     reason: str = "client"
+    attempt: int = 0  # AddRequest.attempt of the copy it ends: an ack of a replaced copy is stale
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -132,13 +132,17 @@ class Harness:
         self.empty_before = not batch.rows
         return batch
 
+    def drained(self) -> list[str]:
+        """The ids `drain_aborted` gives now (their AbortAcks are due)."""
+        return [r.request_id for r in self.sched.drain_aborted()]
+
     def _update(self, batch, result):
         for out in self.sched.update(batch, *result):
             assert out.request_id not in self.finish and out.seq == len(self.tokens[out.request_id])
             self.tokens[out.request_id] += out.new_token_ids
             if out.finish_reason:
                 self.finish[out.request_id] = (out.finish_reason, out.stop_reason)
-        acks = self.sched.drain_aborted()
+        acks = self.drained()
         assert not set(acks) & set(self.acks) and not set(acks) & set(self.finish)
         self.acks += acks
 
@@ -158,7 +162,7 @@ class Harness:
             if not (self.sched.has_unfinished() or self.queue):
                 break
             self.step()
-        self.acks += self.sched.drain_aborted()
+        self.acks += self.drained()
         assert set(idle_details(self.sched).values()) == {0}, idle_details(self.sched)
         bm = self.sched.block_manager
         for row in (r for b in self.batches for r in b.rows):  # tables as scheduled, not grown later

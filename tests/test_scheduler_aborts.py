@@ -15,9 +15,9 @@ def test_abort_waiting_and_mid_prefill_are_acked_at_once():
     h.add("long", list(range(20)), max_tokens=2)
     h.add("queued", [1, 2], max_tokens=2)
     h.step()
-    assert h.sched.abort("queued") and h.sched.drain_aborted() == ["queued"]
+    assert h.sched.abort("queued") and h.drained() == ["queued"]
     h.step()  # long is mid chunked prefill, nothing in flight between steps in sync mode
-    assert h.sched.abort("long") and h.sched.drain_aborted() == ["long"]
+    assert h.sched.abort("long") and h.drained() == ["long"]
     assert not h.sched.abort("long") and not h.sched.abort("queued")  # twice: late, no second ack
     h.run()
     assert h.tokens == {} and h.finish == {}
@@ -31,7 +31,7 @@ def test_abort_running_finished_and_unknown():
     h.step()
     assert h.finish["b"] == ("length", None) and not h.sched.abort("b")  # finished: late abort
     assert not h.sched.abort("nobody")
-    assert h.sched.abort("a") and h.sched.drain_aborted() == ["a"]
+    assert h.sched.abort("a") and h.drained() == ["a"]
     h.run()
     assert h.tokens["a"] == chain([1, 2, 3], 2)
 
@@ -43,7 +43,7 @@ def test_abort_in_flight_frees_after_its_last_step():
     for _ in range(3):
         h.step()  # a is in the batch in flight (and the one before, already updated)
     used = idle_details(h.sched)["used_blocks"]
-    assert h.sched.abort("a") and h.sched.drain_aborted() == []  # still referenced in flight
+    assert h.sched.abort("a") and h.drained() == []  # still referenced in flight
     assert not h.sched.abort("a")
     assert idle_details(h.sched)["used_blocks"] == used and "a" not in [r.request_id for r in h.step().rows]
     assert h.acks == ["a"] and h.sched.num_discarded_samples == 1
@@ -59,7 +59,7 @@ def test_abort_preempted_request():
     while not h.sched.num_preemptions:
         h.step()
     victim = h.sched.waiting[0].request_id
-    assert victim == "new" and h.sched.abort(victim) and h.sched.drain_aborted() == [victim]
+    assert victim == "new" and h.sched.abort(victim) and h.drained() == [victim]
     h.run()
     assert h.tokens["old"] == chain([1] * 6, 10)
 

@@ -101,7 +101,7 @@ def test_an_abort_during_a_speculative_step_frees_everything():
     assert batch.rows[0].draft_token_ids  # a speculative step, in flight from here ...
     result = h.model.execute(batch)
     assert h.sched.abort("a")  # ... when the abort comes: nothing is freed yet (I5)
-    assert h.sched.drain_aborted() == [] and h.sched.requests["a"].block_table
+    assert h.drained() == [] and h.sched.requests["a"].block_table
     h._update(batch, result)
     assert h.acks == ["a"] and len(h.tokens["a"]) == 1  # the prefill's token; the step's are discarded
     h.run()

@@ -6,12 +6,11 @@ message, or -> TOMBSTONED when this actor ends it early and sends Abort -> CLOSE
 Cases (state x event -> action):
   LIVE       entry                -> TextDelta (+ Finished when terminal: CLOSED)
   LIVE       entry with stop str  -> Finished(stop) to the client now, Abort(stop) to the scheduler: TOMBSTONED
-  LIVE       entry with a seq gap -> repaired: re-submitted to the scheduler from what its client has (AddRequest
-                                     with attempt + 1, DESIGN I6/I8), whose copy it replaces and who registers the
-                                     new one here; after MAX_ATTEMPTS: Finished(error), Abort(error): TOMBSTONED
+  LIVE       entry with a seq gap -> repaired: a new copy (AddRequest with a higher attempt, DESIGN I6/I8) goes on
+                                     from what its client has; after MAX_ATTEMPTS: Finished(error), Abort: TOMBSTONED
   LIVE       entry of another copy -> stale (a replaced copy's outputs in flight): dropped, counted
   LIVE       entry seen before    -> dropped (its seq is behind: a duplicate)
-  LIVE       AbortAck             -> Finished(abort) to the client: CLOSED
+  LIVE       AbortAck             -> Finished(abort) to the client: CLOSED (a replaced copy's ack: stale, dropped)
   LIVE       a step it may have been in is lost -> repaired likewise (see Steps)
   TOMBSTONED entry                -> stale (dropped); a terminal entry closes the tombstone
   TOMBSTONED AbortAck             -> CLOSED
@@ -19,6 +18,7 @@ Cases (state x event -> action):
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it is repaired
   CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
+  any        AddRequest(resumed) no newer than a copy made or seen here -> ignored (its own repair, or replaced)
   aborted    AddRequest(resumed)  -> its client gets Finished(abort) again (it lost it), no state is kept
   TOMBSTONED AddRequest(resumed)  -> ignored: the Abort this actor sent ends that copy too
   other      AddRequest(resumed)  -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
@@ -28,14 +28,12 @@ Cases (state x event -> action):
                                      all), at most SHUTDOWN_DRAIN_S; what is left ends as abort
 
 Steps. The scheduler numbers its StepOutputs (one per engine step, and one as it goes idle; step 0 starts
-an incarnation: actors.protocol.StepNumbers). A number seen before is a duplicate, dropped whole; a skipped
-one is missing until it arrives (reordered: handled as usual) or is lost (two steps later, or after a
-second; arriving later it is a duplicate). A lost step may have held tokens or the terminal entry of any
-live request not heard from since: those are repaired (a request the engine had finished is run again
-from what its client has). Reorders are not buffered (a link is one FIFO pipe: a reorder is a fault or a
-bug), which keeps a reorder buffer and its timer off the hot path. Messages to a client are numbered the
-same way (TextOutputs.number), and one sent output gets an empty marker at each housekeeping tick for a
-while, so the loss of its last message shows too: the client repairs what that message may have held.
+an incarnation: actors.protocol.StepNumbers). A number seen before is a duplicate, dropped whole; a skipped one
+is missing until it arrives (reordered: handled as usual) or is lost (two steps later, or after a second). A
+lost step may have held tokens or the terminal entry of any live request not heard from since: those are
+repaired (one the engine had finished runs again from what its client has). Reorders are not buffered (a link
+is a FIFO pipe: a reorder is a fault). Messages to a client are numbered the same way (TextOutputs.number), and
+markers follow output for a while, so the loss of its last message shows too: the client repairs it.
 """
 
 from __future__ import annotations
@@ -93,6 +91,7 @@ class DetokenizerActor(Actor):
         self.last_sent: dict[str, float] = {}  # client -> when it was last sent output
         self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
         self.recent = RecentIds()  # ids not live: CLOSED | (ABORTED, reason) | ORPHAN (output came unregistered)
+        self.copies = RecentIds()  # id -> the highest AddRequest.attempt made or registered (resumed ids only)
         self.steps = StepNumbers()
         self.stale_dropped = self.violations = self.duplicate_steps = self.lost_steps = self.repairs = 0
         self._draining = False
@@ -109,15 +108,13 @@ class DetokenizerActor(Actor):
         rid = msg.request_id
         before = self.recent.get(rid)
         resumed, aborted = msg.resume_token_ids is not None, isinstance(before, tuple)  # (ABORTED, reason)
+        if resumed:
+            if msg.attempt <= self.copies.get(rid, 0):  # its own repair (its state went on from there), or a copy
+                return  # a newer one replaces
+            self.copies.remember(rid, msg.attempt)
         if resumed and aborted:  # its client lost the Finished(abort): it is told again (the engine acks the copy)
-            fin = Finished(
-                request_id=rid,
-                finish_reason="abort",
-                stop_reason=before[1],
-                num_prompt_tokens=len(msg.prompt_token_ids),
-                num_output_tokens=len(msg.resume_token_ids),
-                attempt=msg.attempt,
-            )
+            fin = Finished(request_id=rid, finish_reason="abort", stop_reason=before[1], attempt=msg.attempt,
+                           num_prompt_tokens=len(msg.prompt_token_ids), num_output_tokens=len(msg.resume_token_ids))  # fmt: skip
             self._send(msg.client, TextOutputs(step=-1, deltas=[], finished=[fin]))
             return
         if rid in self.tombstones or (not resumed and (rid in self.live or before == CLOSED or aborted)):
@@ -172,6 +169,8 @@ class DetokenizerActor(Actor):
         rid = msg.request_id
         if rid in self.tombstones:
             self.tombstones.pop(rid, None)
+        elif rid in self.live and msg.attempt < self.live[rid].attempt:  # a replaced copy's
+            self.stale_dropped += 1
         elif rid in self.live:
             self._end_aborted(rid, msg.reason)
         else:
@@ -184,6 +183,7 @@ class DetokenizerActor(Actor):
                 self._close(rid)
                 self.recent.pop(rid)  # not CLOSED: it may come back resumed
             self.tombstones.clear()
+            self.copies.clear()  # the new scheduler numbers from what the clients have
             self.steps.reset()
         else:
             for rid in [r for r, state in self.live.items() if state.client == msg.actor]:
@@ -278,6 +278,7 @@ class DetokenizerActor(Actor):
         resumed = state.resume_request()
         log.warning("[%s] %s: resumed after %d tokens", rid, why, len(resumed.resume_token_ids))
         state.attempt = resumed.attempt
+        self.copies.remember(rid, resumed.attempt)
         self.repairs += 1
         self.tell(SCHEDULER, resumed)
 

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import IncrementalDetokenizer, token_table
 from actors.detokenizer.stop_strings import StopChecker
+from actors.protocol import DETOK_COPIES, next_attempt
 from messages.wire import AddRequest, Finished, RequestOutput, TextDelta, TokenLogprobs
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -181,7 +182,10 @@ class DetokRequestState:
         the held-back text."""
         chars = len(self._new_detok(self._detok.method).step(self.output_ids)) - (self._stop.held if self._stop else 0)
         return msgspec.structs.replace(
-            self.request, resume_token_ids=list(self.output_ids), resume_chars=chars, attempt=self.attempt + 1
+            self.request,
+            resume_token_ids=list(self.output_ids),
+            resume_chars=chars,
+            attempt=next_attempt(self.attempt, DETOK_COPIES),
         )
 
     def _new_detok(self, method: str | None) -> IncrementalDetokenizer:

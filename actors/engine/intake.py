@@ -41,20 +41,33 @@ ADDED = "\0added"  # in `recent`: the request was added ((ADDED, reason) once ab
 class RequestIntake:
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
-        note = early_abort = self.recent.get(rid)
-        if msg.resume_token_ids is not None:  # a copy of an aborted request is registered and acked at once
+        note = self.recent.get(rid)
+        if msg.resume_token_ids is None:
+            if note == ADDED or isinstance(note, tuple) or rid in self.sched.requests:
+                self.duplicates += 1
+                log.warning("[%s] duplicate AddRequest dropped", rid)
+                return
+        elif msg.attempt <= self.copies.get(rid, 0):  # a copy made at once with a higher one (or a late one)
+            self.duplicates += 1
+            log.info("[%s] copy %d dropped: copy %d came first", rid, msg.attempt, self.copies[rid])
+            return
+        else:
+            self.copies.remember(rid, msg.attempt)
             if self._resume_later(msg):
                 return
-            early_abort = note[1] if isinstance(note, tuple) else None if note == ADDED else note
-        elif note == ADDED or isinstance(note, tuple) or rid in self.sched.requests:
-            self.duplicates += 1
-            log.warning("[%s] duplicate AddRequest dropped", rid)
-            return
+        self._register(msg)
+
+    def _register(self, msg: AddRequest) -> None:
+        """A new request, or a copy with no earlier copy left here: registered with the detokenizer, then acked at
+        once if it was aborted before (a copy of a request its client aborted), else validated and admitted."""
+        rid = msg.request_id
+        note = self.recent.get(rid)
+        early_abort = note[1] if isinstance(note, tuple) else None if note == ADDED else note
         self.recent.remember(rid, ADDED if early_abort is None else (ADDED, early_abort))
         self.tell(self.config.detokenizer, msg)  # registration precedes every output (FIFO link)
         if early_abort is not None:
             log.info("[%s] aborted before it arrived (%s)", rid, early_abort)
-            self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=early_abort))
+            self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=early_abort, attempt=msg.attempt))
             return
         error = self._validate(msg)
         if error:
@@ -137,10 +150,12 @@ class RequestIntake:
     def on_abort(self, msg: Abort) -> None:
         if msg.request_id in self.resuming:  # registered, then acked at once, when its earlier copy is freed
             self.recent.remember(msg.request_id, msg.reason)
-        elif self.compiling.pop(msg.request_id, None) is not None:
+        elif (copy := self.compiling.pop(msg.request_id, None)) is not None:
             log.info("[%s] aborted while its grammar compiled (%s)", msg.request_id, msg.reason)
             self._aborted(msg)
-            self.tell(self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason))
+            self.tell(
+                self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason, attempt=copy.attempt)
+            )
         elif self.sched.abort(msg.request_id):
             self.abort_reasons[msg.request_id] = msg.reason
             self._aborted(msg)
@@ -149,8 +164,8 @@ class RequestIntake:
         else:
             self.late_aborts += 1
             log.debug("[%s] late abort (%s) ignored", msg.request_id, msg.reason)
-            if msg.request_id not in self.recent:
-                self.recent.remember(msg.request_id, msg.reason)
+            if msg.request_id not in self.recent and msg.reason != "stop":  # (a stop is found in output: an
+                self.recent.remember(msg.request_id, msg.reason)  # unknown id's is an earlier incarnation's)
 
     def _aborted(self, msg: Abort) -> None:
         """A later copy of a request its client aborted is acked at once; a copy of one the detokenizer ended (a stop
@@ -159,15 +174,16 @@ class RequestIntake:
             self.recent.remember(msg.request_id, (ADDED, msg.reason))
 
     def _send_acks(self) -> None:
-        for rid in self.sched.drain_aborted():
+        for req in self.sched.drain_aborted():
+            rid = req.request_id
             reason = self.abort_reasons.pop(rid, "client")
             self.queued.pop(rid, None)  # aborted before it was scheduled
             if rid in self.silent:
                 self.silent.discard(rid)
             else:
-                self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=reason))
+                self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=reason, attempt=req.attempt))
         for rid in [r for r in self.resuming if r not in self.sched.requests]:
-            self.on_add(self.resuming.pop(rid))
+            self._register(self.resuming.pop(rid))
 
     def on_actor_down(self, msg: ActorDown) -> None:
         if msg.actor != self.config.detokenizer:

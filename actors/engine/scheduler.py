@@ -76,7 +76,7 @@ class Scheduler:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.in_flight: deque[int] = deque()  # steps scheduled and not yet updated
         self.next_step = 0
-        self.aborted_freed: list[str] = []
+        self.aborted_freed: list[EngineRequest] = []
         self.num_preemptions = 0
         self.num_discarded_samples = 0
         self.prompt_tokens_total = 0
@@ -115,7 +115,7 @@ class Scheduler:
         self._settle(req)
         return True
 
-    def drain_aborted(self) -> list[str]:
+    def drain_aborted(self) -> list[EngineRequest]:
         """Aborted requests whose resources are freed since the last call: send their AbortAck."""
         ids, self.aborted_freed = self.aborted_freed, []
         return ids
@@ -337,6 +337,6 @@ class Scheduler:
         if req.is_finished:
             del self.requests[req.request_id]
             if req.status is RequestStatus.ABORTED:
-                self.aborted_freed.append(req.request_id)
+                self.aborted_freed.append(req)
             if self.release:
                 self.release(req.request_id)

@@ -76,6 +76,7 @@ class SchedulerActor(RequestIntake, Actor):
         self.abort_reasons: dict[str, str] = {}
         self.silent: set[str] = set()
         self.recent = RecentIds()  # ids seen
+        self.copies = RecentIds()  # id -> the highest AddRequest.attempt seen of it (resumed ids only)
         self.duplicates = 0
         self.admitting = True
         self.queued: dict[str, float] = {}  # with stats_to: request id -> arrival here, until first scheduled

@@ -1,0 +1,99 @@
+"""The detokenizer actor's handlers driven directly, message by message (no processes): which copy of a request
+(AddRequest.attempt, DESIGN I6/I8) it follows when its own repair, a client's copy, a late registration and an
+older copy's AbortAck arrive in the orders a reordering or restarted link produces."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from actors.detokenizer.actor import SCHEDULER, DetokenizerActor
+from messages.sampling_params import SamplingParams
+from messages.wire import AbortAck, AddRequest, RequestOutput, StepOutputs, TextOutputs
+from tests.tiny_model import make_tiny_model_dir
+
+RID, CLIENT = "req-1", "client"
+T = [1000, 1001, 1002, 1003, 1004]  # output tokens (plain text pieces)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-copies") / "model"))
+
+
+@pytest.fixture
+def detok(model):
+    actor = DetokenizerActor(model, client=CLIENT)
+    actor.sent = []
+    actor.tell = lambda dst, msg: actor.sent.append((dst, msg))
+    add = AddRequest(
+        request_id=RID, prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=5, ignore_eos=True), client=CLIENT
+    )
+    actor.on_add(add)
+    return actor
+
+
+def step(actor: DetokenizerActor, n: int, seq: int, tokens: list[int], attempt: int, finish: str | None = None):
+    out = RequestOutput(request_id=RID, seq=seq, new_token_ids=tokens, attempt=attempt, finish_reason=finish)
+    actor.on_step(StepOutputs(step=n, outputs=[out]))
+
+
+def to_client(actor: DetokenizerActor) -> tuple[list[int], list[str]]:
+    """The token ids and finish reasons the client was sent (a Finished carries its step's tokens)."""
+    batches = [m for dst, m in actor.sent if dst == CLIENT and isinstance(m, TextOutputs)]
+    tokens = [t for b in batches for part in (*b.deltas, *b.finished) for t in part.token_ids]
+    return tokens, [f.finish_reason for b in batches for f in b.finished]
+
+
+def to_client_text(actor: DetokenizerActor) -> list[str]:
+    return [d.text for dst, m in actor.sent if dst == CLIENT and isinstance(m, TextOutputs) for d in m.deltas]
+
+
+def copies_made(actor: DetokenizerActor) -> list[AddRequest]:
+    return [m for dst, m in actor.sent if dst == SCHEDULER and isinstance(m, AddRequest)]
+
+
+def test_its_own_repair_registered_late_does_not_reset_the_stream(detok):
+    """A gap makes a copy (attempt 2, even: the detokenizer's); that copy's outputs overtake its registration
+    (a reordering link). They go on from the state the copy was made from, and the registration, when it comes,
+    is this actor's own copy: ignored, not a rebuild back to where the copy started (which re-submitted the
+    request at every later output, and once the copy finished left it live forever)."""
+    step(detok, 0, 0, T[:1], attempt=0)
+    step(detok, 1, 2, [T[2]], attempt=0)  # seq 1 lost
+    (copy,) = copies_made(detok)
+    assert (copy.attempt, copy.resume_token_ids) == (2, T[:1])
+    step(detok, 2, 1, [T[1]], attempt=2)
+    detok.on_add(copy)  # the registration, late
+    step(detok, 3, 2, T[2:], attempt=2, finish="length")
+    detok.on_add(copy)  # and again, after the end
+    assert to_client(detok) == (T, ["length"])
+    assert len(copies_made(detok)) == 1 and not detok.live
+
+
+def test_a_clients_newer_copy_is_followed_and_an_older_one_ignored(detok):
+    """A client's copy (odd) newer than the detokenizer's rebuilds the state from what the client has; the
+    detokenizer's own older copy, registered after it, changes nothing."""
+    step(detok, 0, 0, [T[0]], attempt=0)
+    step(detok, 1, 1, [T[1]], attempt=0)
+    step(detok, 2, 3, [T[3]], attempt=0)  # seq 2 lost: the detokenizer's copy 2
+    (own,) = copies_made(detok)
+    first = to_client_text(detok)[0]
+    client_copy = msgspec.structs.replace(own, resume_token_ids=T[:1], resume_chars=len(first), attempt=3)
+    detok.on_add(client_copy)  # the client lost the message with T[1], and made a copy too
+    detok.on_add(own)  # older than the copy followed: ignored
+    step(detok, 3, 2, [T[2]], attempt=2)  # the replaced copy's output: stale
+    step(detok, 4, 1, T[1:], attempt=3, finish="length")
+    tokens, finishes = to_client(detok)
+    assert tokens == [T[0], T[1], *T[1:]] and finishes == ["length"]  # the client gets T[1] again (it lost it)
+    assert detok.stale_dropped == 1 and not detok.live
+
+
+def test_an_older_copys_abort_ack_does_not_end_the_copy_followed(detok):
+    """An AbortAck of a copy the detokenizer replaced (the engine acked it before the new copy arrived) is stale;
+    the current copy's ends the request."""
+    step(detok, 0, 0, T[:1], attempt=0)
+    step(detok, 1, 2, [T[2]], attempt=0)  # copy 2 made
+    detok.on_ack(AbortAck(request_id=RID, reason="stop", attempt=0))
+    assert RID in detok.live and to_client(detok)[1] == []
+    detok.on_ack(AbortAck(request_id=RID, reason="client", attempt=2))
+    assert to_client(detok) == (T[:1], ["abort"]) and not detok.live
