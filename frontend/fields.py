@@ -54,6 +54,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
+    # vLLM's token-in/token-out extras (frontend/responses.py)
+    return_token_ids: bool | None = None  # prompt and output token ids in the response (streamed per chunk)
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -89,7 +92,6 @@ _NOT_HONOURED = {
     "length_penalty": _is(None, 1, 1.0),
     "truncate_prompt_tokens": _is(None),
     "priority": _is(None, 0),
-    "return_tokens_as_token_ids": _empty,
     "prompt_embeds": _empty,
     "audio": _empty,
     "modalities": _is(None, ["text"]),

@@ -55,6 +55,18 @@ class TokenVocab(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
+class TokenIds:
+    """vLLM's return_tokens_as_token_ids: logprobs name every token "token_id:N" (JSON-safe whatever its bytes)."""
+
+    @staticmethod
+    def token_str(token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    @staticmethod
+    def token_bytes(token_id: int) -> bytes:
+        return f"token_id:{token_id}".encode()
+
+
 def _lp(x: float) -> float:
     return x if x >= LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN
 

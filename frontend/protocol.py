@@ -66,6 +66,8 @@ class ParsedRequest:
     grammar_param: str | None = None  # the field the prompts' StructuredOutput came from (compiled before admission)
     tool_calls: bool = False  # chat with tools: the output is parsed into message.tool_calls
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk (vLLM)
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in the response
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
 
     @property
     def n(self) -> int:
@@ -288,5 +290,6 @@ def _check_total(prompts: list[PromptInput], ctx: ServingContext, param: str) ->
 def _parsed(kind, request_id: str, model: str, prompts: list[PromptInput], req, echo: bool, **extra) -> ParsedRequest:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra["continuous_usage"] = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    extra["return_token_ids"], extra["tokens_as_ids"] = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
     created = int(time.time())
     return ParsedRequest(kind, request_id, model, created, prompts, bool(req.stream), include_usage, echo, **extra)

@@ -20,8 +20,8 @@ from messages.wire import AddRequest, Finished, TokenLogprobs
 
 class Choice:
     __slots__ = (
-        "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "record", "request", "text",
-        "text_offset", "token_ids", "tools",
+        "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "record", "request", "started",
+        "text", "text_offset", "token_ids", "tools",
     )  # fmt: skip
 
     def __init__(self, request: HttpRequest, index: int, prefix: str | None):
@@ -34,6 +34,7 @@ class Choice:
         self.record: RequestRecord | None = None  # set as its AddRequest is sent (RequestTable.add)
         self.finished: Finished | None = None
         self.live = True
+        self.started = False  # streaming: a chunk of it was written
         self.final_sent = False  # streaming: the finish_reason chunk was written
         self.text_offset = 0  # streaming completions logprobs: where the next token's text starts
         self.last_output = 0.0

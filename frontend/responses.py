@@ -10,23 +10,22 @@ from __future__ import annotations
 
 from frontend import openai_format as fmt
 from frontend.openai_format import SSE_DONE, TokenVocab, sse
+from frontend.protocol import ParsedRequest, PromptInput
 from frontend.request_state import Choice, HttpRequest
 from frontend.tool_parser import ToolCallDelta, parse_tool_calls
 from messages.wire import TokenLogprobs
 
 
 def stream_head(req: HttpRequest) -> bytes:
+    """Chat: a role chunk per choice, the first with the prompt's token ids when asked for (return_token_ids)."""
     p = req.parsed
     if p.kind != "chat":
         return b""
-    return b"".join(
-        sse(
-            fmt.chat_chunk(
-                p.request_id, p.model, p.created, [fmt.chat_delta(c.index, role="assistant", content="")], _so_far(req)
-            )
-        )
-        for c in req.choices
-    )
+    head = [fmt.chat_delta(c.index, role="assistant", content="") for c in req.choices]
+    chunks = [fmt.chat_chunk(p.request_id, p.model, p.created, [delta], _so_far(req)) for delta in head]
+    if p.return_token_ids:
+        chunks[0]["prompt_token_ids"] = p.prompts[0].token_ids
+    return b"".join(map(sse, chunks))
 
 
 def stream_events(req: HttpRequest, vocab: TokenVocab) -> bytes:
@@ -46,9 +45,10 @@ def stream_tail(req: HttpRequest) -> bytes:
 
 def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
     p = req.parsed
+    vocab = fmt.TokenIds if p.tokens_as_ids else vocab
     fin = c.finished if c.finished is not None and c.finished.finish_reason != "error" else None
     ending = fin is not None and not c.final_sent
-    if not (c.text or (p.logprobs is not None and c.token_ids) or ending):
+    if not (c.text or ((p.logprobs is not None or p.return_token_ids) and c.token_ids) or ending):
         return b""
     text, ids, lps = c.take()
     reason, stop_reason = (fin.finish_reason, fin.stop_reason) if ending else (None, None)
@@ -63,23 +63,28 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
                 text, deltas = text + rest, deltas + more
                 reason = "tool_calls" if c.tools.calls and reason == "stop" else reason
             calls = [_delta(d) for d in deltas]
-            if not (text or calls or logprobs or ending):
+            if not (text or calls or logprobs or ending or (p.return_token_ids and ids)):
                 return b""
         delta = fmt.chat_delta(
             c.index, text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs, tool_calls=calls
         )
+        delta |= {"token_ids": ids} if p.return_token_ids else {}
         return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta], _so_far(req)))
     logprobs = None
     if p.logprobs is not None and ids:
         logprobs = fmt.completion_logprobs(ids, TokenLogprobs.join(lps), vocab, c.text_offset)
         c.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
     choice = fmt.completion_choice(c.index, text, reason, stop_reason, logprobs)
+    if p.return_token_ids:  # (vLLM: the prompt's on the choice's first chunk)
+        choice |= {"token_ids": ids} if c.started else {"prompt_token_ids": _prompt(p, c).token_ids, "token_ids": ids}
+    c.started = True
     return sse(fmt.completion(p.request_id, p.model, p.created, [choice], _so_far(req)))
 
 
 def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
     """The non-streaming response of a request whose choices all finished without error."""
     p = req.parsed
+    vocab = fmt.TokenIds if p.tokens_as_ids else vocab
     choices, extra = [], {"prompt_logprobs": None}  # (present, null, when not asked for: as vLLM)
     for c in req.choices:
         text, ids, lps = c.take()
@@ -92,7 +97,7 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
                 reason = "tool_calls" if calls and reason == "stop" else reason
             choices.append(fmt.chat_choice(c.index, content, reason, fin.stop_reason, logprobs, calls))
         elif p.echo and p.logprobs is not None:
-            prompt = p.prompts[c.index // p.n].token_ids
+            prompt = _prompt(p, c).token_ids
             logprobs = fmt.echo_logprobs(prompt, fin.prompt_logprobs, ids, TokenLogprobs.join(lps), vocab)
             choices.append(fmt.completion_choice(c.index, text, fin.finish_reason, fin.stop_reason, logprobs))
         else:
@@ -101,12 +106,17 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
         # vLLM: per choice for completions, once per response for chat
         holder = choices[-1] if p.kind == "completion" else extra
         if fin.prompt_logprobs is not None and holder.get("prompt_logprobs") is None:
-            holder["prompt_logprobs"] = fmt.prompt_logprobs(
-                p.prompts[c.index // p.n].token_ids, fin.prompt_logprobs, vocab
-            )
+            holder["prompt_logprobs"] = fmt.prompt_logprobs(_prompt(p, c).token_ids, fin.prompt_logprobs, vocab)
         holder.setdefault("prompt_logprobs", None)
+        if p.return_token_ids:
+            holder["prompt_token_ids"] = _prompt(p, c).token_ids
+            choices[-1]["token_ids"] = ids
     build = fmt.chat_completion if p.kind == "chat" else fmt.completion
     return build(p.request_id, p.model, p.created, choices, _usage(req)) | (extra if p.kind == "chat" else {})
+
+
+def _prompt(p: ParsedRequest, c: Choice) -> PromptInput:
+    return p.prompts[c.index // p.n]
 
 
 def _delta(d: ToolCallDelta) -> dict:

@@ -95,3 +95,53 @@ async def test_response_shape_fields(server):
             text = await resp.text()
         chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
         assert chunks and all("system_fingerprint" in c for c in chunks)
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    """return_tokens_as_token_ids: logprob tokens read "token_id:N"."""
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+async def test_return_token_ids_and_tokens_as_token_ids_on_completions(server):
+    """return_token_ids: each choice carries its prompt's ids and its output's (streamed: the prompt's on the
+    choice's first chunk, each chunk's own ids after); return_tokens_as_token_ids writes logprob tokens as
+    "token_id:N", which name exactly the output ids. Neither field is present unless asked for."""
+    client, tok = server.client(), server.tokenizer
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    kwargs = dict(model="", prompt="Hello world", max_tokens=8, temperature=0, logprobs=1, extra_body=extra)
+    choice = (await client.completions.create(**kwargs)).choices[0]
+    extra_fields = choice.model_extra
+    assert extra_fields["prompt_token_ids"] == tok.encode("Hello world") and len(extra_fields["token_ids"]) == 8
+    assert ids_of(choice.logprobs.tokens) == extra_fields["token_ids"]
+    assert all(ids_of(list(top)) for top in choice.logprobs.top_logprobs)
+    streamed, prompts = [], []
+    async for chunk in await client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            prompts.append(c.model_extra.get("prompt_token_ids"))
+            streamed += c.model_extra["token_ids"]
+            assert ids_of(c.logprobs.tokens) == c.model_extra["token_ids"]
+    assert prompts[0] == tok.encode("Hello world") and not any(prompts[1:])
+    assert streamed == extra_fields["token_ids"]
+    plain = (await client.completions.create(model="", prompt="Hello world", max_tokens=2, logprobs=0)).choices[0]
+    assert "token_ids" not in plain.model_extra and "prompt_token_ids" not in plain.model_extra
+    assert not any(t.startswith("token_id:") for t in plain.logprobs.tokens)
+
+
+async def test_return_token_ids_on_chat(server):
+    """Chat: prompt_token_ids once per response (the first chunk when streamed), token_ids per choice; with
+    return_tokens_as_token_ids the logprobs' tokens and bytes are those of "token_id:N"."""
+    client, tok = server.client(), server.tokenizer
+    want_prompt = tok.encode(tok.render_chat(CHAT), add_special_tokens=False)
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    kwargs = dict(model="", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, extra_body=extra)
+    response = await client.chat.completions.create(**kwargs)
+    ids = response.choices[0].model_extra["token_ids"]
+    assert response.model_extra["prompt_token_ids"] == want_prompt and len(ids) == 6
+    content = response.choices[0].logprobs.content
+    assert ids_of([lp.token for lp in content]) == ids
+    assert all(lp.bytes == list(lp.token.encode()) and ids_of([t.token for t in lp.top_logprobs]) for lp in content)
+    chunks = [chunk async for chunk in await client.chat.completions.create(**kwargs, stream=True)]
+    assert chunks[0].model_extra["prompt_token_ids"] == want_prompt
+    assert not any(c.model_extra.get("prompt_token_ids") for c in chunks[1:])
+    assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids") or []] == ids
