@@ -7,7 +7,7 @@ field accepted but ignored would silently change the answer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -57,6 +57,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's token-in/token-out extras (frontend/responses.py)
     return_token_ids: bool | None = None  # prompt and output token ids in the response (streamed per chunk)
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context's length)
+    truncation_side: Literal["left", "right"] | None = None  # which end truncation drops from (default left)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -75,6 +77,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Any = None  # frontend/tools.py
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extras (frontend/protocol.py)
+    echo: bool | None = None  # the reply starts with the last message's content when that is the assistant's
+    add_generation_prompt: bool | None = None  # open the assistant's turn (default true)
+    continue_final_message: bool | None = None  # continue the last message instead (its turn left open)
 
 
 def _is(*noops):
@@ -90,7 +96,6 @@ _NOT_HONOURED = {
     "function_call": _is(None, "none", "auto"),
     "use_beam_search": _empty,
     "length_penalty": _is(None, 1, 1.0),
-    "truncate_prompt_tokens": _is(None),
     "priority": _is(None, 0),
     "prompt_embeds": _empty,
     "audio": _empty,
@@ -105,9 +110,6 @@ _NOT_HONOURED = {
 NOT_HONOURED_IN_CHAT = {
     **_NOT_HONOURED,
     "best_of": _is(None, 1),
-    "echo": _empty,
-    "add_generation_prompt": _is(None, True),
-    "continue_final_message": _empty,
     "add_special_tokens": _is(None, False),
     "chat_template": _empty,
     "chat_template_kwargs": _empty,

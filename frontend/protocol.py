@@ -18,6 +18,7 @@ from typing import Literal
 import msgspec
 
 from frontend.body import RequestError, decode_body, token_ids
+from frontend.budget import PromptInput, check_chars, check_total, content_chars, fit, truncate, truncation
 from frontend.fields import (
     NOT_HONOURED_IN_CHAT,
     NOT_HONOURED_IN_COMPLETIONS,
@@ -27,7 +28,7 @@ from frontend.fields import (
 )
 from frontend.guidance import negative_prompt_ids
 from frontend.structured import structured_output
-from frontend.tokenizer import Tokenizer
+from frontend.tokenizer import Tokenizer, chat_message
 from frontend.tools import tool_grammar
 from messages.sampling_params import DEFAULT_LIMITS, ParamError, RequestLimits, SamplingParams, StructuredOutput
 
@@ -44,13 +45,6 @@ class ServingContext:
     model_dir: str | None = None  # where structured outputs find the tokenizer their grammars are compiled for
     grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this (frontend/structured.py)
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
-
-
-@dataclass(frozen=True)
-class PromptInput:
-    text: str | None  # None for token-id prompts unless echo asked for their text
-    token_ids: list[int]
-    params: SamplingParams  # per prompt: a defaulted max_tokens depends on the prompt length
 
 
 @dataclass(frozen=True)
@@ -103,12 +97,14 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
     structured, grammar_param = structured_output(req)
     params = _sampling_params(req, ctx, max_tokens, req.logprobs, {}, structured, grammar_param)
     params.negative_prompt_token_ids = negative_prompt_ids(req, ctx)
-    prompts = []
-    for text, ids in _completion_prompts(req.prompt, ctx):
+    prompts, keep = [], truncation(req, ctx)
+    for text, ids in _completion_prompts(req.prompt, ctx, keep is None):
+        if len(cut := truncate(ids, keep, req.truncation_side)) < len(ids):
+            ids, text = cut, None
         if text is None and req.echo:
             text = ctx.tokenizer.decode(ids)
-        prompts.append(_fit(text, ids, params, max_tokens, ctx, "prompt"))
-    _check_total(prompts, ctx, "max_tokens" if req.max_tokens else "n")
+        prompts.append(fit(text, ids, params, max_tokens, ctx, "prompt"))
+    check_total(prompts, ctx, "max_tokens" if req.max_tokens else "n")
     rid = request_id or new_request_id("cmpl")
     return _parsed("completion", rid, model, prompts, req, echo=bool(req.echo), grammar_param=grammar_param)
 
@@ -137,17 +133,42 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
         raise RequestError(
             400, f"messages: {len(req.messages)} messages cannot fit in {ctx.max_model_len} tokens", "messages"
         )
-    _check_chars(sum(map(_content_chars, req.messages)), ctx, "messages")
+    if (keep := truncation(req, ctx)) is None:
+        check_chars(sum(map(content_chars, req.messages)), ctx, "messages")
     try:
-        text = ctx.tokenizer.render_chat(req.messages, tools=tools)
+        text = ctx.tokenizer.render_chat(req.messages, tools=tools, **_chat_turn(req))
     except ParamError as e:
         raise RequestError(400, str(e), e.param) from e
-    ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+    ids = truncate(ctx.tokenizer.encode(text, add_special_tokens=False), keep, req.truncation_side)  # (the
+    # template wrote any BOS itself)
     params.negative_prompt_token_ids = negative_prompt_ids(req, ctx, req.messages)
-    prompt = _fit(text, ids, params, max_tokens, ctx, "messages")
-    _check_total([prompt], ctx, max_param if max_tokens else "n")
+    echo = _chat_echo(req, tool_calls)
+    prompt = fit(echo, ids, params, max_tokens, ctx, "messages")  # (a chat prompt's text: what is echoed)
+    check_total([prompt], ctx, max_param if max_tokens else "n")
     rid = request_id or new_request_id("chatcmpl")
-    return _parsed("chat", rid, model, [prompt], req, echo=False, grammar_param=grammar_param, tool_calls=tool_calls)
+    extra = {"grammar_param": grammar_param, "tool_calls": tool_calls}
+    return _parsed("chat", rid, model, [prompt], req, echo=echo is not None, **extra)
+
+
+def _chat_turn(req: ChatCompletionRequest) -> dict:
+    """vLLM: add_generation_prompt (default true) opens the assistant's turn; continue_final_message (implies
+    add_generation_prompt false) leaves the last message's turn open, to be continued."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise RequestError(
+            400, "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+        )
+    opened = not req.continue_final_message if req.add_generation_prompt is None else req.add_generation_prompt
+    return {"add_generation_prompt": opened, "continue_final": bool(req.continue_final_message)}
+
+
+def _chat_echo(req: ChatCompletionRequest, tool_calls: bool) -> str | None:
+    """vLLM's chat echo: the reply starts with the last message's content when that message is the assistant's."""
+    if not req.echo:
+        return None
+    if tool_calls:
+        raise RequestError(400, "echo cannot be combined with tools", "echo")
+    last = req.messages[-1]
+    return chat_message(len(req.messages) - 1, last)["content"] if last.get("role") == "assistant" else None
 
 
 def _model(req: SamplingFields, ctx: ServingContext) -> str:
@@ -188,7 +209,9 @@ def _sampling_params(
     return params
 
 
-def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
+def _completion_prompts(prompt, ctx: ServingContext, check: bool) -> list[tuple[str | None, list[int]]]:
+    """The prompts' texts (None for token ids) and token ids; `check`: refuse a text too long for the context
+    before tokenizing it (not when the prompt is to be truncated)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -203,7 +226,8 @@ def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, l
     texts = []  # (index in out, text): tokenized together, in parallel and without the GIL
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            _check_chars(len(p), ctx, "prompt")
+            if check:
+                check_chars(len(p), ctx, "prompt")
             texts.append((i, p))
             ids, text = [], p
         elif (ids := token_ids(p)) is not None:
@@ -223,68 +247,6 @@ def _completion_prompts(prompt, ctx: ServingContext) -> list[tuple[str | None, l
             where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
             raise RequestError(400, f"{where} must not be empty", "prompt")
     return out
-
-
-def _content_chars(message) -> int:
-    """The characters a chat message's content brings to the prompt (shapes are checked later)."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list):
-        return sum(len(t) for part in content if isinstance(part, dict) and isinstance(t := part.get("text"), str))
-    return len(content) if isinstance(content, str) else 0
-
-
-def _check_chars(chars: int, ctx: ServingContext, prompt_param) -> None:
-    """Refuse a prompt that cannot fit from its length in characters alone, before tokenizing it."""
-    if ctx.tokenizer.max_token_chars is not None:
-        at_least = -(-chars // ctx.tokenizer.max_token_chars)
-        _check_fits(at_least, ctx, prompt_param, chars)
-
-
-def _check_fits(num_tokens: int, ctx: ServingContext, prompt_param, chars=None) -> int:
-    """The tokens left for the completion; a 400 when the prompt alone leaves none. `chars`: the prompt is
-    `chars` characters long and `num_tokens` a lower bound of its tokens."""
-    budget = ctx.max_model_len - num_tokens
-    if budget < 1:
-        at_least, of = ("at least ", f" of {chars} characters") if chars is not None else ("", "")
-        raise RequestError(
-            400,
-            f"This model's maximum context length is {ctx.max_model_len} tokens. However, the {prompt_param} has "
-            f"{at_least}{num_tokens} tokens{of}, which leaves no room for the completion. Please reduce the length "
-            f"of the {prompt_param}.",
-            prompt_param,
-        )
-    return budget
-
-
-def _fit(text, ids, params: SamplingParams, max_tokens, ctx: ServingContext, prompt_param) -> PromptInput:
-    """Resolve max_tokens: the tokens left in the context when it is not given, and at most those when it is (as
-    vLLM: the request is served and ends with "length" at the context's end)."""
-    budget = _check_fits(len(ids), ctx, prompt_param)
-    limit = budget if max_tokens is None else min(max_tokens, budget)
-    if params.min_tokens > limit:
-        raise RequestError(400, f"min_tokens ({params.min_tokens}) exceeds the {limit} tokens left", "min_tokens")
-    if params.max_tokens != limit:
-        params = msgspec.structs.replace(params, max_tokens=limit)
-    return PromptInput(text, ids, params)
-
-
-def _check_total(prompts: list[PromptInput], ctx: ServingContext, param: str) -> None:
-    """The engine requests one call starts (prompts x n) and the tokens they may cost (prompt + max_tokens each)."""
-    n, limits = prompts[0].params.n, ctx.limits
-    if len(prompts) * n > limits.max_choices:
-        raise RequestError(
-            400,
-            f"n: {len(prompts)} prompts x n = {len(prompts) * n} choices, more than the {limits.max_choices} allowed",
-            "n",
-        )
-    total = sum((len(p.token_ids) + p.params.max_tokens) * n for p in prompts)
-    if total > limits.max_total_tokens:
-        raise RequestError(
-            400,
-            f"{param}: the call may cost {total} tokens (prompt + max_tokens, for each of prompts x n choices), "
-            f"more than the {limits.max_total_tokens} allowed",
-            param,
-        )
 
 
 def _parsed(kind, request_id: str, model: str, prompts: list[PromptInput], req, echo: bool, **extra) -> ParsedRequest:

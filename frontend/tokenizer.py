@@ -28,7 +28,7 @@ from tokenizers import decoders
 
 from messages.sampling_params import ParamError
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+_CONTINUE = "\ue000sluice-continue\ue000"  # continue_final_message: where the last message's content ends
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -155,37 +155,46 @@ class Tokenizer:
         unique = dict.fromkeys(tuple(ids) for ids in self.encode_batch(texts, add_special_tokens=False))
         return [list(ids) for ids in unique]
 
-    def render_chat(self, messages: list, add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def render_chat(
+        self, messages: list, add_generation_prompt: bool = True, tools: list | None = None, continue_final=False
+    ) -> str:
         """The prompt text for OpenAI chat `messages` (and `tools`, for templates that render them); raises
-        ParamError naming the bad field."""
+        ParamError naming the bad field. `continue_final`: the text ends with the last message's content, its
+        turn left open (found by a marker appended to that content: whitespace at its end is kept)."""
         if self._template is None:
             raise ParamError("messages", "this model has no chat template; use /v1/completions")
         if not isinstance(messages, list) or not messages:
             raise ParamError("messages", "messages must be a non-empty list")
-        chat = [_chat_message(i, m) for i, m in enumerate(messages)]
+        chat = [chat_message(i, m) for i, m in enumerate(messages)]
+        if continue_final:
+            chat[-1]["content"] += _CONTINUE
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=chat, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
             )
         except jinja2.TemplateError as e:
             raise ParamError("messages", f"the chat template rejected the messages: {e}") from e
+        if not continue_final:
+            return text
+        if (end := text.rfind(_CONTINUE)) < 0:
+            raise ParamError("continue_final_message", "the chat template does not render the last message's content")
+        return text[:end]
 
 
-def _chat_message(i: int, message) -> dict:
+def chat_message(i: int, message) -> dict:
+    """An OpenAI chat message as the template sees it: any role the template renders (OpenAI's, the deprecated
+    `function`, a custom one), its content as a string, `name`, and tool calls (a deprecated `function_call`
+    becomes one) with their arguments parsed."""
     if not isinstance(message, dict):
         raise ParamError(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
     role = message.get("role")
-    if role not in ROLES:
-        raise ParamError(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
-    if message.get("function_call"):
-        raise ParamError(
-            f"messages[{i}].function_call", f"messages[{i}].function_call is not supported: use tool_calls"
-        )
-    extra = {}
-    if message.get("tool_calls"):
-        extra["tool_calls"] = _tool_calls(i, message["tool_calls"])
-    if isinstance(tool_call_id := message.get("tool_call_id"), str):
-        extra["tool_call_id"] = tool_call_id
+    if not isinstance(role, str) or not role.strip():
+        raise ParamError(f"messages[{i}].role", f"messages[{i}].role must be a non-empty string; got {role!r}")
+    extra = {k: v for k in ("name", "tool_call_id") if isinstance(v := message.get(k), str)}
+    calls = message.get("tool_calls") or ([{"id": f"call_{i}", "type": "function", "function": fc}]
+                                          if (fc := message.get("function_call")) else None)  # fmt: skip
+    if calls:
+        extra["tool_calls"] = _tool_calls(i, calls)
     content = message.get("content")
     if content is None and extra.get("tool_calls"):
         content = ""

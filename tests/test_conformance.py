@@ -145,3 +145,30 @@ async def test_return_token_ids_on_chat(server):
     assert chunks[0].model_extra["prompt_token_ids"] == want_prompt
     assert not any(c.model_extra.get("prompt_token_ids") for c in chunks[1:])
     assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids") or []] == ids
+
+
+async def test_chat_echo_continue_final_message_and_truncation(server):
+    """vLLM's extras end to end: continue_final_message continues the assistant's last message, and echo puts
+    that message first in the reply (whole and streamed, usage unchanged); truncate_prompt_tokens serves a prompt
+    longer than the context from its last tokens; both continue_final_message and add_generation_prompt true is
+    a 400 naming the first."""
+    client = server.client()
+    said = [*CHAT, {"role": "assistant", "content": "Once upon"}]
+    base = dict(model="", messages=said, max_tokens=5, temperature=0)
+    going_on = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    plain = await client.chat.completions.create(**base, extra_body=going_on)
+    echoed = await client.chat.completions.create(**base, extra_body=going_on | {"echo": True})
+    assert echoed.choices[0].message.content == "Once upon" + plain.choices[0].message.content
+    assert echoed.usage == plain.usage
+    chunks = [c async for c in await client.chat.completions.create(**base, extra_body=going_on | {"echo": True},
+                                                                        stream=True)]  # fmt: skip
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == echoed.choices[0].message.content
+    long = list(range(5, 605))  # 600 tokens: more than the 512 of the context
+    extra = {"truncate_prompt_tokens": 100, "return_token_ids": True}
+    cut = await client.completions.create(model="", prompt=long, max_tokens=2, extra_body=extra)
+    assert cut.usage.prompt_tokens == 100 and cut.choices[0].model_extra["prompt_token_ids"] == long[-100:]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(
+            **base, extra_body={"continue_final_message": True, "add_generation_prompt": True}
+        )
+    assert e.value.body["param"] == "continue_final_message"

@@ -138,9 +138,33 @@ def test_chat_request(ctx):
     [p] = req.prompts
     assert (req.kind, req.echo, req.stream, req.include_usage, req.logprobs) == ("chat", False, True, False, 3)
     assert req.request_id.startswith("chatcmpl-")
-    assert (p.text, p.token_ids) == (text, ctx.tokenizer.encode(text, add_special_tokens=False))
+    assert (p.text, p.token_ids) == (None, ctx.tokenizer.encode(text, add_special_tokens=False))  # (text: echoed)
     # chat's default max_tokens is whatever fits the context (vLLM)
     assert p.params == SamplingParams(temperature=0.0, seed=1, logprobs=3, max_tokens=MAX_MODEL_LEN - len(p.token_ids))
+
+
+def test_chat_echo_continuation_and_truncation(ctx):
+    """vLLM's chat extras: echo repeats the last message when it is the assistant's; continue_final_message leaves
+    that message open (add_generation_prompt false by default then; both true is a 400); truncate_prompt_tokens
+    keeps the prompt's last tokens, or its first with truncation_side right."""
+    said = [*USER_HI, {"role": "assistant", "content": "Once upon"}]
+    req = chat(ctx, messages=said, echo=True, continue_final_message=True)
+    assert req.echo and req.prompts[0].text == "Once upon"
+    assert ctx.tokenizer.decode(req.prompts[0].token_ids).endswith("<|im_start|>assistant\nOnce upon")
+    assert not chat(ctx, messages=USER_HI, echo=True).echo
+    opened = ctx.tokenizer.decode(chat(ctx, messages=USER_HI).prompts[0].token_ids)
+    closed = ctx.tokenizer.decode(chat(ctx, messages=USER_HI, add_generation_prompt=False).prompts[0].token_ids)
+    assert opened == closed + "<|im_start|>assistant\n"
+    full = chat(ctx, messages=USER_HI).prompts[0].token_ids
+    assert chat(ctx, messages=USER_HI, truncate_prompt_tokens=3).prompts[0].token_ids == full[-3:]
+    right = chat(ctx, messages=USER_HI, truncate_prompt_tokens=3, truncation_side="right")
+    assert right.prompts[0].token_ids == full[:3]
+    for fields, param in [
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncation_side": "middle"}, "truncation_side"),
+    ]:
+        assert _error(parse_chat, ctx, json.dumps({"messages": USER_HI, **fields}).encode()).param == param
 
 
 def test_chat_max_tokens_fields_and_logprobs_modes(ctx):
@@ -259,7 +283,7 @@ CHAT_ERRORS = [
     ({}, "messages", "messages is required"),
     ({"messages": []}, "messages", "messages must be a non-empty list"),
     ({"messages": "hi"}, "messages", "Expected `array | null`, got `str`"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "must be one of"),
+    ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role", "must be a non-empty string"),
     ({"messages": [*USER_HI, {"role": "user", "content": None}]}, "messages[1].content", "a string or a list"),
     ({"messages": USER_HI, "logprobs": 1}, "logprobs", "Expected `bool | null`, got `int`"),
     ({"messages": USER_HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),

@@ -113,7 +113,6 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
         (parse_chat, {"functions": [{"name": "f"}]}, "functions"),  # OpenAI's deprecated spelling of tools
         (parse_chat, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         (parse_chat, {"chat_template": "{{ x }}"}, "chat_template"),
-        (parse_chat, {"echo": True}, "echo"),
         (parse_completion, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat only
         (parse_completion, {"use_beam_search": True}, "use_beam_search"),
         (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from frontend.tokenizer import Tokenizer
+from frontend.tokenizer import Tokenizer, chat_message
 from messages.sampling_params import ParamError
 
 SMOL_DIR = Path(os.environ.get("SLUICE_CACHE_DIR", "~/.cache/sluice")).expanduser() / "models" / "SmolLM2-135M-Instruct"
@@ -22,7 +22,7 @@ needs_smol = pytest.mark.skipif(
 TINY_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ m['role'] }}{{ ' ' + m['name'] if m['name'] else '' }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CONVERSATIONS = [
@@ -109,13 +109,37 @@ def test_render_chat_string_and_text_parts(tiny):
     assert not tiny.render_chat(CONVERSATIONS[0], add_generation_prompt=False).endswith("assistant\n")
 
 
+def test_render_chat_roles_names_function_calls_and_continuing_the_last_message(tiny, tmp_path):
+    """Any role the template renders (the deprecated `function`, a custom one) with its `name`; a deprecated
+    function_call becomes a tool call; continue_final leaves the last message open right after its content, its
+    trailing whitespace kept; a template that drops that content makes it a ParamError."""
+    chat = [
+        {"role": "function", "name": "get_time", "content": "12:00"},
+        {"role": "narrator", "content": "Later."},
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"x": 1}'}},
+        {"role": "assistant", "content": "It is "},
+    ]
+    text = tiny.render_chat(chat, add_generation_prompt=False, continue_final=True)
+    assert text == (
+        "<|im_start|><|im_start|>function get_time\n12:00<|im_end|>\n<|im_start|>narrator\nLater.<|im_end|>\n"
+        "<|im_start|>assistant\n<|im_end|>\n<|im_start|>assistant\nIt is "
+    )
+    calls = chat_message(2, chat[2])["tool_calls"]
+    assert calls == [{"id": "call_2", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
+    blind = write_tiny_model_dir(tmp_path / "m", template="{{ messages | length }}")
+    with pytest.raises(ParamError) as e:
+        Tokenizer.from_model_dir(blind).render_chat(chat, continue_final=True)
+    assert e.value.param == "continue_final_message"
+
+
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
         ([], "messages"),
         ("hi", "messages"),
         ([{"role": "user", "content": "a"}, "b"], "messages[1]"),
-        ([{"role": "robot", "content": "a"}], "messages[0].role"),
+        ([{"role": "", "content": "a"}], "messages[0].role"),
+        ([{"role": 5, "content": "a"}], "messages[0].role"),
         ([{"content": "a"}], "messages[0].role"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": 5}], "messages[0].content"),
