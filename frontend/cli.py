@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import get_args
@@ -161,10 +162,17 @@ def serve(args: argparse.Namespace) -> int:
         chat_template=_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         grammar_timeout_s=args.grammar_compile_timeout,
+        metrics_prefix=args.metrics_prefix,
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     return uvloop.run(_serve(_engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
+
+
+def _metrics_prefix(prefix: str) -> str:
+    if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", prefix):
+        raise argparse.ArgumentTypeError(f"{prefix!r} cannot start a Prometheus metric name")
+    return prefix
 
 
 def _chat_template(path: str | None) -> str | None:
@@ -270,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SLUICE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SLUICE_API_KEY)",
     )
+    g.add_argument("--metrics-prefix", type=_metrics_prefix, default="sluice:", help="of /metrics series (vllm:…)")
     g = p.add_argument_group("structured outputs and tools")
     g.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the model's own")
     g.add_argument(

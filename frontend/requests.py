@@ -59,6 +59,7 @@ class RequestTable:
     def add(self, parsed: ParsedRequest, client: str) -> HttpRequest:
         """Register the request and send its AddRequests; `client` is the actor that gets the text."""
         req = HttpRequest(parsed)
+        self.metrics.params_n.observe(parsed.n)
         for c, msg in zip(req.choices, req.engine_requests(client), strict=True):
             c.record = RequestRecord(msg, self.link.last)
             self.live[c.engine_id] = c
@@ -153,7 +154,8 @@ class RequestTable:
         if fin.token_ids:
             self._observe_output(c, now)
         self.metrics.e2e.observe(now - c.request.arrival)
-        self._close(c, fin.finish_reason)
+        self.metrics.finished(fin, c.record.add.params)
+        self._close(c)
         if fin.finish_reason == "error":
             log.warning("[%s] failed in the engine: %s", rid, fin.error)
             self.fail(c.request, RequestError(500, fin.error or "the engine failed the request"))
@@ -195,15 +197,15 @@ class RequestTable:
 
     # ------------------------------------------------------------ ending requests
 
-    def _close(self, c: Choice, reason: str) -> None:
+    def _close(self, c: Choice) -> None:
         del self.live[c.engine_id]
         c.live = False
         c.request.num_live -= 1
         c.request.wake.set()
-        self.metrics.request_success.labels(reason).inc()
 
     def _tombstone(self, c: Choice, reason: str, send_abort: bool = True) -> None:
-        self._close(c, "abort")
+        self._close(c)
+        self.metrics.request_success.labels("abort").inc()
         self.tombstones.add(c.engine_id, reason, aborted=send_abort)
         if send_abort:
             self.metrics.aborts.labels(reason).inc()

@@ -68,6 +68,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None  # set (with --enable-auto-tool-choice): tool_choice "auto" is honoured
     grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this
     max_resumes: int = 2  # DESIGN I8: a request live at more engine-side deaths than this fails (a poison request)
+    metrics_prefix: str = "sluice:"  # of /metrics series (--metrics-prefix vllm: for dashboards built for vLLM)
 
     @property
     def url(self) -> str:
@@ -92,7 +93,7 @@ class HttpActor(Actor):
         self.model = model
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.config.metrics_prefix)
         self.table = RequestTable(self.tell, self.metrics, self.config.abort_timeout_s, self.config.max_abort_tries)
         self.down: set[str] = set()  # actors of the request path that are down
         self.admitting = True

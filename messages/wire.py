@@ -165,6 +165,8 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int | None = None  # with the first output: prompt tokens whose KV came from the prefix cache
     attempt: int = 0  # AddRequest.attempt of the copy that produced it
+    timings: list[float] | None = None  # with the terminal output: [prefill_s, decode_s] (first scheduled -> first
+    # token -> last token, this copy), for vLLM's request_prefill/decode/inference_time_seconds
 
     def split(self) -> list[RequestOutput]:
         """One entry per token (a speculative run token by token): the finish on the last, prompt logprobs on the
@@ -182,6 +184,7 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
                 prompt_logprobs=self.prompt_logprobs if i == 0 else None,
                 num_cached_tokens=self.num_cached_tokens if i == 0 else None,
                 attempt=self.attempt,
+                timings=self.timings if i == n - 1 else None,
             )
             for i, token in enumerate(self.new_token_ids)
         ]
@@ -221,6 +224,7 @@ class Finished(Msg, kw_only=True):
     prompt_logprobs: TokenLogprobs | None = None  # RequestOutput.prompt_logprobs, passed on
     num_cached_tokens: int = 0  # RequestOutput.num_cached_tokens, passed on
     attempt: int = 0  # AddRequest.attempt of the copy the detokenizer followed
+    timings: list[float] | None = None  # RequestOutput.timings, passed on (None: ended before or without them)
 
 
 class TextOutputs(Msg, kw_only=True):
@@ -253,6 +257,8 @@ class EngineStats(Msg, kw_only=True):
     spec_accepted_per_pos: list[int] = []  # [i]: drafts accepted at position i
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache (at first admission)
     prefix_cache_hits_total: int = 0  # ... and found there
+    iteration_tokens: list[int] = []  # the tokens of each step run since the last EngineStats
+    cache_config: dict[str, str] = {}  # block_size, num_gpu_blocks, enable_prefix_caching (vLLM's cache_config_info)
 
 
 class DetokStats(Msg, kw_only=True):

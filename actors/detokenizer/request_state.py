@@ -273,6 +273,7 @@ class DetokRequestState:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             attempt=self.attempt,
+            timings=None if out is None else out.timings,
         )
 
     def _fail(self, out: RequestOutput, error: str) -> Finished:

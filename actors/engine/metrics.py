@@ -58,9 +58,12 @@ def idle_details(sched: Scheduler) -> dict[str, int]:
     }
 
 
-def engine_stats(sched: Scheduler, late_aborts_total: int = 0, queue_times_s: list[float] = ()) -> EngineStats:
+def engine_stats(
+    sched: Scheduler, late_aborts_total: int = 0, queue_times_s: list[float] = (), iteration_tokens: list[int] = ()
+) -> EngineStats:
     """The numbers /metrics shows; the actor adds what only it knows."""
-    spec = sched.spec
+    spec, bm = sched.spec, sched.block_manager
+    cache = {"block_size": bm.block_size, "num_gpu_blocks": bm.num_blocks, "enable_prefix_caching": bm.enable_caching}
     return EngineStats(
         num_running=sched.num_running,
         num_waiting=sched.num_waiting,
@@ -77,6 +80,8 @@ def engine_stats(sched: Scheduler, late_aborts_total: int = 0, queue_times_s: li
         spec_accepted_per_pos=list(spec.accepted_per_pos),
         prefix_cache_queries_total=sched.block_manager.queries,
         prefix_cache_hits_total=sched.block_manager.hits,
+        iteration_tokens=list(iteration_tokens),
+        cache_config={k: str(v) for k, v in cache.items()},
     )
 
 

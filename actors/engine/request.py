@@ -17,6 +17,7 @@ schedules the pair).
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from actors.engine.grammar import Matcher
@@ -56,6 +57,8 @@ class EngineRequest:
     error: str | None = None  # why the request ended with finish_reason "error"
     first_seq: int = 0  # a resumed request's first output seq here (DESIGN I8): the tokens it arrived with
     attempt: int = 0  # AddRequest.attempt: which copy of the request this is (its outputs carry it)
+    scheduled_at: float = 0.0  # when first scheduled (time.monotonic)
+    first_token_at: float = 0.0  # when its first output here was appended
 
     @property
     def fresh(self) -> bool:
@@ -73,6 +76,15 @@ class EngineRequest:
         if msg.params.guided:
             req.companion = Companion(req, list(msg.params.negative_prompt_token_ids or [bos_token_id]))
         return req
+
+    def timings(self, first: bool, last: bool) -> list[float] | None:
+        """Stamp the first output's time; with the last output, [prefill_s, decode_s]: first scheduled -> first
+        token -> now (RequestOutput.timings)."""
+        if not (first or last):
+            return None
+        now = time.monotonic()
+        self.first_token_at = now if first else self.first_token_at
+        return [self.first_token_at - self.scheduled_at, now - self.first_token_at] if last else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,7 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -252,6 +253,7 @@ class Scheduler:
             req.request_id, req.slot, token_ids, start, list(req.block_table), sample, targets, list(drafts)
         )
         req.num_computed_tokens += n
+        req.scheduled_at = req.scheduled_at or time.monotonic()
         self.block_manager.cache_full_blocks(req)
         req.num_pending_tokens += sample
         req.num_inflight_steps += 1
@@ -286,6 +288,7 @@ class Scheduler:
             error=req.error,
             num_cached_tokens=req.num_cached_tokens if seq == req.first_seq else None,
             attempt=req.attempt,
+            timings=req.timings(seq == req.first_seq, req.finish_reason is not None),
         )
 
     def _ends(self, req: EngineRequest, token: int) -> bool:

@@ -83,6 +83,7 @@ class SchedulerActor(RequestIntake, Actor):
         self.compiling: dict[str, AddRequest] = {}  # constrained requests whose grammar is being compiled
         self.resuming: dict[str, AddRequest] = {}  # resumed requests waiting for their earlier copy to be freed
         self.queue_times: list[float] = []  # arrival -> first scheduled, since the last EngineStats
+        self.iteration_tokens: list[int] = []  # each step's tokens, since the last EngineStats
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
@@ -164,8 +165,8 @@ class SchedulerActor(RequestIntake, Actor):
                 drafts = await self._propose() if self.proposer and not inflight else None
                 batch = self.sched.schedule(drafts)
                 if batch.rows:
-                    if self.queued:
-                        self._note_first_scheduled(batch)
+                    if self.config.stats_to:
+                        self._note_scheduled(batch)
                     inputs = step_inputs(batch, self.sched.requests, self.model.eos_token_ids)
                     step = loop.run_in_executor(self._device, self.executor.run, batch, *inputs)
                     inflight.append((batch, step, inputs[-1]))
@@ -217,17 +218,22 @@ class SchedulerActor(RequestIntake, Actor):
             self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
         self._send_acks()
 
-    def _note_first_scheduled(self, batch: BatchSpec) -> None:
+    def _note_scheduled(self, batch: BatchSpec) -> None:
+        """For /metrics: the step's tokens, and the queue time of each request first scheduled."""
+        self.iteration_tokens.append(batch.num_tokens)
         now = time.monotonic()
-        for row in batch.rows:
+        for row in batch.rows if self.queued else ():
             arrival = self.queued.pop(row.request_id, None)
             if arrival is not None:
                 self.queue_times.append(now - arrival)
 
     async def _publish_stats(self) -> None:
         while True:
-            queue_times, self.queue_times = self.queue_times, []
-            stats = engine_stats(self.sched, self.late_aborts, queue_times)
+            (queue_times, self.queue_times), (steps, self.iteration_tokens) = (
+                (self.queue_times, []),
+                (self.iteration_tokens, []),
+            )
+            stats = engine_stats(self.sched, self.late_aborts, queue_times, steps)
             for actor in self.config.stats_to:
                 self.tell(actor, stats)
             await asyncio.sleep(self.config.stats_interval_s)
