@@ -95,7 +95,8 @@ _NOT_HONOURED = {
     "functions": _empty,
     "function_call": _is(None, "none", "auto"),
     "use_beam_search": _empty,
-    "length_penalty": _is(None, 1, 1.0),
+    "length_penalty": _is(None, 1, 1.0),  # (beam search's, as early_stopping: beam search is not implemented)
+    "early_stopping": _is(None, False),
     "priority": _is(None, 0),
     "prompt_embeds": _empty,
     "audio": _empty,

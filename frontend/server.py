@@ -22,6 +22,7 @@ from actors.engine.config import DETOKENIZER, SCHEDULER
 from actors.engine.grammar import warm
 from actors.runtime import Actor
 from frontend.metrics import CONTENT_TYPE, Metrics
+from frontend.openapi import openapi
 from frontend.protocol import ParsedRequest, RequestError, ServingContext, new_request_id, parse_chat, parse_completion
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable
@@ -138,6 +139,7 @@ class HttpActor(Actor):
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", lambda _: _json(server_version()))
+        app.router.add_get("/openapi.json", lambda _: _json(openapi(bool(self.config.api_key))))
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)

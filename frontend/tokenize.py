@@ -2,8 +2,8 @@
 `GET /v1/models/{model}` and `GET /version`, as pure functions of a body and the serving context.
 
 /tokenize takes a completion prompt (`prompt`, with `add_special_tokens`, default true) or a chat (`messages`,
-rendered with the chat template and `add_generation_prompt`, default true; `add_special_tokens` default false, as
-the template writes them) and answers `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` only with
+rendered with the chat template, `add_generation_prompt` and `continue_final_message` as a chat request renders
+them; `add_special_tokens` default false, as the template writes them) and answers `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` only with
 `return_token_strs`). /detokenize takes `tokens` and answers `{"prompt"}`. A prompt longer than the context is
 still tokenized (clients ask to learn its length); its size is bounded by the body limit.
 """
@@ -24,7 +24,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[Any] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # default true, false with continue_final_message (as chat)
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -43,7 +44,8 @@ def tokenize(body: bytes, ctx) -> dict:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
         try:
-            text = tok.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+            opened = not req.continue_final_message if req.add_generation_prompt is None else req.add_generation_prompt
+            text = tok.render_chat(req.messages, opened, continue_final=req.continue_final_message)
         except ParamError as e:
             raise RequestError(400, str(e), e.param) from e
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))

@@ -51,6 +51,10 @@ async def test_tokenize_detokenize_and_version(server):
         async with s.post("/tokenize", json={"messages": CHAT}) as resp:
             chat = await resp.json()
         assert chat["tokens"] == tok.encode(tok.render_chat(CHAT), add_special_tokens=False)
+        said = [*CHAT, {"role": "assistant", "content": "Once"}]
+        async with s.post("/tokenize", json={"messages": said, "continue_final_message": True}) as resp:
+            going_on = await resp.json()
+        assert tok.decode(going_on["tokens"]).endswith("<|im_start|>assistant\nOnce")
         async with s.post("/detokenize", json={"tokens": body["tokens"]}) as resp:
             assert (await resp.json())["prompt"] == tok.decode(body["tokens"])
         for path, payload, param in [
@@ -172,3 +176,23 @@ async def test_chat_echo_continue_final_message_and_truncation(server):
             **base, extra_body={"continue_final_message": True, "add_generation_prompt": True}
         )
     assert e.value.body["param"] == "continue_final_message"
+
+
+async def test_openapi_describes_every_endpoint_and_its_bodies(server):
+    """GET /openapi.json: every endpoint, each body's schema generated from the Structs the server decodes (vLLM's
+    extras in, refused fields out, nested types as components)."""
+    async with server.session() as s, s.get("/openapi.json") as resp:
+        doc = await resp.json()
+    assert doc["openapi"].startswith("3.1") and set(doc["paths"]) == {
+        "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize", "/detokenize",
+        "/version", "/health", "/metrics", "/openapi.json",
+    }  # fmt: skip
+    schemas = doc["components"]["schemas"]
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    chat = schemas[body["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert {"messages", "return_token_ids", "continue_final_message", "truncate_prompt_tokens"} <= set(chat)
+    assert "use_beam_search" not in chat and "functions" not in chat
+
+    assert {"enum": ["left", "right"]} in chat["truncation_side"]["anyOf"]
+    assert chat["stream_options"]["anyOf"][0] == {"$ref": "#/components/schemas/StreamOptions"}
+    assert set(schemas["StreamOptions"]["properties"]) == {"include_usage", "continuous_usage_stats"}

@@ -1,0 +1,71 @@
+"""GET /openapi.json: an OpenAPI 3.1 description of every endpoint. The request bodies' schemas are generated from
+the msgspec Structs the server decodes them with (frontend/fields.py, frontend/tokenize.py), so the description
+cannot drift from what is accepted; fields refused with a 400 (frontend.fields' NOT_HONOURED lists) are absent.
+Errors share OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import msgspec
+
+from frontend.fields import ChatCompletionRequest, CompletionRequest
+from frontend.tokenize import DetokenizeRequest, TokenizeRequest, server_version
+
+REF = "#/components/schemas/{name}"
+BODIES = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+# (method, path, summary, request body, needs the API key)
+ENDPOINTS = [
+    ("post", "/v1/completions", "Completions: OpenAI's API with vLLM's extras", CompletionRequest, True),
+    ("post", "/v1/chat/completions", "Chat completions: OpenAI's API with vLLM's extras", ChatCompletionRequest, True),
+    ("get", "/v1/models", "The served model and its aliases", None, True),
+    ("get", "/v1/models/{model}", "One model's card (404 for an unknown id)", None, True),
+    ("post", "/tokenize", "vLLM's /tokenize: a prompt or a chat to token ids", TokenizeRequest, False),
+    ("post", "/detokenize", "vLLM's /detokenize: token ids to text", DetokenizeRequest, False),
+    ("get", "/version", "The server's version", None, False),
+    ("get", "/health", "200 while every process of the request path is up, else 503", None, False),
+    ("get", "/metrics", "Prometheus metrics (vLLM's names, under --metrics-prefix)", None, False),
+    ("get", "/openapi.json", "This description", None, False),
+]
+ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {k: {"type": ["string", "null"]} for k in ("message", "type", "param", "code")},
+            "required": ["message", "type"],
+        }
+    },
+}
+
+
+@functools.cache
+def openapi(api_key: bool) -> dict:
+    """The description (built once): `api_key`, the /v1 endpoints require a bearer token."""
+    refs, schemas = msgspec.json.schema_components(BODIES, ref_template=REF)
+    body_ref = dict(zip(BODIES, refs, strict=True))
+    paths: dict[str, dict] = {}
+    for method, path, summary, body, guarded in ENDPOINTS:
+        op: dict = {"summary": summary, "responses": _responses(body is not None or "{" in path)}
+        if body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_ref[body]}}}
+        if "{model}" in path:
+            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        if guarded and api_key:
+            op["security"] = [{"bearer": []}]
+        paths.setdefault(path, {})[method] = op
+    components = {"schemas": {**schemas, "ErrorResponse": ERROR}}
+    if api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    info = {"title": "Sluice", "version": server_version()["version"], "description": "An OpenAI-compatible server"}
+    return {"openapi": "3.1.0", "info": info, "paths": paths, "components": components}
+
+
+def _responses(can_fail: bool) -> dict:
+    error = {"content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorResponse")}}}}
+    out = {"200": {"description": "OK (JSON, or text/event-stream when `stream` is true)"}}
+    if can_fail:
+        out["400"] = {"description": "A bad request: the error names the field", **error}
+        out["404"] = {"description": "An unknown model", **error}
+    return out
