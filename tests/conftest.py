@@ -41,10 +41,11 @@ def pytest_collection_modifyitems(config, items):
 
 @dataclass
 class ServerHandle:
-    server: Server
+    server: Server | None  # None: another server at `remote` (tests/test_conformance.py's control run)
     model_dir: Path
     api_key: str = "unused"
     engine: FakeEngine | None = None
+    remote: str | None = None
 
     @functools.cached_property
     def tokenizer(self):
@@ -54,7 +55,12 @@ class ServerHandle:
 
     @property
     def url(self) -> str:
-        return self.server.url
+        return self.remote or self.server.url
+
+    @property
+    def local(self) -> bool:
+        """Sluice itself (not a control server): its own names and stricter errors are checked too."""
+        return self.remote is None
 
     @property
     def headers(self) -> dict[str, str]:

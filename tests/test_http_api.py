@@ -183,7 +183,7 @@ BAD = [
     ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ("chat/completions", {"max_tokens": 3}, "messages"),
-    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
 ]
 
