@@ -56,15 +56,15 @@ class TokenVocab(Protocol):
 
 
 class TokenIds:
-    """vLLM's return_tokens_as_token_ids: logprobs name every token "token_id:N" (JSON-safe whatever its bytes)."""
+    """vLLM's return_tokens_as_token_ids: logprobs name every token "token_id:N" (JSON-safe whatever its bytes);
+    chat's `bytes` stay the token's own (vLLM gives those of "token_id:N" for the top alternatives: a quirk)."""
+
+    def __init__(self, vocab: TokenVocab):
+        self.token_bytes = vocab.token_bytes
 
     @staticmethod
     def token_str(token_id: int) -> str:
         return f"token_id:{token_id}"
-
-    @staticmethod
-    def token_bytes(token_id: int) -> bytes:
-        return f"token_id:{token_id}".encode()
 
 
 def _lp(x: float) -> float:

@@ -45,7 +45,7 @@ def stream_tail(req: HttpRequest) -> bytes:
 
 def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
     p = req.parsed
-    vocab = fmt.TokenIds if p.tokens_as_ids else vocab
+    vocab = fmt.TokenIds(vocab) if p.tokens_as_ids else vocab
     fin = c.finished if c.finished is not None and c.finished.finish_reason != "error" else None
     ending = fin is not None and not c.final_sent
     if not (c.text or ((p.logprobs is not None or p.return_token_ids) and c.token_ids) or ending):
@@ -84,7 +84,7 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
 def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
     """The non-streaming response of a request whose choices all finished without error."""
     p = req.parsed
-    vocab = fmt.TokenIds if p.tokens_as_ids else vocab
+    vocab = fmt.TokenIds(vocab) if p.tokens_as_ids else vocab
     choices, extra = [], {"prompt_logprobs": None}  # (present, null, when not asked for: as vLLM)
     for c in req.choices:
         text, ids, lps = c.take()

@@ -34,9 +34,12 @@ def api(request) -> ServerHandle:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_max_tokens_beyond_the_context_ends_with_length(api, stream):
-    """The shared server's context is 512 tokens: a 500-token prompt with max_tokens 10,000 gets 12 tokens."""
+    """The shared server's context is 512 tokens: a 500-token prompt with max_tokens 100 gets 12 tokens, and so does
+    one with 10,000 on Sluice (vLLM 0.32 refuses a max_tokens above the context length with a 400; issue 18 asks
+    for the request to be served)."""
     client = api.client()
-    kwargs = dict(model="", prompt=[5] * 500, max_tokens=10_000, temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(model="", prompt=[5] * 500, max_tokens=10_000 if api.local else 100, temperature=0)
+    kwargs["extra_body"] = {"ignore_eos": True}
     if stream:
         chunks = await client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
         reasons, usage = [], None
@@ -50,12 +53,16 @@ async def test_max_tokens_beyond_the_context_ends_with_length(api, stream):
 
 
 async def test_model_card_and_unknown_model(api):
+    """The model list's card (vLLM's max_model_len and root); on Sluice also by id (OpenAI's models.retrieve, which
+    vLLM 0.32 answers 404) and a 404 naming model_not_found for another id."""
     client = api.client()
     name = api.model_dir.name
-    card = await client.models.retrieve(name)
+    [card] = (await client.models.list()).data
     assert (card.id, card.object, card.owned_by) == (name, "model", "sluice" if api.local else card.owned_by)
     assert card.model_extra["max_model_len"] == 512 and card.model_extra["root"] == str(api.model_dir)
-    assert [m.id for m in (await client.models.list()).data] == [name]
+    if not api.local:
+        return
+    assert await client.models.retrieve(name) == card
     with pytest.raises(openai.NotFoundError) as e:
         await client.models.retrieve("gpt-4")
     assert e.value.body["code"] == "model_not_found"
@@ -72,20 +79,20 @@ async def test_tokenize_detokenize_and_version(api):
             chat = await resp.json()
         assert chat["tokens"] == tok.encode(tok.render_chat(CHAT), add_special_tokens=False)
         said = [*CHAT, {"role": "assistant", "content": "Once"}]
-        async with s.post("/tokenize", json={"messages": said, "continue_final_message": True}) as resp:
+        payload = {"messages": said, "continue_final_message": True, "add_generation_prompt": False}
+        async with s.post("/tokenize", json=payload) as resp:
             going_on = await resp.json()
         assert tok.decode(going_on["tokens"]).endswith("<|im_start|>assistant\nOnce")
         async with s.post("/detokenize", json={"tokens": body["tokens"]}) as resp:
             assert (await resp.json())["prompt"] == tok.decode(body["tokens"])
-        for path, payload, param in [
+        for path, payload, param in [  # (vLLM 0.32 takes the messages of the first, and detokenizes the third to "")
             ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
             ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
             ("/detokenize", {"tokens": [10**7]}, "tokens"),
             ("/detokenize", {"tokens": "abc"}, "tokens"),
-        ]:
+        ][: None if api.local else 0]:
             async with s.post(path, json=payload) as resp:
-                error = (await resp.json())["error"]
-                assert resp.status in (400, 404) and error["param"] == (param if api.local else error["param"]), payload
+                assert resp.status in (400, 404) and (await resp.json())["error"]["param"] == param, payload
         async with s.get("/version") as resp:
             assert (await resp.json())["version"] == ("0.1.0" if api.local else "0.32.0")
 
@@ -106,10 +113,10 @@ async def test_response_shape_fields(api):
     async with api.session() as s:
         async with s.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as resp:
             body = await resp.json()
-        assert body["system_fingerprint"] is None and body["choices"][0]["prompt_logprobs"] is None
+        assert fingerprint(api, body) is None and body["choices"][0]["prompt_logprobs"] is None
         async with s.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}) as resp:
             body = await resp.json()
-        assert body["system_fingerprint"] is None and "prompt_logprobs" in body and body["prompt_logprobs"] is None
+        assert fingerprint(api, body) is None and "prompt_logprobs" in body and body["prompt_logprobs"] is None
         async with s.post(
             "/v1/completions", json={"prompt": "hi there", "max_tokens": 1, "prompt_logprobs": 1}
         ) as resp:
@@ -119,7 +126,12 @@ async def test_response_shape_fields(api):
         async with s.post("/v1/chat/completions", json=payload) as resp:
             text = await resp.text()
         chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-        assert chunks and all("system_fingerprint" in c for c in chunks)
+        assert chunks and all("system_fingerprint" in c for c in chunks if api.local)  # (vLLM 0.32: not in chunks)
+
+
+def fingerprint(api, body: dict) -> str | None:
+    """system_fingerprint: present; null on Sluice (vLLM 0.32 writes its version there)."""
+    return body["system_fingerprint"] if api.local else None
 
 
 def ids_of(tokens: list[str]) -> list[int]:
@@ -149,7 +161,7 @@ async def test_return_token_ids_and_tokens_as_token_ids_on_completions(api):
     assert prompts[0] == tok.encode("Hello world") and not any(prompts[1:])
     assert streamed == extra_fields["token_ids"]
     plain = (await client.completions.create(model="", prompt="Hello world", max_tokens=2, logprobs=0)).choices[0]
-    assert "token_ids" not in plain.model_extra and "prompt_token_ids" not in plain.model_extra
+    assert plain.model_extra.get("token_ids") is None and plain.model_extra.get("prompt_token_ids") is None
     assert not any(t.startswith("token_id:") for t in plain.logprobs.tokens)
 
 
@@ -165,7 +177,8 @@ async def test_return_token_ids_on_chat(api):
     assert response.model_extra["prompt_token_ids"] == want_prompt and len(ids) == 6
     content = response.choices[0].logprobs.content
     assert ids_of([lp.token for lp in content]) == ids
-    assert all(lp.bytes == list(lp.token.encode()) and ids_of([t.token for t in lp.top_logprobs]) for lp in content)
+    assert [lp.bytes for lp in content] == [list(tok.token_bytes(t)) for t in ids]  # the tokens' own bytes
+    assert all(ids_of([t.token for t in lp.top_logprobs]) for lp in content)
     chunks = [chunk async for chunk in await client.chat.completions.create(**kwargs, stream=True)]
     assert chunks[0].model_extra["prompt_token_ids"] == want_prompt
     assert not any(c.model_extra.get("prompt_token_ids") for c in chunks[1:])
@@ -196,7 +209,7 @@ async def test_chat_echo_continue_final_message_and_truncation(api):
         await client.chat.completions.create(
             **base, extra_body={"continue_final_message": True, "add_generation_prompt": True}
         )
-    assert e.value.body["param"] == "continue_final_message"
+    assert e.value.body["param"] == ("continue_final_message" if api.local else e.value.body["param"])
 
 
 @pytest.mark.skipif(CONTROL is not None, reason="Sluice's own endpoints")
