@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from messages.wire import AddRequest
+from messages.wire import AbortReason, AddRequest
 
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
@@ -46,7 +46,7 @@ class RecentIds(dict):
 
 @dataclass(slots=True)
 class Tombstone:
-    reason: str  # of the Abort, re-sent with it
+    reason: AbortReason  # of the Abort, re-sent with it
     since: float  # when the last Abort was sent
     tries: int
 
@@ -60,7 +60,7 @@ class Tombstones(dict):
         self.max_abort_tries = max_abort_tries
         self.log = log
 
-    def add(self, rid: str, reason: str, aborted: bool = True) -> None:
+    def add(self, rid: str, reason: AbortReason, aborted: bool = True) -> None:
         """`aborted`: an Abort was sent. Without one (the engine is gone) one timeout passes, then it is dropped."""
         self[rid] = Tombstone(reason, time.monotonic(), 1 if aborted else self.max_abort_tries)
 

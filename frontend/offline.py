@@ -22,6 +22,7 @@ from frontend.tokenizer import Tokenizer
 from messages.sampling_params import SamplingParams
 from messages.wire import (
     Abort,
+    AbortReason,
     AddRequest,
     CheckIdle,
     DetokStats,
@@ -114,7 +115,7 @@ class AsyncLLM:
         per = params if isinstance(params, list) else [params] * len(prompts)
         return list(await asyncio.gather(*(self.generate_one(p, sp) for p, sp in zip(prompts, per, strict=True))))
 
-    def abort(self, request_id: str, reason: str = "client") -> None:
+    def abort(self, request_id: str, reason: AbortReason = "client") -> None:
         """Explicit abort: the request ends with finish_reason "abort" (or its natural end if that won)."""
         self.client.tell(SCHEDULER, Abort(request_id=request_id, reason=reason))
 

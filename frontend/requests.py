@@ -35,7 +35,7 @@ from actors.protocol import MAX_ATTEMPTS, RecentIds, RequestRecord, StepNumbers,
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.request_state import Choice, HttpRequest
-from messages.wire import Abort, Finished, Msg, TextDelta, TextOutputs
+from messages.wire import Abort, AbortReason, Finished, Msg, TextDelta, TextOutputs
 
 log = logging.getLogger("sluice.http")
 
@@ -203,7 +203,7 @@ class RequestTable:
         c.request.num_live -= 1
         c.request.wake.set()
 
-    def _tombstone(self, c: Choice, reason: str, send_abort: bool = True) -> None:
+    def _tombstone(self, c: Choice, reason: AbortReason, send_abort: bool = True) -> None:
         self._close(c)
         self.metrics.request_success.labels("abort").inc()
         self.tombstones.add(c.engine_id, reason, aborted=send_abort)
@@ -211,7 +211,7 @@ class RequestTable:
             self.metrics.aborts.labels(reason).inc()
             self._abort(c.engine_id, reason)
 
-    def cancel(self, req: HttpRequest, reason: str = "client") -> None:
+    def cancel(self, req: HttpRequest, reason: AbortReason = "client") -> None:
         """The client is gone: tombstone every live choice and abort it in the engine."""
         live = [c for c in req.choices if c.live]
         if live:
@@ -228,7 +228,7 @@ class RequestTable:
                 self._tombstone(c, "error", send_abort)
         req.wake.set()
 
-    def abort_all(self, reason: str) -> None:
+    def abort_all(self, reason: AbortReason) -> None:
         """Shutdown: ask the engine to abort everything; choices stay LIVE until their Finished."""
         for rid in self.live:
             self.metrics.aborts.labels(reason).inc()
@@ -246,5 +246,5 @@ class RequestTable:
         self.tombstones.expire(now, self._abort)
         self.find_lost()
 
-    def _abort(self, rid: str, reason: str) -> None:
+    def _abort(self, rid: str, reason: AbortReason) -> None:
         self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))

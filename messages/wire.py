@@ -7,11 +7,14 @@ Queries carry a correlation id and the asker's address; the runtime routes their
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
 from messages.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]  # why a request ended: OpenAI's, and vLLM's abort, error
+AbortReason = Literal["client", "stop", "error", "shutdown"]  # who ended it early (Abort; Finished.stop_reason)
 
 
 class Msg(msgspec.Struct, tag=True, array_like=True, kw_only=True):
@@ -42,7 +45,7 @@ class Ready(Msg, kw_only=True):
 class Shutdown(Msg, kw_only=True):
     """supervisor -> every actor: drain (stop admitting, finish or abort in-flight), then exit."""
 
-    reason: str = ""
+    reason: AbortReason = "shutdown"  # of the aborts it causes
 
 
 class Ping(Query, kw_only=True):
@@ -97,15 +100,13 @@ class AddRequest(Msg, kw_only=True):
     params: SamplingParams
     arrival_time: float = 0.0
     client: str = "http"  # the actor that receives this request's text
-    # A resumed request (DESIGN I8: re-submitted by its client after an engine-side process died): the output
-    # tokens it already delivered (the engine recomputes their KV and samples on from seq len(...); None: a new
-    # request), and how many characters of their text the client already has (the detokenizer holds back the rest).
+    # A resumed copy (DESIGN I8): the output tokens its client has (the engine recomputes their KV and samples on from
+    # seq len(...); None: a new request), and the characters of their text it has (the rest is held back).
     resume_token_ids: list[int] | None = None
     resume_chars: int = 0
-    # Which copy of the request this is: 0 as first sent, higher at each re-submission (by its client after a
-    # death or a lost TextOutputs: odd numbers; by the detokenizer to repair a lost output: even ones, so copies
-    # made at once never share a number: actors.protocol.next_attempt). The scheduler runs only the highest it has
-    # seen; every output carries it: a party drops the outputs of a copy older than the one it follows.
+    # Which copy this is: 0 as first sent, higher at each re-submission (odd from a client, even from the detokenizer:
+    # copies made at once never share a number, actors.protocol.next_attempt). The scheduler runs only the highest it
+    # has seen; every output carries it: a party drops the outputs of a copy older than the one it follows.
     attempt: int = 0
 
 
@@ -113,7 +114,7 @@ class Abort(Msg, kw_only=True):
     """HTTP (client gone, shutdown) or detokenizer (stop string) -> scheduler. Idempotent."""
 
     request_id: str
-    reason: str = "client"
+    reason: AbortReason = "client"
 
 
 class AbortAck(Msg, kw_only=True):
@@ -121,7 +122,7 @@ class AbortAck(Msg, kw_only=True):
     sent after its last output once no in-flight step references its KV blocks."""
 
     request_id: str
-    reason: str = "client"
+    reason: AbortReason = "client"
     attempt: int = 0  # AddRequest.attempt of the copy it ends: an ack of a replaced copy is stale
 
 
@@ -157,7 +158,7 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     request_id: str
     seq: int
     new_token_ids: list[int]
-    finish_reason: str | None = None  # stop | length | error
+    finish_reason: FinishReason | None = None  # stop | length | error
     stop_reason: int | str | None = None  # the stop token id (or stop string downstream)
     logprobs: TokenLogprobs | None = None
     error: str | None = None
@@ -213,7 +214,7 @@ class Finished(Msg, kw_only=True):
     Carries the request's last text (released hold-back) and its final accounting."""
 
     request_id: str
-    finish_reason: str  # stop | length | abort | error
+    finish_reason: FinishReason
     stop_reason: int | str | None = None  # stop token id / stop string; for an abort, its reason
     text: str = ""
     token_ids: list[int] = []

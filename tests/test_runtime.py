@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from typing import get_args
 
 import pytest
 import zmq
 
 from actors.runtime import ActorSpec, ActorSystem, AskTimeout, ProcessSpec, RestartPolicy
-from messages.codec import LocalOnlyError
-from messages.wire import CheckIdle, Opaque, Ping, Pong, Probe
+from messages.codec import BadFrame, Codec, LocalOnlyError
+from messages.wire import Abort, AbortReason, CheckIdle, Finished, FinishReason, Opaque, Ping, Pong, Probe
 from tests.runtime_actors import Recorder, Sender
 
 ECHO = ProcessSpec(name="echoproc", actors=[ActorSpec(name="echo", factory="tests.runtime_actors:Echo")])
@@ -158,3 +159,15 @@ async def test_children_die_with_the_launcher():
     launcher.kill()
     await launcher.wait()
     await wait_for(lambda: not any(alive(p) for p in pids), timeout=10)
+
+
+def test_reasons_are_declared_once_and_a_stray_one_is_a_bad_frame():
+    """Finish and abort reasons are Literals in messages.wire: every declared one crosses a link, a stray one (a typo
+    on the sending side) is a bad frame, logged and dropped by the receiver, never a request ended for no reason."""
+    codec = Codec()
+    for reason in get_args(AbortReason):
+        assert codec.decode(codec.encode(Abort(request_id="r", reason=reason))).reason == reason
+    for reason in get_args(FinishReason):
+        assert codec.decode(codec.encode(Finished(request_id="r", finish_reason=reason))).finish_reason == reason
+    with pytest.raises(BadFrame, match="Invalid enum value .timeout."):
+        codec.decode(codec.encode(Abort(request_id="r", reason="timeout")))

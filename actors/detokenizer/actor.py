@@ -24,8 +24,7 @@ Cases (state x event -> action):
   other      AddRequest(resumed)  -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
   any        ActorDown(scheduler) -> every request forgotten silently (clients re-submit the live ones)
   any        ActorDown(client)    -> its LIVE requests are tombstoned and aborted in the engine
-  any        Shutdown             -> handles messages on until every request is closed (the scheduler aborts them
-                                     all), at most SHUTDOWN_DRAIN_S; what is left ends as abort
+  any        Shutdown             -> drains (the scheduler aborts all) for SHUTDOWN_DRAIN_S at most; the rest: abort
 
 Steps. The scheduler numbers its StepOutputs (one per engine step, and one as it goes idle; step 0 starts
 an incarnation: actors.protocol.StepNumbers). A number seen before is a duplicate, dropped whole; a skipped one
@@ -52,6 +51,7 @@ from actors.runtime import Actor
 from messages.wire import (
     Abort,
     AbortAck,
+    AbortReason,
     ActorDown,
     AddRequest,
     CheckIdle,
@@ -221,7 +221,7 @@ class DetokenizerActor(Actor):
             self.last_sent[client] = time.monotonic()
         self.tell(client, batch)
 
-    def _end_aborted(self, rid: str, reason: str) -> None:
+    def _end_aborted(self, rid: str, reason: AbortReason) -> None:
         finished = self.live[rid].abort("abort")
         finished.stop_reason = reason  # why it was aborted: client | stop | shutdown | ...
         self._end(rid, finished, aborted=reason)
@@ -244,11 +244,11 @@ class DetokenizerActor(Actor):
         if abort:
             self._tombstone(rid, "error")
 
-    def _tombstone(self, rid: str, reason: str) -> None:
+    def _tombstone(self, rid: str, reason: AbortReason) -> None:
         self.tombstones.add(rid, reason)
         self._abort(rid, reason)
 
-    def _abort(self, rid: str, reason: str) -> None:
+    def _abort(self, rid: str, reason: AbortReason) -> None:
         self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
 
     def _violation(self, rid: str, what: str) -> None:

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from actors.detokenizer.incremental import IncrementalDetokenizer, token_table
 from actors.detokenizer.stop_strings import StopChecker
 from actors.protocol import DETOK_COPIES, next_attempt
-from messages.wire import AddRequest, Finished, RequestOutput, TextDelta, TokenLogprobs
+from messages.wire import AbortReason, AddRequest, Finished, RequestOutput, TextDelta, TokenLogprobs
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -74,7 +74,7 @@ class DetokRequestState:
         self.tokenizer = tokenizer
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.finished = False
-        self.abort_reason: str | None = None
+        self.abort_reason: AbortReason | None = None
         self.duplicates_dropped = 0
         self.logprobs_text: DecodedLogprobs | None = None  # of the last processed entry
         self.prompt_logprobs: TokenLogprobs | None = None  # from the first entry, for the Finished

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from actors.engine.grammar import Matcher
 from gpu.batch import PLACEHOLDER
 from messages.sampling_params import SamplingParams
-from messages.wire import AddRequest, TokenLogprobs
+from messages.wire import AddRequest, FinishReason, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -47,7 +47,7 @@ class EngineRequest:
     num_inflight_steps: int = 0  # scheduled steps with a row of this request, not yet updated
     block_table: list[int] = field(default_factory=list)
     slot: int = -1  # stable index in [0, max_num_seqs) while admitted; -1 when it holds none
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     prompt_logprobs: TokenLogprobs | None = None  # collected chunk by chunk; sent with the first output
     companion: Companion | None = None  # classifier-free guidance's unconditional sequence

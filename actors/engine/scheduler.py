@@ -41,7 +41,7 @@ from actors.engine.logprobs import take_prompt_logprobs
 from actors.engine.metrics import SpecStats
 from actors.engine.request import EngineRequest, RequestStatus
 from gpu.batch import BatchSpec, ScheduledRow
-from messages.wire import RequestOutput
+from messages.wire import FinishReason, RequestOutput
 
 
 class Scheduler:
@@ -307,7 +307,7 @@ class Scheduler:
             self._finish(req, "length")
         return req.is_finished
 
-    def _finish(self, req: EngineRequest, reason: str, stop_reason: int | None = None) -> None:
+    def _finish(self, req: EngineRequest, reason: FinishReason, stop_reason: int | None = None) -> None:
         self._dequeue(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
