@@ -9,92 +9,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from pathlib import Path
-from typing import get_args
 
-import msgspec
-
-from actors.engine.config import EngineConfig, SpeculativeConfig
+from actors.engine.config import EngineConfig
+from frontend.cli_args import Help, engine_arguments, limit_arguments, metrics_prefix
 from frontend.tools import TOOL_CALL_PARSERS
-from messages.sampling_params import LogprobsMode, RequestLimits
+from messages.sampling_params import RequestLimits
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-_DEFAULTS = EngineConfig(model="")
-
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):  # a None default is explained in the help text, if at all
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def _engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="model directory or .gguf file (default: the bundled SmolLM2-135M)")
-    g = parser.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="max requests in a batch")
-    g.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="max prompt + output tokens")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget per step"
-    )
-    g.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=_DEFAULTS.long_prefill_token_threshold,
-        help="a prompt's tokens per step while others decode (bounds the stall a long prompt costs them; 0: off)",
-    )
-    g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
-    kv = g.add_mutually_exclusive_group()
-    kv.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from --kv-cache-memory-gb)"
-    )
-    kv.add_argument(
-        "--kv-cache-memory-gb", type=float, default=_DEFAULTS.kv_cache_memory_gb, help="KV cache size in GB"
-    )
-    g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
-    g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")
-    g.add_argument(
-        "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantization (CPU, float32)"
-    )
-    g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: every core)")
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=_DEFAULTS.async_scheduling,
-        help="plan step N+1 while step N runs",
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=_DEFAULTS.enable_prefix_caching,
-        help="reuse the KV cache blocks of shared prompt prefixes",
-    )
-    g.add_argument(
-        "--speculative-config",
-        type=_speculative_config,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (default: off)',
-    )
-    g.add_argument(
-        "--logprobs-mode",
-        choices=get_args(LogprobsMode),
-        default=_DEFAULTS.logprobs_mode,
-        help="logprobs of the model's distribution (raw) or of the one sampled from, after penalties, temperature "
-        "and truncation (processed); prompt logprobs are always raw",
-    )
-    parser.add_argument("--fault-plan", metavar="FILE", help="fault injection plan, JSON (or $SLUICE_FAULT_PLAN)")
-    parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-
-
-def _speculative_config(text: str) -> SpeculativeConfig:
-    try:
-        config = msgspec.json.decode(text, type=SpeculativeConfig)
-        config.verify()
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-    return config
 
 
 def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -122,28 +45,6 @@ def _setup(args: argparse.Namespace, default_level: str):
     return resolve_model(args.model)
 
 
-_LIMIT_HELP = {
-    "max_n": "choices per prompt",
-    "max_logprobs": "top-N logprobs and prompt_logprobs",
-    "max_stop": "stop strings per request",
-    "max_stop_chars": "characters per stop string",
-    "max_bad_words": "bad words per request",
-    "max_bad_word_chars": "characters per bad word",
-    "max_logit_bias": "logit_bias entries per request",
-    "max_allowed_token_ids": "allowed_token_ids entries per request (default: the vocabulary size)",
-    "max_stop_token_ids": "stop_token_ids entries per request",
-    "max_choices": "prompts x n of one call",
-    "max_total_tokens": "sum over a call's choices of prompt + max_tokens",
-    "max_grammar_chars": "characters of a structured output's schema, regex, grammar or choices",
-}
-
-
-def _limit_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("request limits (a request over one is refused with a 400 naming the field)")
-    for name, default in msgspec.structs.asdict(RequestLimits()).items():
-        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=_LIMIT_HELP[name])
-
-
 # ---------------------------------------------------------------- serve
 
 
@@ -167,12 +68,6 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     return uvloop.run(_serve(_engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
-
-
-def _metrics_prefix(prefix: str) -> str:
-    if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", prefix):
-        raise argparse.ArgumentTypeError(f"{prefix!r} cannot start a Prometheus metric name")
-    return prefix
 
 
 def _chat_template(path: str | None) -> str | None:
@@ -262,11 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="An OpenAI-compatible LLM server (actors over ZMQ).")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    defaults = _Help
+    defaults = Help
     p = commands.add_parser(
         "serve", help="serve a model over HTTP (OpenAI API)", description="Serve a model.", formatter_class=defaults
     )
-    _engine_arguments(p)
+    engine_arguments(p)
     g = p.add_argument_group("http")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port; 0 = any free port")
@@ -278,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SLUICE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SLUICE_API_KEY)",
     )
-    g.add_argument("--metrics-prefix", type=_metrics_prefix, default="sluice:", help="of /metrics series (vllm:…)")
+    g.add_argument("--metrics-prefix", type=metrics_prefix, default="sluice:", help="of /metrics series (vllm:…)")
     g = p.add_argument_group("structured outputs and tools")
     g.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the model's own")
     g.add_argument(
@@ -291,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a structured output's spec may take to compile (slower ones get a 400)",
     )
-    _limit_arguments(p)
+    limit_arguments(p)
     p.set_defaults(func=serve)
 
     p = commands.add_parser(
@@ -300,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text offline.",
         formatter_class=defaults,
     )
-    _engine_arguments(p)
+    engine_arguments(p)
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     s = p.add_argument_group("sampling")

@@ -1,0 +1,116 @@
+"""The `sluice` command line's arguments: the engine's (serve and generate), the request limits (serve), and the
+argument types that check a value where it is typed. frontend/cli.py builds the commands from them."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import get_args
+
+import msgspec
+
+from actors.engine.config import EngineConfig, SpeculativeConfig
+from messages.sampling_params import LogprobsMode, RequestLimits
+
+_DEFAULTS = EngineConfig(model="")
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # a None default is explained in the help text, if at all
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="model directory or .gguf file (default: the bundled SmolLM2-135M)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="max requests in a batch")
+    g.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="max prompt + output tokens")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget per step"
+    )
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=_DEFAULTS.long_prefill_token_threshold,
+        help="a prompt's tokens per step while others decode (bounds the stall a long prompt costs them; 0: off)",
+    )
+    g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from --kv-cache-memory-gb)"
+    )
+    kv.add_argument(
+        "--kv-cache-memory-gb", type=float, default=_DEFAULTS.kv_cache_memory_gb, help="KV cache size in GB"
+    )
+    g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
+    g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")
+    g.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantization (CPU, float32)"
+    )
+    g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: every core)")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.async_scheduling,
+        help="plan step N+1 while step N runs",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.enable_prefix_caching,
+        help="reuse the KV cache blocks of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (default: off)',
+    )
+    g.add_argument(
+        "--logprobs-mode",
+        choices=get_args(LogprobsMode),
+        default=_DEFAULTS.logprobs_mode,
+        help="logprobs of the model's distribution (raw) or of the one sampled from, after penalties, temperature "
+        "and truncation (processed); prompt logprobs are always raw",
+    )
+    parser.add_argument("--fault-plan", metavar="FILE", help="fault injection plan, JSON (or $SLUICE_FAULT_PLAN)")
+    parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        config = msgspec.json.decode(text, type=SpeculativeConfig)
+        config.verify()
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return config
+
+
+_LIMIT_HELP = {
+    "max_n": "choices per prompt",
+    "max_logprobs": "top-N logprobs and prompt_logprobs",
+    "max_stop": "stop strings per request",
+    "max_stop_chars": "characters per stop string",
+    "max_bad_words": "bad words per request",
+    "max_bad_word_chars": "characters per bad word",
+    "max_logit_bias": "logit_bias entries per request",
+    "max_allowed_token_ids": "allowed_token_ids entries per request (default: the vocabulary size)",
+    "max_stop_token_ids": "stop_token_ids entries per request",
+    "max_choices": "prompts x n of one call",
+    "max_total_tokens": "sum over a call's choices of prompt + max_tokens",
+    "max_grammar_chars": "characters of a structured output's schema, regex, grammar or choices",
+}
+
+
+def limit_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("request limits (a request over one is refused with a 400 naming the field)")
+    for name, default in msgspec.structs.asdict(RequestLimits()).items():
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=_LIMIT_HELP[name])
+
+
+def metrics_prefix(prefix: str) -> str:
+    if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", prefix):
+        raise argparse.ArgumentTypeError(f"{prefix!r} cannot start a Prometheus metric name")
+    return prefix
