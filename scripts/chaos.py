@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import random
+import re
 import sys
 import tempfile
 import time
@@ -174,9 +176,11 @@ async def run(llm: AsyncLLM, jobs: list[Job], aborts: bool) -> list[Outcome]:
 class Report:
     counts: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)  # the failed requests' errors
 
     def __str__(self) -> str:
         lines = [" ".join(f"{k}={v}" for k, v in self.counts.items())]
+        lines += [f"failed {n}x: {error}" for error, n in self.errors.most_common(5)]
         return "\n".join(lines + [f"PROBLEM: {p}" for p in self.problems[:20]])
 
 
@@ -197,6 +201,8 @@ def compare(jobs: list[Job], reference: list[Outcome], chaos: list[Outcome], sen
     for job, ref, got in zip(jobs, reference, chaos, strict=True):
         natural = got.reason in ("length", "stop")
         report.counts["natural" if natural else "aborted" if got.reason == "abort" else "failed"] += 1
+        if got.reason == "error":  # (ids and counts blanked: one line per kind of failure)
+            report.errors[re.sub(r"\d+", "N", re.sub(r"\S*-\d+", "ID", got.finished.error or ""))] += 1
         engine = sent.get(got.request_id, [])
         if got.token_ids != (engine if got.reason == "length" else engine[: len(got.token_ids)]):
             report.problems.append(
