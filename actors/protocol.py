@@ -7,6 +7,7 @@ Pure Python: the HTTP process imports it."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -18,6 +19,7 @@ from messages.wire import AbortReason, AddRequest
 
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
+RECENT = 2  # numbered messages name the requests of this many before them (a reorder displaces one by one)
 MAX_ATTEMPTS = 32  # a request whose copy is numbered this high (AddRequest.attempt) fails at its next loss (a loss
 # repairs every request that may have been in the lost message: a long request under steady loss collects many)
 CLIENT_COPIES, DETOK_COPIES = 1, 0  # the parity of the attempt numbers each party gives the copies it makes
@@ -122,11 +124,29 @@ class RequestRecord:
         )
 
 
-def lost_suspects(link: StepNumbers, records: Iterable[tuple[str, RequestRecord]]) -> list[str]:
-    """The requests that may have had output in a message `link` now declares lost: not heard from since.
-    `records` is read only then (a generator: nothing is built per message while nothing is lost)."""
-    lost = link.lost()
-    return [rid for rid, r in records if r.heard < max(lost)] if lost else []
+def lost_suspects(link: StepNumbers, lost: list[int], records: Iterable[tuple[str, RequestRecord]]) -> list[str]:
+    """The requests that may have had output in the messages `link.lost()` just declared `lost`: those a later
+    message named (its `recent`), or, when one was not named (more than RECENT lost in a row, or none came after
+    it), every request not heard from since. `records` is read only then (nothing is built per message)."""
+    named = [link.named.pop(n, None) for n in lost]
+    if any(ids is None for ids in named):
+        return [rid for rid, r in records if r.heard < max(lost)]
+    names = {rid for ids in named for rid in ids}
+    return [rid for rid, _ in records if rid in names]
+
+
+class SentNames:
+    """A sender's side of `recent` (StepOutputs, TextOutputs): the request ids of its last RECENT numbered messages
+    on one link, stamped on the next, so a receiver that loses one repairs only the requests it held."""
+
+    def __init__(self):
+        self.entries: collections.deque[tuple[int, list[str]]] = collections.deque(maxlen=RECENT)
+
+    def stamp(self, number: int, request_ids: list[str]) -> list[tuple[int, list[str]]]:
+        """The `recent` of message `number`, which holds `request_ids`."""
+        recent = list(self.entries)
+        self.entries.appendleft((number, request_ids))
+        return recent
 
 
 class StepNumbers:
@@ -138,6 +158,7 @@ class StepNumbers:
     def __init__(self):
         self.next: int | None = None
         self.missing: dict[int, float] = {}  # step -> when it was found missing
+        self.named: dict[int, list[str]] = {}  # missing step -> the request ids a later message says it held
 
     @property
     def last(self) -> int:
@@ -147,17 +168,26 @@ class StepNumbers:
     def reset(self) -> None:
         self.next = None
         self.missing.clear()
+        self.named.clear()
 
-    def accept(self, step: int) -> bool:
+    def accept(self, step: int, recent: list[tuple[int, list[str]]] = ()) -> bool:
+        """`recent`: the message's names of the messages before it (SentNames), kept for those found missing."""
         if self.next is None or (step == 0 and self.next > 1):
             self.missing.clear()
+            self.named.clear()
+            self.next = step + 1
         elif step >= self.next:
             now = time.monotonic()
             for s in range(self.next, step):
                 self.missing[s] = now
-        else:
-            return self.missing.pop(step, None) is not None  # a late (reordered) message, or a duplicate
-        self.next = step + 1
+            self.next = step + 1
+        elif self.missing.pop(step, None) is None:
+            return False  # a duplicate
+        else:  # a late (reordered) message
+            self.named.pop(step, None)
+        for number, ids in recent:
+            if number in self.missing:
+                self.named[number] = ids
         return True
 
     def lost(self) -> list[int]:

@@ -78,7 +78,7 @@ class ClientActor(Actor):
         return stream
 
     def on_text(self, msg: TextOutputs) -> None:
-        if msg.number >= 0 and not self.link.accept(msg.number):
+        if msg.number >= 0 and not self.link.accept(msg.number, msg.recent):
             self.duplicates += 1  # the whole message again
             return
         for delta in msg.deltas:
@@ -102,8 +102,9 @@ class ClientActor(Actor):
         self._find_lost()
 
     def _find_lost(self) -> None:
-        for rid in lost_suspects(self.link, ((rid, s.record) for rid, s in self.streams.items())):
-            self._gap(rid, "a TextOutputs it may have been in was lost")
+        if lost := self.link.lost():
+            for rid in lost_suspects(self.link, lost, ((rid, s.record) for rid, s in self.streams.items())):
+                self._gap(rid, "a TextOutputs it may have been in was lost")
 
     async def _find_lost_on_a_quiet_link(self) -> None:
         while True:
@@ -115,9 +116,12 @@ class ClientActor(Actor):
         stream = self.streams.get(rid)
         if stream is None:
             self._late(rid, msg.num_output_tokens)
-        elif msg.attempt < stream.record.attempt:
+            return
+        if msg.attempt < stream.record.attempt:
             self.stale += 1
-        elif msg.finish_reason != "error" and stream.record.num_tokens < msg.num_output_tokens - len(msg.token_ids):
+            return
+        stream.record.attempt = msg.attempt  # (a repair below goes on above this copy)
+        if msg.finish_reason != "error" and stream.record.num_tokens < msg.num_output_tokens - len(msg.token_ids):
             self._gap(rid, f"Finished after {msg.num_output_tokens} tokens, {stream.record.num_tokens} received")
         else:
             self._end(rid, msg)

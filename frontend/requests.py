@@ -99,7 +99,7 @@ class RequestTable:
     # ------------------------------------------------------------ engine outputs
 
     def on_outputs(self, msg: TextOutputs) -> None:
-        if msg.number >= 0 and not self.link.accept(msg.number):
+        if msg.number >= 0 and not self.link.accept(msg.number, msg.recent):
             self._violation("duplicate", "-", f"TextOutputs {msg.number} again")
             return
         now = time.monotonic()
@@ -111,8 +111,10 @@ class RequestTable:
 
     def find_lost(self) -> None:
         """Repair the choices that may have had output in a TextOutputs now known to be lost."""
-        for rid in lost_suspects(self.link, ((rid, c.record) for rid, c in self.live.items())):
-            self._gap(self.live[rid], "a TextOutputs it may have been in was lost")
+        if lost := self.link.lost():
+            for rid in lost_suspects(self.link, lost, ((rid, c.record) for rid, c in self.live.items())):
+                if (c := self.live.get(rid)) is not None:  # (a sibling's failure may have ended it)
+                    self._gap(c, "a TextOutputs it may have been in was lost")
 
     def _on_delta(self, delta: TextDelta, now: float, number: int) -> None:
         c = self.live.get(delta.request_id)
@@ -143,6 +145,7 @@ class RequestTable:
         if fin.attempt < c.record.attempt:  # an older copy's
             self.metrics.stale_dropped += 1
             return
+        c.record.attempt = fin.attempt  # (a repair below goes on above this copy)
         seen = c.num_tokens + len(fin.token_ids)
         if fin.finish_reason != "error" and fin.num_output_tokens != seen:  # a lost delta: repair, never corrupt
             self._gap(c, f"Finished after {fin.num_output_tokens} tokens, {seen} received")

@@ -194,8 +194,9 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
 class StepOutputs(Msg, kw_only=True):
     """scheduler -> detokenizer: everything one engine step produced (one message per step)."""
 
-    step: int
+    step: int  # numbered from 0 per engine incarnation (-1: unnumbered)
     outputs: list[RequestOutput]
+    recent: list[tuple[int, list[str]]] = []  # the request ids of the numbered ones before (actors.protocol.SentNames)
 
 
 class TextDelta(msgspec.Struct, array_like=True, kw_only=True):
@@ -235,9 +236,8 @@ class TextOutputs(Msg, kw_only=True):
     step: int  # the engine step it comes from (-1: none)
     deltas: list[TextDelta]
     finished: list[Finished] = []
-    # consecutive per (detokenizer incarnation, client) from 0: the client tells a lost message by a gap, as the
-    # detokenizer does on StepOutputs (actors.protocol.StepNumbers); -1: unnumbered (test doubles)
-    number: int = -1
+    number: int = -1  # consecutive per (detokenizer incarnation, client) from 0, as StepOutputs.step; -1: unnumbered
+    recent: list[tuple[int, list[str]]] = []  # as StepOutputs.recent
 
 
 class EngineStats(Msg, kw_only=True):

@@ -217,7 +217,7 @@ def compare(jobs: list[Job], reference: list[Outcome], chaos: list[Outcome], sen
         elif not natural and not ref.text.startswith(got.text):
             report.problems.append(f"job {job.index}: {got.reason} text is not a prefix of the fault-free run's")
         if got.reason == "abort" and job.abort_after_tokens is None and job.abort_after_s is None:
-            report.problems.append(f"job {job.index}: aborted without an abort")
+            report.problems.append(f"job {job.index}: aborted without an abort ({got.finished.stop_reason})")
     if report.counts["diverged"] > max(2, len(jobs) // 500):
         report.problems.append(f"{report.counts['diverged']} requests diverged: more than last-bit numerics explain")
     return report

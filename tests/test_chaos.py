@@ -68,6 +68,6 @@ def test_compare_checks_streams_against_what_the_engine_sent():
     assert problems(outcome("c1", [1, 2], "ab", "error"), [1, 2, 3], {"failed": 1}) == []  # a prefix
     assert problems(outcome("c1", [1, 2], "ax", "error"), [1, 2, 3])  # ... of the tokens, not of the text
     assert problems(outcome("c1", [1, 2], "ab", "abort"), [1, 2, 3]) == [
-        f"job {jobs[1].index}: aborted without an abort"
+        f"job {jobs[1].index}: aborted without an abort (None)"  # (its reason, from stop_reason)
     ]
     assert problems(outcome("c1", [1, 5, 6], "xyz"), [1, 5, 6], {"diverged": 1}) == []  # numerics

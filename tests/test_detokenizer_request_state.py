@@ -180,10 +180,14 @@ def test_usage_counts():
 
 
 def test_abort_gives_the_terminal_message():
+    """finish_reason abort with the abort's reason as stop_reason; a request aborted because it failed (reason
+    error: its copy's client lost the failure) ends as an error, never as an abort nobody asked for."""
     state = make_state()
     state.process(RequestOutput(request_id="req-1", seq=0, new_token_ids=[905]))
-    fin = state.abort()
-    assert (fin.finish_reason, fin.num_output_tokens, state.finished) == ("abort", 1, True)
+    fin = state.abort("client")
+    assert (fin.finish_reason, fin.stop_reason, fin.num_output_tokens, state.finished) == ("abort", "client", 1, True)
+    fin = make_state().abort("error")
+    assert (fin.finish_reason, fin.stop_reason, fin.error) == ("error", None, "request req-1: failed")
 
 
 def test_logprobs_pass_through_with_token_strings_and_text_offsets():

@@ -271,9 +271,10 @@ async def test_a_copy_of_an_aborted_request_is_told_its_abort_again(clean_llm): 
 
 async def test_the_scheduler_runs_only_the_highest_copy_and_ignores_an_unknown_ids_stop(clean_llm):  # noqa: F811
     """A client's copy (attempt 3) and the detokenizer's made at once (attempt 2) arrive in either order: only the
-    higher runs; a lower one arriving after it (even after it ended) is dropped, never run. An Abort(stop) for an
-    id the scheduler does not know (an earlier incarnation's: a stop is found in output) is not taken for an early
-    abort of a copy that comes later: that copy runs."""
+    higher runs, and the detokenizer's arriving after it ended is dropped too; a client's lower copy arriving once
+    none runs does run (its client lost the higher copy's end, or never saw that copy). An Abort(stop) for an id the
+    scheduler does not know (an earlier incarnation's: a stop is found in output) is not taken for an early abort
+    of a copy that comes later: that copy runs."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine0, _ = await clean_llm.fresh_stats()
     first = AddRequest(request_id=clean_llm.new_id(), prompt_token_ids=[5, 6], params=params, client=CLIENT)
@@ -283,10 +284,16 @@ async def test_the_scheduler_runs_only_the_highest_copy_and_ignores_an_unknown_i
     clean_llm.client.tell(SCHEDULER, Abort(request_id=second.request_id, reason="stop"))
     other = clean_llm.client.add(second)
     for s, attempt in ((stream, 3), (other, 1)):
-        while (item := await asyncio.wait_for(s.queue.get(), 20)) and not isinstance(item, Finished):
-            assert item.attempt == attempt
-        assert (item.finish_reason, item.num_output_tokens, item.attempt) == ("length", 6, attempt)
+        await ends_after(s, 6, attempt)
     clean_llm.client.tell(SCHEDULER, msgspec.structs.replace(first, resume_token_ids=[], attempt=2))  # late
+    await ends_after(clean_llm.client.add(msgspec.structs.replace(first, resume_token_ids=[], attempt=1)), 6, 1)
     await assert_idle(clean_llm)
     engine1, _ = await clean_llm.fresh_stats()
-    assert engine1.generation_tokens_total - engine0.generation_tokens_total == 12, "one copy of each ran, once"
+    assert engine1.generation_tokens_total - engine0.generation_tokens_total == 6 * 3, "each copy that runs ran once"
+
+
+async def ends_after(stream, num_tokens: int, attempt: int) -> None:
+    """The stream gets only copy `attempt`'s outputs, and its Finished after `num_tokens` tokens."""
+    while (item := await asyncio.wait_for(stream.queue.get(), 20)) and not isinstance(item, Finished):
+        assert item.attempt == attempt
+    assert (item.finish_reason, item.num_output_tokens, item.attempt) == ("length", num_tokens, attempt)

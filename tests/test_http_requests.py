@@ -157,6 +157,21 @@ def test_a_lost_textoutputs_repairs_the_choices_not_heard_from_since():
     assert metrics.stale_dropped == 1 and len(resumed(sent)) == 2
 
 
+def test_a_lost_textoutputs_named_by_a_later_one_repairs_only_the_requests_it_held():
+    """A TextOutputs names the requests of the RECENT (2) messages before it: a lost one repairs those alone, however
+    many other choices are live and quiet; two lost in a row are named by the next one still."""
+    table, _, sent = make_table()
+    req = table.add(parsed(n=4), "http")
+    a, b, c, d = (ch.engine_id for ch in req.choices)
+    out = [TextOutputs(step=i, deltas=[], number=i) for i in range(5)]
+    out[0].deltas = [TextDelta(request_id=rid, seq=0, text="x", token_ids=[0]) for rid in (a, b, c, d)]
+    out[3].recent = [(2, [c]), (1, [b])]  # 1 and 2 are lost: they held b's and c's next outputs
+    out[4].recent = [(3, []), (2, [c])]
+    for i in (0, 3, 4):
+        table.on_outputs(out[i])
+    assert sorted(resumed(sent)) == [(b, 1, [0], 1), (c, 1, [0], 1)]
+
+
 def test_outputs_after_a_disconnect_are_stale_and_unknown_ids_are_violations():
     table, metrics, sent = make_table()
     req = table.add(parsed(), "http")

@@ -13,26 +13,24 @@ Cases (state x event -> action):
   LIVE       AbortAck             -> Finished(abort) to the client: CLOSED (a replaced copy's ack: stale, dropped)
   LIVE       a step it may have been in is lost -> repaired likewise (see Steps)
   TOMBSTONED entry                -> stale (dropped); a terminal entry closes the tombstone
-  TOMBSTONED AbortAck             -> CLOSED
+  TOMBSTONED AbortAck             -> CLOSED       (TOMBSTONED AddRequest(resumed): ignored, the Abort ends it too)
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it is repaired
   CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
-  any        AddRequest(resumed) no newer than a copy made or seen here -> ignored (its own repair, or replaced)
-  aborted    AddRequest(resumed)  -> its client gets Finished(abort) again (it lost it), no state is kept
-  TOMBSTONED AddRequest(resumed)  -> ignored: the Abort this actor sent ends that copy too
+  any        AddRequest(resumed) -> ignored if its own (even) copy no newer than one made or seen here (its state went
+                                     on from there), or older than the live copy followed; else (re)built, below
+  aborted    AddRequest(resumed)  -> its client is told the Finished(abort) (or error) again, no state is kept
   other      AddRequest(resumed)  -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
   any        ActorDown(scheduler) -> every request forgotten silently (clients re-submit the live ones)
   any        ActorDown(client)    -> its LIVE requests are tombstoned and aborted in the engine
   any        Shutdown             -> drains (the scheduler aborts all) for SHUTDOWN_DRAIN_S at most; the rest: abort
 
-Steps. The scheduler numbers its StepOutputs (one per engine step, and one as it goes idle; step 0 starts
-an incarnation: actors.protocol.StepNumbers). A number seen before is a duplicate, dropped whole; a skipped one
-is missing until it arrives (reordered: handled as usual) or is lost (two steps later, or after a second). A
-lost step may have held tokens or the terminal entry of any live request not heard from since: those are
-repaired (one the engine had finished runs again from what its client has). Reorders are not buffered (a link
-is a FIFO pipe: a reorder is a fault). Messages to a client are numbered the same way (TextOutputs.number), and
-markers follow output for a while, so the loss of its last message shows too: the client repairs it.
+Steps. The scheduler numbers its StepOutputs (one per step, and one as it goes idle; step 0 starts an incarnation:
+actors.protocol.StepNumbers), each naming the requests of the two before it. A number seen before is a duplicate,
+dropped whole; a skipped one is missing until it arrives (reordered) or is lost (two steps later, or after a
+second): the requests it held are repaired (unnamed: every live one not heard from since; one the engine had
+finished runs again). Messages to a client are numbered and named alike, and markers follow output for a while.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import token_table
-from actors.detokenizer.request_state import DetokRequestState
-from actors.protocol import MAX_ATTEMPTS, RecentIds, StepNumbers, Tombstones
+from actors.detokenizer.request_state import DetokRequestState, abort_finished
+from actors.protocol import DETOK_COPIES, MAX_ATTEMPTS, RecentIds, SentNames, StepNumbers, Tombstones, lost_suspects
 from actors.runtime import Actor
 from messages.wire import (
     Abort,
@@ -88,6 +86,7 @@ class DetokenizerActor(Actor):
         self.stats_interval_s = stats_interval_s
         self.live: dict[str, DetokRequestState] = {}
         self.numbers: dict[str, int] = {}  # client -> the number of its next TextOutputs
+        self.names: dict[str, SentNames] = {}  # client -> the requests of its last TextOutputs (named in the next)
         self.last_sent: dict[str, float] = {}  # client -> when it was last sent output
         self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
         self.recent = RecentIds()  # ids not live: CLOSED | (ABORTED, reason) | ORPHAN (output came unregistered)
@@ -109,13 +108,14 @@ class DetokenizerActor(Actor):
         before = self.recent.get(rid)
         resumed, aborted = msg.resume_token_ids is not None, isinstance(before, tuple)  # (ABORTED, reason)
         if resumed:
-            if msg.attempt <= self.copies.get(rid, 0):  # its own repair (its state went on from there), or a copy
-                return  # a newer one replaces
-            self.copies.remember(rid, msg.attempt)
+            own = msg.attempt % 2 == DETOK_COPIES and msg.attempt <= self.copies.get(rid, 0)
+            if own or (rid in self.live and msg.attempt < self.live[rid].attempt):  # its own repair (its state went
+                return  # on from there), or a copy older than the one followed (whose end is on its way)
+            self.copies.remember(rid, max(msg.attempt, self.copies.get(rid, 0)))
         if resumed and aborted:  # its client lost the Finished(abort): it is told again (the engine acks the copy)
-            fin = Finished(request_id=rid, finish_reason="abort", stop_reason=before[1], attempt=msg.attempt,
+            fin = Finished(request_id=rid, finish_reason="abort", attempt=msg.attempt,
                            num_prompt_tokens=len(msg.prompt_token_ids), num_output_tokens=len(msg.resume_token_ids))  # fmt: skip
-            self._send(msg.client, TextOutputs(step=-1, deltas=[], finished=[fin]))
+            self._send(msg.client, TextOutputs(step=-1, deltas=[], finished=[abort_finished(fin, before[1])]))
             return
         if rid in self.tombstones or (not resumed and (rid in self.live or before == CLOSED or aborted)):
             if not resumed:  # (a copy of one ended here: the Abort sent ends the copy too)
@@ -129,7 +129,7 @@ class DetokenizerActor(Actor):
             self._repair(rid, "engine output arrived before the request was registered")
 
     def on_step(self, msg: StepOutputs) -> None:
-        if msg.step >= 0 and not self.steps.accept(msg.step):
+        if msg.step >= 0 and not self.steps.accept(msg.step, msg.recent):
             self.duplicate_steps += 1
             return
         batches: dict[str, TextOutputs] = {}
@@ -217,14 +217,14 @@ class DetokenizerActor(Actor):
         """Every message to a client is numbered; after output, markers follow for MARKERS_FOR_S."""
         batch.number = self.numbers.get(client, 0)
         self.numbers[client] = batch.number + 1
+        names = [d.request_id for d in batch.deltas] + [f.request_id for f in batch.finished]
+        batch.recent = self.names.setdefault(client, SentNames()).stamp(batch.number, names)
         if not marker:
             self.last_sent[client] = time.monotonic()
         self.tell(client, batch)
 
     def _end_aborted(self, rid: str, reason: AbortReason) -> None:
-        finished = self.live[rid].abort("abort")
-        finished.stop_reason = reason  # why it was aborted: client | stop | shutdown | ...
-        self._end(rid, finished, aborted=reason)
+        self._end(rid, self.live[rid].abort(reason), aborted=reason)
 
     def _end(self, rid: str, finished: Finished, aborted: str | None = None) -> None:
         """Send a LIVE request's Finished on its own, and close it."""
@@ -262,7 +262,7 @@ class DetokenizerActor(Actor):
         if not lost:
             return
         self.lost_steps += len(lost)
-        suspects = [rid for rid, state in self.live.items() if state.heard < max(lost)]
+        suspects = lost_suspects(self.steps, lost, self.live.items())
         log.error("engine steps %s lost: repairing %d requests that may have been in them", lost, len(suspects))
         for rid in suspects:
             self._repair(rid, f"engine output lost (steps {lost})")

@@ -61,6 +61,16 @@ class DecodedLogprobs:
     text_offsets: list[int]  # character offset of each token's text in the generated text
 
 
+def abort_finished(fin: Finished, reason: AbortReason) -> Finished:
+    """An aborted request's Finished: finish_reason abort, the reason in stop_reason; one aborted because it failed
+    (reason error: a failure already told, and lost on the way) ends as an error again."""
+    if reason == "error":
+        fin.finish_reason, fin.error = "error", f"request {fin.request_id}: failed"
+    else:
+        fin.finish_reason, fin.stop_reason = "abort", reason
+    return fin
+
+
 class DetokRequestState:
     def __init__(self, request: AddRequest, tokenizer: Tokenizer, *, method: str | None = None):
         params = request.params
@@ -215,9 +225,9 @@ class DetokRequestState:
                 return deltas, finished
         return deltas, None
 
-    def abort(self, reason: str = "abort") -> Finished:
+    def abort(self, reason: AbortReason) -> Finished:
         """The terminal message of an aborted request (AbortAck, actor death): no more text."""
-        return self._finish(None, reason, None, "")
+        return abort_finished(self._finish(None, "abort", None, ""), reason)
 
     # ------------------------------------------------------------------ internals
 

@@ -16,6 +16,8 @@ Cases (DESIGN section 3; request state at the scheduler x event -> action):
   added before               AddRequest -> a duplicate (ids are unique, DESIGN I1): dropped, logged
   unknown or live            AddRequest(resumed, DESIGN I8) -> a live copy is aborted silently; once no copy is left,
                                       registered and admitted with its delivered tokens, outputs from their count on
+  a higher copy seen         AddRequest(resumed) -> dropped while one is live, or if the detokenizer made it; a client's
+                                      runs (it lost that copy's end, or never saw it)
   resumed, copy not yet freed Abort -> remembered: registered and acked at once when the copy is freed
   any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
 """
@@ -29,6 +31,7 @@ import time
 from actors.engine.grammar import GrammarError, Matcher, grammars
 from actors.engine.guidance import guidance_error
 from actors.engine.request import EngineRequest
+from actors.protocol import DETOK_COPIES
 from messages.sampling_params import ParamError
 from messages.wire import Abort, AbortAck, ActorDown, AddRequest, RequestOutput, StepOutputs
 
@@ -47,15 +50,18 @@ class RequestIntake:
                 self.duplicates += 1
                 log.warning("[%s] duplicate AddRequest dropped", rid)
                 return
-        elif msg.attempt <= self.copies.get(rid, 0):  # a copy made at once with a higher one (or a late one)
-            self.duplicates += 1
+        elif msg.attempt <= self.copies.get(rid, 0) and (self._live(rid) or msg.attempt % 2 == DETOK_COPIES):
+            self.duplicates += 1  # made at once with a higher copy, which runs (its outputs tell the maker) or ran
             log.info("[%s] copy %d dropped: copy %d came first", rid, msg.attempt, self.copies[rid])
             return
-        else:
-            self.copies.remember(rid, msg.attempt)
+        else:  # (a client's lower copy when none runs: it lost the end of a higher one, or never saw that copy)
+            self.copies.remember(rid, max(msg.attempt, self.copies.get(rid, 0)))
             if self._resume_later(msg):
                 return
         self._register(msg)
+
+    def _live(self, rid: str) -> bool:
+        return rid in self.sched.requests or rid in self.compiling or rid in self.resuming
 
     def _register(self, msg: AddRequest) -> None:
         """A new request, or a copy with no earlier copy left here: registered with the detokenizer, then acked at

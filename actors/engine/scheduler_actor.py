@@ -41,7 +41,7 @@ from actors.engine.metrics import engine_stats, idle_details, log_speculation
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import make_proposer
-from actors.protocol import RecentIds, StepGate
+from actors.protocol import RecentIds, SentNames, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
@@ -76,6 +76,7 @@ class SchedulerActor(RequestIntake, Actor):
         self.abort_reasons: dict[str, str] = {}
         self.silent: set[str] = set()
         self.recent = RecentIds()  # ids seen
+        self.names = SentNames()  # the requests of the last StepOutputs, named in the next (a lost one's suspects)
         self.copies = RecentIds()  # id -> the highest AddRequest.attempt seen of it (resumed ids only)
         self.duplicates = 0
         self.admitting = True
@@ -195,7 +196,7 @@ class SchedulerActor(RequestIntake, Actor):
         """An empty StepOutputs with a step number of its own, sent as the engine goes idle: a lost
         last step shows as a gap at the detokenizer even when no other step follows."""
         step, self.sched.next_step = self.sched.next_step, self.sched.next_step + 1
-        self.tell(self.config.detokenizer, StepOutputs(step=step, outputs=[]))
+        self.tell(self.config.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, [])))
 
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)
@@ -213,7 +214,8 @@ class SchedulerActor(RequestIntake, Actor):
             if out.request_id in want:
                 start, n = want[out.request_id]
                 out.logprobs = entries(lp, start, start + len(out.new_token_ids), n)
-        self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs))
+        recent = self.names.stamp(batch.step, [out.request_id for out in outputs])
+        self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs, recent=recent))
         if self._record:
             self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
         self._send_acks()
