@@ -137,14 +137,17 @@ def lost_suspects(link: StepNumbers, lost: list[int], records: Iterable[tuple[st
 
 class SentNames:
     """A sender's side of `recent` (StepOutputs, TextOutputs): the request ids of its last RECENT numbered messages
-    on one link, stamped on the next, so a receiver that loses one repairs only the requests it held."""
+    on one link, stamped on the next, so a receiver that loses one repairs only the requests it held. An id the
+    stamped message holds too is left out: its output there shows the loss as a seq gap (repaired as such), so
+    while a batch decodes steadily the names are only of the requests that ended or paused."""
 
     def __init__(self):
         self.entries: collections.deque[tuple[int, list[str]]] = collections.deque(maxlen=RECENT)
 
     def stamp(self, number: int, request_ids: list[str]) -> list[tuple[int, list[str]]]:
         """The `recent` of message `number`, which holds `request_ids`."""
-        recent = list(self.entries)
+        here = set(request_ids)
+        recent = [(n, [rid for rid in ids if rid not in here]) for n, ids in self.entries]
         self.entries.appendleft((number, request_ids))
         return recent
 
