@@ -272,7 +272,7 @@ async def test_a_copy_of_an_aborted_request_is_told_its_abort_again(clean_llm): 
 async def test_the_scheduler_runs_only_the_highest_copy_and_ignores_an_unknown_ids_stop(clean_llm):  # noqa: F811
     """A client's copy (attempt 3) and the detokenizer's made at once (attempt 2) arrive in either order: only the
     higher runs, and the detokenizer's arriving after it ended is dropped too; a client's lower copy arriving once
-    none runs does run (its client lost the higher copy's end, or never saw that copy). An Abort(stop) for an id the
+    none runs does run, numbered as the newest copy (its client lost the higher copy's end, or never saw it). An Abort(stop) for an id the
     scheduler does not know (an earlier incarnation's: a stop is found in output) is not taken for an early abort
     of a copy that comes later: that copy runs."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -286,7 +286,8 @@ async def test_the_scheduler_runs_only_the_highest_copy_and_ignores_an_unknown_i
     for s, attempt in ((stream, 3), (other, 1)):
         await ends_after(s, 6, attempt)
     clean_llm.client.tell(SCHEDULER, msgspec.structs.replace(first, resume_token_ids=[], attempt=2))  # late
-    await ends_after(clean_llm.client.add(msgspec.structs.replace(first, resume_token_ids=[], attempt=1)), 6, 1)
+    lower = msgspec.structs.replace(first, resume_token_ids=[], attempt=1)
+    await ends_after(clean_llm.client.add(lower), 6, 5)  # run as the newest copy: the next odd number above 3
     await assert_idle(clean_llm)
     engine1, _ = await clean_llm.fresh_stats()
     assert engine1.generation_tokens_total - engine0.generation_tokens_total == 6 * 3, "each copy that runs ran once"

@@ -18,8 +18,8 @@ Cases (state x event -> action):
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it is repaired
   CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
-  any        AddRequest(resumed) -> ignored if its own (even) copy no newer than one made or seen here (its state went
-                                     on from there), or older than the live copy followed; else (re)built, below
+  any        AddRequest(resumed) no newer than a copy made or seen here -> ignored (its own repair: its state went on
+                                     from there; or a copy a newer one replaced)
   aborted    AddRequest(resumed)  -> its client is told the Finished(abort) (or error) again, no state is kept
   other      AddRequest(resumed)  -> (re)built from the tokens and text its client has (DESIGN I8): LIVE
   any        ActorDown(scheduler) -> every request forgotten silently (clients re-submit the live ones)
@@ -44,7 +44,7 @@ from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import token_table
 from actors.detokenizer.request_state import DetokRequestState, abort_finished
-from actors.protocol import DETOK_COPIES, MAX_ATTEMPTS, RecentIds, SentNames, StepNumbers, Tombstones, lost_suspects
+from actors.protocol import MAX_ATTEMPTS, RecentIds, SentNames, StepNumbers, Tombstones, lost_suspects
 from actors.runtime import Actor
 from messages.wire import (
     Abort,
@@ -108,10 +108,9 @@ class DetokenizerActor(Actor):
         before = self.recent.get(rid)
         resumed, aborted = msg.resume_token_ids is not None, isinstance(before, tuple)  # (ABORTED, reason)
         if resumed:
-            own = msg.attempt % 2 == DETOK_COPIES and msg.attempt <= self.copies.get(rid, 0)
-            if own or (rid in self.live and msg.attempt < self.live[rid].attempt):  # its own repair (its state went
-                return  # on from there), or a copy older than the one followed (whose end is on its way)
-            self.copies.remember(rid, max(msg.attempt, self.copies.get(rid, 0)))
+            if msg.attempt <= self.copies.get(rid, 0):  # its own repair (its state went on from there), or a copy
+                return  # a newer one replaced (the scheduler numbers a copy it runs after a newer one as the newest)
+            self.copies.remember(rid, msg.attempt)
         if resumed and aborted:  # its client lost the Finished(abort): it is told again (the engine acks the copy)
             fin = Finished(request_id=rid, finish_reason="abort", attempt=msg.attempt,
                            num_prompt_tokens=len(msg.prompt_token_ids), num_output_tokens=len(msg.resume_token_ids))  # fmt: skip

@@ -17,7 +17,7 @@ Cases (DESIGN section 3; request state at the scheduler x event -> action):
   unknown or live            AddRequest(resumed, DESIGN I8) -> a live copy is aborted silently; once no copy is left,
                                       registered and admitted with its delivered tokens, outputs from their count on
   a higher copy seen         AddRequest(resumed) -> dropped while one is live, or if the detokenizer made it; a client's
-                                      runs (it lost that copy's end, or never saw it)
+                                      runs renumbered as the newest copy (it lost that copy's end, or never saw it)
   resumed, copy not yet freed Abort -> remembered: registered and acked at once when the copy is freed
   any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
 """
@@ -28,10 +28,12 @@ import asyncio
 import logging
 import time
 
+import msgspec
+
 from actors.engine.grammar import GrammarError, Matcher, grammars
 from actors.engine.guidance import guidance_error
 from actors.engine.request import EngineRequest
-from actors.protocol import DETOK_COPIES
+from actors.protocol import CLIENT_COPIES, DETOK_COPIES, next_attempt
 from messages.sampling_params import ParamError
 from messages.wire import Abort, AbortAck, ActorDown, AddRequest, RequestOutput, StepOutputs
 
@@ -50,12 +52,16 @@ class RequestIntake:
                 self.duplicates += 1
                 log.warning("[%s] duplicate AddRequest dropped", rid)
                 return
-        elif msg.attempt <= self.copies.get(rid, 0) and (self._live(rid) or msg.attempt % 2 == DETOK_COPIES):
-            self.duplicates += 1  # made at once with a higher copy, which runs (its outputs tell the maker) or ran
-            log.info("[%s] copy %d dropped: copy %d came first", rid, msg.attempt, self.copies[rid])
-            return
-        else:  # (a client's lower copy when none runs: it lost the end of a higher one, or never saw that copy)
-            self.copies.remember(rid, max(msg.attempt, self.copies.get(rid, 0)))
+        else:
+            if msg.attempt <= (seen := self.copies.get(rid, 0)):
+                if self._live(rid) or msg.attempt % 2 == DETOK_COPIES:  # made at once with a higher copy, which
+                    self.duplicates += 1  # runs (its outputs tell the maker) or ran
+                    log.info("[%s] copy %d dropped: copy %d came first", rid, msg.attempt, seen)
+                    return
+                # a client's copy when none runs: it lost the end of a higher one (or never saw it); it runs as the
+                # newest copy, so every party follows it and a late registration of an older one is ignored
+                msg = msgspec.structs.replace(msg, attempt=next_attempt(seen, CLIENT_COPIES))
+            self.copies.remember(rid, msg.attempt)
             if self._resume_later(msg):
                 return
         self._register(msg)
