@@ -28,7 +28,7 @@ CLIENT_COPIES, DETOK_COPIES = 1, 0  # the parity of the attempt numbers each par
 def next_attempt(attempt: int, parity: int) -> int:
     """The number of a new copy of a request whose newest known copy is `attempt`: the next one of the party's
     parity. A client and the detokenizer may re-submit the same request at once, from different tokens; distinct
-    numbers let every party agree which copy is current (the highest: the scheduler drops a lower one)."""
+    numbers let every party agree which copy is current: the highest (actors/engine/intake.py)."""
     return attempt + 1 if (attempt + 1) % 2 == parity else attempt + 2
 
 
@@ -102,10 +102,17 @@ class RequestRecord:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    def check(self, seq: int, n: int, attempt: int) -> str:
+    def follows(self, attempt: int) -> bool:
+        """False for an output (or Finished) of an older copy; one of a newer copy makes that copy the one followed
+        (a repair goes on above it)."""
         if attempt < self.attempt:
-            return "stale"
+            return False
         self.attempt = attempt
+        return True
+
+    def check(self, seq: int, n: int, attempt: int) -> str:
+        if not self.follows(attempt):
+            return "stale"
         if seq == len(self.token_ids):
             return "ok"
         return "duplicate" if seq + n <= len(self.token_ids) else "gap"

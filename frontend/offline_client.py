@@ -117,10 +117,9 @@ class ClientActor(Actor):
         if stream is None:
             self._late(rid, msg.num_output_tokens)
             return
-        if msg.attempt < stream.record.attempt:
+        if not stream.record.follows(msg.attempt):  # an older copy's
             self.stale += 1
             return
-        stream.record.attempt = msg.attempt  # (a repair below goes on above this copy)
         if msg.finish_reason != "error" and stream.record.num_tokens < msg.num_output_tokens - len(msg.token_ids):
             self._gap(rid, f"Finished after {msg.num_output_tokens} tokens, {stream.record.num_tokens} received")
         else:

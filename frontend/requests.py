@@ -142,10 +142,9 @@ class RequestTable:
         if c is None:
             self._not_live(rid, f"Finished({fin.finish_reason})", fin.num_output_tokens, terminal=True)
             return
-        if fin.attempt < c.record.attempt:  # an older copy's
+        if not c.record.follows(fin.attempt):  # an older copy's
             self.metrics.stale_dropped += 1
             return
-        c.record.attempt = fin.attempt  # (a repair below goes on above this copy)
         seen = c.num_tokens + len(fin.token_ids)
         if fin.finish_reason != "error" and fin.num_output_tokens != seen:  # a lost delta: repair, never corrupt
             self._gap(c, f"Finished after {fin.num_output_tokens} tokens, {seen} received")

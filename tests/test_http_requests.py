@@ -125,14 +125,17 @@ def test_duplicates_are_dropped_and_a_gap_is_repaired_from_the_record():
 
 
 def test_a_finished_that_skips_tokens_is_repaired():
+    """The repair goes on above the Finished's copy (the detokenizer's copy 2 here, never seen before: the client's
+    next copy is 3, not 1, which the scheduler would drop as older)."""
     table, metrics, sent = make_table()
     req = table.add(parsed(), "http")
     rid = req.choices[0].engine_id
     table.on_outputs(delta(rid, 0, "a"))
-    table.on_finished(Finished(request_id=rid, finish_reason="length", text="c", token_ids=[2], num_output_tokens=3))
-    assert metrics.violations["gap"] == 1 and not req.done and resumed(sent) == [(rid, 1, [0], 1)]
+    skipping = Finished(request_id=rid, finish_reason="length", text="c", token_ids=[2], num_output_tokens=3, attempt=2)
+    table.on_finished(skipping)
+    assert metrics.violations["gap"] == 1 and not req.done and resumed(sent) == [(rid, 3, [0], 1)]
     table.on_finished(
-        Finished(request_id=rid, finish_reason="length", text="bc", token_ids=[1, 2], num_output_tokens=3, attempt=1)
+        Finished(request_id=rid, finish_reason="length", text="bc", token_ids=[1, 2], num_output_tokens=3, attempt=3)
     )
     assert req.done and req.error is None and req.choices[0].text == ["a", "bc"]
 

@@ -115,6 +115,7 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
         (parse_chat, {"chat_template": "{{ x }}"}, "chat_template"),
         (parse_completion, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat only
         (parse_completion, {"use_beam_search": True}, "use_beam_search"),
+        (parse_chat, {"early_stopping": True}, "early_stopping"),  # beam search's too
         (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),
         (parse_chat, {"logprobs_mode": "raw_logprobs"}, "logprobs_mode"),  # server-wide: --logprobs-mode
     ],

@@ -188,8 +188,10 @@ async def test_auto_and_none_and_a_tool_conversation(server):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
           "tool_choice": "required"}, "tools"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "echo": True}, "echo"),  # (echo would enter the parser)
     ],
-    ids=["unknown_name", "bad_choice", "no_tools", "bad_name", "duplicate", "bad_schema", "with_response_format"],
+    ids=["unknown_name", "bad_choice", "no_tools", "bad_name", "duplicate", "bad_schema", "with_response_format",
+         "with_echo"],
 )  # fmt: skip
 async def test_invalid_tools_are_400s(server, extra, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -137,14 +137,7 @@ class DetokRequestState:
             if matched is not None:
                 self.abort_reason = "stop"
                 return None, self._finish(out, "stop", matched, text)
-        return TextDelta(
-            request_id=self.request_id,
-            seq=out.seq,
-            text=text,
-            token_ids=ids,
-            logprobs=out.logprobs,
-            attempt=self.attempt,
-        ), None
+        return self._delta(out, text), None
 
     def _process(self, out: RequestOutput) -> tuple[TextDelta | None, Finished | None]:
         ids = out.new_token_ids
@@ -177,14 +170,17 @@ class DetokRequestState:
             return None, self._finish(out, "stop", matched, text)
         if out.finish_reason is not None:
             return None, self._finish_naturally(out, text)
+        return self._delta(out, text), None
+
+    def _delta(self, out: RequestOutput, text: str) -> TextDelta:
         return TextDelta(
             request_id=self.request_id,
             seq=out.seq,
             text=text,
-            token_ids=ids,
+            token_ids=out.new_token_ids,
             logprobs=out.logprobs,
             attempt=self.attempt,
-        ), None
+        )
 
     def resume_request(self) -> AddRequest:
         """The next copy of the request, from what its client has (a repair, DESIGN I6): the stream goes on there.

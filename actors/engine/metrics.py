@@ -78,8 +78,8 @@ def engine_stats(
         spec_num_draft_tokens=spec.num_draft_tokens,
         spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_accepted_per_pos=list(spec.accepted_per_pos),
-        prefix_cache_queries_total=sched.block_manager.queries,
-        prefix_cache_hits_total=sched.block_manager.hits,
+        prefix_cache_queries_total=bm.queries,
+        prefix_cache_hits_total=bm.hits,
         iteration_tokens=list(iteration_tokens),
         cache_config={k: str(v) for k, v in cache.items()},
     )

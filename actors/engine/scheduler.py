@@ -118,8 +118,8 @@ class Scheduler:
 
     def drain_aborted(self) -> list[EngineRequest]:
         """Aborted requests whose resources are freed since the last call: send their AbortAck."""
-        ids, self.aborted_freed = self.aborted_freed, []
-        return ids
+        freed, self.aborted_freed = self.aborted_freed, []
+        return freed
 
     # ---------------------------------------------------------------- step
 

@@ -231,10 +231,8 @@ class SchedulerActor(RequestIntake, Actor):
 
     async def _publish_stats(self) -> None:
         while True:
-            (queue_times, self.queue_times), (steps, self.iteration_tokens) = (
-                (self.queue_times, []),
-                (self.iteration_tokens, []),
-            )
+            queue_times, self.queue_times = self.queue_times, []
+            steps, self.iteration_tokens = self.iteration_tokens, []
             stats = engine_stats(self.sched, self.late_aborts, queue_times, steps)
             for actor in self.config.stats_to:
                 self.tell(actor, stats)
