@@ -8,7 +8,7 @@ from collections import defaultdict, deque
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.metrics import idle_details
-from actors.engine.request import EngineRequest
+from actors.engine.request import Companion, EngineRequest
 from actors.engine.scheduler import Scheduler
 from gpu.batch import PLACEHOLDER, BatchSpec
 from messages.sampling_params import SamplingParams
@@ -54,18 +54,20 @@ class FakeModel:
 
     def execute(self, batch: BatchSpec) -> tuple[list[int], list[int]]:
         """The sampled positions in order (a row verifying K drafts samples its last K + 1) and how many each
-        sampling row emits: its drafts up to the first the model disagrees with, plus one."""
+        sampling row emits: its drafts up to the first the model disagrees with, plus one. A CFG companion's row
+        only writes its KV (its PLACEHOLDER is its parent's last sample; guidance does not change the output)."""
         sampled, emitted = [], []
+        parent_slot = {r.request_id: r.slot for r in batch.rows if r.guidance_scale is None}
         for row in batch.rows:
             ids = list(row.token_ids)
             assert ids and PLACEHOLDER not in ids[:-1]
             if ids[-1] == PLACEHOLDER:
-                ids[-1] = self.prev[row.slot]
+                ids[-1] = self.prev[row.slot if row.guidance_scale is None else parent_slot[row.request_id]]
             end = row.num_computed + len(ids)
             assert len(row.block_table) >= -(-end // self.bs)
             for pos, tok in enumerate(ids, row.num_computed):
                 self.kv[row.block_table[pos // self.bs], pos % self.bs] = tok
-            if row.sample:
+            if row.sample and row.guidance_scale is None:
                 ctx = [self.kv[row.block_table[p // self.bs], p % self.bs] for p in range(end)]
                 k = len(row.draft_token_ids)
                 samples = [next_token(ctx[: end - k + j]) for j in range(k + 1)]
@@ -106,8 +108,11 @@ class Harness:
         self.acks: list[str] = []
         self.batches: list[BatchSpec] = []
 
-    def add(self, rid, prompt, **params):
-        self.sched.add_request(EngineRequest(rid, list(prompt), SamplingParams(**params)))
+    def add(self, rid, prompt, negative: list[int] | None = None, **params):
+        """A request; with a `negative` prompt, guided (guidance_scale 2) by a CFG companion holding it."""
+        req = EngineRequest(rid, list(prompt), SamplingParams(guidance_scale=2.0 if negative else 1.0, **params))
+        req.companion = Companion(req, negative) if negative else None
+        self.sched.add_request(req)
 
     def drafts(self) -> dict[str, list[int]] | None:
         if self.proposer is None:
@@ -119,7 +124,8 @@ class Harness:
         batch = s.schedule(self.drafts())
         assert batch.rows or self.queue or not s.has_unfinished(), "deadlock: nothing to run, nothing in flight"
         assert batch.num_tokens <= s.max_num_batched_tokens and len(batch.rows) <= s.max_num_seqs
-        assert len({r.request_id for r in batch.rows}) == len({r.slot for r in batch.rows}) == len(batch.rows)
+        parents = [r.request_id for r in batch.rows if r.guidance_scale is None]  # (a companion's row shares its id)
+        assert len(set(parents)) == len(parents) and len({r.slot for r in batch.rows}) == len(batch.rows)
         assert all(r.num_computed + len(r.token_ids) < s.max_model_len for r in batch.rows)
         sampled = self.model.execute(batch)
         self.batches.append(batch)

@@ -186,3 +186,25 @@ def test_processed_probs_are_a_point_mass_for_greedy_and_non_finite_rows():
     assert p.sum(-1).tolist() == pytest.approx([1.0] * 3)
     assert p[0, x[0].argmax()] == 1.0 and p[2, 5] == 1.0  # greedy; +inf wins, as in the sampler
     assert (p[1] > 0).sum() == 4 and set((p[1] > 0).nonzero().flatten().tolist()) == set(x[1].topk(4).indices.tolist())
+
+
+@pytest.mark.parametrize("one_ahead", [False, True])
+def test_guided_pairs_speculate_only_in_lockstep(one_ahead):
+    """A CFG pair verifies drafts only when both sequences feed just their last token: a companion still
+    prefilling (its parent's prompt chunked ahead of it) once got the parent's pending token and the drafts
+    after its own prompt, and the pair overran the step budget (CI: 67 tokens for 64, then a division by zero).
+    Random traffic with chunked prefill, preemption and prefix caching; outputs equal plain decoding."""
+    for seed in range(8):
+        rng = random.Random(seed)
+        h = Harness(one_ahead, num_blocks=40, budget=16, max_num_seqs=6, proposer=noisy(seed), long_prefill=4)
+        h.sched.block_manager.enable_caching = seed % 2 == 0
+        cases = {}
+        for i, prompt in enumerate(prompts(10, seed=seed)):
+            negative = [rng.randrange(96) for _ in range(rng.randint(1, 10))] if i % 2 else None
+            p = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True)
+            h.add(f"r{i}", prompt, negative, max_tokens=p.max_tokens, ignore_eos=True)
+            cases[f"r{i}"] = expected(prompt, p, 64)
+            h.step()
+        h.run()
+        assert {rid: (h.tokens[rid], h.finish[rid]) for rid in cases} == cases
+        assert any(r.draft_token_ids and r.guidance_scale for b in h.batches for r in b.rows)

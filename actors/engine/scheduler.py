@@ -128,8 +128,8 @@ class Scheduler:
         max_tokens or max_model_len (the step budget may cut them further)."""
         out = []
         for req in self.running:
-            if req.num_pending_tokens or req.num_tokens - req.num_computed_tokens != 1:
-                continue
+            if req.num_pending_tokens or any(s.num_tokens - s.num_computed_tokens != 1 for s in req.sequences):
+                continue  # (nor one whose CFG companion still prefills)
             room = self.max_model_len - req.num_tokens - req.overhang
             k = min(req.params.max_tokens - req.num_output_tokens, room) - 1
             if k > 0:
@@ -153,7 +153,8 @@ class Scheduler:
                 i += 1
                 continue
             n, m = plan_tokens(req, budget, chunk)
-            row_drafts = (drafts or {}).get(req.request_id, [])[: (budget - n - m) // (1 + m)] if n == 1 else []
+            lockstep = n == 1 and m == len(req.sequences) - 1  # each sequence feeds its last token (m: 0 or 1)
+            row_drafts = (drafts or {}).get(req.request_id, [])[: (budget - n - m) // (1 + m)] if lockstep else []
             k = len(row_drafts)
             if k and not self.block_manager.may_append(req, n + k, m + k * m):  # (a CFG companion feeds them too)
                 row_drafts, k = [], 0  # drafts are optional: never preempt another request for their lookahead
