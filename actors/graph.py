@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.engine.config import DETOKENIZER, SCHEDULER, EngineConfig
+from actors.engine.config import DETOKENIZER, SCHEDULER, WORKER, EngineConfig
 from actors.runtime import ActorSpec, ProcessSpec
 
 
 def engine_processes(config: EngineConfig, client: str) -> list[ProcessSpec]:
-    """The engine process (scheduler + model runner + sampler) and the detokenizer process.
+    """The engine process (the scheduler, and the worker: model runner + sampler, unless it has a process of its
+    own: `config.worker`) and the detokenizer process.
 
     `client` is the actor that receives TextOutputs / Finished / stats (the HTTP actor, or the
     offline API's client actor)."""
     config = msgspec.structs.replace(config, stats_to=[client])
-    return [
+    worker = [
+        ProcessSpec(
+            name=WORKER,
+            actors=[
+                ActorSpec(
+                    name=WORKER,
+                    factory="actors.engine.worker_actor:WorkerActor",
+                    kwargs={"config": msgspec.to_builtins(config)},
+                )
+            ],
+        )
+    ]
+    return worker * (config.worker == "process") + [
         ProcessSpec(
             name="engine",
             actors=[

@@ -49,6 +49,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: every core)")
     g.add_argument(
+        "--worker",
+        choices=["inline", "process"],
+        default=_DEFAULTS.worker,
+        help="where the model runner and sampler run: in the engine process, or in a supervised process of their "
+        "own (a crash in the forward then costs a pause; draft-model speculation needs inline)",
+    )
+    g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.async_scheduling,

@@ -144,6 +144,8 @@ class _Snapshots:
         yield _counter(p + "generation_tokens", "Tokens generated.", e.generation_tokens_total)
         yield _counter(p + "late_aborts", "Aborts for finished or unknown requests (ignored).", e.late_aborts_total)
         yield _counter(p + "num_preemptions", "Recompute preemptions.", e.num_preemptions_total)
+        yield _counter(p + "worker_resets", "Worker states lost (a death, a lost step): running requests recomputed.",
+                       e.worker_resets_total)  # fmt: skip
         yield _counter(
             p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_cache_queries_total
         )

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from actors.engine.config import DETOKENIZER, SCHEDULER, EngineConfig
+from actors.engine.config import DETOKENIZER, SCHEDULER, WORKER, EngineConfig
 from actors.graph import engine_processes
 from actors.runtime import ActorSystem, FaultPlan, RestartPolicy
 from frontend.offline_client import CLIENT, ClientActor
@@ -122,7 +122,7 @@ class AsyncLLM:
     async def idle_reports(self) -> dict[str, dict[str, int]]:
         """The idle invariant's view of every request-path actor: all zero when idle."""
         reports = {}
-        for actor in (SCHEDULER, DETOKENIZER):
+        for actor in (SCHEDULER, DETOKENIZER, WORKER)[: 2 + (self.config.worker == "process")]:
             report = await self.client.ask(actor, CheckIdle(), timeout=10)
             reports[actor] = report.details
         reports[CLIENT] = {"streams": len(self.client.streams), "pending_asks": self.client.pending_asks}

@@ -133,6 +133,8 @@ class ClientActor(Actor):
             self.link.reset()  # its next incarnation numbers from 0
 
     def on_up(self, msg: ActorUp) -> None:
+        if msg.actor not in self.down:
+            return  # (a worker's restart is the engine's business)
         self.down.discard(msg.actor)
         if self.down:
             return

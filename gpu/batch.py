@@ -4,17 +4,17 @@ The scheduler describes a step in plain Python; the runner turns it into device 
 (`input_ids`, `positions`, `query_start_loc`, `seq_lens`, `slot_mapping`, `block_tables`,
 `logits_indices`). Rows are in batch order; `slot` is a stable per-request index that survives
 across steps (async scheduling keeps last step's sampled ids in a device buffer indexed by slot).
+Both are msgspec Structs: a BatchSpec travels to the worker inside ExecuteStep (messages/step.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 PLACEHOLDER = -1  # an input token not yet known on the host: the runner takes it from the device
 
 
-@dataclass
-class ScheduledRow:
+class ScheduledRow(msgspec.Struct, array_like=True):
     request_id: str
     slot: int
     token_ids: list[int]  # the tokens fed this step (PLACEHOLDER allowed only as the last one)
@@ -23,14 +23,17 @@ class ScheduledRow:
     sample: bool  # False for a partial chunked-prefill row: its logits are not computed
     # prompt_logprobs: the prompt tokens that follow this row's first fed tokens, one per fed token whose logits
     # the runner also returns (after the sampling rows' logits)
-    prompt_targets: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = []
     # speculative decoding: the last len(draft_token_ids) fed tokens are drafts; the row samples at its last
     # 1 + len(draft_token_ids) positions (each draft is verified, then the bonus position)
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = []
     # classifier-free guidance: set on the unconditional companion row of a guided request, which follows its
     # parent's row and carries its id (the slot and block table are the companion's own); when both sample, the parent samples from
     # l_u + guidance_scale * (l_c - l_u) with this row's logits as l_u, and this row samples nothing itself
     guidance_scale: float | None = None
+    # a sampling row: the output position of its first sampled token (pending ones counted), which keys a
+    # seeded row's uniforms (DESIGN I8: reproducible at any position)
+    output_position: int = 0
 
     @property
     def num_samples(self) -> int:
@@ -44,10 +47,9 @@ class ScheduledRow:
         return 1 + len(self.draft_token_ids) if self.sample and self.guidance_scale is not None else self.num_samples
 
 
-@dataclass
-class BatchSpec:
+class BatchSpec(msgspec.Struct, array_like=True):
     step: int
-    rows: list[ScheduledRow] = field(default_factory=list)
+    rows: list[ScheduledRow] = []
 
     @property
     def num_tokens(self) -> int:

@@ -251,6 +251,7 @@ class EngineStats(Msg, kw_only=True):
     late_aborts_total: int
     discarded_samples_total: int = 0
     num_preemptions_total: int = 0
+    worker_resets_total: int = 0  # the worker's state was lost (its death, a lost or failed step): all recomputed
     queue_times_s: list[float] = []  # arrival -> first scheduled, one per request scheduled since the last EngineStats
     spec_num_drafts: int = 0  # speculative decoding: rows that verified drafts
     spec_num_draft_tokens: int = 0  # draft tokens verified

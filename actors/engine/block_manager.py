@@ -102,6 +102,11 @@ class BlockManager:
         seq.block_table = list(hits)
         self.append_slots(seq, num_tokens)
 
+    def forget_cache(self) -> None:
+        """Nothing cached is valid any more (the worker holding the KV was lost)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+
     # ---------------------------------------------------------------- growth and release
 
     def may_append(self, request: EngineRequest, num_new_tokens: int, companion_tokens: int = 0) -> bool:

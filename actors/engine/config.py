@@ -11,6 +11,7 @@ from messages.sampling_params import LogprobsMode
 
 SCHEDULER = "scheduler"
 DETOKENIZER = "detokenizer"
+WORKER = "worker"  # the model runner and sampler, when the worker has a process of its own
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -61,6 +62,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_abort_tries: int = 3  # ... and drops the tombstone after this many tries
     step_gate: bool = False  # tests: Probe(seq=k) to the scheduler lets k more steps finish (k < 0: all)
     record_outputs: str | None = None  # tests: a file each step's sent tokens are appended to (JSON lines)
+    # Where the worker (model runner + sampler, actors/engine/worker.py) runs: "inline", in the engine process on
+    # its device thread (the default: no hop, no extra process on small machines; docs/PERFORMANCE.md), or
+    # "process", its own supervised process (a crash in the forward costs a pause, not the engine)
+    worker: Literal["inline", "process"] = "inline"
+    step_timeout_s: float = 60.0  # a StepResult later than this counts as lost: the worker is reset
+    # a request in this many steps that killed the worker or failed there is failed alone; from the one before, it
+    # runs in steps of its own (so the others are not blamed with it). Three deaths fit the supervisor's default
+    # restart intensity (3 in 60 s)
+    max_step_failures: int = 3
+    crash_token: int | None = None  # tests: the worker's process exits when a row feeds this token (a poison request)
 
     def threads(self) -> int:
         """Torch threads for the engine: every core this process may run on. Measured on 2 cores with the HTTP and

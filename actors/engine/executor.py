@@ -1,4 +1,4 @@
-"""StepExecutor: model runner + sampler for one step, run on the engine's single device thread.
+"""StepExecutor: model runner + sampler for one step, run on the worker's single device thread (worker.py).
 
 Steps run strictly in submission order on that thread, so step N+1 reads the ids step N left in
 the runner's device relay buffer (`prev_sampled`, indexed by slot). The host copy of the sampled
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.config import EngineConfig
-from actors.engine.grammar import StepMasks
-from actors.engine.request import EngineRequest
+from actors.engine.grammar import WorkerMasks
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.kv_cache import num_blocks_for_memory
 from gpu.runner import ModelRunner, resolve_device, resolve_dtype
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow, to_device
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
+from messages.wire import TokenLogprobs
 
 ACCEPT, RESIDUAL = 2, 3  # counter_uniforms streams of draft-model verification (1: the draft tokens)
 
@@ -38,14 +38,14 @@ class _DraftCheck:
 
 
 @dataclass
-class StepResult:
+class StepTensors:
     sampled: torch.Tensor  # [num sampled positions] int64 on the host (1 + K for a row verifying K drafts)
     logprobs: LogprobsTensors | None  # one entry per sampled position
     ready: torch.cuda.Event | None  # set when the host copies are complete
     prompt_logprobs: LogprobsTensors | None = None  # one entry per prompt target, rows in batch order
     num_emitted: torch.Tensor | None = None  # [num sampling rows]: positions each emits; None: one each
 
-    def host(self) -> tuple[list[int], list[int] | None, dict[str, list] | None, dict[str, list] | None]:
+    def host(self) -> tuple[list[int], list[int] | None, TokenLogprobs | None, TokenLogprobs | None]:
         """The sampled ids, how many each row emits, their logprobs and the prompt logprobs as Python lists.
         Waits only for this step's copy."""
         if self.ready is not None:
@@ -54,45 +54,10 @@ class StepResult:
         return self.sampled.tolist(), emitted, _lists(self.logprobs), _lists(self.prompt_logprobs)
 
 
-def _lists(lp: LogprobsTensors | None) -> dict[str, list] | None:
+def _lists(lp: LogprobsTensors | None) -> TokenLogprobs | None:
     if lp is None:
         return None
-    return {
-        "sampled": lp.sampled.tolist(),
-        "ranks": lp.ranks.tolist(),
-        "top_ids": lp.top_ids.tolist(),
-        "top_logprobs": lp.top_logprobs.tolist(),
-    }
-
-
-def step_inputs(
-    batch: BatchSpec, requests: dict[str, EngineRequest], eos_token_ids: list[int]
-) -> tuple[list[SamplingRow], list[int], int, StepMasks | None]:
-    """StepExecutor.run's inputs besides the batch: a SamplingRow per sampled position (a row verifying K drafts
-    has K + 1, position j with the first j drafts in its output history), a relay slot per sampling row, the
-    top-N of the prompt logprobs (the largest a row with prompt targets asked for), and the grammar masks of the
-    constrained rows (None: none samples; rows whose last token is in flight are filled later: StepMasks)."""
-    rows, slots, n, masks = [], [], 0, None
-    for row in batch.rows:
-        req = requests[row.request_id]
-        if row.prompt_targets:
-            n = max(n, req.params.prompt_logprobs)
-        if row.num_samples:
-            # One step ahead, the output list lags the device by the step in flight. A request whose sampling
-            # reads it (reads_output) never has a step in flight when it is scheduled (the loop syncs first, or
-            # it was just admitted); the others read only its length (min_tokens), past min_tokens once it is.
-            position = req.num_output_tokens - 1  # the output token this row samples (pending ones included)
-            for j in range(row.num_samples):
-                output = req.output_token_ids + row.draft_token_ids[:j] if j else req.output_token_ids
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, output, position + j, eos_token_ids))
-            slots.append(row.slot)
-            if req.grammar is not None:
-                masks = masks or StepMasks(batch.num_samples, req.grammar.vocab_size)
-                first = len(rows) - row.num_samples  # pending > 1: the sample of the step in flight is unknown
-                masks.add(req.grammar, first, row.draft_token_ids, defer=req.num_pending_tokens > 1)
-    if masks is not None:
-        masks.seal()
-    return rows, slots, n, masks
+    return TokenLogprobs(lp.sampled.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist())
 
 
 def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -156,8 +121,8 @@ class StepExecutor:
         rows: list[SamplingRow],
         slots: list[int],
         num_prompt_logprobs: int = 0,
-        masks: StepMasks | None = None,
-    ) -> StepResult:
+        masks: WorkerMasks | None = None,
+    ) -> StepTensors:
         """Forward + sample one step; leave the sampled ids on the device for the next step.
         num_prompt_logprobs: the top-N of the prompt logprobs (the largest a row with prompt_targets asked for).
         masks: the constrained rows' grammar masks, applied after CFG (waiting for their last fills)."""
@@ -234,9 +199,9 @@ class StepExecutor:
         lp: LogprobsTensors | None,
         plp: LogprobsTensors | None,
         emitted: torch.Tensor | None = None,
-    ) -> StepResult:
+    ) -> StepTensors:
         if self.device.type == "cpu":
-            return StepResult(sampled, lp, None, plp, emitted)
+            return StepTensors(sampled, lp, None, plp, emitted)
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
@@ -248,7 +213,7 @@ class StepExecutor:
         host_emitted = None if emitted is None else copy(emitted)
         event = torch.cuda.Event()
         event.record()
-        return StepResult(host, host_lp, event, host_plp, host_emitted)
+        return StepTensors(host, host_lp, event, host_plp, host_emitted)
 
     def _check_relay(self, batch: BatchSpec) -> None:
         """Debug mode: every placeholder reads a relay slot that some earlier step wrote."""

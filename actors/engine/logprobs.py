@@ -1,4 +1,4 @@
-"""Host-side logprobs: a step's lists from the executor (StepResult.host) cut into each request's TokenLogprobs."""
+"""Host-side logprobs: a step's lists from the worker (StepResult.logprobs) cut into each request's TokenLogprobs."""
 
 from __future__ import annotations
 
@@ -7,14 +7,11 @@ from gpu.batch import BatchSpec
 from messages.wire import TokenLogprobs
 
 
-def entries(lists: dict[str, list], start: int, stop: int, n: int) -> TokenLogprobs:
+def entries(lists: TokenLogprobs, start: int, stop: int, n: int) -> TokenLogprobs:
     """Entries start..stop-1 of a step's logprob lists, each top-N cut to the request's n."""
-    return TokenLogprobs(
-        sampled=lists["sampled"][start:stop],
-        ranks=lists["ranks"][start:stop],
-        top_ids=[ids[:n] for ids in lists["top_ids"][start:stop]],
-        top_logprobs=[lps[:n] for lps in lists["top_logprobs"][start:stop]],
-    )
+    part = lists.part(start, stop)
+    part.top_ids, part.top_logprobs = [ids[:n] for ids in part.top_ids], [lps[:n] for lps in part.top_logprobs]
+    return part
 
 
 def wanted_logprobs(batch: BatchSpec, requests: dict[str, EngineRequest]) -> dict[str, tuple[int, int]]:
@@ -29,7 +26,7 @@ def wanted_logprobs(batch: BatchSpec, requests: dict[str, EngineRequest]) -> dic
     return want
 
 
-def collect_prompt_logprobs(batch: BatchSpec, lists: dict[str, list], requests: dict[str, EngineRequest]) -> None:
+def collect_prompt_logprobs(batch: BatchSpec, lists: TokenLogprobs, requests: dict[str, EngineRequest]) -> None:
     """Append each row's prompt logprobs to its request (a row from position 0 starts them afresh: a request
     preempted before its first output computes its prompt again)."""
     k = 0

@@ -59,6 +59,8 @@ class EngineRequest:
     attempt: int = 0  # AddRequest.attempt: which copy of the request this is (its outputs carry it)
     scheduled_at: float = 0.0  # when first scheduled (time.monotonic)
     first_token_at: float = 0.0  # when its first output here was appended
+    worker_outputs: int = -1  # output tokens the worker holds of it (ExecuteStep deltas); -1: it is new there
+    failed_steps: int = 0  # steps of it that never reported (the worker died or lost them): a poison request's count
 
     @property
     def fresh(self) -> bool:

@@ -52,8 +52,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int],
-        release: Callable[[str], None] | None = None,
+        release: Callable[[EngineRequest], None] | None = None,
         long_prefill_token_threshold: int | None = None,
+        isolate_after: int = 1,
     ):
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
             raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
@@ -70,7 +71,8 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.release = release  # told each finished request's id once it is freed (the proposer's state)
+        self.release = release  # told each finished request once it is freed (the proposer's and worker's state)
+        self.isolate_after = isolate_after  # a request in this many failed steps (a suspected poison) runs alone
         self.requests: dict[str, EngineRequest] = {}  # every request still holding anything
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []  # in admission order: preemption takes the last
@@ -146,10 +148,12 @@ class Scheduler:
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         chunk = self.long_prefill_token_threshold if decoding else budget  # one request's prefill this step
         preempted = False
+        suspect = next((r for r in self.running if self._suspect(r)), None)  # it runs in steps of its own
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens:  # (drafts in flight)
+            done = self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens  # (drafts in flight)
+            if done or suspect not in (None, req):
                 i += 1
                 continue
             n, m = plan_tokens(req, budget, chunk)
@@ -172,8 +176,10 @@ class Scheduler:
             budget -= n + m
             i += 1
         # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
-        while self.waiting and budget > 0 and self.free_slots and not preempted:
+        while self.waiting and budget > 0 and self.free_slots and not preempted and suspect is None:
             req = self.waiting[0]
+            if self._suspect(req) and batch.rows:
+                break
             hits = self.block_manager.prefix_hits(req)  # each sequence's cached prefix (counted as computed)
             n, m = plan_tokens(req, budget, chunk)
             blocked = req.num_inflight_steps or len(self.free_slots) < len(req.sequences) or not n + m
@@ -194,6 +200,7 @@ class Scheduler:
             self.running.append(req)
             self._add_rows(batch, req, n, m)
             budget -= n + m
+            suspect = req if self._suspect(req) else None
         if batch.rows:
             self.in_flight.append(batch.step)
             self.next_step += 1
@@ -219,6 +226,7 @@ class Scheduler:
                 n = next(emitted)
                 tokens, pos = sampled[pos : pos + n], pos + row.num_samples
                 req.num_pending_tokens -= 1
+                req.failed_steps = 0  # it sampled: no longer a suspect
                 if row.draft_token_ids:
                     self._verified(req, len(row.draft_token_ids), n - 1)
                 if req.is_finished:
@@ -227,6 +235,39 @@ class Scheduler:
                     outputs.append(self._append_tokens(req, tokens))
             self._settle(req)
         return outputs
+
+    def drop(self, batch: BatchSpec) -> list[EngineRequest]:
+        """A step in flight that will never report (its worker was lost): undo what scheduling it counted; its
+        requests (the preempted ones and those ended meanwhile are freed here if it was their last step)."""
+        if not self.in_flight or self.in_flight[0] != batch.step:
+            raise RuntimeError(f"drop() of step {batch.step}, expected {list(self.in_flight)[:1]}")
+        self.in_flight.popleft()
+        reqs = []
+        for row in batch.rows:
+            req = self.requests[row.request_id]
+            req.num_inflight_steps -= 1
+            req.num_pending_tokens -= row.num_samples > 0
+            reqs.append(req)
+            self._settle(req)
+        return reqs
+
+    def fail(self, req: EngineRequest, error: str) -> RequestOutput:
+        """End a request that has no step in flight with finish_reason "error" (a poison request)."""
+        req.error = error
+        self._finish(req, "error")
+        self._settle(req)
+        return RequestOutput(
+            request_id=req.request_id, seq=req.next_seq, new_token_ids=[], finish_reason="error", error=error,
+            attempt=req.attempt,
+        )  # fmt: skip
+
+    def forget_device_state(self) -> None:
+        """The worker lost its KV cache and relay (every in-flight step dropped first): every running request is
+        preempted (it recomputes its prompt and the tokens it emitted) and the prefix cache is emptied."""
+        assert not self.in_flight, "drop() the steps in flight first"
+        while self.running:  # the last first: they wait at the front in their running order
+            self._preempt(self.running.pop())
+        self.block_manager.forget_cache()
 
     # ---------------------------------------------------------------- internals
 
@@ -251,8 +292,9 @@ class Scheduler:
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
         token_ids = req.token_ids(start, start + fed) + list(drafts)
         row = ScheduledRow(
-            req.request_id, req.slot, token_ids, start, list(req.block_table), sample, targets, list(drafts)
-        )
+            req.request_id, req.slot, token_ids, start, list(req.block_table), sample, targets, list(drafts),
+            output_position=req.num_output_tokens,
+        )  # fmt: skip
         req.num_computed_tokens += n
         req.scheduled_at = req.scheduled_at or time.monotonic()
         self.block_manager.cache_full_blocks(req)
@@ -291,6 +333,9 @@ class Scheduler:
             attempt=req.attempt,
             timings=req.timings(seq == req.first_seq, req.finish_reason is not None),
         )
+
+    def _suspect(self, req: EngineRequest) -> bool:
+        return req.failed_steps >= self.isolate_after
 
     def _ends(self, req: EngineRequest, token: int) -> bool:
         """Finish the request if `token`, just appended, ends it (a grammar ends it once complete)."""
@@ -343,4 +388,4 @@ class Scheduler:
             if req.status is RequestStatus.ABORTED:
                 self.aborted_freed.append(req)
             if self.release:
-                self.release(req.request_id)
+                self.release(req)

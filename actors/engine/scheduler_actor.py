@@ -31,9 +31,9 @@ import msgspec
 import torch
 
 from actors.engine.block_manager import BlockManager
-from actors.engine.config import EngineConfig
+from actors.engine.config import WORKER, EngineConfig
 from actors.engine.draft import DraftProposer
-from actors.engine.executor import StepExecutor, StepResult, num_kv_blocks, step_inputs
+from actors.engine.executor import num_kv_blocks
 from actors.engine.grammar import StepMasks, warm
 from actors.engine.intake import RequestIntake
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
@@ -41,14 +41,18 @@ from actors.engine.metrics import engine_stats, idle_details, log_speculation
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import make_proposer
+from actors.engine.worker import Worker
+from actors.engine.worker_link import InlineWorker, ProcessWorker, WorkerLost, execute_step
 from actors.protocol import RecentIds, SentNames, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.sampling import reads_output
+from messages.step import FillMasks, StepResult
 from messages.wire import (
     Abort,
     ActorDown,
+    ActorUp,
     AddRequest,
     CheckIdle,
     IdleReport,
@@ -86,12 +90,20 @@ class SchedulerActor(RequestIntake, Actor):
         self.queue_times: list[float] = []  # arrival -> first scheduled, since the last EngineStats
         self.iteration_tokens: list[int] = []  # each step's tokens, since the last EngineStats
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
+        # the worker state addressed (increasing across restarts of this process too: the clock since boot), and
+        # the next ExecuteStep's number in it
+        self.epoch, self.seq = time.monotonic_ns(), 0
+        self.freed: list[str] = []  # requests the worker holds that ended since the last ExecuteStep
+        self.worker_resets = 0
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
         self._record = self.config.record_outputs and open(self.config.record_outputs, "ab", buffering=0)  # noqa: SIM115
 
     def handlers(self):
-        table = {AddRequest: self.on_add, Abort: self.on_abort, ActorDown: self.on_actor_down, CheckIdle: self.on_check}
+        table = {AddRequest: self.on_add, Abort: self.on_abort, ActorDown: self.on_down, CheckIdle: self.on_check}
+        if self.config.worker == "process":
+            table[StepResult] = lambda msg: self.link.on_result(msg)
+            table[ActorUp] = lambda msg: msg.actor == WORKER and self.link.up.set()
         if self.config.step_gate:
             table[Probe] = lambda msg: self.gate.set(None if msg.seq < 0 else msg.seq)
         return table
@@ -100,9 +112,15 @@ class SchedulerActor(RequestIntake, Actor):
         torch.set_num_threads(self.config.threads())
         blocks = num_kv_blocks(self.config, self.model)
         loop = asyncio.get_running_loop()
-        self.executor = await loop.run_in_executor(self._device, StepExecutor, self.config, self.model, blocks)
         self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
-        self.executor.draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
+        if self.config.worker == "process":
+            if isinstance(self.proposer, DraftProposer):
+                raise ValueError('draft-model speculation needs the worker in the engine process (worker "inline")')
+            self.link = ProcessWorker(self, self.config.step_timeout_s)
+        else:
+            worker = await loop.run_in_executor(self._device, Worker, self.config, self.model, blocks)
+            worker.executor.draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
+            self.link = InlineWorker(worker, self._device, worker.executor.device.type != "cpu")
         self.grammar_key = (self.config.model, self.model.vocab_size, tuple(self.model.eos_token_ids))
         warm(*self.grammar_key)
         self.sched = Scheduler(
@@ -111,8 +129,9 @@ class SchedulerActor(RequestIntake, Actor):
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.model.eos_token_ids,
-            release=self.proposer and self.proposer.release,
+            release=self._released,
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
+            isolate_after=self.config.max_step_failures - 1,  # (a single death is seldom a poison: a kill, OOM)
         )
         log.info(
             "engine ready: %s, %d KV blocks of %d, max_model_len %d",
@@ -139,6 +158,7 @@ class SchedulerActor(RequestIntake, Actor):
         details["pending_asks"] = self.pending_asks
         details["gate_permits"] = self.gate.permits or 0
         details["held_steps"] = int(self.gate.holding)
+        details["worker_requests"] = len(self.link.worker.requests) if isinstance(self.link, InlineWorker) else 0
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     async def on_shutdown(self, reason: str) -> None:
@@ -158,8 +178,7 @@ class SchedulerActor(RequestIntake, Actor):
     async def _step_loop(self) -> None:
         # speculation steps synchronously: the proposer reads the tokens of the step before
         depth = 2 if self.config.async_scheduling and not self.config.speculative else 1
-        inflight: collections.deque[tuple[BatchSpec, asyncio.Future, StepMasks | None]] = collections.deque()
-        loop = asyncio.get_running_loop()
+        inflight: collections.deque[tuple[BatchSpec, object, StepMasks | None, int]] = collections.deque()
         while True:
             batch = None
             if len(inflight) < depth and not (inflight and self._must_sync()):
@@ -168,22 +187,62 @@ class SchedulerActor(RequestIntake, Actor):
                 if batch.rows:
                     if self.config.stats_to:
                         self._note_scheduled(batch)
-                    inputs = step_inputs(batch, self.sched.requests, self.model.eos_token_ids)
-                    step = loop.run_in_executor(self._device, self.executor.run, batch, *inputs)
-                    inflight.append((batch, step, inputs[-1]))
+                    msg, masks = execute_step(batch, self.sched.requests, self.epoch, self.seq, self.freed)
+                    self.seq, self.freed = self.seq + 1, []
+                    inflight.append((batch, self.link.submit(msg), masks, msg.seq))
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
-                done, future, _ = inflight.popleft()
-                result = await future
+                done, handle, _, _ = inflight[0]
+                try:
+                    result = await self.link.result(handle)
+                except WorkerLost as e:
+                    await self._worker_lost(inflight, e)
+                    continue
+                inflight.popleft()
                 await self.gate.wait()
                 await self._postprocess(done, result)
-                if inflight and inflight[0][2] is not None:  # the next step's rows that waited for these tokens
-                    inflight[0][2].fill_deferred()
+                if inflight and inflight[0][2] is not None and inflight[0][2].deferred:  # the next step's rows that
+                    masks = inflight[0][2].fill_deferred()  # waited for these tokens
+                    self.link.fill(FillMasks(epoch=self.epoch, seq=inflight[0][3], masks=masks))
             elif not inflight:
                 self._work.clear()
                 if not self.sched.has_unfinished():
                     self._idle_marker()
                     await self._work.wait()
             await asyncio.sleep(0)  # handlers (aborts, new requests) run between steps
+
+    async def _worker_lost(self, inflight: collections.deque, lost: WorkerLost) -> None:
+        """Recovery (issue 17): every step in flight is dropped (an empty StepOutputs keeps its number), every running
+        request recomputes on a fresh worker state (a new epoch) once the worker is up; a request in
+        max_step_failures steps that killed the worker or failed there is failed alone."""
+        reason = str(lost)
+        log.warning("worker lost (%s): %d steps dropped, %d running requests recompute", reason, len(inflight),
+                    len(self.sched.running))  # fmt: skip
+        self.link.lost(reason)
+        hit: dict[str, EngineRequest] = {}
+        for batch, *_ in inflight:
+            hit.update((req.request_id, req) for req in self.sched.drop(batch))
+            self.tell(
+                self.config.detokenizer,
+                StepOutputs(step=batch.step, outputs=[], recent=self.names.stamp(batch.step, [])),
+            )
+        inflight.clear()
+        self.sched.forget_device_state()
+        self.epoch, self.seq, self.freed = time.monotonic_ns(), 0, []
+        self.worker_resets += 1
+        for req in self.sched.requests.values():
+            req.worker_outputs = -1
+        for req in hit.values() if lost.blames else ():
+            req.failed_steps += 1
+            if req.failed_steps >= self.config.max_step_failures and not req.is_finished:
+                error = f"the worker failed {req.failed_steps} steps of this request ({reason})"
+                log.error("[%s] %s", req.request_id, error)
+                self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[self.sched.fail(req, error)]))
+        self._send_acks()
+        t0 = time.monotonic()
+        await self.link.ready()
+        log.info(
+            "worker ready again after %.2f s: recomputing %d requests", time.monotonic() - t0, len(self.sched.waiting)
+        )
 
     async def _propose(self) -> dict[str, list[int]] | None:
         """Drafts for the requests that may speculate, drafted on the device thread."""
@@ -197,19 +256,33 @@ class SchedulerActor(RequestIntake, Actor):
         last step shows as a gap at the detokenizer even when no other step follows."""
         step, self.sched.next_step = self.sched.next_step, self.sched.next_step + 1
         self.tell(self.config.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, [])))
+        if self.freed:  # the worker forgets the requests that just ended: a step without rows, not waited for
+            msg, _ = execute_step(BatchSpec(step=step), {}, self.epoch, self.seq, self.freed)
+            self.seq, self.freed = self.seq + 1, []
+            self.link.submit(msg)
+
+    def _released(self, req: EngineRequest) -> None:
+        """A finished request is freed: the proposer and the worker forget it."""
+        if req.worker_outputs >= 0:
+            self.freed.append(req.request_id)
+        if self.proposer:
+            self.proposer.release(req.request_id)
+
+    def on_down(self, msg: ActorDown) -> None:
+        if msg.actor == WORKER and isinstance(self.link, ProcessWorker):
+            self.link.down()
+        else:
+            self.on_actor_down(msg)
 
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)
 
     async def _postprocess(self, batch: BatchSpec, result: StepResult) -> None:
-        if result.ready is None:
-            sampled, emitted, lp, plp = result.host()
-        else:  # wait for this step's copy off the loop: handlers keep running meanwhile
-            sampled, emitted, lp, plp = await asyncio.get_running_loop().run_in_executor(None, result.host)
-        if plp is not None:
-            collect_prompt_logprobs(batch, plp, self.sched.requests)
+        if result.prompt_logprobs is not None:
+            collect_prompt_logprobs(batch, result.prompt_logprobs, self.sched.requests)
+        lp = result.logprobs
         want = wanted_logprobs(batch, self.sched.requests) if lp is not None else {}  # before update() ends any
-        outputs = self.sched.update(batch, sampled, emitted)
+        outputs = self.sched.update(batch, result.sampled, result.num_emitted)
         for out in outputs:
             if out.request_id in want:
                 start, n = want[out.request_id]
@@ -234,6 +307,7 @@ class SchedulerActor(RequestIntake, Actor):
             queue_times, self.queue_times = self.queue_times, []
             steps, self.iteration_tokens = self.iteration_tokens, []
             stats = engine_stats(self.sched, self.late_aborts, queue_times, steps)
+            stats.worker_resets_total = self.worker_resets
             for actor in self.config.stats_to:
                 self.tell(actor, stats)
             await asyncio.sleep(self.config.stats_interval_s)

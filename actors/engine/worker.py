@@ -1,0 +1,136 @@
+"""Worker: the model runner and the sampler behind the ExecuteStep -> StepResult link (messages/step.py).
+
+It keeps the persistent batch: each live request's sampling state (a WorkerRequest: prompt ids, params, output
+ids), built from the ExecuteSteps' full data and deltas. `launch(msg)` runs on the worker's one device thread,
+in seq order: it builds the step's SamplingRows from that state and runs the StepExecutor (forward, CFG,
+grammar masks, sampling, draft verification; the sampled ids stay on the device for the next step); the
+Launched it returns gives the StepResult (`result()`, any thread: it waits for this step's host copy only).
+`fill(msg)` (any thread) delivers a step's deferred grammar masks, before or after its launch.
+
+An ExecuteStep of an older epoch, or one already run, is ignored (None); a gap in seq (a lost or reordered
+ExecuteStep) breaks the epoch: that step and every later one of the epoch answer with an error, and the
+scheduler resets the worker (a new epoch). A step that raises answers with the error too: the scheduler treats
+it as a lost worker (the step's requests are recomputed; one that keeps failing steps is failed alone).
+
+Test hook: `EngineConfig.crash_token` makes the worker's process exit (code 7) when a row feeds that token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from actors.engine.config import EngineConfig
+from actors.engine.executor import StepExecutor, StepTensors
+from actors.engine.grammar import WorkerMasks
+from gpu.config import ModelConfig
+from gpu.sampling import SamplingRow
+from messages.step import ExecuteStep, FillMasks, GrammarMasks, StepResult, WorkerRequest
+
+log = logging.getLogger("sluice.worker")
+
+FAILED = "step failed in the worker: "  # how a StepResult's error starts when the step raised
+
+
+@dataclass
+class Launched:
+    """A step handed to the device (or refused): its StepResult once the host copy is done."""
+
+    msg: ExecuteStep
+    tensors: StepTensors | None = None
+    error: str | None = None
+
+    def result(self) -> StepResult:
+        out = StepResult(epoch=self.msg.epoch, seq=self.msg.seq, step=self.msg.batch.step, error=self.error)
+        if self.tensors is not None:
+            out.sampled, out.num_emitted, out.logprobs, out.prompt_logprobs = self.tensors.host()
+        return out
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int):
+        self.executor = StepExecutor(config, model, num_blocks)
+        self.eos_token_ids, self.vocab_size = model.eos_token_ids, model.vocab_size
+        self.crash_token = config.crash_token
+        self.requests: dict[str, WorkerRequest] = {}  # the persistent batch (device thread only)
+        self.epoch, self.next_seq, self.broken = -1, 0, False
+        self._lock = threading.Lock()  # guards the two mask tables (fill() comes from another thread)
+        self._waiting: dict[tuple[int, int], WorkerMasks] = {}  # launched steps whose deferred masks are due
+        self._early: dict[tuple[int, int], FillMasks] = {}  # fills that came before their step's launch
+
+    def launch(self, msg: ExecuteStep) -> Launched | None:
+        """Run one step on the device (device thread; module docstring)."""
+        if msg.epoch > self.epoch:  # a new epoch: nothing of the old one holds
+            self.epoch, self.next_seq, self.broken, self.requests = msg.epoch, 0, False, {}
+            with self._lock:
+                self._waiting.clear()
+                self._early = {k: v for k, v in self._early.items() if k[0] >= msg.epoch}
+        if msg.epoch < self.epoch or (msg.seq < self.next_seq and not self.broken):
+            return None  # stale or duplicated
+        if self.broken or msg.seq != self.next_seq:
+            self.broken = True
+            return Launched(msg, error=f"ExecuteStep {msg.seq} of epoch {msg.epoch} came before {self.next_seq}")
+        self.next_seq += 1
+        try:
+            return Launched(msg, self._run(msg))
+        except Exception as e:  # a bug, or a fault: the scheduler recomputes the step's requests
+            log.exception("step %d (epoch %d, seq %d) failed", msg.batch.step, msg.epoch, msg.seq)
+            self.broken = True
+            return Launched(msg, error=f"{FAILED}{type(e).__name__}: {e}")
+
+    def abandon(self, epoch: int) -> None:
+        """Steps of epochs before `epoch` waiting for their masks go on, all allowed (their answers are ignored: the
+        scheduler that would have filled them reset the worker, or died). Called as an ExecuteStep arrives (any
+        thread: the device thread may be the one waiting)."""
+        with self._lock:
+            old = [key for key in self._waiting if key[0] < epoch]
+            released = [self._waiting.pop(key) for key in old]
+        for masks in released:
+            masks.fill(GrammarMasks(positions=[], bitmask=b""), last=True)
+
+    def fill(self, msg: FillMasks) -> None:
+        """A launched (or yet to launch) step's deferred grammar masks."""
+        with self._lock:
+            masks = self._waiting.pop((msg.epoch, msg.seq), None)
+            if masks is None:
+                self._early[msg.epoch, msg.seq] = msg
+                return
+        masks.fill(msg.masks, last=True)
+
+    def _run(self, msg: ExecuteStep) -> StepTensors | None:
+        for rid in msg.freed:
+            self.requests.pop(rid, None)
+        for req in msg.new:
+            self.requests[req.request_id] = req
+        for rid, tokens in msg.appended.items():
+            self.requests[rid].output_token_ids += tokens
+        if not msg.batch.rows:
+            return None  # bookkeeping only (the scheduler went idle)
+        rows, slots = [], []
+        for row in msg.batch.rows:
+            if self.crash_token is not None and self.crash_token in row.token_ids:
+                os._exit(7)  # test hook (module docstring): a poison request
+            if row.num_samples:
+                # One step ahead, the output list lags the device by the step in flight. A request whose sampling
+                # reads it (reads_output) never has a step in flight when it is scheduled (the scheduler syncs
+                # first, or it was just admitted); the others read only its length (min_tokens), past min_tokens
+                # once it is.
+                req = self.requests[row.request_id]
+                for j in range(row.num_samples):
+                    output = req.output_token_ids + row.draft_token_ids[:j] if j else req.output_token_ids
+                    position = row.output_position + j
+                    rows.append(SamplingRow(req.params, req.prompt_token_ids, output, position, self.eos_token_ids))
+                slots.append(row.slot)
+        masks = None
+        if msg.masks is not None:
+            masks = WorkerMasks(msg.masks, msg.batch.num_samples, self.vocab_size)
+            if msg.masks.deferred:
+                with self._lock:
+                    early = self._early.pop((msg.epoch, msg.seq), None)
+                    if early is None:
+                        self._waiting[msg.epoch, msg.seq] = masks
+                if early is not None:
+                    masks.fill(early.masks, last=True)
+        return self.executor.run(msg.batch, rows, slots, msg.num_prompt_logprobs, masks)

@@ -1,0 +1,117 @@
+"""The ExecuteStep -> StepResult link, unit level (issue 17): the worker runs steps in seq order within an epoch
+(a duplicate or stale step is ignored, a gap breaks the epoch, a new epoch starts afresh), its persistent batch
+follows the scheduler's full data and deltas, messages survive the codec; the scheduler drops the steps of a
+lost worker, recomputes every running request, and runs a suspect of a failed step in steps of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.engine.config import EngineConfig
+from actors.engine.worker import Worker
+from gpu.batch import BatchSpec, ScheduledRow
+from gpu.config import ModelConfig
+from messages.codec import Codec
+from messages.sampling_params import SamplingParams
+from messages.step import ExecuteStep, GrammarMasks, StepResult, WorkerRequest
+from messages.wire import TokenLogprobs
+from tests.scheduler_harness import FakeModel, Harness, expected, prompts
+from tests.tiny_model import make_tiny_model_dir
+
+SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    model_dir = str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-worker") / "model", seed=0))
+    config = EngineConfig(model=model_dir, num_kv_blocks=16, block_size=4, max_model_len=64, max_num_seqs=4,
+                          max_num_batched_tokens=32, engine_threads=1, dtype="float32")  # fmt: skip
+    return Worker(config, ModelConfig.from_path(model_dir), 16)
+
+
+def prefill(epoch: int, seq: int, rid: str = "a", output: list[int] = ()) -> ExecuteStep:
+    """A's prompt, fed whole: it samples its output token number len(output)."""
+    prompt = [5, 6, 7, *output]
+    row = ScheduledRow(rid, 0, prompt, 0, [0, 1], True, output_position=len(output))
+    return ExecuteStep(
+        epoch=epoch, seq=seq, batch=BatchSpec(seq, [row]), new=[WorkerRequest(rid, [5, 6, 7], list(output), SEEDED)]
+    )
+
+
+def test_steps_run_in_seq_order_within_an_epoch(worker):
+    first = worker.launch(prefill(0, 0)).result()
+    assert first.error is None and len(first.sampled) == 1
+    assert worker.launch(prefill(0, 0)) is None  # a duplicate is not answered
+    gap = worker.launch(prefill(0, 2)).result()
+    assert gap.error == "ExecuteStep 2 of epoch 0 came before 1"
+    assert worker.launch(prefill(0, 1)).result().error  # the epoch is broken: even the missing step is refused
+    again = worker.launch(prefill(1, 0)).result()  # a new epoch: the persistent batch starts afresh
+    assert again.error is None and again.sampled == first.sampled  # (seeded: keyed by the output position)
+    assert worker.launch(prefill(0, 3)) is None  # a step of an older epoch is stale
+
+
+def test_the_persistent_batch_follows_full_data_and_deltas(worker):
+    """A seeded request's sample at a position depends on its history only through the penalties: with one, the
+    worker's deltas must give it the same history as a request sent whole."""
+    params = SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.5, max_tokens=8)
+    decode = ScheduledRow("b", 1, [9], 5, [2, 3], True, output_position=2)
+    whole = ExecuteStep(epoch=2, seq=0, batch=BatchSpec(0, [ScheduledRow("b", 1, [5, 6, 7, 8, 9], 0, [2, 3], True, output_position=2)]),
+                        new=[WorkerRequest("b", [5, 6, 7], [8, 9], params)])  # fmt: skip
+    reference = worker.launch(whole).result()
+    first = ExecuteStep(epoch=3, seq=0, batch=BatchSpec(0, [ScheduledRow("b", 1, [5, 6, 7, 8], 0, [2, 3], True, output_position=1)]),
+                        new=[WorkerRequest("b", [5, 6, 7], [8], params)])  # fmt: skip
+    assert worker.launch(first).result().error is None
+    delta = ExecuteStep(epoch=3, seq=1, batch=BatchSpec(1, [decode]), appended={"b": [9]})
+    assert worker.launch(delta).result().sampled == reference.sampled
+    unknown = ExecuteStep(epoch=3, seq=2, batch=BatchSpec(2, [decode]), freed=["b"], appended={"b": [1]})
+    assert "KeyError" in worker.launch(unknown).result().error  # a delta for a request it does not hold: a bug
+
+
+def test_step_messages_survive_the_codec():
+    codec = Codec()
+    msg = prefill(4, 9, output=[1, 2])
+    msg.masks = GrammarMasks(positions=[0], bitmask=b"\xff" * 8, deferred=[1])
+    result = StepResult(epoch=4, seq=9, step=3, sampled=[7], num_emitted=None, logprobs=TokenLogprobs([-0.5], [1]))
+    for m in (msg, result):
+        assert codec.decode(codec.encode(m)) == m
+
+
+def lose_worker(h: Harness) -> None:
+    """What the scheduler actor does when the worker is lost: its steps in flight dropped, its KV gone."""
+    for batch, _ in h.queue:
+        h.sched.drop(batch)
+    h.queue.clear()
+    h.sched.forget_device_state()
+    h.model = FakeModel(h.model.bs)  # a read of KV not written since would fail
+
+
+@pytest.mark.parametrize("one_ahead", [False, True])
+def test_a_lost_worker_costs_a_recompute_and_nothing_else(one_ahead):
+    """Every running request recomputes its prompt and the tokens it emitted (the prefix cache forgotten: its
+    blocks' KV is gone too) and ends exactly as an undisturbed run."""
+    h = Harness(one_ahead=one_ahead, num_blocks=40, budget=16, max_num_seqs=4, caching=True)
+    cases = {}
+    for i, prompt in enumerate(prompts(6, seed=5, lo=8, hi=20)):
+        h.add(f"r{i}", prompt, max_tokens=12, ignore_eos=True)
+        cases[f"r{i}"] = expected(prompt, SamplingParams(max_tokens=12, ignore_eos=True), 64)
+    for losses in range(3):
+        for _ in range(4 + losses):
+            h.step()
+        lose_worker(h)
+    h.run()
+    assert {rid: (h.tokens[rid], h.finish[rid]) for rid in cases} == cases
+    assert h.sched.num_preemptions > 0
+
+
+def test_a_suspect_runs_in_steps_of_its_own_until_it_samples():
+    h = Harness(num_blocks=40, budget=16, max_num_seqs=4)
+    for i, prompt in enumerate(prompts(3, seed=6, lo=20, hi=20)):
+        h.add(f"r{i}", prompt, max_tokens=3, ignore_eos=True)
+    h.step()
+    lose_worker(h)
+    h.sched.requests["r0"].failed_steps = 1  # (the actor counts the requests of the dropped steps)
+    alone = [h.step() for _ in range(2)]  # 20 prompt tokens at a budget of 16: the rest of it would leave room
+    assert [{r.request_id for r in b.rows} for b in alone] == [{"r0"}, {"r0"}]
+    assert h.sched.requests["r0"].failed_steps == 0  # it sampled
+    assert {r.request_id for r in h.step().rows} == {"r0", "r1"}  # the others join again
+    h.run()

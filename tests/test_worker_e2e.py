@@ -1,0 +1,57 @@
+"""The worker in a process of its own (issue 17), through the real engine, worker and detokenizer processes: lost,
+duplicated and reordered ExecuteSteps and StepResults cost a reset and a recompute, never an output; a poison
+request that kills the worker is failed alone while every other request ends exactly as in the fault-free run;
+the idle invariant holds after each (the kill -9 of the worker over HTTP: tests/test_resume_e2e.py)."""
+
+from __future__ import annotations
+
+from actors.runtime import FaultPlan, FaultRule
+from frontend.offline import AsyncLLM
+from messages.sampling_params import SamplingParams
+from tests.cancel_harness import (
+    assert_idle,
+    clean_llm,  # noqa: F401 (a fixture)
+    engine_config,
+    model_dir,  # noqa: F401 (a fixture)
+    start,
+)
+from tests.test_faults_e2e import WORKLOAD, key, outcomes, reference  # noqa: F401 (a fixture)
+
+LOST_STEPS = FaultPlan(
+    seed=5,
+    rules=[
+        FaultRule(link="scheduler->worker", msg_type="ExecuteStep", action="drop", probability=0.03),
+        FaultRule(link="worker->scheduler", msg_type="StepResult", action="drop", probability=0.03),
+        FaultRule(msg_type="ExecuteStep", action="duplicate", probability=0.05),
+        FaultRule(msg_type="StepResult", action="reorder", probability=0.03),
+    ],
+)
+
+
+async def test_lost_and_reordered_steps_change_no_output(model_dir, reference):  # noqa: F811
+    config = engine_config(model_dir, worker="process", step_timeout_s=2.0)
+    async with AsyncLLM(config, fault_plan=LOST_STEPS) as llm:
+        for _ in range(2):
+            runs = await outcomes(llm)
+            assert [key(r) for r in runs] == reference
+        await assert_idle(llm)
+        stats, _ = await llm.fresh_stats()
+    assert stats.worker_resets_total >= 2, stats  # (the plan lost steps in both runs)
+
+
+POISON = 4242  # a token whose step makes the worker's process exit (EngineConfig.crash_token)
+
+
+async def test_a_poison_request_is_failed_alone(model_dir, reference):  # noqa: F811
+    config = engine_config(model_dir, worker="process", crash_token=POISON)
+    async with AsyncLLM(config) as llm:
+        poison = start(llm, [7, POISON, 9], SamplingParams(temperature=0, max_tokens=8))
+        runs = [start(llm, prompt, params) for prompt, params in WORKLOAD]
+        for run in [poison, *runs]:
+            await run.done(timeout=120)
+        assert [key(r) for r in runs] == reference
+        assert poison.finished.finish_reason == "error" and "failed 3 steps" in poison.finished.error
+        assert len(llm.system.restarts) == 3  # (within the supervisor's restart intensity: it did not give up)
+        await assert_idle(llm)
+        stats, _ = await llm.fresh_stats()
+        assert stats.worker_resets_total == 3
