@@ -3,8 +3,8 @@ test_sampler_distribution, greedy parity with HF on CUDA in test_model_parity):
 
 - the step (planning, upload, forward, sampling, the relay of sampled ids, the host copy's enqueue) never
   synchronizes the host with the device: `torch.cuda.set_sync_debug_mode("error")` around every step makes any
-  `.item()`, `.tolist()`, `nonzero()`, blocking copy or device-wide synchronize raise; only `StepResult.host()`
-  waits, on its own event;
+  `.item()`, `.tolist()`, `nonzero()`, blocking copy or device-wide synchronize raise; only the host copy
+  (`Launched.result()`) waits, on its own event;
 - one step ahead (placeholders filled on the device from the relay buffer) gives the same greedy and seeded
   tokens as synchronous steps, in bf16 and fp32, through the bare loop and through the real actors;
 - a seeded request's tokens do not depend on its batch.
@@ -13,17 +13,19 @@ test_sampler_distribution, greedy parity with HF on CUDA in test_model_parity):
 from __future__ import annotations
 
 import collections
+import itertools
 
 import pytest
 import torch
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig, SpeculativeConfig
-from actors.engine.executor import StepExecutor, step_inputs
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.engine.scheduler_actor import needs_history
 from actors.engine.speculative import NgramProposer
+from actors.engine.worker import Worker
+from actors.engine.worker_link import execute_step
 from frontend.offline import AsyncLLM
 from gpu.config import ModelConfig
 from messages.sampling_params import SamplingParams as SP
@@ -46,14 +48,16 @@ UNSEEDED = SP(temperature=0.8, top_k=40, top_p=0.9, max_tokens=12)  # FlashInfer
 PROMPTS = [[1, *range(100 + 7 * i, 100 + 7 * i + 5 + 3 * i)] for i in range(8)]
 
 
-def run_loop(executor: StepExecutor, model: ModelConfig, params: list[SP], depth: int, proposer=None) -> dict:
-    """The engine's step loop in one thread (as the scheduler actor drives it), every step planned and executed
-    under sync-debug mode "error"; results are read back (the step's one wait) outside it."""
+def run_loop(worker: Worker, model: ModelConfig, params: list[SP], depth: int, proposer=None) -> dict:
+    """The engine's step loop in one thread (as the scheduler actor drives the inline worker), every step planned and
+    launched under sync-debug mode "error"; results are read back (the step's one wait) outside it."""
     sched = Scheduler(BlockManager(256, 16), 16, 64, 512, model.eos_token_ids)
     for i, p in enumerate(params):
         sched.add_request(EngineRequest(str(i), list(PROMPTS[i % len(PROMPTS)]), p))
-    inflight, out = collections.deque(), collections.defaultdict(list)
-    while sched.has_unfinished() or inflight:
+    inflight, out, epoch = collections.deque(), collections.defaultdict(list), worker.epoch + 1
+    for seq in itertools.count():
+        if not (sched.has_unfinished() or inflight):
+            break
         batch = None
         if len(inflight) < depth and not (inflight and any(needs_history(r) for r in sched.running)):
             drafts = proposer.propose(sched.speculation_candidates()) if proposer and not inflight else None
@@ -61,25 +65,26 @@ def run_loop(executor: StepExecutor, model: ModelConfig, params: list[SP], depth
             try:
                 batch = sched.schedule(drafts)
                 if batch.rows:
-                    inflight.append((batch, executor.run(batch, *step_inputs(batch, sched.requests, [2]))))
+                    inflight.append((batch, worker.launch(execute_step(batch, sched.requests, epoch, seq, [])[0])))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
-            done, result = inflight.popleft()
-            sampled, emitted, _, _ = result.host()
-            for o in sched.update(done, sampled, emitted):
+            done, launched = inflight.popleft()
+            result = launched.result()
+            assert result.error is None, result.error
+            for o in sched.update(done, result.sampled, result.num_emitted):
                 out[o.request_id] += o.new_token_ids
     return dict(out)
 
 
 @pytest.fixture(scope="module")
 def executors(tiny_model_dir):
-    """A StepExecutor per dtype on the tiny model (built once: loading is the slow part)."""
+    """A Worker per dtype on the tiny model (built once: loading is the slow part)."""
     model = ModelConfig.from_path(tiny_model_dir)
 
-    def make(dtype: str) -> StepExecutor:
+    def make(dtype: str) -> Worker:
         config = EngineConfig(model=str(tiny_model_dir), device="cuda", dtype=dtype, max_num_seqs=16)
-        return StepExecutor(config, model, 256)
+        return Worker(config, model, 256)
 
     return model, {dtype: make(dtype) for dtype in ("bfloat16", "float32")}
 
@@ -87,8 +92,8 @@ def executors(tiny_model_dir):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_steps_never_sync_and_one_ahead_equals_sync(executors, dtype):
     model, by_dtype = executors
-    executor, params = by_dtype[dtype], [*MIX, *HISTORY, UNSEEDED]
-    ahead, sync = (run_loop(executor, model, params, depth) for depth in (2, 1))
+    worker, params = by_dtype[dtype], [*MIX, *HISTORY, UNSEEDED]
+    ahead, sync = (run_loop(worker, model, params, depth) for depth in (2, 1))
     assert all(len(ahead[str(i)]) == p.max_tokens for i, p in enumerate(params))
     unseeded = str(len(params) - 1)  # drawn afresh each run: only its length is compared
     del ahead[unseeded], sync[unseeded]
@@ -98,11 +103,11 @@ def test_steps_never_sync_and_one_ahead_equals_sync(executors, dtype):
 def test_speculative_steps_never_sync(executors):
     """ngram drafts verified on the device (multi-token rows, num_emitted, the relay of each row's last token)."""
     model, by_dtype = executors
-    executor = by_dtype["float32"]
+    worker = by_dtype["float32"]
     params = [SP(temperature=0.0, max_tokens=24), SP(temperature=0.7, seed=4, max_tokens=24)]
     proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1))
-    spec = run_loop(executor, model, params, depth=1, proposer=proposer)
-    assert spec == run_loop(executor, model, params, depth=1)
+    spec = run_loop(worker, model, params, depth=1, proposer=proposer)
+    assert spec == run_loop(worker, model, params, depth=1)
 
 
 def test_seeded_tokens_do_not_depend_on_the_batch(executors):

@@ -1,0 +1,162 @@
+"""The worker link's cost (issue 17): what one ExecuteStep -> StepResult round costs per step, against a batch-1 step.
+
+    python scripts/bench_worker.py [--quick] [--batches 1 16 64] [--tokens 64] [--threads N]
+
+1. Per decode step at batch B, in this process (thread CPU time, median of many): building the ExecuteStep from the
+   scheduler's requests, encoding and decoding it (the process placement only), the worker's persistent-batch
+   update and SamplingRows, building the StepResult lists and encoding and decoding them (process only); printed
+   as a ratio to the same run's batch-1 decode step of the model (forward + sampling, StepExecutor.run).
+2. Through the actors (AsyncLLM, greedy, B requests of --tokens tokens): output tokens/s with the worker inline vs
+   in its own process, async and sync scheduling; the ratio process / inline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.engine.config import EngineConfig
+from actors.engine.executor import num_kv_blocks
+from actors.engine.request import EngineRequest
+from actors.engine.worker import Worker
+from actors.engine.worker_link import execute_step
+from frontend.offline import AsyncLLM
+from frontend.tokenizer import Tokenizer
+from gpu.batch import BatchSpec, ScheduledRow
+from gpu.config import ModelConfig
+from gpu.convert import default_model_dir
+from gpu.sampling import SamplingRow
+from messages.codec import Codec
+from messages.sampling_params import SamplingParams
+from messages.step import StepResult
+from messages.wire import TokenLogprobs
+from scripts.bench_engine import load, make_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+
+def cpu_us(fn, repeats: int) -> float:
+    """Median thread CPU microseconds of fn()."""
+    times = []
+    for _ in range(repeats):
+        t = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t)
+    return 1e6 * statistics.median(times)
+
+
+def decode_batch(batch: int, prompt_len: int = 32) -> tuple[BatchSpec, dict[str, EngineRequest]]:
+    """A decode step of `batch` requests, each 32 prompt + 16 output tokens in (their own blocks)."""
+    rows, reqs = [], {}
+    for i in range(batch):
+        req = EngineRequest(f"r{i}", list(range(100, 100 + prompt_len)), GREEDY, output_token_ids=list(range(16)))
+        req.worker_outputs = 15  # the worker holds all but the last: one token of delta, as in steady decoding
+        reqs[req.request_id] = req
+        n = req.num_tokens
+        rows.append(
+            ScheduledRow(req.request_id, i, [7], n - 1, list(range(4 * i, 4 * i + 4)), True, output_position=16)
+        )
+    return BatchSpec(step=1, rows=rows), reqs
+
+
+def message_costs(worker: Worker, batch: int, repeats: int) -> dict[str, float]:
+    codec, spec = Codec(), decode_batch(batch)
+    msg, _ = execute_step(spec[0], spec[1], 1, 0, [])
+
+    def build():
+        for req in spec[1].values():
+            req.worker_outputs = 15
+        execute_step(spec[0], spec[1], 1, 0, [])
+
+    def persistent():
+        worker.requests = {r: msg_req for r, msg_req in ((q.request_id, q) for q in full.new)}
+        for rid, tokens in msg.appended.items():
+            worker.requests[rid].output_token_ids[-1:] = tokens
+
+    full, _ = execute_step(spec[0], {k: EngineRequest(k, v.prompt_token_ids, GREEDY, output_token_ids=list(range(16)))
+                                     for k, v in spec[1].items()}, 1, 0, [])  # fmt: skip
+    result = StepResult(epoch=1, seq=0, step=1, sampled=list(range(batch)),
+                        logprobs=TokenLogprobs([-0.1] * batch, [1] * batch))  # fmt: skip
+    sampled = torch.arange(batch)
+    out = {
+        "build ExecuteStep": cpu_us(build, repeats),
+        "persistent batch": cpu_us(persistent, repeats),
+        "StepResult lists": cpu_us(lambda: sampled.tolist(), repeats),
+        "codec ExecuteStep": cpu_us(lambda: codec.decode(codec.encode(msg)), repeats),
+        "codec StepResult": cpu_us(lambda: codec.decode(codec.encode(result)), repeats),
+    }
+    out["inline total"] = out["build ExecuteStep"] + out["persistent batch"] + out["StepResult lists"]
+    out["process total"] = out["inline total"] + out["codec ExecuteStep"] + out["codec StepResult"]
+    return out
+
+
+def step_ms(worker: Worker, repeats: int) -> float:
+    """Median wall ms of a batch-1 decode step of the model (StepExecutor.run), after a 32-token prefill."""
+    ex, row = worker.executor, SamplingRow(GREEDY, [], [], 0, [])
+    ex.run(BatchSpec(0, [ScheduledRow("a", 0, list(range(100, 132)), 0, [0, 1, 2], True)]), [row], [0])
+    times = []
+    for i in range(repeats):
+        batch = BatchSpec(1 + i, [ScheduledRow("a", 0, [7], 32, [0, 1, 2], True)])
+        t = time.perf_counter()
+        ex.run(batch, [row], [0])
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+async def served(config: EngineConfig, prompts: list[list[int]], tokens: int) -> float:
+    """Output tokens/s of the whole batch through the actors."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    async with AsyncLLM(config) as llm:
+        await llm.generate(prompts[:1], params)  # warm-up
+        t = time.perf_counter()
+        await llm.generate(prompts, params)
+        return len(prompts) * tokens / (time.perf_counter() - t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    model_dir = default_model_dir()
+    config = EngineConfig(model=str(model_dir), engine_threads=args.threads, max_num_seqs=max(args.batches))
+    torch.set_num_threads(config.threads())
+    model = ModelConfig.from_path(str(model_dir))
+    worker = Worker(config, model, num_kv_blocks(config, model))
+    repeats = 50 if args.quick else 200
+    base = step_ms(worker, 20 if args.quick else 60)
+    print(f"load {load()}; {torch.get_num_threads()} threads; batch-1 decode step {base:.2f} ms (model + sampling)")
+    print("\n1. per-step cost of the link (us, thread CPU; % of the batch-1 step)")
+    for b in args.batches:
+        costs = message_costs(worker, b, repeats)
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in costs.items() if "total" not in k)
+        print(f"  B={b:3d}: {parts}")
+        for k in ("inline total", "process total"):
+            print(f"         {k}: {costs[k]:.1f} us = {costs[k] / (10 * base):.2f} %")
+    print("\n2. served through the actors: output tokens/s (process / inline)")
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    for b in args.batches:
+        prompts = make_prompts(tokenizer, b)
+        for sync in (False, True):
+            rates = {}
+            for placement in ("inline", "process"):
+                cfg = EngineConfig(model=str(model_dir), engine_threads=args.threads, max_num_seqs=max(b, 1),
+                                   worker=placement, async_scheduling=not sync)  # fmt: skip
+                rates[placement] = asyncio.run(served(cfg, prompts, args.tokens))
+            mode = "sync " if sync else "async"
+            print(f"  B={b:3d} {mode}: inline {rates['inline']:7.1f}, process {rates['process']:7.1f} tok/s "
+                  f"(ratio {rates['process'] / rates['inline']:.3f})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
