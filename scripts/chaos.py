@@ -1,13 +1,14 @@
 """Seeded chaos for the cancellation protocol, at the engine level (AsyncLLM over the real processes).
 
-    python scripts/chaos.py --requests 5000 --seed 7 [--model DIR] [--drops 0.01] [--kills 2]
+    python scripts/chaos.py --requests 5000 --seed 7 [--model DIR] [--drops 0.01] [--kills 2] [--worker process]
 
 Many concurrent requests (Poisson arrivals) with random explicit aborts (after k tokens, or after a
 random delay), stop strings, sibling requests (one prompt, derived seeds: n > 1 style), a long prompt
 (chunked prefill) and a KV cache small enough to preempt, under a fault plan that delays,
 duplicates and reorders StepOutputs, TextOutputs, AbortAcks and Aborts (with --drops, loses StepOutputs
 and TextOutputs too; with --kills, kill -9s the engine or the detokenizer at seeded times: both are
-repaired by resuming requests, DESIGN I6/I8). Checked afterwards: every
+repaired by resuming requests, DESIGN I6/I8; with --worker process, the worker too, and its lost, duplicated or
+reordered ExecuteSteps and StepResults: the engine recomputes its requests). Checked afterwards: every
 stream ended (no hang), no output after a Finished, the idle invariant; every stream holds exactly
 the tokens the engine sent for it (recorded before the faulty links, EngineConfig.record_outputs),
 all of them when it ended with "length", a prefix otherwise; and where those tokens agree with a
@@ -114,7 +115,7 @@ def workload(seed: int, n: int, rate: float = 150.0) -> list[Job]:
 
 def fault_plan(seed: int, drops: float = 0.0) -> FaultPlan:
     """Duplicates, reorders and delays on every request-path link; with `drops`, StepOutputs and TextOutputs
-    are lost with that probability too."""
+    are lost with that probability too, ExecuteSteps and StepResults with a fifth of it."""
     rules = []
     for link, msg_type in (
         ("scheduler->detokenizer", "StepOutputs"),
@@ -127,6 +128,12 @@ def fault_plan(seed: int, drops: float = 0.0) -> FaultPlan:
             FaultRule(link=link, msg_type=msg_type, action="reorder", probability=0.01, delay_ms=20),
             FaultRule(link=link, msg_type=msg_type, action="delay", probability=0.03, delay_ms=10),
         ]
+    for msg_type in ("ExecuteStep", "StepResult"):  # (a worker in a process of its own: a loss resets it)
+        rules += [
+            FaultRule(msg_type=msg_type, action="duplicate", probability=0.02),
+            FaultRule(msg_type=msg_type, action="reorder", probability=0.002, delay_ms=20),
+            FaultRule(msg_type=msg_type, action="drop", probability=drops / 5),
+        ]
     if drops:
         rules += [
             FaultRule(link="scheduler->detokenizer", msg_type="StepOutputs", action="drop", probability=drops),
@@ -136,9 +143,11 @@ def fault_plan(seed: int, drops: float = 0.0) -> FaultPlan:
 
 
 def chaos_config(
-    model: str, record_outputs: str | None = None, speculative: SpeculativeConfig | None = None
+    model: str, record_outputs: str | None = None, speculative: SpeculativeConfig | None = None, worker="inline"
 ) -> EngineConfig:
     return EngineConfig(
+        worker=worker,
+        step_timeout_s=10.0,
         speculative=speculative,
         record_outputs=record_outputs,
         model=model,
@@ -223,11 +232,12 @@ def compare(jobs: list[Job], reference: list[Outcome], chaos: list[Outcome], sen
     return report
 
 
-def kill_schedule(seed: int, n: int, kills: int, rate: float = 150.0) -> list[tuple[float, str]]:
-    """`kills` process kills at seeded times within the workload's arrivals: (seconds from its start, process)."""
+def kill_schedule(seed: int, n: int, kills: int, procs: list[str], rate: float = 150.0) -> list[tuple[float, str]]:
+    """`kills` kills at seeded times within the workload's arrivals, of each of `procs` in turn (a seeded order):
+    (seconds from its start, process)."""
     rng = random.Random(seed ^ 0x5EED)
-    span = n / rate
-    return sorted((rng.uniform(0.1, 0.9) * span, rng.choice(["engine", "detokenizer"])) for _ in range(kills))
+    span, order = n / rate, rng.sample(procs, len(procs))
+    return sorted((rng.uniform(0.1, 0.9) * span, order[i % len(order)]) for i in range(kills))
 
 
 async def chaos(
@@ -238,7 +248,8 @@ async def chaos(
     jobs = workload(seed, n)
     reference = await asyncio.wait_for(run(reference_llm, jobs, aborts=False), timeout_s)
     loop = asyncio.get_running_loop()
-    for at, proc in kill_schedule(seed, n, kills):
+    procs = sorted(chaos_llm.system.specs)  # the engine's, the detokenizer's (and the worker's, in a process)
+    for at, proc in kill_schedule(seed, n, kills, procs):
         loop.call_later(at, chaos_llm.system.kill, proc)
     try:
         got = await asyncio.wait_for(run(chaos_llm, jobs, aborts=True), timeout_s)
@@ -271,6 +282,7 @@ async def chaos(
         "stale_outputs": detok.stale_outputs_dropped_total,
         "violations": detok.protocol_violations_total,
         "preemptions": engine.num_preemptions_total,
+        "worker_resets": engine.worker_resets_total,
         "spec_drafts": engine.spec_num_drafts,
         "spec_accepted_tokens": engine.spec_num_accepted_tokens,
     }
@@ -284,6 +296,7 @@ async def main() -> int:
     parser.add_argument("--model", help="an HF-style model directory (default: a tiny random Llama)")
     parser.add_argument("--drops", type=float, default=0.0, help="probability a StepOutputs / TextOutputs is lost")
     parser.add_argument("--kills", type=int, default=0, help="kill -9 an engine-side process this many times")
+    parser.add_argument("--worker", choices=["inline", "process"], default="inline", help="the worker's placement")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -294,7 +307,9 @@ async def main() -> int:
     t0 = time.perf_counter()
     async with (
         AsyncLLM(chaos_config(model)) as clean,
-        AsyncLLM(chaos_config(model, record), fault_plan=fault_plan(args.seed, args.drops)) as faulty,
+        AsyncLLM(
+            chaos_config(model, record, worker=args.worker), fault_plan=fault_plan(args.seed, args.drops)
+        ) as faulty,
     ):
         report = await chaos(clean, faulty, args.seed, args.requests, kills=args.kills)
     print(f"{args.requests} requests, seed {args.seed}, {time.perf_counter() - t0:.1f} s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -40,6 +41,28 @@ class FailsOnceAtStart(Echo):
         if os.path.exists(self.marker):
             os.unlink(self.marker)
             os._exit(1)
+
+
+class Watcher(Echo):
+    """Tells the recorder each ActorDown / ActorUp it hears (a Probe "watcher heard ActorDown:echo"). When the file `marker` exists
+    (consumed), its start waits until the file `gate` is gone: another process may die and come back meanwhile."""
+
+    def __init__(self, marker: str, gate: str):
+        super().__init__()
+        self.marker, self.gate = marker, gate
+
+    def handlers(self):
+        return {ActorDown: self.on_event, ActorUp: self.on_event, Probe: self.on_probe}
+
+    def on_event(self, msg) -> None:
+        self.tell(self.target, Probe(seq=0, payload=f"{self.name} heard {type(msg).__name__}:{msg.actor}".encode()))
+
+    async def on_start(self) -> None:
+        if os.path.exists(self.marker):
+            os.unlink(self.marker)
+            deadline = time.monotonic() + 30
+            while os.path.exists(self.gate) and time.monotonic() < deadline:  # (a test's gate)
+                await asyncio.sleep(0.01)
 
 
 class Recorder(Actor):

@@ -1,6 +1,7 @@
 """Seeded chaos at the engine level (scripts/chaos.py, CI-sized): 300 concurrent requests with random
 aborts, stop strings and siblings, under duplicated, delayed and reordered StepOutputs, TextOutputs,
-AbortAcks and Aborts (and, in one run, lost outputs and two kill -9s of engine-side processes). No hang, no output after a Finished, the idle invariant, every stream holds
+AbortAcks and Aborts (and, in one run, lost outputs and ExecuteSteps and three kill -9s of the engine's, the
+detokenizer's and the worker's processes). No hang, no output after a Finished, the idle invariant, every stream holds
 exactly what the engine sent for it, and where those tokens agree with the fault-free run, so does
 the text (see scripts/chaos.py for the few requests last-bit numerics may let diverge)."""
 
@@ -26,13 +27,15 @@ NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_looku
 
 
 @pytest.mark.parametrize(
-    ("speculative", "drops", "kills"), [(None, 0.01, 2), (NGRAM, 0.0, 0)], ids=["plain-drops-kills", "ngram"]
+    ("speculative", "drops", "kills", "worker"),
+    [(None, 0.01, 3, "process"), (NGRAM, 0.0, 0, "inline")],
+    ids=["plain-drops-kills", "ngram"],
 )
-async def test_chaos(model_dir, clean_llm, tmp_path, speculative, drops, kills):  # noqa: F811
+async def test_chaos(model_dir, clean_llm, tmp_path, speculative, drops, kills, worker):  # noqa: F811
     """The faulty engine may speculate: its streams must still equal the plain fault-free run's (greedy and
     seeded rows alike: a seeded row's uniforms are keyed by output position). Lost outputs and killed processes
-    are repaired by resuming requests (DESIGN I6, I8): no request fails."""
-    config = chaos_config(str(model_dir), record_outputs=str(tmp_path / "sent.jsonl"), speculative=speculative)
+    are repaired by resuming requests (DESIGN I6, I8), a lost worker state by recomputing: no request fails."""
+    config = chaos_config(str(model_dir), str(tmp_path / "sent.jsonl"), speculative, worker)
     async with AsyncLLM(config, fault_plan=fault_plan(SEED, drops)) as faulty:
         report = await chaos(clean_llm, faulty, SEED, REQUESTS, timeout_s=180, kills=kills)
     print(report)
@@ -42,6 +45,7 @@ async def test_chaos(model_dir, clean_llm, tmp_path, speculative, drops, kills):
     assert counts["client_duplicates"] > 0 and counts["late_aborts"] > 0, counts
     assert (counts["spec_accepted_tokens"] > 0) == (speculative is not None), counts
     assert counts["restarts"] == kills, counts
+    assert (counts["worker_resets"] > 0) == (worker == "process"), counts  # (lost steps, a killed worker)
     assert counts["client_resumes"] + counts["detok_repairs"] > 0 or not (drops or kills), counts
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import get_args
 
+import msgspec
 import pytest
 import zmq
 
@@ -135,6 +136,52 @@ async def test_a_restart_that_dies_during_startup_is_tried_again(tmp_path):
         assert not marker.exists() and not system.done.is_set() and len(system.restarts) == 2
         recorder.tell("echo", Probe(seq=3))
         await wait_for(lambda: len(recorder.probes) == 1)
+
+
+def heard(recorder: Recorder) -> list[bytes]:
+    """What the watcher heard about the echo actor."""
+    return [p.payload for p in recorder.probes if p.seq == 0 and p.payload.startswith(b"watcher heard ")
+            and p.payload.endswith(b":echo")]  # fmt: skip
+
+
+async def test_a_restarted_actor_hears_who_is_down_now_not_what_died_while_it_started(tmp_path):
+    """A death broadcast while an actor restarts must not reach its new incarnation late (the engine once aborted
+    every request on the news of a detokenizer death that happened, and was repaired, while it restarted); a
+    process down when it is Ready is announced to it then, and its ActorUp follows. Restarts are held at a gate."""
+
+    def spec(proc: str, name: str) -> ProcessSpec:
+        kwargs = {"marker": str(tmp_path / f"{name}-held"), "gate": str(tmp_path / f"{name}-gate")}
+        return ProcessSpec(
+            name=proc, actors=[ActorSpec(name=name, factory="tests.runtime_actors:Watcher", kwargs=kwargs)]
+        )
+
+    def held_restart(name: str) -> None:
+        (tmp_path / f"{name}-held").touch()
+        (tmp_path / f"{name}-gate").touch()
+
+    recorder = Recorder()
+    policy = msgspec.structs.replace(FAST, max_restarts=4)
+    async with ActorSystem(
+        [spec("watchproc", "watcher"), spec("echoproc", "echo")], local=[recorder], policy=policy
+    ) as system:
+        held_restart("watcher")
+        system.kill("watchproc")
+        await wait_for(lambda: system.state.get("watchproc") == "starting")
+        system.kill("echoproc")  # dies and comes back while the watcher starts
+        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        (tmp_path / "watcher-gate").unlink()
+        await wait_for(lambda: ("ActorUp", "watcher") in recorder.events)
+        recorder.tell("watcher", Probe(seq=1))  # every event it heard arrives before this
+        await wait_for(lambda: any(p.seq == 1 for p in recorder.probes))
+        assert heard(recorder) == []
+        held_restart("echo")
+        system.kill("watchproc")
+        await wait_for(lambda: system.state.get("watchproc") == "starting")
+        system.kill("echoproc")  # down (held) when the watcher is Ready: it is told so, then hears the ActorUp
+        await wait_for(lambda: recorder.events.count(("ActorUp", "watcher")) == 2)
+        (tmp_path / "echo-gate").unlink()
+        await wait_for(lambda: len(heard(recorder)) == 2)
+        assert heard(recorder) == [b"watcher heard ActorDown:echo", b"watcher heard ActorUp:echo"]
 
 
 LAUNCHER = """

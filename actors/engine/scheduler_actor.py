@@ -158,7 +158,8 @@ class SchedulerActor(RequestIntake, Actor):
         details["pending_asks"] = self.pending_asks
         details["gate_permits"] = self.gate.permits or 0
         details["held_steps"] = int(self.gate.holding)
-        details["worker_requests"] = len(self.link.worker.requests) if isinstance(self.link, InlineWorker) else 0
+        held = sum(r.worker_outputs >= 0 for r in self.sched.requests.values())  # (its own view: the worker frees
+        details["worker_requests"] = held + len(self.freed)  # them at the next step, or when the engine goes idle)
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     async def on_shutdown(self, reason: str) -> None:

@@ -35,9 +35,11 @@ class WorkerActor(Actor):
     def handlers(self):
         return {ExecuteStep: self.on_execute, FillMasks: lambda msg: self.worker.fill(msg), CheckIdle: self.on_check}
 
-    def on_check(self, msg: CheckIdle) -> IdleReport:
-        """Idle: no request held (the scheduler frees them as they end, and when it goes idle)."""
-        details = {"requests": len(self.worker.requests), "queued_steps": self._launched.qsize()}
+    async def on_check(self, msg: CheckIdle) -> IdleReport:
+        """Idle: no request held (the scheduler frees them at its next step, and when it goes idle), once every step
+        received has run."""
+        await asyncio.get_running_loop().run_in_executor(self._device, lambda: None)
+        details = {"requests": len(self.worker.requests)}
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     async def on_start(self) -> None:

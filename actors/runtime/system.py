@@ -4,13 +4,15 @@ Supervision (Erlang-style, one_for_one): a child is dead when its process sentin
 when it misses `max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor
 broadcasts ActorDown for each of its actors, restarts the process unless `max_restarts` restarts
 already happened within `window_s` (then the whole system stops with exit code 1), and
-broadcasts ActorUp once the new incarnation is Ready.
+broadcasts ActorUp once the new incarnation is Ready. Those broadcasts skip processes that are
+(re)starting: a restarted incarnation is told, once Ready, which actors are down at that moment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import multiprocessing
 import os
@@ -129,7 +131,7 @@ class ActorSystem:
             for a in spec.actors:
                 self._tasks.append(asyncio.create_task(self.supervisor.heartbeat(proc, a.name)))
 
-    async def _spawn(self, proc: str) -> None:
+    async def _spawn(self, proc: str, restart: bool = False) -> None:
         spec = self.specs[proc]
         for a in spec.actors:
             self.supervisor.ready[a.name].clear()
@@ -155,6 +157,10 @@ class ActorSystem:
                 raise StartupError(f"process {proc} not ready within {self.policy.ready_timeout_s}s")
             await asyncio.sleep(0.01)
         self.state[proc] = "up"
+        if restart:  # it heard nothing while it started: which actors are down now (their ActorUp follows)
+            down = [a.name for p, other in self.specs.items() if self.state.get(p) != "up" for a in other.actors]
+            for actor, gone in itertools.product(spec.actors, down):
+                self.router.send(SUPERVISOR, actor.name, ActorDown(actor=gone, reason="down as this one started"))
 
     def _on_exit(self, proc: str, child) -> None:
         asyncio.get_running_loop().remove_reader(child.sentinel)
@@ -169,7 +175,7 @@ class ActorSystem:
         dead = [a.name for a in self.specs[proc].actors]
         for actor in dead:
             self.router.forget(actor)
-            self.broadcast(ActorDown(actor=actor, reason=f"process {proc} exited"), exclude=dead)
+            self.broadcast(ActorDown(actor=actor, reason=f"process {proc} exited"), exclude=dead, only_up=True)
         while True:  # a restart that dies during its startup is tried again, within the same bound
             now = time.monotonic()
             while self.restarts and now - self.restarts[0] > self.policy.window_s:
@@ -181,17 +187,22 @@ class ActorSystem:
                 return
             self.restarts.append(now)
             try:
-                await self._spawn(proc)
+                await self._spawn(proc, restart=True)
                 break
             except StartupError as e:
                 log.error("restart of %s failed: %s", proc, e)
         for actor in dead:
-            self.broadcast(ActorUp(actor=actor), exclude=[])
+            self.broadcast(ActorUp(actor=actor), exclude=[], only_up=True)
 
-    def broadcast(self, msg, exclude: list[str]) -> None:
-        for actor in self.placement.actors:
-            if actor not in exclude and actor != SUPERVISOR:
-                self.router.send(SUPERVISOR, actor, msg)
+    def broadcast(self, msg, exclude: list[str], only_up: bool = False) -> None:
+        """To every actor but `exclude`; `only_up`: not to those whose process is (re)starting (a message queued
+        for an incarnation not yet born would reach it stale: it learns who is down once Ready, in _spawn)."""
+        for proc, actors in self.placement.processes.items():
+            if only_up and self.state.get(proc, "up") != "up":  # (the launcher's actors have no state: always up)
+                continue
+            for actor in actors:
+                if actor not in exclude and actor != SUPERVISOR:
+                    self.router.send(SUPERVISOR, actor, msg)
 
     def kill(self, proc: str, sig: int = signal.SIGKILL) -> None:
         child = self.children.get(proc)
