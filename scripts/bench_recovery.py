@@ -1,8 +1,8 @@
 """What a process death costs the clients (DESIGN I8): the real server and `openai` client, N streams mid-flight,
-kill -9 of the engine process, then of the detokenizer's; against an undisturbed run of the same streams in the
-same run:
+kill -9 of the engine process, then of the detokenizer's (with `--worker process`, first of the worker's);
+against an undisturbed run of the same streams in the same run:
 
-    python scripts/bench_recovery.py [--model DIR] [--streams 8] [--max-tokens 256]
+    python scripts/bench_recovery.py [--model DIR] [--streams 8] [--max-tokens 256] [--worker process]
 
 Reported per kind of death: the pause (kill to the first chunk every stream got after it, the longest), the
 time all streams took against the undisturbed run, and whether every stream's text equals the undisturbed one
@@ -65,15 +65,16 @@ async def main() -> None:
     parser.add_argument("--model", help="an HF-style model directory (default: the bundled SmolLM2)")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--worker", choices=["inline", "process"], default="inline", help="the worker's placement")
     args = parser.parse_args()
     model = resolve_model(args.model)
-    engine = EngineConfig(model=str(model.path), max_model_len=1024)
+    engine = EngineConfig(model=str(model.path), max_model_len=1024, worker=args.worker)
     server = await start_server(engine, HttpConfig(port=0), log_level="ERROR")
     try:
         await run(server, 2, 8, None)  # warm up
         want, took, _ = await run(server, args.streams, args.max_tokens, None)
         print(f"{args.streams} streams x {args.max_tokens} tokens, undisturbed: {took:.2f} s")
-        for proc in ("engine", "detokenizer"):
+        for proc in ("worker", "engine", "detokenizer")[args.worker == "inline" :]:
             got, took_k, pause = await run(server, args.streams, args.max_tokens, proc)
             same = sum(g == w for g, w in zip(got, want, strict=True))
             print(

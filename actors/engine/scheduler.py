@@ -3,23 +3,21 @@
 Invariants (sync use: schedule N, update N, schedule N+1, ...; one-ahead use: schedule N,
 schedule N+1, update N, schedule N+2, update N+1, ...):
 
-- At most two scheduled batches are not yet updated, so `schedule()` plans with at most one
-  batch in flight, and `update()` takes batches in the order they were scheduled.
+- At most two scheduled batches are not yet updated: `schedule()` plans with at most one in flight.
 - `schedule()` advances `num_computed_tokens` and counts each sampling row as one pending token.
   A row's tokens are known on the host except possibly its last, a token sampled by the batch in
   flight: that one is PLACEHOLDER and the runner takes it from the device (slot-indexed buffer).
   A request is never scheduled when its in-flight sample is certain to end it (max_tokens,
   max_model_len); an EOS or stop token sampled in flight leaves a junk row in the next batch,
   whose sample `update()` discards (counted in `num_discarded_samples`).
-- Every row makes its request in flight until that batch's `update()`. A finished or aborted
-  request is out of the queues at once, but its KV blocks and slot are freed only once no
-  in-flight step references it (DESIGN I5); an aborted one is then reported by
-  `drain_aborted()`, the moment its AbortAck may be sent.
+- Every row makes its request in flight until that batch's `update()` (or `drop()`, when the worker lost it); what
+  a finished or aborted request holds is freed after that (actors/engine/lifecycle.py).
 - Preemption (recompute) frees the victim's blocks at once: the device runs steps in order, so a
   later step rewriting those blocks runs after every in-flight reader. The victim keeps its slot
   and is not re-admitted until its in-flight sample is known, so it resumes from prompt + output
   and produces exactly the tokens it would have produced without preemption.
-- A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot.
+- A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot. A request in
+  `isolate_after` failed steps (a suspected poison: the worker died in them) runs in steps of its own.
 - Speculative decoding: `speculation_candidates()` names the decoding requests with nothing in flight
   and how many drafts each may take; a proposer drafts for them (on the device thread); `schedule(drafts)`
   feeds each its last token and its drafts (when their lookahead blocks are free: drafts never preempt)
@@ -37,14 +35,15 @@ from collections.abc import Callable, Iterable
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.guidance import companion_row, plan_tokens
+from actors.engine.lifecycle import RequestLedger
 from actors.engine.logprobs import take_prompt_logprobs
 from actors.engine.metrics import SpecStats
 from actors.engine.request import EngineRequest, RequestStatus
 from gpu.batch import BatchSpec, ScheduledRow
-from messages.wire import FinishReason, RequestOutput
+from messages.wire import RequestOutput
 
 
-class Scheduler:
+class Scheduler(RequestLedger):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -62,7 +61,6 @@ class Scheduler:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         if (long_prefill_token_threshold or 0) < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {long_prefill_token_threshold}")
-        self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # vLLM's knob, applied while others decode: one request's prefill chunk in a step that also decodes (0 or
@@ -71,16 +69,10 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.release = release  # told each finished request once it is freed (the proposer's and worker's state)
+        super().__init__(block_manager, max_num_seqs, release)
         self.isolate_after = isolate_after  # a request in this many failed steps (a suspected poison) runs alone
-        self.requests: dict[str, EngineRequest] = {}  # every request still holding anything
-        self.waiting: deque[EngineRequest] = deque()
-        self.running: list[EngineRequest] = []  # in admission order: preemption takes the last
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.in_flight: deque[int] = deque()  # steps scheduled and not yet updated
         self.next_step = 0
-        self.aborted_freed: list[EngineRequest] = []
-        self.num_preemptions = 0
         self.num_discarded_samples = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -95,33 +87,6 @@ class Scheduler:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens, need 1..{self.max_model_len - 1}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def abort(self, request_id: str) -> bool:
-        """Stop scheduling the request now. False for an unknown, finished or already aborted id
-        (a late abort): no AbortAck is due for it."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return False
-        self._dequeue(req)
-        req.status = RequestStatus.ABORTED
-        self._settle(req)
-        return True
-
-    def drain_aborted(self) -> list[EngineRequest]:
-        """Aborted requests whose resources are freed since the last call: send their AbortAck."""
-        freed, self.aborted_freed = self.aborted_freed, []
-        return freed
 
     # ---------------------------------------------------------------- step
 
@@ -251,24 +216,6 @@ class Scheduler:
             self._settle(req)
         return reqs
 
-    def fail(self, req: EngineRequest, error: str) -> RequestOutput:
-        """End a request that has no step in flight with finish_reason "error" (a poison request)."""
-        req.error = error
-        self._finish(req, "error")
-        self._settle(req)
-        return RequestOutput(
-            request_id=req.request_id, seq=req.next_seq, new_token_ids=[], finish_reason="error", error=error,
-            attempt=req.attempt,
-        )  # fmt: skip
-
-    def forget_device_state(self) -> None:
-        """The worker lost its KV cache and relay (every in-flight step dropped first): every running request is
-        preempted (it recomputes its prompt and the tokens it emitted) and the prefix cache is emptied."""
-        assert not self.in_flight, "drop() the steps in flight first"
-        while self.running:  # the last first: they wait at the front in their running order
-            self._preempt(self.running.pop())
-        self.block_manager.forget_cache()
-
     # ---------------------------------------------------------------- internals
 
     def _ends_in_flight(self, req: EngineRequest) -> bool:
@@ -291,10 +238,8 @@ class Scheduler:
         wants = req.params.prompt_logprobs is not None and req.fresh
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
         token_ids = req.token_ids(start, start + fed) + list(drafts)
-        row = ScheduledRow(
-            req.request_id, req.slot, token_ids, start, list(req.block_table), sample, targets, list(drafts),
-            output_position=req.num_output_tokens,
-        )  # fmt: skip
+        row = ScheduledRow(req.request_id, req.slot, token_ids, start, list(req.block_table), sample, targets,
+                           list(drafts), output_position=req.num_output_tokens)  # fmt: skip
         req.num_computed_tokens += n
         req.scheduled_at = req.scheduled_at or time.monotonic()
         self.block_manager.cache_full_blocks(req)
@@ -352,40 +297,3 @@ class Scheduler:
         elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens + req.overhang >= self.max_model_len:
             self._finish(req, "length")
         return req.is_finished
-
-    def _finish(self, req: EngineRequest, reason: FinishReason, stop_reason: int | None = None) -> None:
-        self._dequeue(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason, req.stop_reason = reason, stop_reason
-
-    def _preempt(self, req: EngineRequest) -> None:
-        for seq in req.sequences:
-            self.block_manager.free(seq)
-            seq.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
-        self._settle(req)
-
-    def _dequeue(self, req: EngineRequest) -> None:
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-
-    def _settle(self, req: EngineRequest) -> None:
-        """Free what a request no longer needs once no in-flight step references it (I5)."""
-        if req.num_inflight_steps or req.status is RequestStatus.RUNNING:
-            return
-        for seq in req.sequences:
-            if seq.slot >= 0:
-                self.free_slots.append(seq.slot)
-                seq.slot = -1
-            if req.is_finished:
-                self.block_manager.free(seq)
-        if req.is_finished:
-            del self.requests[req.request_id]
-            if req.status is RequestStatus.ABORTED:
-                self.aborted_freed.append(req)
-            if self.release:
-                self.release(req)

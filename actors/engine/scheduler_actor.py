@@ -1,9 +1,11 @@
-"""SchedulerActor: the engine process. schedule -> execute (runner + sampler) -> postprocess.
+"""SchedulerActor: the engine process. schedule -> execute (the worker: runner + sampler) -> postprocess.
 
 The step loop is an owned task; handlers (new requests, aborts) run between steps on the same
-event loop, so scheduler state is only touched from this thread. Steps execute on one device
-thread; with async scheduling the loop plans and submits step N+1 before collecting step N
-(one step ahead), otherwise it collects each step before planning the next.
+event loop, so scheduler state is only touched from this thread. Each step goes to the worker as one
+ExecuteStep and comes back as one StepResult (actors/engine/worker_link.py: inline or in its own process); with
+async scheduling the loop plans and submits step N+1 before collecting step N (one step ahead), otherwise it
+collects each step before planning the next. A lost worker state (`_worker_lost`) drops the steps in flight and
+recomputes every running request.
 
 The request intake (AddRequest, Abort, ActorDown: the cases of each) is actors/engine/intake.py; Shutdown aborts
 every live request (reason "shutdown"), sends the acks, then stops the actor.
@@ -38,6 +40,7 @@ from actors.engine.grammar import StepMasks, warm
 from actors.engine.intake import RequestIntake
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.metrics import engine_stats, idle_details, log_speculation
+from actors.engine.recovery import WorkerRecovery
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import make_proposer
@@ -68,7 +71,7 @@ def needs_history(req: EngineRequest) -> bool:
     return reads_output(req.params, len(req.output_token_ids))
 
 
-class SchedulerActor(RequestIntake, Actor):
+class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
     name = "scheduler"
 
     def __init__(self, config: dict):
@@ -149,17 +152,13 @@ class SchedulerActor(RequestIntake, Actor):
     # ------------------------------------------------------------ handlers
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
-        details = idle_details(self.sched)
-        details["abort_reasons"] = len(self.abort_reasons)
-        details["silent_aborts"] = len(self.silent)
-        details["queued"] = len(self.queued)
-        details["compiling"] = len(self.compiling)
-        details["resuming"] = len(self.resuming)
-        details["pending_asks"] = self.pending_asks
-        details["gate_permits"] = self.gate.permits or 0
-        details["held_steps"] = int(self.gate.holding)
-        held = sum(r.worker_outputs >= 0 for r in self.sched.requests.values())  # (its own view: the worker frees
-        details["worker_requests"] = held + len(self.freed)  # them at the next step, or when the engine goes idle)
+        held = sum(r.worker_outputs >= 0 for r in self.sched.requests.values())  # (the worker frees them at the next
+        details = idle_details(self.sched) | {  # step, or when the engine goes idle)
+            "abort_reasons": len(self.abort_reasons), "silent_aborts": len(self.silent), "queued": len(self.queued),
+            "compiling": len(self.compiling), "resuming": len(self.resuming), "pending_asks": self.pending_asks,
+            "gate_permits": self.gate.permits or 0, "held_steps": int(self.gate.holding),
+            "worker_requests": held + len(self.freed),
+        }  # fmt: skip
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     async def on_shutdown(self, reason: str) -> None:
@@ -211,40 +210,6 @@ class SchedulerActor(RequestIntake, Actor):
                     await self._work.wait()
             await asyncio.sleep(0)  # handlers (aborts, new requests) run between steps
 
-    async def _worker_lost(self, inflight: collections.deque, lost: WorkerLost) -> None:
-        """Recovery (issue 17): every step in flight is dropped (an empty StepOutputs keeps its number), every running
-        request recomputes on a fresh worker state (a new epoch) once the worker is up; a request in
-        max_step_failures steps that killed the worker or failed there is failed alone."""
-        reason = str(lost)
-        log.warning("worker lost (%s): %d steps dropped, %d running requests recompute", reason, len(inflight),
-                    len(self.sched.running))  # fmt: skip
-        self.link.lost(reason)
-        hit: dict[str, EngineRequest] = {}
-        for batch, *_ in inflight:
-            hit.update((req.request_id, req) for req in self.sched.drop(batch))
-            self.tell(
-                self.config.detokenizer,
-                StepOutputs(step=batch.step, outputs=[], recent=self.names.stamp(batch.step, [])),
-            )
-        inflight.clear()
-        self.sched.forget_device_state()
-        self.epoch, self.seq, self.freed = time.monotonic_ns(), 0, []
-        self.worker_resets += 1
-        for req in self.sched.requests.values():
-            req.worker_outputs = -1
-        for req in hit.values() if lost.blames else ():
-            req.failed_steps += 1
-            if req.failed_steps >= self.config.max_step_failures and not req.is_finished:
-                error = f"the worker failed {req.failed_steps} steps of this request ({reason})"
-                log.error("[%s] %s", req.request_id, error)
-                self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[self.sched.fail(req, error)]))
-        self._send_acks()
-        t0 = time.monotonic()
-        await self.link.ready()
-        log.info(
-            "worker ready again after %.2f s: recomputing %d requests", time.monotonic() - t0, len(self.sched.waiting)
-        )
-
     async def _propose(self) -> dict[str, list[int]] | None:
         """Drafts for the requests that may speculate, drafted on the device thread."""
         candidates = self.sched.speculation_candidates()
@@ -256,24 +221,15 @@ class SchedulerActor(RequestIntake, Actor):
         """An empty StepOutputs with a step number of its own, sent as the engine goes idle: a lost
         last step shows as a gap at the detokenizer even when no other step follows."""
         step, self.sched.next_step = self.sched.next_step, self.sched.next_step + 1
-        self.tell(self.config.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, [])))
+        self._no_outputs(step)
         if self.freed:  # the worker forgets the requests that just ended: a step without rows, not waited for
             msg, _ = execute_step(BatchSpec(step=step), {}, self.epoch, self.seq, self.freed)
             self.seq, self.freed = self.seq + 1, []
             self.link.submit(msg)
 
-    def _released(self, req: EngineRequest) -> None:
-        """A finished request is freed: the proposer and the worker forget it."""
-        if req.worker_outputs >= 0:
-            self.freed.append(req.request_id)
-        if self.proposer:
-            self.proposer.release(req.request_id)
-
-    def on_down(self, msg: ActorDown) -> None:
-        if msg.actor == WORKER and isinstance(self.link, ProcessWorker):
-            self.link.down()
-        else:
-            self.on_actor_down(msg)
+    def _no_outputs(self, step: int) -> None:
+        """An empty StepOutputs numbered `step`: the detokenizer sees no gap in the step numbers."""
+        self.tell(self.config.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, [])))
 
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)
