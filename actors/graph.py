@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.engine.config import DETOKENIZER, SCHEDULER, WORKER, EngineConfig
+from actors.engine.config import EngineConfig
 from actors.runtime import ActorSpec, ProcessSpec
+from messages.names import DETOKENIZER, SCHEDULER, WORKER
 
 
 def engine_processes(config: EngineConfig, client: str) -> list[ProcessSpec]:

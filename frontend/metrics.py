@@ -16,13 +16,12 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from actors.engine.config import DETOKENIZER
+from messages.names import DETOKENIZER, HTTP
 from messages.sampling_params import SamplingParams
 from messages.wire import DetokStats, EngineStats, Finished
 
 DEFAULT_PREFIX = "sluice:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-HTTP = "http"  # the `actor` label of the HTTP actor's own counters
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)

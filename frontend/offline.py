@@ -14,11 +14,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from actors.engine.config import DETOKENIZER, SCHEDULER, WORKER, EngineConfig
+from actors.engine.config import EngineConfig
 from actors.graph import engine_processes
 from actors.runtime import ActorSystem, FaultPlan, RestartPolicy
-from frontend.offline_client import CLIENT, ClientActor
+from frontend.offline_client import ClientActor
 from frontend.tokenizer import Tokenizer
+from messages.names import CLIENT, DETOKENIZER, SCHEDULER, WORKER
 from messages.sampling_params import SamplingParams
 from messages.wire import (
     Abort,

@@ -7,9 +7,9 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from actors.engine.config import DETOKENIZER, SCHEDULER
 from actors.protocol import MAX_ATTEMPTS, RecentIds, RequestRecord, StepNumbers, lost_suspects
 from actors.runtime import Actor
+from messages.names import CLIENT, DETOKENIZER, SCHEDULER
 from messages.wire import (
     Abort,
     ActorDown,
@@ -20,8 +20,6 @@ from messages.wire import (
     Finished,
     TextOutputs,
 )
-
-CLIENT = "client"
 
 log = logging.getLogger("sluice.offline")
 

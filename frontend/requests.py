@@ -30,11 +30,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from actors.engine.config import DETOKENIZER, SCHEDULER
 from actors.protocol import MAX_ATTEMPTS, RecentIds, RequestRecord, StepNumbers, Tombstones, lost_suspects
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.request_state import Choice, HttpRequest
+from messages.names import DETOKENIZER, SCHEDULER
 from messages.wire import Abort, AbortReason, Finished, Msg, TextDelta, TextOutputs
 
 log = logging.getLogger("sluice.http")

@@ -18,7 +18,6 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from actors.engine.config import DETOKENIZER, SCHEDULER
 from actors.engine.grammar import warm
 from actors.runtime import Actor
 from frontend.metrics import CONTENT_TYPE, Metrics
@@ -30,6 +29,7 @@ from frontend.responses import response_body, stream_events, stream_head, stream
 from frontend.structured import compile_check
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
+from messages.names import DETOKENIZER, HTTP, SCHEDULER
 from messages.sampling_params import RequestLimits
 from messages.wire import (
     ActorDown,
@@ -45,7 +45,6 @@ from messages.wire import (
 
 log = logging.getLogger("sluice.http")
 
-HTTP = "http"
 PARSE_INLINE_BYTES = 16 << 10  # larger bodies are parsed and tokenized off the event loop
 LARGE_READS, LARGE_PARSES = 32, 4  # large bodies read / parsed at once (the rest wait, unread)
 REQUEST_ID = web.RequestKey("sluice_request_id", str)  # set once the handler has named the request

@@ -59,7 +59,8 @@ class Pong(Reply, kw_only=True):
 
 
 class ActorDown(Msg, kw_only=True):
-    """supervisor -> all surviving actors: `actor` died (its process exited or hung)."""
+    """supervisor -> the actors that are up: `actor` died (its process exited or hung); a restarted actor hears it
+    once Ready of every actor down at that moment."""
 
     actor: str
     reason: str = ""
@@ -166,12 +167,10 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int | None = None  # with the first output: prompt tokens whose KV came from the prefix cache
     attempt: int = 0  # AddRequest.attempt of the copy that produced it
-    timings: list[float] | None = None  # with the terminal output: [prefill_s, decode_s] (first scheduled -> first
-    # token -> last token, this copy), for vLLM's request_prefill/decode/inference_time_seconds
+    timings: list[float] | None = None  # with the terminal output: [prefill_s, decode_s] of this copy (vLLM's)
 
     def split(self) -> list[RequestOutput]:
-        """One entry per token (a speculative run token by token): the finish on the last, prompt logprobs on the
-        first."""
+        """One entry per token (a speculative run token by token): the finish on the last, prompt logprobs first."""
         n = len(self.new_token_ids)
         return [
             RequestOutput(

@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import itertools
 
-from actors.engine.config import SCHEDULER, EngineConfig
+from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
+from messages.names import SCHEDULER
 from messages.sampling_params import SamplingParams
 from messages.wire import CheckIdle, Finished
 

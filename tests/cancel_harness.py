@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
-from actors.engine.config import SCHEDULER, EngineConfig
+from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
+from messages.names import SCHEDULER
 from messages.sampling_params import SamplingParams
 from messages.wire import CheckIdle, Finished, Probe
 from scripts.chaos import Outcome

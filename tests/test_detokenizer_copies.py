@@ -7,7 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from actors.detokenizer.actor import SCHEDULER, DetokenizerActor
+from actors.detokenizer.actor import DetokenizerActor
+from messages.names import SCHEDULER
 from messages.sampling_params import SamplingParams
 from messages.wire import AbortAck, AddRequest, RequestOutput, StepOutputs, TextOutputs
 from tests.tiny_model import make_tiny_model_dir

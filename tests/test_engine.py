@@ -13,8 +13,9 @@ import msgspec
 import pytest
 import torch
 
-from actors.engine.config import SCHEDULER, EngineConfig
+from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
+from messages.names import SCHEDULER
 from messages.sampling_params import SamplingParams
 from messages.wire import CheckIdle
 from tests.cancel_harness import assert_idle

@@ -15,7 +15,7 @@ import pytest
 from actors.runtime import FaultPlan, FaultRule
 from actors.runtime.faults import FaultInjector
 from frontend.offline import AsyncLLM
-from frontend.offline_client import CLIENT, SCHEDULER
+from messages.names import CLIENT, SCHEDULER
 from messages.sampling_params import SamplingParams
 from messages.wire import Abort, AddRequest, Finished
 from tests.cancel_harness import (

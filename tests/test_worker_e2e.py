@@ -31,12 +31,11 @@ LOST_STEPS = FaultPlan(
 async def test_lost_and_reordered_steps_change_no_output(model_dir, reference):  # noqa: F811
     config = engine_config(model_dir, worker="process", step_timeout_s=2.0)
     async with AsyncLLM(config, fault_plan=LOST_STEPS) as llm:
-        for _ in range(2):
-            runs = await outcomes(llm)
-            assert [key(r) for r in runs] == reference
+        runs = await outcomes(llm)
+        assert [key(r) for r in runs] == reference
         await assert_idle(llm)
         stats, _ = await llm.fresh_stats()
-    assert stats.worker_resets_total >= 2, stats  # (the plan lost steps in both runs)
+    assert stats.worker_resets_total >= 2, stats  # (the plan lost steps: each a reset)
 
 
 POISON = 4242  # a token whose step makes the worker's process exit (EngineConfig.crash_token)

@@ -46,6 +46,7 @@ from actors.detokenizer.incremental import token_table
 from actors.detokenizer.request_state import DetokRequestState, abort_finished
 from actors.protocol import MAX_ATTEMPTS, RecentIds, SentNames, StepNumbers, Tombstones, lost_suspects
 from actors.runtime import Actor
+from messages.names import DETOKENIZER, SCHEDULER
 from messages.wire import (
     Abort,
     AbortAck,
@@ -63,14 +64,13 @@ from messages.wire import (
 
 log = logging.getLogger("sluice.detokenizer")
 
-SCHEDULER = "scheduler"
 SHUTDOWN_DRAIN_S = 5.0
 MARKERS_FOR_S = 5.0  # a client gets a marker at each housekeeping tick this long after its last output
 CLOSED, ABORTED, ORPHAN = "closed", "aborted", "orphan"  # `recent`: what became of an id not live
 
 
 class DetokenizerActor(Actor):
-    name = "detokenizer"
+    name = DETOKENIZER
 
     def __init__(
         self,

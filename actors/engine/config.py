@@ -7,11 +7,8 @@ from typing import Literal
 
 import msgspec
 
+from messages.names import DETOKENIZER
 from messages.sampling_params import LogprobsMode
-
-SCHEDULER = "scheduler"
-DETOKENIZER = "detokenizer"
-WORKER = "worker"  # the model runner and sampler, when the worker has a process of its own
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -15,9 +15,9 @@ import collections
 import logging
 import time
 
-from actors.engine.config import WORKER
 from actors.engine.request import EngineRequest
 from actors.engine.worker_link import ProcessWorker, WorkerLost
+from messages.names import WORKER
 from messages.wire import ActorDown, StepOutputs
 
 log = logging.getLogger("sluice.engine")

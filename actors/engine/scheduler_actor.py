@@ -33,7 +33,7 @@ import msgspec
 import torch
 
 from actors.engine.block_manager import BlockManager
-from actors.engine.config import WORKER, EngineConfig
+from actors.engine.config import EngineConfig
 from actors.engine.draft import DraftProposer
 from actors.engine.executor import num_kv_blocks
 from actors.engine.grammar import StepMasks, warm
@@ -51,6 +51,7 @@ from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.sampling import reads_output
+from messages.names import SCHEDULER, WORKER
 from messages.step import FillMasks, StepResult
 from messages.wire import (
     Abort,
@@ -72,7 +73,7 @@ def needs_history(req: EngineRequest) -> bool:
 
 
 class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
-    name = "scheduler"
+    name = SCHEDULER
 
     def __init__(self, config: dict):
         super().__init__()

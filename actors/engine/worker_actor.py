@@ -16,11 +16,12 @@ import threading
 import msgspec
 import torch
 
-from actors.engine.config import SCHEDULER, EngineConfig
+from actors.engine.config import EngineConfig
 from actors.engine.executor import num_kv_blocks
 from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
 from gpu.config import ModelConfig
+from messages.names import SCHEDULER
 from messages.step import ExecuteStep, FillMasks
 from messages.wire import CheckIdle, IdleReport
 

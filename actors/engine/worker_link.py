@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from actors.engine.config import WORKER
 from actors.engine.grammar import StepMasks
 from actors.engine.request import EngineRequest
 from actors.engine.worker import FAILED, Launched, Worker
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
+from messages.names import WORKER
 from messages.step import ExecuteStep, FillMasks, StepResult, WorkerRequest
 
 

@@ -21,12 +21,12 @@ import msgspec
 from actors.runtime.actor import Actor
 from actors.runtime.faults import FaultPlan
 from actors.runtime.router import Placement, Router
+from messages.names import SUPERVISOR
 from messages.wire import Ready
 
 log = logging.getLogger("sluice.process")
 
 EXIT_OK, EXIT_FAILED, EXIT_ORPHANED = 0, 1, 3
-SUPERVISOR = "supervisor"
 
 
 class ActorSpec(msgspec.Struct, kw_only=True):

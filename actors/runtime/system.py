@@ -23,8 +23,9 @@ import msgspec
 
 from actors.runtime.actor import Actor, AskTimeout
 from actors.runtime.faults import FaultPlan
-from actors.runtime.process import SUPERVISOR, ChildConfig, ProcessSpec, child_main
+from actors.runtime.process import ChildConfig, ProcessSpec, child_main
 from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
+from messages.names import SUPERVISOR
 from messages.wire import ActorDown, ActorUp, Ping, Ready, Shutdown
 
 log = logging.getLogger("sluice.supervisor")
