@@ -14,6 +14,7 @@ from tests.cancel_harness import (
     engine_config,
     model_dir,  # noqa: F401 (a fixture)
     start,
+    wait_for,
 )
 from tests.test_faults_e2e import WORKLOAD, key, outcomes, reference  # noqa: F401 (a fixture)
 
@@ -54,3 +55,18 @@ async def test_a_poison_request_is_failed_alone(model_dir, reference):  # noqa: 
         await assert_idle(llm)
         stats, _ = await llm.fresh_stats()
         assert stats.worker_resets_total == 3
+
+
+async def test_a_worker_that_dies_while_the_engine_is_idle_is_reset_before_the_next_step(model_dir, reference):  # noqa: F811
+    """Its state is gone though no step was in flight: the engine starts a new epoch before it sends the next one
+    (which the new worker would otherwise take for a gap, or run against requests it does not hold)."""
+    async with AsyncLLM(engine_config(model_dir, worker="process")) as llm:
+        await outcomes(llm, WORKLOAD[:3])
+        old = llm.system.pids()["worker"]
+        llm.system.kill("worker")
+        await wait_for(lambda: llm.system.pids().get("worker", old) != old and llm.system.state["worker"] == "up")
+        runs = await outcomes(llm)
+        assert [key(r) for r in runs] == reference
+        await assert_idle(llm)
+        stats, _ = await llm.fresh_stats()
+        assert stats.worker_resets_total == 1

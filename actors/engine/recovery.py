@@ -30,6 +30,7 @@ class WorkerRecovery:
         log.warning("worker lost (%s): %d steps dropped, %d running requests recompute", reason, len(inflight),
                     len(self.sched.running))  # fmt: skip
         self.link.lost(reason)
+        self.link.reset_due = False
         hit: dict[str, EngineRequest] = {}
         for batch, *_ in inflight:
             hit.update((req.request_id, req) for req in self.sched.drop(batch))
@@ -62,5 +63,6 @@ class WorkerRecovery:
         """The worker's process died: its steps will never report. (Any other actor: the request intake's.)"""
         if msg.actor == WORKER and isinstance(self.link, ProcessWorker):
             self.link.down()
+            self._work.set()  # (an idle step loop resets the worker state too)
         else:
             self.on_actor_down(msg)

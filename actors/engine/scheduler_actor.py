@@ -45,7 +45,7 @@ from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import make_proposer
 from actors.engine.worker import Worker
-from actors.engine.worker_link import InlineWorker, ProcessWorker, WorkerLost, execute_step
+from actors.engine.worker_link import DIED, InlineWorker, ProcessWorker, WorkerLost, execute_step
 from actors.protocol import RecentIds, SentNames, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
@@ -182,6 +182,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         inflight: collections.deque[tuple[BatchSpec, object, StepMasks | None, int]] = collections.deque()
         while True:
             batch = None
+            if self.link.reset_due and not inflight:  # the worker died between steps
+                await self._worker_lost(inflight, WorkerLost(DIED))
             if len(inflight) < depth and not (inflight and self._must_sync()):
                 drafts = await self._propose() if self.proposer and not inflight else None
                 batch = self.sched.schedule(drafts)

@@ -78,6 +78,8 @@ def _checked(result: StepResult) -> StepResult:
 
 
 class InlineWorker:
+    reset_due = False  # (it dies with the scheduler)
+
     def __init__(self, worker: Worker, device: concurrent.futures.Executor, on_device: bool):
         self.worker, self._device, self._on_device = worker, device, on_device
 
@@ -109,6 +111,7 @@ class ProcessWorker:
         self.pending: dict[tuple[int, int], asyncio.Future[StepResult]] = {}  # (epoch, seq) -> its result
         self.up = asyncio.Event()
         self.up.set()
+        self.reset_due = False  # it died: its state is gone, even with no step in flight (the scheduler resets)
 
     def submit(self, msg: ExecuteStep) -> asyncio.Future[StepResult]:
         future = asyncio.get_running_loop().create_future()
@@ -142,6 +145,7 @@ class ProcessWorker:
 
     def down(self) -> None:
         self.up.clear()
+        self.reset_due = True
         self.lost(DIED)
 
     async def ready(self) -> None:
