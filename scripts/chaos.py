@@ -200,6 +200,8 @@ def sent_tokens(path: str) -> dict[str, list[int]]:
     for line in Path(path).read_bytes().splitlines():
         for rid, seq, token_ids in msgspec.json.decode(line):
             tokens = sent.setdefault(rid, [])
+            if seq > len(tokens):  # (the engine records an entry before it sends it: a gap here is a bug)
+                raise ValueError(f"{rid}: the record has no entry for seq {len(tokens)}..{seq - 1}")
             del tokens[seq:]
             tokens.extend(token_ids)
     return sent

@@ -247,10 +247,10 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             if out.request_id in want:
                 start, n = want[out.request_id]
                 out.logprobs = entries(lp, start, start + len(out.new_token_ids), n)
+        if self._record:  # before the send: a kill -9 between the two must not leave a sent token unrecorded
+            self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
         recent = self.names.stamp(batch.step, [out.request_id for out in outputs])
         self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs, recent=recent))
-        if self._record:
-            self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
         self._send_acks()
 
     def _note_scheduled(self, batch: BatchSpec) -> None:
