@@ -76,24 +76,24 @@ def message_costs(worker: Worker, batch: int, repeats: int) -> dict[str, float]:
             req.worker_outputs = 15
         execute_step(spec[0], spec[1], 1, 0, [])
 
-    def persistent():
-        worker.requests = {r: msg_req for r, msg_req in ((q.request_id, q) for q in full.new)}
-        for rid, tokens in msg.appended.items():
-            worker.requests[rid].output_token_ids[-1:] = tokens
+    def persistent():  # the worker's side: its persistent batch after the deltas, and the step's SamplingRows
+        worker.update_batch(msg)
+        worker.sampling_rows(spec[0])
 
-    full, _ = execute_step(spec[0], {k: EngineRequest(k, v.prompt_token_ids, GREEDY, output_token_ids=list(range(16)))
-                                     for k, v in spec[1].items()}, 1, 0, [])  # fmt: skip
+    worker.requests = {}
+    worker.update_batch(execute_step(spec[0], {k: EngineRequest(k, v.prompt_token_ids, GREEDY, output_token_ids=list(range(16)))
+                                               for k, v in spec[1].items()}, 1, 0, [])[0])  # fmt: skip
     result = StepResult(epoch=1, seq=0, step=1, sampled=list(range(batch)),
                         logprobs=TokenLogprobs([-0.1] * batch, [1] * batch))  # fmt: skip
     sampled = torch.arange(batch)
     out = {
         "build ExecuteStep": cpu_us(build, repeats),
-        "persistent batch": cpu_us(persistent, repeats),
+        "persistent batch + rows": cpu_us(persistent, repeats),
         "StepResult lists": cpu_us(lambda: sampled.tolist(), repeats),
         "codec ExecuteStep": cpu_us(lambda: codec.decode(codec.encode(msg)), repeats),
         "codec StepResult": cpu_us(lambda: codec.decode(codec.encode(result)), repeats),
     }
-    out["inline total"] = out["build ExecuteStep"] + out["persistent batch"] + out["StepResult lists"]
+    out["inline total"] = out["build ExecuteStep"] + out["persistent batch + rows"] + out["StepResult lists"]
     out["process total"] = out["inline total"] + out["codec ExecuteStep"] + out["codec StepResult"]
     return out
 
@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--link-only", action="store_true", help="part 1 only")
     args = parser.parse_args()
     model_dir = default_model_dir()
     config = EngineConfig(model=str(model_dir), engine_threads=args.threads, max_num_seqs=max(args.batches))
@@ -143,6 +144,8 @@ def main() -> None:
         print(f"  B={b:3d}: {parts}")
         for k in ("inline total", "process total"):
             print(f"         {k}: {costs[k]:.1f} us = {costs[k] / (10 * base):.2f} %")
+    if args.link_only:
+        return
     print("\n2. served through the actors: output tokens/s (process / inline)")
     tokenizer = Tokenizer.from_model_dir(model_dir)
     for b in args.batches:

@@ -44,8 +44,9 @@ class FailsOnceAtStart(Echo):
 
 
 class Watcher(Echo):
-    """Tells the recorder each ActorDown / ActorUp it hears (a Probe "watcher heard ActorDown:echo"). When the file `marker` exists
-    (consumed), its start waits until the file `gate` is gone: another process may die and come back meanwhile."""
+    """Tells the recorder each ActorDown / ActorUp it hears (a Probe "watcher heard ActorDown:echo"). When the file
+    `marker` exists (consumed), its start waits until a byte arrives on the FIFO `gate` (the test holds it open and
+    writes when the start may end): another process may die and come back meanwhile."""
 
     def __init__(self, marker: str, gate: str):
         super().__init__()
@@ -60,9 +61,11 @@ class Watcher(Echo):
     async def on_start(self) -> None:
         if os.path.exists(self.marker):
             os.unlink(self.marker)
-            deadline = time.monotonic() + 30
-            while os.path.exists(self.gate) and time.monotonic() < deadline:  # (a test's gate)
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self._wait_gate), 30)
+
+    def _wait_gate(self) -> None:
+        with open(self.gate, "rb") as gate:
+            gate.read(1)
 
 
 class Recorder(Actor):

@@ -155,9 +155,13 @@ async def test_a_restarted_actor_hears_who_is_down_now_not_what_died_while_it_st
             name=proc, actors=[ActorSpec(name=name, factory="tests.runtime_actors:Watcher", kwargs=kwargs)]
         )
 
+    gates = {}  # name -> the write end of its FIFO gate (held open: a byte written waits there for the reader)
+    for name in ("watcher", "echo"):
+        os.mkfifo(tmp_path / f"{name}-gate")
+        gates[name] = os.open(tmp_path / f"{name}-gate", os.O_RDWR)
+
     def held_restart(name: str) -> None:
         (tmp_path / f"{name}-held").touch()
-        (tmp_path / f"{name}-gate").touch()
 
     recorder = Recorder()
     policy = msgspec.structs.replace(FAST, max_restarts=4)
@@ -169,7 +173,7 @@ async def test_a_restarted_actor_hears_who_is_down_now_not_what_died_while_it_st
         await wait_for(lambda: system.state.get("watchproc") == "starting")
         system.kill("echoproc")  # dies and comes back while the watcher starts
         await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
-        (tmp_path / "watcher-gate").unlink()
+        os.write(gates["watcher"], b"x")
         await wait_for(lambda: ("ActorUp", "watcher") in recorder.events)
         recorder.tell("watcher", Probe(seq=1))  # every event it heard arrives before this
         await wait_for(lambda: any(p.seq == 1 for p in recorder.probes))
@@ -179,9 +183,11 @@ async def test_a_restarted_actor_hears_who_is_down_now_not_what_died_while_it_st
         await wait_for(lambda: system.state.get("watchproc") == "starting")
         system.kill("echoproc")  # down (held) when the watcher is Ready: it is told so, then hears the ActorUp
         await wait_for(lambda: recorder.events.count(("ActorUp", "watcher")) == 2)
-        (tmp_path / "echo-gate").unlink()
+        os.write(gates["echo"], b"x")
         await wait_for(lambda: len(heard(recorder)) == 2)
         assert heard(recorder) == [b"watcher heard ActorDown:echo", b"watcher heard ActorUp:echo"]
+    for fd in gates.values():
+        os.close(fd)
 
 
 LAUNCHER = """

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from actors.engine.config import EngineConfig
 from actors.engine.executor import StepExecutor, StepTensors
 from actors.engine.grammar import WorkerMasks
+from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.sampling import SamplingRow
 from messages.step import ExecuteStep, FillMasks, GrammarMasks, StepResult, WorkerRequest
@@ -90,6 +91,33 @@ class Worker:
         for masks in released:
             masks.fill(GrammarMasks(positions=[], bitmask=b""), last=True)
 
+    def update_batch(self, msg: ExecuteStep) -> None:
+        """The persistent batch after the ExecuteStep's frees, new requests and output deltas."""
+        for rid in msg.freed:
+            self.requests.pop(rid, None)
+        for req in msg.new:
+            self.requests[req.request_id] = req
+        for rid, tokens in msg.appended.items():
+            self.requests[rid].output_token_ids += tokens
+
+    def sampling_rows(self, batch: BatchSpec) -> tuple[list[SamplingRow], list[int]]:
+        """A SamplingRow per sampled position (a row verifying K drafts has K + 1, position j with the first j drafts
+        in its output history), and a relay slot per sampling row.
+
+        One step ahead, the output list lags the device by the step in flight. A request whose sampling reads it
+        (reads_output) never has a step in flight when it is scheduled (the scheduler syncs first, or it was just
+        admitted); the others read only its length (min_tokens), past min_tokens once it is."""
+        rows, slots = [], []
+        for row in batch.rows:
+            if row.num_samples:
+                req = self.requests[row.request_id]
+                for j in range(row.num_samples):
+                    output = req.output_token_ids + row.draft_token_ids[:j] if j else req.output_token_ids
+                    position = row.output_position + j
+                    rows.append(SamplingRow(req.params, req.prompt_token_ids, output, position, self.eos_token_ids))
+                slots.append(row.slot)
+        return rows, slots
+
     def fill(self, msg: FillMasks) -> None:
         """A launched (or yet to launch) step's deferred grammar masks."""
         with self._lock:
@@ -100,29 +128,12 @@ class Worker:
         masks.fill(msg.masks, last=True)
 
     def _run(self, msg: ExecuteStep) -> StepTensors | None:
-        for rid in msg.freed:
-            self.requests.pop(rid, None)
-        for req in msg.new:
-            self.requests[req.request_id] = req
-        for rid, tokens in msg.appended.items():
-            self.requests[rid].output_token_ids += tokens
+        self.update_batch(msg)
         if not msg.batch.rows:
             return None  # bookkeeping only (the scheduler went idle)
-        rows, slots = [], []
-        for row in msg.batch.rows:
-            if self.crash_token is not None and self.crash_token in row.token_ids:
-                os._exit(7)  # test hook (module docstring): a poison request
-            if row.num_samples:
-                # One step ahead, the output list lags the device by the step in flight. A request whose sampling
-                # reads it (reads_output) never has a step in flight when it is scheduled (the scheduler syncs
-                # first, or it was just admitted); the others read only its length (min_tokens), past min_tokens
-                # once it is.
-                req = self.requests[row.request_id]
-                for j in range(row.num_samples):
-                    output = req.output_token_ids + row.draft_token_ids[:j] if j else req.output_token_ids
-                    position = row.output_position + j
-                    rows.append(SamplingRow(req.params, req.prompt_token_ids, output, position, self.eos_token_ids))
-                slots.append(row.slot)
+        if self.crash_token is not None and any(self.crash_token in row.token_ids for row in msg.batch.rows):
+            os._exit(7)  # test hook (module docstring): a poison request
+        rows, slots = self.sampling_rows(msg.batch)
         masks = None
         if msg.masks is not None:
             masks = WorkerMasks(msg.masks, msg.batch.num_samples, self.vocab_size)
