@@ -1,7 +1,8 @@
 """Bookkeeping for the cancellation protocol (DESIGN section 3): a bounded memory of request ids
-(duplicates and overtaken messages), the tombstones of aborted requests (I4, I7), a client's record of
-a request (I6, I8), the StepOutputs numbering (duplicates, reorders, losses), and the step gate tests
-use to hold an engine step in flight.
+(duplicates and overtaken messages), the tombstones of aborted requests (I4, I7), the request ledger every party
+keeps (live -> tombstoned -> closed), the numbering of StepOutputs and TextOutputs (duplicates, reorders, losses),
+and the step gate tests use to hold an engine step in flight. A client's side (its records of requests, resumes)
+is actors/client_ledger.py.
 Pure Python: the HTTP process imports it."""
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
-import msgspec
-
-from messages.wire import AbortReason, AddRequest
+from messages.wire import AbortReason
 
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
@@ -30,6 +30,10 @@ def next_attempt(attempt: int, parity: int) -> int:
     parity. A client and the detokenizer may re-submit the same request at once, from different tokens; distinct
     numbers let every party agree which copy is current: the highest (actors/engine/intake.py)."""
     return attempt + 1 if (attempt + 1) % 2 == parity else attempt + 2
+
+
+class Heard(Protocol):
+    heard: int  # the number of the last message on the link that had output of the request (or came before it)
 
 
 class RecentIds(dict):
@@ -80,58 +84,65 @@ class Tombstones(dict):
                 resend(rid, t.reason)
 
 
-class RequestRecord:
-    """A client's durable record of one engine request (DESIGN I8) and the check of its outputs (I6): what it
-    first sent, the tokens and characters of text received so far, and which copy of the request it follows.
+LIVE, TOMBSTONED, CLOSED, UNKNOWN = "live", "tombstoned", "closed", "unknown"  # Ledger.where
 
-    `check(seq, n, attempt)` of an output bringing n tokens: "ok" (the next one: take it, and `received` it),
-    "stale" (an older copy's, still in flight), "duplicate" (seen before) or "gap" (something before it was
-    lost). A newer copy's output (the detokenizer re-submitted the request) makes that copy the one followed."""
 
-    __slots__ = ("add", "attempt", "deaths", "heard", "num_chars", "token_ids")
+@dataclass
+class ProtocolCounts:
+    """What a party's ledger dropped or repaired (exported as metrics)."""
 
-    def __init__(self, add: AddRequest, heard: int):
-        self.add = add
-        self.token_ids: list[int] = []
-        self.num_chars = 0
-        self.attempt = add.attempt
-        self.deaths = 0  # engine-side deaths it was live at (a poison request's are bounded)
-        self.heard = heard  # the number of the last TextOutputs whose output of it was taken (or that came before it)
+    stale: int = 0  # outputs of a tombstoned request or of a replaced copy: dropped
+    # by kind: unknown_id, duplicate, gap, after_finished (output past the count a Finished reported)
+    violations: collections.Counter = field(default_factory=collections.Counter)
+    # requests re-submitted from their record (DESIGN I8), by cause: death (of an engine-side process), lost_output
+    # (a gap in a request's outputs, DESIGN I6)
+    resumes: collections.Counter = field(default_factory=collections.Counter)
+
+
+S = TypeVar("S")
+
+
+class Ledger(Generic[S]):
+    """One party's requests (DESIGN section 3): LIVE (its state S) -> CLOSED on its terminal message, or CLOSED here
+    early and TOMBSTONED (an Abort sent: awaiting the engine's terminal message, I4, I7). `fate` remembers, for the
+    last RecentIds.capacity ids no longer live, the party's note of what became of each (the tokens its Finished
+    accounted for, an abort reason), which tells a duplicate or an overtaken message from an unknown id."""
+
+    def __init__(
+        self, abort_timeout_s: float, max_abort_tries: int, log: logging.Logger, counts: ProtocolCounts | None = None
+    ):
+        self.live: dict[str, S] = {}
+        self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
+        self.fate = RecentIds()
+        self.counts = counts or ProtocolCounts()
+        self.log = log
+
+    def where(self, rid: str) -> str:
+        if rid in self.live:
+            return LIVE
+        if rid in self.tombstones:
+            return TOMBSTONED
+        return CLOSED if rid in self.fate else UNKNOWN
+
+    def open(self, rid: str, state: S) -> S:
+        self.live[rid] = state
+        self.fate.pop(rid, None)
+        return state
+
+    def close(self, rid: str, note) -> S:
+        self.fate.remember(rid, note)
+        return self.live.pop(rid)
+
+    def forget(self, rid: str) -> S:
+        """Drop a LIVE request without a trace (the engine side forgot it: it may come back resumed)."""
+        return self.live.pop(rid)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def follows(self, attempt: int) -> bool:
-        """False for an output (or Finished) of an older copy; one of a newer copy makes that copy the one followed
-        (a repair goes on above it)."""
-        if attempt < self.attempt:
-            return False
-        self.attempt = attempt
-        return True
-
-    def check(self, seq: int, n: int, attempt: int) -> str:
-        if not self.follows(attempt):
-            return "stale"
-        if seq == len(self.token_ids):
-            return "ok"
-        return "duplicate" if seq + n <= len(self.token_ids) else "gap"
-
-    def received(self, text: str, token_ids: list[int]) -> None:
-        self.token_ids += token_ids
-        self.num_chars += len(text)
-
-    def resume(self) -> AddRequest | None:
-        """The request's next copy, going on after what was received; None once it had MAX_ATTEMPTS copies."""
-        if self.attempt >= MAX_ATTEMPTS:
-            return None
-        self.attempt = next_attempt(self.attempt, CLIENT_COPIES)
-        return msgspec.structs.replace(
-            self.add, resume_token_ids=list(self.token_ids), resume_chars=self.num_chars, attempt=self.attempt
-        )
+    def idle_details(self) -> dict[str, int]:
+        return {"live": len(self.live), "tombstones": len(self.tombstones)}
 
 
-def lost_suspects(link: StepNumbers, lost: list[int], records: Iterable[tuple[str, RequestRecord]]) -> list[str]:
+def lost_suspects(link: StepNumbers, lost: list[int], records: Iterable[tuple[str, Heard]]) -> list[str]:
     """The requests that may have had output in the messages `link.lost()` just declared `lost`: those a later
     message named (its `recent`), or, when one was not named (more than RECENT lost in a row, or none came after
     it), every request not heard from since. `records` is read only then (nothing is built per message)."""

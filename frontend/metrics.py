@@ -10,12 +10,12 @@ counters carry an `actor` label: the HTTP actor's own and the detokenizer's.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from actors.protocol import ProtocolCounts
 from messages.names import DETOKENIZER, HTTP
 from messages.sampling_params import SamplingParams
 from messages.wire import DetokStats, EngineStats, Finished
@@ -76,13 +76,7 @@ class Metrics:
         self.http_requests = Counter(
             prefix + "http_requests", "HTTP responses by endpoint and status code.", ["endpoint", "status"], registry=r
         )
-        # the HTTP actor's protocol counters (RequestTable increments them)
-        self.stale_dropped = 0
-        # by kind: unknown_id, duplicate, gap, after_finished (output past the count a Finished reported)
-        self.violations: collections.Counter[str] = collections.Counter()
-        # requests re-submitted from their record (DESIGN I8), by cause: death (of an engine-side process),
-        # lost_output (a gap in a request's outputs, DESIGN I6)
-        self.resumes: collections.Counter[str] = collections.Counter()
+        self.protocol = ProtocolCounts()  # the HTTP actor's (its RequestTable counts in it)
         self.num_tombstones: Callable[[], int] = lambda: 0
         self.engine = NO_ENGINE_STATS
         self.detok = NO_DETOK_STATS
@@ -162,7 +156,7 @@ class _Snapshots:
         stale = CounterMetricFamily(
             p + "stale_outputs_dropped", "Outputs for tombstoned requests (dropped).", labels=["actor"]
         )
-        stale.add_metric([HTTP], m.stale_dropped)
+        stale.add_metric([HTTP], m.protocol.stale)
         stale.add_metric([DETOKENIZER], d.stale_outputs_dropped_total)
         yield stale
         violations = CounterMetricFamily(
@@ -171,7 +165,7 @@ class _Snapshots:
             labels=["actor", "kind"],
         )
         for kind in ("unknown_id", "duplicate", "gap", "after_finished"):
-            violations.add_metric([HTTP, kind], m.violations[kind])
+            violations.add_metric([HTTP, kind], m.protocol.violations[kind])
         violations.add_metric([DETOKENIZER, "any"], d.protocol_violations_total)
         yield violations
         resumes = CounterMetricFamily(
@@ -180,7 +174,7 @@ class _Snapshots:
             labels=["actor", "cause"],
         )
         for cause in ("death", "lost_output"):
-            resumes.add_metric([HTTP, cause], m.resumes[cause])
+            resumes.add_metric([HTTP, cause], m.protocol.resumes[cause])
         resumes.add_metric([DETOKENIZER, "lost_output"], d.repairs_total)
         yield resumes
         tombstones = GaugeMetricFamily(p + "num_tombstones", "Requests aborted, awaiting Finished.", labels=["actor"])

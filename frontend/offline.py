@@ -126,7 +126,7 @@ class AsyncLLM:
         for actor in (SCHEDULER, DETOKENIZER, WORKER)[: 2 + (self.config.worker == "process")]:
             report = await self.client.ask(actor, CheckIdle(), timeout=10)
             reports[actor] = report.details
-        reports[CLIENT] = {"streams": len(self.client.streams), "pending_asks": self.client.pending_asks}
+        reports[CLIENT] = {**self.client.streams.idle_details, "pending_asks": self.client.pending_asks}
         return reports
 
     async def fresh_stats(self) -> tuple[EngineStats, DetokStats]:

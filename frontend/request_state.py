@@ -11,7 +11,7 @@ import time
 
 import msgspec
 
-from actors.protocol import RequestRecord
+from actors.client_ledger import RequestRecord
 from frontend.protocol import ParsedRequest, RequestError
 from frontend.tool_parser import ToolCallParser
 from messages.sampling_params import child_seed
@@ -31,7 +31,7 @@ class Choice:
         self.text: list[str] = [prefix] if prefix else []  # not yet written (echo: the prompt first)
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
-        self.record: RequestRecord | None = None  # set as its AddRequest is sent (RequestTable.add)
+        self.record: RequestRecord | None = None  # set as its AddRequest is sent (ClientLedger.submit)
         self.finished: Finished | None = None
         self.live = True
         self.started = False  # streaming: a chunk of it was written

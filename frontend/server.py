@@ -29,7 +29,7 @@ from frontend.responses import response_body, stream_events, stream_head, stream
 from frontend.structured import compile_check
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
-from messages.names import DETOKENIZER, HTTP, SCHEDULER
+from messages.names import HTTP
 from messages.sampling_params import RequestLimits
 from messages.wire import (
     ActorDown,
@@ -94,8 +94,8 @@ class HttpActor(Actor):
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = Metrics(self.config.metrics_prefix)
-        self.table = RequestTable(self.tell, self.metrics, self.config.abort_timeout_s, self.config.max_abort_tries)
-        self.down: set[str] = set()  # actors of the request path that are down
+        c = self.config
+        self.table = RequestTable(self.tell, self.metrics, c.abort_timeout_s, c.max_abort_tries, c.max_resumes)
         self.admitting = True
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
@@ -150,22 +150,16 @@ class HttpActor(Actor):
     # ------------------------------------------------------------ actor messages
 
     def on_actor_down(self, msg: ActorDown) -> None:
-        if msg.actor not in (SCHEDULER, DETOKENIZER):
-            return
-        self.down.add(msg.actor)
-        self.metrics.forget(msg.actor)
-        log.error("%s is down (%s): %d requests wait for it", msg.actor, msg.reason, len(self.table.live))
-        self.table.suspend(msg.actor)
+        if self.table.on_down(msg.actor):
+            self.metrics.forget(msg.actor)
+            log.error("%s is down (%s): %d requests wait for it", msg.actor, msg.reason, len(self.table.live))
 
     def on_actor_up(self, msg: ActorUp) -> None:
-        if msg.actor in self.down:
-            self.down.discard(msg.actor)
-            log.info("%s is back", msg.actor)
-            if not self.down:
-                self.table.resume_all(self.config.max_resumes)
+        if self.table.on_up(msg.actor):
+            log.info("%s is back: %d requests resumed", msg.actor, len(self.table.live))
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
-        details = {"requests": len(self.table.live), "tombstones": len(self.table.tombstones)}
+        details = self.table.idle_details
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     def on_shutdown_message(self, msg: Shutdown) -> None:
@@ -235,8 +229,8 @@ class HttpActor(Actor):
     def _check_available(self) -> None:
         if not self.admitting:
             raise RequestError(503, "the server is shutting down")
-        if self.down:
-            raise RequestError(503, f"the {' and '.join(sorted(self.down))} is down; retry later")
+        if self.table.down:
+            raise RequestError(503, f"the {' and '.join(sorted(self.table.down))} is down; retry later")
 
     async def health(self, request: web.Request) -> web.Response:
         self._check_available()

@@ -12,4 +12,6 @@ DETOKENIZER = "detokenizer"
 HTTP = "http"  # the OpenAI server (a client of the engine)
 CLIENT = "client"  # the offline API's client (frontend/offline.py), in the launcher process
 
+REQUEST_PATH = (SCHEDULER, DETOKENIZER)  # the actors that hold requests: the death of either forgets every one (I8)
+
 ActorName = Literal["supervisor", "scheduler", "worker", "detokenizer", "http", "client"]

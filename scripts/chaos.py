@@ -258,12 +258,15 @@ async def chaos(
     except TimeoutError:
         stuck = [
             f"{rid}: attempt {s.record.attempt}, {s.record.num_tokens} tokens, heard {s.record.heard}"
-            for rid, s in list(chaos_llm.client.streams.items())[:5]
+            for rid, s in list(chaos_llm.client.streams.live.items())[:5]
         ]
         reports = await chaos_llm.idle_reports()
-        return Report(problems=[f"hang: {len(chaos_llm.client.streams)} streams never ended", *stuck, str(reports)])
-    client = chaos_llm.client
-    problems = [f"{client.outputs_after_finished} outputs after a Finished"] if client.outputs_after_finished else []
+        return Report(
+            problems=[f"hang: {len(chaos_llm.client.streams.live)} streams never ended", *stuck, str(reports)]
+        )
+    client = chaos_llm.client.streams.counts
+    after = client.violations["after_finished"]
+    problems = [f"{after} outputs after a Finished"] if after else []
     for _ in range(500):
         reports = await chaos_llm.idle_reports()
         if not any(v for details in reports.values() for v in details.values()):
@@ -275,9 +278,9 @@ async def chaos(
     report.problems += problems
     engine, detok = await chaos_llm.fresh_stats()
     report.counts |= {
-        "client_duplicates": client.duplicates,
-        "client_gaps": client.gaps,
-        "client_resumes": client.resumes,
+        "client_duplicates": client.violations["duplicate"],
+        "client_gaps": client.violations["gap"],
+        "client_resumes": client.resumes.total(),
         "detok_repairs": detok.repairs_total,
         "restarts": len(chaos_llm.system.restarts),
         "late_aborts": engine.late_aborts_total,

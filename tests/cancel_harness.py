@@ -103,7 +103,7 @@ async def assert_idle(llm: AsyncLLM, timeout: float = 15.0) -> None:
         if not any(v for details in reports.values() for v in details.values()):
             return
         if asyncio.get_running_loop().time() > deadline:
-            streams = {rid: (s.record.attempt, s.record.num_tokens) for rid, s in llm.client.streams.items()}
+            streams = {rid: (s.record.attempt, s.record.num_tokens) for rid, s in llm.client.streams.live.items()}
             pytest.fail(f"not idle: {reports}; the client's streams (copy, tokens): {streams}")
         await asyncio.sleep(0.02)
 

@@ -96,7 +96,7 @@ async def test_engine_death_pauses_every_stream_and_each_resumes_exactly(llm):
     for run, tokens in zip(runs, want, strict=True):
         assert (await run.done(timeout=60)).finish_reason == "length"
         assert run.token_ids == tokens
-    assert llm.client.resumes >= len(PROMPTS)
+    assert llm.client.streams.counts.resumes["death"] >= len(PROMPTS)
 
 
 async def held_runs(llm) -> list[Run]:
@@ -104,7 +104,7 @@ async def held_runs(llm) -> list[Run]:
     gate(llm, 0)
     runs = [start(llm, p, LONG) for p in PROMPTS]
     await wait_state(llm, held_steps=1)
-    await wait_for(lambda: all(r.request_id in llm.client.streams for r in runs), what="requests sent")
+    await wait_for(lambda: all(r.request_id in llm.client.streams.live for r in runs), what="requests sent")
     await wait_state(llm, requests=len(PROMPTS))
     return runs
 

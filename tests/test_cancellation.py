@@ -104,7 +104,7 @@ async def test_abort_after_the_final_update_is_late(llm):
     """The final step's update came first: the terminal entry is out, the Abort is late (ignored,
     counted), and the client gets exactly one Finished, with the natural reason."""
     engine0, detok0 = await llm.fresh_stats()
-    late0 = llm.client.late_outputs
+    late0 = llm.client.streams.counts.violations.total()
     run = await start_held(llm, [7, 8, 9], FOUR)
     gate(llm, 4)
     await wait_state(llm, gate_permits=0, requests=0)  # the scheduler sent the terminal entry
@@ -118,7 +118,7 @@ async def test_abort_after_the_final_update_is_late(llm):
     engine1, detok1 = await llm.fresh_stats()
     assert engine1.late_aborts_total - engine0.late_aborts_total == 3
     assert detok1.protocol_violations_total == detok0.protocol_violations_total
-    assert llm.client.late_outputs == late0, "exactly one terminal message"
+    assert llm.client.streams.counts.violations.total() == late0, "exactly one terminal message"
 
 
 async def test_stop_string_while_the_engine_runs_ahead(llm):

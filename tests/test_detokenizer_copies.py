@@ -86,7 +86,7 @@ def test_a_clients_newer_copy_is_followed_and_an_older_one_ignored(detok):
     step(detok, 4, 1, T[1:], attempt=3, finish="length")
     tokens, finishes = to_client(detok)
     assert tokens == [T[0], T[1], *T[1:]] and finishes == ["length"]  # the client gets T[1] again (it lost it)
-    assert detok.stale_dropped == 1 and not detok.live
+    assert detok.counts.stale == 1 and not detok.live
 
 
 def test_an_older_copys_abort_ack_does_not_end_the_copy_followed(detok):

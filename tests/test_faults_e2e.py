@@ -104,13 +104,13 @@ async def lossy_llm(lossy):
     yield lossy
     gate(lossy, None)
     await assert_idle(lossy)
-    assert lossy.client.outputs_after_finished == 0
+    assert lossy.client.streams.counts.violations["after_finished"] == 0
 
 
 async def test_duplicates_and_delays_change_no_output(lossy_llm, reference):
     runs = await outcomes(lossy_llm)
     assert [key(r) for r in runs] == reference
-    assert lossy_llm.client.duplicates > 0, "the plan duplicated TextOutputs"
+    assert lossy_llm.client.streams.counts.violations["duplicate"] > 0, "the plan duplicated TextOutputs"
 
 
 async def test_lost_stop_abort_leaves_every_later_step_stale(lossy_llm):
@@ -186,7 +186,7 @@ async def reorder(model_dir):  # noqa: F811
 async def reorder_llm(reorder):
     yield reorder
     await assert_idle(reorder)
-    assert reorder.client.outputs_after_finished == 0
+    assert reorder.client.streams.counts.violations["after_finished"] == 0
 
 
 async def test_reorders_are_repaired_or_fail_cleanly(reorder_llm, reference):
@@ -197,14 +197,16 @@ async def test_reorders_are_repaired_or_fail_cleanly(reorder_llm, reference):
     runs = await outcomes(reorder_llm)
     failed = assert_clean(runs, reference)
     _, detok1 = await reorder_llm.fresh_stats()
-    assert reorder_llm.client.gaps + detok1.repairs_total - detok0.repairs_total > 0, "no reorder hit a request"
+    assert reorder_llm.client.streams.counts.violations["gap"] + detok1.repairs_total - detok0.repairs_total > 0, (
+        "no reorder hit a request"
+    )
     assert failed < len(runs)
 
 
 async def test_an_abort_that_overtakes_its_request_still_ends_it(reorder_llm):
     engine0, _ = await reorder_llm.fresh_stats()
     run = start(reorder_llm, [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    await wait_for(lambda: run.request_id in reorder_llm.client.streams, what="AddRequest sent")
+    await wait_for(lambda: run.request_id in reorder_llm.client.streams.live, what="AddRequest sent")
     reorder_llm.abort(run.request_id)  # overtakes the AddRequest held on the link
     fin = await run.done()
     assert run.token_ids == []

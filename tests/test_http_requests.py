@@ -28,10 +28,12 @@ class Vocab:
 VOCAB = Vocab()
 
 
-def parsed(n=1, prompts=((1, 2, 3),), kind="completion", seed=None, logprobs=None, echo=False) -> ParsedRequest:
+def parsed(
+    n=1, prompts=((1, 2, 3),), kind="completion", seed=None, logprobs=None, echo=False, rid="cmpl-abc"
+) -> ParsedRequest:
     params = SamplingParams(n=n, seed=seed, max_tokens=8, logprobs=logprobs)
     inputs = [PromptInput("hi", list(p), params) for p in prompts]
-    return ParsedRequest(kind, "cmpl-abc", "m", 0, inputs, True, True, echo)
+    return ParsedRequest(kind, rid, "m", 0, inputs, True, True, echo)
 
 
 def make_table(abort_timeout_s=1.0):
@@ -102,12 +104,12 @@ def test_duplicates_are_dropped_and_a_gap_is_repaired_from_the_record():
     first, second = (c.engine_id for c in req.choices)
     table.on_outputs(delta(first, 0, "a"))
     table.on_outputs(delta(first, 0, "a"))
-    assert metrics.violations["duplicate"] == 1 and req.choices[0].text == ["a"]
+    assert metrics.protocol.violations["duplicate"] == 1 and req.choices[0].text == ["a"]
     table.on_outputs(delta(first, 2, "x"))  # seq 1 lost
-    assert metrics.violations["gap"] == 1 and not req.done and not aborts(sent)
+    assert metrics.protocol.violations["gap"] == 1 and not req.done and not aborts(sent)
     assert resumed(sent) == [(first, 1, [0], 1)]
     table.on_outputs(delta(first, 3, "y"))  # the old copy's: stale
-    assert metrics.stale_dropped == 1
+    assert metrics.protocol.stale == 1
     copy = TextDelta(request_id=first, seq=1, text="b", token_ids=[1], attempt=1)
     table.on_outputs(TextOutputs(step=9, deltas=[copy]))
     assert req.choices[0].text == ["a", "b"] and req.choices[0].num_tokens == 2
@@ -133,11 +135,51 @@ def test_a_finished_that_skips_tokens_is_repaired():
     table.on_outputs(delta(rid, 0, "a"))
     skipping = Finished(request_id=rid, finish_reason="length", text="c", token_ids=[2], num_output_tokens=3, attempt=2)
     table.on_finished(skipping)
-    assert metrics.violations["gap"] == 1 and not req.done and resumed(sent) == [(rid, 3, [0], 1)]
+    assert metrics.protocol.violations["gap"] == 1 and not req.done and resumed(sent) == [(rid, 3, [0], 1)]
     table.on_finished(
         Finished(request_id=rid, finish_reason="length", text="bc", token_ids=[1, 2], num_output_tokens=3, attempt=3)
     )
     assert req.done and req.error is None and req.choices[0].text == ["a", "bc"]
+
+
+def test_a_finished_that_reports_fewer_tokens_than_arrived_closes_with_what_arrived():
+    """Delivered text is never taken back: a short count is a violation ("after_finished": output went past it),
+    and the choice ends, its text whole (the HTTP and offline clients share this ledger, so they agree)."""
+    table, metrics, _ = make_table()
+    req = table.add(parsed(), "http")
+    rid = req.choices[0].engine_id
+    table.on_outputs(delta(rid, 0, "a"))
+    table.on_outputs(delta(rid, 1, "b"))
+    table.on_finished(Finished(request_id=rid, finish_reason="length", text="c", token_ids=[2], num_output_tokens=2))
+    assert metrics.protocol.violations == {"after_finished": 1} and req.done and req.error is None
+    assert response_body(req, VOCAB)["choices"][0]["text"] == "abc"
+    table.on_outputs(delta(rid, 2, "c"))  # within the three tokens that arrived: a duplicate
+    assert metrics.protocol.violations == {"after_finished": 1, "duplicate": 1}
+
+
+def test_a_death_waits_then_resumes_every_live_choice_and_fails_a_poison_request():
+    """While the engine side is down nothing is sent and tombstones go; once both actors are back every live choice
+    is re-submitted from its record; one live at more than max_resumes deaths fails with 503 (its siblings too,
+    no Abort: the new engine side never heard of them)."""
+    table, metrics, sent = make_table()
+    req = table.add(parsed(n=2), "http")
+    gone = table.add(parsed(rid="cmpl-gone"), "http")
+    table.cancel(gone)
+    first, second = (c.engine_id for c in req.choices)
+    table.on_outputs(delta(first, 0, "a"))
+    for death in (1, 2):
+        assert table.on_down("scheduler") and table.on_down("detokenizer") and not table.tombstones
+        assert not table.on_up("worker") and not table.on_up("scheduler")  # the detokenizer is still down
+        n = len(sent)
+        assert table.on_up("detokenizer") and metrics.protocol.resumes["death"] == 2 * death
+        assert [(m.request_id, m.resume_token_ids) for m in sent[n:]] == [(first, [0]), (second, [])]
+    table.on_down("engine")
+    assert not table.on_up("engine") and not req.done, "only the scheduler and detokenizer hold requests"
+    table.on_down("scheduler")
+    n = len(sent)
+    table.on_up("scheduler")
+    assert req.done and req.error.status == 503 and "restarts" in req.error.message and sent[n:] == []
+    assert not table.live and table.tombstones.keys() == {first, second}  # (dropped after one timeout)
 
 
 def test_a_lost_textoutputs_repairs_the_choices_not_heard_from_since():
@@ -152,12 +194,12 @@ def test_a_lost_textoutputs_repairs_the_choices_not_heard_from_since():
     out[2].deltas = [TextDelta(request_id=rid, seq=s, text="y", token_ids=[s]) for rid, s in ((a, 1), (b, 0))]
     for i in (0, 0, 2):  # 1 (lost) may have had b's or c's next output
         table.on_outputs(out[i])
-    assert metrics.violations["duplicate"] == 2 and not resumed(sent)
+    assert metrics.protocol.violations["duplicate"] == 2 and not resumed(sent)
     table.on_outputs(out[3])  # two messages past the missing one: lost
     assert sorted(resumed(sent)) == [(b, 1, [0], 1), (c, 1, [0], 1)]
     out[4].deltas = [TextDelta(request_id=c, seq=1, text="z", token_ids=[1])]  # the replaced copy's: stale
     table.on_outputs(out[4])
-    assert metrics.stale_dropped == 1 and len(resumed(sent)) == 2
+    assert metrics.protocol.stale == 1 and len(resumed(sent)) == 2
 
 
 def test_a_lost_textoutputs_named_by_a_later_one_repairs_only_the_requests_it_held():
@@ -182,12 +224,12 @@ def test_outputs_after_a_disconnect_are_stale_and_unknown_ids_are_violations():
     table.cancel(req, "client")
     assert req.done and req.error is None and aborts(sent) == [(rid, "client")]
     table.on_outputs(delta(rid, 0, "late"))
-    assert metrics.stale_dropped == 1 and rid in table.tombstones
+    assert metrics.protocol.stale == 1 and rid in table.tombstones
     table.on_finished(Finished(request_id=rid, finish_reason="abort"))
-    assert metrics.stale_dropped == 1 and not table.tombstones and not table.live
+    assert metrics.protocol.stale == 1 and not table.tombstones and not table.live
     table.on_finished(Finished(request_id=rid, finish_reason="abort"))  # a duplicate terminal message
     table.on_outputs(delta("never-seen", 0, "x"))
-    assert metrics.violations == {"duplicate": 1, "unknown_id": 1} and metrics.stale_dropped == 1
+    assert metrics.protocol.violations == {"duplicate": 1, "unknown_id": 1} and metrics.protocol.stale == 1
 
 
 def test_output_past_the_count_of_its_finished_is_a_violation_and_a_late_duplicate_is_not():
@@ -198,10 +240,10 @@ def test_output_past_the_count_of_its_finished_is_a_violation_and_a_late_duplica
     table.on_finished(Finished(request_id=rid, finish_reason="length", text="b", token_ids=[1], num_output_tokens=2))
     table.on_outputs(delta(rid, 0, "a"))  # a duplicated message: tokens the Finished accounts for
     table.on_finished(Finished(request_id=rid, finish_reason="length", num_output_tokens=2))
-    assert metrics.violations == {"duplicate": 2}
+    assert metrics.protocol.violations == {"duplicate": 2}
     table.on_outputs(delta(rid, 2, "c"))  # token 2: nothing may follow the terminal message (I2)
     table.on_finished(Finished(request_id=rid, finish_reason="length", num_output_tokens=3))
-    assert metrics.violations == {"duplicate": 2, "after_finished": 2}
+    assert metrics.protocol.violations == {"duplicate": 2, "after_finished": 2}
     assert response_body(req, VOCAB)["choices"][0]["text"] == "ab" and not table.live and not table.tombstones
 
 
@@ -227,7 +269,7 @@ def test_engine_death_fails_requests_without_aborts_and_the_detokenizer_closes_t
     assert req.done and req.error.status == 503 and not aborts(sent)
     for c in req.choices:
         table.on_finished(Finished(request_id=c.engine_id, finish_reason="error", error="the engine died"))
-    assert not table.tombstones and not metrics.violations
+    assert not table.tombstones and not metrics.protocol.violations
     other = table.add(parsed(), "http")
     table.fail_all(RequestError(503, "the scheduler died"), send_abort=False)
     table.expire(time.monotonic() + 1.1)  # no Finished came: dropped after one timeout, nothing sent

@@ -44,7 +44,7 @@ from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import token_table
 from actors.detokenizer.request_state import DetokRequestState, abort_finished
-from actors.protocol import MAX_ATTEMPTS, RecentIds, SentNames, StepNumbers, Tombstones, lost_suspects
+from actors.protocol import MAX_ATTEMPTS, Ledger, RecentIds, SentNames, StepNumbers, lost_suspects
 from actors.runtime import Actor
 from messages.names import DETOKENIZER, SCHEDULER
 from messages.wire import (
@@ -84,15 +84,16 @@ class DetokenizerActor(Actor):
         self.tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
         self.stats_to = client
         self.stats_interval_s = stats_interval_s
-        self.live: dict[str, DetokRequestState] = {}
+        self.requests: Ledger[DetokRequestState] = Ledger(abort_timeout_s, max_abort_tries, log)
+        # its fate notes of ids not live: CLOSED | (ABORTED, reason) | ORPHAN (output came unregistered)
+        self.live, self.tombstones, self.fate = self.requests.live, self.requests.tombstones, self.requests.fate
+        self.counts = self.requests.counts  # violations by kind "any", resumes by "lost_output" (a repair)
         self.numbers: dict[str, int] = {}  # client -> the number of its next TextOutputs
         self.names: dict[str, SentNames] = {}  # client -> the requests of its last TextOutputs (named in the next)
         self.last_sent: dict[str, float] = {}  # client -> when it was last sent output
-        self.tombstones = Tombstones(abort_timeout_s, max_abort_tries, log)
-        self.recent = RecentIds()  # ids not live: CLOSED | (ABORTED, reason) | ORPHAN (output came unregistered)
         self.copies = RecentIds()  # id -> the highest AddRequest.attempt made or registered (resumed ids only)
         self.steps = StepNumbers()
-        self.stale_dropped = self.violations = self.duplicate_steps = self.lost_steps = self.repairs = 0
+        self.duplicate_steps = self.lost_steps = 0
         self._draining = False
 
     def handlers(self):
@@ -105,7 +106,7 @@ class DetokenizerActor(Actor):
 
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
-        before = self.recent.get(rid)
+        before = self.fate.get(rid)
         resumed, aborted = msg.resume_token_ids is not None, isinstance(before, tuple)  # (ABORTED, reason)
         if resumed:
             if msg.attempt <= self.copies.get(rid, 0):  # its own repair (its state went on from there), or a copy
@@ -121,8 +122,7 @@ class DetokenizerActor(Actor):
                 self._violation(rid, "AddRequest for an id already in use")
             return
         before = None if resumed else before  # outputs seen before a copy were an older copy's
-        self.recent.pop(rid, None)
-        state = self.live[rid] = DetokRequestState(msg, self.tokenizer)
+        state = self.requests.open(rid, DetokRequestState(msg, self.tokenizer))
         state.heard = self.steps.last
         if before is not None:  # outputs overtook the registration: they are gone
             self._repair(rid, "engine output arrived before the request was registered")
@@ -137,14 +137,14 @@ class DetokenizerActor(Actor):
             state = self.live.get(rid)
             if state is None:
                 if rid in self.tombstones:
-                    self.stale_dropped += 1
+                    self.counts.stale += 1
                     if out.finish_reason is not None:
                         self.tombstones.pop(rid, None)
                 else:
                     self._violation(rid, f"StepOutputs entry seq {out.seq}")
                 continue
             if out.attempt != state.attempt:  # a replaced copy's (or a reordered one's): stale
-                self.stale_dropped += 1
+                self.counts.stale += 1
                 continue
             state.heard = max(state.heard, msg.step)
             if out.seq > state.num_output_tokens and state.attempt < MAX_ATTEMPTS:  # some output of it was lost
@@ -169,7 +169,7 @@ class DetokenizerActor(Actor):
         if rid in self.tombstones:
             self.tombstones.pop(rid, None)
         elif rid in self.live and msg.attempt < self.live[rid].attempt:  # a replaced copy's
-            self.stale_dropped += 1
+            self.counts.stale += 1
         elif rid in self.live:
             self._end_aborted(rid, msg.reason)
         else:
@@ -179,8 +179,7 @@ class DetokenizerActor(Actor):
         if msg.actor == SCHEDULER:
             log.warning("engine down: forgetting %d requests and %d tombstones", len(self.live), len(self.tombstones))
             for rid in list(self.live):
-                self._close(rid)
-                self.recent.pop(rid)  # not CLOSED: it may come back resumed
+                self.requests.forget(rid)  # not CLOSED: it may come back resumed
             self.tombstones.clear()
             self.copies.clear()  # the new scheduler numbers from what the clients have
             self.steps.reset()
@@ -190,7 +189,7 @@ class DetokenizerActor(Actor):
                 self._tombstone(rid, "client")
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
-        details = {"live": len(self.live), "tombstones": len(self.tombstones), "pending_asks": self.pending_asks}
+        details = {**self.requests.idle_details, "pending_asks": self.pending_asks}
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     def on_shutdown_msg(self, msg: Shutdown) -> None:
@@ -232,8 +231,7 @@ class DetokenizerActor(Actor):
         self._send(client, TextOutputs(step=-1, deltas=[], finished=[finished]))
 
     def _close(self, rid: str, aborted: str | None = None) -> None:
-        self.live.pop(rid)
-        self.recent.remember(rid, CLOSED if aborted is None else (ABORTED, aborted))
+        self.requests.close(rid, CLOSED if aborted is None else (ABORTED, aborted))
 
     def _fail(self, rid: str, error: str, abort: bool) -> None:
         """End a LIVE request with an error; with `abort`, the engine still runs it: TOMBSTONED."""
@@ -251,10 +249,10 @@ class DetokenizerActor(Actor):
         self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
 
     def _violation(self, rid: str, what: str) -> None:
-        self.violations += 1
+        self.counts.violations["any"] += 1
         log.info("[%s] protocol violation: %s for an id neither live nor tombstoned; dropped", rid, what)
-        if rid not in self.recent:
-            self.recent.remember(rid, ORPHAN)
+        if rid not in self.fate:
+            self.fate.remember(rid, ORPHAN)
 
     def _find_lost(self) -> None:
         lost = self.steps.lost()
@@ -278,7 +276,7 @@ class DetokenizerActor(Actor):
         log.warning("[%s] %s: resumed after %d tokens", rid, why, len(resumed.resume_token_ids))
         state.attempt = resumed.attempt
         self.copies.remember(rid, resumed.attempt)
-        self.repairs += 1
+        self.counts.resumes["lost_output"] += 1
         self.tell(SCHEDULER, resumed)
 
     async def _housekeeping(self) -> None:
@@ -291,9 +289,9 @@ class DetokenizerActor(Actor):
                     self._send(client, TextOutputs(step=-1, deltas=[]), marker=True)
             self.tombstones.expire(time.monotonic(), self._abort)
             stats = DetokStats(
-                stale_outputs_dropped_total=self.stale_dropped,
-                protocol_violations_total=self.violations,
+                stale_outputs_dropped_total=self.counts.stale,
+                protocol_violations_total=self.counts.violations.total(),
                 num_tombstones=len(self.tombstones),
-                repairs_total=self.repairs,
+                repairs_total=self.counts.resumes.total(),
             )
             self.tell(self.stats_to, stats)
