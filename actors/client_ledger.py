@@ -232,16 +232,15 @@ class ClientLedger(Ledger[R]):
     def _gap(self, state: R, what: str) -> None:
         """Some output of the request was lost: it is re-submitted from what it has (DESIGN I6, I8)."""
         self.violation("gap", state.record.add.request_id, what)
-        self.resume(state, "lost_output")
+        self.resume(state, "lost_output", f"lost output ({what})")
 
-    def resume(self, state: R, cause: str) -> None:
-        """Re-submit the request from its record; one that had MAX_ATTEMPTS copies fails."""
+    def resume(self, state: R, cause: str, why: str) -> None:
+        """Re-submit the request from its record; one that had MAX_ATTEMPTS copies fails, saying `why`."""
         record = state.record
         msg = record.resume()
         if msg is None:
-            self.fail(
-                state, 500, f"request {record.add.request_id}: failed after {MAX_ATTEMPTS} resumptions", abort=True
-            )
+            error = f"request {record.add.request_id}: {why}; failed after {MAX_ATTEMPTS} resumptions"
+            self.fail(state, 500, error, abort=True)
             return
         self.counts.resumes[cause] += 1
         self.log.info("[%s] resumed after %d tokens (%s)", msg.request_id, record.num_tokens, cause)
@@ -275,7 +274,7 @@ class ClientLedger(Ledger[R]):
                 error = f"request {rid}: failed after {self.max_resumes} restarts of the engine side while it ran"
                 self.fail(state, 503, error, abort=False)
             else:
-                self.resume(state, "death")
+                self.resume(state, "death", "an engine-side process died")
         return True
 
     # ------------------------------------------------------------ ending requests early

@@ -55,7 +55,7 @@ def _setup(args: argparse.Namespace, default_level: str):
 def serve(args: argparse.Namespace) -> int:
     import uvloop
 
-    from frontend.server import HttpConfig
+    from frontend.http_base import HttpConfig
 
     model = _setup(args, "INFO")
     http = HttpConfig(

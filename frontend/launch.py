@@ -17,7 +17,7 @@ import msgspec
 from actors.engine.config import EngineConfig
 from actors.graph import engine_processes
 from actors.runtime import ActorSpec, ActorSystem, AskTimeout, FaultPlan, ProcessSpec, RestartPolicy, StartupError
-from frontend.server import HttpConfig
+from frontend.http_base import HttpConfig
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.convert import ConversionError, default_model_dir
 from messages.names import HTTP

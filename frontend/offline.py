@@ -131,10 +131,10 @@ class AsyncLLM:
 
     async def fresh_stats(self) -> tuple[EngineStats, DetokStats]:
         """The engine's and the detokenizer's counters, as published after this call."""
-        old = self.client.engine_stats, self.client.detok_stats
-        while self.client.engine_stats is old[0] or self.client.detok_stats is old[1]:
-            await asyncio.sleep(0.01)
-        return self.client.engine_stats, self.client.detok_stats
+        old, client = (self.client.engine_stats, self.client.detok_stats), self.client
+        if not await client.until(lambda: client.engine_stats is not old[0] and client.detok_stats is not old[1], 30):
+            raise TimeoutError("no fresh counters from the engine and the detokenizer within 30 s")
+        return client.engine_stats, client.detok_stats
 
 
 class LLM:

@@ -10,7 +10,6 @@ on disconnect: `handler_cancellation=True`) tombstones its request and aborts it
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from actors.engine.grammar import warm
 from actors.runtime import Actor
+from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_response, json_response, middleware
 from frontend.metrics import CONTENT_TYPE, Metrics
 from frontend.openapi import openapi
 from frontend.protocol import ParsedRequest, RequestError, ServingContext, new_request_id, parse_chat, parse_completion
@@ -30,7 +30,6 @@ from frontend.structured import compile_check
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
 from messages.names import HTTP
-from messages.sampling_params import RequestLimits
 from messages.wire import (
     ActorDown,
     ActorUp,
@@ -47,41 +46,6 @@ log = logging.getLogger("sluice.http")
 
 PARSE_INLINE_BYTES = 16 << 10  # larger bodies are parsed and tokenized off the event loop
 LARGE_READS, LARGE_PARSES = 32, 4  # large bodies read / parsed at once (the rest wait, unread)
-REQUEST_ID = web.RequestKey("sluice_request_id", str)  # set once the handler has named the request
-STREAM_ERROR = web.RequestKey("sluice_stream_error", RequestError)  # an error sent inside a 200 stream
-
-_encode = msgspec.json.Encoder().encode
-
-
-class HttpConfig(msgspec.Struct, kw_only=True):
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: the launcher picks a free one before spawning (stable across restarts)
-    served_model_name: list[str] = []  # default: the model directory's name
-    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/*
-    max_body_bytes: int = 16 << 20
-    body_timeout_s: float = 30.0  # a request body must arrive within this
-    abort_timeout_s: float = 5.0  # I7: an Abort without a Finished is re-sent after this
-    max_abort_tries: int = 3
-    drain_timeout_s: float = 5.0  # shutdown waits this long for in-flight requests to finish
-    limits: RequestLimits = RequestLimits()  # per-request sizes (stop strings, bad words, ...)
-    chat_template: str | None = None  # replaces the model's own (--chat-template FILE)
-    tool_call_parser: str | None = None  # set (with --enable-auto-tool-choice): tool_choice "auto" is honoured
-    grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this
-    max_resumes: int = 2  # DESIGN I8: a request live at more engine-side deaths than this fails (a poison request)
-    metrics_prefix: str = "sluice:"  # of /metrics series (--metrics-prefix vllm: for dashboards built for vLLM)
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-
-def _json(body: dict, status: int = 200) -> web.Response:
-    return web.Response(body=_encode(body), status=status, content_type="application/json")
-
-
-def _error(e: RequestError) -> web.Response:
-    return _json(e.body(), e.status)
 
 
 class HttpActor(Actor):
@@ -130,15 +94,17 @@ class HttpActor(Actor):
             c.tool_call_parser,
         )
         warm(self.model, self.vocab_size, tuple(tokenizer.eos_token_ids))
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[middleware(self.config, self.metrics)]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
-        app.router.add_get("/version", lambda _: _json(server_version()))
-        app.router.add_get("/openapi.json", lambda _: _json(openapi(bool(self.config.api_key))))
+        app.router.add_get("/version", lambda _: json_response(server_version()))
+        app.router.add_get("/openapi.json", lambda _: json_response(openapi(bool(self.config.api_key))))
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -181,9 +147,7 @@ class HttpActor(Actor):
         if self.table.live:
             log.info("shutdown (%s): aborting %d requests", reason, len(self.table.live))
             self.table.abort_all("shutdown")
-            deadline = time.monotonic() + self.config.drain_timeout_s
-            while self.table.live and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await self.until(lambda: not self.table.live, self.config.drain_timeout_s)
             self.table.fail_all(RequestError(503, "the server is shutting down"), send_abort=False)
         if self.runner is not None:
             await self.runner.cleanup()
@@ -194,37 +158,6 @@ class HttpActor(Actor):
             self.table.expire(time.monotonic())
 
     # ------------------------------------------------------------ HTTP
-
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every response is counted by endpoint and status; every error is logged with the request id
-        (5xx as errors: a 5xx is a bug or a dead actor, never the client's fault)."""
-        try:
-            if self.config.api_key and request.path.startswith("/v1/"):
-                given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-                if not hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode()):
-                    raise RequestError(401, "Invalid or missing API key", code="invalid_api_key")
-            resp = await handler(request)
-            error = request.get(STREAM_ERROR)
-        except RequestError as e:
-            resp, error = _error(e), e
-        except web.HTTPException as e:  # unknown route (404), wrong method (405), body too large (413)
-            if e.status < 400:
-                raise
-            error = RequestError(e.status, e.text or e.reason)
-            resp = _error(error)
-        except Exception:
-            log.exception("[%s] %s %s failed", request.get(REQUEST_ID, "-"), request.method, request.path)
-            error = RequestError(500, "internal server error")
-            resp = _error(error)
-        if error is not None:
-            level = logging.ERROR if error.status >= 500 else logging.INFO
-            rid = request.get(REQUEST_ID, "-")
-            log.log(level, "[%s] %s %s: %d %s", rid, request.method, request.path, error.status, error.message)
-        route = request.match_info.route.resource
-        endpoint = route.canonical if route is not None else "other"
-        self.metrics.http_requests.labels(endpoint, str(error.status if error else resp.status)).inc()
-        return resp
 
     def _check_available(self) -> None:
         if not self.admitting:
@@ -238,16 +171,16 @@ class HttpActor(Actor):
 
     async def models(self, request: web.Request) -> web.Response:
         cards = [model_card(name, self.ctx, self.created, self.model) for name in self.ctx.model_names]
-        return _json({"object": "list", "data": cards})
+        return json_response({"object": "list", "data": cards})
 
     async def model_card(self, request: web.Request) -> web.Response:
-        return _json(model_card(request.match_info["model"], self.ctx, self.created, self.model))
+        return json_response(model_card(request.match_info["model"], self.ctx, self.created, self.model))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        return _json(await self._parse(request, lambda body, ctx, _: tokenize(body, ctx), None))
+        return json_response(await self._parse(request, lambda body, ctx, _: tokenize(body, ctx), None))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return _json(await self._parse(request, lambda body, ctx, _: detokenize(body, ctx), None))
+        return json_response(await self._parse(request, lambda body, ctx, _: detokenize(body, ctx), None))
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -305,8 +238,8 @@ class HttpActor(Actor):
             await req.wake.wait()
             req.wake.clear()
         if req.error is not None:
-            return _error(req.error)
-        return _json(response_body(req, self.ctx.tokenizer))
+            return error_response(req.error)
+        return json_response(response_body(req, self.ctx.tokenizer))
 
     async def _stream(self, request: web.Request, req: HttpRequest) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -15,11 +15,19 @@ running request recomputed).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from gpu.batch import BatchSpec
 from messages.sampling_params import SamplingParams
 from messages.wire import Msg, TokenLogprobs
+
+# Why a step did not run: "gap" (the worker refused it: an ExecuteStep before it was lost), "raised" (it raised in
+# the worker), "lost" (its StepResult was lost or late), "died" (the worker died with it in flight). The steps that
+# "raised" or "died" blame their requests (one may be a poison request); a lost message blames nobody.
+StepFailure = Literal["gap", "raised", "lost", "died"]
+BLAMING_FAILURES: tuple[StepFailure, ...] = ("raised", "died")
 
 
 class WorkerRequest(msgspec.Struct, array_like=True):
@@ -71,7 +79,8 @@ class StepResult(Msg, kw_only=True):
     num_emitted: list[int] | None = None  # per sampling row: leading positions it emits (None: one each)
     logprobs: TokenLogprobs | None = None  # per sampled position, top-N at the largest N asked (rows cut theirs)
     prompt_logprobs: TokenLogprobs | None = None  # per prompt target, rows in batch order
-    error: str | None = None  # set when the step did not run (a gap in seq: the scheduler resets the worker)
+    failure: StepFailure | None = None  # set when the step did not run (the scheduler resets the worker)
+    error: str | None = None  # ... and what happened, for the log
 
 
 STEP_TYPES: tuple[type[Msg], ...] = (ExecuteStep, FillMasks, StepResult)

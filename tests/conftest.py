@@ -120,8 +120,8 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 async def server(tiny_model_dir):
     from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
     from frontend.launch import start_server
-    from frontend.server import HttpConfig
 
     engine = EngineConfig(
         model=str(tiny_model_dir), max_model_len=512, max_num_seqs=16, num_kv_blocks=256, engine_threads=1
@@ -134,8 +134,8 @@ async def server(tiny_model_dir):
 @pytest.fixture(scope="session")
 async def fake_server(tiny_model_dir):
     from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
     from frontend.launch import Server, http_process, pick_port, resolve_model
-    from frontend.server import HttpConfig
     from tests.fake_engine import FakeEngine
 
     model = resolve_model(str(tiny_model_dir))
@@ -161,8 +161,8 @@ def fake(fake_server):
 @pytest.fixture(scope="session")
 async def real_server():
     from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
     from frontend.launch import resolve_model, start_server
-    from frontend.server import HttpConfig
 
     model = resolve_model(None)
     engine = EngineConfig(model=str(model.path), max_model_len=1024, max_num_seqs=8)

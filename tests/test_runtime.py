@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from actors.runtime import ActorSpec, ActorSystem, AskTimeout, ProcessSpec, RestartPolicy
+from actors.runtime import Actor, ActorSpec, ActorSystem, AskTimeout, ProcessSpec, RestartPolicy
 from messages.codec import BadFrame, Codec, LocalOnlyError
 from messages.wire import Abort, AbortReason, CheckIdle, Finished, FinishReason, Opaque, Ping, Pong, Probe
 from tests.runtime_actors import Recorder, Sender
@@ -192,7 +192,7 @@ async def test_a_restarted_actor_hears_who_is_down_now_not_what_died_while_it_st
 
 LAUNCHER = """
 import asyncio, sys
-from actors.runtime import ActorSpec, ActorSystem, ProcessSpec
+from actors.runtime import Actor, ActorSpec, ActorSystem, ProcessSpec
 async def main():
     procs = [ProcessSpec(name=f"p{i}", actors=[ActorSpec(name=f"echo{i}", factory="tests.runtime_actors:Echo")]) for i in range(2)]
     async with ActorSystem(procs) as system:
@@ -224,3 +224,24 @@ def test_reasons_are_declared_once_and_a_stray_one_is_a_bad_frame():
         assert codec.decode(codec.encode(Finished(request_id="r", finish_reason=reason))).finish_reason == reason
     with pytest.raises(BadFrame, match=r"Invalid enum value 'timeout'"):
         codec.decode(codec.encode(Abort(request_id="r", reason="timeout")))
+
+
+async def test_until_wakes_when_the_state_moves_and_gives_up_at_its_deadline():
+    """`Actor.until` re-checks its condition at each change (a handled message, `moved()`), not on a timer."""
+    actor, state, checks = Actor("waiter"), [], []
+
+    def done() -> bool:
+        checks.append(len(state))
+        return len(state) == 2
+
+    async def change() -> None:
+        for _ in range(2):
+            await asyncio.sleep(0)
+            state.append(1)
+            actor.moved()
+
+    task = asyncio.create_task(change())
+    assert await actor.until(done, timeout_s=5)
+    assert checks == [0, 1, 2], "checked once at the start and once per change"
+    await task
+    assert not await actor.until(lambda: len(state) > 2, timeout_s=0.05)

@@ -219,8 +219,8 @@ async def tools_server(tiny_model_dir):
     from pathlib import Path
 
     from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
     from frontend.launch import start_server
-    from frontend.server import HttpConfig
     from tests.conftest import ServerHandle
 
     template = (Path(__file__).parents[1] / "frontend" / "templates" / "chatml_tools.jinja").read_text()

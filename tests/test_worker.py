@@ -40,13 +40,15 @@ def prefill(epoch: int, seq: int, rid: str = "a", output: list[int] = ()) -> Exe
 
 def test_steps_run_in_seq_order_within_an_epoch(worker):
     first = worker.launch(prefill(0, 0)).result()
-    assert first.error is None and len(first.sampled) == 1
+    assert first.failure is None and len(first.sampled) == 1
     assert worker.launch(prefill(0, 0)) is None  # a duplicate is not answered
     gap = worker.launch(prefill(0, 2)).result()
-    assert gap.error == "ExecuteStep 2 of epoch 0 came before 1"
-    assert worker.launch(prefill(0, 1)).result().error  # the epoch is broken: even the missing step is refused
+    assert (gap.failure, gap.error) == ("gap", "ExecuteStep 2 of epoch 0 came before 1")
+    assert (
+        worker.launch(prefill(0, 1)).result().failure == "gap"
+    )  # the epoch is broken: even the missing step is refused
     again = worker.launch(prefill(1, 0)).result()  # a new epoch: the persistent batch starts afresh
-    assert again.error is None and again.sampled == first.sampled  # (seeded: keyed by the output position)
+    assert again.failure is None and again.sampled == first.sampled  # (seeded: keyed by the output position)
     assert worker.launch(prefill(0, 3)) is None  # a step of an older epoch is stale
 
 
@@ -64,7 +66,8 @@ def test_the_persistent_batch_follows_full_data_and_deltas(worker):
     delta = ExecuteStep(epoch=3, seq=1, batch=BatchSpec(1, [decode]), appended={"b": [9]})
     assert worker.launch(delta).result().sampled == reference.sampled
     unknown = ExecuteStep(epoch=3, seq=2, batch=BatchSpec(2, [decode]), freed=["b"], appended={"b": [1]})
-    assert "KeyError" in worker.launch(unknown).result().error  # a delta for a request it does not hold: a bug
+    failed = worker.launch(unknown).result()  # a delta for a request it does not hold: a bug
+    assert failed.failure == "raised" and "KeyError" in failed.error
 
 
 def test_step_messages_survive_the_codec():

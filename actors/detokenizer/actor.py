@@ -202,9 +202,7 @@ class DetokenizerActor(Actor):
         self.stop()
 
     async def on_shutdown(self, reason: str) -> None:
-        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
-        while (self.live or self.tombstones) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await self.until(lambda: not (self.live or self.tombstones), SHUTDOWN_DRAIN_S)
         for rid in list(self.live):  # the scheduler did not end it (it is not shutting down, or too slow)
             self._end_aborted(rid, reason)
             self._abort(rid, reason)

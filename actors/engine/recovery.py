@@ -29,7 +29,7 @@ class WorkerRecovery:
         reason = str(lost)
         log.warning("worker lost (%s): %d steps dropped, %d running requests recompute", reason, len(inflight),
                     len(self.sched.running))  # fmt: skip
-        self.link.lost(reason)
+        self.link.lost(lost.failure, reason)
         self.link.reset_due = False
         hit: dict[str, EngineRequest] = {}
         for batch, *_ in inflight:

@@ -144,7 +144,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             self.config.block_size,
             self.max_model_len,
         )
-        self.spawn(self._step_loop())
+        self._stepping = self.spawn(self._step_loop())
         if self.config.stats_to:
             self.spawn(self._publish_stats())
         if self.config.speculative:
@@ -167,9 +167,9 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         self.gate.set(None)
         for rid in [*self.compiling, *(r.request_id for r in (*self.sched.waiting, *self.sched.running))]:
             self.on_abort(Abort(request_id=rid, reason="shutdown"))
-        deadline = time.monotonic() + 10
-        while (self.sched.has_unfinished() or self.sched.in_flight) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await self.until(lambda: not (self.sched.has_unfinished() or self.sched.in_flight), timeout_s=10)
+        self._stepping.cancel()  # before the device goes: the loop would send it the idle marker's frees
+        await asyncio.wait([self._stepping])
         self._device.shutdown(wait=False, cancel_futures=True)
         if self._record:
             self._record.close()
@@ -183,7 +183,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         while True:
             batch = None
             if self.link.reset_due and not inflight:  # the worker died between steps
-                await self._worker_lost(inflight, WorkerLost(DIED))
+                await self._worker_lost(inflight, WorkerLost("died", DIED))
             if len(inflight) < depth and not (inflight and self._must_sync()):
                 drafts = await self._propose() if self.proposer and not inflight else None
                 batch = self.sched.schedule(drafts)
@@ -211,6 +211,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
                 if not self.sched.has_unfinished():
                     self._idle_marker()
                     await self._work.wait()
+            self.moved()
             await asyncio.sleep(0)  # handlers (aborts, new requests) run between steps
 
     async def _propose(self) -> dict[str, list[int]] | None:

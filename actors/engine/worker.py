@@ -28,11 +28,9 @@ from actors.engine.grammar import WorkerMasks
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.sampling import SamplingRow
-from messages.step import ExecuteStep, FillMasks, GrammarMasks, StepResult, WorkerRequest
+from messages.step import ExecuteStep, FillMasks, GrammarMasks, StepFailure, StepResult, WorkerRequest
 
 log = logging.getLogger("sluice.worker")
-
-FAILED = "step failed in the worker: "  # how a StepResult's error starts when the step raised
 
 
 @dataclass
@@ -41,10 +39,12 @@ class Launched:
 
     msg: ExecuteStep
     tensors: StepTensors | None = None
+    failure: StepFailure | None = None  # (then `error` says what happened)
     error: str | None = None
 
     def result(self) -> StepResult:
-        out = StepResult(epoch=self.msg.epoch, seq=self.msg.seq, step=self.msg.batch.step, error=self.error)
+        msg = self.msg
+        out = StepResult(epoch=msg.epoch, seq=msg.seq, step=msg.batch.step, failure=self.failure, error=self.error)
         if self.tensors is not None:
             out.sampled, out.num_emitted, out.logprobs, out.prompt_logprobs = self.tensors.host()
         return out
@@ -72,14 +72,15 @@ class Worker:
             return None  # stale or duplicated
         if self.broken or msg.seq != self.next_seq:
             self.broken = True
-            return Launched(msg, error=f"ExecuteStep {msg.seq} of epoch {msg.epoch} came before {self.next_seq}")
+            error = f"ExecuteStep {msg.seq} of epoch {msg.epoch} came before {self.next_seq}"
+            return Launched(msg, failure="gap", error=error)
         self.next_seq += 1
         try:
             return Launched(msg, self._run(msg))
         except Exception as e:  # a bug, or a fault: the scheduler recomputes the step's requests
             log.exception("step %d (epoch %d, seq %d) failed", msg.batch.step, msg.epoch, msg.seq)
             self.broken = True
-            return Launched(msg, error=f"{FAILED}{type(e).__name__}: {e}")
+            return Launched(msg, failure="raised", error=f"step failed in the worker: {type(e).__name__}: {e}")
 
     def abandon(self, epoch: int) -> None:
         """Steps of epochs before `epoch` waiting for their masks go on, all allowed (their answers are ignored: the

@@ -22,11 +22,11 @@ import concurrent.futures
 
 from actors.engine.grammar import StepMasks
 from actors.engine.request import EngineRequest
-from actors.engine.worker import FAILED, Launched, Worker
+from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from messages.names import WORKER
-from messages.step import ExecuteStep, FillMasks, StepResult, WorkerRequest
+from messages.step import BLAMING_FAILURES, ExecuteStep, FillMasks, StepFailure, StepResult, WorkerRequest
 
 
 def execute_step(
@@ -63,17 +63,21 @@ class WorkerLost(Exception):
     """A submitted step's StepResult will never come (the message says why). `blames` the step's requests when
     the worker died or the step failed there (one of them may be a poison request), not when a message was lost."""
 
-    def __init__(self, reason: str, blames: bool = False):
+    def __init__(self, failure: StepFailure, reason: str):
         super().__init__(reason)
-        self.blames = blames
+        self.failure = failure
+
+    @property
+    def blames(self) -> bool:
+        return self.failure in BLAMING_FAILURES
 
 
 DIED = "the worker died"
 
 
 def _checked(result: StepResult) -> StepResult:
-    if result.error is not None:
-        raise WorkerLost(result.error, blames=result.error == DIED or result.error.startswith(FAILED))
+    if result.failure is not None:
+        raise WorkerLost(result.failure, result.error or result.failure)
     return result
 
 
@@ -90,7 +94,7 @@ class InlineWorker:
     async def result(self, handle: asyncio.Future[Launched | None]) -> StepResult:
         launched = await handle
         if launched is None:
-            raise WorkerLost("the worker ignored a step (stale epoch)")
+            raise WorkerLost("gap", "the worker ignored a step (stale epoch)")
         if not self._on_device:  # on the host already: the lists are ready
             return _checked(launched.result())
         return _checked(await asyncio.get_running_loop().run_in_executor(None, launched.result))
@@ -98,7 +102,7 @@ class InlineWorker:
     def fill(self, msg: FillMasks) -> None:
         self.worker.fill(msg)
 
-    def lost(self, reason: str) -> None:
+    def lost(self, failure: StepFailure, reason: str) -> None:
         """(The inline worker dies with the scheduler.)"""
 
     async def ready(self) -> None:
@@ -123,7 +127,7 @@ class ProcessWorker:
         try:
             return _checked(await asyncio.wait_for(asyncio.shield(handle), self.timeout_s))
         except TimeoutError:
-            self.lost(f"no StepResult within {self.timeout_s} s")
+            self.lost("lost", f"no StepResult within {self.timeout_s} s")
             return _checked(await handle)
 
     def on_result(self, msg: StepResult) -> None:
@@ -132,27 +136,27 @@ class ProcessWorker:
         if key not in self.pending:
             return  # a duplicate, or of a step already given up
         for earlier in [k for k in self.pending if k < key]:
-            self._settle(earlier, error=f"StepResult {earlier[1]} of epoch {earlier[0]} was lost")
-        self._settle(key, msg)
+            self._settle(earlier, "lost", f"StepResult {earlier[1]} of epoch {earlier[0]} was lost")
+        self._settle(key, msg=msg)
 
     def fill(self, msg: FillMasks) -> None:
         self.actor.tell(WORKER, msg)
 
-    def lost(self, reason: str) -> None:
+    def lost(self, failure: StepFailure, reason: str) -> None:
         """Every pending step is lost (the worker died, or its answers stopped)."""
         for key in list(self.pending):
-            self._settle(key, error=reason)
+            self._settle(key, failure, reason)
 
     def down(self) -> None:
         self.up.clear()
         self.reset_due = True
-        self.lost(DIED)
+        self.lost("died", DIED)
 
     async def ready(self) -> None:
         """Until the worker is up (the supervisor restarts it, or gives up and stops the system)."""
         await self.up.wait()
 
-    def _settle(self, key: tuple[int, int], msg: StepResult | None = None, error: str | None = None) -> None:
+    def _settle(self, key: tuple[int, int], failure: StepFailure | None = None, error: str = "", msg=None) -> None:
         future = self.pending.pop(key)
         if not future.done():
-            future.set_result(msg or StepResult(epoch=key[0], seq=key[1], step=-1, error=error))
+            future.set_result(msg or StepResult(epoch=key[0], seq=key[1], step=-1, failure=failure, error=error))

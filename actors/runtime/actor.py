@@ -50,6 +50,7 @@ class Actor:
         self._owned: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self.started = asyncio.Event()  # set once on_start returned: the actor is Ready
+        self._moved = asyncio.Event()  # set as its state may have changed: a message handled, or `moved()`
         self._handlers: dict[type, Handler] = {}
 
     # ------------------------------------------------------------ to override
@@ -93,6 +94,22 @@ class Actor:
     def stop(self) -> None:
         self._stopped.set()
 
+    def moved(self) -> None:
+        """Wake `until` (a task of the actor changed its state outside a handler)."""
+        self._moved.set()
+
+    async def until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until `done()` holds, checked each time the actor's state may have changed (after every message
+        handled, and at `moved()`); False if it still does not after `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not done():
+                    self._moved.clear()
+                    await self._moved.wait()
+        except TimeoutError:
+            return False
+        return True
+
     @property
     def pending_asks(self) -> int:
         return len(self._pending)
@@ -125,6 +142,7 @@ class Actor:
             except Exception:
                 self.handler_errors += 1
                 log.exception("%s: handler failed on %s", self.name, _short(msg))
+            self._moved.set()
 
     def dispatch(self, msg: Msg) -> Awaitable | None:
         """Handle `msg`; returns an awaitable only when there is something to await (the hot path is sync)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -106,6 +107,7 @@ class ActorSystem:
         self.router = Router(self.placement, LAUNCHER, fault_plan)
         self.children: dict[str, multiprocessing.process.BaseProcess] = {}
         self.state: dict[str, str] = {}  # process -> starting | up | down | stopped
+        self.exited: dict[str, asyncio.Event] = {}  # process -> set as its current child exits
         self.restarts: collections.deque[float] = collections.deque()
         self.exit_code = 0
         self.done = asyncio.Event()
@@ -147,25 +149,32 @@ class ActorSystem:
             target=child_main, args=(msgspec.json.encode(config),), name=f"sluice:{proc}", daemon=True
         )
         self.state[proc] = "starting"
+        exited = self.exited[proc] = asyncio.Event()
         child.start()
         self.children[proc] = child
-        asyncio.get_running_loop().add_reader(child.sentinel, self._on_exit, proc, child)
-        deadline = time.monotonic() + self.policy.ready_timeout_s
-        while not all(self.supervisor.ready[a.name].is_set() for a in spec.actors):
-            if child.exitcode is not None:
-                raise StartupError(f"process {proc} exited with code {child.exitcode} during startup")
-            if time.monotonic() > deadline:
-                raise StartupError(f"process {proc} not ready within {self.policy.ready_timeout_s}s")
-            await asyncio.sleep(0.01)
+        asyncio.get_running_loop().add_reader(child.sentinel, self._on_exit, proc, child, exited)
+        ready = [asyncio.ensure_future(self.supervisor.ready[a.name].wait()) for a in spec.actors]
+        died = asyncio.ensure_future(exited.wait())
+        try:  # every actor Ready, or the child gone, or the deadline
+            await asyncio.wait([asyncio.gather(*ready), died], timeout=self.policy.ready_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            for waiting in (*ready, died):
+                waiting.cancel()
+        if exited.is_set():
+            raise StartupError(f"process {proc} exited with code {child.exitcode} during startup")
+        if not all(self.supervisor.ready[a.name].is_set() for a in spec.actors):
+            raise StartupError(f"process {proc} not ready within {self.policy.ready_timeout_s}s")
         self.state[proc] = "up"
         if restart:  # it heard nothing while it started: which actors are down now (their ActorUp follows)
             down = [a.name for p, other in self.specs.items() if self.state.get(p) != "up" for a in other.actors]
             for actor, gone in itertools.product(spec.actors, down):
                 self.router.send(SUPERVISOR, actor.name, ActorDown(actor=gone, reason="down as this one started"))
 
-    def _on_exit(self, proc: str, child) -> None:
+    def _on_exit(self, proc: str, child, exited: asyncio.Event) -> None:
         asyncio.get_running_loop().remove_reader(child.sentinel)
         child.join(1)  # reap it: exitcode is set once joined
+        exited.set()
         if self._stopping or self.children.get(proc) is not child or self.state.get(proc) != "up":
             return  # a death during startup is reported by _spawn
         log.error("process %s (pid %s) died with exit code %s", proc, child.pid, child.exitcode)
@@ -219,10 +228,11 @@ class ActorSystem:
             return
         self._stopping = True
         self.broadcast(Shutdown(reason=reason), exclude=[a.name for a in self.local])
-        deadline = time.monotonic() + self.policy.stop_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.policy.stop_timeout_s
         for proc, child in self.children.items():
-            while child.exitcode is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self.exited[proc].wait()
             if child.exitcode is None:
                 log.warning("process %s did not drain in time: killing", proc)
                 child.kill()

@@ -1,0 +1,86 @@
+"""What every HTTP call passes through: the server's configuration, the API key check, errors turned into
+OpenAI error bodies (and logged with the request id: 5xx as errors, a 5xx is a bug or a dead actor, never the
+client's fault), and a count of every response by endpoint and status."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import msgspec
+from aiohttp import web
+
+from frontend.metrics import Metrics
+from frontend.protocol import RequestError
+from messages.sampling_params import RequestLimits
+
+log = logging.getLogger("sluice.http")
+
+REQUEST_ID = web.RequestKey("sluice_request_id", str)  # set once the handler has named the request
+STREAM_ERROR = web.RequestKey("sluice_stream_error", RequestError)  # an error sent inside a 200 stream
+
+_encode = msgspec.json.Encoder().encode
+
+
+class HttpConfig(msgspec.Struct, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: the launcher picks a free one before spawning (stable across restarts)
+    served_model_name: list[str] = []  # default: the model directory's name
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/*
+    max_body_bytes: int = 16 << 20
+    body_timeout_s: float = 30.0  # a request body must arrive within this
+    abort_timeout_s: float = 5.0  # I7: an Abort without a Finished is re-sent after this
+    max_abort_tries: int = 3
+    drain_timeout_s: float = 5.0  # shutdown waits this long for in-flight requests to finish
+    limits: RequestLimits = RequestLimits()  # per-request sizes (stop strings, bad words, ...)
+    chat_template: str | None = None  # replaces the model's own (--chat-template FILE)
+    tool_call_parser: str | None = None  # set (with --enable-auto-tool-choice): tool_choice "auto" is honoured
+    grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this
+    max_resumes: int = 2  # DESIGN I8: a request live at more engine-side deaths than this fails (a poison request)
+    metrics_prefix: str = "sluice:"  # of /metrics series (--metrics-prefix vllm: for dashboards built for vLLM)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def json_response(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(body), status=status, content_type="application/json")
+
+
+def error_response(e: RequestError) -> web.Response:
+    return json_response(e.body(), e.status)
+
+
+def middleware(config: HttpConfig, metrics: Metrics):
+    @web.middleware
+    async def checked(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            if config.api_key and request.path.startswith("/v1/"):
+                given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+                if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
+                    raise RequestError(401, "Invalid or missing API key", code="invalid_api_key")
+            resp = await handler(request)
+            error = request.get(STREAM_ERROR)
+        except RequestError as e:
+            resp, error = error_response(e), e
+        except web.HTTPException as e:  # unknown route (404), wrong method (405), body too large (413)
+            if e.status < 400:
+                raise
+            error = RequestError(e.status, e.text or e.reason)
+            resp = error_response(error)
+        except Exception:
+            log.exception("[%s] %s %s failed", request.get(REQUEST_ID, "-"), request.method, request.path)
+            error = RequestError(500, "internal server error")
+            resp = error_response(error)
+        if error is not None:
+            level = logging.ERROR if error.status >= 500 else logging.INFO
+            rid = request.get(REQUEST_ID, "-")
+            log.log(level, "[%s] %s %s: %d %s", rid, request.method, request.path, error.status, error.message)
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "other"
+        metrics.http_requests.labels(endpoint, str(error.status if error else resp.status)).inc()
+        return resp
+
+    return checked
