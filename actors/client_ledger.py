@@ -283,15 +283,16 @@ class ClientLedger(Ledger[R]):
         """The client ends a LIVE request: CLOSED, and TOMBSTONED until the engine's terminal message (`send`: an
         Abort is sent; without one, the engine is gone, the tombstone lasts one timeout)."""
         state = self.close(rid, 0)
-        self.tombstones.add(rid, reason, aborted=send)
+        msg = Abort(request_id=rid, reason=reason)
+        self.tombstones.add(msg, sent=send)
         if send:
-            self._abort(rid, reason)
+            self.tell(SCHEDULER, msg)
         return state
 
     def expire(self, now: float) -> None:
         """I7: re-send an Abort that got no Finished in time; give up after max_abort_tries. And find a TextOutputs
         lost on a quiet link."""
-        self.tombstones.expire(now, self._abort)
+        self.tombstones.expire(now, lambda msg: self.tell(SCHEDULER, msg))
         self.find_lost()
 
     def _abort(self, rid: str, reason: AbortReason) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from messages.wire import AbortReason
+from messages.wire import Abort
 
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
@@ -52,7 +52,7 @@ class RecentIds(dict):
 
 @dataclass(slots=True)
 class Tombstone:
-    reason: AbortReason  # of the Abort, re-sent with it
+    abort: Abort  # the Abort sent, re-sent as it is
     since: float  # when the last Abort was sent
     tries: int
 
@@ -66,22 +66,22 @@ class Tombstones(dict):
         self.max_abort_tries = max_abort_tries
         self.log = log
 
-    def add(self, rid: str, reason: AbortReason, aborted: bool = True) -> None:
-        """`aborted`: an Abort was sent. Without one (the engine is gone) one timeout passes, then it is dropped."""
-        self[rid] = Tombstone(reason, time.monotonic(), 1 if aborted else self.max_abort_tries)
+    def add(self, abort: Abort, sent: bool = True) -> None:
+        """`sent`: the Abort was sent. If not (the engine is gone) one timeout passes, then the tombstone is dropped."""
+        self[abort.request_id] = Tombstone(abort, time.monotonic(), 1 if sent else self.max_abort_tries)
 
-    def expire(self, now: float, resend: Callable[[str, str], None]) -> None:
-        """I7: `resend(rid, reason)` the Abort of a tombstone that got no terminal message within the timeout;
-        after max_abort_tries the tombstone is dropped with an error log."""
+    def expire(self, now: float, resend: Callable[[Abort], None]) -> None:
+        """I7: `resend` the Abort of a tombstone that got no terminal message within the timeout; after
+        max_abort_tries the tombstone is dropped with an error log."""
         for rid, t in list(self.items()):
             if now - t.since < self.abort_timeout_s:
                 continue
             if t.tries >= self.max_abort_tries:
-                self.log.error("[%s] no terminal message in time (%s); tombstone dropped", rid, t.reason)
+                self.log.error("[%s] no terminal message in time (%s); tombstone dropped", rid, t.abort.reason)
                 del self[rid]
             else:
                 t.tries, t.since = t.tries + 1, now
-                resend(rid, t.reason)
+                resend(t.abort)
 
 
 LIVE, TOMBSTONED, CLOSED, UNKNOWN = "live", "tombstoned", "closed", "unknown"  # Ledger.where

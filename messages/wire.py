@@ -93,8 +93,7 @@ class IdleReport(Reply, kw_only=True):
 
 
 class AddRequest(Msg, kw_only=True):
-    """HTTP/offline client -> scheduler; the scheduler forwards it to the detokenizer on the
-    scheduler->detokenizer link before any output of the request (FIFO registration)."""
+    """HTTP/offline client -> scheduler -> detokenizer, before any output of the request (FIFO registration)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -116,6 +115,7 @@ class Abort(Msg, kw_only=True):
 
     request_id: str
     reason: AbortReason = "client"
+    attempt: int | None = None  # the copy it ends (the detokenizer's: a stop in that copy's output); None: any copy
 
 
 class AbortAck(Msg, kw_only=True):

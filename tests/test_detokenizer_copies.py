@@ -10,7 +10,7 @@ import pytest
 from actors.detokenizer.actor import DetokenizerActor
 from messages.names import SCHEDULER
 from messages.sampling_params import SamplingParams
-from messages.wire import AbortAck, AddRequest, RequestOutput, StepOutputs, TextOutputs
+from messages.wire import Abort, AbortAck, AddRequest, RequestOutput, StepOutputs, TextOutputs
 from tests.tiny_model import make_tiny_model_dir
 
 RID, CLIENT = "req-1", "client"
@@ -22,11 +22,16 @@ def model(tmp_path_factory):
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-copies") / "model"))
 
 
-@pytest.fixture
-def detok(model):
+def recording(model: str) -> DetokenizerActor:
     actor = DetokenizerActor(model, client=CLIENT)
     actor.sent = []
     actor.tell = lambda dst, msg: actor.sent.append((dst, msg))
+    return actor
+
+
+@pytest.fixture
+def detok(model):
+    actor = recording(model)
     add = AddRequest(
         request_id=RID, prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=5, ignore_eos=True), client=CLIENT
     )
@@ -98,3 +103,26 @@ def test_an_older_copys_abort_ack_does_not_end_the_copy_followed(detok):
     assert RID in detok.live and to_client(detok)[1] == []
     detok.on_ack(AbortAck(request_id=RID, reason="client", attempt=2))
     assert to_client(detok) == (T[:1], ["abort"]) and not detok.live
+
+
+def test_a_stop_aborts_its_copy_only_and_a_newer_copy_replaces_the_tombstone(model):
+    """A stop string in copy 0's output ends the request here and aborts copy 0 (Abort.attempt). Its client, which
+    lost that Finished, re-submits copy 1 while the tombstone waits: copy 1 replaces it (the scheduler drops copy 0
+    silently: no ack would come) and streams; copy 0's late ack is stale; the stop is found again in copy 1."""
+    actor = recording(model)
+    stop = actor.tokenizer.decode([T[1]])
+    params = SamplingParams(max_tokens=5, ignore_eos=True, stop=[stop])
+    add = AddRequest(request_id=RID, prompt_token_ids=[1, 2], params=params, client=CLIENT)
+    actor.on_add(add)
+    step(actor, 0, 0, T[:2], attempt=0)
+    aborts = [m for dst, m in actor.sent if isinstance(m, Abort)]
+    assert aborts == [Abort(request_id=RID, reason="stop", attempt=0)] and RID in actor.tombstones
+    actor.sent.clear()
+    actor.on_add(msgspec.structs.replace(add, resume_token_ids=[], attempt=1))
+    assert RID in actor.live and RID not in actor.tombstones
+    step(actor, 1, 0, T[:1], attempt=1)
+    actor.on_ack(AbortAck(request_id=RID, reason="stop", attempt=0))
+    assert actor.counts.stale == 1 and RID in actor.live
+    step(actor, 2, 1, [T[1]], attempt=1)
+    assert to_client(actor) == (T[:2], ["stop"])  # (the Finished carries the token that held the stop)
+    assert [m for dst, m in actor.sent if isinstance(m, Abort)] == [Abort(request_id=RID, reason="stop", attempt=1)]

@@ -295,6 +295,21 @@ async def test_the_scheduler_runs_only_the_highest_copy_and_ignores_an_unknown_i
     assert engine1.generation_tokens_total - engine0.generation_tokens_total == 6 * 3, "each copy that runs ran once"
 
 
+async def test_an_abort_of_an_older_copy_leaves_the_newer_one_running(clean_llm):  # noqa: F811
+    """The detokenizer's Abort(stop) names the copy whose output held the stop string; sent again or late, it finds
+    a newer copy (its client, which lost that Finished, re-submitted the request) and is ignored: the copy runs
+    to its end (it was taken for the newer copy's abort: a Finished(abort) nobody asked for, in a chaos run)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine0, _ = await clean_llm.fresh_stats()
+    first = AddRequest(request_id=clean_llm.new_id(), prompt_token_ids=[5, 6], params=params, client=CLIENT)
+    stream = clean_llm.client.add(msgspec.structs.replace(first, resume_token_ids=[], attempt=1))
+    clean_llm.client.tell(SCHEDULER, Abort(request_id=first.request_id, reason="stop", attempt=0))
+    await ends_after(stream, 6, 1)
+    await assert_idle(clean_llm)
+    engine1, _ = await clean_llm.fresh_stats()
+    assert engine1.late_aborts_total - engine0.late_aborts_total == 1
+
+
 async def ends_after(stream, num_tokens: int, attempt: int) -> None:
     """The stream gets only copy `attempt`'s outputs, and its Finished after `num_tokens` tokens."""
     while (item := await asyncio.wait_for(stream.queue.get(), 20)) and not isinstance(item, Finished):

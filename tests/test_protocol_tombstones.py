@@ -7,27 +7,28 @@ import logging
 import time
 
 from actors.protocol import Tombstones
+from messages.wire import Abort
 
 
-def test_an_unanswered_abort_is_resent_with_its_reason_then_dropped(caplog):
+def test_an_unanswered_abort_is_resent_as_it_was_then_dropped(caplog):
     tombstones, sent = Tombstones(1.0, 3, logging.getLogger("test")), []
-    tombstones.add("a", "client")
-    tombstones.add("b", "stop")
+    tombstones.add(Abort(request_id="a", reason="stop", attempt=3))  # (a stop string in copy 3's output)
+    tombstones.add(Abort(request_id="b", reason="client"))
     t0 = time.monotonic()
-    tombstones.expire(t0 + 0.5, lambda rid, reason: sent.append((rid, reason)))
+    tombstones.expire(t0 + 0.5, sent.append)
     assert sent == []
     del tombstones["b"]  # its terminal message came
     for i in (1, 2):
-        tombstones.expire(t0 + 1.01 * i, lambda rid, reason: sent.append((rid, reason)))
-        assert sent == [("a", "client")] * i and tombstones["a"].tries == 1 + i
+        tombstones.expire(t0 + 1.01 * i, sent.append)
+        assert sent == [Abort(request_id="a", reason="stop", attempt=3)] * i and tombstones["a"].tries == 1 + i
     with caplog.at_level(logging.ERROR):
-        tombstones.expire(t0 + 3.1, lambda rid, reason: sent.append((rid, reason)))
+        tombstones.expire(t0 + 3.1, sent.append)
     assert len(sent) == 2 and not tombstones
-    assert "[a] no terminal message in time (client); tombstone dropped" in caplog.text
+    assert "[a] no terminal message in time (stop); tombstone dropped" in caplog.text
 
 
 def test_a_tombstone_without_an_abort_is_dropped_after_one_timeout():
     tombstones, sent = Tombstones(1.0, 3, logging.getLogger("test")), []
-    tombstones.add("a", "error", aborted=False)  # the engine is gone: nobody to abort
-    tombstones.expire(time.monotonic() + 1.01, lambda rid, reason: sent.append((rid, reason)))
+    tombstones.add(Abort(request_id="a", reason="error"), sent=False)  # the engine is gone: nobody to abort
+    tombstones.expire(time.monotonic() + 1.01, sent.append)
     assert not tombstones and not sent

@@ -13,7 +13,8 @@ Cases (state x event -> action):
   LIVE       AbortAck             -> Finished(abort) to the client: CLOSED (a replaced copy's ack: stale, dropped)
   LIVE       a step it may have been in is lost -> repaired likewise (see Steps)
   TOMBSTONED entry                -> stale (dropped); a terminal entry closes the tombstone
-  TOMBSTONED AbortAck             -> CLOSED       (TOMBSTONED AddRequest(resumed): ignored, the Abort ends it too)
+  TOMBSTONED AbortAck             -> CLOSED       (TOMBSTONED AddRequest(resumed): ignored, the Abort ends it too,
+                                     unless the Abort named an older copy (a stop string's): the copy replaces it: LIVE)
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it is repaired
@@ -66,7 +67,7 @@ log = logging.getLogger("sluice.detokenizer")
 
 SHUTDOWN_DRAIN_S = 5.0
 MARKERS_FOR_S = 5.0  # a client gets a marker at each housekeeping tick this long after its last output
-CLOSED, ABORTED, ORPHAN = "closed", "aborted", "orphan"  # `recent`: what became of an id not live
+CLOSED, ABORTED, ORPHAN = "closed", "aborted", "orphan"  # fate: CLOSED | (ABORTED, reason) | ORPHAN (unregistered)
 
 
 class DetokenizerActor(Actor):
@@ -85,9 +86,8 @@ class DetokenizerActor(Actor):
         self.stats_to = client
         self.stats_interval_s = stats_interval_s
         self.requests: Ledger[DetokRequestState] = Ledger(abort_timeout_s, max_abort_tries, log)
-        # its fate notes of ids not live: CLOSED | (ABORTED, reason) | ORPHAN (output came unregistered)
         self.live, self.tombstones, self.fate = self.requests.live, self.requests.tombstones, self.requests.fate
-        self.counts = self.requests.counts  # violations by kind "any", resumes by "lost_output" (a repair)
+        self.counts = self.requests.counts  # violations: one kind, "any"; resumes: "lost_output" (repairs)
         self.numbers: dict[str, int] = {}  # client -> the number of its next TextOutputs
         self.names: dict[str, SentNames] = {}  # client -> the requests of its last TextOutputs (named in the next)
         self.last_sent: dict[str, float] = {}  # client -> when it was last sent output
@@ -117,7 +117,10 @@ class DetokenizerActor(Actor):
                            num_prompt_tokens=len(msg.prompt_token_ids), num_output_tokens=len(msg.resume_token_ids))  # fmt: skip
             self._send(msg.client, TextOutputs(step=-1, deltas=[], finished=[abort_finished(fin, before[1])]))
             return
-        if rid in self.tombstones or (not resumed and (rid in self.live or before == CLOSED or aborted)):
+        tomb = self.tombstones.get(rid)
+        if resumed and tomb is not None and tomb.abort.attempt is not None and msg.attempt > tomb.abort.attempt:
+            del self.tombstones[rid]  # its Abort ends only an older copy, which the scheduler replaces silently
+        elif tomb is not None or (not resumed and (rid in self.live or before == CLOSED or aborted)):
             if not resumed:  # (a copy of one ended here: the Abort sent ends the copy too)
                 self._violation(rid, "AddRequest for an id already in use")
             return
@@ -158,7 +161,7 @@ class DetokenizerActor(Actor):
                 batch.finished.append(finished)
                 self._close(rid)
                 if out.finish_reason is None:  # we ended it; the engine still runs it
-                    self._tombstone(rid, state.abort_reason or "stop")
+                    self._tombstone(rid, state.abort_reason or "stop", state.attempt)  # (this copy only)
         for client, batch in batches.items():
             if batch.deltas or batch.finished:
                 self._send(client, batch)
@@ -239,9 +242,11 @@ class DetokenizerActor(Actor):
         if abort:
             self._tombstone(rid, "error")
 
-    def _tombstone(self, rid: str, reason: AbortReason) -> None:
-        self.tombstones.add(rid, reason)
-        self._abort(rid, reason)
+    def _tombstone(self, rid: str, reason: AbortReason, attempt: int | None = None) -> None:
+        """Abort the request in the engine (`attempt`: only that copy, and any older; its output ended it here)."""
+        msg = Abort(request_id=rid, reason=reason, attempt=attempt)
+        self.tombstones.add(msg)
+        self.tell(SCHEDULER, msg)
 
     def _abort(self, rid: str, reason: AbortReason) -> None:
         self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
@@ -285,7 +290,7 @@ class DetokenizerActor(Actor):
             for client, sent in self.last_sent.items():
                 if time.monotonic() - sent < MARKERS_FOR_S:
                     self._send(client, TextOutputs(step=-1, deltas=[]), marker=True)
-            self.tombstones.expire(time.monotonic(), self._abort)
+            self.tombstones.expire(time.monotonic(), lambda msg: self.tell(SCHEDULER, msg))
             stats = DetokStats(
                 stale_outputs_dropped_total=self.counts.stale,
                 protocol_violations_total=self.counts.violations.total(),

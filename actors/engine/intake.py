@@ -19,6 +19,8 @@ Cases (DESIGN section 3; request state at the scheduler x event -> action):
   a higher copy seen         AddRequest(resumed) -> dropped while one is live, or if the detokenizer made it; a client's
                                       runs renumbered as the newest copy (it lost that copy's end, or never saw it)
   resumed, copy not yet freed Abort -> remembered: registered and acked at once when the copy is freed
+  a newer copy than its own  Abort(attempt) -> stale (the detokenizer's of a copy since replaced: a stop string found in
+                                      that copy's output, sent again or late): ignored, counted as a late abort
   any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
 """
 
@@ -160,7 +162,10 @@ class RequestIntake:
         return guidance_error(msg.params, self.config, self.model) if msg.params.guided else None
 
     def on_abort(self, msg: Abort) -> None:
-        if msg.request_id in self.resuming:  # registered, then acked at once, when its earlier copy is freed
+        if msg.attempt is not None and msg.attempt < self._newest_copy(msg.request_id):
+            self.late_aborts += 1
+            log.debug("[%s] abort (%s) of copy %d ignored: a newer copy runs", msg.request_id, msg.reason, msg.attempt)
+        elif msg.request_id in self.resuming:  # registered, then acked at once, when its earlier copy is freed
             self.recent.remember(msg.request_id, msg.reason)
         elif (copy := self.compiling.pop(msg.request_id, None)) is not None:
             log.info("[%s] aborted while its grammar compiled (%s)", msg.request_id, msg.reason)
@@ -178,6 +183,12 @@ class RequestIntake:
             log.debug("[%s] late abort (%s) ignored", msg.request_id, msg.reason)
             if msg.request_id not in self.recent and msg.reason != "stop":  # (a stop is found in output: an
                 self.recent.remember(msg.request_id, msg.reason)  # unknown id's is an earlier incarnation's)
+
+    def _newest_copy(self, rid: str) -> int:
+        """The attempt of the newest copy of `rid` held here (-1: none)."""
+        req = self.sched.requests.get(rid)
+        copies = (self.resuming.get(rid), self.compiling.get(rid), req)
+        return max((c.attempt for c in copies if c is not None), default=-1)
 
     def _aborted(self, msg: Abort) -> None:
         """A later copy of a request its client aborted is acked at once; a copy of one the detokenizer ended (a stop
