@@ -1,7 +1,7 @@
 """The scheduler actor's request intake: AddRequest, Abort and ActorDown, admission, the grammar compile, AbortAcks.
 
 A mixin of SchedulerActor (actors/engine/scheduler_actor.py), on its state: `sched` (the Scheduler), `recent`
-(the last 65536 ids, RecentIds), `compiling`, `resuming`, `silent`, `abort_reasons`, `queued`.
+(the last 65536 ids, RecentIds), `compiling`, `resuming`, `queued`.
 
 Cases (DESIGN section 3; request state at the scheduler x event -> action):
   waiting / preempted        Abort -> removed from the queue, AbortAck now
@@ -100,8 +100,7 @@ class RequestIntake:
         if rid not in self.sched.requests:
             log.info("[%s] resumed after %d tokens", rid, len(msg.resume_token_ids))
             return False
-        if self.sched.abort(rid):
-            self.silent.add(rid)
+        self.sched.abort(rid, None)
         self.resuming[rid] = msg
         self._send_acks()  # admits it now if the copy is freed already
         return True
@@ -173,8 +172,7 @@ class RequestIntake:
             self.tell(
                 self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason, attempt=copy.attempt)
             )
-        elif self.sched.abort(msg.request_id):
-            self.abort_reasons[msg.request_id] = msg.reason
+        elif self.sched.abort(msg.request_id, msg.reason):
             self._aborted(msg)
             log.info("[%s] aborted (%s)", msg.request_id, msg.reason)
             self._send_acks()
@@ -199,12 +197,10 @@ class RequestIntake:
     def _send_acks(self) -> None:
         for req in self.sched.drain_aborted():
             rid = req.request_id
-            reason = self.abort_reasons.pop(rid, "client")
             self.queued.pop(rid, None)  # aborted before it was scheduled
-            if rid in self.silent:
-                self.silent.discard(rid)
-            else:
-                self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=reason, attempt=req.attempt))
+            if req.abort_reason is not None:
+                ack = AbortAck(request_id=rid, reason=req.abort_reason, attempt=req.attempt)
+                self.tell(self.config.detokenizer, ack)
         for rid in [r for r in self.resuming if r not in self.sched.requests]:
             self._register(self.resuming.pop(rid))
 
@@ -213,8 +209,7 @@ class RequestIntake:
             return
         live = [r.request_id for r in (*self.sched.waiting, *self.sched.running)]
         log.warning("detokenizer down: aborting %d requests silently", len(live) + len(self.compiling))
-        self.silent.update(live)
         self.compiling.clear()
         for rid in live:
-            self.sched.abort(rid)
+            self.sched.abort(rid, None)
         self._send_acks()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.request import EngineRequest, RequestStatus
-from messages.wire import FinishReason, RequestOutput
+from messages.wire import AbortReason, FinishReason, RequestOutput
 
 
 class RequestLedger:
@@ -36,14 +36,14 @@ class RequestLedger:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop scheduling the request now. False for an unknown, finished or already aborted id
-        (a late abort): no AbortAck is due for it."""
+    def abort(self, request_id: str, reason: AbortReason | None = "client") -> bool:
+        """Stop scheduling the request now (`reason`: its AbortAck's, once freed; None: aborted silently). False for
+        an unknown, finished or already aborted id (a late abort): no AbortAck is due for it."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
         self._dequeue(req)
-        req.status = RequestStatus.ABORTED
+        req.status, req.abort_reason = RequestStatus.ABORTED, reason
         self._settle(req)
         return True
 

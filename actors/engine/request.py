@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from actors.engine.grammar import Matcher
 from gpu.batch import PLACEHOLDER
 from messages.sampling_params import SamplingParams
-from messages.wire import AddRequest, FinishReason, TokenLogprobs
+from messages.wire import AbortReason, AddRequest, FinishReason, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +55,7 @@ class EngineRequest:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' chained hashes
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     error: str | None = None  # why the request ended with finish_reason "error"
+    abort_reason: AbortReason | None = None  # aborted: its Abort's reason, acked with it; None: silently (no AbortAck)
     first_seq: int = 0  # a resumed request's first output seq here (DESIGN I8): the tokens it arrived with
     attempt: int = 0  # AddRequest.attempt: which copy of the request this is (its outputs carry it)
     scheduled_at: float = 0.0  # when first scheduled (time.monotonic)

@@ -81,8 +81,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         self.model = ModelConfig.from_path(self.config.model)
         self.max_model_len = min(self.config.max_model_len, self.model.max_model_len)
         self.late_aborts = 0
-        self.abort_reasons: dict[str, str] = {}
-        self.silent: set[str] = set()
         self.recent = RecentIds()  # ids seen
         self.names = SentNames()  # the requests of the last StepOutputs, named in the next (a lost one's suspects)
         self.copies = RecentIds()  # id -> the highest AddRequest.attempt seen of it (resumed ids only)
@@ -155,7 +153,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
     def on_check(self, msg: CheckIdle) -> IdleReport:
         held = sum(r.worker_outputs >= 0 for r in self.sched.requests.values())  # (the worker frees them at the next
         details = idle_details(self.sched) | {  # step, or when the engine goes idle)
-            "abort_reasons": len(self.abort_reasons), "silent_aborts": len(self.silent), "queued": len(self.queued),
+            "silent_aborts": sum(r.is_finished and r.abort_reason is None for r in self.sched.requests.values()),
+            "queued": len(self.queued),
             "compiling": len(self.compiling), "resuming": len(self.resuming), "pending_asks": self.pending_asks,
             "gate_permits": self.gate.permits or 0, "held_steps": int(self.gate.holding),
             "worker_requests": held + len(self.freed),
