@@ -282,7 +282,7 @@ class ClientLedger(Ledger[R]):
     def abort(self, rid: str, reason: AbortReason, send: bool = True) -> R:
         """The client ends a LIVE request: CLOSED, and TOMBSTONED until the engine's terminal message (`send`: an
         Abort is sent; without one, the engine is gone, the tombstone lasts one timeout)."""
-        state = self.close(rid, 0)
+        state = self.forget(rid)  # (its fate is written when its terminal message closes the tombstone)
         msg = Abort(request_id=rid, reason=reason)
         self.tombstones.add(msg, sent=send)
         if send:

@@ -84,9 +84,6 @@ class Tombstones(dict):
                 resend(t.abort)
 
 
-LIVE, TOMBSTONED, CLOSED, UNKNOWN = "live", "tombstoned", "closed", "unknown"  # Ledger.where
-
-
 @dataclass
 class ProtocolCounts:
     """What a party's ledger dropped or repaired (exported as metrics)."""
@@ -116,13 +113,6 @@ class Ledger(Generic[S]):
         self.fate = RecentIds()
         self.counts = counts or ProtocolCounts()
         self.log = log
-
-    def where(self, rid: str) -> str:
-        if rid in self.live:
-            return LIVE
-        if rid in self.tombstones:
-            return TOMBSTONED
-        return CLOSED if rid in self.fate else UNKNOWN
 
     def open(self, rid: str, state: S) -> S:
         self.live[rid] = state

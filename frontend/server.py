@@ -38,7 +38,6 @@ from messages.wire import (
     EngineStats,
     Finished,
     IdleReport,
-    Shutdown,
     TextOutputs,
 )
 
@@ -63,7 +62,6 @@ class HttpActor(Actor):
         self.admitting = True
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
-        self._draining: asyncio.Future | None = None
         self._large_reads, self._large_parses = asyncio.Semaphore(LARGE_READS), asyncio.Semaphore(LARGE_PARSES)
 
     def handlers(self):
@@ -75,7 +73,6 @@ class HttpActor(Actor):
             ActorDown: self.on_actor_down,
             ActorUp: self.on_actor_up,
             CheckIdle: self.on_check,
-            Shutdown: self.on_shutdown_message,
         }
 
     async def on_start(self) -> None:
@@ -128,21 +125,8 @@ class HttpActor(Actor):
         details = self.table.idle_details
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
-    def on_shutdown_message(self, msg: Shutdown) -> None:
-        """The runtime's default awaits on_shutdown inside dispatch: the Finished we drain for would
-        wait behind it. Drain in a task instead, and keep handling messages."""
-        self.spawn(self._shutdown_then_stop(msg.reason))
-
-    async def _shutdown_then_stop(self, reason: str) -> None:
-        await self.on_shutdown(reason)
-        self.stop()
-
     async def on_shutdown(self, reason: str) -> None:
-        if self._draining is None:  # SIGINT reaches us directly and as the launcher's Shutdown
-            self._draining = asyncio.ensure_future(self._drain(reason))
-        await asyncio.shield(self._draining)
-
-    async def _drain(self, reason: str) -> None:
+        """Runs once (Actor.drain), while the handlers go on: the Finished it waits for arrive meanwhile."""
         self.admitting = False
         if self.table.live:
             log.info("shutdown (%s): aborting %d requests", reason, len(self.table.live))
@@ -156,6 +140,7 @@ class HttpActor(Actor):
         while True:
             await asyncio.sleep(min(0.5, self.config.abort_timeout_s / 2))
             self.table.expire(time.monotonic())
+            self.moved()  # (a drain waits for the table to empty)
 
     # ------------------------------------------------------------ HTTP
 
@@ -213,6 +198,7 @@ class HttpActor(Actor):
         finally:
             if not req.done:  # the client went away (a failed write, or this handler was cancelled)
                 self.table.cancel(req, "client")
+                self.moved()
 
     async def _parse(self, request: web.Request, parse, rid: str) -> ParsedRequest:
         """Small bodies are parsed inline. Large ones (or of unknown length) are read LARGE_READS at a time, each

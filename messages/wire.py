@@ -115,7 +115,7 @@ class Abort(Msg, kw_only=True):
 
     request_id: str
     reason: AbortReason = "client"
-    attempt: int | None = None  # the copy it ends (the detokenizer's: a stop in that copy's output); None: any copy
+    attempt: int | None = None  # the copy it ends (the detokenizer's: found in that copy's output); None: any copy
 
 
 class AbortAck(Msg, kw_only=True):

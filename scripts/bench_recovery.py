@@ -18,8 +18,8 @@ import time
 import openai
 
 from actors.engine.config import EngineConfig
+from frontend.http_base import HttpConfig
 from frontend.launch import resolve_model, start_server
-from frontend.server import HttpConfig
 
 
 async def stream(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: asyncio.Event, stamps: list[float]):

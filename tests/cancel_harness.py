@@ -17,7 +17,7 @@ from frontend.offline import AsyncLLM
 from messages.names import SCHEDULER
 from messages.sampling_params import SamplingParams
 from messages.wire import CheckIdle, Finished, Probe
-from scripts.chaos import Outcome
+from scripts.chaos_check import Outcome
 from tests.tiny_model import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -12,7 +12,8 @@ import pytest
 from actors.engine.config import SpeculativeConfig
 from frontend.offline import AsyncLLM
 from messages.wire import Finished
-from scripts.chaos import Outcome, chaos, chaos_config, compare, fault_plan, workload
+from scripts.chaos import chaos, chaos_config, fault_plan, workload
+from scripts.chaos_check import Outcome, compare
 from tests.cancel_harness import clean_llm, model_dir  # noqa: F401 (fixtures)
 
 SEED, REQUESTS = 7, 300

@@ -31,8 +31,8 @@ PROMPTS = [f"Story {i}: once upon a time" for i in range(2)]
 @pytest.fixture(scope="module")
 async def own_server(tiny_model_dir):
     from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
     from frontend.launch import start_server
-    from frontend.server import HttpConfig
 
     engine = EngineConfig(
         model=str(tiny_model_dir), max_model_len=512, max_num_seqs=16, num_kv_blocks=256, engine_threads=1,

@@ -192,7 +192,7 @@ async def test_a_restarted_actor_hears_who_is_down_now_not_what_died_while_it_st
 
 LAUNCHER = """
 import asyncio, sys
-from actors.runtime import Actor, ActorSpec, ActorSystem, ProcessSpec
+from actors.runtime import ActorSpec, ActorSystem, ProcessSpec
 async def main():
     procs = [ProcessSpec(name=f"p{i}", actors=[ActorSpec(name=f"echo{i}", factory="tests.runtime_actors:Echo")]) for i in range(2)]
     async with ActorSystem(procs) as system:

@@ -58,7 +58,6 @@ from messages.wire import (
     DetokStats,
     Finished,
     IdleReport,
-    Shutdown,
     StepOutputs,
     TextOutputs,
 )
@@ -94,11 +93,10 @@ class DetokenizerActor(Actor):
         self.copies = RecentIds()  # id -> the highest AddRequest.attempt made or registered (resumed ids only)
         self.steps = StepNumbers()
         self.duplicate_steps = self.lost_steps = 0
-        self._draining = False
 
     def handlers(self):
         return {AddRequest: self.on_add, StepOutputs: self.on_step, AbortAck: self.on_ack, ActorDown: self.on_actor_down,
-                CheckIdle: self.on_check, Shutdown: self.on_shutdown_msg}  # fmt: skip
+                CheckIdle: self.on_check}  # fmt: skip
 
     async def on_start(self) -> None:
         token_table(self.tokenizer)  # build the byte tables now, not on the first request
@@ -195,15 +193,6 @@ class DetokenizerActor(Actor):
         details = {**self.requests.idle_details, "pending_asks": self.pending_asks}
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
-    def on_shutdown_msg(self, msg: Shutdown) -> None:
-        if not self._draining:
-            self._draining = True
-            self.spawn(self._drain_and_stop(msg.reason))
-
-    async def _drain_and_stop(self, reason: str) -> None:
-        await self.on_shutdown(reason)
-        self.stop()
-
     async def on_shutdown(self, reason: str) -> None:
         await self.until(lambda: not (self.live or self.tombstones), SHUTDOWN_DRAIN_S)
         for rid in list(self.live):  # the scheduler did not end it (it is not shutting down, or too slow)
@@ -298,3 +287,4 @@ class DetokenizerActor(Actor):
                 repairs_total=self.counts.resumes.total(),
             )
             self.tell(self.stats_to, stats)
+            self.moved()  # (a drain waits for the requests to end)

@@ -19,8 +19,8 @@ Cases (DESIGN section 3; request state at the scheduler x event -> action):
   a higher copy seen         AddRequest(resumed) -> dropped while one is live, or if the detokenizer made it; a client's
                                       runs renumbered as the newest copy (it lost that copy's end, or never saw it)
   resumed, copy not yet freed Abort -> remembered: registered and acked at once when the copy is freed
-  a newer copy than its own  Abort(attempt) -> stale (the detokenizer's of a copy since replaced: a stop string found in
-                                      that copy's output, sent again or late): ignored, counted as a late abort
+  a newer copy than its own  Abort(attempt) -> stale (the detokenizer's, for a stop string or a bad token in the output
+                                      of a copy since replaced, sent again or late): ignored, counted as a late abort
   any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
 """
 

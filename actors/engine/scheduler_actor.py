@@ -41,7 +41,7 @@ from actors.engine.intake import RequestIntake
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.metrics import engine_stats, idle_details, log_speculation
 from actors.engine.recovery import WorkerRecovery
-from actors.engine.request import EngineRequest
+from actors.engine.request import EngineRequest, RequestStatus
 from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import make_proposer
 from actors.engine.worker import Worker
@@ -153,7 +153,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
     def on_check(self, msg: CheckIdle) -> IdleReport:
         held = sum(r.worker_outputs >= 0 for r in self.sched.requests.values())  # (the worker frees them at the next
         details = idle_details(self.sched) | {  # step, or when the engine goes idle)
-            "silent_aborts": sum(r.is_finished and r.abort_reason is None for r in self.sched.requests.values()),
+            "silent_aborts": sum(r.status is RequestStatus.ABORTED and r.abort_reason is None
+                                 for r in self.sched.requests.values()),
             "queued": len(self.queued),
             "compiling": len(self.compiling), "resuming": len(self.resuming), "pending_asks": self.pending_asks,
             "gate_permits": self.gate.permits or 0, "held_steps": int(self.gate.holding),

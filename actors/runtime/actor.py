@@ -51,6 +51,7 @@ class Actor:
         self._stopped = asyncio.Event()
         self.started = asyncio.Event()  # set once on_start returned: the actor is Ready
         self._moved = asyncio.Event()  # set as its state may have changed: a message handled, or `moved()`
+        self._draining: asyncio.Task | None = None
         self._handlers: dict[type, Handler] = {}
 
     # ------------------------------------------------------------ to override
@@ -93,6 +94,12 @@ class Actor:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def drain(self, reason: str) -> None:
+        """Shutdown (the supervisor's message, or a signal): `on_shutdown` runs once, in a task of its own, so the
+        actor goes on handling the messages it drains for; then the actor stops."""
+        if self._draining is None:
+            self._draining = self.spawn(self._shutdown(reason))
 
     def moved(self) -> None:
         """Wake `until` (a task of the actor changed its state outside a handler)."""
@@ -175,7 +182,7 @@ class Actor:
         elif isinstance(msg, Ping):
             self.tell(msg.reply_to, Pong(corr_id=msg.corr_id, payload=msg.payload))
         elif isinstance(msg, Shutdown):
-            return self._shutdown(msg.reason)
+            self.drain(msg.reason)
         elif not isinstance(msg, ActorUp):
             self.unexpected += 1
             log.warning("%s: no handler for %s, dropped", self.name, type(msg).__name__)

@@ -77,7 +77,7 @@ async def _serve(config: ChildConfig) -> int:
     actors = [spec.build() for spec in config.process.actors]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _drain, actors)
+        loop.add_signal_handler(sig, lambda: [actor.drain("signal") for actor in actors])
     watchdog = asyncio.ensure_future(_watch_parent(config.parent_pid))
     try:
         async with asyncio.TaskGroup() as tasks:
@@ -94,23 +94,6 @@ async def _serve(config: ChildConfig) -> int:
     finally:
         watchdog.cancel()
         router.close()
-
-
-_draining: set[asyncio.Task] = set()
-
-
-def _drain(actors: list[Actor]) -> None:
-    for actor in actors:
-        task = asyncio.ensure_future(_shutdown(actor, "signal"))
-        _draining.add(task)
-        task.add_done_callback(_draining.discard)
-
-
-async def _shutdown(actor: Actor, reason: str) -> None:
-    try:
-        await actor.on_shutdown(reason)
-    finally:
-        actor.stop()
 
 
 async def _watch_parent(parent_pid: int) -> None:

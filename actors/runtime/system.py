@@ -153,14 +153,13 @@ class ActorSystem:
         child.start()
         self.children[proc] = child
         asyncio.get_running_loop().add_reader(child.sentinel, self._on_exit, proc, child, exited)
-        ready = [asyncio.ensure_future(self.supervisor.ready[a.name].wait()) for a in spec.actors]
+        ready = asyncio.ensure_future(_all_set([self.supervisor.ready[a.name] for a in spec.actors]))
         died = asyncio.ensure_future(exited.wait())
         try:  # every actor Ready, or the child gone, or the deadline
-            await asyncio.wait([asyncio.gather(*ready), died], timeout=self.policy.ready_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            await asyncio.wait([ready, died], timeout=self.policy.ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for waiting in (*ready, died):
-                waiting.cancel()
+            ready.cancel()
+            died.cancel()
         if exited.is_set():
             raise StartupError(f"process {proc} exited with code {child.exitcode} during startup")
         if not all(self.supervisor.ready[a.name].is_set() for a in spec.actors):
@@ -248,3 +247,8 @@ class ActorSystem:
         self.router.close()
         remove_rundir(self.rundir)
         self.done.set()
+
+
+async def _all_set(events: list[asyncio.Event]) -> None:
+    for event in events:
+        await event.wait()
