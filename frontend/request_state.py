@@ -20,7 +20,7 @@ from messages.wire import AddRequest, Finished, TokenLogprobs
 
 class Choice:
     __slots__ = (
-        "engine_id", "final_sent", "finished", "index", "last_output", "live", "logprobs", "record", "request", "started",
+        "engine_id", "final_sent", "finished", "index", "last_output", "logprobs", "record", "request", "started",
         "text", "text_offset", "token_ids", "tools",
     )  # fmt: skip
 
@@ -33,7 +33,6 @@ class Choice:
         self.logprobs: list[TokenLogprobs] = []
         self.record: RequestRecord | None = None  # set as its AddRequest is sent (ClientLedger.submit)
         self.finished: Finished | None = None
-        self.live = True
         self.started = False  # streaming: a chunk of it was written
         self.final_sent = False  # streaming: the finish_reason chunk was written
         self.text_offset = 0  # streaming completions logprobs: where the next token's text starts

@@ -80,7 +80,6 @@ class RequestTable(ClientLedger[Choice]):
     # ------------------------------------------------------------ ending requests
 
     def _ended(self, c: Choice) -> None:
-        c.live = False
         c.request.num_live -= 1
         c.request.wake.set()
 
@@ -93,7 +92,7 @@ class RequestTable(ClientLedger[Choice]):
 
     def cancel(self, req: HttpRequest, reason: AbortReason = "client") -> None:
         """The client is gone: tombstone every live choice and abort it in the engine."""
-        live = [c for c in req.choices if c.live]
+        live = [c for c in req.choices if c.engine_id in self.live]
         if live:
             log.info("[%s] %s: aborting %d choices", req.id, reason, len(live))
         for c in live:
@@ -104,7 +103,7 @@ class RequestTable(ClientLedger[Choice]):
         if req.error is None:
             req.error = error
         for c in req.choices:
-            if c.live:
+            if c.engine_id in self.live:
                 self._tombstone(c, "error", send_abort)
         req.wake.set()
 

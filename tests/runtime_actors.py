@@ -88,6 +88,19 @@ class Recorder(Actor):
         self.events.append((type(msg).__name__, msg.actor))
 
 
+class Drainer(Recorder):
+    """A Recorder whose drain waits (2 s at most) for a Probe: `drained` says whether one came, `done` is set after."""
+
+    def __init__(self, name: str = "drainer"):
+        super().__init__(name)
+        self.drained: bool | None = None
+        self.done = asyncio.Event()
+
+    async def on_shutdown(self, reason: str) -> None:
+        self.drained = await self.until(lambda: self.probes, timeout_s=2)
+        self.done.set()
+
+
 class Sender(Actor):
     """Runs in the test process: a named source for links like `tester->echo`."""
 

@@ -13,8 +13,8 @@ import zmq
 
 from actors.runtime import Actor, ActorSpec, ActorSystem, AskTimeout, ProcessSpec, RestartPolicy
 from messages.codec import BadFrame, Codec, LocalOnlyError
-from messages.wire import Abort, AbortReason, CheckIdle, Finished, FinishReason, Opaque, Ping, Pong, Probe
-from tests.runtime_actors import Recorder, Sender
+from messages.wire import Abort, AbortReason, CheckIdle, Finished, FinishReason, Opaque, Ping, Pong, Probe, Shutdown
+from tests.runtime_actors import Drainer, Recorder, Sender
 
 ECHO = ProcessSpec(name="echoproc", actors=[ActorSpec(name="echo", factory="tests.runtime_actors:Echo")])
 FAST = RestartPolicy(heartbeat_s=0.2, heartbeat_timeout_s=0.5, max_missed=2, max_restarts=2, window_s=60)
@@ -245,3 +245,14 @@ async def test_until_wakes_when_the_state_moves_and_gives_up_at_its_deadline():
     assert checks == [0, 1, 2], "checked once at the start and once per change"
     await task
     assert not await actor.until(lambda: len(state) > 2, timeout_s=0.05)
+
+
+async def test_an_actor_drains_while_it_goes_on_handling_messages():
+    """Shutdown runs `on_shutdown` in a task of the actor's own: a drain that waits for a message gets it (awaited
+    inside the message loop, as it was, it waited out its deadline: the scheduler's did, for a worker's results)."""
+    tester, drainer = Sender(), Drainer()
+    async with ActorSystem([ECHO], local=[tester, drainer]):
+        tester.tell("drainer", Shutdown(reason="shutdown"))
+        tester.tell("drainer", Probe(seq=1))
+        await asyncio.wait_for(drainer.done.wait(), 10)
+    assert drainer.drained and [p.seq for p in drainer.probes] == [1]

@@ -14,7 +14,7 @@ Cases (state x event -> action):
   LIVE       a step it may have been in is lost -> repaired likewise (see Steps)
   TOMBSTONED entry                -> stale (dropped); a terminal entry closes the tombstone
   TOMBSTONED AbortAck             -> CLOSED       (TOMBSTONED AddRequest(resumed): ignored, the Abort ends it too,
-                                     unless the Abort named an older copy (a stop string's): the copy replaces it: LIVE)
+                                     unless the Abort named an older copy (its own, for that copy's output): the copy replaces it: LIVE)
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
   unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
                                      remembered: if its AddRequest comes after all (reordered), it is repaired
