@@ -56,13 +56,13 @@ class FakeModel:
         """The sampled positions in order (a row verifying K drafts samples its last K + 1) and how many each
         sampling row emits: its drafts up to the first the model disagrees with, plus one. A CFG companion's row
         only writes its KV (its PLACEHOLDER is its parent's last sample; guidance does not change the output)."""
-        sampled, emitted = [], []
+        sampled, emitted, prev = [], [], dict(self.prev)  # PLACEHOLDERs are the step before's samples
         parent_slot = {r.request_id: r.slot for r in batch.rows if r.guidance_scale is None}
         for row in batch.rows:
             ids = list(row.token_ids)
             assert ids and PLACEHOLDER not in ids[:-1]
             if ids[-1] == PLACEHOLDER:
-                ids[-1] = self.prev[row.slot if row.guidance_scale is None else parent_slot[row.request_id]]
+                ids[-1] = prev[row.slot if row.guidance_scale is None else parent_slot[row.request_id]]
             end = row.num_computed + len(ids)
             assert len(row.block_table) >= -(-end // self.bs)
             for pos, tok in enumerate(ids, row.num_computed):
@@ -107,12 +107,14 @@ class Harness:
         self.finish: dict[str, tuple] = {}
         self.acks: list[str] = []
         self.batches: list[BatchSpec] = []
+        self.requests: dict[str, EngineRequest] = {}
 
     def add(self, rid, prompt, negative: list[int] | None = None, **params):
         """A request; with a `negative` prompt, guided (guidance_scale 2) by a CFG companion holding it."""
         req = EngineRequest(rid, list(prompt), SamplingParams(guidance_scale=2.0 if negative else 1.0, **params))
         req.companion = Companion(req, negative) if negative else None
         self.sched.add_request(req)
+        self.requests[rid] = req
 
     def drafts(self) -> dict[str, list[int]] | None:
         if self.proposer is None:
@@ -128,6 +130,7 @@ class Harness:
         assert len(set(parents)) == len(parents) and len({r.slot for r in batch.rows}) == len(batch.rows)
         assert all(r.num_computed + len(r.token_ids) < s.max_model_len for r in batch.rows)
         sampled = self.model.execute(batch)
+        self._check_contexts(batch)
         self.batches.append(batch)
         if batch.rows:
             self.queue.append((batch, sampled))
@@ -141,6 +144,19 @@ class Harness:
     def drained(self) -> list[str]:
         """The ids `drain_aborted` gives now (their AbortAcks are due)."""
         return [r.request_id for r in self.sched.drain_aborted()]
+
+    def _check_contexts(self, batch: BatchSpec) -> None:
+        """After a step, every row's block table holds its sequence's known tokens below its start (computed by
+        itself, taken from the cache, or written by another row of the step: a device writes every row's KV before
+        any row attends): a shared block overwritten, or a cached block handed out after its eviction, fails."""
+        bs, kv = self.model.bs, self.model.kv
+        for row in batch.rows:
+            req = self.requests[row.request_id]
+            known = (req if row.guidance_scale is None else req.companion).all_token_ids
+            for pos in range(min(row.num_computed, len(known))):
+                held = kv.get((row.block_table[pos // bs], pos % bs))
+                who = row.request_id if row.guidance_scale is None else f"{row.request_id}'s companion"
+                assert held == known[pos], f"{who} position {pos}: {held} in KV, not {known[pos]}"
 
     def _update(self, batch, result):
         for out in self.sched.update(batch, *result):

@@ -156,3 +156,22 @@ def test_a_long_shared_prefix_computes_only_its_tail():
     fed = sum(len(r.token_ids) for b in h.batches[start:] for r in b.rows)
     assert req.num_cached_tokens >= 992 and fed == 1002 - req.num_cached_tokens + 1  # the tail, then one decode
     assert h.tokens["second"] == expected([*prefix, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True), 1100)[0]
+
+
+def test_a_companion_keeps_its_cached_prefix_while_its_parent_takes_new_blocks():
+    """A guided request's companion hits its negative prompt's cached blocks at the front of the free queue, and
+    its parent's new blocks come from that front: admission takes every hit before any new block (it once gave
+    the parent the companion's hits, evicted, and the companion read the parent's prompt as its own; the harness
+    checks every row's context after each step)."""
+    h = Harness(num_blocks=6, block_size=4, max_num_seqs=2, budget=32, max_model_len=20, caching=True)
+    negative = list(range(10, 19))  # two full blocks and one token
+    h.add("x", negative, max_tokens=1, ignore_eos=True)  # blocks 0-2, freed first
+    h.add("y", list(range(40, 49)), max_tokens=3, ignore_eos=True)  # blocks 3-5, freed after x's
+    h.run()
+    assert list(h.sched.block_manager.free_queue) == [2, 1, 0, 5, 4, 3]
+    start = len(h.batches)
+    h.add("b", list(range(60, 69)), negative, max_tokens=2, ignore_eos=True)  # the parent needs three new blocks
+    h.run()
+    companion = next(r for r in h.batches[start].rows if r.guidance_scale is not None)
+    assert companion.num_computed == 8 and companion.block_table[:2] == [0, 1]  # x's cached blocks, kept
+    assert h.tokens["b"] == expected(list(range(60, 69)), SamplingParams(max_tokens=2, ignore_eos=True), 20)[0]

@@ -85,10 +85,10 @@ class BlockManager:
     def can_allocate(self, num_tokens: int, hits: list[int] = (), companion: tuple[int, list[int]] = (0, [])):
         """Whether a sequence without blocks (and its CFG companion), taking `hits` first, can get blocks for
         `num_tokens` more tokens: new blocks, and hit blocks that leave the free queue, come out of it."""
-        need = 0
-        for n, blocks in ((num_tokens, hits), companion):
-            need += self.num_blocks_for(len(blocks) * self.block_size + n) - len(blocks)
-            need += sum(1 for b in blocks if not self.ref_counts[b])
+        need = sum(
+            self.num_blocks_for(len(b) * self.block_size + n) - len(b) for n, b in ((num_tokens, hits), companion)
+        )
+        need += len({b for b in (*hits, *companion[1]) if not self.ref_counts[b]})  # (a block both hit counts once)
         return need <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:

@@ -148,7 +148,7 @@ class Scheduler(RequestLedger):
             hits = self.block_manager.prefix_hits(req)  # each sequence's cached prefix (counted as computed)
             n, m = plan_tokens(req, budget, chunk)
             blocked = req.num_inflight_steps or len(self.free_slots) < len(req.sequences) or not n + m
-            if blocked or not self.block_manager.can_allocate(n, hits[0], (m, hits[-1]) if m else (0, [])):
+            if blocked or not self.block_manager.can_allocate(n, hits[0], (m, hits[1]) if req.companion else (0, [])):
                 for seq in req.sequences:
                     seq.num_computed_tokens = 0
                 break  # strict FIFO: the head waits for its in-flight sample, for slots, budget or free blocks
@@ -159,9 +159,10 @@ class Scheduler(RequestLedger):
                 self.block_manager.queries += req.num_prompt_tokens
                 self.block_manager.hits += req.num_cached_tokens
             req.status = RequestStatus.RUNNING
-            for seq, blocks in zip(req.sequences, hits, strict=True):
-                seq.slot = self.free_slots.pop()
-                self.block_manager.allocate(seq, n if seq is req else 0, blocks)
+            for seq, blocks in zip(req.sequences, hits, strict=True):  # every hit out of the free queue first: a
+                seq.slot = self.free_slots.pop()  # new block taken from it could be another sequence's hit
+                self.block_manager.allocate(seq, 0, blocks)
+            self.block_manager.append_slots(req, n)  # (the companion's grow with its row)
             self.running.append(req)
             self._add_rows(batch, req, n, m)
             budget -= n + m
