@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor  # imported now: the warm-up m
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from actors.engine.json_schema import structural_tag_schemas, unsupported
 from messages.sampling_params import StructuredOutput
 from messages.step import GrammarMasks
 
@@ -65,8 +66,10 @@ class Grammars:
         try:
             match spec.kind:
                 case "json":
-                    if not isinstance(json.loads(spec.spec), (dict, bool)):
+                    schema = json.loads(spec.spec)
+                    if not isinstance(schema, (dict, bool)):
                         raise GrammarError("a JSON schema must be an object")
+                    _enforceable(schema)
                     return c.compile_json_schema(spec.spec, any_whitespace=False)
                 case "json_object":
                     return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
@@ -77,6 +80,8 @@ class Grammars:
                 case "grammar":
                     return c.compile_grammar(spec.spec)
                 case "structural_tag":
+                    for schema in structural_tag_schemas(json.loads(spec.spec)):
+                        _enforceable(schema)
                     return c.compile_structural_tag(spec.spec)
         except GrammarError:
             raise
@@ -132,6 +137,11 @@ def warm(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> No
     Not a daemon: a process that exits while the thread is inside xgrammar's C++ aborts (SIGABRT, "terminate
     called without an active exception"), so the interpreter waits for it at exit (a few seconds at most)."""
     threading.Thread(target=grammars, args=(model_dir, vocab_size, stop_token_ids), name="sluice-grammar-warm").start()
+
+
+def _enforceable(schema) -> None:
+    if problem := unsupported(schema):
+        raise GrammarError(problem)
 
 
 def _choice_ebnf(choices) -> str:

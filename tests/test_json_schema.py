@@ -1,0 +1,115 @@
+"""JSON-schema keywords xgrammar would not enforce are refused (actors/engine/json_schema.py): each refused case is
+shown to be needed (xgrammar 0.2.8's grammar for it lets a violating value through, or refuses a valid one), each
+is found by its path in nested schemas and in structural tags, and Grammars.compile refuses the spec; what xgrammar
+does enforce passes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from actors.engine.grammar import GrammarError, grammars
+from actors.engine.json_schema import structural_tag_schemas, unsupported
+from messages.sampling_params import StructuredOutput
+from tests.cancel_harness import model_dir  # noqa: F401 (fixture)
+
+EOS, VOCAB = 2, 49152  # the tiny model's
+INT_ARRAY = {"type": "array", "items": {"type": "integer"}}
+# name: (schema, a value xgrammar's grammar wrongly accepts, or None with a valid value it wrongly refuses, keyword)
+REFUSED = {
+    "not": ({"type": "integer", "not": {"const": 1}}, "1", None, "'not'"),
+    "if-then": ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, "9", None, "'if'"),
+    "contains": (INT_ARRAY | {"contains": {"const": 5}}, "[1]", None, "'contains'"),
+    "uniqueItems": (INT_ARRAY | {"uniqueItems": True}, None, "[1,2]", "'uniqueItems'"),
+    "allOf": ({"allOf": [{"type": "integer", "minimum": 1}, {"maximum": 3}]}, "7", None, "'allOf'"),
+    "multipleOf-number": ({"type": "number", "multipleOf": 0.5}, "0.3", None, "'multipleOf'"),
+    "multipleOf-untyped": ({"multipleOf": 3}, "4", None, "'multipleOf'"),
+    "pattern-length": ({"type": "string", "pattern": "^[a-c]+$", "maxLength": 2}, '"abcabc"', None, "'maxLength'"),
+    "format-length": ({"type": "string", "format": "email", "maxLength": 5}, '"ab@example.com"', None, "beside"),
+    "unknown-format": ({"type": "string", "format": "bogus"}, '"x"', None, "'format'"),
+    "remote-ref": ({"$ref": "http://example.com/s.json"}, "1", None, "'$ref'"),
+}
+ENFORCED = {  # features xgrammar does enforce: (schema, a value it must refuse)
+    "multipleOf-integer": ({"type": "integer", "multipleOf": 3}, "4"),
+    "one-allOf": ({"allOf": [{"type": "integer", "maximum": 3}]}, "7"),
+    "oneOf-disjoint": ({"oneOf": [{"const": 1}, {"const": 2}]}, "3"),
+    "email": ({"type": "string", "format": "email"}, '"nope"'),
+    "pattern": ({"type": "string", "pattern": "^[a-c]+$"}, '"xyz"'),
+    "local-ref": ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}, '"s"'),
+    "bounded-array": (INT_ARRAY | {"minItems": 2, "maxItems": 3}, "[1]"),
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(model_dir):  # noqa: F811
+    return grammars(str(model_dir), VOCAB, (EOS,))
+
+
+def matches(compiler, schema: dict, text: str) -> bool:
+    """Whether xgrammar's grammar for `schema` accepts the whole of `text`."""
+    compiled = compiler._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    m = xgr.GrammarMatcher(compiled)
+    return m.accept_string(text) and m.accept_token(EOS)
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_each_refused_keyword_is_one_xgrammar_does_not_enforce(compiler, name):
+    schema, wrongly_accepted, wrongly_refused, keyword = REFUSED[name]
+    if wrongly_accepted is not None:
+        assert matches(compiler, schema, wrongly_accepted), "xgrammar enforces it now: the rule can go"
+    else:
+        assert not matches(compiler, schema, wrongly_refused), "xgrammar enforces it now: the rule can go"
+    problem = unsupported(schema)
+    assert problem is not None and keyword in problem and "not supported" in problem
+    with pytest.raises(GrammarError, match="not supported"):
+        compiler.compile(StructuredOutput(kind="json", spec=json.dumps(schema)))
+
+
+@pytest.mark.parametrize("name", ENFORCED)
+def test_what_xgrammar_enforces_is_accepted(compiler, name):
+    schema, violating = ENFORCED[name]
+    assert unsupported(schema) is None
+    assert not matches(compiler, schema, violating)
+    compiler.compile(StructuredOutput(kind="json", spec=json.dumps(schema)))
+
+
+def test_found_by_path_anywhere_but_never_in_names_or_values():
+    nested = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "integer"},  # a property named like a keyword is a name
+            "tags": {"anyOf": [{"type": "null"}, INT_ARRAY | {"uniqueItems": True}]},
+        },
+        "default": {"not": 1},  # values are not schemas
+    }
+    assert unsupported(nested) == (
+        "properties.tags.anyOf[1]: 'uniqueItems' is not supported (the grammar engine cannot enforce it)"
+    )
+    del nested["properties"]["tags"]
+    assert unsupported(nested) is None
+    assert unsupported({"$defs": {"x": {"not": {}}}}).startswith("$defs.x: 'not'")
+    assert unsupported({"items": [{"type": "string"}, {"if": {}}]}).startswith("items[1]: 'if'")
+    assert unsupported({"uniqueItems": False, "allOf": [{}]}) is None
+
+
+def test_structural_tags_are_checked_schema_by_schema(compiler):
+    good, bad = {"type": "object"}, {"type": "object", "properties": {"a": {"not": {}}}}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<tool_call>"],
+            "tags": [
+                {"type": "tag", "begin": f"<tool_call>{n}", "content": {"type": "json_schema", "json_schema": s},
+                 "end": "</tool_call>"}
+                for n, s in (("a", good), ("b", bad))
+            ],  # fmt: skip
+        },
+    }
+    assert list(structural_tag_schemas(tag)) == [good, bad]
+    with pytest.raises(GrammarError, match=r"properties\.a: 'not' is not supported"):
+        compiler.compile(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))
+    tag["format"]["tags"].pop()
+    compiler.compile(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))
