@@ -58,7 +58,7 @@ def _error_message(error) -> str:
     return error.get("message", str(error)) if isinstance(error, dict) else str(error)
 
 
-async def _sse_data(content: aiohttp.StreamReader):
+async def sse_data(content: aiohttp.StreamReader):
     """Yield (arrival time, payload) for each `data:` line; one await per network read, not per line."""
     tail = b""
     async for block in content.iter_any():
@@ -78,7 +78,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return out
-            async for now, data in _sse_data(resp.content):
+            async for now, data in sse_data(resp.content):
                 if done := data == b"[DONE]":
                     break
                 chunk = msgspec.json.decode(data)
@@ -169,7 +169,7 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
     async with session.get(f"{base_url}/v1/models") as resp:
         resp.raise_for_status()
         return (await resp.json())["data"][0]["id"]
@@ -185,7 +185,7 @@ async def run(args: argparse.Namespace) -> dict:
         headers=headers, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=6 * 3600)
     )
     async with session:
-        model = args.model or await _first_model(session, base_url)
+        model = args.model or await first_model(session, base_url)
         limit = asyncio.Semaphore(args.concurrency or args.num_prompts + args.warmup)
         in_flight = peak = 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shlex
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,20 +37,30 @@ METRICS = (  # (label, result key, stat, higher is better)
 )
 
 
+NO_VLLM = "# no vLLM at {}: Sluice alone (see ../shared/notes/peers.md to install it)"
+
+
 def commands(args, model_dir: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     sluice = [sys.executable, "-m", "frontend.cli", "serve", "--port", str(args.port), "--log-level", "WARNING"]
     servers = {"sluice": ([*sluice, *shlex.split(args.sluice_args)], {})}
-    vllm = Path(args.vllm).expanduser()
-    if vllm.is_file():
-        cmd = [str(vllm), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(args.port),
-               "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048",
-               "--no-enable-prefix-caching"]  # fmt: skip
-        env = dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_KVCACHE_SPACE="2",
-                   VLLM_CPU_OMP_THREADS_BIND="auto")  # fmt: skip
-        servers["vllm"] = (cmd, env)
+    if vllm := vllm_command(args, model_dir, prefix_caching=False):
+        servers["vllm"] = vllm
     else:
-        print(f"# no vLLM at {vllm}: Sluice alone (see ../shared/notes/peers.md to install it)")
+        print(NO_VLLM.format(args.vllm))
     return servers
+
+
+def vllm_command(args, model_dir: Path, prefix_caching: bool) -> tuple[list[str], dict[str, str]] | None:
+    """vLLM's CPU build served as ../shared/notes/peers.md says (None when it is not installed)."""
+    vllm = Path(args.vllm).expanduser()
+    if not vllm.is_file():
+        return None
+    cmd = [str(vllm), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(args.port),
+           "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048"]  # fmt: skip
+    cmd.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    env = dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND="auto")  # fmt: skip
+    return cmd, env
 
 
 def healthy(port: int) -> bool:
@@ -59,8 +71,9 @@ def healthy(port: int) -> bool:
         return False
 
 
-def measure(name: str, cmd: list[str], env: dict[str, str], args) -> dict:
-    """Start the server, time its startup, run the workload at each concurrency, stop it."""
+@contextlib.contextmanager
+def serving(name: str, cmd: list[str], env: dict[str, str], args) -> Iterator[float]:
+    """Start a server alone, wait for /health 200 and yield its startup seconds; stop it (SIGINT, then SIGKILL)."""
     log = open(Path(args.logs) / f"{name}.log", "w")  # noqa: SIM115 (closed below)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -70,7 +83,21 @@ def measure(name: str, cmd: list[str], env: dict[str, str], args) -> dict:
             if proc.poll() is not None or time.perf_counter() > deadline:
                 raise RuntimeError(f"{name} did not become healthy; see {log.name}")
             time.sleep(0.2)
-        results = {"startup_s": time.perf_counter() - start}
+        yield time.perf_counter() - start
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def measure(name: str, cmd: list[str], env: dict[str, str], args) -> dict:
+    """Start the server, time its startup, run the workload at each concurrency, stop it."""
+    with serving(name, cmd, env, args) as startup_s:
+        results = {"startup_s": startup_s}
         base = ["--base-url", f"http://127.0.0.1:{args.port}", "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--seed", "0"]  # fmt: skip
         for c in args.concurrency:
@@ -81,14 +108,14 @@ def measure(name: str, cmd: list[str], env: dict[str, str], args) -> dict:
             print(f"\n### {name}, concurrency {c}", flush=True)
             results[c] = asyncio.run(bench_serve.run(ns))
         return results
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+
+
+def machine() -> str:
+    """The date, CPU model, core count and load: written beside every figure."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
+    load = Path("/proc/loadavg").read_text().split()[0]
+    return f"{time.strftime('%Y-%m-%d %H:%M')}, {cpu}, {os.cpu_count()} cores, load {load}"
 
 
 def value(result: dict, key: str, stat: str | None) -> float:
@@ -109,11 +136,7 @@ def main() -> None:
     ap.add_argument("--logs", default="/tmp", help="where the servers' logs go")
     args = ap.parse_args()
     model_dir = default_model_dir()
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
-    load = Path("/proc/loadavg").read_text().split()[0]
-    print(f"# bench_peers {time.strftime('%Y-%m-%d %H:%M')}: {model_dir.name} fp32, {cpu}, {os.cpu_count()} cores, "
-          f"load {load}, {args.input_len} in / {args.output_len} out, greedy")  # fmt: skip
+    print(f"# bench_peers {machine()}: {model_dir.name} fp32, {args.input_len} in / {args.output_len} out, greedy")
     results = {name: measure(name, cmd, env, args) for name, (cmd, env) in commands(args, model_dir).items()}
     names = list(results)
     print("\n" + f"{'':24s}" + "".join(f"{n:>12s}" for n in names) + ("   sluice/vllm" if len(names) > 1 else ""))
