@@ -81,3 +81,11 @@ def test_children_do_not_import_torch_through_the_cli():
     code = "import sys, frontend.cli, frontend.server; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("flag", "caching"), [([], True), (["--no-enable-prefix-caching"], False)])
+def test_prefix_caching_is_on_unless_turned_off(flag, caching):
+    from frontend.cli import _engine_config
+
+    args = build_parser().parse_args(["serve", "m", *flag])
+    assert _engine_config(args, "m").enable_prefix_caching is caching
