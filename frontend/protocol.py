@@ -120,11 +120,12 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
         max_tokens = req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structured, grammar_param = structured_output(req)
-    tools, tool_spec, tool_calls = tool_grammar(req, ctx.tool_call_parser)
-    if tool_spec is not None:
+    tools, tool_spec, tool_param = tool_grammar(req, ctx.tool_call_parser)
+    tool_calls = tool_spec is not None
+    if tool_calls:
         if structured is not None:
             raise RequestError(400, f"{grammar_param} cannot be combined with tool_choice {req.tool_choice!r}", "tools")
-        structured, grammar_param = tool_spec, "tools"
+        structured, grammar_param = tool_spec, tool_param
     rename = {"logprobs": "top_logprobs", "max_tokens": max_param}
     params = _sampling_params(req, ctx, max_tokens, logprobs, rename, structured, grammar_param)
     if req.messages is None:

@@ -12,7 +12,9 @@ At most one of them per request (a 400 names the second):
 
 Parsing only reads the fields (it may run on the event loop); `compile_check` compiles the spec off the loop
 within `ServingContext.grammar_timeout_s`, so an invalid or too slow spec is a 400 naming its field before
-anything reaches the engine, and nothing blocks the loop.
+anything reaches the engine, and nothing blocks the loop. A grammar of several tools that does not compile names
+the first tool whose parameters do not compile on their own (compiled one by one within the same deadline; when
+none is found in time, `tools`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 
 from actors.engine.grammar import GrammarError, grammars
 from frontend.body import RequestError
+from frontend.tools import tool_parameters
 from messages.sampling_params import GrammarKind, StructuredOutput
 
 _KEYS: dict[str, GrammarKind] = {
@@ -55,13 +58,31 @@ def structured_output(req) -> tuple[StructuredOutput | None, str | None]:
 
 
 async def compile_check(spec: StructuredOutput, param: str, ctx) -> None:
-    """Compile `spec` off the event loop within ctx.grammar_timeout_s; a 400 naming `param` if it is invalid."""
-    key = (ctx.model_dir, ctx.vocab_size, tuple(ctx.tokenizer.eos_token_ids))
+    """Compile `spec` off the event loop within ctx.grammar_timeout_s; a 400 naming `param` (or the tool at
+    fault, module docstring) if it is invalid."""
+    loop = asyncio.get_running_loop()
+    compiler = await loop.run_in_executor(
+        None, grammars, ctx.model_dir, ctx.vocab_size, tuple(ctx.tokenizer.eos_token_ids)
+    )
+    deadline = loop.time() + ctx.grammar_timeout_s
+    if (error := await _check(compiler, spec, ctx.grammar_timeout_s)) is None:
+        return
+    parts = tool_parameters(spec) if param == "tools" else []
+    for part_param, part in parts:
+        if (left := deadline - loop.time()) <= 0:
+            break
+        if (part_error := await _check(compiler, part, left)) is not None and loop.time() < deadline:
+            param, error = part_param, part_error
+            break
+    raise RequestError(400, f"{param}: {error}", param) from error
+
+
+async def _check(compiler, spec: StructuredOutput, timeout: float) -> GrammarError | None:
     try:
-        compiler = await asyncio.get_running_loop().run_in_executor(None, grammars, *key)
-        await asyncio.get_running_loop().run_in_executor(None, compiler.check, spec, ctx.grammar_timeout_s)
+        await asyncio.get_running_loop().run_in_executor(None, compiler.check, spec, timeout)
     except GrammarError as e:
-        raise RequestError(400, f"{param}: {e}", param) from e
+        return e
+    return None
 
 
 def _response_format(value) -> tuple[StructuredOutput, str] | None:
@@ -91,9 +112,8 @@ def _structured_outputs(value) -> tuple[StructuredOutput, str]:
         param = f"structured_outputs.{unknown[0]}"
         raise RequestError(400, f"{param} is not supported (one of {', '.join(_KEYS)})", param)
     if value.get("disable_any_whitespace") not in (None, True):  # JSON is always compact here (grammar.py)
-        raise RequestError(
-            400, "structured_outputs.disable_any_whitespace: only true is supported", "structured_outputs"
-        )
+        param = "structured_outputs.disable_any_whitespace"
+        raise RequestError(400, f"{param}: only true is supported (the output JSON is always compact)", param)
     given = [k for k in _KEYS if value.get(k) not in (None, False)]
     if len(given) != 1:
         raise RequestError(400, f"structured_outputs needs exactly one of {', '.join(_KEYS)}", "structured_outputs")

@@ -12,6 +12,12 @@ Hermes and most open chat templates), as an xgrammar structural tag whose ARGS i
   "required"                     one or more calls and nothing else                tool_calls
   {"type": "function", ...}      exactly one call of that function                 tool_calls
 `parallel_tool_calls: false` allows one call at most.
+
+The parameters of every tool in the grammar (all of them, or the named one) must be enforceable: a keyword
+xgrammar would not enforce (actors/engine/json_schema.py) is a 400 naming `tools[i].function.parameters` at once.
+A schema xgrammar refuses is found by compiling (frontend/structured.py `compile_check`): the named tool's field
+is named; with several tools, `tool_parameters` splits the grammar into each tool's schema, compiled one by one
+to name the first that fails.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 
+from actors.engine.json_schema import unsupported
 from frontend.body import RequestError
 from messages.sampling_params import StructuredOutput
 
@@ -28,17 +35,20 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BEGIN, _END = '<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>"
 
 
-def tool_grammar(req, auto_tool_parser: str | None) -> tuple[list[dict] | None, StructuredOutput | None, bool]:
-    """(the tools for the chat template, the grammar of the output, whether to parse tool calls out of it)."""
+def tool_grammar(req, auto_tool_parser: str | None) -> tuple[list[dict] | None, StructuredOutput | None, str | None]:
+    """(the tools for the chat template, the grammar of the output (None: no calls; else they are parsed out of
+    it), the field a compile error of the grammar names: "tools" (every tool, `tool_parameters`) or the named
+    tool's `parameters`)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
             raise RequestError(400, "tool_choice needs tools", "tool_choice")
-        return None, None, False
+        return None, None, None
     tools = _tools(req.tools)
     choice = "auto" if choice is None else choice
     if choice == "none":
-        return tools, None, False
+        return tools, None, None
+    param = "tools"
     one = req.parallel_tool_calls is False
     if choice == "auto":
         if auto_tool_parser is None:
@@ -52,10 +62,10 @@ def tool_grammar(req, auto_tool_parser: str | None) -> tuple[list[dict] | None, 
         fmt = _format("tags_with_separator", tools, one, separator="\n", at_least_one=True)
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        named = [t for t in tools if t["function"]["name"] == name]
-        if not named:
+        i = next((i for i, t in enumerate(tools) if t["function"]["name"] == name), None)
+        if i is None:
             raise RequestError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        fmt = _tag(named[0])
+        fmt, param = _tag(tools[i], i), _parameters(i)
     else:
         raise RequestError(
             400, 'tool_choice must be "none", "auto", "required" or {"type": "function", ...}', "tool_choice"
@@ -63,8 +73,17 @@ def tool_grammar(req, auto_tool_parser: str | None) -> tuple[list[dict] | None, 
     return (
         tools,
         StructuredOutput(kind="structural_tag", spec=json.dumps({"type": "structural_tag", "format": fmt})),
-        True,
+        param,
     )
+
+
+def tool_parameters(spec: StructuredOutput) -> list[tuple[str, StructuredOutput]]:
+    """A grammar of every tool (field "tools") split into each tool's parameters schema, with its field."""
+    tags = json.loads(spec.spec)["format"]["tags"]
+    return [
+        (_parameters(i), StructuredOutput(kind="json", spec=json.dumps(tag["content"]["json_schema"])))
+        for i, tag in enumerate(tags)
+    ]
 
 
 def _tools(value) -> list[dict]:
@@ -83,13 +102,20 @@ def _tools(value) -> list[dict]:
         names.add(name)
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise RequestError(400, f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
+            raise RequestError(400, f"{_parameters(i)} must be a JSON schema object", _parameters(i))
     return value
 
 
-def _tag(tool: dict) -> dict:
+def _parameters(i: int) -> str:
+    return f"tools[{i}].function.parameters"
+
+
+def _tag(tool: dict, i: int) -> dict:
+    """Tool i's call; a 400 if its parameters use a keyword the grammar would not enforce."""
     fn = tool["function"]
     schema = fn.get("parameters") or {"type": "object", "properties": {}}
+    if problem := unsupported(schema, _parameters(i)):
+        raise RequestError(400, problem, _parameters(i))
     return {
         "type": "tag",
         "begin": _BEGIN.format(json.dumps(fn["name"])),
@@ -99,4 +125,4 @@ def _tag(tool: dict) -> dict:
 
 
 def _format(kind: str, tools: list[dict], one: bool, **options) -> dict:
-    return {"type": kind, "tags": [_tag(t) for t in tools], "stop_after_first": one, **options}
+    return {"type": kind, "tags": [_tag(t, i) for i, t in enumerate(tools)], "stop_after_first": one, **options}
