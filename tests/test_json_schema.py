@@ -102,10 +102,14 @@ def test_structural_tags_are_checked_schema_by_schema(compiler):
             "type": "triggered_tags",
             "triggers": ["<tool_call>"],
             "tags": [
-                {"type": "tag", "begin": f"<tool_call>{n}", "content": {"type": "json_schema", "json_schema": s},
-                 "end": "</tool_call>"}
+                {
+                    "type": "tag",
+                    "begin": f"<tool_call>{n}",
+                    "content": {"type": "json_schema", "json_schema": s},
+                    "end": "</tool_call>",
+                }
                 for n, s in (("a", good), ("b", bad))
-            ],  # fmt: skip
+            ],
         },
     }
     assert list(structural_tag_schemas(tag)) == [good, bad]
