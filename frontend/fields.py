@@ -2,7 +2,8 @@
 for every optional field, unknown fields are ignored: OpenAI clients send `user`, `metadata`,
 `service_tier`), and the fields of OpenAI's or vLLM's API that Sluice does not honour (yet), each
 with the values that are its no-op. Any other value of those is refused with a 400 naming it: a
-field accepted but ignored would silently change the answer.
+field accepted but ignored would silently change the answer. Beam search's fields (`use_beam_search`,
+`length_penalty`, `early_stopping`, and `best_of` > n) are refused with the reason, BEAM_SEARCH.
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
+from frontend.body import RequestError
+
+BEAM_SEARCH = (
+    "beam search is not implemented: a beam group would have to be one unit for the scheduler, the prefix cache "
+    "and the abort protocol"
+)
 
 
 class StreamOptions(msgspec.Struct):
@@ -59,6 +67,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context's length)
     truncation_side: Literal["left", "right"] | None = None  # which end truncation drops from (default left)
+    best_of: int | None = None  # null or n (check_best_of): more is beam search's
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -66,7 +75,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = None
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -87,6 +95,31 @@ def _is(*noops):
     return lambda value: value in noops
 
 
+def beam_search_refused(field: str) -> RequestError:
+    return RequestError(400, f"{field} is not supported: {BEAM_SEARCH}", field)
+
+
+def _beam(field: str, *noops):
+    """A beam search field: a value other than its no-ops is refused, saying why."""
+
+    def noop(value) -> bool:
+        if value not in noops:
+            raise beam_search_refused(field)
+        return True
+
+    return noop
+
+
+def check_best_of(req: SamplingFields) -> None:
+    """best_of: null or n is a no-op; more ranks a group of samples (beam search's), fewer cannot be."""
+    n = 1 if req.n is None else req.n
+    if req.best_of is None or req.best_of == n:
+        return
+    if req.best_of < n:
+        raise RequestError(400, f"best_of ({req.best_of}) must not be less than n ({n})", "best_of")
+    raise beam_search_refused("best_of")
+
+
 def _empty(value) -> bool:
     return not value
 
@@ -94,9 +127,9 @@ def _empty(value) -> bool:
 _NOT_HONOURED = {
     "functions": _empty,
     "function_call": _is(None, "none", "auto"),
-    "use_beam_search": _empty,
-    "length_penalty": _is(None, 1, 1.0),  # (beam search's, as early_stopping: beam search is not implemented)
-    "early_stopping": _is(None, False),
+    "use_beam_search": _beam("use_beam_search", None, False),
+    "length_penalty": _beam("length_penalty", None, 1, 1.0),
+    "early_stopping": _beam("early_stopping", None, False),
     "priority": _is(None, 0),
     "prompt_embeds": _empty,
     "audio": _empty,
@@ -110,7 +143,6 @@ _NOT_HONOURED = {
 }
 NOT_HONOURED_IN_CHAT = {
     **_NOT_HONOURED,
-    "best_of": _is(None, 1),
     "add_special_tokens": _is(None, False),
     "chat_template": _empty,
     "chat_template_kwargs": _empty,
@@ -122,3 +154,4 @@ NOT_HONOURED_IN_COMPLETIONS = {
     "tools": _empty,  # chat only
     "tool_choice": _is(None, "none"),
 }
+NOT_HONOURED_IN_TOKENIZE = {k: NOT_HONOURED_IN_CHAT[k] for k in ("chat_template", "chat_template_kwargs")}  # /tokenize

@@ -35,13 +35,17 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = 0) -> dict:
+    """`cached_tokens`: prompt tokens served from the prefix cache, as OpenAI's prompt_tokens_details (None: left
+    out, as vLLM's per-chunk usage)."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # as OpenAI: prompt tokens served from cache
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 # ---------------------------------------------------------------- logprobs

@@ -1,8 +1,8 @@
 """OpenAI request parsing: JSON body -> validated, tokenized `ParsedRequest`, or a `RequestError`.
 
 Pure functions (no event loop, no actors), so the HTTP actor can run them in an executor. The
-fields each endpoint reads, and those it refuses, are in `frontend.fields`; `suffix`, `best_of` > n
-and streamed `echo` with `logprobs` are refused here. Work is bounded before anything expensive:
+fields each endpoint reads, and those it refuses, are in `frontend.fields`; `suffix` and streamed
+`echo` with `logprobs` are refused here. Work is bounded before anything expensive:
 sizes against `RequestLimits` before iterating, a prompt's length in characters against the context
 before tokenizing (`Tokenizer.max_token_chars`), and a call's choices and their tokens (prompt + max_tokens)
 against `max_choices` and `max_total_tokens`.
@@ -25,6 +25,7 @@ from frontend.fields import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    check_best_of,
 )
 from frontend.guidance import negative_prompt_ids
 from frontend.structured import structured_output
@@ -59,7 +60,7 @@ class ParsedRequest:
     echo: bool
     grammar_param: str | None = None  # the field the prompts' StructuredOutput came from (compiled before admission)
     tool_calls: bool = False  # chat with tools: the output is parsed into message.tool_calls
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk (vLLM)
+    continuous_usage: bool = False  # continuous_usage_stats with include_usage: usage so far on every chunk (vLLM)
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in the response
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
 
@@ -87,8 +88,6 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
     model = _model(req, ctx)
     if req.suffix is not None:
         raise RequestError(400, "suffix is not supported", "suffix")
-    if req.best_of is not None and req.best_of != (req.n or 1):
-        raise RequestError(400, "best_of is not supported (it must be null or equal to n)", "best_of")
     if req.echo and req.logprobs is not None:
         if req.stream:
             raise RequestError(400, "echo with logprobs is not available when stream is true", "echo")
@@ -189,6 +188,7 @@ def _sampling_params(
     structured: StructuredOutput | None = None,
     grammar_param: str | None = None,
 ) -> SamplingParams:
+    check_best_of(req)
     if req.stream_options is not None and not req.stream:
         raise RequestError(400, "stream_options is only allowed when stream is true", "stream_options")
     if req.prompt_logprobs is not None and req.stream:  # as vLLM
@@ -252,7 +252,7 @@ def _completion_prompts(prompt, ctx: ServingContext, check: bool) -> list[tuple[
 
 def _parsed(kind, request_id: str, model: str, prompts: list[PromptInput], req, echo: bool, **extra) -> ParsedRequest:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    extra["continuous_usage"] = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    extra["continuous_usage"] = include_usage and bool(req.stream_options.continuous_usage_stats)  # (as vLLM)
     extra["return_token_ids"], extra["tokens_as_ids"] = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
     created = int(time.time())
     return ParsedRequest(kind, request_id, model, created, prompts, bool(req.stream), include_usage, echo, **extra)

@@ -44,6 +44,11 @@ class Choice:
         """Tokens received: the next delta's seq."""
         return self.record.num_tokens
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens so far: those received, all of them once finished (continuous usage stats)."""
+        return self.finished.num_output_tokens if self.finished is not None else self.num_tokens
+
     def append(self, text: str, token_ids: list[int], logprobs: TokenLogprobs | None) -> None:
         if text:
             self.text.append(text)
@@ -97,6 +102,11 @@ class HttpRequest:
             )
         return out
 
+    def siblings(self, c: Choice) -> list[Choice]:
+        """The n choices sampled from c's prompt, c among them."""
+        first = c.index - c.index % self.parsed.n
+        return self.choices[first : first + self.parsed.n]
+
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.parsed.prompts)
@@ -106,11 +116,6 @@ class HttpRequest:
         """Prompt tokens found in the prefix cache, per prompt (its first choice's: the others share its prompt)."""
         n = self.parsed.n
         return sum(c.finished.num_cached_tokens for c in self.choices[::n] if c.finished is not None)
-
-    @property
-    def num_tokens_so_far(self) -> int:
-        """Output tokens received so far, over every choice (continuous usage stats)."""
-        return sum(c.finished.num_output_tokens if c.finished is not None else c.num_tokens for c in self.choices)
 
     @property
     def num_output_tokens(self) -> int:

@@ -40,7 +40,6 @@ class RequestTable(ClientLedger[Choice]):
     def add(self, parsed: ParsedRequest, client: str) -> HttpRequest:
         """Register the request and send its AddRequests; `client` is the actor that gets the text."""
         req = HttpRequest(parsed)
-        self.metrics.params_n.observe(parsed.n)
         for c, msg in zip(req.choices, req.engine_requests(client), strict=True):
             self.submit(c, msg)
         return req
@@ -60,6 +59,9 @@ class RequestTable(ClientLedger[Choice]):
             self._observe_output(c, now)
         self.metrics.e2e.observe(now - c.request.arrival)
         self.metrics.finished(fin, c.record.add.params)
+        siblings = c.request.siblings(c)
+        if all(s.finished is not None for s in siblings):  # (vLLM observes n and the longest once per prompt)
+            self.metrics.prompt_finished(len(siblings), max(s.finished.num_output_tokens for s in siblings))
         self._ended(c)
         if fin.finish_reason == "error":
             log.warning("[%s] failed in the engine: %s", c.engine_id, fin.error)

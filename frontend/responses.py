@@ -21,8 +21,10 @@ def stream_head(req: HttpRequest) -> bytes:
     p = req.parsed
     if p.kind != "chat":
         return b""
-    head = [fmt.chat_delta(c.index, role="assistant", content="") for c in req.choices]
-    chunks = [fmt.chat_chunk(p.request_id, p.model, p.created, [delta], _so_far(req)) for delta in head]
+    chunks = []
+    for c in req.choices:
+        delta = fmt.chat_delta(c.index, role="assistant", content="")
+        chunks.append(fmt.chat_chunk(p.request_id, p.model, p.created, [delta], _so_far(req, c)))
     if p.return_token_ids:
         chunks[0]["prompt_token_ids"] = p.prompts[0].token_ids
     return b"".join(map(sse, chunks))
@@ -69,7 +71,7 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
             c.index, text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs, tool_calls=calls
         )
         delta |= {"token_ids": ids} if p.return_token_ids else {}
-        return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta], _so_far(req)))
+        return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta], _so_far(req, c)))
     logprobs = None
     if p.logprobs is not None and ids:
         logprobs = fmt.completion_logprobs(ids, TokenLogprobs.join(lps), vocab, c.text_offset)
@@ -78,7 +80,7 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
     if p.return_token_ids:  # (vLLM: the prompt's on the choice's first chunk)
         choice |= {"token_ids": ids} if c.started else {"prompt_token_ids": _prompt(p, c).token_ids, "token_ids": ids}
     c.started = True
-    return sse(fmt.completion(p.request_id, p.model, p.created, [choice], _so_far(req)))
+    return sse(fmt.completion(p.request_id, p.model, p.created, [choice], _so_far(req, c)))
 
 
 def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
@@ -130,9 +132,13 @@ def _logprobs(build, ids: list[int], lps: list[TokenLogprobs], vocab: TokenVocab
     return build(ids, TokenLogprobs.join(lps), vocab)
 
 
-def _so_far(req: HttpRequest) -> dict | None:
-    """stream_options.continuous_usage_stats: the usage so far, on every chunk (None: not asked for)."""
-    return fmt.usage(req.num_prompt_tokens, req.num_tokens_so_far) if req.parsed.continuous_usage else None
+def _so_far(req: HttpRequest, c: Choice) -> dict | None:
+    """stream_options.continuous_usage_stats (with include_usage): on each chunk of a choice, the usage so far of
+    that choice, as vLLM: its prompt's tokens and its own output tokens, without prompt_tokens_details (the
+    cached count arrives with the finish; vLLM reports it on the final usage only). None: not asked for."""
+    if not req.parsed.continuous_usage:
+        return None
+    return fmt.usage(len(_prompt(req.parsed, c).token_ids), c.num_output_tokens, cached_tokens=None)
 
 
 def _usage(req: HttpRequest) -> dict:

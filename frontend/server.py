@@ -56,7 +56,8 @@ class HttpActor(Actor):
         self.model = model
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.metrics = Metrics(self.config.metrics_prefix)
+        self.names = self.config.served_model_name or [Path(model).name]
+        self.metrics = Metrics(self.config.metrics_prefix, self.names[0])  # (vLLM's model_name: the first name)
         c = self.config
         self.table = RequestTable(self.tell, self.metrics, c.abort_timeout_s, c.max_abort_tries, c.max_resumes)
         self.admitting = True
@@ -79,7 +80,7 @@ class HttpActor(Actor):
         """Asks are answered only after this returns: the launcher's first answered ask means "listening"."""
         c = self.config
         tokenizer = Tokenizer.from_model_dir(self.model, c.chat_template)
-        names = c.served_model_name or [Path(self.model).name]
+        names = self.names
         self.ctx = ServingContext(
             tokenizer,
             names,

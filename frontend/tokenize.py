@@ -2,20 +2,25 @@
 `GET /v1/models/{model}` and `GET /version`, as pure functions of a body and the serving context.
 
 /tokenize takes a completion prompt (`prompt`, with `add_special_tokens`, default true) or a chat (`messages`,
-rendered with the chat template, `add_generation_prompt` and `continue_final_message` as a chat request renders
-them; `add_special_tokens` default false, as the template writes them) and answers `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` only with
-`return_token_strs`). /detokenize takes `tokens` and answers `{"prompt"}`. A prompt longer than the context is
-still tokenized (clients ask to learn its length); its size is bounded by the body limit.
+with `tools`, rendered with the chat template, `add_generation_prompt` and `continue_final_message` as a chat
+request renders them; `add_special_tokens` default false, as the template writes them) and answers `{"count",
+"max_model_len", "tokens", "token_strs"}` (`token_strs` only with `return_token_strs`). vLLM's `chat_template` and
+`chat_template_kwargs` are refused as a chat request refuses them (frontend/fields.py). /detokenize takes `tokens`
+and answers `{"prompt"}`. A prompt longer than the context is still tokenized (clients ask to learn its length);
+its size is bounded by the body limit.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
 from frontend.body import RequestError, decode_body
+from frontend.fields import NOT_HONOURED_IN_TOKENIZE
+from frontend.protocol import _chat_turn
+from frontend.tools import tool_grammar
 from messages.sampling_params import ParamError
 
 
@@ -27,6 +32,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool | None = None  # default true, false with continue_final_message (as chat)
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: Any = None  # validated and rendered as a chat request's (frontend/tools.py)
+    # (not fields: what tool_grammar reads; the template renders the same tools whatever the choice)
+    tool_choice: ClassVar[str] = "none"
+    parallel_tool_calls: ClassVar[None] = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -35,17 +44,19 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 def tokenize(body: bytes, ctx) -> dict:
-    req = decode_body(body, TokenizeRequest)
+    req = decode_body(body, TokenizeRequest, NOT_HONOURED_IN_TOKENIZE)
     _model(req.model, ctx)
     tok = ctx.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise RequestError(400, "give exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
+        if req.tools:
+            raise RequestError(400, "tools are rendered with messages only", "tools")
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
+        tools, _, _ = tool_grammar(req, None)
         try:
-            opened = not req.continue_final_message if req.add_generation_prompt is None else req.add_generation_prompt
-            text = tok.render_chat(req.messages, opened, continue_final=req.continue_final_message)
+            text = tok.render_chat(req.messages, tools=tools, **_chat_turn(req))
         except ParamError as e:
             raise RequestError(400, str(e), e.param) from e
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))

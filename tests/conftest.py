@@ -77,14 +77,17 @@ class ServerHandle:
         return aiohttp.ClientSession(self.url, headers=self.headers)
 
     async def metrics(self) -> dict[tuple, float]:
-        """{(sample name, (label pairs sorted)): value} from GET /metrics."""
+        """{(sample name, (label pairs sorted)): value} from GET /metrics (without model_name and engine, which every
+        series carries)."""
         import aiohttp
         from prometheus_client.parser import text_string_to_metric_families
+
+        from frontend.metrics import BASE_LABELS
 
         async with aiohttp.ClientSession() as s, s.get(f"{self.url}/metrics") as resp:
             text = await resp.text()
         return {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k not in BASE_LABELS))): sample.value
             for family in text_string_to_metric_families(text)
             for sample in family.samples
         }

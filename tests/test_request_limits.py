@@ -123,7 +123,7 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
 def test_fields_not_honoured_are_refused(ctx, parse, fields, param):
     base = {"prompt": "hi"} if parse is parse_completion else {"messages": [{"role": "user", "content": "hi"}]}
     err = _error(parse, ctx, json.dumps({**base, "max_tokens": 1, **fields}).encode())
-    assert (err.param, err.message) == (param, f"{param} is not supported")
+    assert err.param == param and err.message.startswith(f"{param} is not supported")  # (beam search's say why)
 
 
 def test_their_no_op_values_are_accepted(ctx):
