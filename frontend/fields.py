@@ -1,6 +1,7 @@
 """The request bodies' fields: what each endpoint reads (msgspec Structs; `null` means "default"
 for every optional field, unknown fields are ignored: OpenAI clients send `user`, `metadata`,
-`service_tier`), and the fields of OpenAI's or vLLM's API that Sluice does not honour (yet), each
+`service_tier`, and vLLM's `include_reasoning` is moot without a reasoning parser), and the fields of
+OpenAI's or vLLM's (0.32) API that Sluice does not honour (yet), each
 with the values that are its no-op. Any other value of those is refused with a 400 naming it: a
 field accepted but ignored would silently change the answer. Beam search's fields (`use_beam_search`,
 `length_penalty`, `early_stopping`, and `best_of` > n) are refused with the reason, BEAM_SEARCH.
@@ -68,6 +69,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context's length)
     truncation_side: Literal["left", "right"] | None = None  # which end truncation drops from (default left)
     best_of: int | None = None  # null or n (check_best_of): more is beam search's
+    cache_salt: str | None = None  # prefix caching shared only among requests with the same salt
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -140,6 +142,18 @@ _NOT_HONOURED = {
     "logits_processors": _empty,
     "guided_whitespace_pattern": _empty,
     "structural_tag": _empty,
+    # vLLM 0.32's other extras: disaggregation, multimodal, reasoning, sessions and output options Sluice lacks
+    "request_id": _is(None),  # Sluice names each request itself (the response's id)
+    "session_id": _is(None),
+    "stream_interval": _is(None, 1),
+    "thinking_token_budget": _is(None),
+    "return_token_offsets": _is(None, False),
+    "return_prompt_text": _is(None, False),
+    "return_mm_kwargs": _is(None, False),
+    "routed_experts_prompt_start": _is(None),
+    **dict.fromkeys(("logprob_token_ids", "watermarking", "repetition_detection", "vllm_xargs"), _empty),
+    **dict.fromkeys(("kv_transfer_params", "ec_transfer_params", "mm_processor_kwargs", "media_io_kwargs"), _empty),
+    "mm_payload": _empty,
 }
 NOT_HONOURED_IN_CHAT = {
     **_NOT_HONOURED,

@@ -103,6 +103,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     guidance_scale: float = 1.0
     negative_prompt_token_ids: list[int] | None = None  # the companion's prompt (None: the model's BOS token alone)
     structured: StructuredOutput | None = None  # grammar-constrained output (None: unconstrained)
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached blocks (vLLM's)
 
     @property
     def guided(self) -> bool:
@@ -157,6 +158,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             if not self.negative_prompt_token_ids:
                 raise ParamError("negative_prompt", "negative_prompt must not be empty")
             _tokens("negative_prompt", self.negative_prompt_token_ids, vocab_size)
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 1024):
+            raise ParamError("cache_salt", "cache_salt must be a string of 1 to 1024 characters")
         if self.structured is not None:
             for name in GRAMMAR_EXCLUSIVE:
                 if getattr(self, name):

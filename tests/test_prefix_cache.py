@@ -10,7 +10,7 @@ import random
 import pytest
 
 from actors.engine.block_manager import BlockManager
-from actors.engine.request import EngineRequest
+from actors.engine.request import Companion, EngineRequest
 from messages.sampling_params import SamplingParams
 from tests.scheduler_harness import EOS, VOCAB, Harness, expected
 
@@ -175,3 +175,21 @@ def test_a_companion_keeps_its_cached_prefix_while_its_parent_takes_new_blocks()
     companion = next(r for r in h.batches[start].rows if r.guidance_scale is not None)
     assert companion.num_computed == 8 and companion.block_table[:2] == [0, 1]  # x's cached blocks, kept
     assert h.tokens["b"] == expected(list(range(60, 69)), SamplingParams(max_tokens=2, ignore_eos=True), 20)[0]
+
+
+def test_a_cache_salt_shares_only_with_the_same_salt():
+    """vLLM's cache_salt: the salt stands for the first block's parent, so the same tokens under another salt (or
+    none) are another chain; a CFG companion salts with its request's."""
+    bm = BlockManager(16, BS, enable_caching=True)
+
+    def salted(rid: str, salt: str | None) -> EngineRequest:
+        return EngineRequest(rid, list(range(9)), SamplingParams(cache_salt=salt))
+
+    a = salted("a", "tenant-1")
+    computed(bm, a, 9)
+    assert bm.computed_blocks(salted("b", "tenant-1")) == a.block_table[:2]
+    assert bm.computed_blocks(salted("c", "tenant-2")) == [] and bm.computed_blocks(salted("d", None)) == []
+    plain = salted("e", None)
+    computed(bm, plain, 9)
+    assert bm.computed_blocks(salted("f", None)) == plain.block_table[:2]
+    assert bm.computed_blocks(Companion(salted("g", "tenant-1"), list(range(9)))) == a.block_table[:2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
 import pytest
 
 from frontend.offline import AsyncLLM
@@ -84,3 +85,22 @@ async def test_usage_metrics_and_prompt_logprobs_over_http(server):
     )
     assert third.usage.prompt_tokens_details.cached_tokens == 0
     assert len(third.choices[0].prompt_logprobs) == 300
+
+
+async def test_cache_salt_over_http(server):
+    """A repeated prompt under another cache_salt finds nothing cached; under the same salt it does; a bad salt is
+    a 400 naming it."""
+    client, prompt = server.client(), random_ids(100, 43)
+
+    async def cached(salt: str | None) -> int:
+        out = await client.completions.create(
+            model=None, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": salt}
+        )
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert await cached("tenant-1") == 0
+    assert await cached("tenant-2") == 0 and await cached(None) == 0
+    assert await cached("tenant-1") >= 96 and await cached(None) >= 96
+    with pytest.raises(openai.BadRequestError) as e:
+        await cached("")
+    assert e.value.body["param"] == "cache_salt"

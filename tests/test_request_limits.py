@@ -118,6 +118,9 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
         (parse_chat, {"early_stopping": True}, "early_stopping"),  # beam search's too
         (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),
         (parse_chat, {"logprobs_mode": "raw_logprobs"}, "logprobs_mode"),  # server-wide: --logprobs-mode
+        (parse_completion, {"request_id": "mine"}, "request_id"),  # vLLM's extras Sluice lacks
+        (parse_chat, {"kv_transfer_params": {"remote": 1}}, "kv_transfer_params"),
+        (parse_chat, {"stream_interval": 4}, "stream_interval"),
     ],
 )
 def test_fields_not_honoured_are_refused(ctx, parse, fields, param):
@@ -129,7 +132,7 @@ def test_fields_not_honoured_are_refused(ctx, parse, fields, param):
 def test_their_no_op_values_are_accepted(ctx):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [], "tool_choice": "none"}
     body |= {"response_format": {"type": "text"}, "add_generation_prompt": True, "user": "u", "metadata": {"k": 1}}
-    body |= {"store": False, "parallel_tool_calls": True, "service_tier": "auto"}
+    body |= {"store": False, "parallel_tool_calls": True, "service_tier": "auto", "stream_interval": 1}
     assert parse_chat(json.dumps(body).encode(), ctx).prompts
 
 

@@ -5,8 +5,10 @@ the scheduler grows it to cover the tokens it is about to feed.
 
 Prefix caching (on unless `enable_caching=False`):
 - A block is identified by a hash chained over its tokens and its parent block's hash (blake2b, 128 bits: a
-  crafted collision could read another request's KV). A KV entry depends on the token prefix alone (one model per
-  engine), so any two sequences with the same token prefix share it, a CFG companion and a request included.
+  crafted collision could read another request's KV); a request's `cache_salt` stands for the first block's
+  parent, so only requests with the same salt share (a tenant cannot probe another's prompts by timing). A KV
+  entry depends on the token prefix alone (one model per engine), so any two sequences with the same token prefix
+  (and salt) share it, a CFG companion and its request included.
 - A block is registered (cached) once it is full of known tokens (prompt and emitted output: never a pending
   sample or a draft) all of which are computed or scheduled: `cache_full_blocks`, after every row is planned. The
   device runs steps in order, so a block registered at scheduling is written before any later step reads it; a
@@ -168,7 +170,12 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < n:
             i = len(hashes)
-            h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
+            h = hashlib.blake2b(hashes[-1] if hashes else _root(seq.cache_salt), digest_size=16)
             h.update(np.asarray(tokens[i * bs : (i + 1) * bs], dtype=np.int64).tobytes())
             hashes.append(h.digest())
         return hashes[:n]
+
+
+def _root(salt: str | None) -> bytes:
+    """The first block's parent: nothing, or the salt's own hash (16 bytes, like every parent's)."""
+    return b"" if salt is None else hashlib.blake2b(b"cache_salt:" + salt.encode(), digest_size=16).digest()

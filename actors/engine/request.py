@@ -122,6 +122,10 @@ class EngineRequest:
         return len(self.output_token_ids)
 
     @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
     def all_token_ids(self) -> list[int]:
         """The known sequence, prompt + output: what a preempted request re-prefills."""
         return self.prompt_token_ids + self.output_token_ids
@@ -150,6 +154,10 @@ class Companion:
     @property
     def request_id(self) -> str:
         return f"{self.parent.request_id}/uncond"
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.parent.params.cache_salt
 
     @property
     def all_token_ids(self) -> list[int]:
