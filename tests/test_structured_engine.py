@@ -1,7 +1,8 @@
 """Structured outputs through the real engine (tiny model, fp32): every constrained greedy token is HF's argmax
 under the grammar's mask (computed plainly, step by step), in sync and async scheduling and with speculation;
 unconstrained requests beside constrained ones are unchanged; seeded draws follow the masked distribution; aborts
-(also while the grammar compiles) leave nothing behind."""
+(also while the grammar compiles) leave nothing behind; xgrammar failing in one request's matcher fails that one
+alone."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from transformers import AutoModelForCausalLM
 
 from actors.engine.config import SpeculativeConfig
 from actors.engine.grammar import GrammarError, Grammars, grammars
+from actors.engine.scheduler_actor import SchedulerActor
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams, StructuredOutput
-from tests.cancel_harness import abort_once_decoding, engine_config, model_dir  # noqa: F401 (fixtures)
+from tests.cancel_harness import assert_idle, engine_config, gate, model_dir, start_held, wait_state  # noqa: F401
 
 EOS, VOCAB = 2, 49152  # the tiny model's
 ALPHA = 0.001  # significance level of the chi-square test
@@ -142,20 +144,89 @@ async def test_seeded_draws_follow_the_masked_distribution(model_dir, hf, scale)
 
 
 async def test_aborts_free_matchers_also_while_compiling(model_dir):  # noqa: F811
-    """A request aborted while its grammar compiles (a 20,000-character string bound takes a while) is acked and
-    never runs; constrained requests aborted mid-decode end with "abort"; the engine is idle after both."""
-    slow = StructuredOutput(kind="json", spec=json.dumps({"type": "string", "maxLength": 20000}))
-    spec = StructuredOutput(kind="json", spec=json.dumps({"type": "array", "items": {"type": "integer"}}))
+    """A request aborted while its grammar compiles (seen compiling: a JSON string bound takes a fraction of a
+    second) is acked and never runs; one aborted with a step of it in flight (held at the step gate) after three
+    steps ends "abort" too; the engine is idle after both, every grammar matcher released (`matchers`)."""
+    slow = StructuredOutput(kind="json", spec=json.dumps({"type": "string", "maxLength": 50}))
+    long = StructuredOutput(kind="regex", spec="[a-z]{80}")  # (3 tokens cannot complete it)
     async with AsyncLLM(engine_config(model_dir)) as llm:
         rid = llm.new_id()
         task = asyncio.ensure_future(llm.generate_one([1, 5, 6], SamplingParams(max_tokens=5, structured=slow), rid))
-        await asyncio.sleep(0)
+        await wait_state(llm, compiling=1)
         llm.abort(rid)
         assert (await task).finish_reason == "abort"
-        params = SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured=spec)
-        ends = await asyncio.gather(*(abort_once_decoding(llm, [1, 7, 8, 9 + i], params) for i in range(3)))
-        assert {f.finish_reason for f in ends} <= {"abort", "stop"}  # (a grammar may complete first)
+        run = await start_held(
+            llm, [1, 7, 8, 9], SamplingParams(temperature=1.0, seed=0, max_tokens=90, structured=long)
+        )
+        gate(llm, 3)
+        assert (await wait_state(llm, gate_permits=0, held_steps=1))["matchers"] == 1
+        llm.abort(run.request_id)
+        gate(llm, None)
+        assert (await run.done()).finish_reason == "abort" and len(run.token_ids) == 3
         assert idle(await llm.idle_reports())
+
+
+class FailingMatcher:
+    """xgrammar's matcher, whose `method` raises RuntimeError once `after` tokens were accepted (else as `inner`)."""
+
+    def __init__(self, inner, method: str, after: int):
+        self.inner, self.method, self.after, self.accepted = inner, method, after, 0
+
+    def __getattr__(self, name):  # fill_next_token_bitmask, is_terminated, ...
+        self._fail_if_due(name)
+        return getattr(self.inner, name)
+
+    def accept_token(self, token: int) -> bool:
+        self._fail_if_due("accept_token")
+        self.accepted += (accepted := self.inner.accept_token(token))
+        return accepted
+
+    def _fail_if_due(self, name: str) -> None:
+        if name == self.method and self.accepted >= self.after:
+            raise RuntimeError(f"injected {name} failure")
+
+
+def engine_with_failing_matchers(config: dict, failures: dict[str, list]) -> SchedulerActor:
+    """The engine actor (an ActorSpec factory: it runs in the engine process), where the matchers of the regexes in
+    `failures` ({regex: [xgrammar method, after]}) fail like FailingMatcher."""
+    make = Grammars.matcher
+
+    def matcher(self, spec: StructuredOutput, accepted=()):
+        m = make(self, spec, accepted)
+        if spec.spec in failures:
+            m._m = FailingMatcher(m._m, *failures[spec.spec])
+        return m
+
+    Grammars.matcher = matcher
+    return SchedulerActor(config)
+
+
+async def test_a_failing_matcher_ends_its_request_alone(model_dir):  # noqa: F811
+    """xgrammar raising in one request's mask fill (its first, filled as its step is planned; its third, which async
+    scheduling fills once the step before is postprocessed) or token accept ends that request alone with
+    finish_reason "error" after the tokens accepted before (never a token its grammar did not check); the requests
+    beside it, constrained or not, produce what they produce alone; the engine serves on (no restart), idle after,
+    every matcher released."""
+    failures = {"[a-z]{40}": ["fill_next_token_bitmask", 0], "[b-z]{40}": ["fill_next_token_bitmask", 2],
+                "[c-z]{40}": ["accept_token", 2]}  # fmt: skip
+    failing = [SamplingParams(temperature=0, max_tokens=30, structured=StructuredOutput(kind="regex", spec=r))
+               for r in failures]  # fmt: skip
+    prompt = [1, *range(300, 310)]
+    neighbours = [SamplingParams(temperature=0, max_tokens=40, structured=SPECS["json"]),
+                  SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)]  # fmt: skip
+    llm = AsyncLLM(engine_config(model_dir))
+    engine = llm.system.specs["engine"].actors[0]
+    engine.factory, engine.kwargs["failures"] = "tests.test_structured_engine:engine_with_failing_matchers", failures
+    async with llm:
+        alone = await llm.generate([prompt] * 2, neighbours)
+        outs = await asyncio.wait_for(llm.generate([prompt] * 5, [*failing, *neighbours]), 60)
+        assert [(o.finish_reason, o.token_ids) for o in outs[3:]] == [(o.finish_reason, o.token_ids) for o in alone]
+        for out, (_, after) in zip(outs, failures.values(), strict=False):
+            assert out.finish_reason == "error" and "RuntimeError: injected" in out.error, out
+            assert len(out.token_ids) == after and re.fullmatch("[a-z]*", out.text), out
+        assert (await llm.generate_one(prompt, failing[0])).finish_reason == "error"  # (served: the engine is up)
+        assert not llm.system.restarts
+        await assert_idle(llm)  # (a request that failed is freed once its step in flight is postprocessed)
 
 
 async def test_an_invalid_spec_reaching_the_engine_fails_that_request_only(model_dir):  # noqa: F811

@@ -7,7 +7,11 @@ and each step's token bitmask.
   runs on, at most `threads` at a time, and a second request with the same spec waits on the same compile).
   xgrammar takes ~2.5 s to import: `warm()` builds the instance on a background thread at startup.
 - `Matcher`: a constrained request's grammar state. The scheduler `accept()`s each token as it is emitted; the
-  grammar ends the request once the matcher has accepted a stop token (EOS), ignore_eos notwithstanding.
+  grammar ends the request once the matcher has accepted a stop token (EOS), ignore_eos notwithstanding. The
+  engine `release()`s it when its request is freed (the Scheduler counts the matchers its requests hold: the idle
+  invariant's `matchers`). An exception inside xgrammar (its fill or accept) fails that matcher alone: it keeps the
+  `error`, leaves its mask rows all-allowed and accepts no token, so its request ends at its next token with
+  finish_reason "error" while the rest of the step (the other rows' masks) goes on.
 - `StepMasks` (scheduler) and `WorkerMasks` (worker): one step's bitmask over its sampled positions (int32
   [P, ceil(V / 32)], all allowed except the constrained rows'). A row whose previous token is known is filled
   when the step is scheduled and travels in ExecuteStep; a row whose previous token is still in flight (async
@@ -27,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor  # imported now: the warm-up may build the pool during exit
@@ -39,6 +44,8 @@ from messages.step import GrammarMasks
 
 if TYPE_CHECKING:  # the HTTP process's main module imports this (frontend/structured.py): torch stays out of it
     import torch
+
+log = logging.getLogger("sluice.engine")
 
 MASK_DEADLINE_S = 60.0  # the device thread's wait for a step's masks: only a bug can make it expire
 
@@ -108,7 +115,7 @@ class Grammars:
         m = Matcher(self.compile(spec), self.vocab_size)
         for i, token in enumerate(accepted):
             if not m.accept(token):
-                raise GrammarError(f"resumed output token {i} ({token}) is not allowed by the grammar")
+                raise GrammarError(m.error or f"resumed output token {i} ({token}) is not allowed by the grammar")
         return m
 
     def _forget(self, spec: StructuredOutput) -> None:
@@ -163,20 +170,43 @@ class Matcher:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
+        self.error: str | None = None  # xgrammar failed: the request ends with this error at its next token
         self._m = xgr.GrammarMatcher(compiled)  # (rollback is unbounded: speculation rolls drafts back)
 
     def accept(self, token: int) -> bool:
-        """Advance past an emitted token; False: the grammar does not allow it (the matcher is unchanged)."""
-        return self._m.accept_token(token)
+        """Advance past an emitted token; False: the grammar does not allow it (the matcher is unchanged), or the
+        matcher failed (`error`)."""
+        if self.error is None:
+            try:
+                return self._m.accept_token(token)
+            except Exception as e:
+                self._failed(e)
+        return False
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted."""
-        return self._m.is_terminated()
+        return self.error is None and self._m.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] = ()) -> None:
         """Rows row .. row + len(drafts) of `bitmask`: the allowed next tokens now and after each draft prefix
-        (rows after a draft the grammar rejects stay all-allowed: nothing there is emitted)."""
+        (rows after a draft the grammar rejects stay all-allowed: nothing there is emitted; so do a failed
+        matcher's: its request ends at its next token)."""
+        if self.error is not None:
+            return
+        try:
+            self._fill(bitmask, row, drafts)
+        except Exception as e:
+            self._failed(e)
+            bitmask[row : row + 1 + len(drafts)] = -1  # all allowed (a half-written row could allow nothing)
+
+    def release(self) -> None:
+        """Its request is freed: xgrammar's matcher goes now (a CFG request is a reference cycle: collected later);
+        a later fill does nothing, a later accept refuses."""
+        self._m = None
+        self.error = "the matcher was released"
+
+    def _fill(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
         if self._m.is_terminated():  # a junk row after the request ended: its sample is discarded
             return
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -190,6 +220,10 @@ class Matcher:
             self._m.fill_next_token_bitmask(bitmask, row + j)
         if accepted:
             self._m.rollback(accepted)
+
+    def _failed(self, e: Exception) -> None:
+        log.error("grammar matcher failed", exc_info=e)
+        self.error = f"the grammar matcher failed: {type(e).__name__}: {e}"
 
 
 class StepMasks:

@@ -1,7 +1,8 @@
 """RequestLedger: the scheduler's requests and their lifecycle, WAITING -> RUNNING <-> PREEMPTED -> FINISHED or
 ABORTED, and when what each holds is freed: a finished or aborted request leaves the queues at once, its KV blocks
-and slot once no in-flight step references it (DESIGN I5); an aborted one is then reported by `drain_aborted()`,
-the moment its AbortAck may be sent. The Scheduler (actors/engine/scheduler.py) plans steps over it.
+and slot (and its grammar matcher) once no in-flight step references it (DESIGN I5); an aborted one is then
+reported by `drain_aborted()`, the moment its AbortAck may be sent. The Scheduler (actors/engine/scheduler.py)
+plans steps over it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class RequestLedger:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.aborted_freed: list[EngineRequest] = []
         self.num_preemptions = 0
+        self.matchers = 0  # grammar matchers its requests hold (the idle invariant's): counted as added, until freed
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,6 +105,9 @@ class RequestLedger:
                 self.block_manager.free(seq)
         if req.is_finished:
             del self.requests[req.request_id]
+            if req.grammar is not None:
+                req.grammar.release()
+                self.matchers -= 1
             if req.status is RequestStatus.ABORTED:
                 self.aborted_freed.append(req)
             if self.release:

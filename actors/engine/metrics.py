@@ -55,6 +55,7 @@ def idle_details(sched: Scheduler) -> dict[str, int]:
         "used_slots": sched.max_num_seqs - len(sched.free_slots),
         "in_flight_steps": len(sched.in_flight),
         "undrained_aborts": len(sched.aborted_freed),
+        "matchers": sched.matchers,  # grammar matchers not released
     }
 
 

@@ -87,6 +87,7 @@ class Scheduler(RequestLedger):
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens, need 1..{self.max_model_len - 1}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.matchers += req.grammar is not None
 
     # ---------------------------------------------------------------- step
 
@@ -258,36 +259,33 @@ class Scheduler(RequestLedger):
         self.spec.observe(num_drafts, accepted)
 
     def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
-        """Append a step's tokens up to the first that ends the request; the rest are discarded."""
-        seq = req.next_seq
-        for kept, token in enumerate(tokens, 1):
+        """Append a step's tokens up to the first that ends the request (or that its grammar refuses, which fails
+        it); the rest are discarded."""
+        seq, first = req.next_seq, req.next_seq == req.first_seq
+        for token in tokens:
             req.output_token_ids.append(token)
-            self.generation_tokens_total += 1
             if self._ends(req, token):
-                self.num_discarded_samples += len(tokens) - kept
-                tokens = tokens[:kept]
                 break
+        new = req.output_token_ids[seq:]
+        self.generation_tokens_total += len(new)
+        self.num_discarded_samples += len(tokens) - len(new)
         return RequestOutput(
-            request_id=req.request_id,
-            seq=seq,
-            new_token_ids=tokens,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            prompt_logprobs=take_prompt_logprobs(req) if seq == req.first_seq else None,
-            error=req.error,
-            num_cached_tokens=req.num_cached_tokens if seq == req.first_seq else None,
-            attempt=req.attempt,
-            timings=req.timings(seq == req.first_seq, req.finish_reason is not None),
-        )
+            request_id=req.request_id, seq=seq, new_token_ids=new, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, prompt_logprobs=take_prompt_logprobs(req) if first else None, error=req.error,
+            num_cached_tokens=req.num_cached_tokens if first else None, attempt=req.attempt,
+            timings=req.timings(first, req.finish_reason is not None),
+        )  # fmt: skip
 
     def _suspect(self, req: EngineRequest) -> bool:
         return req.failed_steps >= self.isolate_after
 
     def _ends(self, req: EngineRequest, token: int) -> bool:
-        """Finish the request if `token`, just appended, ends it (a grammar ends it once complete)."""
+        """Finish the request if `token`, just appended, ends it (a grammar ends it once complete; a token its
+        grammar refuses is taken back and fails it: the matcher failed, or (a bug) the mask allowed the token)."""
         p = req.params
-        if req.grammar is not None and not req.grammar.accept(token):  # the mask forbids it: a bug
-            req.error = f"token {token} is not allowed by the request's grammar"
+        if req.grammar is not None and not req.grammar.accept(token):
+            req.output_token_ids.pop()
+            req.error = req.grammar.error or f"token {token} is not allowed by the request's grammar"
             self._finish(req, "error")
         elif (req.grammar is not None and req.grammar.terminated) or (
             len(req.output_token_ids) > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos

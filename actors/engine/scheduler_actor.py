@@ -245,6 +245,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         want = wanted_logprobs(batch, self.sched.requests) if lp is not None else {}  # before update() ends any
         outputs = self.sched.update(batch, result.sampled, result.num_emitted)
         for out in outputs:
+            if out.error:  # (a grammar matcher that failed)
+                log.error("[%s] failed: %s", out.request_id, out.error)
             if out.request_id in want:
                 start, n = want[out.request_id]
                 out.logprobs = entries(lp, start, start + len(out.new_token_ids), n)
