@@ -12,9 +12,10 @@ At most one of them per request (a 400 names the second):
 
 Parsing only reads the fields (it may run on the event loop); `compile_check` compiles the spec off the loop
 within `ServingContext.grammar_timeout_s`, so an invalid or too slow spec is a 400 naming its field before
-anything reaches the engine, and nothing blocks the loop. A grammar of several tools that does not compile names
-the first tool whose parameters do not compile on their own (compiled one by one within the same deadline; when
-none is found in time, `tools`).
+anything reaches the engine, and nothing blocks the loop; when every compile thread stays busy with other
+grammars for that long, a 429 (`grammar_compiler_busy`: retry), since the spec was never tried. A grammar of
+several tools that does not compile names the first tool whose parameters do not compile on their own (compiled
+one by one within the same deadline; when none is found in time, `tools`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from actors.engine.grammar import GrammarError, grammars
+from actors.engine.grammar import GrammarBusy, GrammarError, grammars
 from frontend.body import RequestError
 from frontend.tools import tool_parameters
 from messages.sampling_params import GrammarKind, StructuredOutput
@@ -67,11 +68,14 @@ async def compile_check(spec: StructuredOutput, param: str, ctx) -> None:
     deadline = loop.time() + ctx.grammar_timeout_s
     if (error := await _check(compiler, spec, ctx.grammar_timeout_s)) is None:
         return
+    if isinstance(error, GrammarBusy):  # the server's state, not the spec's fault: a 429, to be retried
+        raise RequestError(429, str(error), type="rate_limit_error", code="grammar_compiler_busy") from error
     parts = tool_parameters(spec) if param == "tools" else []
     for part_param, part in parts:
         if (left := deadline - loop.time()) <= 0:
             break
-        if (part_error := await _check(compiler, part, left)) is not None and loop.time() < deadline:
+        part_error = await _check(compiler, part, left)
+        if part_error is not None and not isinstance(part_error, GrammarBusy) and loop.time() < deadline:
             param, error = part_param, part_error
             break
     raise RequestError(400, f"{param}: {error}", param) from error

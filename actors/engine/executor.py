@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.config import EngineConfig
-from actors.engine.grammar import WorkerMasks
+from actors.engine.grammar_masks import WorkerMasks
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.kv_cache import num_blocks_for_memory

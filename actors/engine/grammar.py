@@ -1,25 +1,20 @@
-"""Structured outputs (issue 15): StructuredOutput specs compiled by xgrammar, a matcher per constrained request,
-and each step's token bitmask.
+"""Structured outputs (issue 15): StructuredOutput specs compiled by xgrammar, and a matcher per constrained
+request.
 
 - `Grammars` (one per process, thread-safe): spec -> xgrammar CompiledGrammar, cached by spec (xgrammar's
-  cache); a bad spec raises GrammarError. `check(spec, timeout)` compiles on the instance's own threads and
-  gives up waiting after `timeout` (the frontend's validation: a spec slower than that is refused; its compile
-  runs on, at most `threads` at a time, and a second request with the same spec waits on the same compile).
-  xgrammar takes ~2.5 s to import: `warm()` builds the instance on a background thread at startup.
+  cache); a bad spec raises GrammarError. `check(spec, timeout)` is the frontend's validation, on the instance's
+  own `threads`: a spec that compiled before passes at once (the last 4,096 remembered: a client's usual schemas
+  never queue); a second request with a spec being compiled waits on the same compile; a compile gets `timeout`
+  seconds once it starts (longer: GrammarError, and it runs on, unused: xgrammar cannot be interrupted), and
+  waits at most `timeout` to start (then it is taken off the queue: GrammarBusy, the server's state, not the
+  spec's fault). xgrammar takes ~2.5 s to import: `warm()` builds the instance on a background thread at startup.
 - `Matcher`: a constrained request's grammar state. The scheduler `accept()`s each token as it is emitted; the
   grammar ends the request once the matcher has accepted a stop token (EOS), ignore_eos notwithstanding. The
   engine `release()`s it when its request is freed (the Scheduler counts the matchers its requests hold: the idle
   invariant's `matchers`). An exception inside xgrammar (its fill or accept) fails that matcher alone: it keeps the
   `error`, leaves its mask rows all-allowed and accepts no token, so its request ends at its next token with
   finish_reason "error" while the rest of the step (the other rows' masks) goes on.
-- `StepMasks` (scheduler) and `WorkerMasks` (worker): one step's bitmask over its sampled positions (int32
-  [P, ceil(V / 32)], all allowed except the constrained rows'). A row whose previous token is known is filled
-  when the step is scheduled and travels in ExecuteStep; a row whose previous token is still in flight (async
-  scheduling) once the step before is postprocessed, while this step's forward runs (FillMasks). The device
-  thread waits for the last fill (with a deadline) after CFG and before the sampler, and applies the mask with
-  xgrammar's kernel (DESIGN 5a). A row verifying K drafts gets K + 1 masks: position
-  j's with the matcher advanced through the first j drafts (then rolled back), so a draft the grammar rejects is
-  never accepted and the bonus or resampled token is drawn from the masked distribution.
+- Each step's bitmask: actors/engine/grammar_masks.py.
 
 JSON schemas are compiled in xgrammar's strict mode (no properties beyond those the schema names) with compact
 separators (", ", ": ") and no free whitespace: every output validates against the schema, and a small model
@@ -34,24 +29,38 @@ import json
 import logging
 import re
 import threading
+import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor  # imported now: the warm-up may build the pool during exit
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.engine.json_schema import structural_tag_schemas, unsupported
 from messages.sampling_params import StructuredOutput
-from messages.step import GrammarMasks
 
 if TYPE_CHECKING:  # the HTTP process's main module imports this (frontend/structured.py): torch stays out of it
     import torch
 
 log = logging.getLogger("sluice.engine")
 
-MASK_DEADLINE_S = 60.0  # the device thread's wait for a step's masks: only a bug can make it expire
+GOOD_SPECS = 4096  # specs remembered as compiling fine (check() passes them without the pool)
 
 
 class GrammarError(ValueError):
     """The spec is invalid, or took too long to compile."""
+
+
+class GrammarBusy(GrammarError):
+    """Every compile thread stayed busy with other grammars: the spec was never tried."""
+
+
+class _Compile:
+    """One spec's compile on the pool: its future, and when it started (set: it runs or ran)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.start = 0.0
+        self.future: concurrent.futures.Future | None = None
 
 
 class Grammars:
@@ -63,8 +72,10 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sluice-grammar")
-        self._running: dict[StructuredOutput, concurrent.futures.Future] = {}
+        self._running: dict[StructuredOutput, _Compile] = {}
+        self._good: OrderedDict[StructuredOutput, None] = OrderedDict()  # compiled fine, most recent last
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput):
@@ -97,16 +108,26 @@ class Grammars:
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
     def check(self, spec: StructuredOutput, timeout: float) -> None:
-        """Compile `spec` within `timeout` seconds, or raise GrammarError."""
+        """Compile `spec`, or raise GrammarError (invalid, or `timeout` seconds of compiling were not enough) or
+        GrammarBusy (it did not start within `timeout`)."""
         with self._lock:
-            future = self._running.get(spec)
-            new = future is None
+            if spec in self._good:
+                self._good.move_to_end(spec)
+                return
+            job = self._running.get(spec)
+            new = job is None
             if new:
-                future = self._running[spec] = self._pool.submit(self.compile, spec)
+                job = self._running[spec] = _Compile()
+                job.future = self._pool.submit(self._compile, spec, job)
         if new:  # outside the lock: a compile already done runs the callback here, and it takes the lock
-            future.add_done_callback(lambda _: self._forget(spec))
+            job.future.add_done_callback(lambda future: self._done(spec, future))
+        if not job.started.wait(timeout) and job.future.cancel():
+            raise GrammarBusy(f"all {self.threads} grammar compile threads stayed busy for {timeout:g} s: retry")
+        began = job.start if job.started.is_set() else time.monotonic()  # (not set: it starts just now)
         try:
-            future.result(timeout)
+            job.future.result(max(0.0, began + timeout - time.monotonic()))
+        except concurrent.futures.CancelledError:  # another request with this spec gave up waiting for a thread
+            raise GrammarBusy(f"all {self.threads} grammar compile threads stayed busy: retry") from None
         except concurrent.futures.TimeoutError:
             raise GrammarError(f"the grammar took more than {timeout:g} s to compile") from None
 
@@ -118,9 +139,18 @@ class Grammars:
                 raise GrammarError(m.error or f"resumed output token {i} ({token}) is not allowed by the grammar")
         return m
 
-    def _forget(self, spec: StructuredOutput) -> None:
+    def _compile(self, spec: StructuredOutput, job: _Compile):
+        job.start = time.monotonic()
+        job.started.set()
+        return self.compile(spec)
+
+    def _done(self, spec: StructuredOutput, future: concurrent.futures.Future) -> None:
         with self._lock:
             self._running.pop(spec, None)
+            if not future.cancelled() and future.exception() is None:
+                self._good[spec] = None
+                if len(self._good) > GOOD_SPECS:
+                    self._good.popitem(last=False)
 
 
 _BUILDING = threading.Lock()
@@ -224,75 +254,3 @@ class Matcher:
     def _failed(self, e: Exception) -> None:
         log.error("grammar matcher failed", exc_info=e)
         self.error = f"the grammar matcher failed: {type(e).__name__}: {e}"
-
-
-class StepMasks:
-    """One step's grammar masks, scheduler side (module docstring): filled from the matchers on the event loop,
-    sent to the worker as GrammarMasks (rows whose previous token is known) and FillMasks (the deferred rest)."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-        self.filled: list[tuple[Matcher, int, list[int]]] = []  # (matcher, first position, drafts)
-        self.deferred: list[tuple[Matcher, int]] = []  # filled once the step before is postprocessed
-
-    def add(self, matcher: Matcher, row: int, drafts: list[int], defer: bool) -> None:
-        if defer:  # async scheduling: its previous token is in flight (never with drafts: speculation is sync)
-            self.deferred.append((matcher, row))
-        else:
-            self.filled.append((matcher, row, drafts))
-
-    def wire(self) -> GrammarMasks:
-        """The masks of the rows whose previous token is known; the deferred positions named."""
-        return self._masks(self.filled, [row for _, row in self.deferred])
-
-    def fill_deferred(self) -> GrammarMasks:
-        """The deferred rows' masks, now that their previous token is accepted (or their request ended: then
-        all-allowed)."""
-        return self._masks([(m, row, []) for m, row in self.deferred])
-
-    def _masks(self, rows: list[tuple[Matcher, int, list[int]]], deferred: list[int] = ()) -> GrammarMasks:
-        import xgrammar as xgr
-
-        positions = [row + j for _, row, drafts in rows for j in range(1 + len(drafts))]
-        bitmask = xgr.allocate_token_bitmask(len(positions), self.vocab_size)
-        k = 0
-        for matcher, _, drafts in rows:
-            matcher.fill(bitmask, k, drafts)
-            k += 1 + len(drafts)
-        return GrammarMasks(positions=positions, bitmask=bitmask.numpy().tobytes(), deferred=list(deferred))
-
-
-class WorkerMasks:
-    """One step's grammar masks, worker side: the bitmask over its sampled positions (all allowed but the masked
-    rows). The device thread waits for the deferred rows (FillMasks, with a deadline) after CFG and before the
-    sampler, and applies the mask with xgrammar's kernel (DESIGN 5a)."""
-
-    def __init__(self, masks: GrammarMasks, num_positions: int, vocab_size: int):
-        import xgrammar as xgr
-
-        self.bitmask = xgr.allocate_token_bitmask(num_positions, vocab_size)
-        self.vocab_size = vocab_size
-        self.rows = sorted(masks.positions + masks.deferred)
-        self._ready = threading.Event()
-        self.fill(masks)
-        if not masks.deferred:
-            self._ready.set()
-
-    def fill(self, masks: GrammarMasks, last: bool = False) -> None:
-        """Write the rows `masks` holds (`last`: the deferred ones: the sampler may go on)."""
-        import torch
-
-        if masks.positions:
-            rows = torch.frombuffer(bytearray(masks.bitmask), dtype=torch.int32).view(len(masks.positions), -1)
-            self.bitmask[masks.positions] = rows
-        if last:
-            self._ready.set()
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """Mask the logits [P, V] in place: disallowed tokens become -inf (device thread; waits for the fills)."""
-        import xgrammar as xgr
-
-        if not self._ready.wait(MASK_DEADLINE_S):
-            raise RuntimeError(f"grammar masks not filled within {MASK_DEADLINE_S} s")
-        bitmask = self.bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self.rows)

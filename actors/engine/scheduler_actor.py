@@ -36,7 +36,8 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.draft import DraftProposer
 from actors.engine.executor import num_kv_blocks
-from actors.engine.grammar import StepMasks, warm
+from actors.engine.grammar import warm
+from actors.engine.grammar_masks import StepMasks
 from actors.engine.intake import RequestIntake
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.metrics import engine_stats, idle_details, log_speculation

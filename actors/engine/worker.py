@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from actors.engine.config import EngineConfig
 from actors.engine.executor import StepExecutor, StepTensors
-from actors.engine.grammar import WorkerMasks
+from actors.engine.grammar_masks import WorkerMasks
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.sampling import SamplingRow

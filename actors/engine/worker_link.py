@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from actors.engine.grammar import StepMasks
+from actors.engine.grammar_masks import StepMasks
 from actors.engine.request import EngineRequest
 from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
