@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.test_structured_http import WEATHER, valid_weather
+from tests.test_tools_http import WEATHER, assert_valid
 
 pytestmark = pytest.mark.real_model
 
@@ -39,4 +39,5 @@ async def test_named_tool_call(real_server):
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     choice = response.choices[0]
-    assert choice.finish_reason == "tool_calls" and valid_weather(choice.message.tool_calls[0]), choice
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    assert_valid(choice.message.tool_calls, [WEATHER])
