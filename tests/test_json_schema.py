@@ -29,6 +29,7 @@ REFUSED = {
     "pattern-length": ({"type": "string", "pattern": "^[a-c]+$", "maxLength": 2}, '"abcabc"', None, "'maxLength'"),
     "format-length": ({"type": "string", "format": "email", "maxLength": 5}, '"ab@example.com"', None, "beside"),
     "unknown-format": ({"type": "string", "format": "bogus"}, '"x"', None, "'format'"),
+    "untyped-format": ({"format": "bogus"}, '"x"', None, "'format'"),
     "remote-ref": ({"$ref": "http://example.com/s.json"}, "1", None, "'$ref'"),
 }
 ENFORCED = {  # features xgrammar does enforce: (schema, a value it must refuse)
@@ -38,6 +39,7 @@ ENFORCED = {  # features xgrammar does enforce: (schema, a value it must refuse)
     "email": ({"type": "string", "format": "email"}, '"nope"'),
     "pattern": ({"type": "string", "pattern": "^[a-c]+$"}, '"xyz"'),
     "local-ref": ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}, '"s"'),
+    "integer-format": ({"type": "integer", "format": "int32"}, "1.5"),  # (an annotation: the type still holds)
     "bounded-array": (INT_ARRAY | {"minItems": 2, "maxItems": 3}, "[1]"),
 }
 

@@ -10,8 +10,9 @@ the spec with it (over HTTP: a 400 naming the request field). Refused:
 - `allOf` with more than one subschema (one is fine: pydantic wraps a described `$ref` in it);
 - `multipleOf` except a whole number on `"type": "integer"`;
 - `minLength` / `maxLength` beside `pattern` or `format` (the length is dropped);
-- a `format` xgrammar does not know (it would be no constraint at all; JSON Schema makes `format` an annotation,
-  but a client sending one means it);
+- a string `format` xgrammar does not know (it would be no constraint at all; JSON Schema makes `format` an
+  annotation, but a client sending one on a string means it; OpenAPI's `int32`, `int64`, `float`, `double` on
+  numbers stay annotations);
 - a `$ref` outside the schema (`#...` only: nothing is fetched).
 
 Accepted as xgrammar reads it: `oneOf` is enforced as `anyOf` (a value matching two branches passes; pydantic's
@@ -72,7 +73,7 @@ def _keyword(s: dict) -> str | None:
     length = next((k for k in ("minLength", "maxLength") if k in s), None)
     if length and (shape := next((k for k in ("pattern", "format") if k in s), None)):
         return f"'{length}' beside '{shape}'"
-    if "format" in s and s["format"] not in STRING_FORMATS:
+    if "format" in s and s["format"] not in STRING_FORMATS and _may_be_string(s):
         return f"'format': {s['format']!r} (known: {', '.join(sorted(STRING_FORMATS))})"
     if isinstance(s.get("$ref"), str) and not s["$ref"].startswith("#"):
         return f"'$ref' outside the schema ({s['$ref']!r})"
@@ -89,6 +90,11 @@ def _subschemas(s: dict) -> Iterator[tuple[str, object]]:
     for key in SCHEMA_MAPS:
         if isinstance(s.get(key), dict):
             yield from ((f"{key}.{name}", sub) for name, sub in s[key].items())
+
+
+def _may_be_string(s: dict) -> bool:
+    t = s.get("type")
+    return t is None or t == "string" or (isinstance(t, list) and "string" in t)
 
 
 def _whole(x) -> bool:
