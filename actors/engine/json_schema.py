@@ -5,9 +5,11 @@ shows the compiled grammar accepting a value the keyword forbids), so a schema u
 and not honoured. `unsupported(schema)` names the first by its path in the schema; `Grammars.compile` refuses
 the spec with it (over HTTP: a 400 naming the request field). Refused:
 
-- `not`; `if` / `then` / `else`; `contains`, `minContains`, `maxContains`;
-- `uniqueItems: true` (its grammar refuses every array with two items, valid or not);
+- `not`; `if` / `then` / `else`; `contains`, `minContains`, `maxContains`; `uniqueItems: true`;
+  `dependentRequired`, `dependentSchemas`, `dependencies`;
 - `allOf` with more than one subschema (one is fine: pydantic wraps a described `$ref` in it);
+- a constraint beside `anyOf`, `oneOf`, `allOf`, `$ref`, `enum` or `const` (xgrammar keeps only that keyword;
+  annotations beside it are fine, and so is a `type` that every `enum` / `const` value has);
 - `multipleOf` except a whole number on `"type": "integer"`;
 - `minLength` / `maxLength` beside `pattern` or `format` (the length is dropped);
 - a string `format` xgrammar does not know (it would be no constraint at all; JSON Schema makes `format` an
@@ -28,11 +30,20 @@ STRING_FORMATS = frozenset(
     ("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
      "uri-template", "json-pointer", "relative-json-pointer")
 )  # fmt: skip
-NEVER = ("not", "if", "then", "else", "contains", "minContains", "maxContains")
+NEVER = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+         "dependentSchemas", "dependencies")  # fmt: skip
+ALONE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")  # xgrammar drops every constraint beside these
+CONSTRAINTS = frozenset(
+    ("type", "properties", "required", "additionalProperties", "patternProperties", "propertyNames", "minProperties",
+     "maxProperties", "items", "prefixItems", "additionalItems", "unevaluatedItems", "unevaluatedProperties",
+     "minItems", "maxItems", "uniqueItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+     "multipleOf", "minLength", "maxLength", "pattern", "format", *NEVER, *ALONE)
+)  # fmt: skip
 ONE_SCHEMA = ("items", "additionalItems", "additionalProperties", "propertyNames", "unevaluatedItems",
               "unevaluatedProperties", "contains", "not", "if", "then", "else")  # fmt: skip
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
 
 
 def unsupported(schema, path: str = "") -> str | None:
@@ -68,6 +79,10 @@ def _keyword(s: dict) -> str | None:
         return "'uniqueItems'"
     if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
         return "'allOf' with more than one subschema"
+    if alone := next((k for k in ALONE if k in s), None):
+        beside = sorted(CONSTRAINTS.intersection(s) - {alone} - ({"type"} if _typed_values(s, alone) else set()))
+        if beside:
+            return f"'{beside[0]}' beside '{alone}'"
     if "multipleOf" in s and not (s.get("type") == "integer" and _whole(s["multipleOf"])):
         return "'multipleOf' (only a whole number on an integer type is)"
     length = next((k for k in ("minLength", "maxLength") if k in s), None)
@@ -78,6 +93,25 @@ def _keyword(s: dict) -> str | None:
     if isinstance(s.get("$ref"), str) and not s["$ref"].startswith("#"):
         return f"'$ref' outside the schema ({s['$ref']!r})"
     return None
+
+
+def _typed_values(s: dict, alone: str) -> bool:
+    """`enum` / `const` whose every value has the schema's `type` (which then constrains nothing more)."""
+    if alone not in ("enum", "const"):
+        return False
+    values = s["enum"] if alone == "enum" else [s["const"]]
+    types = s.get("type") if isinstance(s.get("type"), list) else [s.get("type")]
+    return isinstance(values, list) and all(any(_has_type(v, t) for t in types) for v in values)
+
+
+def _has_type(value, t) -> bool:
+    if t == "null":
+        return value is None
+    if isinstance(value, bool):
+        return t == "boolean"
+    if t == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return t in TYPES and isinstance(value, TYPES[t])
 
 
 def _subschemas(s: dict) -> Iterator[tuple[str, object]]:
