@@ -136,7 +136,7 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
     if (keep := truncation(req, ctx)) is None:
         check_chars(sum(map(content_chars, req.messages)), ctx, "messages")
     try:
-        text = ctx.tokenizer.render_chat(req.messages, tools=tools, **_chat_turn(req))
+        text = ctx.tokenizer.render_chat(req.messages, tools=tools, **chat_turn(req))
     except ParamError as e:
         raise RequestError(400, str(e), e.param) from e
     ids = truncate(ctx.tokenizer.encode(text, add_special_tokens=False), keep, req.truncation_side)  # (the
@@ -150,7 +150,7 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
     return _parsed("chat", rid, model, [prompt], req, echo=echo is not None, **extra)
 
 
-def _chat_turn(req: ChatCompletionRequest) -> dict:
+def chat_turn(req: ChatCompletionRequest) -> dict:
     """vLLM: add_generation_prompt (default true) opens the assistant's turn; continue_final_message (implies
     add_generation_prompt false) leaves the last message's turn open, to be continued."""
     if req.continue_final_message and req.add_generation_prompt:

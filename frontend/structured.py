@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine.grammar import GrammarBusy, GrammarError, grammars
 from frontend.body import RequestError
@@ -38,6 +39,9 @@ _KEYS: dict[str, GrammarKind] = {
 }
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 BACKENDS = (None, "auto", "xgrammar")
+# compile_check's waits (up to twice the timeout each) on threads of their own, not the loop's default executor
+# (which parses request bodies)
+_WAITERS = ThreadPoolExecutor(64, thread_name_prefix="sluice-grammar-wait")
 
 
 def structured_output(req) -> tuple[StructuredOutput | None, str | None]:
@@ -83,7 +87,7 @@ async def compile_check(spec: StructuredOutput, param: str, ctx) -> None:
 
 async def _check(compiler, spec: StructuredOutput, timeout: float) -> GrammarError | None:
     try:
-        await asyncio.get_running_loop().run_in_executor(None, compiler.check, spec, timeout)
+        await asyncio.get_running_loop().run_in_executor(_WAITERS, compiler.check, spec, timeout)
     except GrammarError as e:
         return e
     return None

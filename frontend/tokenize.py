@@ -19,7 +19,7 @@ import msgspec
 
 from frontend.body import RequestError, decode_body
 from frontend.fields import NOT_HONOURED_IN_TOKENIZE
-from frontend.protocol import _chat_turn
+from frontend.protocol import chat_turn
 from frontend.tools import tool_grammar
 from messages.sampling_params import ParamError
 
@@ -56,7 +56,7 @@ def tokenize(body: bytes, ctx) -> dict:
     else:
         tools, _, _ = tool_grammar(req, None)
         try:
-            text = tok.render_chat(req.messages, tools=tools, **_chat_turn(req))
+            text = tok.render_chat(req.messages, tools=tools, **chat_turn(req))
         except ParamError as e:
             raise RequestError(400, str(e), e.param) from e
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))

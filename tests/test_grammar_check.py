@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import types
 
 import pytest
 
@@ -81,3 +82,42 @@ def test_an_invalid_spec_is_refused_every_time(gated):
         with pytest.raises(GrammarError, match="invalid"):
             gated.check(spec("bad"), WAIT_S)
     assert gated.compiled == ["bad", "bad"]
+
+
+def test_a_spec_too_slow_once_stays_refused_without_a_thread(gated):
+    """A retry of a spec that compiled, but past its asker's timeout, cannot slip through to the engine."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        (holder,) = occupy(gated, pool, "slow-x")
+        with pytest.raises(GrammarError, match="took more than"):
+            gated.check(spec("slow-x"), 0.05)
+        gated.gate.set()
+        holder.result(WAIT_S)
+    gated._pool.shutdown(wait=True)  # (no thread left: a check that needed one would fail otherwise)
+    with pytest.raises(GrammarError, match="did before"):
+        gated.check(spec("slow-x"), WAIT_S)
+
+
+def test_every_asker_of_a_dropped_spec_is_told_at_once(gated):
+    """Two requests wait for a thread for the same spec; when the first gives up (and takes it off the queue), the
+    second is told it is busy then, not at the end of its own, longer wait."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        occupy(gated, pool, "slow-a", "slow-b")
+        patient = pool.submit(gated.check, spec("waits"), WAIT_S)
+        with pytest.raises(GrammarBusy):
+            gated.check(spec("waits"), 0.05)
+        with pytest.raises(GrammarBusy):
+            patient.result(WAIT_S / 6)  # (woken by the cancellation, long before its own deadline)
+        gated.gate.set()
+
+
+def test_checking_a_compile_that_ended_at_once_returns(model_dir):  # noqa: F811
+    """check() once deadlocked on its own lock when the compile ended before it could watch it (a cached spec, a
+    fast compile: the done callback then runs at once in the caller). A compile that is done on submission."""
+    g = Grammars(str(model_dir), 49152, [2], threads=1)
+    done = concurrent.futures.Future()
+    done.set_result(None)
+    g._pool = types.SimpleNamespace(submit=lambda *args: done)
+    checker = threading.Thread(target=g.check, args=(StructuredOutput(kind="regex", spec="[a-z]+"), 5.0), daemon=True)
+    checker.start()
+    checker.join(10)
+    assert not checker.is_alive(), "check() deadlocked"

@@ -7,13 +7,11 @@ alone."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
+import os
 import re
 import subprocess
 import sys
-import threading
-import types
 
 import pytest
 import torch
@@ -143,18 +141,40 @@ async def test_seeded_draws_follow_the_masked_distribution(model_dir, hf, scale)
     assert chisquare(observed, (logits / 2).softmax(-1).numpy() * n).pvalue < ALPHA
 
 
-async def test_aborts_free_matchers_also_while_compiling(model_dir):  # noqa: F811
-    """A request aborted while its grammar compiles (seen compiling: a JSON string bound takes a fraction of a
-    second) is acked and never runs; one aborted with a step of it in flight (held at the step gate) after three
-    steps ends "abort" too; the engine is idle after both, every grammar matcher released (`matchers`)."""
-    slow = StructuredOutput(kind="json", spec=json.dumps({"type": "string", "maxLength": 50}))
+def engine_with_a_held_compile(config: dict, held: str, fifo: str) -> SchedulerActor:
+    """The engine actor (an ActorSpec factory), whose compile of the spec `held` waits until a byte is written to
+    the FIFO `fifo` (a gate across processes)."""
+    make = Grammars.matcher
+
+    def matcher(self, spec: StructuredOutput, accepted=()):
+        if spec.spec == held:
+            with open(fifo, "rb") as gate:
+                gate.read(1)
+        return make(self, spec, accepted)
+
+    Grammars.matcher = matcher
+    return SchedulerActor(config)
+
+
+async def test_aborts_free_matchers_also_while_compiling(model_dir, tmp_path):  # noqa: F811
+    """A request aborted while its grammar compiles (held compiling) is acked and never runs; one aborted with a
+    step of it in flight (held at the step gate) after three steps ends "abort" too; the engine is idle after
+    both, every grammar matcher released (`matchers`)."""
+    held = StructuredOutput(kind="regex", spec="[a-z]{5}")
     long = StructuredOutput(kind="regex", spec="[a-z]{80}")  # (3 tokens cannot complete it)
-    async with AsyncLLM(engine_config(model_dir)) as llm:
+    fifo = tmp_path / "compile-gate"
+    os.mkfifo(fifo)
+    llm = AsyncLLM(engine_config(model_dir))
+    engine = llm.system.specs["engine"].actors[0]
+    engine.factory = "tests.test_structured_engine:engine_with_a_held_compile"
+    engine.kwargs |= {"held": held.spec, "fifo": str(fifo)}
+    async with llm:
         rid = llm.new_id()
-        task = asyncio.ensure_future(llm.generate_one([1, 5, 6], SamplingParams(max_tokens=5, structured=slow), rid))
+        task = asyncio.ensure_future(llm.generate_one([1, 5, 6], SamplingParams(max_tokens=5, structured=held), rid))
         await wait_state(llm, compiling=1)
         llm.abort(rid)
         assert (await task).finish_reason == "abort"
+        await asyncio.get_running_loop().run_in_executor(None, fifo.write_bytes, b"x")  # the compile ends, unused
         run = await start_held(
             llm, [1, 7, 8, 9], SamplingParams(temperature=1.0, seed=0, max_tokens=90, structured=long)
         )
@@ -240,22 +260,9 @@ async def test_an_invalid_spec_reaching_the_engine_fails_that_request_only(model
         assert idle(await llm.idle_reports())
 
 
-def test_checking_a_compile_that_ended_at_once_returns(model_dir):  # noqa: F811
-    """check() once deadlocked on its own lock when the compile ended before it could watch it (a cached spec, a
-    fast compile: the done callback then runs at once in the caller). A compile that is done on submission."""
-    g = Grammars(str(model_dir), VOCAB, [EOS], threads=1)
-    done = concurrent.futures.Future()
-    done.set_result(None)
-    g._pool = types.SimpleNamespace(submit=lambda *args: done)
-    checker = threading.Thread(target=g.check, args=(StructuredOutput(kind="regex", spec="[a-z]+"), 5.0), daemon=True)
-    checker.start()
-    checker.join(10)
-    assert not checker.is_alive(), "check() deadlocked"
-
-
-def test_compile_errors_and_the_compile_deadline(model_dir):  # noqa: F811
-    """Bad specs raise GrammarError with xgrammar's message (no C++ location); check() gives up waiting after its
-    timeout on a slow spec, and a second check of the same spec shares the running compile."""
+def test_compile_errors_name_the_problem(model_dir):  # noqa: F811
+    """Bad specs raise GrammarError with xgrammar's message (no C++ location). (check()'s deadlines:
+    tests/test_grammar_check.py.)"""
     g = compiler(model_dir)
     for spec, words in [
         (StructuredOutput(kind="json", spec='{"type": "nonsense"}'), "nonsense"),
@@ -267,10 +274,6 @@ def test_compile_errors_and_the_compile_deadline(model_dir):  # noqa: F811
         with pytest.raises(GrammarError, match=words) as e:
             g.compile(spec)
         assert ".cc:" not in str(e.value)
-    slow = StructuredOutput(kind="json", spec=json.dumps({"type": "string", "maxLength": 30000}))
-    for _ in range(2):
-        with pytest.raises(GrammarError, match="took more than"):
-            g.check(slow, timeout=0.001)
 
 
 def test_a_process_exiting_during_the_warm_up_waits_for_it(model_dir):  # noqa: F811

@@ -2,12 +2,14 @@
 request.
 
 - `Grammars` (one per process, thread-safe): spec -> xgrammar CompiledGrammar, cached by spec (xgrammar's
-  cache); a bad spec raises GrammarError. `check(spec, timeout)` is the frontend's validation, on the instance's
-  own `threads`: a spec that compiled before passes at once (the last 4,096 remembered: a client's usual schemas
-  never queue); a second request with a spec being compiled waits on the same compile; a compile gets `timeout`
-  seconds once it starts (longer: GrammarError, and it runs on, unused: xgrammar cannot be interrupted), and
-  waits at most `timeout` to start (then it is taken off the queue: GrammarBusy, the server's state, not the
-  spec's fault). xgrammar takes ~2.5 s to import: `warm()` builds the instance on a background thread at startup.
+  cache, 256 MiB); a bad spec raises GrammarError. `check(spec, timeout)` is the frontend's validation, on the
+  instance's own `threads`: a valid spec compiled before is answered at once from memory (the last 4,096, by
+  digest: a client's usual schemas never queue, and one that took longer than `timeout` stays refused, so a
+  retry cannot pass it on to the engine); a second request with a spec being compiled waits on the same compile;
+  a compile gets `timeout` seconds once it starts (longer: GrammarError, and it runs on, unused: xgrammar cannot
+  be interrupted), and waits at most `timeout` to start (then it is taken off the queue: GrammarBusy, the
+  server's state, not the spec's fault). The engine builds its matchers on the same threads (`run`). xgrammar
+  takes ~2.5 s to import: `warm()` builds the instance on a background thread at startup.
 - `Matcher`: a constrained request's grammar state. The scheduler `accept()`s each token as it is emitted; the
   grammar ends the request once the matcher has accepted a stop token (EOS), ignore_eos notwithstanding. The
   engine `release()`s it when its request is freed (the Scheduler counts the matchers its requests hold: the idle
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import hashlib
 import json
-import logging
 import re
 import threading
 import time
@@ -41,9 +43,8 @@ from messages.sampling_params import StructuredOutput
 if TYPE_CHECKING:  # the HTTP process's main module imports this (frontend/structured.py): torch stays out of it
     import torch
 
-log = logging.getLogger("sluice.engine")
-
-GOOD_SPECS = 4096  # specs remembered as compiling fine (check() passes them without the pool)
+KNOWN_SPECS = 4096  # valid specs remembered, by digest, as compiling in time or not (check() needs no thread)
+CACHE_BYTES = 256 << 20  # xgrammar's cache of compiled grammars, per process (least recently used evicted)
 
 
 class GrammarError(ValueError):
@@ -55,9 +56,12 @@ class GrammarBusy(GrammarError):
 
 
 class _Compile:
-    """One spec's compile on the pool: its future, and when it started (set: it runs or ran)."""
+    """One spec's compile on the pool: its future, the first asker's timeout, and when it started (set: it runs or
+    ran; also set when it is cancelled, to wake the other askers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.too_slow = False  # an asker gave up on it
         self.started = threading.Event()
         self.start = 0.0
         self.future: concurrent.futures.Future | None = None
@@ -71,11 +75,11 @@ class Grammars:
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_dir) / "tokenizer.json"))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sluice-grammar")
-        self._running: dict[StructuredOutput, _Compile] = {}
-        self._good: OrderedDict[StructuredOutput, None] = OrderedDict()  # compiled fine, most recent last
+        self._running: dict[bytes, _Compile] = {}  # by the spec's digest
+        self._known: OrderedDict[bytes, bool] = OrderedDict()  # digest -> compiled in time (else: too slow)
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput):
@@ -108,32 +112,48 @@ class Grammars:
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
     def check(self, spec: StructuredOutput, timeout: float) -> None:
-        """Compile `spec`, or raise GrammarError (invalid, or `timeout` seconds of compiling were not enough) or
-        GrammarBusy (it did not start within `timeout`)."""
+        """Compile `spec`, or raise GrammarError (invalid, or `timeout` seconds of compiling were not enough, now or
+        the last time) or GrammarBusy (it did not start within `timeout`)."""
+        key = _digest(spec)
         with self._lock:
-            if spec in self._good:
-                self._good.move_to_end(spec)
-                return
-            job = self._running.get(spec)
-            new = job is None
-            if new:
-                job = self._running[spec] = _Compile()
-                job.future = self._pool.submit(self._compile, spec, job)
+            fast = self._known.get(key)
+            if fast is None:
+                job = self._running.get(key)
+                new = job is None
+                if new:
+                    job = self._running[key] = _Compile(timeout)
+                    job.future = self._pool.submit(self._compile, spec, job)
+            else:
+                self._known.move_to_end(key)
+        if fast is not None:
+            if not fast:
+                raise GrammarError(f"the grammar took more than {timeout:g} s to compile (it did before)")
+            return
         if new:  # outside the lock: a compile already done runs the callback here, and it takes the lock
-            job.future.add_done_callback(lambda future: self._done(spec, future))
+            job.future.add_done_callback(lambda future: self._done(key, job, future))
         if not job.started.wait(timeout) and job.future.cancel():
             raise GrammarBusy(f"all {self.threads} grammar compile threads stayed busy for {timeout:g} s: retry")
-        began = job.start if job.started.is_set() else time.monotonic()  # (not set: it starts just now)
+        began = job.start if job.start else time.monotonic()  # (0: it starts just now, or was cancelled)
         try:
             job.future.result(max(0.0, began + timeout - time.monotonic()))
         except concurrent.futures.CancelledError:  # another request with this spec gave up waiting for a thread
             raise GrammarBusy(f"all {self.threads} grammar compile threads stayed busy: retry") from None
         except concurrent.futures.TimeoutError:
+            job.too_slow = True
             raise GrammarError(f"the grammar took more than {timeout:g} s to compile") from None
+
+    def run(self, fn, *args) -> concurrent.futures.Future:
+        """fn(*args) on this instance's compile threads (the engine's matchers: off the loop, and off the executor
+        that waits for steps)."""
+        return self._pool.submit(fn, *args)
 
     def matcher(self, spec: StructuredOutput, accepted: list[int] = ()) -> Matcher:
         """A fresh matcher, advanced past `accepted` (a resumed request's tokens); GrammarError if it rejects one."""
-        m = Matcher(self.compile(spec), self.vocab_size)
+        compiled = self.compile(spec)
+        try:
+            m = Matcher(compiled, self.vocab_size)
+        except Exception as e:
+            raise GrammarError(f"the grammar matcher could not be built: {type(e).__name__}: {e}") from e
         for i, token in enumerate(accepted):
             if not m.accept(token):
                 raise GrammarError(m.error or f"resumed output token {i} ({token}) is not allowed by the grammar")
@@ -144,13 +164,15 @@ class Grammars:
         job.started.set()
         return self.compile(spec)
 
-    def _done(self, spec: StructuredOutput, future: concurrent.futures.Future) -> None:
+    def _done(self, key: bytes, job: _Compile, future: concurrent.futures.Future) -> None:
+        """Remember a valid spec: fine (checks pass at once) or too slow for its asker (checks fail at once)."""
+        job.started.set()  # (a cancelled one: its other askers stop waiting)
         with self._lock:
-            self._running.pop(spec, None)
+            self._running.pop(key, None)
             if not future.cancelled() and future.exception() is None:
-                self._good[spec] = None
-                if len(self._good) > GOOD_SPECS:
-                    self._good.popitem(last=False)
+                self._known[key] = not job.too_slow and time.monotonic() - job.start <= job.timeout
+                if len(self._known) > KNOWN_SPECS:
+                    self._known.popitem(last=False)
 
 
 _BUILDING = threading.Lock()
@@ -216,7 +238,12 @@ class Matcher:
     @property
     def terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted."""
-        return self.error is None and self._m.is_terminated()
+        if self.error is None:
+            try:
+                return self._m.is_terminated()
+            except Exception as e:
+                self._failed(e)
+        return False
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] = ()) -> None:
         """Rows row .. row + len(drafts) of `bitmask`: the allowed next tokens now and after each draft prefix
@@ -252,5 +279,8 @@ class Matcher:
             self._m.rollback(accepted)
 
     def _failed(self, e: Exception) -> None:
-        log.error("grammar matcher failed", exc_info=e)
-        self.error = f"the grammar matcher failed: {type(e).__name__}: {e}"
+        self.error = f"the grammar matcher failed: {type(e).__name__}: {e}"  # (logged with the request's id)
+
+
+def _digest(spec: StructuredOutput) -> bytes:
+    return hashlib.blake2b(f"{spec.kind}\0{spec.spec}".encode(), digest_size=16).digest()

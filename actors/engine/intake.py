@@ -127,9 +127,9 @@ class RequestIntake:
     async def _compile(self, msg: AddRequest) -> None:
         """A constrained request's matcher, compiled off the loop; then it joins the queue (unless aborted)."""
         try:
-            grammar = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: grammars(*self.grammar_key).matcher(msg.params.structured, msg.resume_token_ids or ())
-            )
+            compiler = await asyncio.get_running_loop().run_in_executor(None, grammars, *self.grammar_key)
+            accepted = msg.resume_token_ids or ()
+            grammar = await asyncio.wrap_future(compiler.run(compiler.matcher, msg.params.structured, accepted))
         except GrammarError as e:
             grammar, error = None, f"invalid structured output: {e}"
         if self.compiling.get(msg.request_id) is not msg:
