@@ -40,7 +40,9 @@ async def test_continuous_usage_stats_count_each_choice(api, kind):
     else:
         create, prompt = client.chat.completions.create, {"messages": CHAT}
         num_prompt = len(tok.encode(tok.render_chat(CHAT), add_special_tokens=False))
-    kwargs = dict(model="", n=2, max_tokens=6, temperature=0, stream=True, **prompt)
+    kwargs = dict(
+        model="", n=2, max_tokens=6, temperature=1.0, seed=0, stream=True, **prompt
+    )  # (vLLM: n > 1 is not greedy)
     options = {"include_usage": True, "continuous_usage_stats": True}
     extra = {"ignore_eos": True, "return_token_ids": True}
     received, final = [0, 0], None
