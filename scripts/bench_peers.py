@@ -40,9 +40,22 @@ METRICS = (  # (label, result key, stat, higher is better)
 NO_VLLM = "# no vLLM at {}: Sluice alone (see ../shared/notes/peers.md to install it)"
 
 
+def server_arguments(ap: argparse.ArgumentParser) -> None:
+    """The servers' flags, shared by the peer benchmarks."""
+    ap.add_argument("--vllm", default="~/peers/vllm/bin/vllm", help="vLLM's CLI (skipped when absent)")
+    ap.add_argument("--port", type=int, default=8137)
+    ap.add_argument("--startup-timeout", type=float, default=400.0)
+    ap.add_argument("--sluice-args", default="", help="extra `sluice serve` flags, quoted")
+    ap.add_argument("--logs", default="/tmp", help="where the servers' logs go")
+
+
+def sluice_command(args) -> list[str]:
+    return [sys.executable, "-m", "frontend.cli", "serve", "--port", str(args.port), "--log-level", "WARNING",
+            *shlex.split(args.sluice_args)]  # fmt: skip
+
+
 def commands(args, model_dir: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
-    sluice = [sys.executable, "-m", "frontend.cli", "serve", "--port", str(args.port), "--log-level", "WARNING"]
-    servers = {"sluice": ([*sluice, *shlex.split(args.sluice_args)], {})}
+    servers = {"sluice": (sluice_command(args), {})}
     if vllm := vllm_command(args, model_dir, prefix_caching=False):
         servers["vllm"] = vllm
     else:
@@ -124,16 +137,12 @@ def value(result: dict, key: str, stat: str | None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vllm", default="~/peers/vllm/bin/vllm", help="vLLM's CLI (skipped when absent)")
+    server_arguments(ap)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-per-slot", type=int, default=2, help="prompts = this x concurrency (at least 8)")
     ap.add_argument("--min-prompts", type=int, default=8)
-    ap.add_argument("--port", type=int, default=8137)
-    ap.add_argument("--startup-timeout", type=float, default=400.0)
-    ap.add_argument("--sluice-args", default="", help="extra `sluice serve` flags, quoted")
-    ap.add_argument("--logs", default="/tmp", help="where the servers' logs go")
     args = ap.parse_args()
     model_dir = default_model_dir()
     print(f"# bench_peers {machine()}: {model_dir.name} fp32, {args.input_len} in / {args.output_len} out, greedy")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shlex
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frontend.bench_serve import first_model, random_prompts, sse_data
 from gpu.convert import default_model_dir
-from scripts.bench_peers import NO_VLLM, machine, serving, vllm_command
+from scripts.bench_peers import NO_VLLM, machine, server_arguments, serving, sluice_command, vllm_command
 
 ROWS = (  # (label, result key)
     ("cached prefix: TTFT s (median of 3)", "prefix_ttft"),
@@ -123,7 +122,7 @@ async def workload(args) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vllm", default="~/peers/vllm/bin/vllm", help="vLLM's CLI (skipped when absent)")
+    server_arguments(ap)
     ap.add_argument("--no-vllm-off", action="store_true", help="skip vLLM with its caching off (saves a startup)")
     ap.add_argument("--prefix-words", type=int, default=1000, help="~ tokens of the shared system prompt")
     ap.add_argument("--users", type=int, default=16)
@@ -131,15 +130,10 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--port", type=int, default=8137)
-    ap.add_argument("--startup-timeout", type=float, default=400.0)
-    ap.add_argument("--sluice-args", default="", help="extra `sluice serve` flags, quoted")
-    ap.add_argument("--logs", default="/tmp", help="where the servers' logs go")
     args = ap.parse_args()
     model_dir = default_model_dir()
     print(f"# bench_prefix_peers {machine()}: {model_dir.name} fp32, chat endpoint, greedy, {args.max_tokens} out")
-    sluice = [sys.executable, "-m", "frontend.cli", "serve", "--port", str(args.port), "--log-level", "WARNING",
-              *shlex.split(args.sluice_args)]  # fmt: skip
+    sluice = sluice_command(args)
     servers = {"sluice on": (sluice, {}), "sluice off": ([*sluice, "--no-enable-prefix-caching"], {})}
     for on in (True, False) if not args.no_vllm_off else (True,):
         if vllm := vllm_command(args, model_dir, prefix_caching=on):
