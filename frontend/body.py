@@ -79,9 +79,9 @@ def _no_lone_surrogate(obj) -> None:
         raise _Malformed("a string holds a lone UTF-16 surrogate") from e
 
 
-def decode_body(body: bytes, type_: type[T], refused: Mapping[str, Callable[[object], bool]] = {}) -> T:
-    """`refused`: top-level fields of the API that are not honoured -> whether a value is their no-op
-    (present with anything else, the field is refused, naming it)."""
+def decode_body(body: bytes, type_: type[T], refused: Mapping[str, Callable[[object], bool | str]] = {}) -> T:
+    """`refused`: top-level fields of the API that are not honoured -> whether a value is their no-op (present
+    with anything else, the field is refused, naming it; a verdict that is a string says why)."""
     try:
         text = body.decode("utf-8")
         obj = json.loads(text, object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant)
@@ -95,8 +95,9 @@ def decode_body(body: bytes, type_: type[T], refused: Mapping[str, Callable[[obj
         raise RequestError(400, f"Invalid JSON body: {e}") from e
     if isinstance(obj, dict):
         for key, noop in refused.items():
-            if key in obj and not noop(obj[key]):
-                raise RequestError(400, f"{key} is not supported", key)
+            if key in obj and (verdict := noop(obj[key])) is not True:
+                why = f": {verdict}" if isinstance(verdict, str) else ""
+                raise RequestError(400, f"{key} is not supported{why}", key)
     try:
         return msgspec.convert(obj, type_, str_keys=True)
     except msgspec.ValidationError as e:

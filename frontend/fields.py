@@ -97,19 +97,9 @@ def _is(*noops):
     return lambda value: value in noops
 
 
-def beam_search_refused(field: str) -> RequestError:
-    return RequestError(400, f"{field} is not supported: {BEAM_SEARCH}", field)
-
-
-def _beam(field: str, *noops):
-    """A beam search field: a value other than its no-ops is refused, saying why."""
-
-    def noop(value) -> bool:
-        if value not in noops:
-            raise beam_search_refused(field)
-        return True
-
-    return noop
+def _beam(*noops):
+    """A beam search field: a value other than its no-ops is refused, saying why (the verdict is the reason)."""
+    return lambda value: value in noops or BEAM_SEARCH
 
 
 def check_best_of(req: SamplingFields) -> None:
@@ -119,7 +109,7 @@ def check_best_of(req: SamplingFields) -> None:
         return
     if req.best_of < n:
         raise RequestError(400, f"best_of ({req.best_of}) must not be less than n ({n})", "best_of")
-    raise beam_search_refused("best_of")
+    raise RequestError(400, f"best_of is not supported: {BEAM_SEARCH}", "best_of")
 
 
 def _empty(value) -> bool:
@@ -129,9 +119,9 @@ def _empty(value) -> bool:
 _NOT_HONOURED = {
     "functions": _empty,
     "function_call": _is(None, "none", "auto"),
-    "use_beam_search": _beam("use_beam_search", None, False),
-    "length_penalty": _beam("length_penalty", None, 1, 1.0),
-    "early_stopping": _beam("early_stopping", None, False),
+    "use_beam_search": _beam(None, False),
+    "length_penalty": _beam(None, 1, 1.0),
+    "early_stopping": _beam(None, False),
     "priority": _is(None, 0),
     "prompt_embeds": _empty,
     "audio": _empty,
