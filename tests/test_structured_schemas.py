@@ -18,6 +18,7 @@ import re
 import jsonschema
 import pytest
 
+from actors.engine.config import SpeculativeConfig
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams, StructuredOutput
 from tests.cancel_harness import assert_idle, engine_config, model_dir  # noqa: F401 (fixture)
@@ -162,3 +163,22 @@ async def test_max_tokens_and_stop_strings_end_a_constrained_request_early(llm, 
     compiler(model_dir).matcher(spec, cut.token_ids)  # (GrammarError if it rejects one)
     assert stopped.finish_reason == "stop" and stopped.text == full.text[: full.text.index(stop)]
     await assert_idle(llm)
+
+
+async def test_sampled_speculation_keeps_every_output_valid(model_dir):  # noqa: F811
+    """With n-gram speculation (drafts checked against the grammar, the bonus and resampled tokens drawn from the
+    masked distribution), greedy and seeded temperature-1 outputs of every schema still validate; drafts were
+    verified and some accepted, so the check had drafts to refuse."""
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+    config = engine_config(model_dir, max_num_seqs=64, num_kv_blocks=512, max_num_batched_tokens=512,
+                           speculative=speculative)  # fmt: skip
+    specs = [StructuredOutput(kind="json", spec=json.dumps(schema)) for schema in SCHEMAS.values()]
+    params = [p for spec in specs for p in greedy_and_seeded(spec, 120)]
+    async with AsyncLLM(config) as llm:
+        outs = await decode(llm, params)
+        stats, _ = await llm.fresh_stats()
+        await assert_idle(llm)
+    for out, p in zip(outs, params, strict=True):
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), json.loads(p.structured.spec))
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
