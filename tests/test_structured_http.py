@@ -15,6 +15,16 @@ SCHEMA = {
     "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["color", "n"],
 }
+TAG = {  # xgrammar's structural tag: the schema's JSON between <v> and </v> (whitespace runs of 1 at most: the
+    # random model would otherwise fill the free whitespace JSON allows until max_tokens)
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<v>",
+        "content": {"type": "json_schema", "json_schema": SCHEMA, "max_whitespace_cnt": 1},
+        "end": "</v>",
+    },
+}
 CHAT = [{"role": "user", "content": "Pick a color."}]
 
 
@@ -55,8 +65,13 @@ async def test_response_format_json_schema_on_chat(server, stream):
         ({"guided_regex": r"\d\d"}, lambda t: re.fullmatch(r"\d\d", t)),
         ({"guided_choice": ["up", "down"], "guided_decoding_backend": "xgrammar"}, lambda t: t in ("up", "down")),
         ({"guided_grammar": 'root ::= "a" | "b"'}, lambda t: t in ("a", "b")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}}, valid_json),
+        (
+            {"structured_outputs": {"structural_tag": TAG}},
+            lambda t: t[:3] + t[-4:] == "<v></v>" and valid_json(t[3:-4]),
+        ),
     ],
-    ids=["regex", "choice", "json", "grammar", "g_json", "g_regex", "g_choice", "g_grammar"],
+    ids=["regex", "choice", "json", "grammar", "g_json", "g_regex", "g_choice", "g_grammar", "format", "tag"],
 )
 async def test_every_spelling_on_completions(server, extra, check):
     """Seeded sampling at temperature 1 (the tiny model's greedy choice would be one path only), n = 2; grammars
