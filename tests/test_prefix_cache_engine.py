@@ -104,3 +104,21 @@ async def test_cache_salt_over_http(server):
     with pytest.raises(openai.BadRequestError) as e:
         await cached("")
     assert e.value.body["param"] == "cache_salt"
+
+
+async def test_chat_usage_reports_cached_tokens_whole_and_streamed(server):
+    """A chat re-sending its 300-token system message: the second call's usage (and a streamed call's final usage
+    chunk) counts the cached prompt tokens, as OpenAI's prompt_tokens_details.cached_tokens."""
+    client = server.client()
+    system = {"role": "system", "content": " ".join(f"w{i}" for i in range(150))}
+    messages = [system, {"role": "user", "content": "one"}]
+    first = await client.chat.completions.create(model=None, messages=messages, max_tokens=2, temperature=0)
+    messages[1]["content"] = "two"
+    second = await client.chat.completions.create(model=None, messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < 64 <= second.usage.prompt_tokens_details.cached_tokens
+    messages[1]["content"] = "three"
+    chunks = await client.chat.completions.create(
+        model=None, messages=messages, max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    usage = [chunk.usage async for chunk in chunks if chunk.usage][-1]
+    assert usage.prompt_tokens_details.cached_tokens >= 64
