@@ -199,6 +199,7 @@ async def chaos(
         "stale_outputs": detok.stale_outputs_dropped_total,
         "violations": detok.protocol_violations_total,
         "preemptions": engine.num_preemptions_total,
+        "prefix_cache_hits": engine.prefix_cache_hits_total,  # (prompt tokens: caching is on, its default)
         "worker_resets": engine.worker_resets_total,
         "spec_drafts": engine.spec_num_drafts,
         "spec_accepted_tokens": engine.spec_num_accepted_tokens,

@@ -46,6 +46,8 @@ async def test_chaos(model_dir, clean_llm, tmp_path, speculative, drops, kills, 
     assert counts["client_duplicates"] > 0 and counts["late_aborts"] > 0, counts
     assert (counts["spec_accepted_tokens"] > 0) == (speculative is not None), counts
     assert counts["restarts"] == kills, counts
+    assert counts["prefix_cache_hits"] > 0 or kills, counts  # (prompts repeat: the idle invariant holds with caching
+    # on; a killed engine counts from zero again, so after kills there may be none left to count)
     assert (counts["worker_resets"] > 0) == (worker == "process"), counts  # (lost steps, a killed worker)
     assert counts["client_resumes"] + counts["detok_repairs"] > 0 or not (drops or kills), counts
 
