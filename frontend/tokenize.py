@@ -13,14 +13,14 @@ its size is bounded by the body limit.
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
 from frontend.body import RequestError, decode_body
 from frontend.fields import NOT_HONOURED_IN_TOKENIZE
 from frontend.protocol import chat_turn
-from frontend.tools import tool_grammar
+from frontend.tools import validate_tools
 from messages.sampling_params import ParamError
 
 
@@ -33,9 +33,6 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     return_token_strs: bool = False
     tools: Any = None  # validated and rendered as a chat request's (frontend/tools.py)
-    # (not fields: what tool_grammar reads; the template renders the same tools whatever the choice)
-    tool_choice: ClassVar[str] = "none"
-    parallel_tool_calls: ClassVar[None] = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -54,7 +51,7 @@ def tokenize(body: bytes, ctx) -> dict:
             raise RequestError(400, "tools are rendered with messages only", "tools")
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
-        tools, _, _ = tool_grammar(req, None)
+        tools = validate_tools(req.tools) if req.tools else None
         try:
             text = tok.render_chat(req.messages, tools=tools, **chat_turn(req))
         except ParamError as e:

@@ -44,7 +44,7 @@ def tool_grammar(req, auto_tool_parser: str | None) -> tuple[list[dict] | None, 
         if choice not in (None, "none"):
             raise RequestError(400, "tool_choice needs tools", "tool_choice")
         return None, None, None
-    tools = _tools(req.tools)
+    tools = validate_tools(req.tools)
     choice = "auto" if choice is None else choice
     if choice == "none":
         return tools, None, None
@@ -86,7 +86,8 @@ def tool_parameters(spec: StructuredOutput) -> list[tuple[str, StructuredOutput]
     ]
 
 
-def _tools(value) -> list[dict]:
+def validate_tools(value) -> list[dict]:
+    """`tools` checked (a 400 naming the field at fault), for the chat template."""
     if not isinstance(value, list) or len(value) > MAX_TOOLS:
         raise RequestError(400, f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
     names = set()

@@ -56,12 +56,11 @@ class GrammarBusy(GrammarError):
 
 
 class _Compile:
-    """One spec's compile on the pool: its future, the first asker's timeout, and when it started (set: it runs or
-    ran; also set when it is cancelled, to wake the other askers)."""
+    """One spec's compile on the pool: its future, and when it started (set: it runs or ran; also set when it is
+    cancelled, to wake the other askers)."""
 
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self.too_slow = False  # an asker gave up on it
+    def __init__(self) -> None:
+        self.too_slow = False  # an asker gave up waiting for it to end (the first waits `timeout` from its start)
         self.started = threading.Event()
         self.start = 0.0
         self.future: concurrent.futures.Future | None = None
@@ -121,7 +120,7 @@ class Grammars:
                 job = self._running.get(key)
                 new = job is None
                 if new:
-                    job = self._running[key] = _Compile(timeout)
+                    job = self._running[key] = _Compile()
                     job.future = self._pool.submit(self._compile, spec, job)
             else:
                 self._known.move_to_end(key)
@@ -170,7 +169,7 @@ class Grammars:
         with self._lock:
             self._running.pop(key, None)
             if not future.cancelled() and future.exception() is None:
-                self._known[key] = not job.too_slow and time.monotonic() - job.start <= job.timeout
+                self._known[key] = not job.too_slow
                 if len(self._known) > KNOWN_SPECS:
                     self._known.popitem(last=False)
 
