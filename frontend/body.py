@@ -9,6 +9,11 @@ Parsing is json's C scanner with Python hooks for numbers and objects, then msgs
 validates the types: the hooks let a worker thread drop the GIL between elements, so parsing a
 16 MB body off the event loop never stalls it (msgspec's decoder or a hook-free scanner hold the
 GIL throughout: 150-300 ms for 16 MB of token ids, measured).
+
+JSON a request carries *inside* a field is held to the same rules, by the same parser: JSON text in a string (a
+schema given as text, an assistant's tool-call arguments) and any value walked or rendered after parsing (schemas,
+tools, chat messages) must nest at most MAX_JSON_DEPTH lists and objects (`json_field`, `strict_json`): code that
+walks a value recursively, or json.dumps it, never meets a RecursionError, and any failure is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from frontend.openai_format import error_body, error_type
 T = TypeVar("T")
 
 _AT = re.compile(r"(?: - at `key` in | - at )`\$\.?([^`]*)`$")
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+MAX_JSON_DEPTH = 64  # lists and objects in a value walked or rendered after parsing (schemas, tools, messages)
 
 
 class RequestError(Exception):
@@ -79,19 +85,52 @@ def _no_lone_surrogate(obj) -> None:
         raise _Malformed("a string holds a lone UTF-16 surrogate") from e
 
 
+def strict_json(text: str | bytes, max_depth: int | None = None) -> object:
+    """JSON text parsed with the body's guarantees (module docstring), nesting no deeper than `max_depth`
+    containers (None: the interpreter's recursion limit); raises ValueError saying what is wrong."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        obj = json.loads(text, object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        if _SURROGATE_ESCAPE.search(text):
+            _no_lone_surrogate(obj)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 ({e.reason} at byte {e.start})") from e
+    except RecursionError as e:
+        raise ValueError("nested too deeply") from e
+    if max_depth is not None:
+        check_depth(obj, max_depth)
+    return obj
+
+
+def check_depth(value, max_depth: int) -> None:
+    """Raise ValueError if `value` nests more than `max_depth` lists and objects; level by level, no recursion."""
+    level, depth = [value], 0
+    while level := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        if depth > max_depth:
+            raise ValueError(f"nested deeper than {max_depth} levels")
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+
+
+def json_field(value, param: str) -> object:
+    """A field's JSON value that is walked or rendered later (a schema, tools, a chat message): as it is, or parsed
+    from the JSON text in a string, nesting at most MAX_JSON_DEPTH; a 400 naming `param` otherwise."""
+    try:
+        if isinstance(value, str):
+            return strict_json(value, MAX_JSON_DEPTH)
+        check_depth(value, MAX_JSON_DEPTH)
+    except ValueError as e:
+        raise RequestError(400, f"{param} is not valid JSON: {e}", param) from e
+    return value
+
+
 def decode_body(body: bytes, type_: type[T], refused: Mapping[str, Callable[[object], bool | str]] = {}) -> T:
     """`refused`: top-level fields of the API that are not honoured -> whether a value is their no-op (present
     with anything else, the field is refused, naming it; a verdict that is a string says why)."""
     try:
-        text = body.decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant)
-        if _SURROGATE_ESCAPE.search(body):
-            _no_lone_surrogate(obj)
-    except UnicodeDecodeError as e:
-        raise RequestError(400, f"Invalid JSON body: not UTF-8 ({e.reason} at byte {e.start})") from e
-    except RecursionError as e:
-        raise RequestError(400, "Invalid JSON body: nested too deeply") from e
-    except ValueError as e:  # JSONDecodeError, _Malformed, an integer too long
+        obj = strict_json(body)
+    except ValueError as e:  # JSONDecodeError, _Malformed, an integer too long, not UTF-8, too deep
         raise RequestError(400, f"Invalid JSON body: {e}") from e
     if isinstance(obj, dict):
         for key, noop in refused.items():

@@ -25,14 +25,6 @@ class PromptInput:
     params: SamplingParams  # per prompt: a defaulted max_tokens depends on the prompt length
 
 
-def content_chars(message) -> int:
-    """The characters a chat message's content brings to the prompt (shapes are checked later)."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list):
-        return sum(len(t) for part in content if isinstance(part, dict) and isinstance(t := part.get("text"), str))
-    return len(content) if isinstance(content, str) else 0
-
-
 def check_chars(chars: int, ctx: ServingContext, prompt_param) -> None:
     """Refuse a prompt that cannot fit from its length in characters alone, before tokenizing it."""
     if ctx.tokenizer.max_token_chars is not None:

@@ -51,6 +51,7 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
         "http": msgspec.to_builtins(http),
         "max_model_len": min(engine.max_model_len, model.max_model_len),
         "vocab_size": model.vocab_size,
+        "bos_token_id": model.bos_token_id,  # (the engine's: whether the model has a BOS to guide against)
     }
     return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
-from frontend.body import RequestError, decode_body, token_ids
-from frontend.budget import PromptInput, check_chars, check_total, content_chars, fit, truncate, truncation
+from frontend.body import RequestError, decode_body, json_field, token_ids
+from frontend.budget import PromptInput, check_chars, check_total, fit, truncate, truncation
 from frontend.fields import (
     NOT_HONOURED_IN_CHAT,
     NOT_HONOURED_IN_COMPLETIONS,
@@ -46,6 +46,7 @@ class ServingContext:
     model_dir: str | None = None  # where structured outputs find the tokenizer their grammars are compiled for
     grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this (frontend/structured.py)
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
+    bos_token_id: int | None = None  # the model's (gpu.config.ModelConfig, as the engine's): CFG guides against it
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # continuous_usage_stats with include_usage: usage so far on every chunk (vLLM)
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in the response
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
+    fields: dict[str, str] = field(default_factory=dict)  # the engine's name of a field -> this request's (errors)
 
     @property
     def n(self) -> int:
@@ -94,7 +96,8 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
         req.prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs)  # the echoed prompt's logprobs
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is msgspec.UNSET else req.max_tokens
     structured, grammar_param = structured_output(req)
-    params = _sampling_params(req, ctx, max_tokens, req.logprobs, {}, structured, grammar_param)
+    fields = {"structured_outputs": grammar_param or "structured_outputs"}
+    params = _sampling_params(req, ctx, max_tokens, req.logprobs, fields, structured)
     params.negative_prompt_token_ids = negative_prompt_ids(req, ctx)
     prompts, keep = [], truncation(req, ctx)
     for text, ids in _completion_prompts(req.prompt, ctx, keep is None):
@@ -105,7 +108,8 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
         prompts.append(fit(text, ids, params, max_tokens, ctx, "prompt"))
     check_total(prompts, ctx, "max_tokens" if req.max_tokens else "n")
     rid = request_id or new_request_id("cmpl")
-    return _parsed("completion", rid, model, prompts, req, echo=bool(req.echo), grammar_param=grammar_param)
+    extra = {"grammar_param": grammar_param, "fields": fields}
+    return _parsed("completion", rid, model, prompts, req, echo=bool(req.echo), **extra)
 
 
 def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) -> ParsedRequest:
@@ -125,29 +129,37 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
         if structured is not None:
             raise RequestError(400, f"{grammar_param} cannot be combined with tool_choice {req.tool_choice!r}", "tools")
         structured, grammar_param = tool_spec, tool_param
-    rename = {"logprobs": "top_logprobs", "max_tokens": max_param}
-    params = _sampling_params(req, ctx, max_tokens, logprobs, rename, structured, grammar_param)
+    fields = {"logprobs": "top_logprobs", "max_tokens": max_param, "prompt": "messages",
+              "structured_outputs": grammar_param or "structured_outputs"}  # fmt: skip
+    params = _sampling_params(req, ctx, max_tokens, logprobs, fields, structured)
     if req.messages is None:
         raise RequestError(400, "messages is required", "messages")
-    if len(req.messages) > ctx.max_model_len:  # every message renders to one token at least
-        raise RequestError(
-            400, f"messages: {len(req.messages)} messages cannot fit in {ctx.max_model_len} tokens", "messages"
-        )
+    chat, text = rendered_chat(req, ctx, tools)
     if (keep := truncation(req, ctx)) is None:
-        check_chars(sum(map(content_chars, req.messages)), ctx, "messages")
-    try:
-        text = ctx.tokenizer.render_chat(req.messages, tools=tools, **chat_turn(req))
-    except ParamError as e:
-        raise RequestError(400, str(e), e.param) from e
+        check_chars(len(text), ctx, "messages")  # everything the template rendered: contents, names, tools, ...
     ids = truncate(ctx.tokenizer.encode(text, add_special_tokens=False), keep, req.truncation_side)  # (the
     # template wrote any BOS itself)
-    params.negative_prompt_token_ids = negative_prompt_ids(req, ctx, req.messages)
+    params.negative_prompt_token_ids = negative_prompt_ids(req, ctx, chat)
     echo = _chat_echo(req, tool_calls)
     prompt = fit(echo, ids, params, max_tokens, ctx, "messages")  # (a chat prompt's text: what is echoed)
     check_total([prompt], ctx, max_param if max_tokens else "n")
     rid = request_id or new_request_id("chatcmpl")
-    extra = {"grammar_param": grammar_param, "tool_calls": tool_calls}
+    extra = {"grammar_param": grammar_param, "tool_calls": tool_calls, "fields": fields}
     return _parsed("chat", rid, model, [prompt], req, echo=echo is not None, **extra)
+
+
+def rendered_chat(req, ctx: ServingContext, tools: list[dict] | None) -> tuple[dict, str]:
+    """A chat request's `Tokenizer.render_chat` arguments (its messages, tools and turn) and the text they render
+    to; its messages are first held to the body's JSON bounds (the template walks them)."""
+    if len(req.messages) > ctx.max_model_len:  # every message renders to one token at least
+        raise RequestError(
+            400, f"messages: {len(req.messages)} messages cannot fit in {ctx.max_model_len} tokens", "messages"
+        )
+    chat = {"messages": json_field(req.messages, "messages"), "tools": tools, **chat_turn(req)}
+    try:
+        return chat, ctx.tokenizer.render_chat(**chat)
+    except ParamError as e:
+        raise RequestError(400, str(e), e.param) from e
 
 
 def chat_turn(req: ChatCompletionRequest) -> dict:
@@ -184,10 +196,10 @@ def _sampling_params(
     ctx: ServingContext,
     max_tokens: int | None,
     logprobs: int | None,
-    rename: dict,
+    names: dict[str, str],
     structured: StructuredOutput | None = None,
-    grammar_param: str | None = None,
 ) -> SamplingParams:
+    """`names`: SamplingParams' name of a field -> the request's, for the errors."""
     check_best_of(req)
     if req.stream_options is not None and not req.stream:
         raise RequestError(400, "stream_options is only allowed when stream is true", "stream_options")
@@ -198,14 +210,13 @@ def _sampling_params(
     # a defaulted max_tokens is resolved per prompt in _fit; verify against the largest possible
     limit = ctx.max_model_len if max_tokens is None else max_tokens
     params = SamplingParams(**fields, stop=stop, logprobs=logprobs, max_tokens=limit, structured=structured)
-    rename = {**rename, "structured_outputs": grammar_param or "structured_outputs"}
     try:
         params.verify(ctx.vocab_size, ctx.limits)  # sizes first: nothing below iterates over an unbounded list
         if params.bad_words:
             params.bad_words_token_ids = ctx.tokenizer.bad_words_token_ids(params.bad_words)
             params.verify(ctx.vocab_size, ctx.limits)  # again, for the bad words' token ids
     except ParamError as e:
-        param = rename.get(e.param, e.param)
+        param = names.get(e.param, e.param)
         raise RequestError(400, str(e).replace(e.param, param, 1), param) from e
     return params
 

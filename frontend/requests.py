@@ -64,8 +64,8 @@ class RequestTable(ClientLedger[Choice]):
             self.metrics.prompt_finished(len(siblings), max(s.finished.num_output_tokens for s in siblings))
         self._ended(c)
         if fin.finish_reason == "error":
-            log.warning("[%s] failed in the engine: %s", c.engine_id, fin.error)
-            self.fail_request(c.request, RequestError(500, fin.error or "the engine failed the request"))
+            log.warning("[%s] failed in the engine (%s): %s", c.engine_id, fin.error_kind, fin.error)
+            self.fail_request(c.request, engine_error(fin, c.request.parsed.fields))
 
     def fail(self, c: Choice, status: int, error: str, abort: bool) -> None:
         self.fail_request(c.request, RequestError(status, error), abort)
@@ -120,3 +120,12 @@ class RequestTable(ClientLedger[Choice]):
         for req in dict.fromkeys(c.request for c in self.live.values()):
             log.warning("[%s] failed: %s", req.id, error.message)
             self.fail_request(req, error, send_abort)
+
+
+def engine_error(fin: Finished, fields: dict[str, str]) -> RequestError:
+    """The engine's error as the client's answer: a field of the request at fault is a 400 naming it (as the request
+    spells it), the server's state a 503, a failure of the engine a 500."""
+    message = fin.error or "the engine failed the request"
+    if fin.error_kind == "invalid":
+        return RequestError(400, message, fields.get(fin.error_param, fin.error_param))
+    return RequestError(503 if fin.error_kind == "unavailable" else 500, message)

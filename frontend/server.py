@@ -50,12 +50,13 @@ LARGE_READS, LARGE_PARSES = 32, 4  # large bodies read / parsed at once (the res
 class HttpActor(Actor):
     name = HTTP
 
-    def __init__(self, model: str, http: dict, max_model_len: int, vocab_size: int):
+    def __init__(self, model: str, http: dict, max_model_len: int, vocab_size: int, bos_token_id: int | None = None):
         super().__init__()
         self.config = msgspec.convert(http, HttpConfig)
         self.model = model
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
         self.names = self.config.served_model_name or [Path(model).name]
         self.metrics = Metrics(self.config.metrics_prefix, self.names[0])  # (vLLM's model_name: the first name)
         c = self.config
@@ -90,6 +91,7 @@ class HttpActor(Actor):
             self.model,
             c.grammar_timeout_s,
             c.tool_call_parser,
+            self.bos_token_id,
         )
         warm(self.model, self.vocab_size, tuple(tokenizer.eos_token_ids))
         app = web.Application(

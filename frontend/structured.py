@@ -25,7 +25,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 from actors.engine.grammar import GrammarBusy, GrammarError, grammars
-from frontend.body import RequestError
+from frontend.body import RequestError, json_field
 from frontend.tools import tool_parameters
 from messages.sampling_params import GrammarKind, StructuredOutput
 
@@ -132,11 +132,7 @@ def _structured_outputs(value) -> tuple[StructuredOutput, str]:
 def _spec(kind: GrammarKind, value, param: str) -> StructuredOutput:
     """The spec text of one constraint, its shape checked (its language is checked by compiling it)."""
     if kind in ("json", "structural_tag"):
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise RequestError(400, f"{param} is not valid JSON: {e}", param) from e
+        value = json_field(value, param)  # (JSON text in a string, parsed as bodies are)
         if not isinstance(value, dict) and not (kind == "json" and isinstance(value, bool)):
             raise RequestError(400, f"{param} must be a JSON object", param)
         return StructuredOutput(kind=kind, spec=json.dumps(value, ensure_ascii=False))

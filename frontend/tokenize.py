@@ -6,8 +6,10 @@ with `tools`, rendered with the chat template, `add_generation_prompt` and `cont
 request renders them; `add_special_tokens` default false, as the template writes them) and answers `{"count",
 "max_model_len", "tokens", "token_strs"}` (`token_strs` only with `return_token_strs`). vLLM's `chat_template` and
 `chat_template_kwargs` are refused as a chat request refuses them (frontend/fields.py). /detokenize takes `tokens`
-and answers `{"prompt"}`. A prompt longer than the context is still tokenized (clients ask to learn its length);
-its size is bounded by the body limit.
+and answers `{"prompt"}`. Both are bounded as a completion's prompt is (frontend/budget.py): a prompt or chat that
+cannot fit the context is refused (400) from its length in characters before it is tokenized, and from its tokens
+after (the message says how many); at most max_model_len tokens are detokenized; so every answer is small. Bodies
+over 16 KiB are parsed and tokenized off the event loop, as the completion endpoints' (frontend/server.py `_parse`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from typing import Any
 import msgspec
 
 from frontend.body import RequestError, decode_body
+from frontend.budget import check_chars, check_fits
 from frontend.fields import NOT_HONOURED_IN_TOKENIZE
-from frontend.protocol import chat_turn
+from frontend.protocol import rendered_chat
 from frontend.tools import validate_tools
-from messages.sampling_params import ParamError
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -49,14 +51,13 @@ def tokenize(body: bytes, ctx) -> dict:
     if req.prompt is not None:
         if req.tools:
             raise RequestError(400, "tools are rendered with messages only", "tools")
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        param, text, special = "prompt", req.prompt, req.add_special_tokens is not False
     else:
-        tools = validate_tools(req.tools) if req.tools else None
-        try:
-            text = tok.render_chat(req.messages, tools=tools, **chat_turn(req))
-        except ParamError as e:
-            raise RequestError(400, str(e), e.param) from e
-        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        _, text = rendered_chat(req, ctx, validate_tools(req.tools) if req.tools else None)
+        param, special = "messages", bool(req.add_special_tokens)
+    check_chars(len(text), ctx, param)  # (a prompt that cannot fit is refused before it is tokenized)
+    ids = tok.encode(text, add_special_tokens=special)
+    check_fits(len(ids), ctx, param)
     strs = [tok.token_str(t) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -64,6 +65,8 @@ def tokenize(body: bytes, ctx) -> dict:
 def detokenize(body: bytes, ctx) -> dict:
     req = decode_body(body, DetokenizeRequest)
     _model(req.model, ctx)
+    if len(req.tokens) > ctx.max_model_len:
+        raise RequestError(400, f"tokens: {len(req.tokens)}, more than max_model_len ({ctx.max_model_len})", "tokens")
     bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
     if bad is not None:
         raise RequestError(400, f"tokens: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", "tokens")

@@ -26,6 +26,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
+from frontend.body import MAX_JSON_DEPTH, strict_json
 from messages.sampling_params import ParamError
 
 _CONTINUE = "\ue000sluice-continue\ue000"  # continue_final_message: where the last message's content ends
@@ -224,7 +225,7 @@ def _tool_calls(i: int, calls) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
             raise ParamError(f"{param}[{j}]", f"{param}[{j}] must have function.name and function.arguments strings")
         try:
-            arguments = json.loads(fn["arguments"])
+            arguments = strict_json(fn["arguments"], MAX_JSON_DEPTH)  # (as bodies are parsed)
         except ValueError as e:
             raise ParamError(f"{param}[{j}]", f"{param}[{j}].function.arguments is not valid JSON: {e}") from e
         out.append({**call, "function": {"name": fn["name"], "arguments": arguments}})

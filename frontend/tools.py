@@ -26,7 +26,7 @@ import json
 import re
 
 from actors.engine.json_schema import unsupported
-from frontend.body import RequestError
+from frontend.body import RequestError, json_field
 from messages.sampling_params import StructuredOutput
 
 TOOL_CALL_PARSERS = ("hermes",)
@@ -92,6 +92,7 @@ def validate_tools(value) -> list[dict]:
         raise RequestError(400, f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
     names = set()
     for i, tool in enumerate(value):
+        json_field(tool, f"tools[{i}]")  # (rendered by the template, walked for its parameters)
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict):
             raise RequestError(400, f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")

@@ -15,6 +15,9 @@ from messages.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]  # why a request ended: OpenAI's, and vLLM's abort, error
 AbortReason = Literal["client", "stop", "error", "shutdown"]  # who ended it early (Abort; Finished.stop_reason)
+# why the engine failed a request (with finish_reason "error"), for its client: a field of the request is at fault
+# (`error_param` names it; HTTP 400), the server cannot take it now (503), or the engine failed it (500)
+ErrorKind = Literal["invalid", "unavailable", "internal"]
 
 
 class Msg(msgspec.Struct, tag=True, array_like=True, kw_only=True):
@@ -163,31 +166,13 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
     stop_reason: int | str | None = None  # the stop token id (or stop string downstream)
     logprobs: TokenLogprobs | None = None
     error: str | None = None
+    error_kind: ErrorKind = "internal"  # with an error: whose fault it is
+    error_param: str | None = None  # with an "invalid" error: the request field at fault (a SamplingParams name)
     # with the request's first output (seq 0; a resumed request's first seq), for prompt_logprobs: one entry per prompt token after the first (the logits of the token before)
     prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int | None = None  # with the first output: prompt tokens whose KV came from the prefix cache
     attempt: int = 0  # AddRequest.attempt of the copy that produced it
     timings: list[float] | None = None  # with the terminal output: [prefill_s, decode_s] of this copy (vLLM's)
-
-    def split(self) -> list[RequestOutput]:
-        """One entry per token (a speculative run token by token): the finish on the last, prompt logprobs first."""
-        n = len(self.new_token_ids)
-        return [
-            RequestOutput(
-                request_id=self.request_id,
-                seq=self.seq + i,
-                new_token_ids=[token],
-                finish_reason=self.finish_reason if i == n - 1 else None,
-                stop_reason=self.stop_reason if i == n - 1 else None,
-                logprobs=self.logprobs and self.logprobs.part(i, i + 1),
-                error=self.error,
-                prompt_logprobs=self.prompt_logprobs if i == 0 else None,
-                num_cached_tokens=self.num_cached_tokens if i == 0 else None,
-                attempt=self.attempt,
-                timings=self.timings if i == n - 1 else None,
-            )
-            for i, token in enumerate(self.new_token_ids)
-        ]
 
 
 class StepOutputs(Msg, kw_only=True):
@@ -222,6 +207,8 @@ class Finished(Msg, kw_only=True):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    error_kind: ErrorKind = "internal"  # RequestOutput.error_kind, passed on
+    error_param: str | None = None  # RequestOutput.error_param, passed on
     prompt_logprobs: TokenLogprobs | None = None  # RequestOutput.prompt_logprobs, passed on
     num_cached_tokens: int = 0  # RequestOutput.num_cached_tokens, passed on
     attempt: int = 0  # AddRequest.attempt of the copy the detokenizer followed

@@ -73,7 +73,8 @@ class FakeEngine(Actor):
         delta = TextDelta(request_id=rid, seq=seq, text=text, token_ids=token_ids, attempt=attempt)
         self.tell(CLIENT, TextOutputs(step=self._steps, deltas=[delta]))
 
-    def finish(self, rid: str, reason: str, text: str = "", token_ids: list[int] = ()) -> None:
+    def finish(self, rid: str, reason: str, text: str = "", token_ids: list[int] = (), **error) -> None:
+        """End the request's live copy (`error`: Finished's error fields)."""
         req = self.live.pop(rid)
         self.sent[rid] += len(token_ids)
         fin = Finished(
@@ -84,6 +85,7 @@ class FakeEngine(Actor):
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=self.sent[rid],
             attempt=req.attempt,
+            **error,
         )
         self._steps += 1
         self.tell(CLIENT, TextOutputs(step=self._steps, deltas=[], finished=[fin]))

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from actors.detokenizer.incremental import METHODS
-from actors.detokenizer.request_state import DetokRequestState, decode_logprob_tokens, token_bytes
+from actors.detokenizer.logprob_text import decode_logprob_tokens, token_bytes
+from actors.detokenizer.request_state import DetokRequestState
 from messages.sampling_params import SamplingParams
 from messages.wire import AddRequest, Finished, RequestOutput, TextDelta, TokenLogprobs
 from tests.detok_tokenizers import EMOJI_CJK, smollm2

@@ -1,6 +1,6 @@
 """Property-based fuzzing of both generation endpoints (hypothesis, fixed seed): bodies built from
-the request fields with hostile values at any depth, raw byte mutations of valid bodies, and
-random headers. Properties: no response is a 5xx, every response arrives within BOUND_S, the server
+the request fields with hostile values at any depth (JSON text inside string fields too: schemas, tool-call
+arguments; tools, tool calls and guidance), raw byte mutations of valid bodies, and random headers. Properties: no response is a 5xx, every response arrives within BOUND_S, the server
 counted no 5xx, and canary streams running meanwhile finish with exactly their undisturbed output.
 
 Hypothesis drives a plain blocking HTTP client in a worker thread (it has no asyncio runner), so the
@@ -35,9 +35,30 @@ json_values = st.recursive(
     max_leaves=30,
 )
 token_ids = st.lists(st.integers(min_value=-5, max_value=60_000), min_size=0, max_size=12)
-message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]), "content": st.text(max_size=60)}
+# JSON carried as text inside a string field (a schema, tool-call arguments): any value, deep nesting, or not JSON
+json_texts = (
+    json_values.map(json.dumps) | st.integers(60, 100_000).map(lambda d: "[" * d + "]" * d) | st.text(max_size=9)
 )
+schemas = json_values | json_texts | st.just({"type": "object", "properties": {"a": {"type": "integer"}}})
+tool_calls = st.lists(
+    st.fixed_dictionaries(
+        {"id": st.text(max_size=4), "type": st.just("function"),
+         "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]), "arguments": json_texts})}
+    ) | json_values,
+    max_size=2,
+)  # fmt: skip
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]), "content": st.text(max_size=60)},
+    optional={"name": st.text(max_size=8), "tool_calls": tool_calls},
+)
+tools = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g"])}, optional={"parameters": schemas, "description": st.text(max_size=9)}
+        )}
+    ),
+    max_size=2,
+)  # fmt: skip
 FIELD_VALUES = {
     "model": st.text(max_size=10),
     "n": st.integers(-2, 4) | json_values,
@@ -65,11 +86,54 @@ FIELD_VALUES = {
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "user": json_values,
+    "guided_json": schemas,
+    "guided_regex": st.text(max_size=9),
+    "structured_outputs": st.fixed_dictionaries(
+        {}, optional={"json": schemas, "regex": st.text(max_size=9), "choice": st.lists(st.text(max_size=5))}
+    ),
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+        optional={"json_schema": st.fixed_dictionaries({"name": st.text(max_size=5)}, optional={"schema": schemas})},
+    ),
+    "tools": tools | json_values,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
+    "guidance_scale": st.sampled_from([1, 1.5]) | json_values,
+    "negative_prompt": st.text(max_size=9) | token_ids,
 }
 PROMPT = {
     "completions": st.text(max_size=80) | token_ids | st.lists(st.text(max_size=20) | token_ids, max_size=3),
     "chat/completions": st.lists(message, max_size=4),
 }
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _with(key: str, **fields) -> bytes:
+    base = "hi" if key == "prompt" else [{"role": "user", "content": "hi"}]
+    return json.dumps({key: base, "max_tokens": 4, **fields}).encode()
+
+
+NESTED_IN = {  # (prompt key, depth) -> a body with JSON nested that deep inside one field
+    "guided_json text": lambda key, d: _with(key, guided_json=_deep(d)),
+    "structured_outputs.json text": lambda key, d: _with(key, structured_outputs={"json": _deep(d)}),
+    "response_format schema text": lambda key, d: _with(
+        key, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _deep(d)}}
+    ),
+}
+NESTED_IN_CHAT = {
+    "tool-call arguments": lambda key, d: json.dumps({"messages": [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": _deep(d)}}]},
+        {"role": "user", "content": "hi"},
+    ]}).encode(),
+    "tool parameters": lambda key, d: _with(key, tools=[]).replace(
+        b'"tools": []',
+        b'"tools": [{"type": "function", "function": {"name": "f", "parameters": '
+        + b'{"type": "object", "properties": {"a": ' * d + b"{}" + b"}}" * d + b"}}]",
+    ),
+}  # fmt: skip
 
 
 @st.composite
@@ -85,7 +149,7 @@ def bodies(draw, endpoint: str) -> bytes:
     if isinstance(body.get("n"), int) and body["n"] > 4:
         body["n"] = 4  # keep valid requests small: the properties are about bad input
     data = json.dumps(body).encode()
-    mutation = draw(st.sampled_from(["none", "none", "bytes", "truncate", "duplicate", "nest", "raw"]))
+    mutation = draw(st.sampled_from(["none", "none", "bytes", "truncate", "duplicate", "nest", "nest_text", "raw"]))
     if mutation == "bytes":
         at = draw(st.integers(0, len(data)))
         return data[:at] + draw(st.binary(min_size=1, max_size=8)) + data[at:]
@@ -96,6 +160,10 @@ def bodies(draw, endpoint: str) -> bytes:
     if mutation == "nest":
         depth = draw(st.integers(100, 200_000))
         return b'{"%s": %s%s}' % (key.encode(), b"[" * depth, b"]" * depth)
+    if mutation == "nest_text":  # deeply nested JSON inside a field (as text in a string, or a schema)
+        where = draw(st.sampled_from(sorted(NESTED_IN if key == "prompt" else {**NESTED_IN, **NESTED_IN_CHAT})))
+        depth = draw(st.integers(65, 900 if where == "tool parameters" else 200_000))
+        return (NESTED_IN | NESTED_IN_CHAT)[where](key, depth)
     if mutation == "raw":
         return draw(st.binary(max_size=64))
     return data

@@ -19,7 +19,11 @@ MAX_MODEL_LEN = 64
 def ctx(tmp_path_factory) -> ServingContext:
     tok = Tokenizer.from_model_dir(write_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
     return ServingContext(
-        tokenizer=tok, model_names=["tiny", "alias"], max_model_len=MAX_MODEL_LEN, vocab_size=tok.vocab_size
+        tokenizer=tok,
+        model_names=["tiny", "alias"],
+        max_model_len=MAX_MODEL_LEN,
+        vocab_size=tok.vocab_size,
+        bos_token_id=1,
     )
 
 

@@ -4,6 +4,7 @@ ignored, and tokenizing without the GIL."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -26,7 +27,7 @@ LIMITS = RequestLimits(
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory) -> ServingContext:
     tok = Tokenizer.from_model_dir(write_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
-    return ServingContext(tok, ["tiny"], max_model_len=64, vocab_size=tok.vocab_size, limits=LIMITS)
+    return ServingContext(tok, ["tiny"], max_model_len=64, vocab_size=tok.vocab_size, limits=LIMITS, bos_token_id=1)
 
 
 def _error(parse, ctx, body: bytes) -> RequestError:
@@ -186,7 +187,8 @@ def test_more_fields_that_would_be_ignored_or_break_the_wire_are_refused(ctx, fi
     [
         (parse_completion, {"guidance_scale": 0}, "guidance_scale"),
         (parse_chat, {"guidance_scale": 20.5}, "guidance_scale"),
-        (parse_chat, {"negative_prompt": "bad"}, "negative_prompt"),  # guidance off: it would change nothing
+        (parse_chat, {"guidance_scale": 1, "negative_prompt": [1, 2]}, "negative_prompt"),  # checked when off too
+        (parse_completion, {"negative_prompt": "x" * 10**6}, "negative_prompt"),
         (parse_chat, {"guidance_scale": 2, "negative_prompt": [1, 2]}, "negative_prompt"),  # chat: a string
         (parse_completion, {"guidance_scale": 2, "negative_prompt": [1, True]}, "negative_prompt"),
         (parse_completion, {"guidance_scale": 2, "negative_prompt": [10**9]}, "negative_prompt"),
@@ -214,8 +216,21 @@ def test_negative_prompts_become_the_companions_prompt(ctx):
     assert parse_chat(json.dumps(body).encode(), ctx).prompts[0].params.negative_prompt_token_ids is None
 
 
-def test_without_bos_chat_guides_against_an_empty_user_turn(ctx, monkeypatch):
-    monkeypatch.delitem(ctx.tokenizer.special_tokens, "bos_token")
+@pytest.mark.parametrize(
+    ("parse", "negative"), [(parse_completion, "praise dogs"), (parse_completion, [5, 6]), (parse_chat, "praise dogs")]
+)
+def test_a_negative_prompt_at_scale_1_changes_nothing(ctx, parse, negative):
+    """A client sweeping guidance_scale from 1 upward with one negative prompt: at 1 (off) the request is the
+    unguided one (no companion, so the output is the unguided output)."""
+    base = {"prompt": "hi"} if parse is parse_completion else {"messages": [{"role": "user", "content": "praise"}]}
+    plain = parse(json.dumps({**base, "max_tokens": 3}).encode(), ctx).prompts
+    for scale in ({}, {"guidance_scale": 1}):
+        body = {**base, "max_tokens": 3, "negative_prompt": negative, **scale}
+        assert parse(json.dumps(body).encode(), ctx).prompts == plain
+
+
+def test_without_bos_chat_guides_against_an_empty_user_turn(ctx):
+    ctx = dataclasses.replace(ctx, bos_token_id=None)  # (the model config's BOS, as the engine reads it)
     chat = [{"role": "user", "content": "praise cats"}]
     body = {"messages": chat, "max_tokens": 1, "guidance_scale": 3}
     rendered = ctx.tokenizer.render_chat([{"role": "user", "content": ""}])

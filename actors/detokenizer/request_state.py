@@ -13,52 +13,14 @@ last entry's tokens (they have no wire field).
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 import msgspec
 from tokenizers import Tokenizer
 
-from actors.detokenizer.incremental import IncrementalDetokenizer, token_table
-from actors.detokenizer.stop_strings import StopChecker
+from actors.detokenizer.incremental import IncrementalDetokenizer
+from actors.detokenizer.logprob_text import DecodedLogprobs, decode_logprob_tokens
+from actors.detokenizer.stop_strings import StopChecker, token_by_token
 from actors.protocol import DETOK_COPIES, next_attempt
 from messages.wire import AbortReason, AddRequest, Finished, RequestOutput, TextDelta, TokenLogprobs
-
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def token_bytes(tokenizer: Tokenizer, token_ids: list[int]) -> list[bytes]:
-    """The bytes each token stands for on its own (a piece of a UTF-8 character stays a piece)."""
-    table = token_table(tokenizer)
-    if table.byte_level:
-        return [table.byte_tables[False][0].get(t, b"") for t in token_ids]
-    out = []
-    for t in token_ids:
-        m = _BYTE_FALLBACK.fullmatch(tokenizer.id_to_token(t) or "")
-        out.append(bytes([int(m[1], 16)]) if m else tokenizer.decode([t], skip_special_tokens=False).encode())
-    return out
-
-
-def decode_logprob_tokens(tokenizer: Tokenizer, token_ids: list[int]) -> list[str]:
-    """Display strings for logprob tokens: the token's text; for a token that is not valid UTF-8 on its
-    own (a piece of an emoji or CJK character) "bytes:" + its bytes, the invalid ones as \\xNN escapes
-    (OpenAI's convention), e.g. 'bytes: \\xf0\\x9f'. Special tokens show their content."""
-    out = []
-    for raw in token_bytes(tokenizer, token_ids):
-        try:
-            out.append(raw.decode())
-        except UnicodeDecodeError:
-            out.append("bytes:" + raw.decode("utf-8", "backslashreplace"))
-    return out
-
-
-@dataclass(slots=True)
-class DecodedLogprobs:
-    """Display data for one entry's logprobs (not on the wire), aligned with its new_token_ids."""
-
-    tokens: list[str]  # the sampled tokens, see decode_logprob_tokens
-    top_tokens: list[list[str]]
-    text_offsets: list[int]  # character offset of each token's text in the generated text
 
 
 def abort_finished(fin: Finished, reason: AbortReason) -> Finished:
@@ -213,7 +175,7 @@ class DetokRequestState:
             delta, finished = self.process(out)
             return [delta] if delta is not None else [], finished
         deltas = []
-        for part in out.split():
+        for part in token_by_token(out):
             delta, finished = self.process(part)
             if delta is not None:
                 deltas.append(delta)
@@ -283,10 +245,14 @@ class DetokRequestState:
         )
 
     def _fail(self, out: RequestOutput, error: str) -> Finished:
-        """The failing entry's tokens are not delivered: the client gets the error after the text it has."""
+        """The failing entry's tokens are not delivered: the client gets the error after the text it has (and, for
+        the engine's error, whose fault it is)."""
         if out.finish_reason is None:
             self.abort_reason = "error"
-        return self._finish(None, "error", None, "", f"request {self.request_id}: {error}")
+        fin = self._finish(None, "error", None, "", f"request {self.request_id}: {error}")
+        if out.error is not None and self._error is None:  # the engine's: whose fault it is, for the client
+            fin.error_kind, fin.error_param = out.error_kind, out.error_param
+        return fin
 
     def _set_logprobs_text(self, out: RequestOutput, skipped: int) -> None:
         offsets = self._offsets + [self._decoded_chars] * skipped  # a skipped stop token sits at the end

@@ -7,10 +7,32 @@ the text was chunked. Unless the stop string goes into the output, the trailing 
 still begin a stop string (a proper prefix of one, so at most `max(len(stop)) - 1`) are held back
 while streaming and released by `finish()`. Holding back only those, instead of always the last
 `max(len(stop)) - 1` characters as vLLM does, gives the same text and guarantees, streams ordinary
-text without delay, and keeps the common step free of string slicing (DESIGN §9 budget).
+text without delay, and keeps the common step free of string slicing (DESIGN §9 budget). A run of several
+tokens (speculative decoding) is checked token by token (`token_by_token`), so that nothing after a stop string
+gets out.
 """
 
 from __future__ import annotations
+
+import msgspec
+
+from messages.wire import RequestOutput
+
+
+def token_by_token(out: RequestOutput) -> list[RequestOutput]:
+    """One entry per token of `out`: its finish on the last, what comes with a first output on the first."""
+    last = len(out.new_token_ids) - 1
+    return [
+        msgspec.structs.replace(
+            out,
+            seq=out.seq + i,
+            new_token_ids=[token],
+            logprobs=out.logprobs and out.logprobs.part(i, i + 1),
+            **({} if i == last else {"finish_reason": None, "stop_reason": None, "timings": None}),
+            **({} if i == 0 else {"prompt_logprobs": None, "num_cached_tokens": None}),
+        )
+        for i, token in enumerate(out.new_token_ids)
+    ]
 
 
 class StopChecker:

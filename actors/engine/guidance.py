@@ -14,19 +14,23 @@ from actors.engine.config import EngineConfig
 from actors.engine.request import EngineRequest
 from gpu.batch import ScheduledRow
 from gpu.config import ModelConfig
-from messages.sampling_params import SamplingParams
+from messages.sampling_params import ParamError, SamplingParams
 
 
-def guidance_error(params: SamplingParams, config: EngineConfig, model: ModelConfig) -> str | None:
-    """Why the engine cannot guide this request (None: it can)."""
+def guidance_error(params: SamplingParams, config: EngineConfig, model: ModelConfig) -> ParamError | None:
+    """Why the engine cannot guide this request, naming the request field at fault (None: it can)."""
     negative = params.negative_prompt_token_ids
     if negative is None and model.bos_token_id is None:
-        return "negative_prompt is required: the model has no BOS token to guide against"
+        return ParamError("negative_prompt", "negative_prompt is required: the model has no BOS token to guide against")
     max_model_len = min(config.max_model_len, model.max_model_len)
     if negative is not None and len(negative) >= max_model_len:
-        return f"the negative prompt has {len(negative)} tokens; max_model_len is {max_model_len}"
+        return ParamError(
+            "negative_prompt", f"the negative prompt has {len(negative)} tokens; max_model_len is {max_model_len}"
+        )
     if config.max_num_seqs < 2 or config.max_num_batched_tokens < 2:
-        return "guidance_scale needs max_num_seqs and max_num_batched_tokens of at least 2"
+        return ParamError(
+            "guidance_scale", "guidance_scale needs a server with max_num_seqs and max_num_batched_tokens of 2 or more"
+        )
     return None
 
 

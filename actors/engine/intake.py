@@ -37,7 +37,7 @@ from actors.engine.guidance import guidance_error
 from actors.engine.request import EngineRequest
 from actors.protocol import CLIENT_COPIES, DETOK_COPIES, next_attempt
 from messages.sampling_params import ParamError
-from messages.wire import Abort, AbortAck, ActorDown, AddRequest, RequestOutput, StepOutputs
+from messages.wire import Abort, AbortAck, ActorDown, AddRequest, ErrorKind, RequestOutput, StepOutputs
 
 log = logging.getLogger("sluice.engine")
 
@@ -83,8 +83,9 @@ class RequestIntake:
             log.info("[%s] aborted before it arrived (%s)", rid, early_abort)
             self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=early_abort, attempt=msg.attempt))
             return
-        error = self._validate(msg)
-        if error:
+        if not self.admitting:
+            self._reject(msg, "the server is shutting down", "unavailable")
+        elif error := self._validate(msg):
             self._reject(msg, error)
         elif msg.params.structured is not None:
             self.compiling[rid] = msg
@@ -111,15 +112,18 @@ class RequestIntake:
             self.queued[msg.request_id] = time.monotonic()
         self._work.set()
 
-    def _reject(self, msg: AddRequest, error: str) -> None:
+    def _reject(self, msg: AddRequest, error: str | ParamError, kind: ErrorKind = "internal") -> None:
+        """End the request before it runs: a ParamError names the request field at fault (the client's 400)."""
         log.warning("[%s] rejected: %s", msg.request_id, error)
-        seq = len(msg.resume_token_ids or [])
+        param = error.param if isinstance(error, ParamError) else None
         out = RequestOutput(
             request_id=msg.request_id,
-            seq=seq,
+            seq=len(msg.resume_token_ids or []),
             new_token_ids=[],
             finish_reason="error",
-            error=error,
+            error=str(error),
+            error_kind="invalid" if param else kind,
+            error_param=param,
             attempt=msg.attempt,
         )
         self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
@@ -131,7 +135,7 @@ class RequestIntake:
             accepted = msg.resume_token_ids or ()
             grammar = await asyncio.wrap_future(compiler.run(compiler.matcher, msg.params.structured, accepted))
         except GrammarError as e:
-            grammar, error = None, f"invalid structured output: {e}"
+            grammar, error = None, ParamError("structured_outputs", f"invalid structured output: {e}")
         if self.compiling.get(msg.request_id) is not msg:
             return  # aborted meanwhile (acked then), or resumed (a newer copy compiles)
         del self.compiling[msg.request_id]
@@ -140,22 +144,21 @@ class RequestIntake:
         else:
             self._admit(msg, grammar)
 
-    def _validate(self, msg: AddRequest) -> str | None:
-        if not self.admitting:
-            return "the server is shutting down"
+    def _validate(self, msg: AddRequest) -> ParamError | str | None:
+        """Why the engine cannot run the request: the request field at fault, or (a string) its copy's state."""
         n = len(msg.prompt_token_ids)
         if n == 0:
-            return "the prompt is empty"
+            return ParamError("prompt", "the prompt is empty")
         if n >= self.max_model_len:
-            return f"the prompt has {n} tokens; max_model_len is {self.max_model_len}"
+            return ParamError("prompt", f"the prompt has {n} tokens; max_model_len is {self.max_model_len}")
         try:
             msg.params.verify(self.model.vocab_size, limits=None)  # validity; the frontend enforced its limits
         except ParamError as e:
-            return str(e)
+            return e
         resumed = msg.resume_token_ids or []
         bad = next((t for t in msg.prompt_token_ids + resumed if not 0 <= t < self.model.vocab_size), None)
         if bad is not None:
-            return f"token id {bad} is outside the vocabulary"
+            return ParamError("prompt", f"token id {bad} is outside the vocabulary")
         if resumed and (len(resumed) >= msg.params.max_tokens or n + len(resumed) >= self.max_model_len):
             return f"resumed after {len(resumed)} tokens: nothing is left to generate"
         return guidance_error(msg.params, self.config, self.model) if msg.params.guided else None
