@@ -6,13 +6,20 @@ the detokenizer passes it on, the HTTP actor maps it."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
+from actors.engine.config import EngineConfig
+from frontend.http_base import HttpConfig
+from frontend.launch import http_process, resolve_model
 from frontend.offline import AsyncLLM
+from frontend.protocol import RequestError, ServingContext, parse_completion
+from frontend.tokenizer import Tokenizer
 from messages.sampling_params import SamplingParams
 from tests.cancel_harness import engine_config, model_dir, start  # noqa: F401 (fixtures)
 from tests.test_http_faults import held_request
+from tests.tiny_model import make_tiny_model_dir
 
 
 async def test_the_engine_names_the_field_it_refuses(model_dir):  # noqa: F811
@@ -59,3 +66,20 @@ async def test_the_servers_state_is_a_503_and_an_engine_failure_a_500(fake, kind
         fake.engine.finish(rid, "error", error="request x: failed", error_kind=kind)
         resp = await task
         assert resp.status == status and (await resp.json())["error"]["param"] is None
+
+
+def test_the_frontend_asks_the_engines_source_whether_the_model_has_a_bos(tmp_path):
+    """A model whose tokenizer names a BOS token but whose configs give no bos_token_id: the engine cannot guide
+    against BOS (guidance_error), and the HTTP actor, told by the same config, refuses the request itself (a 400
+    naming negative_prompt), where it used to pass it on as guided-against-BOS for the engine to fail."""
+    path = make_tiny_model_dir(tmp_path, bos_token_id=None)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    model = resolve_model(str(path))
+    tok = Tokenizer.from_model_dir(path)
+    assert model.bos_token_id is None and "bos_token" in tok.special_tokens
+    kwargs = http_process(model, EngineConfig(model=str(path)), HttpConfig()).actors[0].kwargs
+    ctx = ServingContext(tok, ["m"], 64, model.vocab_size, bos_token_id=kwargs["bos_token_id"])
+    body = {"prompt": "hi", "max_tokens": 2, "guidance_scale": 2}
+    with pytest.raises(RequestError) as e:
+        parse_completion(json.dumps(body).encode(), ctx)
+    assert (e.value.status, e.value.param) == (400, "negative_prompt")
