@@ -5,8 +5,9 @@ of the last user turn of an otherwise identical conversation, rendered exactly a
 `add_generation_prompt`, `continue_final_message`). Without it the engine guides against the model's BOS token
 alone (`ServingContext.bos_token_id`: the model config's, which the engine reads too); for a model without one,
 chat renders the conversation with an empty last user turn and completions require the field. At scale 1 (off)
-a negative prompt is checked as at any other scale and has no effect (no companion runs): a client sweeping the
-scale from 1 upward sends the same request at every point.
+a negative prompt is accepted and has no effect (no companion runs: the guided logits are the conditional ones), so
+a client sweeping the scale from 1 upward sends the same request at every point; its shape and its length bound
+are checked as at any scale, but it is not tokenized.
 """
 
 from __future__ import annotations
