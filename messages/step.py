@@ -11,6 +11,12 @@ starts a new one: every request is new again); `seq` counts ExecuteSteps within 
 ExecuteSteps in seq order and answers each with a StepResult of the same (epoch, seq); a gap in either
 direction means the worker's state can no longer be trusted, and the scheduler resets it (a new epoch, every
 running request recomputed).
+
+Slow is not hung: while a step is on the worker, the worker's event loop sends a StepProgress every
+step_timeout_s / 5 with a counter its device thread advances as it computes (phases, layers of the forward). The
+scheduler waits for a StepResult until step_timeout_s passes with no progress: then heartbeats that kept coming
+without progress mean a hung step (it tells the worker StepHung: the process exits, the supervisor restarts it),
+silence means a lost message.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from messages.sampling_params import SamplingParams
 from messages.wire import Msg, TokenLogprobs
 
 # Why a step did not run: "gap" (the worker refused it: an ExecuteStep before it was lost), "raised" (it raised in
-# the worker), "lost" (its StepResult was lost or late), "died" (the worker died with it in flight). The steps that
-# "raised" or "died" blame their requests (one may be a poison request); a lost message blames nobody.
-StepFailure = Literal["gap", "raised", "lost", "died"]
-BLAMING_FAILURES: tuple[StepFailure, ...] = ("raised", "died")
+# the worker), "lost" (its StepResult was lost or late: nothing was heard of it for step_timeout_s), "died" (the
+# worker died with it in flight), "hung" (the worker's heartbeats showed its device thread making no progress for
+# step_timeout_s: the worker is made to exit). The steps that "raised", "died" or "hung" blame their requests (one may
+# be a poison request); a lost message blames nobody.
+StepFailure = Literal["gap", "raised", "lost", "died", "hung"]
+BLAMING_FAILURES: tuple[StepFailure, ...] = ("raised", "died", "hung")
 
 
 class WorkerRequest(msgspec.Struct, array_like=True):
@@ -83,4 +91,22 @@ class StepResult(Msg, kw_only=True):
     error: str | None = None  # ... and what happened, for the log
 
 
-STEP_TYPES: tuple[type[Msg], ...] = (ExecuteStep, FillMasks, StepResult)
+class StepProgress(Msg, kw_only=True):
+    """worker -> scheduler, every step_timeout_s / 5 while it holds a step: what its device thread is doing."""
+
+    epoch: int
+    seq: int  # the step on the device thread (the last one it ran, when `waiting` for nothing but host copies)
+    progress: int  # a counter the device thread advances as it computes (per worker process: 0 when it starts)
+    waiting: bool = False  # the device thread is not computing: it waits for the scheduler (deferred grammar masks)
+    # or is idle (the steps wait for their host copies): a stall then is nobody's fault
+
+
+class StepHung(Msg, kw_only=True):
+    """scheduler -> worker: a step of `epoch` (or before) made no progress for step_timeout_s. The worker process
+    exits (nothing else stops a stuck device thread) and the supervisor restarts it; an incarnation that has run no
+    step yet, or one of a later epoch, ignores it (a late or repeated ask)."""
+
+    epoch: int
+
+
+STEP_TYPES: tuple[type[Msg], ...] = (ExecuteStep, FillMasks, StepResult, StepProgress, StepHung)

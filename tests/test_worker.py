@@ -1,19 +1,25 @@
 """The ExecuteStep -> StepResult link, unit level (issue 17): the worker runs steps in seq order within an epoch
 (a duplicate or stale step is ignored, a gap breaks the epoch, a new epoch starts afresh), its persistent batch
 follows the scheduler's full data and deltas, messages survive the codec; the scheduler drops the steps of a
-lost worker, recomputes every running request, and runs a suspect of a failed step in steps of its own."""
+lost worker, recomputes every running request, and runs a suspect of a failed step in steps of its own. A step
+that never answers is hung only when the worker's heartbeats show it making no progress (issue 28); silence is a
+lost message; the device thread's progress counter moves inside a forward."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from actors.engine.config import EngineConfig
 from actors.engine.worker import Worker
+from actors.engine.worker_link import ProcessWorker, WorkerLost
+from actors.runtime import Actor
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.config import ModelConfig
 from messages.codec import Codec
 from messages.sampling_params import SamplingParams
-from messages.step import ExecuteStep, GrammarMasks, StepResult, WorkerRequest
+from messages.step import ExecuteStep, GrammarMasks, StepHung, StepProgress, StepResult, WorkerRequest
 from messages.wire import TokenLogprobs
 from tests.scheduler_harness import FakeModel, Harness, expected, prompts
 from tests.tiny_model import make_tiny_model_dir
@@ -21,12 +27,20 @@ from tests.tiny_model import make_tiny_model_dir
 SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=8)
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    model_dir = str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-worker") / "model", seed=0))
+def make_worker(model_dir: str, **overrides) -> Worker:
     config = EngineConfig(model=model_dir, num_kv_blocks=16, block_size=4, max_model_len=64, max_num_seqs=4,
-                          max_num_batched_tokens=32, engine_threads=1, dtype="float32")  # fmt: skip
+                          max_num_batched_tokens=32, engine_threads=1, dtype="float32", **overrides)  # fmt: skip
     return Worker(config, ModelConfig.from_path(model_dir), 16)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-worker") / "model", seed=0))
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir):
+    return make_worker(tiny_dir)
 
 
 def prefill(epoch: int, seq: int, rid: str = "a", output: list[int] = ()) -> ExecuteStep:
@@ -118,3 +132,83 @@ def test_a_suspect_runs_in_steps_of_its_own_until_it_samples():
     assert h.sched.requests["r0"].failed_steps == 0  # it sampled
     assert {r.request_id for r in h.step().rows} == {"r0", "r1"}  # the others join again
     h.run()
+
+
+def test_the_progress_counter_moves_inside_a_forward(tiny_dir):
+    """A process worker's heartbeats can tell a long forward from a stuck one: between its first layer and its last
+    the counter moves; idle, the worker says it waits (for nothing of its own)."""
+    worker = make_worker(tiny_dir, worker="process")
+    layers = worker.executor.runner.model.model.layers
+    beats = []
+    hooks = [layers[0].register_forward_pre_hook(lambda *_: beats.append(worker.beat())),
+             layers[-1].register_forward_hook(lambda *_: beats.append(worker.beat()))]  # fmt: skip
+    assert worker.launch(prefill(7, 0)).result().failure is None
+    for hook in hooks:
+        hook.remove()
+    first, last = beats
+    assert (first.epoch, first.seq, first.waiting) == (last.epoch, last.seq, last.waiting) == (7, 0, False)
+    assert last.progress > first.progress
+    idle = worker.beat()
+    assert idle.waiting and idle.progress > last.progress
+
+
+class Scheduler(Actor):
+    """The link's actor, as far as the link uses it: what it tells the worker."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent, self.told = [], asyncio.Event()
+
+    def tell(self, dst, msg) -> None:
+        self.sent.append(msg)
+        self.told.set()
+
+
+def beat(progress: int, waiting: bool = False) -> StepProgress:
+    return StepProgress(epoch=1, seq=0, progress=progress, waiting=waiting)
+
+
+async def unanswered(link: ProcessWorker, *beats: StepProgress) -> WorkerLost:
+    """A step that never answers, with these heartbeats before its result is awaited."""
+    handle = link.submit(prefill(1, 0))
+    for b in beats:
+        link.on_progress(b)
+    with pytest.raises(WorkerLost) as lost:
+        await link.result(handle)
+    return lost.value
+
+
+@pytest.mark.parametrize(
+    ("beats", "verdict"),
+    [
+        ((), "lost"),  # silence: a lost message (a process whose loop hangs misses the supervisor's pings)
+        ((beat(5),), "lost"),  # its last beat progressed: silence since
+        ((beat(5), beat(5)), "hung"),  # beats that came without progress
+        ((beat(5), beat(5), beat(5, waiting=True)), "lost"),  # the step waits for the scheduler's masks
+        ((beat(5), beat(5), beat(4)), "hung"),  # (an overtaken older beat says nothing)
+        ((beat(5), beat(5), beat(6)), "lost"),
+    ],
+)
+async def test_a_step_is_hung_only_when_its_beats_show_no_progress(beats, verdict):
+    link = ProcessWorker(Scheduler(), timeout_s=0.05)
+    lost = await unanswered(link, *beats)
+    assert (lost.failure, lost.blames) == (verdict, verdict == "hung")
+    assert link.pending == {}
+
+
+async def test_a_hung_worker_is_asked_to_exit_until_it_dies_and_costs_one_reset():
+    scheduler = Scheduler()
+    link = ProcessWorker(scheduler, timeout_s=0.05)
+    assert "step 0 of epoch 1 hung" in str(await unanswered(link, beat(5), beat(5)))
+    ready = asyncio.create_task(link.ready())
+    while sum(isinstance(m, StepHung) for m in scheduler.sent) < 2:  # asked again: the first ask may be lost
+        scheduler.told.clear()
+        await scheduler.told.wait()
+    assert {m.epoch for m in scheduler.sent if isinstance(m, StepHung)} == {1}
+    link.down()  # (ActorDown: handled by the actor, which wakes its `until`)
+    scheduler.moved()
+    await asyncio.sleep(0)
+    assert not ready.done() and not link.reset_due  # its state was dropped when it was found hung
+    link.up.set()  # (ActorUp)
+    await ready
+    assert (await unanswered(link, beat(0), beat(0))).failure == "hung"  # the new process counts from 0: heard

@@ -44,7 +44,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 2048  # a step's token budget: a wave of 128-token prompts prefills in one step
     long_prefill_token_threshold: int | None = 256  # ... but one prompt gets at most this in a step that decodes
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
+    # KV blocks per cache: the target's and, with a draft model, the draft's (its blocks pair one-for-one with the
+    # target's). None: as many as fit in kv_cache_memory_gb, which holds every KV cache (target and draft)
+    num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     engine_threads: int | None = None  # None: the cores left after the other actors
     async_scheduling: bool = True  # speculative decoding steps synchronously (the proposer reads the last tokens)
@@ -63,12 +65,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # its device thread (the default: no hop, no extra process on small machines; docs/PERFORMANCE.md), or
     # "process", its own supervised process (a crash in the forward costs a pause, not the engine)
     worker: Literal["inline", "process"] = "inline"
-    step_timeout_s: float = 60.0  # a StepResult later than this counts as lost: the worker is reset
+    # a step of the process worker neither answered nor progressed for this long is given up: hung (its heartbeats,
+    # every step_timeout_s / 5, came but showed no progress: blamed, the process restarted) or lost (nothing came:
+    # the worker is reset). A slow step that progresses is waited for
+    step_timeout_s: float = 60.0
     # a request in this many steps that killed the worker or failed there is failed alone; from the one before, it
     # runs in steps of its own (so the others are not blamed with it). Three deaths fit the supervisor's default
     # restart intensity (3 in 60 s)
     max_step_failures: int = 3
     crash_token: int | None = None  # tests: the worker's process exits when a row feeds this token (a poison request)
+    slow_token: int | None = None  # tests: a step feeding it sleeps step_timeout_s per hooked layer (worker.py)
+    hang_token: int | None = None  # tests: a step feeding it blocks for good, with no progress (a hung step)
 
     def threads(self) -> int:
         """Torch threads for the engine: every core this process may run on. Measured on 2 cores with the HTTP and

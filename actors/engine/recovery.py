@@ -1,12 +1,12 @@
 """WorkerRecovery: the SchedulerActor's part in losing the worker's state (issue 17; docs/ARCHITECTURE.md, "Recovery").
 
 The worker's process died (ActorDown), or a step will never report (worker_link.WorkerLost: a lost, reordered or
-late StepResult, a gap, a step that raised there): every step in flight is dropped (an empty StepOutputs keeps its
-step number, so the detokenizer sees no gap), every running request is preempted and recomputes on a fresh worker
-state (a new epoch: every request is new to the worker again) once the worker is up, and the prefix cache is
-forgotten. Clients see a pause, never an error, unless a request is blamed for `max_step_failures` steps that
-killed the worker or raised there (a poison request): that one fails alone (from the step before, it runs in
-steps of its own: Scheduler.isolate_after).
+late StepResult, a gap, a step that raised there, a step that hung: the worker is restarted): every step in flight
+is dropped (an empty StepOutputs keeps its step number, so the detokenizer sees no gap), every running request is
+preempted and recomputes on a fresh worker state (a new epoch: every request is new to the worker again) once the
+worker is up, and the prefix cache is forgotten. Clients see a pause, never an error, unless a request is blamed
+for `max_step_failures` steps that killed the worker, raised or hung there (a poison request): that one fails alone
+(from the step before, it runs in steps of its own: Scheduler.isolate_after).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.sampling import reads_output
 from messages.names import SCHEDULER, WORKER
-from messages.step import FillMasks, StepResult
+from messages.step import FillMasks, StepProgress, StepResult
 from messages.wire import (
     Abort,
     ActorDown,
@@ -106,6 +106,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         table = {AddRequest: self.on_add, Abort: self.on_abort, ActorDown: self.on_down, CheckIdle: self.on_check}
         if self.config.worker == "process":
             table[StepResult] = lambda msg: self.link.on_result(msg)
+            table[StepProgress] = lambda msg: self.link.on_progress(msg)
             table[ActorUp] = lambda msg: msg.actor == WORKER and self.link.up.set()
         if self.config.step_gate:
             table[Probe] = lambda msg: self.gate.set(None if msg.seq < 0 else msg.seq)

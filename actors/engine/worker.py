@@ -12,7 +12,13 @@ ExecuteStep) breaks the epoch: that step and every later one of the epoch answer
 scheduler resets the worker (a new epoch). A step that raises answers with the error too: the scheduler treats
 it as a lost worker (the step's requests are recomputed; one that keeps failing steps is failed alone).
 
-Test hook: `EngineConfig.crash_token` makes the worker's process exit (code 7) when a row feeds that token.
+Progress (a process worker's, for its heartbeats: messages/step.py StepProgress): `progress` counts what the
+device thread did (a step begun, every few decoder layers of the forward: forward pre-hooks, at most 8 a forward,
+a step done); `beat()` says which step it is in and whether it waits for the scheduler instead.
+
+Test hooks, when a row of a step feeds the token: `EngineConfig.crash_token` makes the worker's process exit
+(code 7); `slow_token` sleeps step_timeout_s in each hooked layer, in quarters, each a progress tick (a slow step);
+`hang_token` blocks the device thread for good, with no progress (a hung step).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
+
+import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.executor import StepExecutor, StepTensors
@@ -28,7 +37,7 @@ from actors.engine.grammar_masks import WorkerMasks
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.sampling import SamplingRow
-from messages.step import ExecuteStep, FillMasks, GrammarMasks, StepFailure, StepResult, WorkerRequest
+from messages.step import ExecuteStep, FillMasks, GrammarMasks, StepFailure, StepProgress, StepResult, WorkerRequest
 
 log = logging.getLogger("sluice.worker")
 
@@ -54,7 +63,14 @@ class Worker:
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int):
         self.executor = StepExecutor(config, model, num_blocks)
         self.eos_token_ids, self.vocab_size = model.eos_token_ids, model.vocab_size
-        self.crash_token = config.crash_token
+        hooks = {"crash": config.crash_token, "slow": config.slow_token, "hang": config.hang_token}
+        self.hooks = {token: hook for hook, token in hooks.items() if token is not None}  # token -> test hook
+        self.slow_s = config.step_timeout_s / 4  # (slow_token: per progress tick)
+        self.progress, self.running, self._slow = 0, None, False  # device thread only (read by beat())
+        if config.worker == "process":  # (the decoder layers: the model's first ModuleList)
+            layers = next((m for m in self.executor.runner.model.modules() if isinstance(m, torch.nn.ModuleList)), [])
+            for layer in layers[:: max(1, -(-len(layers) // 8))]:
+                layer.register_forward_pre_hook(self._layer)
         self.requests: dict[str, WorkerRequest] = {}  # the persistent batch (device thread only)
         self.epoch, self.next_seq, self.broken = -1, 0, False
         self._lock = threading.Lock()  # guards the two mask tables (fill() comes from another thread)
@@ -75,12 +91,24 @@ class Worker:
             error = f"ExecuteStep {msg.seq} of epoch {msg.epoch} came before {self.next_seq}"
             return Launched(msg, failure="gap", error=error)
         self.next_seq += 1
+        self.running, self.progress = (msg.epoch, msg.seq), self.progress + 1
         try:
             return Launched(msg, self._run(msg))
         except Exception as e:  # a bug, or a fault: the scheduler recomputes the step's requests
             log.exception("step %d (epoch %d, seq %d) failed", msg.batch.step, msg.epoch, msg.seq)
             self.broken = True
             return Launched(msg, failure="raised", error=f"step failed in the worker: {type(e).__name__}: {e}")
+        finally:
+            self.running, self.progress = None, self.progress + 1
+
+    def beat(self) -> StepProgress:
+        """What the device thread is doing, for a heartbeat (any thread)."""
+        running, progress = self.running, self.progress
+        if running is None:  # idle: the steps wait for their host copies
+            return StepProgress(epoch=self.epoch, seq=self.next_seq - 1, progress=progress, waiting=True)
+        with self._lock:
+            waiting = running in self._waiting  # its deferred grammar masks are still due
+        return StepProgress(epoch=running[0], seq=running[1], progress=progress, waiting=waiting)
 
     def abandon(self, epoch: int) -> None:
         """Steps of epochs before `epoch` waiting for their masks go on, all allowed (their answers are ignored: the
@@ -132,8 +160,8 @@ class Worker:
         self.update_batch(msg)
         if not msg.batch.rows:
             return None  # bookkeeping only (the scheduler went idle)
-        if self.crash_token is not None and any(self.crash_token in row.token_ids for row in msg.batch.rows):
-            os._exit(7)  # test hook (module docstring): a poison request
+        if self.hooks:
+            self._test_hooks(msg.batch)
         rows, slots = self.sampling_rows(msg.batch)
         masks = None
         if msg.masks is not None:
@@ -146,3 +174,20 @@ class Worker:
                 if early is not None:
                     masks.fill(early.masks, last=True)
         return self.executor.run(msg.batch, rows, slots, msg.num_prompt_logprobs, masks)
+
+    def _layer(self, *_) -> None:
+        """A hooked decoder layer begins (device thread): progress."""
+        self.progress += 1
+        if self._slow:
+            for _ in range(4):
+                time.sleep(self.slow_s)
+                self.progress += 1
+
+    def _test_hooks(self, batch: BatchSpec) -> None:
+        """The module docstring's test hooks."""
+        fed = {self.hooks[t] for row in batch.rows for t in row.token_ids if t in self.hooks}
+        if "crash" in fed:
+            os._exit(7)  # a poison request
+        if "hang" in fed:
+            threading.Event().wait()  # a deadlock: the heartbeats go on, the progress does not
+        self._slow = "slow" in fed

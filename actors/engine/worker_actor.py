@@ -4,6 +4,12 @@ ExecuteSteps run on the one device thread in arrival order; one owned sender tas
 StepResult in the same order, waiting (off the loop on CUDA) for that step's host copy only, so the device
 thread launches step N+1 while step N's copy completes. FillMasks go straight to the worker (any thread).
 The supervisor restarts the process when it dies; the scheduler then resets the worker's state (a new epoch).
+
+Heartbeats: while it holds a step (received, not yet answered) the actor sends the scheduler a StepProgress every
+step_timeout_s / 5 (Worker.beat(): the device thread's step and progress counter), so that a slow step is told from
+a hung one (messages/step.py). StepHung: the device thread is stuck in a step that cannot be stopped, so the process
+exits (code 3) and the supervisor restarts it; ignored by an incarnation that has run no step yet or whose epoch is
+newer (a late or repeated ask).
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib
+import logging
+import os
 import threading
 
 import msgspec
@@ -22,8 +30,11 @@ from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
 from gpu.config import ModelConfig
 from messages.names import SCHEDULER
-from messages.step import ExecuteStep, FillMasks
+from messages.step import ExecuteStep, FillMasks, StepHung
 from messages.wire import CheckIdle, IdleReport
+
+log = logging.getLogger("sluice.worker")
+HUNG_EXIT = 3  # the exit code of a worker told its step hung
 
 
 class WorkerActor(Actor):
@@ -32,9 +43,12 @@ class WorkerActor(Actor):
         self.config = msgspec.convert(config, EngineConfig)
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
         self._launched: asyncio.Queue[asyncio.Future[Launched | None]] = asyncio.Queue()
+        self._held = 0  # ExecuteSteps received and not yet answered (or ignored)
+        self._busy = asyncio.Event()  # set while _held > 0: heartbeats go out
 
     def handlers(self):
-        return {ExecuteStep: self.on_execute, FillMasks: lambda msg: self.worker.fill(msg), CheckIdle: self.on_check}
+        return {ExecuteStep: self.on_execute, FillMasks: lambda msg: self.worker.fill(msg), CheckIdle: self.on_check,
+                StepHung: self.on_hung}  # fmt: skip
 
     async def on_check(self, msg: CheckIdle) -> IdleReport:
         """Idle: no request held (the scheduler frees them at its next step, and when it goes idle), once every step
@@ -54,19 +68,37 @@ class WorkerActor(Actor):
         self.worker = await loop.run_in_executor(self._device, Worker, self.config, model, blocks)
         self.on_device = self.worker.executor.device.type != "cpu"
         self.spawn(self._send_results())
+        self.spawn(self._heartbeats())
 
     def on_execute(self, msg: ExecuteStep) -> None:
         self.worker.abandon(msg.epoch)
+        self._held += 1
+        self._busy.set()
         self._launched.put_nowait(asyncio.get_running_loop().run_in_executor(self._device, self.worker.launch, msg))
+
+    def on_hung(self, msg: StepHung) -> None:
+        if 0 <= self.worker.epoch <= msg.epoch:
+            log.error("a step of epoch %d hung (no progress): exiting, to be restarted", self.worker.epoch)
+            os._exit(HUNG_EXIT)  # (a normal exit would wait for the stuck device thread)
 
     async def _send_results(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             launched = await (await self._launched.get())
-            if launched is None:
-                continue  # a stale or duplicated step: not answered
-            result = await loop.run_in_executor(None, launched.result) if self.on_device else launched.result()
-            self.tell(SCHEDULER, result)
+            if launched is not None:  # (None: a stale or duplicated step, not answered)
+                result = await loop.run_in_executor(None, launched.result) if self.on_device else launched.result()
+                self.tell(SCHEDULER, result)
+            self._held -= 1
+            if not self._held:
+                self._busy.clear()
+
+    async def _heartbeats(self) -> None:
+        """A StepProgress every step_timeout_s / 5 while a step is held."""
+        while True:
+            await self._busy.wait()
+            await asyncio.sleep(self.config.step_timeout_s / 5)
+            if self._busy.is_set():
+                self.tell(SCHEDULER, self.worker.beat())
 
     async def on_shutdown(self, reason: str) -> None:
         self._device.shutdown(wait=False, cancel_futures=True)

@@ -2,14 +2,24 @@
 
 `submit(msg)` hands an ExecuteStep over and returns a handle; `await result(handle)` gives its StepResult, or
 raises WorkerLost when it will never come: the worker died, answered with an error (a gap, a failed step), a
-later step's result came first (this one was lost) or none came within `step_timeout_s`. The scheduler then
-resets the worker (actors/engine/scheduler_actor.py: a new epoch, every running request recomputed) and
-`await ready()` before it submits again. `fill(msg)` delivers deferred grammar masks.
+later step's result came first (this one was lost), or it hung or was lost (below). The scheduler then resets the
+worker (actors/engine/recovery.py: a new epoch, every running request recomputed) and `await ready()` before it
+submits again. `fill(msg)` delivers deferred grammar masks.
 
 - InlineWorker: the Worker in this process; each ExecuteStep runs on the device thread (the in-process mailbox:
   the message object is handed over as is, never serialized).
 - ProcessWorker: a WorkerActor (actors/engine/worker_actor.py) in a process of its own, over its mailbox; the
-  supervisor restarts it when it dies (ActorDown, then ActorUp).
+  supervisor restarts it when it dies (ActorDown, then ActorUp). Its heartbeats (StepProgress, messages/step.py)
+  tell a slow step from a hung one. `result` waits until `step_timeout_s` passes with no progress (a beat whose
+  counter moved, or a StepResult, re-arms the deadline), then:
+
+  | since the last progress                              | verdict                                              |
+  |------------------------------------------------------|------------------------------------------------------|
+  | the latest beat: not progressing, not waiting        | "hung": blamed; StepHung (the worker exits), and     |
+  |                                                      | `ready()` asks again each step_timeout_s until       |
+  |                                                      | ActorDown; that death needs no second reset          |
+  | no beat, or the latest waits for the scheduler or    | "lost": nobody blamed (a lost message; a process     |
+  | for host copies                                      | whose loop hangs too misses the supervisor's pings)  |
 
 The scheduler does not know how many workers are behind the link: tensor parallelism would fan an ExecuteStep out
 to one worker per device and answer with the first rank's StepResult.
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 
 from actors.engine.grammar_masks import StepMasks
 from actors.engine.request import EngineRequest
@@ -26,7 +37,18 @@ from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from messages.names import WORKER
-from messages.step import BLAMING_FAILURES, ExecuteStep, FillMasks, StepFailure, StepResult, WorkerRequest
+from messages.step import (
+    BLAMING_FAILURES,
+    ExecuteStep,
+    FillMasks,
+    StepFailure,
+    StepHung,
+    StepProgress,
+    StepResult,
+    WorkerRequest,
+)
+
+log = logging.getLogger("sluice.engine")
 
 
 def execute_step(
@@ -116,6 +138,10 @@ class ProcessWorker:
         self.up = asyncio.Event()
         self.up.set()
         self.reset_due = False  # it died: its state is gone, even with no step in flight (the scheduler resets)
+        self.progress = -1  # the worker's progress counter, as last seen
+        self.stalled: StepProgress | None = None  # the latest beat since the last progress, unless it was waiting
+        self.doomed: int | None = None  # a step of this epoch hung: the worker is asked to exit until it dies
+        self._deadline: asyncio.Timeout | None = None  # result()'s, while it waits
 
     def submit(self, msg: ExecuteStep) -> asyncio.Future[StepResult]:
         future = asyncio.get_running_loop().create_future()
@@ -125,16 +151,38 @@ class ProcessWorker:
 
     async def result(self, handle: asyncio.Future[StepResult]) -> StepResult:
         try:
-            return _checked(await asyncio.wait_for(asyncio.shield(handle), self.timeout_s))
+            async with asyncio.timeout(self.timeout_s) as self._deadline:
+                return _checked(await asyncio.shield(handle))
         except TimeoutError:
-            self.lost("lost", f"no StepResult within {self.timeout_s} s")
+            beat = self.stalled
+            if beat is None:
+                self.lost("lost", f"no StepResult and no progress within {self.timeout_s} s")
+            else:
+                reason = f"step {beat.seq} of epoch {beat.epoch} hung: no progress in {self.timeout_s} s"
+                log.error("%s: the worker is restarted", reason)
+                self.doomed = beat.epoch
+                self.up.clear()
+                self.lost("hung", reason)
             return _checked(await handle)
+        finally:
+            self._deadline = None
+
+    def on_progress(self, msg: StepProgress) -> None:
+        """A heartbeat: a moved counter re-arms the deadline; one that did not (and waits for nobody) is a stall."""
+        if not self.pending:
+            return  # (nothing waits on it: a late beat, or a hung worker's)
+        if msg.progress > self.progress:
+            self._progressed()
+            self.progress = msg.progress
+        elif msg.progress == self.progress:  # (a lower count: an older beat, overtaken)
+            self.stalled = None if msg.waiting else msg
 
     def on_result(self, msg: StepResult) -> None:
         """A StepResult: it settles its step; any earlier step still waiting lost its own."""
         key = (msg.epoch, msg.seq)
         if key not in self.pending:
             return  # a duplicate, or of a step already given up
+        self._progressed()
         for earlier in [k for k in self.pending if k < key]:
             self._settle(earlier, "lost", f"StepResult {earlier[1]} of epoch {earlier[0]} was lost")
         self._settle(key, msg=msg)
@@ -149,12 +197,22 @@ class ProcessWorker:
 
     def down(self) -> None:
         self.up.clear()
-        self.reset_due = True
+        self.reset_due = self.doomed is None  # (a hung worker's steps were dropped as it was found hung)
+        self.doomed, self.progress, self.stalled = None, -1, None  # (a new process counts from 0)
         self.lost("died", DIED)
 
     async def ready(self) -> None:
-        """Until the worker is up (the supervisor restarts it, or gives up and stops the system)."""
+        """Until the worker is up (the supervisor restarts it, or gives up and stops the system); a hung one is
+        asked to exit first, again every step_timeout_s until its death is seen (the ask may be lost)."""
+        while self.doomed is not None:
+            self.actor.tell(WORKER, StepHung(epoch=self.doomed))
+            await self.actor.until(lambda: self.doomed is None, self.timeout_s)
         await self.up.wait()
+
+    def _progressed(self) -> None:
+        self.stalled = None
+        if self._deadline is not None:
+            self._deadline.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
 
     def _settle(self, key: tuple[int, int], failure: StepFailure | None = None, error: str = "", msg=None) -> None:
         future = self.pending.pop(key)
