@@ -37,10 +37,16 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
     kv = g.add_mutually_exclusive_group()
     kv.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from --kv-cache-memory-gb)"
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per cache: the model's, and as many for a draft model's (default: from --kv-cache-memory-gb)",
     )
     kv.add_argument(
-        "--kv-cache-memory-gb", type=float, default=_DEFAULTS.kv_cache_memory_gb, help="KV cache size in GB"
+        "--kv-cache-memory-gb",
+        type=float,
+        default=_DEFAULTS.kv_cache_memory_gb,
+        help="memory of every KV cache together (the model's and a draft model's), in GiB",
     )
     g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")

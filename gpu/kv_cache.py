@@ -35,6 +35,9 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return block_size * per_token
 
 
-def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    """How many KV blocks fit in `budget_bytes`."""
-    return max(0, budget_bytes // bytes_per_block(config, block_size, dtype))
+def num_blocks_for_memory(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int, *paired: ModelConfig
+) -> int:
+    """How many KV blocks fit in `budget_bytes`, each with a block of each `paired` model's cache (a draft model's)."""
+    per_block = sum(bytes_per_block(c, block_size, dtype) for c in (config, *paired))
+    return max(0, budget_bytes // per_block)

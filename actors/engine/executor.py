@@ -86,11 +86,15 @@ def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tu
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
+    """Blocks per KV cache: `num_kv_blocks`, or as many as fit in `kv_cache_memory_gb` with every cache counted: the
+    target's and a draft model's (actors/engine/draft.py: as many blocks as the target's, paired one-for-one)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    return num_blocks_for_memory(model, config.block_size, dtype, int(config.kv_cache_memory_gb * (1 << 30)))
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+    spec = config.speculative
+    drafts = [ModelConfig.from_path(spec.model)] if spec is not None and spec.method == "draft_model" else []
+    budget = int(config.kv_cache_memory_gb * (1 << 30))
+    return num_blocks_for_memory(model, config.block_size, dtype, budget, *drafts)
 
 
 class StepExecutor:
@@ -212,7 +216,7 @@ class StepExecutor:
         host, host_lp, host_plp = copy(sampled), copies(lp), copies(plp)
         host_emitted = None if emitted is None else copy(emitted)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # (the copies' stream: this thread is bound to the device)
         return StepTensors(host, host_lp, event, host_plp, host_emitted)
 
     def _check_relay(self, batch: BatchSpec) -> None:
