@@ -24,7 +24,9 @@ Request states, state x event -> action:
   LIVE        scheduler or detokenizer down -> waits (I8: the engine side forgets every request)
   LIVE        both up again           -> re-submitted from its record (prompt, params, the tokens and text it has) as
                                          a resumed request: its stream goes on from there; one live at more than
-                                         max_resumes deaths fails (a poison request)
+                                         max_resumes detokenizer deaths fails (a poison request: 500). The engine
+                                         judges its own deaths (actors/engine/flight_record.py); MAX_ATTEMPTS bounds
+                                         the rest (deaths outside any step)
   TOMBSTONED  scheduler or detokenizer down -> dropped (nobody will send its Finished)
 """
 
@@ -65,7 +67,7 @@ class RequestRecord:
         self.token_ids: list[int] = []
         self.num_chars = 0
         self.attempt = add.attempt
-        self.deaths = 0  # engine-side deaths it was live at (a poison request's are bounded)
+        self.deaths = 0  # detokenizer deaths it was live at (a poison request's are bounded)
         self.heard = heard  # the number of the last TextOutputs whose output of it was taken (or that came before it)
 
     @property
@@ -75,10 +77,8 @@ class RequestRecord:
     def follows(self, attempt: int) -> bool:
         """False for an output (or Finished) of an older copy; one of a newer copy makes that copy the one followed
         (a repair goes on above it)."""
-        if attempt < self.attempt:
-            return False
-        self.attempt = attempt
-        return True
+        self.attempt = max(self.attempt, attempt)
+        return attempt == self.attempt
 
     def check(self, seq: int, n: int, attempt: int) -> str:
         if not self.follows(attempt):
@@ -125,6 +125,7 @@ class ClientLedger(Ledger[R]):
         self.max_resumes = max_resumes
         self.link = StepNumbers()  # the numbering of the detokenizer's TextOutputs
         self.down: set[str] = set()  # engine-side actors that are down
+        self.detokenizer_died = False  # since the request path was last whole
 
     # ------------------------------------------------------------ what a client does (its subclass)
 
@@ -236,9 +237,7 @@ class ClientLedger(Ledger[R]):
 
     def resume(self, state: R, cause: str, why: str) -> None:
         """Re-submit the request from its record; one that had MAX_ATTEMPTS copies fails, saying `why`."""
-        record = state.record
-        msg = record.resume()
-        if msg is None:
+        if (msg := (record := state.record).resume()) is None:
             error = f"request {record.add.request_id}: {why}; failed after {MAX_ATTEMPTS} resumptions"
             self.fail(state, 500, error, abort=True)
             return
@@ -255,24 +254,26 @@ class ClientLedger(Ledger[R]):
         self.tombstones.clear()
         if actor == DETOKENIZER:
             self.link.reset()  # its next incarnation numbers from 0
+            self.detokenizer_died = True
         return True
 
     def on_up(self, actor: str) -> bool:
         """An actor is back; True if the engine side is whole again: every LIVE request is re-submitted from its
-        record (DESIGN I8), or fails if it was live at more than max_resumes deaths."""
+        record (DESIGN I8), or fails if it was live at more than max_resumes deaths of the detokenizer."""
         if actor not in self.down:
             return False  # (a worker's restart is the engine's business)
         self.down.discard(actor)
         if self.down:
             return False
+        counted, self.detokenizer_died = self.detokenizer_died, False
         for rid, state in list(self.live.items()):
             if rid not in self.live:
                 continue  # failed with a sibling
-            state.record.deaths += 1
+            state.record.deaths += counted
             if state.record.deaths > self.max_resumes:
-                self.log.error("[%s] live at %d engine-side deaths: failed", rid, state.record.deaths)
-                error = f"request {rid}: failed after {self.max_resumes} restarts of the engine side while it ran"
-                self.fail(state, 503, error, abort=False)
+                self.log.error("[%s] live at %d deaths of the detokenizer: failed", rid, state.record.deaths)
+                error = f"request {rid}: failed after {self.max_resumes} restarts of the detokenizer while it ran"
+                self.fail(state, 500, error, abort=False)
             else:
                 self.resume(state, "death", "an engine-side process died")
         return True
@@ -290,8 +291,7 @@ class ClientLedger(Ledger[R]):
         return state
 
     def expire(self, now: float) -> None:
-        """I7: re-send an Abort that got no Finished in time; give up after max_abort_tries. And find a TextOutputs
-        lost on a quiet link."""
+        """I7: re-send an Abort that no Finished answered in time (max_abort_tries); find a lost TextOutputs."""
         self.tombstones.expire(now, lambda msg: self.tell(SCHEDULER, msg))
         self.find_lost()
 

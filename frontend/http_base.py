@@ -36,7 +36,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # replaces the model's own (--chat-template FILE)
     tool_call_parser: str | None = None  # set (with --enable-auto-tool-choice): tool_choice "auto" is honoured
     grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this
-    max_resumes: int = 2  # DESIGN I8: a request live at more engine-side deaths than this fails (a poison request)
+    max_resumes: int = 2  # DESIGN I8: a request live at more detokenizer deaths fails (the engine judges its own)
     metrics_prefix: str = "sluice:"  # of /metrics series (--metrics-prefix vllm: for dashboards built for vLLM)
 
     @property

@@ -74,31 +74,34 @@ def test_a_finished_that_reports_fewer_tokens_than_arrived_closes_with_what_arri
     assert metrics.protocol.violations == {"after_finished": 1, "duplicate": 1}
 
 
-def test_a_death_waits_then_resumes_every_live_choice_and_fails_a_poison_request():
+def test_a_death_waits_then_resumes_every_live_choice_and_detokenizer_deaths_fail_a_poison_request():
     """While the engine side is down nothing is sent and tombstones go (an output of one is then an unknown id's);
-    once both actors are back every live choice
-    is re-submitted from its record; one live at more than max_resumes deaths fails with 503 (its siblings too,
-    no Abort: the new engine side never heard of them)."""
+    once both actors are back every live choice is re-submitted from its record. The scheduler's deaths are the
+    engine's to judge (its flight record blames the requests of the steps it died in): a choice is resumed through
+    any number of them. One live at more than max_resumes deaths of the detokenizer (both at once: one) fails with
+    500 (its siblings too, no Abort: the new engine side never heard of them)."""
     table, metrics, sent = make_table()
     req = table.add(parsed(n=2), "http")
     gone = table.add(parsed(rid="cmpl-gone"), "http")
     table.cancel(gone)
     first, second = (c.engine_id for c in req.choices)
     table.on_outputs(delta(first, 0, "a"))
-    for death in (1, 2):
-        assert table.on_down("scheduler") and table.on_down("detokenizer") and not table.tombstones
-        assert not table.on_up("worker") and not table.on_up("scheduler")  # the detokenizer is still down
+    deaths = [("scheduler", "detokenizer"), *[("scheduler",)] * 4, ("detokenizer",)]
+    for i, dead in enumerate(deaths, 1):
+        assert all(map(table.on_down, dead)) and not table.tombstones
+        assert not table.on_up("worker")
+        assert not any(table.on_up(actor) for actor in dead[:-1])  # (the last is still down)
         n = len(sent)
-        assert table.on_up("detokenizer") and metrics.protocol.resumes["death"] == 2 * death
+        assert table.on_up(dead[-1]) and metrics.protocol.resumes["death"] == 2 * i and not req.done
         assert [(m.request_id, m.resume_token_ids) for m in sent[n:]] == [(first, [0]), (second, [])]
     table.on_down("engine")
     assert not table.on_up("engine") and not req.done, "only the scheduler and detokenizer hold requests"
-    table.on_down("scheduler")
+    table.on_down("detokenizer")  # its third death with the choices live
     n = len(sent)
-    table.on_up("scheduler")
-    assert req.done and req.error.status == 503 and "restarts" in req.error.message and sent[n:] == []
-    assert not table.live and table.tombstones.keys() == {first, second}  # (dropped after one timeout)
-    table.on_outputs(delta(gone.choices[0].engine_id, 0, "late"))  # its tombstone went with the death
+    table.on_up("detokenizer")
+    assert req.done and req.error.status == 500 and "restarts of the detokenizer" in req.error.message
+    assert sent[n:] == [] and not table.live and table.tombstones.keys() == {first, second}  # (for one timeout)
+    table.on_outputs(delta(gone.choices[0].engine_id, 0, "late"))  # its tombstone went with the first death
     assert metrics.protocol.violations == {"unknown_id": 1}, "never taken for output past a Finished"
 
 

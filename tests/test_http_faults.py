@@ -178,33 +178,38 @@ async def test_a_dead_actor_pauses_in_flight_requests_and_they_resume_from_their
     assert (await fake.metrics())[key("sluice:request_resumes_total", actor="http", cause="death")] >= 2
 
 
-async def test_a_request_live_at_every_death_fails_alone(fake):
-    """A poison request (one that brings the engine down whenever it runs) is failed after max_resumes (2)
-    resumptions; a request that arrived later is resumed and served."""
+async def test_engine_deaths_fail_no_request_and_one_live_at_every_detokenizer_death_fails_alone(fake):
+    """The engine judges its own deaths (its flight record blames the requests of the steps it died in, and fails
+    a poison alone): the HTTP party resumes a request through any number of them. One live at more than max_resumes
+    (2) deaths of the detokenizer fails (a 500: a server bug it triggers, not the client's, nor a pause); a request
+    that arrived later is resumed and served."""
     fake.engine.hold = True
     supervisor = fake.server.supervisor
 
-    async def die_and_return() -> None:
-        supervisor.tell("http", ActorDown(actor="scheduler", reason="test"))
+    async def die_and_return(actor: str) -> None:
+        supervisor.tell("http", ActorDown(actor=actor, reason="test"))
         async with fake.session() as s:
             await wait_for_status(s, "/health", 503)
             fake.engine.live.clear()
-            supervisor.tell("http", ActorUp(actor="scheduler"))
+            supervisor.tell("http", ActorUp(actor=actor))
             await wait_for_status(s, "/health", 200)
 
     async with fake.session() as s:
-        poison = asyncio.ensure_future(s.post("/v1/completions", json=STREAM))
+        poison = asyncio.ensure_future(s.post("/v1/completions", json={"prompt": "hi", "max_tokens": 50}))
         rid = await held_request(fake, 0)
-        await die_and_return()
-        await die_and_return()
+        for _ in range(3):
+            await die_and_return("scheduler")
+        await die_and_return("detokenizer")
+        await die_and_return("detokenizer")
         later = asyncio.ensure_future(s.post("/v1/completions", json=STREAM))
-        await wait_for(lambda: len(fake.engine.added) == 4)
-        survivor = fake.engine.added[3].request_id
-        await die_and_return()
-        got = events(await (await poison).read())
-        assert got[-1]["error"]["type"] == "server_error" and "after 2 restarts" in got[-1]["error"]["message"]
-        await wait_for(lambda: len(fake.engine.added) == 5)
-        assert [a.request_id for a in fake.engine.added] == [rid, rid, rid, survivor, survivor]
+        await wait_for(lambda: len(fake.engine.added) == 7)
+        survivor = fake.engine.added[6].request_id
+        assert not poison.done()
+        await die_and_return("detokenizer")
+        resp = await poison
+        assert resp.status == 500 and "after 2 restarts of the detokenizer" in (await resp.json())["error"]["message"]
+        await wait_for(lambda: len(fake.engine.added) == 8)
+        assert [a.request_id for a in fake.engine.added] == [rid] * 6 + [survivor] * 2
         fake.engine.finish(survivor, "length", text="w0", token_ids=[100])
         got = events(await (await later).read())
         assert got[-1]["choices"][0]["finish_reason"] == "length"

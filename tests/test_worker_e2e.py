@@ -1,6 +1,7 @@
 """The worker in a process of its own (issue 17), through the real engine, worker and detokenizer processes: lost,
 duplicated and reordered ExecuteSteps and StepResults cost a reset and a recompute, never an output; a poison
 request that kills the worker is failed alone while every other request ends exactly as in the fault-free run;
+so is one that kills the engine process itself, the inline worker's (issue 28: the engine's flight record);
 the idle invariant holds after each (the kill -9 of the worker over HTTP: tests/test_resume_e2e.py)."""
 
 from __future__ import annotations
@@ -55,6 +56,25 @@ async def test_a_poison_request_is_failed_alone(model_dir, reference):  # noqa: 
         await assert_idle(llm)
         stats, _ = await llm.fresh_stats()
         assert stats.worker_resets_total == 3
+
+
+async def test_a_poison_request_that_kills_the_engine_is_failed_alone(model_dir, reference):  # noqa: F811
+    """The inline worker (the default): the poison's step kills the engine process, and the clients resume every
+    request at each of its deaths. The engine's flight record blames the requests of the steps in flight at each;
+    suspects run alone from the second, so the third blames the poison alone, whose copy is then refused (an
+    internal error: a 500 over HTTP) while every other request ends exactly as in the fault-free run."""
+    async with AsyncLLM(engine_config(model_dir, crash_token=POISON)) as llm:
+        poison = start(llm, [7, POISON, 9], SamplingParams(temperature=0, max_tokens=8))
+        runs = [start(llm, prompt, params) for prompt, params in WORKLOAD]
+        for run in [poison, *runs]:
+            await run.done(timeout=180)
+        assert [key(r) for r in runs] == reference
+        fin = poison.finished
+        assert (fin.finish_reason, fin.error_kind) == ("error", "internal")
+        assert "crashed the engine 3 times" in fin.error
+        assert len(llm.system.restarts) == 3  # (within the supervisor's restart intensity: it did not give up)
+        await assert_idle(llm)
+        assert [key(r) for r in await outcomes(llm)] == reference  # it serves on
 
 
 async def test_a_worker_that_dies_while_the_engine_is_idle_is_reset_before_the_next_step(model_dir, reference):  # noqa: F811

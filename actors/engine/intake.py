@@ -19,6 +19,8 @@ Cases (DESIGN section 3; request state at the scheduler x event -> action):
   a higher copy seen         AddRequest(resumed) -> dropped while one is live, or if the detokenizer made it; a client's
                                       runs renumbered as the newest copy (it lost that copy's end, or never saw it)
   resumed, copy not yet freed Abort -> remembered: registered and acked at once when the copy is freed
+  in steps an engine died in AddRequest(resumed) -> admitted with that blame (actors/engine/flight_record.py); at
+                                      max_step_failures refused with an error (a poison request fails alone)
   a newer copy than its own  Abort(attempt) -> stale (the detokenizer's, for a stop string or a bad token in the output
                                       of a copy since replaced, sent again or late): ignored, counted as a late abort
   any live request           ActorDown(detokenizer) -> aborted silently (its text is lost; no ack to send)
@@ -107,7 +109,11 @@ class RequestIntake:
         return True
 
     def _admit(self, msg: AddRequest, grammar: Matcher | None = None) -> None:
-        self.sched.add_request(EngineRequest.from_msg(msg, self.model.bos_token_id, grammar))
+        req = EngineRequest.from_msg(msg, self.model.bos_token_id, grammar)
+        if error := self.flight.admit(req):  # a copy takes the blame of its steps in the engine's deaths
+            self._reject(msg, error)
+            return
+        self.sched.add_request(req)
         if self.config.stats_to:
             self.queued[msg.request_id] = time.monotonic()
         self._work.set()

@@ -5,7 +5,8 @@ event loop, so scheduler state is only touched from this thread. Each step goes 
 ExecuteStep and comes back as one StepResult (actors/engine/worker_link.py: inline or in its own process); with
 async scheduling the loop plans and submits step N+1 before collecting step N (one step ahead), otherwise it
 collects each step before planning the next. A lost worker state (`_worker_lost`) drops the steps in flight and
-recomputes every running request.
+recomputes every running request. Before a step goes to the worker, the requests of the steps in flight are written
+to the flight record (actors/engine/flight_record.py), which the next incarnation blames if this process dies.
 
 The request intake (AddRequest, Abort, ActorDown: the cases of each) is actors/engine/intake.py; Shutdown aborts
 every live request (reason "shutdown"), sends the acks, then stops the actor.
@@ -36,6 +37,7 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.draft import DraftProposer
 from actors.engine.executor import num_kv_blocks
+from actors.engine.flight_record import FlightRecord
 from actors.engine.grammar import warm
 from actors.engine.grammar_masks import StepMasks
 from actors.engine.intake import RequestIntake
@@ -113,6 +115,9 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         return table
 
     async def on_start(self) -> None:
+        self.flight = FlightRecord(f"{self.router.placement.rundir}/{self.name}.flight", self.config.max_step_failures)
+        for rid, n in self.flight.recover().items():  # (before any request arrives: its copy takes its blame)
+            log.warning("[%s] was in a step in flight as the engine process died: %d failed steps", rid, n)
         torch.set_num_threads(self.config.threads())
         blocks = num_kv_blocks(self.config, self.model)
         loop = asyncio.get_running_loop()
@@ -173,6 +178,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         self._stepping.cancel()  # before the device goes: the loop would send it the idle marker's frees
         await asyncio.wait([self._stepping])
         self._device.shutdown(wait=False, cancel_futures=True)
+        self.flight.close()
         if self._record:
             self._record.close()
 
@@ -194,13 +200,17 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
                         self._note_scheduled(batch)
                     msg, masks = execute_step(batch, self.sched.requests, self.epoch, self.seq, self.freed)
                     self.seq, self.freed = self.seq + 1, []
+                    self.flight.write([*(step[0] for step in inflight), batch])  # (before the worker has it)
                     inflight.append((batch, self.link.submit(msg), masks, msg.seq))
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
                 done, handle, _, _ = inflight[0]
                 try:
                     result = await self.link.result(handle)
                 except WorkerLost as e:
+                    hit = [self.sched.requests[row.request_id] for step in inflight for row in step[0].rows]
                     await self._worker_lost(inflight, e)
+                    self.flight.watch(hit)  # (the blamed ones)
+                    self.flight.write(())
                     continue
                 inflight.popleft()
                 await self.gate.wait()
@@ -209,6 +219,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
                     masks = inflight[0][2].fill_deferred()  # waited for these tokens
                     self.link.fill(FillMasks(epoch=self.epoch, seq=inflight[0][3], masks=masks))
             elif not inflight:
+                if self.flight.named:  # the last steps are done: a death now blames nobody
+                    self.flight.write(())
                 self._work.clear()
                 if not self.sched.has_unfinished():
                     self._idle_marker()
