@@ -1,7 +1,7 @@
 """Drives the Scheduler for its tests: a fake paged-KV model whose next token hashes the context it
 reads back through the block tables, so a wrong position, block table, placeholder or recompute
-changes the output, and a harness that checks every step. `Harness.run` ends idle: no request,
-block, slot or in-flight step left."""
+changes the output, and a harness that checks every step. `Harness.run` ends idle within its step bound: no
+request, block, slot or in-flight step left."""
 
 import random
 from collections import defaultdict, deque
@@ -108,6 +108,8 @@ class Harness:
         self.acks: list[str] = []
         self.batches: list[BatchSpec] = []
         self.requests: dict[str, EngineRequest] = {}
+        self.peak_blocks = 0  # the most blocks in use after a schedule()
+        self.preempted: set[str] = set()  # the requests the last schedule() preempted
 
     def add(self, rid, prompt, negative: list[int] | None = None, **params):
         """A request; with a `negative` prompt, guided (guidance_scale 2) by a CFG companion holding it."""
@@ -116,6 +118,18 @@ class Harness:
         self.sched.add_request(req)
         self.requests[rid] = req
 
+    def step_bound(self) -> int:
+        """Steps within which every request added so far ends (actors/engine/scheduler.py, "Progress"): each in turn
+        is the oldest, which gains a token every step (its prompts, then its output twice at most: before and after
+        a preemption) but for 3 steps at most on each wait for steps in flight (its admission, its end, and each
+        request ending in flight while it is short of blocks)."""
+        waits = 3 * (len(self.requests) + 2)
+        companions = [len(r.companion.prompt_token_ids) if r.companion else 0 for r in self.requests.values()]
+        return sum(
+            r.num_prompt_tokens + c + 2 * r.params.max_tokens + waits
+            for r, c in zip(self.requests.values(), companions, strict=True)
+        )
+
     def drafts(self) -> dict[str, list[int]] | None:
         if self.proposer is None:
             return None
@@ -123,12 +137,16 @@ class Harness:
 
     def step(self) -> BatchSpec:
         s = self.sched
+        running = {r.request_id for r in s.running}
         batch = s.schedule(self.drafts())
+        self.preempted = running - {r.request_id for r in s.running}  # by this schedule()
         assert batch.rows or self.queue or not s.has_unfinished(), "deadlock: nothing to run, nothing in flight"
         assert batch.num_tokens <= s.max_num_batched_tokens and len(batch.rows) <= s.max_num_seqs
         parents = [r.request_id for r in batch.rows if r.guidance_scale is None]  # (a companion's row shares its id)
         assert len(set(parents)) == len(parents) and len({r.slot for r in batch.rows}) == len(batch.rows)
         assert all(r.num_computed + len(r.token_ids) < s.max_model_len for r in batch.rows)
+        bm = s.block_manager
+        self.peak_blocks = max(self.peak_blocks, bm.num_blocks - bm.num_free_blocks)
         sampled = self.model.execute(batch)
         self._check_contexts(batch)
         self.batches.append(batch)
@@ -180,10 +198,15 @@ class Harness:
         self.run()
 
     def run(self, max_steps=2000):
+        """Step until nothing is left; more than `max_steps` steps fails as a livelock."""
         for _ in range(max_steps):
             if not (self.sched.has_unfinished() or self.queue):
                 break
             self.step()
+        left = [r.request_id for r in (*self.sched.running, *self.sched.waiting)]
+        assert not left, (
+            f"livelock: {left} unfinished after {max_steps} more steps, {self.sched.num_preemptions} preemptions"
+        )
         self.acks += self.drained()
         assert set(idle_details(self.sched).values()) == {0}, idle_details(self.sched)
         bm = self.sched.block_manager

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from actors.engine.config import SpeculativeConfig
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
-from tests.cancel_harness import engine_config, model_dir  # noqa: F401 (fixtures)
+from tests.cancel_harness import engine_config, model_dir, start  # noqa: F401 (fixtures)
 
 BOS = 1  # the tiny model's
 ALPHA = 0.001  # significance level of the chi-square test
@@ -181,4 +181,22 @@ async def test_a_longer_negative_prompt_ends_the_request_at_the_context_end(mode
     async with AsyncLLM(engine_config(model_dir, max_model_len=64)) as llm:
         out = await llm.generate_one(random_ids(10, 31), params)
         assert (out.finish_reason, len(out.token_ids)) == ("length", 24)
+        assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())
+
+
+async def test_a_pair_that_may_outgrow_the_kv_cache_is_refused_naming_guidance_scale(model_dir):  # noqa: F811
+    """16 KV blocks of 16 tokens: a 100-token prompt and a 100-token negative prompt with max_tokens 100 need
+    2 x 13 blocks at their longest (199 tokens each): refused before they run, naming guidance_scale (the client's
+    400; the pair used to be admitted, then preempt itself and re-prefill forever). With max_tokens 8 (107 and 107
+    tokens: 7 + 7 blocks) the same pair runs."""
+    prompt, negative = random_ids(100, 40), random_ids(100, 41)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, guidance_scale=2.0)
+    params.negative_prompt_token_ids = negative
+    async with AsyncLLM(engine_config(model_dir, num_kv_blocks=16)) as llm:
+        fin = await start(llm, prompt, params).done()
+        assert (fin.finish_reason, fin.error_kind, fin.error_param) == ("error", "invalid", "guidance_scale")
+        assert "needs 26 KV blocks of 16 tokens" in fin.error and "the KV cache has 16" in fin.error
+        params.max_tokens = 8
+        out = await llm.generate_one(prompt, params)
+        assert (out.finish_reason, len(out.token_ids)) == ("length", 8)
         assert all(not any(v for v in r.values()) for r in (await llm.idle_reports()).values())

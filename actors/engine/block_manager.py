@@ -118,6 +118,12 @@ class BlockManager:
             missing += self._num_missing(request.companion, companion_tokens)
         return missing <= self.num_free_blocks
 
+    def grow(self, request: EngineRequest, num_new_tokens: int, companion_tokens: int = 0) -> None:
+        """append_slots for the request and its CFG companion (what may_append checked)."""
+        self.append_slots(request, num_new_tokens)
+        if companion_tokens:
+            self.append_slots(request.companion, companion_tokens)
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table to cover num_computed_tokens + num_new_tokens tokens (evicting cached blocks from
         the front of the free queue as needed)."""

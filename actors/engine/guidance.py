@@ -5,6 +5,13 @@ step where the parent feeds its last token (and samples) the companion feeds its
 guides the parent's; in any other step each half is fed short of its end. Both halves end a sampling step fully
 computed, and every output token extends both, so whenever the parent has tokens left the companion has at least
 one too. Decoding, a pair costs two tokens of the step's budget, two slots and both halves' KV blocks.
+
+A pair must fit the KV cache alone at its longest (`pair_fit_error`), or it can never finish: the scheduler
+guarantees progress only to a request that fits alone (actors/engine/scheduler.py), and a pair that outgrew the
+cache would preempt everyone, then itself, re-prefill and repeat. Its longest: each half holds its prompt and every
+output token but the last (sampled, never fed); the output ends at max_tokens or where the longer prompt reaches
+max_model_len. A pair that may outgrow the cache is refused before it runs, naming guidance_scale (one sequence
+of max_model_len always fits: the scheduler checks it at construction).
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from gpu.config import ModelConfig
 from messages.sampling_params import ParamError, SamplingParams
 
 
-def guidance_error(params: SamplingParams, config: EngineConfig, model: ModelConfig) -> ParamError | None:
-    """Why the engine cannot guide this request, naming the request field at fault (None: it can)."""
+def guidance_error(
+    params: SamplingParams, config: EngineConfig, model: ModelConfig, num_prompt_tokens: int, cache: BlockManager
+) -> ParamError | None:
+    """Why the engine cannot guide this request (of that many prompt tokens, in the scheduler's KV cache), naming
+    the request field at fault (None: it can)."""
     negative = params.negative_prompt_token_ids
     if negative is None and model.bos_token_id is None:
         return ParamError("negative_prompt", "negative_prompt is required: the model has no BOS token to guide against")
@@ -31,7 +41,24 @@ def guidance_error(params: SamplingParams, config: EngineConfig, model: ModelCon
         return ParamError(
             "guidance_scale", "guidance_scale needs a server with max_num_seqs and max_num_batched_tokens of 2 or more"
         )
-    return None
+    num_negative = len(negative) if negative is not None else 1  # (BOS alone)
+    return pair_fit_error(num_prompt_tokens, num_negative, params.max_tokens, max_model_len, cache)
+
+
+def pair_fit_error(
+    num_prompt: int, num_negative: int, max_tokens: int, max_model_len: int, cache: BlockManager
+) -> ParamError | None:
+    """Why a guided pair cannot run in the KV cache: it may outgrow it (module docstring); None: it fits alone."""
+    out = min(max_tokens, max_model_len - max(num_prompt, num_negative))
+    need = sum(cache.num_blocks_for(n + out - 1) for n in (num_prompt, num_negative))
+    if need <= cache.num_blocks:
+        return None
+    return ParamError(
+        "guidance_scale",
+        f"guidance_scale runs a second sequence beside the request: with {num_prompt} prompt and {num_negative} "
+        f"negative prompt tokens and up to {out} output tokens the pair needs {need} KV blocks of {cache.block_size} "
+        f"tokens at its longest; the KV cache has {cache.num_blocks}",
+    )
 
 
 def plan_tokens(req: EngineRequest, budget: int, chunk: int) -> tuple[int, int]:

@@ -167,7 +167,9 @@ class RequestIntake:
             return ParamError("prompt", f"token id {bad} is outside the vocabulary")
         if resumed and (len(resumed) >= msg.params.max_tokens or n + len(resumed) >= self.max_model_len):
             return f"resumed after {len(resumed)} tokens: nothing is left to generate"
-        return guidance_error(msg.params, self.config, self.model) if msg.params.guided else None
+        if not msg.params.guided:
+            return None
+        return guidance_error(msg.params, self.config, self.model, n, self.sched.block_manager)
 
     def on_abort(self, msg: Abort) -> None:
         if msg.attempt is not None and msg.attempt < self._newest_copy(msg.request_id):

@@ -1,14 +1,16 @@
 """RequestLedger: the scheduler's requests and their lifecycle, WAITING -> RUNNING <-> PREEMPTED -> FINISHED or
 ABORTED, and when what each holds is freed: a finished or aborted request leaves the queues at once, its KV blocks
 and slot (and its grammar matcher) once no in-flight step references it (DESIGN I5); an aborted one is then
-reported by `drain_aborted()`, the moment its AbortAck may be sent. The Scheduler (actors/engine/scheduler.py)
-plans steps over it.
+reported by `drain_aborted()`, the moment its AbortAck may be sent. Which token ends a request (`_ends`: stop
+conditions), and whom a request short of KV blocks preempts (`_make_room`: the youngest, never the oldest running
+request: the scheduler's progress argument rests on it). The Scheduler (actors/engine/scheduler.py) plans steps over
+it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.request import EngineRequest, RequestStatus
@@ -16,8 +18,17 @@ from messages.wire import AbortReason, FinishReason, RequestOutput
 
 
 class RequestLedger:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, release: Callable[[EngineRequest], None] | None):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+        release: Callable[[EngineRequest], None] | None,
+    ):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.release = release  # told each finished request once it is freed (the proposer's and worker's state)
         self.requests: dict[str, EngineRequest] = {}  # every request still holding anything
         self.waiting: deque[EngineRequest] = deque()
@@ -73,10 +84,42 @@ class RequestLedger:
 
     # ---------------------------------------------------------------- internals
 
+    def _ends(self, req: EngineRequest, token: int) -> bool:
+        """Finish the request if `token`, just appended, ends it (a grammar ends it once complete; a token its
+        grammar refuses is taken back and fails it: the matcher failed, or (a bug) the mask allowed the token)."""
+        p = req.params
+        if req.grammar is not None and not req.grammar.accept(token):
+            req.output_token_ids.pop()
+            req.error = req.grammar.error or f"token {token} is not allowed by the request's grammar"
+            self._finish(req, "error")
+        elif (req.grammar is not None and req.grammar.terminated) or (
+            len(req.output_token_ids) > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos
+        ):
+            self._finish(req, "stop")
+        elif len(req.output_token_ids) > p.min_tokens and token in p.stop_token_ids:
+            self._finish(req, "stop", token)
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens + req.overhang >= self.max_model_len:
+            self._finish(req, "length")
+        return req.is_finished
+
     def _finish(self, req: EngineRequest, reason: FinishReason, stop_reason: int | None = None) -> None:
         self._dequeue(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+
+    def _make_room(self, req: EngineRequest, n: int, m: int) -> bool:
+        """Preempt the youngest running requests until `req` may grow by n tokens (its CFG companion by m); whether
+        it may grow now. The oldest running request is never preempted for blocks: alone, it waits instead (what it lacks is
+        held by requests that ended with a step in flight, and it fits alone: Scheduler.add_request). Any other one
+        goes itself once all younger ones are gone: the older ones hold the rest and need it first."""
+        while not self.block_manager.may_append(req, n, m):
+            if self.running == [req]:
+                return False
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
 
     def _preempt(self, req: EngineRequest) -> None:
         for seq in req.sequences:

@@ -18,13 +18,26 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
   and produces exactly the tokens it would have produced without preemption.
 - A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot. A request in
   `isolate_after` failed steps (a suspected poison: the worker died in them) runs in steps of its own.
-- Speculative decoding: `speculation_candidates()` names the decoding requests with nothing in flight
-  and how many drafts each may take; a proposer drafts for them (on the device thread); `schedule(drafts)`
-  feeds each its last token and its drafts (when their lookahead blocks are free: drafts never preempt)
-  and samples at each of those positions; `update()` receives how many tokens each row emits (1..K+1),
-  appends them up to the first that ends the request (no token after the end ever gets out), rolls
-  `num_computed_tokens` back past the rejected drafts (their KV slots are rewritten later) and frees the
-  lookahead blocks no longer needed.
+- Speculative decoding: `speculation_candidates()` names the decoding requests with nothing in flight and how many
+  drafts each may take; a proposer drafts for them (on the device thread); `schedule(drafts)` feeds each its last
+  token and its drafts (planned after every row's own tokens, in the budget and free blocks those leave: drafts
+  never preempt, nor cost a row anything) and samples at each of those positions; `update()` receives how many
+  tokens each row emits (1..K+1), appends them up to the first that ends the request (no token after the end ever
+  gets out), rolls `num_computed_tokens` back past the rejected drafts (their KV slots are rewritten later) and
+  frees the lookahead blocks no longer needed.
+
+Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
+- Every request fits the whole KV cache alone at its longest: one max_model_len sequence (checked at construction;
+  lookahead never passes max_tokens or max_model_len), a CFG pair at both halves' longest (`add_request` raises;
+  the intake refuses it first, a 400 naming guidance_scale: actors/engine/guidance.py).
+- `running` is in admission order; a request short of blocks preempts the youngest (`_make_room`), never an older
+  one. The oldest running request is never preempted: alone and still short, it waits for what requests that ended
+  with a step in flight hold (the only other holders then), freed when that step reports. So it gains a token in
+  every step without a sample in flight that ends it (a budget of 2 holds a decoding pair) and finishes within its
+  remaining tokens' steps; then the next one is the oldest.
+- A victim returns to the front of the queue in running order; admission is strict FIFO and skips a step short of
+  blocks: nothing younger overtakes it, and once nothing runs the head is admitted when the steps in flight report.
+  `n` choices are separate requests: the oldest finishes first while the youngest are preempted.
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from actors.engine.block_manager import BlockManager
-from actors.engine.guidance import companion_row, plan_tokens
+from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
 from actors.engine.lifecycle import RequestLedger
 from actors.engine.logprobs import take_prompt_logprobs
 from actors.engine.metrics import SpecStats
@@ -67,9 +80,7 @@ class Scheduler(RequestLedger):
         # None: off, the budget). A long prompt then delays the running requests by a bounded chunk per step; a wave
         # of short prompts, or any prompt while nothing decodes, still prefills at once.
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
-        super().__init__(block_manager, max_num_seqs, release)
+        super().__init__(block_manager, max_num_seqs, max_model_len, eos_token_ids, release)
         self.isolate_after = isolate_after  # a request in this many failed steps (a suspected poison) runs alone
         self.in_flight: deque[int] = deque()  # steps scheduled and not yet updated
         self.next_step = 0
@@ -85,6 +96,10 @@ class Scheduler(RequestLedger):
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if not 0 < req.num_prompt_tokens < self.max_model_len:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens, need 1..{self.max_model_len - 1}")
+        if req.companion is not None:
+            sizes = req.num_prompt_tokens, len(req.companion.prompt_token_ids), req.params.max_tokens
+            if error := pair_fit_error(*sizes, self.max_model_len, self.block_manager):
+                raise error  # (a ParamError: a ValueError)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.matchers += req.grammar is not None
@@ -113,36 +128,31 @@ class Scheduler(RequestLedger):
         budget = self.max_num_batched_tokens
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         chunk = self.long_prefill_token_threshold if decoding else budget  # one request's prefill this step
-        preempted = False
         suspect = next((r for r in self.running if self._suspect(r)), None)  # it runs in steps of its own
-        i = 0
-        while i < len(self.running) and budget > 0:
+        short = False  # blocks ran out: no admission this step (a request preempted now would only thrash)
+        planned, i = [], 0
+        while i < len(self.running) and budget > 0:  # each row's own tokens first, oldest first
             req = self.running[i]
             done = self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens  # (drafts in flight)
             if done or suspect not in (None, req):
                 i += 1
                 continue
             n, m = plan_tokens(req, budget, chunk)
-            lockstep = n == 1 and m == len(req.sequences) - 1  # each sequence feeds its last token (m: 0 or 1)
-            row_drafts = (drafts or {}).get(req.request_id, [])[: (budget - n - m) // (1 + m)] if lockstep else []
-            k = len(row_drafts)
-            if k and not self.block_manager.may_append(req, n + k, m + k * m):  # (a CFG companion feeds them too)
-                row_drafts, k = [], 0  # drafts are optional: never preempt another request for their lookahead
-            n, m = n + k, m + k * m
-            while not self.block_manager.may_append(req, n, m):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
+            short = short or not self.block_manager.may_append(req, n, m)
+            if not self._make_room(req, n, m):
                 break
-            self.block_manager.append_slots(req, n)
-            self._add_rows(batch, req, n, m, row_drafts)
+            self.block_manager.grow(req, n, m)
+            planned.append((req, n, m))
             budget -= n + m
             i += 1
-        # Admit FIFO; a request preempted this step would only thrash, so wait for the next one.
-        while self.waiting and budget > 0 and self.free_slots and not preempted and suspect is None:
+        for req, n, m in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
+            row_drafts = self._lookahead(req, n, m, budget, drafts or {})
+            k = len(row_drafts)
+            self.block_manager.append_slots(req, n + k)  # (the companion's grow with its row)
+            self._add_rows(batch, req, n + k, m + k * m, row_drafts)
+            budget -= k * (1 + m)
+        # Admit FIFO, not in a step short of blocks.
+        while self.waiting and budget > 0 and self.free_slots and not short and suspect is None:
             req = self.waiting[0]
             if self._suspect(req) and batch.rows:
                 break
@@ -224,6 +234,15 @@ class Scheduler(RequestLedger):
         """Whether the request's pending samples certainly end it: another row would be junk."""
         return req.num_output_tokens >= req.params.max_tokens or req.num_tokens + req.overhang >= self.max_model_len
 
+    def _lookahead(self, req: EngineRequest, n: int, m: int, budget: int, drafts: dict[str, list[int]]) -> list[int]:
+        """The drafts a row planned with n tokens (its companion m) takes: only when each sequence feeds its last
+        token, as many as the budget left covers, none unless their lookahead blocks are free (drafts never
+        preempt; a CFG companion feeds them too)."""
+        lockstep = n == 1 and m == len(req.sequences) - 1
+        row_drafts = drafts.get(req.request_id, [])[: budget // (1 + m)] if lockstep else []
+        k = len(row_drafts)
+        return row_drafts if self.block_manager.may_append(req, n + k, m + k * m) else []
+
     def _add_rows(self, batch: BatchSpec, req: EngineRequest, n: int, m: int, drafts: list[int] = ()) -> None:
         """The request's row (n tokens), then its CFG companion's (m tokens; built first: the parent's row adds a
         pending token to both sequences)."""
@@ -278,21 +297,3 @@ class Scheduler(RequestLedger):
 
     def _suspect(self, req: EngineRequest) -> bool:
         return req.failed_steps >= self.isolate_after
-
-    def _ends(self, req: EngineRequest, token: int) -> bool:
-        """Finish the request if `token`, just appended, ends it (a grammar ends it once complete; a token its
-        grammar refuses is taken back and fails it: the matcher failed, or (a bug) the mask allowed the token)."""
-        p = req.params
-        if req.grammar is not None and not req.grammar.accept(token):
-            req.output_token_ids.pop()
-            req.error = req.grammar.error or f"token {token} is not allowed by the request's grammar"
-            self._finish(req, "error")
-        elif (req.grammar is not None and req.grammar.terminated) or (
-            len(req.output_token_ids) > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos
-        ):
-            self._finish(req, "stop")
-        elif len(req.output_token_ids) > p.min_tokens and token in p.stop_token_ids:
-            self._finish(req, "stop", token)
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens + req.overhang >= self.max_model_len:
-            self._finish(req, "length")
-        return req.is_finished
