@@ -11,14 +11,16 @@ repaired by resuming requests, DESIGN I6/I8; with --worker process, the worker t
 reordered ExecuteSteps and StepResults: the engine recomputes its requests). Checked afterwards: every
 stream ended (no hang), no output after a Finished, the idle invariant; every stream holds exactly
 the tokens the engine sent for it (recorded before the faulty links, EngineConfig.record_outputs),
-all of them when it ended with "length", a prefix otherwise; and where those tokens agree with a
-fault-free run of the same workload, the text does too (a fault never corrupts text).
+all of them when it ended with "length", a prefix otherwise; its text is what those tokens decode to (a fault never
+corrupts text); and its tokens are a fault-free run's of the same workload (a prefix, unless it ended naturally).
 
 Tokens may legitimately differ from the fault-free run: CPU matmuls are not batch-invariant, so the
-logits move in their last bits with the batch composition, and a near-tie at a truncation boundary
-(the 8th/9th logits of top_k=8 tie within 5e-7 in ~1e-4 of draws on the random model) can flip a
-seeded draw. Such requests are counted as `diverged`; more of them than numerics explain (a seed or
-row mix-up changes most seeded requests) is a problem.
+logits move in their last bits with the batch composition, and a near-tie can flip a greedy token or a seeded draw
+(the 8th/9th logits of top_k=8 tie within 5e-7 in ~1e-4 of draws on the random model). Such requests are counted
+as `diverged`, and each must be explained: its first differing token at a near-tie of an independent reference (HF
+transformers' logits, scripts/chaos_reference.py), every later one the reference sampler's. An unexplained one is a
+problem (a seed or row mix-up changes most seeded requests); so is a text that is not what the stream's own tokens
+decode to, diverged or not (scripts/chaos_check.py).
 
 The seed fixes the workload, the abort schedule and the fault decisions per link message (faults.py);
 which requests a faulty message carries depends on batching, i.e. on timing, so a failure is
@@ -43,6 +45,7 @@ from actors.runtime import FaultPlan, FaultRule
 from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams
 from scripts.chaos_check import Job, Outcome, Report, compare, sent_tokens
+from scripts.chaos_reference import Reference
 
 STOPS = ["e", "a,", "ing", " the", "\n", "s "]
 
@@ -186,7 +189,8 @@ async def chaos(
         await asyncio.sleep(0.02)
     else:
         problems.append(f"not idle: {reports}")
-    report = compare(jobs, reference, got, sent_tokens(chaos_llm.config.record_outputs))
+    sent = sent_tokens(chaos_llm.config.record_outputs)
+    report = compare(jobs, reference, got, sent, chaos_llm.tokenizer.hf, Reference(chaos_llm.config.model).explain)
     report.problems += problems
     engine, detok = await chaos_llm.fresh_stats()
     report.counts |= {

@@ -2,8 +2,9 @@
 aborts, stop strings and siblings, under duplicated, delayed and reordered StepOutputs, TextOutputs,
 AbortAcks and Aborts (and, in one run, lost outputs and ExecuteSteps and three kill -9s of the engine's, the
 detokenizer's and the worker's processes). No hang, no output after a Finished, the idle invariant, every stream holds
-exactly what the engine sent for it, and where those tokens agree with the fault-free run, so does
-the text (see scripts/chaos.py for the few requests last-bit numerics may let diverge)."""
+exactly what the engine sent for it, its text is what those tokens decode to, and they are the fault-free run's, or
+part from them at a near-tie an independent reference explains (scripts/chaos.py; the checker's own tests are
+tests/test_chaos_check.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ import pytest
 
 from actors.engine.config import SpeculativeConfig
 from frontend.offline import AsyncLLM
-from messages.wire import Finished
 from scripts.chaos import chaos, chaos_config, fault_plan, workload
-from scripts.chaos_check import Outcome, compare
 from tests.cancel_harness import clean_llm, model_dir  # noqa: F401 (fixtures)
 
 SEED, REQUESTS = 7, 300
@@ -50,31 +49,3 @@ async def test_chaos(model_dir, clean_llm, tmp_path, speculative, drops, kills, 
     # on; a killed engine counts from zero again, so after kills there may be none left to count)
     assert (counts["worker_resets"] > 0) == (worker == "process"), counts  # (lost steps, a killed worker)
     assert counts["client_resumes"] + counts["detok_repairs"] > 0 or not (drops or kills), counts
-
-
-def test_compare_checks_streams_against_what_the_engine_sent():
-    """The checker itself: a lost, duplicated or foreign token is a problem; a stream that holds what the engine
-    sent but differs from the fault-free run counts as diverged; agreeing tokens with other text are a problem."""
-    jobs = [j for j in workload(SEED, 50) if j.abort_after_tokens is None and j.abort_after_s is None][:2]
-
-    def outcome(rid: str, tokens: list[int], text: str = "abc", reason: str = "length") -> Outcome:
-        return Outcome(rid, tokens, text, Finished(request_id=rid, finish_reason=reason))
-
-    def problems(got: Outcome, sent: list[int], counts: dict | None = None) -> list[str]:
-        ref = [outcome("r0", [1, 2, 3]), outcome("r1", [1, 2, 3])]
-        report = compare(jobs, ref, [outcome("c0", [1, 2, 3]), got], {"c0": [1, 2, 3], "c1": sent})
-        assert counts is None or counts.items() <= report.counts.items(), report.counts
-        return report.problems
-
-    assert problems(outcome("c1", [1, 2, 3]), [1, 2, 3], {"natural": 2, "diverged": 0}) == []
-    assert problems(outcome("c1", [1, 2]), [1, 2, 3])  # a lost token
-    assert problems(outcome("c1", [1, 2, 3, 3]), [1, 2, 3])  # a duplicated one
-    assert problems(outcome("c1", [1, 9, 3]), [1, 2, 3])  # another request's
-    assert problems(outcome("c1", [1, 2, 3], "abd"), [1, 2, 3])  # corrupted text
-    assert problems(outcome("c1", [1, 2], "ab", "stop"), [1, 2, 3])  # stopped early: differs from the reference
-    assert problems(outcome("c1", [1, 2], "ab", "error"), [1, 2, 3], {"failed": 1}) == []  # a prefix
-    assert problems(outcome("c1", [1, 2], "ax", "error"), [1, 2, 3])  # ... of the tokens, not of the text
-    assert problems(outcome("c1", [1, 2], "ab", "abort"), [1, 2, 3]) == [
-        f"job {jobs[1].index}: aborted without an abort (None)"  # (its reason, from stop_reason)
-    ]
-    assert problems(outcome("c1", [1, 5, 6], "xyz"), [1, 5, 6], {"diverged": 1}) == []  # numerics
