@@ -1,7 +1,8 @@
 """The scheduler actor's request intake: AddRequest, Abort and ActorDown, admission, the grammar compile, AbortAcks.
 
-A mixin of SchedulerActor (actors/engine/scheduler_actor.py), on its state: `sched` (the Scheduler), `recent`
-(the last 65536 ids, RecentIds), `compiling`, `resuming`, `queued`.
+A mixin of SchedulerActor (actors/engine/scheduler_actor.py), on its state: `sched` (the Scheduler: the requests it
+runs) and `intake` (the IntakeLedger: the copies held here before the scheduler takes them, and what is known of the
+last 65536 ids seen).
 
 Cases (DESIGN section 3; request state at the scheduler x event -> action):
   waiting / preempted        Abort -> removed from the queue, AbortAck now
@@ -30,56 +31,87 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
 from actors.engine.grammar import GrammarError, Matcher, grammars
 from actors.engine.guidance import guidance_error
 from actors.engine.request import EngineRequest
-from actors.protocol import CLIENT_COPIES, DETOK_COPIES, next_attempt
+from actors.protocol import CLIENT_COPIES, DETOK_COPIES, RecentIds, next_attempt
 from messages.sampling_params import ParamError
-from messages.wire import Abort, AbortAck, ActorDown, AddRequest, ErrorKind, RequestOutput, StepOutputs
+from messages.wire import Abort, AbortAck, AbortReason, ActorDown, AddRequest, ErrorKind, RequestOutput, StepOutputs
 
 log = logging.getLogger("sluice.engine")
 
-ADDED = "\0added"  # in `recent`: the request was added ((ADDED, reason) once aborted), or the reason of an Abort
-# that came before it
+
+@dataclass(slots=True)
+class Seen:
+    """What the intake knows of a request id it has seen."""
+
+    attempt: int = 0  # the highest copy of it seen (AddRequest.attempt; resumed ids)
+    added: bool = False  # a copy was registered with the detokenizer: a new AddRequest of it is a duplicate
+    abort: AbortReason | None = None  # an Abort its next copies are acked with at once (it came before the request,
+    # or while a copy waited here, or its client aborted it)
+
+
+class Held(NamedTuple):
+    """A copy held here before the scheduler takes it."""
+
+    msg: AddRequest
+    compiling: bool  # its grammar is being compiled (else it waits until its earlier copy, aborted, is freed)
+
+
+class IntakeLedger:
+    """The intake's requests: those held here (`held`), and what is known of the last 65536 ids (`seen`)."""
+
+    def __init__(self):
+        self.held: dict[str, Held] = {}
+        self.seen = RecentIds()
+
+    def note(self, rid: str) -> Seen:
+        """The id's note, a new one if it was not seen (or forgotten)."""
+        if (seen := self.seen.get(rid)) is None:
+            self.seen.remember(rid, seen := Seen())
+        return seen
+
+    def count(self, compiling: bool) -> int:
+        return sum(h.compiling == compiling for h in self.held.values())
 
 
 class RequestIntake:
     def on_add(self, msg: AddRequest) -> None:
         rid = msg.request_id
-        note = self.recent.get(rid)
+        seen = self.intake.note(rid)
         if msg.resume_token_ids is None:
-            if note == ADDED or isinstance(note, tuple) or rid in self.sched.requests:
+            if seen.added or rid in self.sched.requests:
                 self.duplicates += 1
                 log.warning("[%s] duplicate AddRequest dropped", rid)
                 return
         else:
-            if msg.attempt <= (seen := self.copies.get(rid, 0)):
+            if msg.attempt <= seen.attempt:
                 if self._live(rid) or msg.attempt % 2 == DETOK_COPIES:  # made at once with a higher copy, which
                     self.duplicates += 1  # runs (its outputs tell the maker) or ran
-                    log.info("[%s] copy %d dropped: copy %d came first", rid, msg.attempt, seen)
+                    log.info("[%s] copy %d dropped: copy %d came first", rid, msg.attempt, seen.attempt)
                     return
                 # a client's copy when none runs: it lost the end of a higher one (or never saw it); it runs as the
                 # newest copy, so every party follows it and a late registration of an older one is ignored
-                msg = msgspec.structs.replace(msg, attempt=next_attempt(seen, CLIENT_COPIES))
-            self.copies.remember(rid, msg.attempt)
+                msg = msgspec.structs.replace(msg, attempt=next_attempt(seen.attempt, CLIENT_COPIES))
+            seen.attempt = msg.attempt
             if self._resume_later(msg):
                 return
         self._register(msg)
 
     def _live(self, rid: str) -> bool:
-        return rid in self.sched.requests or rid in self.compiling or rid in self.resuming
+        return rid in self.sched.requests or rid in self.intake.held
 
     def _register(self, msg: AddRequest) -> None:
         """A new request, or a copy with no earlier copy left here: registered with the detokenizer, then acked at
         once if it was aborted before (a copy of a request its client aborted), else validated and admitted."""
         rid = msg.request_id
-        note = self.recent.get(rid)
-        early_abort = note[1] if isinstance(note, tuple) else None if note == ADDED else note
-        self.recent.remember(rid, ADDED if early_abort is None else (ADDED, early_abort))
+        seen = self.intake.note(rid)
+        seen.added, early_abort = True, seen.abort
         self.tell(self.config.detokenizer, msg)  # registration precedes every output (FIFO link)
         if early_abort is not None:
             log.info("[%s] aborted before it arrived (%s)", rid, early_abort)
@@ -90,7 +122,7 @@ class RequestIntake:
         elif error := self._validate(msg):
             self._reject(msg, error)
         elif msg.params.structured is not None:
-            self.compiling[rid] = msg
+            self.intake.held[rid] = Held(msg, compiling=True)
             self.spawn(self._compile(msg))
         else:
             self._admit(msg)
@@ -99,12 +131,12 @@ class RequestIntake:
         """A resumed request whose earlier copy is still here (the detokenizer restarted while it ran) waits until
         that copy, aborted silently, is freed; a copy still compiling is dropped now."""
         rid = msg.request_id
-        self.compiling.pop(rid, None)
+        self.intake.held.pop(rid, None)
         if rid not in self.sched.requests:
             log.info("[%s] resumed after %d tokens", rid, len(msg.resume_token_ids))
             return False
         self.sched.abort(rid, None)
-        self.resuming[rid] = msg
+        self.intake.held[rid] = Held(msg, compiling=False)
         self._send_acks()  # admits it now if the copy is freed already
         return True
 
@@ -114,8 +146,6 @@ class RequestIntake:
             self._reject(msg, error)
             return
         self.sched.add_request(req)
-        if self.config.stats_to:
-            self.queued[msg.request_id] = time.monotonic()
         self._work.set()
 
     def _reject(self, msg: AddRequest, error: str | ParamError, kind: ErrorKind = "internal") -> None:
@@ -142,9 +172,9 @@ class RequestIntake:
             grammar = await asyncio.wrap_future(compiler.run(compiler.matcher, msg.params.structured, accepted))
         except GrammarError as e:
             grammar, error = None, ParamError("structured_outputs", f"invalid structured output: {e}")
-        if self.compiling.get(msg.request_id) is not msg:
+        if (held := self.intake.held.get(msg.request_id)) is None or held.msg is not msg:
             return  # aborted meanwhile (acked then), or resumed (a newer copy compiles)
-        del self.compiling[msg.request_id]
+        del self.intake.held[msg.request_id]
         if grammar is None:
             self._reject(msg, error)
         else:
@@ -172,17 +202,17 @@ class RequestIntake:
         return guidance_error(msg.params, self.config, self.model, n, self.sched.block_manager)
 
     def on_abort(self, msg: Abort) -> None:
-        if msg.attempt is not None and msg.attempt < self._newest_copy(msg.request_id):
+        rid, held = msg.request_id, self.intake.held.get(msg.request_id)
+        if msg.attempt is not None and msg.attempt < self._newest_copy(rid):
             self.late_aborts += 1
-            log.debug("[%s] abort (%s) of copy %d ignored: a newer copy runs", msg.request_id, msg.reason, msg.attempt)
-        elif msg.request_id in self.resuming:  # registered, then acked at once, when its earlier copy is freed
-            self.recent.remember(msg.request_id, msg.reason)
-        elif (copy := self.compiling.pop(msg.request_id, None)) is not None:
-            log.info("[%s] aborted while its grammar compiled (%s)", msg.request_id, msg.reason)
+            log.debug("[%s] abort (%s) of copy %d ignored: a newer copy runs", rid, msg.reason, msg.attempt)
+        elif held is not None and not held.compiling:  # registered, then acked at once, when its earlier copy is freed
+            self.intake.note(rid).abort = msg.reason
+        elif held is not None:
+            del self.intake.held[rid]
+            log.info("[%s] aborted while its grammar compiled (%s)", rid, msg.reason)
             self._aborted(msg)
-            self.tell(
-                self.config.detokenizer, AbortAck(request_id=msg.request_id, reason=msg.reason, attempt=copy.attempt)
-            )
+            self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=msg.reason, attempt=held.msg.attempt))
         elif self.sched.abort(msg.request_id, msg.reason):
             self._aborted(msg)
             log.info("[%s] aborted (%s)", msg.request_id, msg.reason)
@@ -190,37 +220,36 @@ class RequestIntake:
         else:
             self.late_aborts += 1
             log.debug("[%s] late abort (%s) ignored", msg.request_id, msg.reason)
-            if msg.request_id not in self.recent and msg.reason != "stop":  # (a stop is found in output: an
-                self.recent.remember(msg.request_id, msg.reason)  # unknown id's is an earlier incarnation's)
+            if rid not in self.intake.seen and msg.reason != "stop":  # (a stop is found in output: an unknown
+                self.intake.note(rid).abort = msg.reason  # id's is an earlier incarnation's)
 
     def _newest_copy(self, rid: str) -> int:
-        """The attempt of the newest copy of `rid` held here (-1: none)."""
-        req = self.sched.requests.get(rid)
-        copies = (self.resuming.get(rid), self.compiling.get(rid), req)
-        return max((c.attempt for c in copies if c is not None), default=-1)
+        """The attempt of the newest copy of `rid` here (-1: none)."""
+        held, req = self.intake.held.get(rid), self.sched.requests.get(rid)
+        return max((c.attempt for c in (held and held.msg, req) if c), default=-1)
 
     def _aborted(self, msg: Abort) -> None:
         """A later copy of a request its client aborted is acked at once; a copy of one the detokenizer ended (a stop
         string: its client re-submits it if it lost the Finished) runs, and ends at the stop string again."""
         if msg.reason != "stop":
-            self.recent.remember(msg.request_id, (ADDED, msg.reason))
+            seen = self.intake.note(msg.request_id)
+            seen.added, seen.abort = True, msg.reason
 
     def _send_acks(self) -> None:
         for req in self.sched.drain_aborted():
-            rid = req.request_id
-            self.queued.pop(rid, None)  # aborted before it was scheduled
             if req.abort_reason is not None:
-                ack = AbortAck(request_id=rid, reason=req.abort_reason, attempt=req.attempt)
+                ack = AbortAck(request_id=req.request_id, reason=req.abort_reason, attempt=req.attempt)
                 self.tell(self.config.detokenizer, ack)
-        for rid in [r for r in self.resuming if r not in self.sched.requests]:
-            self._register(self.resuming.pop(rid))
+        held = self.intake.held
+        for rid in [r for r, h in held.items() if not h.compiling and r not in self.sched.requests]:
+            self._register(held.pop(rid).msg)
 
     def on_actor_down(self, msg: ActorDown) -> None:
         if msg.actor != self.config.detokenizer:
             return
         live = [r.request_id for r in (*self.sched.waiting, *self.sched.running)]
-        log.warning("detokenizer down: aborting %d requests silently", len(live) + len(self.compiling))
-        self.compiling.clear()
+        log.warning("detokenizer down: aborting %d requests silently", len(live) + self.intake.count(compiling=True))
+        self.intake.held = {rid: h for rid, h in self.intake.held.items() if not h.compiling}
         for rid in live:
             self.sched.abort(rid, None)
         self._send_acks()

@@ -13,7 +13,7 @@ every live request (reason "shutdown"), sends the acks, then stops the actor.
 Every AbortAck is sent after the StepOutputs of the step that last touched the request (one FIFO link).
 Every executed step sends one StepOutputs (possibly without entries), numbered by `step`, and so does
 the engine each time it goes idle: the detokenizer tells duplicates and lost messages by those numbers.
-The last 65536 ids are remembered (RecentIds).
+What the intake knows of the last 65536 ids is in its ledger (IntakeLedger).
 
 Test hooks: with `EngineConfig.step_gate`, a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
 a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile.
@@ -40,7 +40,7 @@ from actors.engine.executor import num_kv_blocks
 from actors.engine.flight_record import FlightRecord
 from actors.engine.grammar import warm
 from actors.engine.grammar_masks import StepMasks
-from actors.engine.intake import RequestIntake
+from actors.engine.intake import IntakeLedger, RequestIntake
 from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.metrics import engine_stats, idle_details, log_speculation
 from actors.engine.recovery import WorkerRecovery
@@ -49,7 +49,7 @@ from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import make_proposer
 from actors.engine.worker import Worker
 from actors.engine.worker_link import DIED, InlineWorker, ProcessWorker, WorkerLost, execute_step
-from actors.protocol import RecentIds, SentNames, StepGate
+from actors.protocol import SentNames, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
@@ -84,14 +84,10 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         self.model = ModelConfig.from_path(self.config.model)
         self.max_model_len = min(self.config.max_model_len, self.model.max_model_len)
         self.late_aborts = 0
-        self.recent = RecentIds()  # ids seen
         self.names = SentNames()  # the requests of the last StepOutputs, named in the next (a lost one's suspects)
-        self.copies = RecentIds()  # id -> the highest AddRequest.attempt seen of it (resumed ids only)
+        self.intake = IntakeLedger()  # copies held before the scheduler takes them, what is known of the ids seen
         self.duplicates = 0
         self.admitting = True
-        self.queued: dict[str, float] = {}  # with stats_to: request id -> arrival here, until first scheduled
-        self.compiling: dict[str, AddRequest] = {}  # constrained requests whose grammar is being compiled
-        self.resuming: dict[str, AddRequest] = {}  # resumed requests waiting for their earlier copy to be freed
         self.queue_times: list[float] = []  # arrival -> first scheduled, since the last EngineStats
         self.iteration_tokens: list[int] = []  # each step's tokens, since the last EngineStats
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
@@ -162,8 +158,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         details = idle_details(self.sched) | {  # step, or when the engine goes idle)
             "silent_aborts": sum(r.status is RequestStatus.ABORTED and r.abort_reason is None
                                  for r in self.sched.requests.values()),
-            "queued": len(self.queued),
-            "compiling": len(self.compiling), "resuming": len(self.resuming), "pending_asks": self.pending_asks,
+            "compiling": self.intake.count(compiling=True), "resuming": self.intake.count(compiling=False),
+            "pending_asks": self.pending_asks,
             "gate_permits": self.gate.permits or 0, "held_steps": int(self.gate.holding),
             "worker_requests": held + len(self.freed),
         }  # fmt: skip
@@ -172,7 +168,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
     async def on_shutdown(self, reason: str) -> None:
         self.admitting = False
         self.gate.set(None)
-        for rid in [*self.compiling, *(r.request_id for r in (*self.sched.waiting, *self.sched.running))]:
+        compiling = [rid for rid, held in self.intake.held.items() if held.compiling]
+        for rid in [*compiling, *(r.request_id for r in (*self.sched.waiting, *self.sched.running))]:
             self.on_abort(Abort(request_id=rid, reason="shutdown"))
         await self.until(lambda: not (self.sched.has_unfinished() or self.sched.in_flight), timeout_s=10)
         self._stepping.cancel()  # before the device goes: the loop would send it the idle marker's frees
@@ -274,10 +271,11 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         """For /metrics: the step's tokens, and the queue time of each request first scheduled."""
         self.iteration_tokens.append(batch.num_tokens)
         now = time.monotonic()
-        for row in batch.rows if self.queued else ():
-            arrival = self.queued.pop(row.request_id, None)
-            if arrival is not None:
-                self.queue_times.append(now - arrival)
+        for row in batch.rows if self.config.stats_to else ():
+            req = self.sched.requests[row.request_id]
+            if req.queued_at:  # (first scheduled)
+                self.queue_times.append(now - req.queued_at)
+                req.queued_at = 0.0
 
     async def _publish_stats(self) -> None:
         while True:
