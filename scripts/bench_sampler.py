@@ -3,8 +3,9 @@
     python scripts/bench_sampler.py [--quick] [--threads 1] [--logits peaked|flat] [--device cpu] [--unseeded]
 
 Rows cycle through a mix of request parameters (greedy, top-p, top-k + top-p, temperature only, min-p,
-penalties + bias, seeded). "peaked" logits imitate a language model (Zipf-like ranks; nucleus sizes close to SmolLM2's:
-at T = 1, top_p = 0.95 median 12 / p90 400 tokens, 15 % of rows wider than 256); "flat" is N(0, 3^2), where T = 1 nuclei are thousands wide.
+penalties + bias, seeded). B = 1 is timed per kind of row instead, each labelled: a greedy row (the sampler's
+all-greedy batch: an argmax and a return), a top-p row (T 0.8, top_p 0.95) and a temperature-only row (T 1.0,
+untruncated: drawn over the whole vocabulary). "peaked" logits imitate a language model (Zipf-like ranks; nucleus sizes close to SmolLM2's: at T = 1, top_p = 0.95 median 12 / p90 400 tokens, 15 % of rows wider than 256); "flat" is N(0, 3^2), where T = 1 nuclei are thousands wide.
 The reference is the textbook path: sort -> softmax -> cumsum -> mask -> torch.multinomial.
 On CUDA with FlashInfer installed, unseeded batches (--unseeded drops the seeded row from the mix) are drawn by
 FlashInfer's kernel; the `torch` column then times the same batch through the torch path.
@@ -38,13 +39,23 @@ MIX = [
 ]
 
 
+SINGLE = {"greedy": MIX[0], "top-p": SP(temperature=0.8, top_p=0.95), "T only": SP(temperature=1.0)}  # B = 1
+
+
 def make_rows(b: int, device, unseeded: bool = False) -> list[SamplingRow]:
     mix = [p for p in MIX if not (unseeded and p.seed is not None)]
-    rows = []
-    for i in range(b):
-        p = mix[i % len(mix)]
-        rows.append(SamplingRow(p, list(range(100, 400)), list(range(500, 564)), eos_token_ids=[2]))
-    return rows
+    return [row(mix[i % len(mix)]) for i in range(b)]
+
+
+def row(params: SP) -> SamplingRow:
+    return SamplingRow(params, list(range(100, 400)), list(range(500, 564)), eos_token_ids=[2])
+
+
+def cases(b: int, device, unseeded: bool) -> list[tuple[str, list[SamplingRow]]]:
+    """(label, rows) timed at batch size b: each kind of row alone at B = 1, the mix above."""
+    if b == 1:
+        return [(label, [row(params)]) for label, params in SINGLE.items()]
+    return [("mix", make_rows(b, device, unseeded))]
 
 
 def make_logits(b: int, v: int, kind: str, device, seed: int = 0) -> torch.Tensor:
@@ -115,13 +126,12 @@ def main() -> None:
     print(f"device={args.device} ({where}) threads={args.threads} logits={args.logits} flashinfer={flashinfer}; "
           f"ms per step ({args.stat})")  # fmt: skip
     print(
-        f"{'B':>4} {'V':>7} {'argmax':>9} {'sampler':>9} {'ratio':>6} {'reference':>10} {'ref/argmax':>10} {'build':>7}"
+        f"{'B':>4} {'rows':>7} {'V':>7} {'argmax':>9} {'sampler':>9} {'ratio':>6} {'reference':>10} {'ref/argmax':>10} {'build':>7}"
         + (f" {'torch':>9} {'torch/argmax':>12}" if flashinfer else "")
     )
-    for v in vocabs:
-        for b in batches:
+    for v, b in ((v, b) for v in vocabs for b in batches):
+        for label, rows in cases(b, args.device, args.unseeded):
             reps = 5 if args.quick or b * v > 8_000_000 else 11
-            rows = make_rows(b, args.device, args.unseeded)
             base = make_logits(b, v, args.logits, args.device)
             t0 = time.perf_counter()
             meta = SamplingMetadata.build(rows, v, args.device)
@@ -136,7 +146,7 @@ def main() -> None:
             ref_ratio = "-" if args.no_reference else f"{ref / (t_argmax * 1e3):.0f}x"
             ref = ref if isinstance(ref, str) else f"{ref:.2f}"
             print(
-                f"{b:>4} {v:>7} {t_argmax * 1e3:>9.3f} {t_sampler * 1e3:>9.3f} {t_sampler / t_argmax:>5.2f}x"
+                f"{b:>4} {label:>7} {v:>7} {t_argmax * 1e3:>9.3f} {t_sampler * 1e3:>9.3f} {t_sampler / t_argmax:>5.2f}x"
                 f" {ref:>10} {ref_ratio:>10} {build * 1e3:>7.2f}"
                 + (f" {t['torch'] * 1e3:>9.3f} {t['torch'] / t_argmax:>11.2f}x" if flashinfer else ""),
                 flush=True,
