@@ -4,7 +4,8 @@ On the real SmolLM2, 12 prompts batched together (repetitive ones, where drafts 
 stop strings, stop tokens, EOS and odd max_tokens ending requests inside accepted runs: with n-gram drafts, greedy
 and seeded output is identical to output without speculation (seeded rows' uniforms are keyed by output
 position); with a draft model (the model itself: everything accepted; the tiny random model: nothing), greedy
-output is identical (seeded output then follows the same law, not the same draws: tests/test_spec_distribution.py).
+output is identical (seeded output then follows the same law, not the same draws: tests/test_spec_distribution.py;
+served through the draft model: tests/test_draft_distribution.py).
 Speculation steps synchronously, so the engine's async_scheduling setting must not matter. On the tiny model: an
 abort during a speculative step frees everything, and nothing of the request follows its Finished.
 """
