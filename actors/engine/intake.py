@@ -90,14 +90,15 @@ class RequestIntake:
                 log.warning("[%s] duplicate AddRequest dropped", rid)
                 return
         else:
-            if msg.attempt <= seen.attempt:
+            top = max(seen.attempt, self._newest_copy(rid))  # (a live copy's number outlives its note)
+            if msg.attempt <= top:
                 if self._live(rid) or msg.attempt % 2 == DETOK_COPIES:  # made at once with a higher copy, which
                     self.duplicates += 1  # runs (its outputs tell the maker) or ran
-                    log.info("[%s] copy %d dropped: copy %d came first", rid, msg.attempt, seen.attempt)
+                    log.info("[%s] copy %d dropped: copy %d came first", rid, msg.attempt, top)
                     return
                 # a client's copy when none runs: it lost the end of a higher one (or never saw it); it runs as the
                 # newest copy, so every party follows it and a late registration of an older one is ignored
-                msg = msgspec.structs.replace(msg, attempt=next_attempt(seen.attempt, CLIENT_COPIES))
+                msg = msgspec.structs.replace(msg, attempt=next_attempt(top, CLIENT_COPIES))
             seen.attempt = msg.attempt
             if self._resume_later(msg):
                 return
