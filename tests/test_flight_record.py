@@ -28,9 +28,13 @@ def request(rid: str) -> EngineRequest:
     return EngineRequest(rid, [1, 2], SamplingParams())
 
 
-def incarnation(path: Path, **kwargs) -> tuple[FlightRecord, dict[str, int]]:
+def incarnation(path: Path, ready: bool = True, **kwargs) -> tuple[FlightRecord, dict[str, int]]:
+    """The record as a new engine opens it (`ready`: and then its model is loaded)."""
     record = FlightRecord(str(path), MAX_FAILURES, **kwargs)
-    return record, record.recover()
+    blamed = record.recover()
+    if ready:
+        record.arm()
+    return record, blamed
 
 
 def slots(path: Path) -> dict[Path, bytes]:
@@ -148,3 +152,14 @@ def test_a_blamed_request_whose_copy_never_comes_is_forgotten(tmp_path):
     assert blamed == {"late": 1}
     gone = request("gone")
     assert record.admit(gone) is None and gone.failed_steps == 0
+
+
+def test_the_wait_for_the_copies_starts_when_the_engine_is_ready(tmp_path):
+    """However long the model takes to load, a blame waits for its copy from the engine's readiness on (the
+    clients re-submit only then): not armed, even a zero wait forgets nothing."""
+    path = tmp_path / "scheduler.flight"
+    record, _ = incarnation(path)
+    record.write([step("poison")])
+    record, _ = incarnation(path, ready=False, ttl_s=0.0)
+    poison = request("poison")
+    assert record.admit(poison) is None and poison.failed_steps == 1

@@ -27,6 +27,7 @@ Cases, state x event -> action:
                                                      runs in steps of its own; at max_step_failures it is
                                                      refused, an error (a server bug it triggers: it fails alone)
   blamed, not yet here      PENDING_TTL_S pass    -> forgotten (its client gave up on it); a later copy starts clean
+                            (counted from the engine's readiness, `arm`: a slow model load is not the client's delay)
   blamed, running           it samples, or ends   -> dropped from the record at its next write
   blamed by a worker's death (recovery.py)        -> kept in the record (`watch`) like a copy's blame
 """
@@ -50,6 +51,7 @@ log = logging.getLogger("sluice.engine")
 MAGIC = b"SLFR"
 HEAD = struct.Struct("<4sII")  # magic, body length, CRC-32 of the body
 PENDING_TTL_S = 60.0  # a blamed request's copy comes once the request path is whole again (the supervisor's window)
+# after the engine is ready: however long its model took to load
 
 
 class Flight(msgspec.Struct, array_like=True):
@@ -79,9 +81,13 @@ class FlightRecord:
             self.number, self.pending = last.number + 1, last.blamed
             hit = {rid: self.pending.get(rid, 0) + 1 for step in last.inflight for rid in step}
             self.pending |= hit
-        self.pending_until = time.monotonic() + self.ttl_s
         self.write(())
         return hit
+
+    def arm(self) -> None:
+        """The engine is ready (its copies can come now): the blames whose copies have not come in PENDING_TTL_S
+        from now are forgotten."""
+        self.pending_until = time.monotonic() + self.ttl_s
 
     def write(self, steps: Iterable[BatchSpec]) -> None:
         """The record of `steps` (those in flight) and of every blame, in the older slot."""
@@ -111,8 +117,8 @@ class FlightRecord:
             os.close(fd)
 
     def _pending(self) -> dict[str, int]:
-        """The blames whose copies have not come, until PENDING_TTL_S after the start."""
-        if self.pending and time.monotonic() > self.pending_until:
+        """The blames whose copies have not come, until PENDING_TTL_S after the engine is ready (`arm`)."""
+        if self.pending and self.pending_until and time.monotonic() > self.pending_until:
             self.pending = {}
         return self.pending
 

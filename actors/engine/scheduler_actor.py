@@ -138,6 +138,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             isolate_after=self.config.max_step_failures - 1,  # (a single death is seldom a poison: a kill, OOM)
         )
+        self.flight.arm()  # (copies of blamed requests can come from now on)
         log.info(
             "engine ready: %s, %d KV blocks of %d, max_model_len %d",
             self.model.name,
