@@ -212,3 +212,15 @@ async def test_a_hung_worker_is_asked_to_exit_until_it_dies_and_costs_one_reset(
     link.up.set()  # (ActorUp)
     await ready
     assert (await unanswered(link, beat(0), beat(0))).failure == "hung"  # the new process counts from 0: heard
+
+
+async def test_a_result_that_comes_as_the_deadline_expires_is_taken():
+    """The timeout fires and the StepResult is handled in the same turn of the loop: the result settles the step
+    (re-arming the expiring deadline used to raise in the handler, and the step was then judged lost)."""
+    link = ProcessWorker(Scheduler(), timeout_s=0.05)
+    handle = link.submit(prefill(1, 0))
+    waiting = asyncio.ensure_future(link.result(handle))
+    await asyncio.sleep(0)  # (result() is waiting under its deadline)
+    result = StepResult(epoch=1, seq=0, step=0, sampled=[7])
+    asyncio.get_running_loop().call_at(link._deadline.when(), link.on_result, result)
+    assert await waiting is result

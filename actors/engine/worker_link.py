@@ -154,18 +154,23 @@ class ProcessWorker:
             async with asyncio.timeout(self.timeout_s) as self._deadline:
                 return _checked(await asyncio.shield(handle))
         except TimeoutError:
-            beat = self.stalled
-            if beat is None:
-                self.lost("lost", f"no StepResult and no progress within {self.timeout_s} s")
-            else:
-                reason = f"step {beat.seq} of epoch {beat.epoch} hung: no progress in {self.timeout_s} s"
-                log.error("%s: the worker is restarted", reason)
-                self.doomed = beat.epoch
-                self.up.clear()
-                self.lost("hung", reason)
+            if not handle.done():  # (a result that came just as the deadline expired is taken)
+                self._timed_out()
             return _checked(await handle)
         finally:
             self._deadline = None
+
+    def _timed_out(self) -> None:
+        """No result in time: silence is a lost message; beats without progress, a hung step."""
+        beat = self.stalled
+        if beat is None:
+            self.lost("lost", f"no StepResult and no progress within {self.timeout_s} s")
+            return
+        reason = f"step {beat.seq} of epoch {beat.epoch} hung: no progress in {self.timeout_s} s"
+        log.error("%s: the worker is restarted", reason)
+        self.doomed = beat.epoch
+        self.up.clear()
+        self.lost("hung", reason)
 
     def on_progress(self, msg: StepProgress) -> None:
         """A heartbeat: a moved counter re-arms the deadline; one that did not (and waits for nobody) is a stall."""
@@ -211,7 +216,7 @@ class ProcessWorker:
 
     def _progressed(self) -> None:
         self.stalled = None
-        if self._deadline is not None:
+        if self._deadline is not None and not self._deadline.expired():  # (expired: result() decides)
             self._deadline.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
 
     def _settle(self, key: tuple[int, int], failure: StepFailure | None = None, error: str = "", msg=None) -> None:
