@@ -24,9 +24,9 @@ Request states, state x event -> action:
   LIVE        scheduler or detokenizer down -> waits (I8: the engine side forgets every request)
   LIVE        both up again           -> re-submitted from its record (prompt, params, the tokens and text it has) as
                                          a resumed request: its stream goes on from there; one live at more than
-                                         max_resumes detokenizer deaths fails (a poison request: 500). The engine
-                                         judges its own deaths (actors/engine/flight_record.py); MAX_ATTEMPTS bounds
-                                         the rest (deaths outside any step)
+                                         max_resumes detokenizer deaths fails (503, all of them); the engine judges
+                                         its own deaths (actors/engine/flight_record.py); MAX_ATTEMPTS bounds the
+                                         rest (deaths outside any step)
   TOMBSTONED  scheduler or detokenizer down -> dropped (nobody will send its Finished)
 """
 
@@ -273,7 +273,7 @@ class ClientLedger(Ledger[R]):
             if state.record.deaths > self.max_resumes:
                 self.log.error("[%s] live at %d deaths of the detokenizer: failed", rid, state.record.deaths)
                 error = f"request {rid}: failed after {self.max_resumes} restarts of the detokenizer while it ran"
-                self.fail(state, 500, error, abort=False)
+                self.fail(state, 503, error, abort=False)  # (innocent or not: the detokenizer blames nobody)
             else:
                 self.resume(state, "death", "an engine-side process died")
         return True

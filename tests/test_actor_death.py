@@ -3,7 +3,7 @@
 Killing the engine pauses every in-flight stream, and once the engine is back each is resumed from what it
 received and finishes exactly as an undisturbed run; killing the detokenizer does the same (the engine drops its
 copies silently and takes the resumed ones); a stream live at more detokenizer deaths than the client's
-max_resumes fails alone (the engine judges its own deaths: tests/test_worker_e2e.py); stopping the system aborts
+max_resumes fails (the engine judges its own deaths: tests/test_worker_e2e.py); stopping the system aborts
 what is in flight (reason "shutdown") and every process exits 0. No zombies, no leftover state (the idle
 invariant) after recovery.
 """
@@ -124,7 +124,7 @@ async def test_detokenizer_death_drops_the_engine_copies_and_the_streams_resume(
         assert run.token_ids == tokens
 
 
-async def test_a_stream_live_at_more_deaths_than_max_resumes_fails_alone(llm):
+async def test_a_stream_live_at_more_deaths_than_max_resumes_fails(llm):
     """max_resumes is 2: a stream through three detokenizer deaths fails (a poison request); the system serves on."""
     run = start(llm, [70, 71], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     await run.wait_tokens(1)

@@ -99,7 +99,7 @@ def test_a_death_waits_then_resumes_every_live_choice_and_detokenizer_deaths_fai
     table.on_down("detokenizer")  # its third death with the choices live
     n = len(sent)
     table.on_up("detokenizer")
-    assert req.done and req.error.status == 500 and "restarts of the detokenizer" in req.error.message
+    assert req.done and req.error.status == 503 and "restarts of the detokenizer" in req.error.message
     assert sent[n:] == [] and not table.live and table.tombstones.keys() == {first, second}  # (for one timeout)
     table.on_outputs(delta(gone.choices[0].engine_id, 0, "late"))  # its tombstone went with the first death
     assert metrics.protocol.violations == {"unknown_id": 1}, "never taken for output past a Finished"

@@ -178,11 +178,11 @@ async def test_a_dead_actor_pauses_in_flight_requests_and_they_resume_from_their
     assert (await fake.metrics())[key("sluice:request_resumes_total", actor="http", cause="death")] >= 2
 
 
-async def test_engine_deaths_fail_no_request_and_one_live_at_every_detokenizer_death_fails_alone(fake):
+async def test_engine_deaths_fail_no_request_and_one_live_at_every_detokenizer_death_fails(fake):
     """The engine judges its own deaths (its flight record blames the requests of the steps it died in, and fails
     a poison alone): the HTTP party resumes a request through any number of them. One live at more than max_resumes
-    (2) deaths of the detokenizer fails (a 500: a server bug it triggers, not the client's, nor a pause); a request
-    that arrived later is resumed and served."""
+    (2) deaths of the detokenizer fails (a 503, to retry: the detokenizer blames nobody, so an innocent request
+    fails with a poison); a request that arrived later is resumed and served."""
     fake.engine.hold = True
     supervisor = fake.server.supervisor
 
@@ -207,7 +207,7 @@ async def test_engine_deaths_fail_no_request_and_one_live_at_every_detokenizer_d
         assert not poison.done()
         await die_and_return("detokenizer")
         resp = await poison
-        assert resp.status == 500 and "after 2 restarts of the detokenizer" in (await resp.json())["error"]["message"]
+        assert resp.status == 503 and "after 2 restarts of the detokenizer" in (await resp.json())["error"]["message"]
         await wait_for(lambda: len(fake.engine.added) == 8)
         assert [a.request_id for a in fake.engine.added] == [rid] * 6 + [survivor] * 2
         fake.engine.finish(survivor, "length", text="w0", token_ids=[100])

@@ -196,9 +196,9 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
                 if batch.rows:
                     if self.config.stats_to:
                         self._note_scheduled(batch)
+                    self.flight.write([*(step[0] for step in inflight), batch])  # (before its masks and the worker)
                     msg, masks = execute_step(batch, self.sched.requests, self.epoch, self.seq, self.freed)
                     self.seq, self.freed = self.seq + 1, []
-                    self.flight.write([*(step[0] for step in inflight), batch])  # (before the worker has it)
                     inflight.append((batch, self.link.submit(msg), masks, msg.seq))
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
                 done, handle, _, _ = inflight[0]
