@@ -25,24 +25,25 @@ class PromptInput:
     params: SamplingParams  # per prompt: a defaulted max_tokens depends on the prompt length
 
 
-def check_chars(chars: int, ctx: ServingContext, prompt_param) -> None:
+def check_chars(chars: int, ctx: ServingContext, prompt_param, room: int = 1) -> None:
     """Refuse a prompt that cannot fit from its length in characters alone, before tokenizing it."""
     if ctx.tokenizer.max_token_chars is not None:
         at_least = -(-chars // ctx.tokenizer.max_token_chars)
-        check_fits(at_least, ctx, prompt_param, chars)
+        check_fits(at_least, ctx, prompt_param, chars, room)
 
 
-def check_fits(num_tokens: int, ctx: ServingContext, prompt_param, chars=None) -> int:
-    """The tokens left for the completion; a 400 when the prompt alone leaves none. `chars`: the prompt is
-    `chars` characters long and `num_tokens` a lower bound of its tokens."""
+def check_fits(num_tokens: int, ctx: ServingContext, prompt_param, chars=None, room: int = 1) -> int:
+    """The tokens left for the completion; a 400 when the prompt leaves fewer than `room` (0: a prompt to tokenize
+    only, which may fill the context). `chars`: the prompt is `chars` characters long and `num_tokens` a lower bound
+    of its tokens."""
     budget = ctx.max_model_len - num_tokens
-    if budget < 1:
+    if budget < room:
         at_least, of = ("at least ", f" of {chars} characters") if chars is not None else ("", "")
+        left = "which leaves no room for the completion" if room else "more than it holds"
         raise RequestError(
             400,
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, the {prompt_param} has "
-            f"{at_least}{num_tokens} tokens{of}, which leaves no room for the completion. Please reduce the length "
-            f"of the {prompt_param}.",
+            f"{at_least}{num_tokens} tokens{of}, {left}. Please reduce the length of the {prompt_param}.",
             prompt_param,
         )
     return budget

@@ -55,9 +55,9 @@ def tokenize(body: bytes, ctx) -> dict:
     else:
         _, text = rendered_chat(req, ctx, validate_tools(req.tools) if req.tools else None)
         param, special = "messages", bool(req.add_special_tokens)
-    check_chars(len(text), ctx, param)  # (a prompt that cannot fit is refused before it is tokenized)
+    check_chars(len(text), ctx, param, room=0)  # (a prompt that cannot fit is refused before it is tokenized)
     ids = tok.encode(text, add_special_tokens=special)
-    check_fits(len(ids), ctx, param)
+    check_fits(len(ids), ctx, param, room=0)
     strs = [tok.token_str(t) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -92,10 +92,10 @@ def validate_tools(value) -> list[dict]:
         raise RequestError(400, f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
     names = set()
     for i, tool in enumerate(value):
-        json_field(tool, f"tools[{i}]")  # (rendered by the template, walked for its parameters)
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict):
             raise RequestError(400, f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
+        json_field(tool, f"tools[{i}]")  # (rendered by the template, walked for its parameters)
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RequestError(400, f"tools[{i}].function.name must match {_NAME.pattern}", f"tools[{i}].function.name")

@@ -27,6 +27,7 @@ top_k, seed, guidance_scale; no top-p, min-p, penalties or constraints).
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from gpu.sampling.topk_topp import counter_uniforms
 from messages.sampling_params import SamplingParams
 
 TOL = 1e-5
+MAX_KEPT_SETS = 64  # kept sets tried when a tie at the top-k boundary leaves the kept set open
 
 
 def allowed(x: np.ndarray, params: SamplingParams, u: float | None, tol: float) -> set[int]:
@@ -46,6 +48,8 @@ def allowed(x: np.ndarray, params: SamplingParams, u: float | None, tol: float) 
     kth = np.partition(x, len(x) - k)[len(x) - k]
     sure = np.flatnonzero(x > kth + 2 * tol)
     near = np.flatnonzero(np.abs(x - kth) <= 2 * tol)  # kept or not, as the last bits fall
+    if math.comb(len(near), k - len(sure)) > MAX_KEPT_SETS:  # a wide tie (flat logits): any of them, conservatively
+        return set(sure.tolist()) | set(near.tolist())
     out: set[int] = set()
     for chosen in itertools.combinations(near.tolist(), k - len(sure)):
         kept = np.sort(np.concatenate([sure, chosen]).astype(np.int64))

@@ -138,12 +138,15 @@ def test_tokenize_and_detokenize_are_bounded_as_prompts_are(ctx, monkeypatch):
         assert refused(tokenize, ctx, body, monkeypatch).param == param
 
 
-def test_tokenize_refuses_what_tokenizes_past_the_context(ctx):
+def test_tokenize_takes_up_to_the_context_and_refuses_past_it(ctx):
     """Under the characters' bound but over the context once tokenized: refused, saying how many tokens."""
     text = " ".join(["hello"] * 70)  # ~70 tokens, 419 characters (bound: at least 6)
     with pytest.raises(RequestError) as e:
         tokenize(json.dumps({"prompt": text}).encode(), ctx)
     assert e.value.param == "prompt" and str(len(ctx.tokenizer.encode(text))) in e.value.message
+    full = " ".join(["hello"] * 200)
+    fits = full[: next(i for i in range(len(full), 0, -1) if len(ctx.tokenizer.encode(full[:i])) == 64)]
+    assert tokenize(json.dumps({"prompt": fits}).encode(), ctx)["count"] == 64  # (as /detokenize takes 64)
 
 
 @pytest.mark.parametrize(
