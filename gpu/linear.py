@@ -10,7 +10,8 @@ Measured on this class of machine (AMD EPYC AVX2, fp32, 1 thread, SmolLM2's shap
   vs 22 ms).
 So `pack()` keeps the [in, out] copy and the oneDNN one, and the parameter becomes a view of the former (no third
 copy; a weight shared with the embedding keeps its own storage, see `keep_weight`). Elsewhere (CUDA, other dtypes)
-nothing changes.
+nothing changes. gpu/quant.py keeps its dequantized weights in one of these layouts through the same functions
+(`onednn_pack`, `onednn_linear`, `transposed_linear`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ PACKED_ROWS = range(2, 33)  # batch sizes that use the oneDNN-packed weight
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's layout of a float32 [out, in] weight for `onednn_linear` (None where oneDNN is missing)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if _MKLDNN else None
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias from the [in, out] contiguous copy."""
+    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
+
+
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's layout, for PACKED_ROWS
     weight_t: torch.Tensor | None = None  # [in, out] contiguous, for the other batch sizes
@@ -34,8 +49,7 @@ class Linear(nn.Linear):
         if not (self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
             return
         self.weight_t = self.weight.detach().t().contiguous()
-        if _MKLDNN:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.packed = onednn_pack(self.weight)
         if not keep_weight:
             self.weight.data = self.weight_t.t()
 
@@ -43,5 +57,5 @@ class Linear(nn.Linear):
         if self.weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if self.packed is not None and x.shape[0] in PACKED_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+            return onednn_linear(x, self.packed, self.bias)
+        return transposed_linear(x, self.weight_t, self.bias)

@@ -1,12 +1,29 @@
 """Weight-only quantization of the linear layers on CPU (`--quantization int8|int4`): less memory to stream per
-decoded token, which is what a batch-1 step waits on.
+decoded token, which is what a step of few rows waits on.
 
 - int8: symmetric, one scale per output channel; torch's `_weight_int8pack_mm` (bfloat16 activations).
 - int4: asymmetric, a scale and a zero point per group of GROUP input channels; torch's
   `_weight_int4pack_mm_for_cpu` (bfloat16 activations).
-Both kernels are fast for a few rows only (measured on AVX2: int8 with float32 activations is ~8x slower than the
-float32 matmul, so activations go through bfloat16); a step of more than QUANT_ROWS rows (prefill) multiplies by the
-dequantized weight instead, rebuilt per call and dropped after it, so no float32 copy stays resident.
+
+How many rows a call has picks the path (state x event, per call):
+
+| rows of the call      | path                                                                             |
+|-----------------------|----------------------------------------------------------------------------------|
+| <= KERNEL_ROWS[mode]  | the quantized kernel on the quantized weight                                     |
+| more                  | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
+
+Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
+float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
+- The kernels re-read and re-convert the weight for every block of 4 rows: they grow linearly with rows and lose to
+  float32's pre-packed GEMM past KERNEL_ROWS.
+- Dequantizing per call costs a pass over the weight plus the GEMM's own packing of the result. Whole (the former
+  path): the 49152 x 576 LM head took 142 ms (int8) and 318 ms (int4) at 16 rows against float32's 18.6. Tiled
+  (4 MiB dequantized at a time into a kept scratch tile, tried for this decision): still 1.3-2x float32 from 16
+  to 256 rows, so prefill and concurrency 16 lost.
+So each layer also keeps its weight dequantized in one float32 layout (float32 serving keeps two): 4 bytes per
+weight on top of the quantized 1 (int8) or 0.5 (int4), ~0.6x float32's memory in all (SmolLM2's weights: int8 750 MiB, int4 701 MiB, float32 1134 MiB;
+the former quantized-only layers: 237 and 252). Dequantized rather than the original weight, so the model is the
+same at every batch size. Steps of few rows (decode at low concurrency) still stream only the quantized weight.
 """
 
 from __future__ import annotations
@@ -14,16 +31,19 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from gpu.linear import onednn_linear, onednn_pack, transposed_linear
 
 Quantization = Literal["int8", "int4"]
 GROUP = 32  # int4: input channels per scale / zero point
-QUANT_ROWS = 8  # steps of up to this many rows use the quantized kernel
+# calls of up to this many rows use the quantized kernel: where it beat float32 (`bench_quant.py --part layers`);
+# torch's int4 kernel for AVX-512 did up to 16 rows, its AVX2 one (ATEN_CPU_CAPABILITY=avx2) up to 8
+KERNEL_ROWS: dict[str, int] = {"int8": 8, "int4": 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8}
 
 
 class QuantLinear(nn.Module):
-    """A bias-free-or-not linear layer holding only its quantized weight."""
+    """A linear layer holding its quantized weight, and that weight dequantized once in one float32 layout."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization):
         super().__init__()
@@ -34,38 +54,39 @@ class QuantLinear(nn.Module):
             scale = w.abs().amax(1).clamp(min=1e-12) / 127
             self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)
+            dense = self.qweight.float() * self.scales.float()[:, None]
         else:
             if self.in_features % GROUP:
                 raise ValueError(f"int4 needs input features in multiples of {GROUP}, got {self.in_features}")
             g = w.view(self.out_features, -1, GROUP)
             lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
             scale = ((hi - lo) / 15).clamp(min=1e-12)
-            q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32).view(self.out_features, -1)
+            q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32)
             zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            sz = torch.stack([scale.flatten(1), zero.flatten(1)], -1).transpose(0, 1)  # [groups, out, 2]
-            self.scales = sz.contiguous().to(torch.bfloat16)
-            q = q.to(torch.uint8)  # for dequantize(), two per byte (the kernel's packed layout is its own)
-            self.nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight the quantized one stands for, [out, in]."""
-        if self.mode == "int8":
-            return self.qweight.float() * self.scales.float()[:, None]
-        sz = self.scales.float().transpose(0, 1)  # [out, groups, 2]
-        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).float().view(self.out_features, -1, GROUP)
-        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(self.out_features, self.in_features)
+            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
+            scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+            self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]
+            dense = ((q - 8) * scale.float() + zero.float()).view(self.out_features, self.in_features)
+        self.packed = onednn_pack(dense)  # for calls of more than KERNEL_ROWS rows
+        self.weight_t = dense.t().contiguous() if self.packed is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > QUANT_ROWS:
-            return F.linear(x, self.dequantize(), self.bias)
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= KERNEL_ROWS[self.mode]:
+            y = self.kernel(flat)
+            y = y if self.bias is None else y.add_(self.bias)
+        elif self.packed is not None:
+            y = onednn_linear(flat, self.packed, self.bias)
+        else:
+            y = transposed_linear(flat, self.weight_t, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T by torch's quantized kernel ([rows, in] float32 in, float32 out)."""
         xb = x.to(torch.bfloat16)
         if self.mode == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, GROUP, self.scales)
-        y = y.float()
-        return y if self.bias is None else y + self.bias
+            return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales).float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, GROUP, self.scales).float()
 
 
 def quantize_model(model: nn.Module, mode: Quantization) -> None:

@@ -16,7 +16,7 @@ def load_model(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, quantization: Quantization | None = None
 ) -> LlamaForCausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
-    int8 or int4 one (gpu/quant.py)."""
+    int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py)."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
     with torch.device("meta"):

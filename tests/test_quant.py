@@ -1,49 +1,104 @@
-"""Weight-only quantization (gpu/quant.py): the quantized kernels compute x @ dequantize(W)^T within the rounding
-of their bfloat16 activations, dequantize() stays within each scheme's step of the float32 weight, and a quantized
-engine serves end to end with greedy output close to the float32 one."""
+"""Weight-only quantization (gpu/quant.py). Every path (the quantized kernel for few rows; above KERNEL_ROWS the
+float32 GEMM on the weight dequantized at load, oneDNN's or the [in, out] copy) is checked against references
+computed here, never the code's own dequantization:
+- float32: y = x @ W^T of the original weight, within the worst case of the quantization error (each weight off by
+  at most one step: half a step of rounding, the rest from the scales kept in bfloat16) plus the kernel's bfloat16
+  rounding; loose, but it holds whatever the inputs;
+- the documented scheme, dequantized in this file in float64 (int8: round(w / s) * bf16(s), s = max|w| / 127 per
+  output channel; int4: per group of 32, (q - 8) * bf16(scale) + bf16(lo + 8 * scale), q = round((w - lo) / scale)),
+  within the path's own arithmetic: float32 GEMM above KERNEL_ROWS; bfloat16 activations and outputs (8
+  significant bits: a relative error of at most 2^-8 each) for the kernel. Tight: a misplaced nibble or a missing
+  zero point is off by far more.
+A quantized engine serves end to end with greedy output close to the float32 one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
+from gpu import quant
 from gpu.config import ModelConfig
-from gpu.quant import GROUP, QUANT_ROWS, QuantLinear
+from gpu.quant import GROUP, KERNEL_ROWS, QuantLinear
 from gpu.runner import ModelRunner
 from messages.sampling_params import SamplingParams
 
 MODES = ["int8", "int4"]
+BF16 = 2.0**-8  # bfloat16's relative rounding error bound
 
 
 def weight(out: int = 96, inp: int = 128) -> torch.Tensor:
     return torch.randn(out, inp, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_dequantized_weight_is_within_one_step(mode):
-    w = weight()
-    q = QuantLinear(w, None, mode)
+def scheme(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the dequantized weight in float64, the step: the most any weight may be off by) of the documented scheme."""
     if mode == "int8":
-        step = w.abs().amax(1, keepdim=True) / 127
-    else:
-        g = w.view(w.shape[0], -1, GROUP)
-        step = ((g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 15).expand_as(g).reshape(w.shape)
-    err = (q.dequantize() - w).abs()
-    assert (err <= step).all()  # half a step from rounding, the rest from the scales kept in bfloat16
-    assert err.max() > 0  # it is quantized
+        s = w.abs().amax(1, keepdim=True) / 127
+        q = (w / s).round().clamp(-127, 127)
+        return q.double() * s.bfloat16().double(), s.expand_as(w).double()
+    g = w.view(w.shape[0], -1, GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo) / 15
+    q = ((g - lo) / s).round().clamp(0, 15)
+    deq = (q.double() - 8) * s.bfloat16().double() + (lo + 8 * s).bfloat16().double()
+    return deq.view(w.shape), s.expand_as(g).reshape(w.shape).double()
 
 
-@pytest.mark.parametrize("rows", [1, QUANT_ROWS, QUANT_ROWS + 1, 40])
+def rows_cases(mode: str) -> list[int]:
+    k = KERNEL_ROWS[mode]
+    return [1, k, k + 1, 2 * k + 3]
+
+
+def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, rows: int, mode: str) -> torch.Tensor:
+    """The kernel path's bound for bfloat16 activations and outputs; zero above KERNEL_ROWS (float32 throughout)."""
+    if rows > KERNEL_ROWS[mode]:
+        return torch.zeros(())
+    return BF16 * (x.abs().double() @ wq.abs().t()) * (2 + BF16)
+
+
+@pytest.mark.parametrize("onednn", [True, False])  # False: the [in, out] copy, where oneDNN is missing
 @pytest.mark.parametrize("mode", MODES)
-def test_kernel_matches_the_dequantized_reference(mode, rows):
-    w, bias = weight(), torch.randn(96)
+def test_every_path_matches_the_scheme_and_float32(mode, onednn, monkeypatch):
+    if not onednn:
+        monkeypatch.setattr(quant, "onednn_pack", lambda weight: None)
+    w, bias = weight(), torch.randn(96, generator=torch.Generator().manual_seed(2))
     q = QuantLinear(w, bias, mode)
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
-    ref = x @ q.dequantize().t() + bias
-    # bfloat16 activations (8 bits of mantissa) in the kernel rows: |x| ~ 1, 128 terms
-    torch.testing.assert_close(q(x), ref, atol=0.15, rtol=0.02)
+    wq, step = scheme(w, mode)
+    assert ((wq - w.double()).abs() <= step).all()
+    for rows in rows_cases(mode):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        y = q(x).double()
+        slack = 1e-5 * (x.abs().double() @ wq.abs().t() + 1)  # float32 accumulation over 128 terms
+        rounding = kernel_rounding(x, wq, rows, mode)
+        to_scheme = (y - (x.double() @ wq.t() + bias.double())).abs()
+        assert (to_scheme <= rounding + slack).all(), (rows, (to_scheme - rounding).max())
+        to_float = (y - (x.double() @ w.double().t() + bias.double())).abs()
+        worst = x.abs().double() @ step.t() + rounding + slack
+        assert (to_float <= worst).all(), rows
+        assert to_float.max() > 1e-3  # it is quantized
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_leading_dimensions_are_kept(mode):
+    q, k = QuantLinear(weight(), None, mode), KERNEL_ROWS[mode]
+    x = torch.randn(2, k, 128, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(q(x), q(x.reshape(2 * k, 128)).view(2, k, 96), rtol=0, atol=0)
+    torch.testing.assert_close(q(x[1:, :1]), q(x[1, :1]).view(1, 1, 96), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_rows_dequantize_nothing_per_call(mode):
+    """Above KERNEL_ROWS the layer multiplies by the float32 weight it dequantized once, at load: a call allocates
+    its output, nothing of the weight's size (the former path rebuilt the whole float32 weight on every call)."""
+    q = QuantLinear(weight(1024, 256), None, mode)
+    x = torch.randn(KERNEL_ROWS[mode] + 1, 256)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        q(x)
+    largest = max(abs(e.cpu_memory_usage) for e in prof.events())
+    assert x.shape[0] * 1024 * 4 <= largest < 1024 * 256 * 4
 
 
 @pytest.mark.parametrize("mode", MODES)
