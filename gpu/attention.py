@@ -4,6 +4,11 @@ Torch path (CPU, and CUDA without flash-attn): rows are grouped into segments (d
 keys are gathered through its block table, and each segment is one padded `scaled_dot_product_attention` call with
 an explicit bottom-right causal mask (`is_causal=True` is top-left aligned, wrong when a query is shorter than its
 keys). On CUDA with flash-attn installed and blocks of a multiple of 256 tokens, its paged varlen kernel is used.
+
+Per layer: a sliding window (query at position p sees keys p - window < j <= p, HF's rule; the mask for each window
+is built once per step and shared by the layers that use it) and a logit soft-cap (scores = cap * tanh(scores /
+cap) before the mask: Gemma 2; the torch path then computes attention itself, as HF's eager path, since SDPA has
+no soft-cap).
 """
 
 from __future__ import annotations
@@ -45,15 +50,26 @@ class Segment:
     pad_index: torch.Tensor | None  # [n] ... and its flat padded position
     kv_slots: torch.Tensor  # [rows, max_k] cache slot of each key (padding points at any slot: masked or unused)
     mask: torch.Tensor | None  # [rows, 1, max_q, max_k] key j visible to query i iff j <= ctx_len + i
+    last_key: torch.Tensor  # [rows, max_q, 1] the position of each padded query (ctx_len + i)
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, built on first use
 
     @classmethod
     def from_plan(cls, plan: SegmentPlan, t: dict[str, torch.Tensor]) -> Segment:
-        mask = None
-        if plan.masked:
-            device = t["ctx_lens"].device
-            last_key = t["ctx_lens"][:, None] + torch.arange(plan.max_q, device=device)
-            mask = (torch.arange(plan.max_k, device=device) <= last_key[..., None]).unsqueeze(1)
-        return cls(plan.max_q, t.get("q_gather"), t.get("out_index"), t.get("pad_index"), t["kv_slots"], mask)
+        device = t["ctx_lens"].device
+        last_key = (t["ctx_lens"][:, None] + torch.arange(plan.max_q, device=device))[..., None]
+        mask = (torch.arange(plan.max_k, device=device) <= last_key).unsqueeze(1) if plan.masked else None
+        kv_slots = t["kv_slots"]
+        return cls(plan.max_q, t.get("q_gather"), t.get("out_index"), t.get("pad_index"), kv_slots, mask, last_key)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The causal mask, narrowed to the last `window` keys of each query where any key falls outside it."""
+        max_k = self.kv_slots.shape[1]
+        if window is None or window >= max_k:  # every key is within the window of every query
+            return self.mask
+        if window not in self.windowed:
+            keys = torch.arange(max_k, device=self.last_key.device)
+            self.windowed[window] = ((keys <= self.last_key) & (keys > self.last_key - window)).unsqueeze(1)
+        return self.windowed[window]
 
 
 @dataclass
@@ -101,7 +117,12 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(
-    q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], with this step's keys/values already written to `kv`. Same shape out."""
     k_cache, v_cache = kv
@@ -116,16 +137,29 @@ def paged_attention(
             max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale,
             causal=True,  # bottom-right aligned in flash-attn >= 2.1
+            window_size=(-1 if window is None else window - 1, 0),
+            softcap=softcap or 0.0,
             block_table=meta.block_tables,
         )
     keys, values = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     out = torch.empty_like(q)
     for s in meta.segments:
         ks, vs = (gather(cache, s.kv_slots).transpose(1, 2) for cache in (keys, values))
+        mask = s.mask_for(window)
         if s.q_gather is None:  # the only segment: token i is row i's one query
-            o = F.scaled_dot_product_attention(q[:, :, None], ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
-            return o.squeeze(2)
+            return _attend(q[:, :, None], ks, vs, mask, scale, softcap).squeeze(2)
         qs = q[s.q_gather].transpose(1, 2)  # [rows, heads, max_q, head_dim]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
-        out[s.out_index] = o.transpose(1, 2).flatten(0, 1)[s.pad_index]
+        out[s.out_index] = _attend(qs, ks, vs, mask, scale, softcap).transpose(1, 2).flatten(0, 1)[s.pad_index]
     return out
+
+
+def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """[rows, heads, q, d] queries over [rows, kv_heads, k, d] keys and values."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v

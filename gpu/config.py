@@ -1,4 +1,5 @@
-"""Model configuration for the Llama-block family, parsed from an HF-style directory (or a .gguf converted into one).
+"""Model configuration, parsed from an HF-style directory (or a .gguf converted into one): the fields every family
+shares here, a family's own through its class's `quirks` (gpu/models/).
 
 `ModelConfig.from_path` validates the directory up front, so a broken model fails with a `ModelLoadError` that
 names what is missing before any process starts.
@@ -7,19 +8,14 @@ names what is missing before any process starts.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-# architecture → (q/k/v projections have a bias, o_proj has a bias); None means "read config.attention_bias"
-ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
-    "LlamaForCausalLM": None,  # also SmolLM, which is a Llama
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-}
-ROPE_TYPES = ("default", "linear", "llama3")
+from gpu.layers.mlp import ACTIVATIONS
+from gpu.layers.moe import MoESpec
+from gpu.layers.rotary import ROPE_TYPES, RotaryEmbedding
 
 
 class ModelLoadError(Exception):
@@ -39,13 +35,22 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": "llama3" | "linear", ...}; empty for default
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": one of ROPE_TYPES, ...}; empty for default
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
-    max_model_len: int = 2048  # max_position_embeddings, capped by a sliding window (not implemented)
+    max_model_len: int = 2048  # max_position_embeddings, or less where served shorter (`served`)
+    hidden_act: str = "silu"  # a key of gpu/layers/mlp.py's ACTIVATIONS
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for full attention
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotary rotates (Phi-3)
+    local_rope: tuple[float, dict] | None = None  # (theta, scaling) of the sliding layers' own rotary (Gemma 3)
+    qk_norm: bool = False  # a per-head RMSNorm on q and k before rotary (Qwen3, Gemma 3)
+    attn_scale: float | None = None  # the queries' scale (None: head_dim^-1/2)
+    attn_softcap: float | None = None  # attention logits soft-capped at this (Gemma 2)
+    final_softcap: float | None = None  # output logits soft-capped at this (Gemma 2)
+    moe: MoESpec | None = None  # sparse MoE layers (Mixtral, Qwen3-MoE)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32  # the checkpoint's dtype
@@ -53,6 +58,10 @@ class ModelConfig:
     @property
     def name(self) -> str:
         return self.path.name
+
+    def served(self, max_model_len: int) -> ModelConfig:
+        """This config for a server capped at `max_model_len` (rotary scalings fixed by the served length read it)."""
+        return replace(self, max_model_len=min(self.max_model_len, max_model_len))
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -73,54 +82,70 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, path: Path, raw: dict, generation: dict | None = None) -> ModelConfig:
+        from gpu.models import REGISTRY  # (the families import gpu.layers, which this module's types come from)
+
+        where = path / "config.json"
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in REGISTRY), None)
         if arch is None:
             raise ModelLoadError(
-                f"{path / 'config.json'}: unsupported architecture {archs or 'missing'}; supported: {', '.join(ARCHITECTURES)}"
+                f"{where}: unsupported architecture {archs or 'missing'}; supported: {', '.join(REGISTRY)}"
             )
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{path / 'config.json'}: unsupported hidden_act {raw['hidden_act']!r} (need silu)")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in raw]
         if missing:
-            raise ModelLoadError(f"{path / 'config.json'}: missing {', '.join(missing)}")
-        heads = raw["num_attention_heads"]
-        bias = ARCHITECTURES[arch] or (bool(raw.get("attention_bias", False)),) * 2
+            raise ModelLoadError(f"{where}: missing {', '.join(missing)}")
+        family = REGISTRY[arch]
+        heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope = dict(rope.get("full_attention", rope))  # (per layer type: Gemma 3's; its local one is a quirk)
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        partial = float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
         rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
         if rope_type not in ROPE_TYPES:
-            raise ModelLoadError(
-                f"{path / 'config.json'}: unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}"
-            )
-        max_pos = int(raw.get("max_position_embeddings", 2048))
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
+            raise ModelLoadError(f"{where}: unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}")
+        if "original_max_position_embeddings" in raw:  # (Phi-3 keeps it beside the scaling)
+            rope.setdefault("original_max_position_embeddings", raw["original_max_position_embeddings"])
+        window = raw.get("sliding_window")
+        types = raw.get("layer_types") or family.layer_types(raw)
         generation = generation or {}
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
-        return cls(
+        max_pos = int(raw.get("max_position_embeddings", 2048))
+        fields = dict(
             path=path,
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling={} if rope_type == "default" else rope,
-            qkv_bias=bias[0],
-            o_bias=bias[1],
+            partial_rotary_factor=partial,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=max_pos,
-            max_model_len=min(max_pos, window or math.inf),
+            max_model_len=max_pos,
+            hidden_act=raw.get("hidden_act", "silu"),
+            layer_windows=tuple(window if t == "sliding_attention" and window else None for t in types[:layers]),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             dtype=_torch_dtype(raw.get("dtype") or raw.get("torch_dtype")),
         )
+        try:
+            fields.update(family.quirks(raw))
+            rotary_dim = int(fields["head_dim"] * partial)
+            RotaryEmbedding(rotary_dim, rope_theta, rope, max_pos, max_pos)  # (a scaling missing a parameter fails now)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"{where}: {arch} needs {e} (rope_parameters {rope})") from e
+        if fields["hidden_act"] not in ACTIVATIONS:
+            raise ModelLoadError(
+                f"{where}: unsupported activation {fields['hidden_act']!r}; supported: {', '.join(ACTIVATIONS)}"
+            )
+        return cls(**fields)
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -49,7 +49,7 @@ class DraftProposer:
         self.k = spec.num_speculative_tokens
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.runner = ModelRunner(
-            self.model,
+            self.model.served(config.max_model_len),
             device=config.device,
             dtype=config.dtype,
             num_blocks=num_blocks,

@@ -100,7 +100,7 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
 class StepExecutor:
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int):
         self.runner = ModelRunner(
-            model,
+            model.served(config.max_model_len),  # (a rotary scaling fixed by the served length reads it)
             device=config.device,
             dtype=config.dtype,
             num_blocks=num_blocks,

@@ -1,0 +1,56 @@
+"""Self-attention over the paged KV cache, with every family's quirks as parameters: q/k/v and o biases, per-head
+q/k RMSNorm before rotary (Qwen3, Gemma 3), a sliding window, a logit soft-cap and a query scale (Gemma).
+`FusedQKVAttention` reads Phi-3's one `qkv_proj` weight ([q; k; v] rows) and splits its output."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu.attention import AttentionMetadata, paged_attention
+from gpu.kv_cache import write_kv
+from gpu.layers.norm import RMSNorm
+from gpu.layers.rotary import apply_rope
+from gpu.linear import Linear
+
+
+class Attention(nn.Module):
+    def __init__(self, c, layer: int, norm_offset: float = 0.0) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = c.attn_scale or c.head_dim**-0.5
+        self.window = c.layer_windows[layer] if c.layer_windows else None
+        self.softcap = c.attn_softcap
+        self.make_projections(c)
+        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, norm_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, norm_offset)
+
+    def make_projections(self, c) -> None:
+        self.q_proj = Linear(c.hidden_size, self.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x, rope, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.project(x)
+        q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        write_kv(kv, k, v.view(n, self.num_kv_heads, self.head_dim), meta.slot_mapping)
+        out = paged_attention(q, kv, meta, self.scale, self.window, self.softcap)
+        return self.o_proj(out.flatten(1))
+
+
+class FusedQKVAttention(Attention):
+    def make_projections(self, c) -> None:
+        self.sizes = [self.num_heads * c.head_dim, *[self.num_kv_heads * c.head_dim] * 2]
+        self.qkv_proj = Linear(c.hidden_size, sum(self.sizes), bias=c.qkv_bias)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv_proj(x).split(self.sizes, dim=-1)

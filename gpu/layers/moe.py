@@ -1,0 +1,72 @@
+"""A sparse MoE block (Mixtral, Qwen3-MoE): a softmax router picks each token's top-k experts, their weights
+renormalised to sum to 1 where the config says (`norm_topk_prob`; Mixtral always), and each expert is a SwiGLU
+MLP. The experts' weights are stacked ([E, out, in]; the checkpoint's per-expert tensors are copied in at load,
+`expert_weight`), and the tokens are grouped by expert: one pass per expert that got any token, never a Python
+loop over tokens. A token's k contributions are summed in expert order, whatever the batch around it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.layers.mlp import ACTIVATIONS
+from gpu.linear import Linear
+
+# a checkpoint's per-expert tensor: "experts.<e>.<its projection>.weight", in either family's names
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def expert_weight(name: str) -> tuple[str, int] | None:
+    """The stacked parameter and expert index a checkpoint's per-expert tensor loads into (None: not an expert's)."""
+    m = _EXPERT.match(name)
+    return (f"{m[1]}.{_STACKED[m[3]]}", int(m[2])) if m else None
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.up = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, c, intermediate: int) -> None:
+        super().__init__()
+        moe = c.moe
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = Linear(c.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = Experts(moe.num_experts, c.hidden_size, intermediate)
+        self.act = ACTIVATIONS[c.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        order = chosen.flatten().argsort(stable=True)  # (token, k) pairs grouped by expert, tokens in order
+        counts = torch.bincount(chosen.flatten(), minlength=self.experts.gate.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        e = self.experts
+        for expert, group in zip(range(len(counts)), order.split(counts), strict=True):
+            if group.numel():
+                token = group // self.top_k
+                h = x[token]
+                y = F.linear(self.act(F.linear(h, e.gate[expert])) * F.linear(h, e.up[expert]), e.down[expert])
+                out.index_add_(0, token, y * weights[group, None])
+        return out
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights divided by their sum
+    layers: tuple[bool, ...]  # per layer: sparse (else the dense MLP of intermediate_size)

@@ -1,0 +1,127 @@
+"""The decoder-only causal LM every family is built from (Llama's shape), over a flat token batch.
+
+Tokens of all rows are concatenated ([num_tokens, hidden]); rows only meet in attention, through the paged KV cache
+and the AttentionMetadata. Module names mirror the HF checkpoints, so weights load by name (gpu/weights.py; a family
+maps names that differ in `checkpoint_name`). A family subclasses `CausalLM` and says only what differs:
+
+| class attribute   | Llama          | what it changes                                                          |
+|-------------------|----------------|--------------------------------------------------------------------------|
+| attention         | Attention      | FusedQKVAttention: Phi-3's one qkv_proj                                  |
+| norm_offset       | 0              | 1: RMSNorm scales by (1 + w) (Gemma)                                     |
+| sandwich          | False          | True: the attention and MLP outputs are normed too, before the residual |
+| scale_embeddings  | False          | True: embeddings x sqrt(hidden) in the model's dtype (Gemma)             |
+| mlp_name          | "mlp"          | the MLP's module name ("block_sparse_moe": Mixtral)                      |
+and `make_mlp(c, layer)` (a dense or MoE MLP per layer), `quirks(raw)` (the config fields the family reads:
+gpu/config.py), `layer_types(raw)` (which layers slide when config.json has no `layer_types`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu.attention import AttentionMetadata
+from gpu.kv_cache import KVCache
+from gpu.layers.attention import Attention
+from gpu.layers.mlp import GatedMLP
+from gpu.layers.moe import SparseMoE, expert_weight
+from gpu.layers.norm import RMSNorm
+from gpu.layers.rotary import RotaryEmbedding
+from gpu.linear import Linear
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, family: type[CausalLM], c, layer: int) -> None:
+        super().__init__()
+        norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, family.norm_offset)  # noqa: E731
+        self.self_attn = family.attention(c, layer, family.norm_offset)
+        self.mlp_name = family.mlp_name
+        self.add_module(family.mlp_name, family.make_mlp(c, layer))
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        if family.sandwich:  # post_attention_layernorm normalises the attention's output; two more around the MLP
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.sandwich = family.sandwich
+        self.rope = 1 if c.local_rope and c.layer_windows[layer] else 0  # which of the model's rotaries
+
+    def forward(self, x, ropes, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), ropes[self.rope], meta, kv)
+        mlp = getattr(self, self.mlp_name)
+        if not self.sandwich:
+            x = x + attn
+            return x + mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, family: type[CausalLM], c) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(family, c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, family.norm_offset)
+        rotary_dim = int(c.head_dim * c.partial_rotary_factor)
+        ropes = [(c.rope_theta, c.rope_scaling), *([c.local_rope] if c.local_rope else [])]
+        self.rotaries = [
+            RotaryEmbedding(rotary_dim, theta, s, c.max_position_embeddings, c.max_model_len) for theta, s in ropes
+        ]
+        self.embed_scale = c.hidden_size**0.5 if family.scale_embeddings else None
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ropes = [rotary(positions, x.dtype) for rotary in self.rotaries]
+        for layer, kv in zip(self.layers, kv_cache.layers, strict=True):
+            x = layer(x, ropes, meta, kv)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    attention = Attention
+    norm_offset = 0.0
+    sandwich = False
+    scale_embeddings = False
+    mlp_name = "mlp"
+
+    @staticmethod
+    def make_mlp(c, layer: int) -> nn.Module:
+        if c.moe and c.moe.layers[layer]:
+            return SparseMoE(c, c.moe.intermediate_size)
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias)
+
+    @staticmethod
+    def quirks(raw: dict) -> dict:
+        """ModelConfig fields this family reads from config.json beyond the common ones."""
+        return {"qkv_bias": bool(raw.get("attention_bias", False)), "o_bias": bool(raw.get("attention_bias", False))}
+
+    @staticmethod
+    def layer_types(raw: dict) -> list[str]:
+        """Each layer's attention when config.json does not list them: a sliding_window, where given, slides all."""
+        kind = "sliding_attention" if raw.get("sliding_window") else "full_attention"
+        return [kind] * raw["num_hidden_layers"]
+
+    @staticmethod
+    def checkpoint_name(name: str) -> tuple[str, int | None]:
+        """The parameter (and, for a stacked one, the index) a checkpoint's tensor loads into."""
+        return expert_weight(name) or (name, None)
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(type(self), config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share embed_tokens with lm_head if the config says so (again after any tensor conversion)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of a flat batch; writes this step's K/V into `kv_cache`."""
+        return self.model(input_ids, positions, meta, kv_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
