@@ -14,6 +14,7 @@ from pathlib import Path
 
 from actors.engine.config import EngineConfig
 from frontend.cli_args import Help, engine_arguments, limit_arguments, metrics_prefix
+from frontend.reasoning import REASONING_PARSERS
 from frontend.tools import TOOL_CALL_PARSERS
 from messages.sampling_params import RequestLimits
 
@@ -66,6 +67,7 @@ def serve(args: argparse.Namespace) -> int:
         limits=RequestLimits(**{name: getattr(args, name) for name in RequestLimits.__struct_fields__}),
         chat_template=_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
         grammar_timeout_s=args.grammar_compile_timeout,
         metrics_prefix=args.metrics_prefix,
     )
@@ -184,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-auto-tool-choice", action="store_true", help='honour tool_choice "auto" (needs --tool-call-parser)'
     )
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the tool-call convention the model writes")
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split a chat output's <think>...</think> block out of its content as message.reasoning (grammars "
+        "apply after it)",
+    )
     g.add_argument(
         "--grammar-compile-timeout",
         type=float,

@@ -1,6 +1,6 @@
 """The request bodies' fields: what each endpoint reads (msgspec Structs; `null` means "default"
 for every optional field, unknown fields are ignored: OpenAI clients send `user`, `metadata`,
-`service_tier`, and vLLM's `include_reasoning` is moot without a reasoning parser), and the fields of
+`service_tier`), and the fields of
 OpenAI's or vLLM's (0.32) API that Sluice does not honour (yet), each
 with the values that are its no-op. Any other value of those is refused with a 400 naming it: a
 field accepted but ignored would silently change the answer. Beam search's fields (`use_beam_search`,
@@ -91,6 +91,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = None  # the reply starts with the last message's content when that is the assistant's
     add_generation_prompt: bool | None = None  # open the assistant's turn (default true)
     continue_final_message: bool | None = None  # continue the last message instead (its turn left open)
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (frontend/tokenizer.py)
+    include_reasoning: bool | None = None  # false: drop the reasoning (--reasoning-parser; without one: moot)
 
 
 def _is(*noops):
@@ -149,7 +151,6 @@ NOT_HONOURED_IN_CHAT = {
     **_NOT_HONOURED,
     "add_special_tokens": _is(None, False),
     "chat_template": _empty,
-    "chat_template_kwargs": _empty,
     "documents": _empty,
 }
 NOT_HONOURED_IN_COMPLETIONS = {
@@ -158,4 +159,4 @@ NOT_HONOURED_IN_COMPLETIONS = {
     "tools": _empty,  # chat only
     "tool_choice": _is(None, "none"),
 }
-NOT_HONOURED_IN_TOKENIZE = {k: NOT_HONOURED_IN_CHAT[k] for k in ("chat_template", "chat_template_kwargs")}  # /tokenize
+NOT_HONOURED_IN_TOKENIZE = {"chat_template": NOT_HONOURED_IN_CHAT["chat_template"]}  # /tokenize

@@ -35,6 +35,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     limits: RequestLimits = RequestLimits()  # per-request sizes (stop strings, bad words, ...)
     chat_template: str | None = None  # replaces the model's own (--chat-template FILE)
     tool_call_parser: str | None = None  # set (with --enable-auto-tool-choice): tool_choice "auto" is honoured
+    reasoning_parser: str | None = None  # --reasoning-parser: chat outputs' <think> block split out as reasoning
     grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this
     max_resumes: int = 2  # DESIGN I8: a request live at more detokenizer deaths fails (the engine judges its own)
     metrics_prefix: str = "sluice:"  # of /metrics series (--metrics-prefix vllm: for dashboards built for vLLM)

@@ -3,7 +3,9 @@
 Completions use object "text_completion" for responses and stream chunks alike; chat uses
 "chat.completion" / "chat.completion.chunk". A chat stream is: a role chunk
 (`chat_delta(i, role="assistant", content="")`), content deltas, a chunk carrying `finish_reason`,
-then (stream_options.include_usage) a usage chunk with `choices: []`, then `SSE_DONE`. Logprobs are
+then (stream_options.include_usage) a usage chunk with `choices: []`, then `SSE_DONE`. With a reasoning parser
+(frontend/reasoning.py) a message carries `reasoning` (null when none) and a delta its part of it, each under its older
+name `reasoning_content` too, as vLLM gives both. Logprobs are
 JSON-safe: -inf (and NaN) become -9999.0 as in vLLM. `finish_reason` is passed through as given.
 """
 
@@ -170,8 +172,12 @@ def chat_choice(
     stop_reason: int | str | None = None,
     logprobs: dict | None = None,
     tool_calls: list[dict] | None = None,
+    reasoning: str | msgspec.UnsetType | None = msgspec.UNSET,
 ) -> dict:
+    """`reasoning`: unset without a reasoning parser (the message has no such field)."""
     message = {"role": "assistant", "content": content}
+    if reasoning is not msgspec.UNSET:
+        message |= _reasoning(reasoning)
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {
@@ -203,8 +209,11 @@ def chat_delta(
     stop_reason: int | str | None = None,
     logprobs: dict | None = None,
     tool_calls: list[dict] | None = None,
+    reasoning: str | None = None,
 ) -> dict:
     delta = {"role": role} if role is not None else {}
+    if reasoning is not None:
+        delta |= _reasoning(reasoning)
     if content is not None:
         delta["content"] = content
     if tool_calls:
@@ -213,6 +222,10 @@ def chat_delta(
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return choice
+
+
+def _reasoning(text: str | None) -> dict:
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def chat_chunk(request_id: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:

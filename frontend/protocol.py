@@ -28,6 +28,7 @@ from frontend.fields import (
     check_best_of,
 )
 from frontend.guidance import negative_prompt_ids
+from frontend.reasoning import Reasoning, after_reasoning, request_reasoning
 from frontend.structured import structured_output
 from frontend.tokenizer import Tokenizer, chat_message
 from frontend.tools import tool_grammar
@@ -47,6 +48,7 @@ class ServingContext:
     grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this (frontend/structured.py)
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
     bos_token_id: int | None = None  # the model's (gpu.config.ModelConfig, as the engine's): CFG guides against it
+    reasoning_parser: str | None = None  # --reasoning-parser: chat outputs' reasoning split out (frontend/reasoning.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # continuous_usage_stats with include_usage: usage so far on every chunk (vLLM)
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in the response
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
+    reasoning: Reasoning | None = None  # chat with --reasoning-parser: how the output splits into reasoning, content
     fields: dict[str, str] = field(default_factory=dict)  # the engine's name of a field -> this request's (errors)
 
     @property
@@ -140,22 +143,32 @@ def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) 
     ids = truncate(ctx.tokenizer.encode(text, add_special_tokens=False), keep, req.truncation_side)  # (the
     # template wrote any BOS itself)
     params.negative_prompt_token_ids = negative_prompt_ids(req, ctx, chat)
+    reasoning = request_reasoning(ctx.reasoning_parser, text, req.include_reasoning, params.structured)
+    if reasoning is not None and params.structured is not None:  # the grammar applies once the reasoning ends
+        params.structured = after_reasoning(params.structured, reasoning.start, grammar_param)
     echo = _chat_echo(req, tool_calls)
     prompt = fit(echo, ids, params, max_tokens, ctx, "messages")  # (a chat prompt's text: what is echoed)
     check_total([prompt], ctx, max_param if max_tokens else "n")
     rid = request_id or new_request_id("chatcmpl")
-    extra = {"grammar_param": grammar_param, "tool_calls": tool_calls, "fields": fields}
+    extra = {"grammar_param": grammar_param, "tool_calls": tool_calls, "fields": fields, "reasoning": reasoning}
     return _parsed("chat", rid, model, [prompt], req, echo=echo is not None, **extra)
 
 
 def rendered_chat(req, ctx: ServingContext, tools: list[dict] | None) -> tuple[dict, str]:
-    """A chat request's `Tokenizer.render_chat` arguments (its messages, tools and turn) and the text they render
-    to; its messages are first held to the body's JSON bounds (the template walks them)."""
+    """A chat request's `Tokenizer.render_chat` arguments (its messages, tools, turn and chat_template_kwargs) and
+    the text they render to; its messages and kwargs are first held to the body's JSON bounds (the template walks
+    them)."""
     if len(req.messages) > ctx.max_model_len:  # every message renders to one token at least
         raise RequestError(
             400, f"messages: {len(req.messages)} messages cannot fit in {ctx.max_model_len} tokens", "messages"
         )
-    chat = {"messages": json_field(req.messages, "messages"), "tools": tools, **chat_turn(req)}
+    kwargs = json_field(req.chat_template_kwargs, "chat_template_kwargs") if req.chat_template_kwargs else None
+    chat = {
+        "messages": json_field(req.messages, "messages"),
+        "tools": tools,
+        **chat_turn(req),
+        "template_kwargs": kwargs,
+    }
     try:
         return chat, ctx.tokenizer.render_chat(**chat)
     except ParamError as e:

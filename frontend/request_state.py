@@ -20,8 +20,8 @@ from messages.wire import AddRequest, Finished, TokenLogprobs
 
 class Choice:
     __slots__ = (
-        "engine_id", "final_sent", "finished", "index", "last_output", "logprobs", "record", "request", "started",
-        "text", "text_offset", "token_ids", "tools",
+        "engine_id", "final_sent", "finished", "index", "last_output", "logprobs", "reasoning", "record", "request",
+        "started", "text", "text_offset", "token_ids", "tools",
     )  # fmt: skip
 
     def __init__(self, request: HttpRequest, index: int, prefix: str | None):
@@ -38,6 +38,8 @@ class Choice:
         self.text_offset = 0  # streaming completions logprobs: where the next token's text starts
         self.last_output = 0.0
         self.tools = ToolCallParser() if request.parsed.tool_calls and request.parsed.stream else None
+        split = request.parsed.reasoning
+        self.reasoning = split.parser() if split is not None and request.parsed.stream else None  # (before tools)
 
     @property
     def num_tokens(self) -> int:

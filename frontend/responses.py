@@ -3,10 +3,13 @@
 A stream is: (chat) one role chunk per choice; then, each time the writer wakes, one event per
 choice with everything buffered for it (text, logprobs, and its finish_reason once finished); then
 an error event if the request failed, else the usage chunk (stream_options.include_usage); then
-`data: [DONE]`.
+`data: [DONE]`. A chat's text is split into reasoning and content first (frontend/reasoning.py), then its
+content into content and tool calls (frontend/tool_parser.py).
 """
 
 from __future__ import annotations
+
+import msgspec
 
 from frontend import openai_format as fmt
 from frontend.openai_format import SSE_DONE, TokenVocab, sse
@@ -57,19 +60,26 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
     c.final_sent |= ending
     if p.kind == "chat":
         logprobs = fmt.chat_logprobs(ids, TokenLogprobs.join(lps), vocab) if p.logprobs is not None and ids else None
-        calls = None
-        if c.tools is not None:  # text -> content and tool-call deltas (frontend/tool_parser.py)
+        calls, reasoning = None, ""
+        if c.reasoning is not None:  # text -> reasoning and content
+            reasoning, text = c.reasoning.feed(text)
+            if ending:
+                more, rest = c.reasoning.finish()
+                reasoning, text = reasoning + more, text + rest
+            reasoning = reasoning if p.reasoning.include else ""
+        if c.tools is not None:  # content -> content and tool-call deltas
             text, deltas = c.tools.feed(text)
             if ending:
                 rest, more = c.tools.finish()
                 text, deltas = text + rest, deltas + more
                 reason = "tool_calls" if c.tools.calls and reason == "stop" else reason
             calls = [_delta(d) for d in deltas]
-            if not (text or calls or logprobs or ending or (p.return_token_ids and ids)):
-                return b""
+        if not (text or reasoning or calls or logprobs or ending or (p.return_token_ids and ids)):
+            return b""  # (what the parsers hold back)
         delta = fmt.chat_delta(
-            c.index, text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs, tool_calls=calls
-        )
+            c.index, text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs, tool_calls=calls,
+            reasoning=reasoning or None,
+        )  # fmt: skip
         delta |= {"token_ids": ids} if p.return_token_ids else {}
         return sse(fmt.chat_chunk(p.request_id, p.model, p.created, [delta], _so_far(req, c)))
     logprobs = None
@@ -93,11 +103,16 @@ def response_body(req: HttpRequest, vocab: TokenVocab) -> dict:
         fin = c.finished
         if p.kind == "chat":
             logprobs = _logprobs(fmt.chat_logprobs, ids, lps, vocab) if p.logprobs is not None else None
-            content, calls, reason = text, None, fin.finish_reason
+            content, calls, reason, reasoning = text, None, fin.finish_reason, msgspec.UNSET
+            if p.reasoning is not None:
+                reasoning, content = p.reasoning.split(text)
             if p.tool_calls:
-                content, calls = parse_tool_calls(text)
+                content, calls = parse_tool_calls(content)
                 reason = "tool_calls" if calls and reason == "stop" else reason
-            choices.append(fmt.chat_choice(c.index, content, reason, fin.stop_reason, logprobs, calls))
+            if p.reasoning is not None:  # (vLLM: no content after the reasoning is null)
+                content = None if reasoning and not content else content
+                reasoning = (reasoning or None) if p.reasoning.include else None
+            choices.append(fmt.chat_choice(c.index, content, reason, fin.stop_reason, logprobs, calls, reasoning))
         elif p.echo and p.logprobs is not None:
             prompt = _prompt(p, c).token_ids
             logprobs = fmt.echo_logprobs(prompt, fin.prompt_logprobs, ids, TokenLogprobs.join(lps), vocab)

@@ -92,6 +92,7 @@ class HttpActor(Actor):
             c.grammar_timeout_s,
             c.tool_call_parser,
             self.bos_token_id,
+            c.reasoning_parser,
         )
         warm(self.model, self.vocab_size, tuple(tokenizer.eos_token_ids))
         app = web.Application(

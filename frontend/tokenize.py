@@ -2,10 +2,10 @@
 `GET /v1/models/{model}` and `GET /version`, as pure functions of a body and the serving context.
 
 /tokenize takes a completion prompt (`prompt`, with `add_special_tokens`, default true) or a chat (`messages`,
-with `tools`, rendered with the chat template, `add_generation_prompt` and `continue_final_message` as a chat
-request renders them; `add_special_tokens` default false, as the template writes them) and answers `{"count",
-"max_model_len", "tokens", "token_strs"}` (`token_strs` only with `return_token_strs`). vLLM's `chat_template` and
-`chat_template_kwargs` are refused as a chat request refuses them (frontend/fields.py). /detokenize takes `tokens`
+with `tools` and `chat_template_kwargs`, rendered with the chat template, `add_generation_prompt` and
+`continue_final_message` as a chat request renders them; `add_special_tokens` default false, as the template writes
+them) and answers `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` only with `return_token_strs`).
+vLLM's `chat_template` is refused as a chat request refuses it (frontend/fields.py). /detokenize takes `tokens`
 and answers `{"prompt"}`. Both are bounded as a completion's prompt is (frontend/budget.py): a prompt or chat that
 cannot fit the context is refused (400) from its length in characters before it is tokenized, and from its tokens
 after (the message says how many); at most max_model_len tokens are detokenized; so every answer is small. Bodies
@@ -35,6 +35,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     return_token_strs: bool = False
     tools: Any = None  # validated and rendered as a chat request's (frontend/tools.py)
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template, as a chat request's
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -49,8 +50,9 @@ def tokenize(body: bytes, ctx) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise RequestError(400, "give exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
-        if req.tools:
-            raise RequestError(400, "tools are rendered with messages only", "tools")
+        for name in ("tools", "chat_template_kwargs"):
+            if getattr(req, name):
+                raise RequestError(400, f"{name} apply to messages only", name)
         param, text, special = "prompt", req.prompt, req.add_special_tokens is not False
     else:
         _, text = rendered_chat(req, ctx, validate_tools(req.tools) if req.tools else None)

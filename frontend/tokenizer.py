@@ -2,7 +2,8 @@
 
 The template is rendered with a jinja2 ImmutableSandboxedEnvironment configured like transformers'
 `apply_chat_template` (trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`, a non-escaping
-`tojson`, `strftime_now`, the special tokens as variables); the tests pin byte-identical renders.
+`tojson`, `strftime_now`, the special tokens as variables, and a request's `chat_template_kwargs` beside them);
+the tests pin byte-identical renders.
 This avoids importing transformers (seconds) in the server process. Every method is pure and
 thread-safe, so long prompts can be tokenized in an executor; `encode` and `encode_batch` release
 the GIL while the Rust tokenizer runs (`Tokenizer.encode` would hold it: 1.7 s for 3 MB, measured),
@@ -61,6 +62,10 @@ def _byte_decoder() -> dict[str, int]:
 
 
 _BYTE_DECODER = _byte_decoder()
+# what a template is given (as transformers gives it), which chat_template_kwargs may not replace
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", *_SPECIAL_TOKEN_KEYS, *_template_env().globals}
+)
 
 
 def _json(path: Path) -> dict:
@@ -157,22 +162,33 @@ class Tokenizer:
         return [list(ids) for ids in unique]
 
     def render_chat(
-        self, messages: list, add_generation_prompt: bool = True, tools: list | None = None, continue_final=False
+        self,
+        messages: list,
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        continue_final=False,
+        template_kwargs: dict | None = None,
     ) -> str:
         """The prompt text for OpenAI chat `messages` (and `tools`, for templates that render them); raises
         ParamError naming the bad field. `continue_final`: the text ends with the last message's content, its
-        turn left open (found by a marker appended to that content: whitespace at its end is kept)."""
+        turn left open (found by a marker appended to that content: whitespace at its end is kept).
+        `template_kwargs` (vLLM's chat_template_kwargs, such as Qwen3's `enable_thinking`): more variables for the
+        template, none of them one the template is given already (TEMPLATE_VARIABLES)."""
         if self._template is None:
             raise ParamError("messages", "this model has no chat template; use /v1/completions")
         if not isinstance(messages, list) or not messages:
             raise ParamError("messages", "messages must be a non-empty list")
+        template_kwargs = template_kwargs or {}
+        if taken := sorted(TEMPLATE_VARIABLES.intersection(template_kwargs)):
+            raise ParamError(
+                "chat_template_kwargs", f"chat_template_kwargs must not set {taken[0]!r}: the template's own variable"
+            )
         chat = [chat_message(i, m) for i, m in enumerate(messages)]
         if continue_final:
             chat[-1]["content"] += _CONTINUE
         try:
-            text = self._template.render(
-                messages=chat, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
-            )
+            own = {"messages": chat, "add_generation_prompt": add_generation_prompt, "tools": tools}
+            text = self._template.render({**template_kwargs, **own, **self.special_tokens})
         except jinja2.TemplateError as e:
             raise ParamError("messages", f"the chat template rejected the messages: {e}") from e
         if not continue_final:

@@ -79,7 +79,10 @@ def tool_grammar(req, auto_tool_parser: str | None) -> tuple[list[dict] | None, 
 
 def tool_parameters(spec: StructuredOutput) -> list[tuple[str, StructuredOutput]]:
     """A grammar of every tool (field "tools") split into each tool's parameters schema, with its field."""
-    tags = json.loads(spec.spec)["format"]["tags"]
+    fmt = json.loads(spec.spec)["format"]
+    if fmt["type"] == "sequence":  # the calls come after a reasoning block (frontend/reasoning.py)
+        fmt = fmt["elements"][-1]
+    tags = fmt["tags"]
     return [
         (_parameters(i), StructuredOutput(kind="json", spec=json.dumps(tag["content"]["json_schema"])))
         for i, tag in enumerate(tags)

@@ -1,6 +1,6 @@
 """vLLM/OpenAI conformance (issue 18), continued from tests/test_conformance.py (its `api` fixture: Sluice's shared
 server, or the control server at SLUICE_CONFORMANCE_URL): continuous usage stats per choice; /tokenize with tools,
-refusing what it does not honour; beam search refused saying why; chat messages of the deprecated and custom roles;
+refusing what it does not honour (and chat_template_kwargs that would replace the template's own variables); beam search refused saying why; chat messages of the deprecated and custom roles;
 chat truncation from the right; a chat's max_completion_tokens past the context.
 """
 
@@ -74,11 +74,12 @@ def test_tokenize_renders_tools_as_a_chat_request_does(tiny_model_dir):
     assert '"name": "weather"' in tok.decode(ids)
 
 
-@pytest.mark.skipif(CONTROL is not None, reason="Sluice's refusals (vLLM honours chat_template and its kwargs)")
+@pytest.mark.skipif(CONTROL is not None, reason="Sluice's refusals (vLLM honours chat_template)")
 async def test_tokenize_takes_tools_and_refuses_what_it_does_not_honour(api):
-    """/tokenize on the server: tools give the chat endpoint's prompt; chat_template and chat_template_kwargs are
-    refused as the chat endpoint refuses them, as are invalid tools, tools without messages, and both
-    continue_final_message and add_generation_prompt."""
+    """/tokenize on the server: tools give the chat endpoint's prompt; chat_template is refused as the chat
+    endpoint refuses it, as are chat_template_kwargs that set one of the template's own variables, invalid
+    tools, tools or chat_template_kwargs without messages, and both continue_final_message and
+    add_generation_prompt."""
     chat = await api.client().chat.completions.create(
         model="",
         messages=CHAT,
@@ -92,7 +93,9 @@ async def test_tokenize_takes_tools_and_refuses_what_it_does_not_honour(api):
             assert (await resp.json())["tokens"] == chat.model_extra["prompt_token_ids"]
         for payload, param in [
             ({"chat_template": "{{ messages }}"}, "chat_template"),
-            ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"eos_token": "x"}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
             ({"tools": [{"type": "function"}]}, "tools[0]"),
             ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
         ]:
@@ -102,8 +105,9 @@ async def test_tokenize_takes_tools_and_refuses_what_it_does_not_honour(api):
             with pytest.raises(openai.BadRequestError) as e:  # as the chat endpoint refuses it
                 await api.client().chat.completions.create(model="", messages=CHAT, max_tokens=1, extra_body=payload)
             assert (e.value.body["param"], e.value.body["message"]) == (param, error["message"])
-        async with s.post("/tokenize", json={"prompt": "hi", "tools": [WEATHER]}) as resp:
-            assert (resp.status, (await resp.json())["error"]["param"]) == (400, "tools")
+        for name, value in [("tools", [WEATHER]), ("chat_template_kwargs", {"enable_thinking": False})]:
+            async with s.post("/tokenize", json={"prompt": "hi", name: value}) as resp:
+                assert (resp.status, (await resp.json())["error"]["param"]) == (400, name)
 
 
 @pytest.mark.skipif(CONTROL is not None, reason="vLLM runs beam search")
