@@ -20,6 +20,7 @@ from actors.runtime import ActorSpec, ActorSystem, AskTimeout, FaultPlan, Proces
 from frontend.http_base import HttpConfig
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.convert import ConversionError, default_model_dir
+from gpu.weights import check_checkpoint
 from messages.names import HTTP
 from messages.wire import Ping
 
@@ -28,9 +29,11 @@ def resolve_model(model: str | None) -> ModelConfig:
     """The model to serve: a directory, a .gguf (converted once into the cache), or None for the
     bundled SmolLM2. Raises ModelLoadError saying what is wrong."""
     try:
-        return ModelConfig.from_path(model or default_model_dir())
+        config = ModelConfig.from_path(model or default_model_dir())
     except ConversionError as e:
         raise ModelLoadError(str(e)) from e
+    check_checkpoint(config)  # (its tensors' names and shapes, from the headers: before any process starts)
+    return config
 
 
 def pick_port(http: HttpConfig) -> HttpConfig:

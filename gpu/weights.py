@@ -1,12 +1,16 @@
 """Build the model without initializing it and load its *.safetensors weights by name (sharded or not).
 
 The family's class comes from the registry (gpu/models/); a checkpoint tensor loads into the parameter its family's
-`checkpoint_name` names (per-expert MoE tensors into one row of a stacked parameter). Files are memory-mapped and
-copied tensor by tensor into the model's dtype, so a load never holds a second copy of the model. A tensor the
-model lacks, one of the wrong shape, or one the checkpoint lacks fails the load with a message naming it.
+`checkpoint_name` names (per-expert MoE tensors into one row of a stacked parameter). `checkpoint_plan` matches
+every tensor to its destination from the files' headers alone, so `check_checkpoint` (run before any process
+starts) names a tensor the model lacks, one of the wrong shape, or one the checkpoint lacks, without reading a
+weight. Files are memory-mapped and copied tensor by tensor into the model's dtype: a load never holds a second copy
+of the model.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -18,6 +22,37 @@ from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
 from gpu.quant import Quantization, quantize_model
 
+Load = tuple[Path, str, str, int | None]  # (file, tensor name, parameter, stacked row or None)
+
+
+def check_checkpoint(config: ModelConfig) -> None:
+    """Raise ModelLoadError unless every parameter has exactly one tensor of its shape in the checkpoint."""
+    with torch.device("meta"):
+        model = REGISTRY[config.architecture](config)
+    checkpoint_plan(config, dict(model.named_parameters()))
+
+
+def checkpoint_plan(config: ModelConfig, params: dict[str, torch.Tensor]) -> list[Load]:
+    family, plan, loaded = REGISTRY[config.architecture], [], set()
+    for file in weight_files(config.path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                target, row = family.checkpoint_name(name)
+                if target not in params:
+                    raise ModelLoadError(f"{file}: unexpected weight {name} for {config.architecture}")
+                expected, shape = params[target].shape[row is not None :], tuple(f.get_slice(name).get_shape())
+                if shape != tuple(expected):
+                    raise ModelLoadError(f"{file}: {name} has shape {shape}, expected {tuple(expected)}")
+                plan.append((file, name, target, row))
+                loaded.add((target, row))
+    rows = {(name, i) for name, p in params.items() for i in (range(p.shape[0]) if ".experts." in name else [None])}
+    missing = sorted(f"{n}[{i}]" if i is not None else n for n, i in rows - loaded)
+    if missing:
+        raise ModelLoadError(f"{config.path}: weights missing from the checkpoint: {', '.join(missing[:8])}")
+    return plan
+
 
 @torch.no_grad()
 def load_model(
@@ -27,40 +62,18 @@ def load_model(
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py)."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
-    family = REGISTRY[config.architecture]
     with torch.device("meta"):
-        model = family(config)
+        model = REGISTRY[config.architecture](config)
     model = model.to(dtype).to_empty(device=device).requires_grad_(False).eval()
     model.tie_weights()
     for rotary in model.model.rotaries:  # computed, not weights: built on the host
         rotary.to(device)
     params = dict(model.named_parameters())  # a tied lm_head is not listed: it is embed_tokens
-    expected = {(name, i) for name, p in params.items() for i in _rows(name, p)}
-    loaded: set[tuple[str, int | None]] = set()
-    files = weight_files(config.path)
-    with tqdm(total=len(expected), desc=f"Loading {config.name}", unit="tensor", disable=len(files) < 2) as bar:
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name.endswith("rotary_emb.inv_freq") or (
-                        name == "lm_head.weight" and config.tie_word_embeddings
-                    ):
-                        continue
-                    target, row = family.checkpoint_name(name)
-                    param = params.get(target)
-                    if param is None:
-                        raise ModelLoadError(f"{file}: unexpected weight {name} for {config.architecture}")
-                    dest = param if row is None else param[row]
-                    tensor = f.get_slice(name)
-                    if tuple(tensor.get_shape()) != tuple(dest.shape):
-                        shape = tuple(tensor.get_shape())
-                        raise ModelLoadError(f"{file}: {name} has shape {shape}, expected {tuple(dest.shape)}")
-                    dest.copy_(tensor[:])
-                    loaded.add((target, row))
-                    bar.update()
-    missing = sorted(f"{n}[{i}]" if i is not None else n for n, i in expected - loaded)
-    if missing:
-        raise ModelLoadError(f"{config.path}: weights missing from the checkpoint: {', '.join(missing[:8])}")
+    plan = checkpoint_plan(config, params)
+    files = {file: safe_open(file, framework="pt", device="cpu") for file, *_ in plan}
+    for file, name, target, row in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(files) < 2):
+        param = params[target]
+        (param if row is None else param[row]).copy_(files[file].get_tensor(name))
     if quantization:
         quantize_model(model, quantization)
         return model
@@ -68,8 +81,3 @@ def load_model(
         if isinstance(module, Linear):
             module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)
     return model
-
-
-def _rows(name: str, param: torch.Tensor) -> list[int | None]:
-    """What a parameter loads from: one tensor, or one per expert for a stacked one."""
-    return list(range(param.shape[0])) if ".experts." in name else [None]

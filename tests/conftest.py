@@ -121,6 +121,21 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def family_dir_of(tmp_path_factory):
+    """family -> its tiny checkpoint (tests/family_models.py), built on first use, once per test run."""
+    from tests.family_models import make_family_dir
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = make_family_dir(tmp_path_factory.mktemp(family), family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 async def server(tiny_model_dir):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig

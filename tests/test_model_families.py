@@ -24,9 +24,9 @@ BUDGET = 12
 NEW_TOKENS = 12  # decodes that pass the window
 
 
-@pytest.fixture(scope="module")
-def family_dir(request, tmp_path_factory):
-    return make_family_dir(tmp_path_factory.mktemp(request.param), request.param)
+@pytest.fixture
+def family_dir(request, family_dir_of):
+    return family_dir_of(request.param)
 
 
 def runner_for(model_dir, **config) -> ModelRunner:
