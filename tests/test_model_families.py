@@ -8,6 +8,8 @@ Phi-3 checkpoints."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -15,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from gpu.config import ModelConfig
 from gpu.runner import ModelRunner
 from tests.family_models import FAMILIES, WINDOW, make_family_dir, run_greedy
-from tests.tiny_model import Request, block_pool
+from tests.tiny_model import TOKENIZER_FILES, Request, block_pool
 
 TOL = 1e-3
 BLOCK = 4
@@ -122,4 +124,21 @@ def test_longrope_short_factors_when_served_within_the_original_length(tmp_path)
     logits = run_greedy(runner, reqs, 4, BUDGET)
     for r in reqs:
         assert len(r.tokens) <= 16
+        assert_close_to_hf(hf, r.tokens, logits[r.slot])
+
+
+def test_sharded_bf16_checkpoint_converts_at_load(family_dir_of, tmp_path):
+    """A bf16 checkpoint in several shards, served in float32: HF's float32 forward of the same weights."""
+    source = family_dir_of("qwen3_moe")
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(tmp_path, max_shard_size="1MB")
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, tmp_path / name)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    config = ModelConfig.from_path(tmp_path)
+    assert config.dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    runner, pool = runner_for(tmp_path), block_pool(num_blocks=128)
+    reqs = [Request(pool, slot, p, BLOCK) for slot, p in enumerate(prompts((9, 21)))]
+    logits = run_greedy(runner, reqs, 4, BUDGET)
+    for r in reqs:
         assert_close_to_hf(hf, r.tokens, logits[r.slot])
