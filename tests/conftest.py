@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +46,7 @@ class ServerHandle:
     api_key: str = "unused"
     engine: FakeEngine | None = None
     remote: str | None = None
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
 
     @functools.cached_property
     def tokenizer(self):
@@ -67,9 +68,19 @@ class ServerHandle:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def client(self) -> openai.AsyncOpenAI:
+        """A client kept here and closed by the server's fixture (`close_clients`): one left to the cyclic GC resurrects
+        itself in its __del__ and later aborts the transports whose sockets the GC already closed, removing the loop's
+        reader of whatever took those fd numbers since (an actor's inbox: it goes deaf; actors/runtime/mailbox.py)."""
         import openai
 
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=120)
+        self.clients.append(client)
+        return client
+
+    async def close_clients(self) -> None:
+        for client in self.clients:
+            await client.close()
+        self.clients.clear()
 
     def session(self) -> aiohttp.ClientSession:
         import aiohttp
@@ -145,7 +156,8 @@ async def server(tiny_model_dir):
         model=str(tiny_model_dir), max_model_len=512, max_num_seqs=16, num_kv_blocks=256, engine_threads=1
     )
     srv = await start_server(engine, HttpConfig(port=0, tool_call_parser="hermes"), log_level="WARNING")
-    yield ServerHandle(srv, tiny_model_dir)
+    yield (handle := ServerHandle(srv, tiny_model_dir))
+    await handle.close_clients()
     await srv.stop()
 
 
@@ -161,7 +173,8 @@ async def fake_server(tiny_model_dir):
     engine = FakeEngine()
     srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
     await srv.start()
-    yield ServerHandle(srv, tiny_model_dir, API_KEY, engine)
+    yield (handle := ServerHandle(srv, tiny_model_dir, API_KEY, engine))
+    await handle.close_clients()
     await srv.stop()
 
 
@@ -185,5 +198,6 @@ async def real_server():
     model = resolve_model(None)
     engine = EngineConfig(model=str(model.path), max_model_len=1024, max_num_seqs=8)
     srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
-    yield ServerHandle(srv, model.path)
+    yield (handle := ServerHandle(srv, model.path))
+    await handle.close_clients()
     await srv.stop()

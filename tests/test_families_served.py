@@ -34,8 +34,9 @@ async def test_family_is_served(family, family_dir_of):
     model_dir = family_dir_of(family)
     engine = EngineConfig(model=str(model_dir), max_model_len=256, max_num_seqs=4, num_kv_blocks=64, engine_threads=1)
     srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
+    handle = ServerHandle(srv, model_dir)
     try:
-        client = ServerHandle(srv, model_dir).client()
+        client = handle.client()
         out = await client.completions.create(
             model=None,
             prompt=PROMPT,
@@ -52,6 +53,7 @@ async def test_family_is_served(family, family_dir_of):
         streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert streamed == whole.choices[0].message.content
     finally:
+        await handle.close_clients()
         await srv.stop()
 
 

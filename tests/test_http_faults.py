@@ -49,8 +49,9 @@ async def test_api_key_is_required_on_the_api_only(fake):
             assert resp.status == 401
         async with s.get("/health") as resp:
             assert resp.status == 200
-    with pytest.raises(openai.AuthenticationError):
-        await openai.AsyncOpenAI(base_url=f"{fake.url}/v1", api_key="wrong", max_retries=0).models.list()
+    async with openai.AsyncOpenAI(base_url=f"{fake.url}/v1", api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.models.list()
     out = await fake.client().completions.create(model=None, prompt="hi", max_tokens=3)
     assert out.choices[0].text == "w0 w1 w2" and out.choices[0].finish_reason == "length"
 

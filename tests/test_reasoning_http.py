@@ -33,7 +33,8 @@ async def thinking(tiny_model_dir):
     engine.hold = True
     srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
     await srv.start()
-    yield ServerHandle(srv, tiny_model_dir, engine=engine)
+    yield (handle := ServerHandle(srv, tiny_model_dir, engine=engine))
+    await handle.close_clients()
     await srv.stop()
 
 

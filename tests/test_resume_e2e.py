@@ -39,7 +39,8 @@ async def own_server(tiny_model_dir):
         worker="process",
     )  # fmt: skip
     srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
-    yield ServerHandle(srv, tiny_model_dir)
+    yield (handle := ServerHandle(srv, tiny_model_dir))
+    await handle.close_clients()
     await srv.stop()
 
 

@@ -145,7 +145,8 @@ async def deadline_server(tiny_model_dir):
     http = pick_port(HttpConfig(port=0, grammar_timeout_s=GRAMMAR_TIMEOUT_S))
     srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[FakeEngine()])
     await srv.start()
-    yield ServerHandle(srv, tiny_model_dir)
+    yield (handle := ServerHandle(srv, tiny_model_dir))
+    await handle.close_clients()
     await srv.stop()
 
 

@@ -209,7 +209,8 @@ async def tools_server(tiny_model_dir):
     engine = EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_kv_blocks=128, engine_threads=1)
     http = HttpConfig(port=0, chat_template=template, tool_call_parser="hermes")
     srv = await start_server(engine, http, log_level="WARNING")
-    yield ServerHandle(srv, tiny_model_dir)
+    yield (handle := ServerHandle(srv, tiny_model_dir))
+    await handle.close_clients()
     await srv.stop()
 
 

@@ -4,6 +4,12 @@ An actor's Inbox receives decoded messages from in-process senders (no serializa
 its ZMQ PULL socket (remote senders). A Link is one sender actor -> one receiver actor: per-link
 FIFO, a PUSH socket (unlimited HWM, non-blocking: a send never blocks the event loop) or a direct
 put into a local inbox, with the fault injector on the send path.
+
+An inbox re-arms its socket's reader every REARM_S: the loop's registration is keyed by fd number, and any code
+sharing the loop that closes a transport after its socket was already closed (an un-closed openai client that the
+cyclic GC finalizes and its own __del__ resurrects: its deferred aclose() aborts the transports whose sockets the GC
+closed) removes the reader of whatever took that fd number since. Such an inbox would never hear its socket again;
+re-armed, it loses at most REARM_S (counted in `rearmed`, logged).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from messages.wire import Msg
 
 log = logging.getLogger("sluice.mailbox")
 
+REARM_S = 1.0
+
 
 class Inbox:
     """FIFO of decoded messages for one actor, fed locally and by its PULL socket."""
@@ -31,7 +39,10 @@ class Inbox:
         self._queue: collections.deque[Msg] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._sock: zmq.Socket | None = None
+        self._fd = -1
+        self._rearm: asyncio.TimerHandle | None = None
         self.bad_frames = 0
+        self.rearmed = 0  # times its reader was found removed by someone else
 
     def put(self, msg: Msg | bytes) -> None:
         self._queue.append(msg)
@@ -63,10 +74,25 @@ class Inbox:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(address)
-        self._sock = sock
+        self._sock, self._fd = sock, sock.getsockopt(zmq.FD)
         loop = asyncio.get_running_loop()
-        loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        loop.add_reader(self._fd, self._drain)
         loop.call_soon(self._drain)  # the FD is edge-triggered: drain anything already queued
+        self._rearm = loop.call_later(REARM_S, self.rearm)
+
+    def rearm(self) -> None:
+        """Register the reader again (removed or not: a stale registration is renewed too) and drain what it missed."""
+        if self._sock is None:
+            return
+        loop = asyncio.get_running_loop()
+        if not loop.remove_reader(self._fd):
+            self.rearmed += 1
+            log.warning(
+                "%s: the reader of its socket (fd %d) was removed by someone else: re-armed", self.name, self._fd
+            )
+        loop.add_reader(self._fd, self._drain)
+        self._drain()
+        self._rearm = loop.call_later(REARM_S, self.rearm)
 
     def _drain(self) -> None:
         sock = self._sock
@@ -78,8 +104,11 @@ class Inbox:
             self.put(frame)
 
     def close(self) -> None:
+        if self._rearm is not None:
+            self._rearm.cancel()
+            self._rearm = None
         if self._sock is not None:
-            asyncio.get_running_loop().remove_reader(self._sock.getsockopt(zmq.FD))
+            asyncio.get_running_loop().remove_reader(self._fd)
             self._sock.close(linger=0)
             self._sock = None
 
