@@ -157,9 +157,12 @@ def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | N
     """[rows, heads, q, d] queries over [rows, kv_heads, k, d] keys and values."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+    rows, heads, num_q, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads  # a KV head's query heads, stacked along the queries: no copy of K and V per head
+    scores = torch.tanh((q.reshape(rows, kv_heads, group * num_q, dim) @ k.transpose(-1, -2)) * (scale / softcap))
+    scores = scores.view(rows, kv_heads, group, num_q, -1) * softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype).view(rows, kv_heads, group * num_q, -1)
+    return (probs @ v).view(rows, heads, num_q, dim)
