@@ -9,6 +9,10 @@ untruncated: drawn over the whole vocabulary). "peaked" logits imitate a languag
 The reference is the textbook path: sort -> softmax -> cumsum -> mask -> torch.multinomial.
 On CUDA with FlashInfer installed, unseeded batches (--unseeded drops the seeded row from the mix) are drawn by
 FlashInfer's kernel; the `torch` column then times the same batch through the torch path.
+The `sampler` column is the window path (sort_free="off"); `sort-free` times the sampler with the threshold-search
+draw (gpu/sampling/threshold.py) instead, and `draw` that draw alone (row maxima included, uniforms given): its Triton
+kernel on CUDA, its torch form elsewhere (`--sort-free torch|triton` picks; triton on CPU needs TRITON_INTERPRET=1: no
+speed claims).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
-from gpu.sampling.topk_topp import flashinfer_available
+from gpu.sampling.topk_topp import flashinfer_available, uniforms
 from messages.sampling_params import SamplingParams as SP
 
 MIX = [
@@ -115,18 +119,22 @@ def main() -> None:
     ap.add_argument("--vocabs", type=int, nargs="*", help="override the vocabulary sizes")
     ap.add_argument("--stat", choices=["median", "min"], default="median", help="min: best of the repetitions")
     ap.add_argument("--unseeded", action="store_true", help="leave the seeded row out of the mix")
+    ap.add_argument("--sort-free", choices=["torch", "triton"], help="the sort-free draw timed (default: by device)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches, vocabs = ([1, 32], [128256]) if args.quick else ([1, 8, 32, 128, 256], [49152, 128256, 151936])
     batches, vocabs = args.batches or batches, args.vocabs or vocabs
-    sampler, torch_sampler = Sampler(), Sampler(flashinfer=False)
+    sort_free_kind = args.sort_free or ("triton" if args.device.startswith("cuda") else "torch")
+    sampler, torch_sampler = Sampler(sort_free="off"), Sampler(flashinfer=False, sort_free="off")
+    sort_free = Sampler(flashinfer=False, sort_free=sort_free_kind)
     stat = min if args.stat == "min" else statistics.median
     flashinfer = flashinfer_available(torch.empty(0, device=args.device))
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"device={args.device} ({where}) threads={args.threads} logits={args.logits} flashinfer={flashinfer}; "
-          f"ms per step ({args.stat})")  # fmt: skip
+    print(f"device={args.device} ({where}) threads={args.threads} logits={args.logits} flashinfer={flashinfer} "
+          f"sort-free={sort_free_kind}; ms per step ({args.stat})")  # fmt: skip
     print(
-        f"{'B':>4} {'rows':>7} {'V':>7} {'argmax':>9} {'sampler':>9} {'ratio':>6} {'reference':>10} {'ref/argmax':>10} {'build':>7}"
+        f"{'B':>4} {'rows':>7} {'V':>7} {'argmax':>9} {'sampler':>9} {'ratio':>6} {'sort-free':>9} {'ratio':>6}"
+        f" {'draw':>9} {'ratio':>6} {'reference':>10} {'ref/argmax':>10} {'build':>7}"
         + (f" {'torch':>9} {'torch/argmax':>12}" if flashinfer else "")
     )
     for v, b in ((v, b) for v in vocabs for b in batches):
@@ -136,18 +144,26 @@ def main() -> None:
             t0 = time.perf_counter()
             meta = SamplingMetadata.build(rows, v, args.device)
             build = time.perf_counter() - t0
-            fns = {"argmax": lambda x: x.argmax(-1), "sampler": lambda x, m=meta: sampler(x, m)}
+            u = uniforms(b, meta.seeded_rows, meta.seeds, meta.positions)
+            cols = torch.cat([meta.params, u[:, None], torch.zeros_like(u)[:, None]], 1)
+            draw = sort_free.sort_free_draw(base)
+            fns = {
+                "argmax": lambda x: x.argmax(-1),
+                "sampler": lambda x, m=meta: sampler(x, m),
+                "sort-free": lambda x, m=meta: sort_free(x, m),
+                "draw": lambda x, m=meta, c=cols, d=draw: d(x, x.amax(-1), c, m),
+            }
             if flashinfer:
                 fns["torch"] = lambda x, m=meta: torch_sampler(x, m)
             t = timed(fns, base, reps, stat)
-            t_argmax, t_sampler = t["argmax"], t["sampler"]
+            t_argmax, t_sampler, t_free, t_draw = t["argmax"], t["sampler"], t["sort-free"], t["draw"]
             ref_fn = {"ref": lambda x, r=rows: reference(x, r)}
             ref = "-" if args.no_reference else timed(ref_fn, base, min(reps, 3), stat)["ref"] * 1e3
             ref_ratio = "-" if args.no_reference else f"{ref / (t_argmax * 1e3):.0f}x"
             ref = ref if isinstance(ref, str) else f"{ref:.2f}"
             print(
                 f"{b:>4} {label:>7} {v:>7} {t_argmax * 1e3:>9.3f} {t_sampler * 1e3:>9.3f} {t_sampler / t_argmax:>5.2f}x"
-                f" {ref:>10} {ref_ratio:>10} {build * 1e3:>7.2f}"
+                f" {t_free * 1e3:>9.3f} {t_free / t_argmax:>5.2f}x {t_draw * 1e3:>9.3f} {t_draw / t_argmax:>5.2f}x {ref:>10} {ref_ratio:>10} {build * 1e3:>7.2f}"
                 + (f" {t['torch'] * 1e3:>9.3f} {t['torch'] / t_argmax:>11.2f}x" if flashinfer else ""),
                 flush=True,
             )

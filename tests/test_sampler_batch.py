@@ -63,10 +63,12 @@ def test_seeded_rows_do_not_depend_on_position_or_company():
             assert fewer[key] == reference[key], key
 
 
-@pytest.mark.parametrize("kw", [{"window": 4}, {"dynamic_fallback": False}, {"window": 4, "dynamic_fallback": False}])
+@pytest.mark.parametrize(
+    "kw", [{"window": 4}, {"dynamic_fallback": False}, {"window": 4, "dynamic_fallback": False}, {"sort_free": "torch"}]
+)
 def test_wide_paths_draw_the_same_tokens_as_the_window(kw):
-    """One uniform per row, inverted over the same kept set in token-id order: the window, the CPU threshold window
-    and the sorted row are exact alike, so a seeded row yields identical tokens through any of them."""
+    """One uniform per row, inverted over the same kept set in token-id order: the window, the CPU threshold window,
+    the sorted row and the sort-free search are exact alike, so a seeded row yields identical tokens through any."""
     reference = run(DETERMINISTIC)
     assert run(DETERMINISTIC, **kw) == reference
 

@@ -3,7 +3,10 @@ transform and combination (chi-square, significance level ALPHA = 0.001), and th
 wrong target (the classic ordering / boundary mistakes), so it has the power to catch them.
 
 The draws are batched as many identical rows; seeds are fixed, so the outcome is deterministic. The transforms are
-also drawn on CUDA when a GPU is present: the torch path, and FlashInfer's sampler when it is installed.
+drawn by the sort-free search too (gpu/sampling/threshold.py; more in tests/test_sampler_threshold.py), and on CUDA
+when a GPU is present: the torch window path, FlashInfer's sampler when it is installed, the sort-free Triton kernel.
+Torch runs one thread here: on a shared 2-core machine its two OpenMP threads spin against the load (20-40x slower
+for these many-row, short-row ops, measured).
 """
 
 import numpy as np
@@ -17,6 +20,21 @@ from messages.sampling_params import SamplingParams as SP
 
 ALPHA = 1e-3
 ROWS, CALLS = 25_000, 4  # 100k draws
+PATHS = {  # the `device` fixture's values: (device, Sampler arguments)
+    "cpu": ("cpu", {}),
+    "cpu-threshold": ("cpu", {"sort_free": "torch"}),
+    "cuda": ("cuda", {"flashinfer": False, "sort_free": "off"}),
+    "cuda-flashinfer": ("cuda", {"flashinfer": True, "sort_free": "off"}),
+    "cuda-threshold": ("cuda", {"flashinfer": False, "sort_free": "triton"}),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def logits_of(vocab: int, seed: int = 0, scale: float = 1.5) -> torch.Tensor:
@@ -47,18 +65,26 @@ def target(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, wrong=None) -
 
 
 def draw(
-    logits: torch.Tensor, params: SP, window: int = 64, dynamic=None, output=(), seed=0, device="cpu"
+    logits: torch.Tensor,
+    params: SP,
+    window: int = 64,
+    dynamic=None,
+    output=(),
+    seed=0,
+    device="cpu",
+    n: int = ROWS,
+    **sampler,
 ) -> np.ndarray:
-    """device: "cpu", "cuda" (the torch path) or "cuda-flashinfer"."""
-    rows = [SamplingRow(params, [1, 2, 3], list(output), eos_token_ids=[0])] * ROWS
-    draws = Sampler(dynamic_fallback=dynamic, flashinfer=device == "cuda-flashinfer")
-    device = device.removesuffix("-flashinfer")
+    """CALLS x n draws. device: a PATHS key; `sampler`: more Sampler arguments (sort_free=...)."""
+    device, kwargs = PATHS[device]
+    rows = [SamplingRow(params, [1, 2, 3], list(output), eos_token_ids=[0])] * n
+    draws = Sampler(dynamic_fallback=dynamic, **kwargs, **sampler)
     meta = SamplingMetadata.build(rows, len(logits), device, window=window)
     torch.manual_seed(seed)
     counts = np.zeros(len(logits), np.int64)
     logits = logits.to(device)
     for _ in range(CALLS):
-        tokens = draws(logits.expand(ROWS, -1).clone(), meta).sampled
+        tokens = draws(logits.expand(n, -1).clone(), meta).sampled
         counts += np.bincount(tokens.cpu().numpy(), minlength=len(logits))
     return counts
 
@@ -66,12 +92,15 @@ def draw(
 @pytest.fixture(
     params=[
         "cpu",
+        "cpu-threshold",
         pytest.param("cuda", marks=pytest.mark.cuda),
         pytest.param("cuda-flashinfer", marks=pytest.mark.cuda),
+        pytest.param("cuda-threshold", marks=pytest.mark.cuda),
     ]
 )
 def device(request):
-    """Where the draws run: CPU, CUDA's torch path, or FlashInfer's kernel (when installed)."""
+    """Where the draws run: CPU (the window path, the sort-free search in torch), CUDA's torch window path,
+    FlashInfer's kernel (when installed), the sort-free search's Triton kernel."""
     if request.param == "cuda-flashinfer" and not flashinfer_available(torch.empty(0, device="cuda")):
         pytest.skip("flashinfer is not installed")
     return request.param

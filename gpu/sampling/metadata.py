@@ -86,6 +86,9 @@ class SamplingMetadata:
     window_rows: torch.Tensor  # top-k / top-p / min-p: drawn inside the top-K window
     covered_rows: torch.Tensor  # the window rows with top_k <= K: the window always holds their kept set
     uncovered_rows: torch.Tensor  # the other window rows: their kept set may reach beyond the window
+    # Random rows by the truncations the sort-free draw searches a threshold for:
+    top_k_rows: torch.Tensor  # top_k below the vocabulary size
+    top_p_rows: torch.Tensor  # top_p below 1
     seeded_rows: torch.Tensor  # the random rows with a seed ...
     seeds: torch.Tensor  # ... their seeds [S] int64 ...
     positions: torch.Tensor  # ... and the output positions they sample [S] int64 (set afresh every step)
@@ -132,6 +135,8 @@ class SamplingMetadata:
             window_rows=to_device(window_rows, torch.int64, device),
             covered_rows=to_device([i for i in window_rows if top_k[i] <= window], torch.int64, device),
             uncovered_rows=to_device([i for i in window_rows if top_k[i] > window], torch.int64, device),
+            top_k_rows=to_device([i for i in random if top_k[i] < vocab_size], torch.int64, device),
+            top_p_rows=to_device([i for i in random if ps[i].top_p < 1.0], torch.int64, device),
             seeded_rows=to_device(seeded, torch.int64, device),
             seeds=to_device([ps[i].seed for i in seeded], torch.int64, device),
             positions=to_device([rows[i].sample_position for i in seeded], torch.int64, device),

@@ -35,6 +35,7 @@ from messages.sampling_params import LogprobsMode
 from .logprobs import LogprobsTensors, gather_logprobs, log_softmax_into
 from .metadata import SamplingMetadata
 from .penalties import apply_allowed, apply_ban, apply_logit_bias, apply_penalties
+from .threshold import threshold_draw
 from .topk_topp import (
     BLOCK,
     MASS,
@@ -75,6 +76,11 @@ class Sampler:
     elsewhere): every row the window does not always cover (top_k > K or off) is drawn from its sorted row; the
     rows are chosen from the parameters alone, so nothing is read back.
     flashinfer: draw unseeded CUDA batches with FlashInfer's kernel when it is installed (False: the torch path).
+    sort_free: draw every random row by a threshold search over its logits instead (`threshold`: no window, no
+    sort, no host sync): "triton" (one fused kernel; the interpreter on CPU), "torch" (the same search in torch
+    ops, the kernel's reference) or "off"; FlashInfer first, where it applies. None: "triton" on CUDA, "off"
+    elsewhere (on CPU the window path is ~2x argmax; the search's 64 full-row passes in torch are ~100x, measured
+    in scripts/bench_sampler.py).
     logprobs_mode: what the logprobs report (module docstring).
     """
 
@@ -83,9 +89,12 @@ class Sampler:
         dynamic_fallback: bool | None = None,
         flashinfer: bool = True,
         logprobs_mode: LogprobsMode = "raw_logprobs",
+        sort_free: str | None = None,
     ):
+        assert sort_free in (None, "off", "torch", "triton"), sort_free
         self.dynamic_fallback = dynamic_fallback
         self.flashinfer = flashinfer
+        self.sort_free = sort_free
         self.processed = logprobs_mode == "processed_logprobs"
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -136,13 +145,17 @@ class Sampler:
         return gather_logprobs(lp, logits.shape[1], token_ids, n)
 
     def _draw(self, blocks: Blocks, meta: SamplingMetadata, argmax: torch.Tensor) -> torch.Tensor:
-        """Temperature -> min-p -> top-k -> top-p -> draw for the random rows (the others keep their argmax): in
-        `draw_vocab` for untruncated rows, in `draw_window` for the others (first the top-K window, then, for the
-        rows whose kept set may outgrow it, a wider exact window)."""
+        """Temperature -> min-p -> top-k -> top-p -> draw for the random rows (the others keep their argmax): all of
+        them by the sort-free search where it is chosen; else in `draw_vocab` for untruncated rows, in
+        `draw_window` for the others (first the top-K window, then, for the rows whose kept set may outgrow it, a
+        wider exact window)."""
         if self.flashinfer and flashinfer_available(blocks.x) and not meta.seeds.numel():
             return draw_flashinfer(blocks.x, meta.params)
         u = uniforms(len(argmax), meta.seeded_rows, meta.seeds, meta.positions)
         cols = torch.cat([meta.params, u[:, None], torch.zeros_like(u)[:, None]], 1)  # [B, 6]: see topk_topp
+        sort_free = self.sort_free_draw(blocks.x)
+        if sort_free is not None:
+            return argmax.index_copy(0, meta.random_rows, sort_free(blocks.x, blocks.row_max, cols, meta))
         draw = argmax.clone()
         rows = meta.mass_rows  # drawn over the whole vocabulary; top-p-only rows are redrawn in their window below
         if rows.numel():
@@ -167,6 +180,18 @@ class Sampler:
                 values, ids = blocks.x[rows].sort(-1, descending=True)
             draw.index_copy_(0, rows, draw_window(values, ids, sub, whole_row=not dynamic)[0])
         return draw
+
+    def sort_free_draw(self, x: torch.Tensor):
+        """The sort-free draw this sampler uses for logits on x's device, or None (the window path): the one place
+        the choice is made (class docstring)."""
+        choice = self.sort_free or ("triton" if x.is_cuda else "off")
+        if choice == "torch":
+            return threshold_draw
+        if choice == "triton":
+            from .threshold_triton import threshold_draw_triton  # imports Triton: only once chosen
+
+            return threshold_draw_triton
+        return None
 
     @staticmethod
     def _window(blocks: Blocks, rows: torch.Tensor, k: int, cols: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
