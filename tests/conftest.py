@@ -5,12 +5,17 @@
 - `fake`: the HTTP process alone, with tests.fake_engine.FakeEngine as the "scheduler" in the
   test process (protocol faults on demand), an API key, and short abort timeouts.
 - `real_server`: the graph on the converted SmolLM2, for tests that need sensible text.
+
+Without a CUDA GPU, Triton kernels run in the interpreter: TRITON_INTERPRET=1 is set here, before any test module
+is imported, because `@triton.jit` reads it when it decorates (triton.language's own helpers too) and torch imports
+triton early (torch._dynamo, through transformers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +30,16 @@ if TYPE_CHECKING:  # the servers' modules are imported by the fixtures: other su
     from tests.fake_engine import FakeEngine
 
 API_KEY = "sk-test-key"
+
+
+def _interpret_triton_without_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_cuda()
 
 
 def pytest_collection_modifyitems(config, items):
