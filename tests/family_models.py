@@ -5,17 +5,14 @@ returns the logits of every position (prompt positions through prompt_targets), 
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 import transformers
 
 from gpu.batch import BatchSpec
-from gpu.convert import default_model_dir
 from gpu.runner import ModelRunner
-from tests.tiny_model import TOKENIZER_FILES, Request
+from tests.tiny_model import Request, save_with_tokenizer
 
 WINDOW = 8  # tokens: shorter than the prompts and the decodes
 SLIDE = ["sliding_attention", "full_attention"]
@@ -85,12 +82,7 @@ def make_family_dir(path: str | Path, family: str, seed: int = 0, **overrides) -
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0, 0.3).add_(1.0 if "norm" in name and not gemma else 0.0)
-    model.save_pretrained(path)
-    source = default_model_dir()
-    for name in TOKENIZER_FILES:
-        shutil.copy(source / name, path / name)
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    return path
+    return save_with_tokenizer(model, path)
 
 
 def run_greedy(runner: ModelRunner, reqs: list[Request], new_tokens: int, budget: int) -> dict[int, list[torch.Tensor]]:

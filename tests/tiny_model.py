@@ -49,6 +49,11 @@ def make_tiny_model_dir(path: str | Path, seed: int = 0, arch: str = "llama", **
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.1)
+    return save_with_tokenizer(model, path)
+
+
+def save_with_tokenizer(model, path: Path) -> Path:
+    """`save_pretrained` into `path`, beside the SmolLM2 tokenizer and chat template and a generation config."""
     model.save_pretrained(path)
     source = default_model_dir()
     for name in TOKENIZER_FILES:
