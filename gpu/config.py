@@ -102,15 +102,19 @@ class ModelConfig:
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         partial = float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
         rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
+        if rope_type == "su":  # (longrope's former name, in older Phi-3 configs)
+            rope_type = rope["rope_type"] = "longrope"
         if rope_type not in ROPE_TYPES:
             raise ModelLoadError(f"{where}: unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}")
-        if "original_max_position_embeddings" in raw:  # (Phi-3 keeps it beside the scaling)
-            rope.setdefault("original_max_position_embeddings", raw["original_max_position_embeddings"])
+        max_pos = int(raw.get("max_position_embeddings", 2048))
+        if "original_max_position_embeddings" in raw:  # (Phi-3 keeps it beside the scaling; HF lets it win)
+            rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        elif rope_type in ("llama3", "yarn", "longrope"):
+            rope.setdefault("original_max_position_embeddings", max_pos)  # (HF's fallback)
         window = raw.get("sliding_window")
         types = raw.get("layer_types") or family.layer_types(raw)
         generation = generation or {}
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
-        max_pos = int(raw.get("max_position_embeddings", 2048))
         fields = dict(
             path=path,
             architecture=arch,
@@ -126,7 +130,7 @@ class ModelConfig:
             rope_scaling={} if rope_type == "default" else rope,
             partial_rotary_factor=partial,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.tie_default)),
             max_position_embeddings=max_pos,
             max_model_len=max_pos,
             hidden_act=raw.get("hidden_act", "silu"),

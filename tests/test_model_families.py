@@ -8,6 +8,7 @@ Phi-3 checkpoints."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from gpu.config import ModelConfig
 from gpu.runner import ModelRunner
+from gpu.weights import check_checkpoint
 from tests.family_models import FAMILIES, WINDOW, make_family_dir, run_greedy
 from tests.tiny_model import TOKENIZER_FILES, Request, block_pool
 
@@ -142,3 +144,15 @@ def test_sharded_bf16_checkpoint_converts_at_load(family_dir_of, tmp_path):
     logits = run_greedy(runner, reqs, 4, BUDGET)
     for r in reqs:
         assert_close_to_hf(hf, r.tokens, logits[r.slot])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_ties_its_embeddings_when_the_config_leaves_it_out(family, family_dir_of, tmp_path):
+    """Real Gemma checkpoints have no lm_head and no tie_word_embeddings key (HF's Gemma default: tied)."""
+    shutil.copytree(family_dir_of(family), tmp_path, dirs_exist_ok=True)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_path(tmp_path)
+    assert config.tie_word_embeddings
+    check_checkpoint(config)

@@ -152,7 +152,7 @@ def broken_copy(tiny_dir, tmp_path, remove=(), config_patch=None):
         (("model.safetensors",), None, "no weights"),
         ((), {"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture ['GPT2LMHeadModel']"),
         ((), {"rope_parameters": {"rope_type": "mrope", "factor": 2.0}}, "unsupported rope_type 'mrope'"),
-        ((), {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "needs 'original_max_position_embeddings'"),
+        ((), {"rope_parameters": {"rope_type": "llama3", "factor": 2.0}}, "needs 'low_freq_factor'"),
         ((), {"hidden_act": "relu"}, "unsupported activation 'relu'"),
         ((), {"intermediate_size": 96}, "model.layers.0.mlp.down_proj.weight has shape (64, 128), expected (64, 96)"),
         ((), {"num_hidden_layers": 3}, "weights missing from the checkpoint: model.layers.2"),

@@ -11,6 +11,7 @@ maps names that differ in `checkpoint_name`). A family subclasses `CausalLM` and
 | sandwich          | False          | True: the attention and MLP outputs are normed too, before the residual |
 | scale_embeddings  | False          | True: embeddings x sqrt(hidden) in the model's dtype (Gemma)             |
 | mlp_name          | "mlp"          | the MLP's module name ("block_sparse_moe": Mixtral)                      |
+| tie_default       | False          | True: embeddings tied unless config.json says otherwise (Gemma)          |
 and `make_mlp(c, layer)` (a dense or MoE MLP per layer), `quirks(raw)` (the config fields the family reads:
 gpu/config.py), `layer_types(raw)` (which layers slide when config.json has no `layer_types`).
 """
@@ -82,6 +83,7 @@ class CausalLM(nn.Module):
     sandwich = False
     scale_embeddings = False
     mlp_name = "mlp"
+    tie_default = False  # tie_word_embeddings when config.json omits it (HF's default for the family)
 
     @staticmethod
     def make_mlp(c, layer: int) -> nn.Module:

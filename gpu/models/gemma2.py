@@ -9,6 +9,7 @@ class Gemma2ForCausalLM(CausalLM):
     norm_offset = 1.0
     sandwich = True
     scale_embeddings = True
+    tie_default = True
 
     @staticmethod
     def quirks(raw: dict) -> dict:

@@ -11,7 +11,7 @@ class Qwen2ForCausalLM(CausalLM):
 
     @staticmethod
     def layer_types(raw: dict) -> list[str]:
-        slide, first = raw.get("use_sliding_window", False), raw.get("max_window_layers", 0)
+        slide, first = raw.get("use_sliding_window", False), raw.get("max_window_layers", 28)
         return [
             "sliding_attention" if slide and i >= first else "full_attention" for i in range(raw["num_hidden_layers"])
         ]

@@ -8,6 +8,12 @@ from gpu.models.qwen3 import Qwen3ForCausalLM
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @staticmethod
+    def layer_types(raw: dict) -> list[str]:
+        """Every layer slides where `use_sliding_window` is set (HF's Qwen3-MoE has no max_window_layers)."""
+        kind = "sliding_attention" if raw.get("use_sliding_window") else "full_attention"
+        return [kind] * raw["num_hidden_layers"]
+
+    @staticmethod
     def quirks(raw: dict) -> dict:
         experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
         step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
