@@ -53,6 +53,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantization (CPU, float32)"
     )
+    g.add_argument(
+        "--attention-backend",
+        choices=["torch", "triton"],
+        default=_DEFAULTS.attention_backend,
+        help="paged attention: torch (the reference) or triton (kernels reading the KV cache in place; on CPU they run "
+        "in the Triton interpreter, slowly: for tests and debugging) (default: triton on CUDA, torch on CPU)",
+    )
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: every core)")
     g.add_argument(
         "--worker",

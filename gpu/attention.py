@@ -5,6 +5,10 @@ keys are gathered through its block table, and each segment is one padded `scale
 an explicit bottom-right causal mask (`is_causal=True` is top-left aligned, wrong when a query is shorter than its
 keys). On CUDA with flash-attn installed and blocks of a multiple of 256 tokens, its paged varlen kernel is used.
 
+`TorchAttention` is this path as an attention backend (gpu/attention_backend.py): the runner asks it for the step's
+segment plans (host arrays, uploaded with the step's), gives it the uploaded tensors to attach to the metadata, and
+the layers call it.
+
 Per layer: a sliding window (query at position p sees keys p - window < j <= p, HF's rule; the mask for each window
 is built once per step and shared by the layers that use it) and a logit soft-cap (scores = cap * tanh(scores /
 cap) before the mask: Gemma 2; the torch path then computes attention itself, as HF's eager path, since SDPA has
@@ -107,6 +111,27 @@ def _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size)
         arrays.update(q_gather=q_gather, out_index=q_gather[real], pad_index=np.flatnonzero(real))
     masked = max_q > 1 or bool((k != max_k).any())
     return SegmentPlan(len(rows), max_q, max_k, masked, arrays)
+
+
+class TorchAttention:
+    """The torch backend: the reference every other backend is tested against."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
+        self.block_size, self.flash = block_size, use_flash_attn(device, dtype, block_size)
+
+    def plan(self, query_lens, seq_lens, query_start_loc, block_tables) -> list[SegmentPlan]:
+        if self.flash:
+            return []
+        return plan_segments(query_lens, seq_lens, query_start_loc, block_tables, self.block_size)
+
+    def finish(self, meta: AttentionMetadata, plans: list[SegmentPlan], uploaded: list[dict[str, torch.Tensor]]):
+        if self.flash:  # flash-attn wants int32 metadata
+            meta.query_start_loc, meta.block_tables = meta.query_start_loc.int(), meta.block_tables.int()
+            meta.cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0), (1, 0)).int()
+        meta.segments = [Segment.from_plan(p, t) for p, t in zip(plans, uploaded, strict=True)]
+
+    def __call__(self, q, kv, meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None):
+        return paged_attention(q, kv, meta, scale, window, softcap)
 
 
 def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from gpu.attention import AttentionMetadata, Segment, plan_segments, use_flash_attn
+from gpu.attention import AttentionMetadata
+from gpu.attention_backend import BackendName, choose_attention_backend
 from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.config import ModelConfig
 from gpu.kv_cache import KVCache
@@ -53,6 +54,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         num_threads: int | None = None,
         quantization: Quantization | None = None,
+        attention_backend: BackendName | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -72,10 +74,13 @@ class ModelRunner:
             max_num_seqs,
             max_num_batched_tokens,
         )
-        self.model = load_model(model_config, self.device, self.dtype, quantization)
+        # chosen once (the layers call it; each step's metadata is what it needs: gpu/attention_backend.py), and
+        # before the model is built, which imports triton (torch._dynamo): the triton backend on CPU sets its
+        # interpreter switch first
+        self.attention = choose_attention_backend(attention_backend, self.device, self.dtype, block_size)
+        self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention)
         self.kv_cache = KVCache(model_config, num_blocks, block_size, self.dtype, self.device)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        self.flash = use_flash_attn(self.device, self.dtype, block_size)
 
     @torch.inference_mode()
     def set_prev_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -93,7 +98,7 @@ class ModelRunner:
         host, plans, max_query_len, max_seq_len = self._prepare(batch)
         tensors = iter(self._upload([*host.values(), *(a for p in plans for a in p.arrays.values())]))
         t = {name: next(tensors) for name in host}
-        segments = [Segment.from_plan(p, {name: next(tensors) for name in p.arrays}) for p in plans]
+        uploaded = [{name: next(tensors) for name in p.arrays} for p in plans]
         if "placeholders" in t:
             t["input_ids"][t["placeholders"]] = self.prev_sampled[t["placeholder_slots"]]
         meta = AttentionMetadata(
@@ -103,11 +108,8 @@ class ModelRunner:
             block_tables=t["block_tables"],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            segments=segments,
         )
-        if self.flash:  # flash-attn wants int32 metadata
-            meta.query_start_loc, meta.block_tables = meta.query_start_loc.int(), meta.block_tables.int()
-            meta.cu_seqlens_k = t["cu_seqlens_k"].int()
+        self.attention.finish(meta, plans, uploaded)
         hidden = self.model(t["input_ids"], t["positions"], meta, self.kv_cache)
         return self.model.compute_logits(hidden[t["logits_indices"]]).float()
 
@@ -149,11 +151,7 @@ class ModelRunner:
         if placeholders.size:
             host["placeholders"] = placeholders
             host["placeholder_slots"] = np.array([r.slot for r in rows], np.int64)[token_row[placeholders]]
-        if self.flash:
-            host["cu_seqlens_k"] = np.concatenate([[0], np.cumsum(seq_lens)])
-            plans = []
-        else:
-            plans = plan_segments(query_lens, seq_lens, query_start_loc, block_tables, bs)
+        plans = self.attention.plan(query_lens, seq_lens, query_start_loc, block_tables)
         return host, plans, int(query_lens.max()), int(seq_lens.max())
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:

@@ -16,7 +16,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from gpu.attention_backend import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError, weight_files
+from gpu.layers.attention import Attention
 from gpu.linear import Linear
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
@@ -56,16 +58,25 @@ def checkpoint_plan(config: ModelConfig, params: dict[str, torch.Tensor]) -> lis
 
 @torch.no_grad()
 def load_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, quantization: Quantization | None = None
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: Quantization | None = None,
+    attention: AttentionBackend | None = None,
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
-    int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py)."""
+    int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
+    attention layer calls (gpu/attention_backend.py; the torch path when None)."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
     with torch.device("meta"):
         model = REGISTRY[config.architecture](config)
     model = model.to(dtype).to_empty(device=device).requires_grad_(False).eval()
     model.tie_weights()
+    if attention is not None:
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.attend = attention
     for rotary in model.model.rotaries:  # computed, not weights: built on the host
         rotary.to(device)
     params = dict(model.named_parameters())  # a tied lm_head is not listed: it is embed_tokens

@@ -39,6 +39,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
+    # paged attention (gpu/attention_backend.py); None: triton on CUDA, torch on CPU
+    attention_backend: Literal["torch", "triton"] | None = None
     max_num_seqs: int = 64
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048  # a step's token budget: a wave of 128-token prompts prefills in one step

@@ -56,6 +56,7 @@ class DraftProposer:
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_seqs * config.max_model_len,
+            attention_backend=config.attention_backend,
         )
         self.sampler = Sampler()
         self.eos = list(target.eos_token_ids)

@@ -109,6 +109,7 @@ class StepExecutor:
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_threads=config.threads(),
             quantization=config.quantization,
+            attention_backend=config.attention_backend,
         )
         self.sampler = Sampler(logprobs_mode=config.logprobs_mode)
         self.device = self.runner.device

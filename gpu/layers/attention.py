@@ -1,5 +1,7 @@
 """Self-attention over the paged KV cache, with every family's quirks as parameters: q/k/v and o biases, per-head
-q/k RMSNorm before rotary (Qwen3, Gemma 3), a sliding window, a logit soft-cap and a query scale (Gemma).
+q/k RMSNorm before rotary (Qwen3, Gemma 3), a sliding window, a logit soft-cap and a query scale (Gemma). The
+attention over the cache is `attend`, the backend the runner chose at load (gpu/attention_backend.py; the torch path
+until then).
 `FusedQKVAttention` reads Phi-3's one `qkv_proj` weight ([q; k; v] rows) and splits its output."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Attention(nn.Module):
         self.scale = c.attn_scale or c.head_dim**-0.5
         self.window = c.layer_windows[layer] if c.layer_windows else None
         self.softcap = c.attn_softcap
+        self.attend = paged_attention
         self.make_projections(c)
         self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
@@ -43,7 +46,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         write_kv(kv, k, v.view(n, self.num_kv_heads, self.head_dim), meta.slot_mapping)
-        out = paged_attention(q, kv, meta, self.scale, self.window, self.softcap)
+        out = self.attend(q, kv, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.flatten(1))
 
 
