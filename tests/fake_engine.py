@@ -28,6 +28,7 @@ class FakeEngine(Actor):
         self.live: dict[str, AddRequest] = {}
         self.sent: dict[str, int] = {}  # request id -> tokens sent
         self.added: list[AddRequest] = []
+        self._arrived = asyncio.Event()  # set by each AddRequest (wait_added)
         self.aborts: list[Abort] = []
         self._steps = 0
         self._reported = 0  # AddRequests whose queue time went out in EngineStats
@@ -38,8 +39,17 @@ class FakeEngine(Actor):
     async def on_start(self) -> None:
         self.spawn(self._stats())
 
+    async def wait_added(self, i: int, timeout: float = 10.0) -> AddRequest:
+        """The i-th AddRequest received (from 0), waited for on each arrival, within `timeout`."""
+        async with asyncio.timeout(timeout):
+            while len(self.added) <= i:
+                self._arrived.clear()
+                await self._arrived.wait()
+        return self.added[i]
+
     def on_add(self, msg: AddRequest) -> None:
         self.added.append(msg)
+        self._arrived.set()
         self.live[msg.request_id] = msg
         self.sent[msg.request_id] = len(msg.resume_token_ids or [])  # a resumed request goes on from there
         if not self.hold:

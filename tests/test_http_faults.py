@@ -26,8 +26,7 @@ async def wait_for(cond, timeout: float = 10.0) -> None:
 
 async def held_request(fake, i: int = 0) -> str:
     """The engine id of the i-th request the fake received in this test (no output while `hold` is on)."""
-    await wait_for(lambda: len(fake.engine.added) > i)
-    return fake.engine.added[i].request_id
+    return (await fake.engine.wait_added(i)).request_id
 
 
 def events(raw: bytes) -> list:

@@ -44,9 +44,7 @@ async def chat(server: ServerHandle, script: list[str], stream: bool, **kwargs) 
     engine, before = server.engine, len(server.engine.added)
     create = server.client().chat.completions.create(model="", messages=CHAT, stream=stream, **kwargs)
     answer = asyncio.ensure_future(create)
-    while len(engine.added) == before:
-        await asyncio.sleep(0.01)
-    rid = engine.added[-1].request_id
+    rid = (await engine.wait_added(before)).request_id
     for i, piece in enumerate(script):
         engine.emit(rid, piece, [100 + i])
     engine.finish(rid, "stop")
