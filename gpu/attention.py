@@ -54,25 +54,32 @@ class Segment:
     pad_index: torch.Tensor | None  # [n] ... and its flat padded position
     kv_slots: torch.Tensor  # [rows, max_k] cache slot of each key (padding points at any slot: masked or unused)
     mask: torch.Tensor | None  # [rows, 1, max_q, max_k] key j visible to query i iff j <= ctx_len + i
-    last_key: torch.Tensor  # [rows, max_q, 1] the position of each padded query (ctx_len + i)
+    ctx_lens: torch.Tensor  # [rows] keys before each row's first query
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, built on first use
 
     @classmethod
     def from_plan(cls, plan: SegmentPlan, t: dict[str, torch.Tensor]) -> Segment:
-        device = t["ctx_lens"].device
-        last_key = (t["ctx_lens"][:, None] + torch.arange(plan.max_q, device=device))[..., None]
-        mask = (torch.arange(plan.max_k, device=device) <= last_key).unsqueeze(1) if plan.masked else None
-        kv_slots = t["kv_slots"]
-        return cls(plan.max_q, t.get("q_gather"), t.get("out_index"), t.get("pad_index"), kv_slots, mask, last_key)
+        seg = cls(
+            plan.max_q, t.get("q_gather"), t.get("out_index"), t.get("pad_index"), t["kv_slots"], None, t["ctx_lens"]
+        )
+        if plan.masked:
+            seg.mask = (seg.keys() <= seg.last_key()).unsqueeze(1)
+        return seg
+
+    def keys(self) -> torch.Tensor:
+        return torch.arange(self.kv_slots.shape[1], device=self.ctx_lens.device)
+
+    def last_key(self) -> torch.Tensor:
+        """[rows, max_q, 1] the position of each padded query (ctx_len + i)."""
+        return (self.ctx_lens[:, None] + torch.arange(self.max_q, device=self.ctx_lens.device))[..., None]
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The causal mask, narrowed to the last `window` keys of each query where any key falls outside it."""
-        max_k = self.kv_slots.shape[1]
-        if window is None or window >= max_k:  # every key is within the window of every query
+        if window is None or window >= self.kv_slots.shape[1]:  # every key is within the window of every query
             return self.mask
         if window not in self.windowed:
-            keys = torch.arange(max_k, device=self.last_key.device)
-            self.windowed[window] = ((keys <= self.last_key) & (keys > self.last_key - window)).unsqueeze(1)
+            keys, last = self.keys(), self.last_key()
+            self.windowed[window] = ((keys <= last) & (keys > last - window)).unsqueeze(1)
         return self.windowed[window]
 
 
