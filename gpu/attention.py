@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu.layers.kernels import TORCH_KERNELS
+
 try:
     from flash_attn import flash_attn_varlen_func
 except ImportError:
@@ -122,6 +124,8 @@ def _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size)
 
 class TorchAttention:
     """The torch backend: the reference every other backend is tested against."""
+
+    kernels = TORCH_KERNELS
 
     def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
         self.block_size, self.flash = block_size, use_flash_attn(device, dtype, block_size)

@@ -2,7 +2,9 @@
 forward.
 
 A backend is what the layers call, `backend(q, kv, meta, scale, window, softcap)` -> [T, Hq, D] (gpu/weights.py
-hands it to every attention layer at load), and what the runner asks for the step's metadata: `plan(query_lens,
+hands it to every attention layer at load), its `kernels`, the set of small fused steps the layers call around it
+(gpu/layers/kernels.py: the torch steps, or one Triton kernel each with q/k/v and gate/up weights stacked at load),
+and what the runner asks for the step's metadata: `plan(query_lens,
 seq_lens, query_start_loc, block_tables)` returns host-side plans, each with an `arrays` dict uploaded with the step's
 own arrays, and `finish(meta, plans, uploaded)` attaches the uploaded tensors to the AttentionMetadata.
 
@@ -33,6 +35,8 @@ BackendName = Literal["torch", "triton"]
 
 
 class AttentionBackend(Protocol):
+    kernels: object  # gpu/layers/kernels.py: TorchKernels or TritonKernels
+
     def plan(self, query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray, block_tables) -> list:
         """The step's host-side plans: objects with an `arrays` dict of numpy arrays to upload."""
 
@@ -52,9 +56,10 @@ class TritonAttention:
                     " this process before the backend was chosen: set TRITON_INTERPRET=1 in the environment"
                 )
             os.environ["TRITON_INTERPRET"] = "1"
-        from gpu.kernels import triton_attention
+        from gpu.kernels import triton_attention, triton_fused
 
         self.kernel = triton_attention.paged_attention
+        self.kernels = triton_fused.TritonKernels()
 
     def plan(self, query_lens, seq_lens, query_start_loc, block_tables) -> list:
         return []

@@ -5,9 +5,12 @@ A token's cache slot is `block_id * block_size + offset`; the scheduler's block 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from gpu.config import ModelConfig
+if TYPE_CHECKING:  # gpu.config imports gpu.layers, whose kernels write through this module
+    from gpu.config import ModelConfig
 
 
 class KVCache:

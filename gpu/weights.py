@@ -66,7 +66,8 @@ def load_model(
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
-    attention layer calls (gpu/attention_backend.py; the torch path when None)."""
+    attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set every layer calls
+and which may stack q/k/v and gate/up weights into one each once loaded."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
     with torch.device("meta"):
@@ -75,6 +76,8 @@ def load_model(
     model.tie_weights()
     if attention is not None:
         for module in model.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = attention.kernels
             if isinstance(module, Attention):
                 module.attend = attention
     for rotary in model.model.rotaries:  # computed, not weights: built on the host
@@ -85,6 +88,10 @@ def load_model(
     for file, name, target, row in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(files) < 2):
         param = params[target]
         (param if row is None else param[row]).copy_(files[file].get_tensor(name))
+    if attention is not None and attention.kernels.fuse_weights:
+        for module in list(model.modules()):
+            if hasattr(module, "fuse"):
+                module.fuse()
     if quantization:
         quantize_model(model, quantization)
         return model

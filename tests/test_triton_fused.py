@@ -1,5 +1,5 @@
-"""gpu/kernels/triton_fused.py in the Triton interpreter (CPU): each kernel against its torch reference (the
-repo's own blocks) and a float64 one, outputs and caches poisoned with NaN first so an unwritten element fails."""
+"""gpu/kernels/triton_fused.py in the Triton interpreter (CPU): each kernel against its torch step (TorchKernels,
+what the torch backend runs) and a float64 one, outputs and caches poisoned with NaN first so an unwritten element fails."""
 
 from __future__ import annotations
 
@@ -13,15 +13,9 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from gpu.kernels.triton_fused import (
-    act_and_mul,
-    act_and_mul_reference,
-    fused_add_rms_norm,
-    fused_add_rms_norm_reference,
-    rope_and_write_kv,
-    rope_and_write_kv_reference,
-)
-from gpu.layers.rotary import RotaryEmbedding, apply_rope
+from gpu.kernels.triton_fused import act_and_mul, fused_add_rms_norm, rope_and_write_kv
+from gpu.layers.kernels import TORCH_KERNELS, apply_rope
+from gpu.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # ‖out − ref64‖/‖ref64‖ allowed: a few roundings to the dtype
@@ -85,7 +79,7 @@ def test_rope_and_write_kv_equals_apply_rope_and_write_kv(shape, dtype):
     q_out = torch.full(q.shape, float("nan"), dtype=dtype)
 
     got = rope_and_write_kv(q, k, v, cos, sin, kv, slots, q_out=q_out)
-    ref = rope_and_write_kv_reference(q, k, v, cos, sin, kv_ref, slots)
+    ref = TORCH_KERNELS.rope_and_write_kv(q, k, v, cos, sin, kv_ref, slots)
 
     assert got is q_out
     exact = dtype != torch.float32  # bf16/fp16: the same two roundings as apply_rope; float32 may differ by an FMA
@@ -115,7 +109,10 @@ def test_rope_and_write_kv_in_place_skips_padding_slots(dtype):
     q = q.contiguous()
     slots[[1, 4]] = -1
     kv, kv_ref = nan_cache(cache_shape, dtype), nan_cache(cache_shape, dtype)
-    ref = rope_and_write_kv_reference(q, k, v, cos, sin, kv_ref, slots)
+    keep = slots >= 0
+    ref = TORCH_KERNELS.rope_and_write_kv(q, k, v, cos, sin, kv_ref, slots.clamp(min=0))  # q's reference
+    kv_ref = nan_cache(cache_shape, dtype)
+    TORCH_KERNELS.rope_and_write_kv(q[keep], k[keep], v[keep], cos[keep], sin[keep], kv_ref, slots[keep])
 
     assert rope_and_write_kv(q, k, v, cos, sin, kv, slots) is q
     check(q, ref, dtype != torch.float32)
@@ -139,9 +136,9 @@ def test_fused_add_rms_norm_equals_rmsnorm_of_sum(rows, hidden, offset, dtype):
     out = torch.full((rows, hidden), float("nan"), dtype=dtype)
 
     assert fused_add_rms_norm(x, residual, weight, 1e-6, offset, out=out) is out
-    ref = fused_add_rms_norm_reference(x, residual_ref, weight, 1e-6, offset)
+    ref, sum_ref = TORCH_KERNELS.rms_norm(x, residual_ref, weight, 1e-6, offset)
 
-    assert torch.equal(residual, residual_ref)  # the sum, rounded once to the dtype, written back
+    assert torch.equal(residual, sum_ref)  # the sum, rounded once to the dtype, written back
     check(out, ref, exact=False)
     s = residual.double()
     ref64 = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight.double() + offset)
@@ -155,9 +152,22 @@ def test_rms_norm_without_residual_in_place(offset, dtype):
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(7, 80, generator=gen).to(dtype)
     weight = torch.randn(80, generator=gen).to(dtype)
-    ref = fused_add_rms_norm_reference(x.clone(), None, weight, 1e-5, offset)
+    ref = TORCH_KERNELS.rms_norm(x.clone(), None, weight, 1e-5, offset)[0]
     assert fused_add_rms_norm(x, None, weight, 1e-5, offset, out=x) is x
     check(x, ref, exact=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_per_head_rms_norm_of_a_strided_qkv_view(offset, dtype):
+    """Qwen3's / Gemma 3's q and k norms: x [N, heads, D] a view of a fused qkv output; a new contiguous output."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(7, (4 + 2 * 2) * 32, generator=gen).to(dtype)
+    q = qkv[:, : 4 * 32].view(7, 4, 32)
+    weight = torch.randn(32, generator=gen).to(dtype)
+    out = fused_add_rms_norm(q, None, weight, 1e-6, offset)
+    assert out.is_contiguous() and out.shape == q.shape
+    check(out, TORCH_KERNELS.rms_norm(q, None, weight, 1e-6, offset)[0], exact=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -169,8 +179,8 @@ def test_act_and_mul_equals_torch(rows, d, act, dtype):
     out = torch.full((rows, d), float("nan"), dtype=dtype)
 
     assert act_and_mul(x, act, out=out) is out
-    check(out, act_and_mul_reference(x, act), exact=False)
-    assert rel_err(out, act_and_mul_reference(x.double(), act)) <= REL64[dtype]
+    check(out, TORCH_KERNELS.act_and_mul(x, act), exact=False)
+    assert rel_err(out, TORCH_KERNELS.act_and_mul(x.double(), act)) <= REL64[dtype]
     assert torch.equal(act_and_mul(x, act), out)  # a new output when none is given
 
 

@@ -1,8 +1,8 @@
-"""Fused Triton kernels for the decoder's small steps: rotary + KV-cache write, residual add + RMSNorm, act-and-mul.
+"""Fused Triton kernels for the decoder's small steps: rotary + KV-cache write, residual add + RMSNorm, act-and-mul,
+and `TritonKernels`, the kernel set they make (gpu/layers/kernels.py).
 
-Each wrapper equals a torch reference defined here on the repo's own blocks (gpu/layers, gpu/kv_cache.py), with
-that reference's rounding order in bf16/fp16: math in float32, rounded to the model's dtype exactly where the torch
-module rounds. All tensors on one device; the last dim of every tensor contiguous; other strides are read.
+Each wrapper equals the torch step of gpu/layers/kernels.py (TorchKernels), with that step's rounding order in
+bf16/fp16: math in float32, rounded to the model's dtype exactly where the torch step rounds. All tensors on one device; the last dim of every tensor contiguous; other strides are read.
 
 Interpreter rule: `@triton.jit` reads TRITON_INTERPRET when this module is imported, so a CPU run (tests,
 debugging) sets TRITON_INTERPRET=1 before its first import of this module. Nothing under gpu/ imports it at import
@@ -14,11 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from gpu.kv_cache import write_kv
-from gpu.layers.mlp import ACTIVATIONS
-from gpu.layers.norm import RMSNorm
-from gpu.layers.rotary import apply_rope
 
 ACT_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
@@ -87,7 +82,7 @@ def rope_and_write_kv(
     returns them, R <= D even (dims R..D pass through); kv = (k_cache, v_cache) [num_blocks, block_size, Hkv, D],
     contiguous; slot_mapping [T] int32/int64, a slot < 0 (a padding token) writes nothing. Any D and R (masked,
     not padded). The rotated q goes to q_out [T, Hq, D] if given, else into q in place; returns it. k and v are
-    read, never written. Equals rope_and_write_kv_reference (bit for bit in bf16/fp16: the same two roundings).
+    read, never written. Equals TorchKernels.rope_and_write_kv (bit for bit in bf16/fp16: the same two roundings).
     One program holds a token's heads at once: sized for Hq * D up to ~8k elements.
     """
     num_tokens, q_heads, head_dim = q.shape
@@ -112,24 +107,18 @@ def rope_and_write_kv(
     return q_out
 
 
-def rope_and_write_kv_reference(q, k, v, cos, sin, kv, slot_mapping) -> torch.Tensor:
-    """The torch path (gpu/layers/attention.py): apply_rope on q and k, write_kv; slots < 0 skipped."""
-    keep = slot_mapping >= 0
-    write_kv(kv, apply_rope(k, cos, sin)[keep], v[keep], slot_mapping[keep])
-    return apply_rope(q, cos, sin)
-
-
 @triton.jit
 def _add_rms_norm_kernel(
-    x, residual, weight, out, stride_x, stride_r, stride_o, hidden, eps, offset,
-    HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr,
+    x, residual, weight, out, stride_x, stride_xh, stride_r, stride_rh, stride_o, stride_oh, heads, hidden, eps,
+    offset, HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
+    tok, head = row // heads, row % heads
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
-    val = tl.load(x + row * stride_x + cols, mask=ok, other=0.0)
+    val = tl.load(x + tok * stride_x + head * stride_xh + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        r_ptr = residual + row * stride_r + cols
+        r_ptr = residual + tok * stride_r + head * stride_rh + cols
         val = (val.to(tl.float32) + tl.load(r_ptr, mask=ok, other=0.0).to(tl.float32)).to(val.dtype)
         tl.store(r_ptr, val, mask=ok)
     xf = val.to(tl.float32)
@@ -137,7 +126,7 @@ def _add_rms_norm_kernel(
     if ROUND_NORMED:  # Llama: the normalised row is cast to the model's dtype before the weight scales it
         normed = normed.to(val.dtype).to(tl.float32)
     w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32) + offset
-    tl.store(out + row * stride_o + cols, (normed * w).to(out.dtype.element_ty), mask=ok)
+    tl.store(out + tok * stride_o + head * stride_oh + cols, (normed * w).to(out.dtype.element_ty), mask=ok)
 
 
 def fused_add_rms_norm(
@@ -150,35 +139,27 @@ def fused_add_rms_norm(
 ) -> torch.Tensor:
     """vLLM's fused_add_rms_norm: residual += x (rounded to its dtype, in place), returns RMSNorm(residual).
 
-    x, residual, out [N, H] and weight [H] of one dtype (rows may be strided); offset 0 (Llama: scale by w) or 1
-    (Gemma: by 1 + w, in float32). residual None: a plain RMSNorm of x, nothing written but the output. out: where
-    the result goes (may be x itself), else a new tensor. One launch, grid (N,), a whole row per program.
-    Equals fused_add_rms_norm_reference: RMSNorm(x + residual) of gpu/layers/norm.py, its rounding order in bf16/fp16.
+    x, residual, out [N, H] or [N, heads, H] (per-head q/k norms) and weight [H] of one dtype (the first two dims
+    may be strided); offset 0 (Llama: scale by w) or 1 (Gemma: by 1 + w, in float32). residual None: a plain
+    RMSNorm of x, nothing written but the output. out: where the result goes (may be x itself), else a new
+    contiguous tensor. One launch, grid (N * heads,), a whole row per program.
+    Equals TorchKernels.rms_norm: RMSNorm(x + residual), its rounding order in bf16/fp16.
     """
     hidden = x.shape[-1]
-    out = torch.empty_like(x) if out is None else out
-    assert x.dim() == 2 and out.shape == x.shape and weight.shape == (hidden,)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    assert x.dim() in (2, 3) and out.shape == x.shape and weight.shape == (hidden,)
     assert out.dtype == weight.dtype == x.dtype
     assert x.stride(-1) == out.stride(-1) == weight.stride(0) == 1
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
-    if x.shape[0]:
-        _add_rms_norm_kernel[(x.shape[0],)](
-            x, x if residual is None else residual, weight, out, x.stride(0),
-            0 if residual is None else residual.stride(0), out.stride(0), hidden, eps, float(offset),
+    x3, r3, o3 = (t if t is None or t.dim() == 3 else t[:, None] for t in (x, residual, out))
+    if x.numel():
+        _add_rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
+            x3, x3 if r3 is None else r3, weight, out, *x3.stride()[:2], *(x3 if r3 is None else r3).stride()[:2],
+            *o3.stride()[:2], x3.shape[1], hidden, eps, float(offset),
             HAS_RESIDUAL=residual is not None, ROUND_NORMED=offset == 0, BLOCK=triton.next_power_of_2(hidden),
         )  # fmt: skip
     return out
-
-
-def fused_add_rms_norm_reference(x, residual, weight, eps, offset=0.0) -> torch.Tensor:
-    """The torch path: residual += x in place (unless None), then gpu/layers/norm.py's RMSNorm of the sum."""
-    norm = RMSNorm(x.shape[-1], eps, offset).to(device=x.device, dtype=weight.dtype)
-    norm.weight.data.copy_(weight)
-    if residual is None:
-        return norm(x)
-    residual.add_(x)
-    return norm(residual)
 
 
 @triton.jit
@@ -197,8 +178,8 @@ def _act_and_mul_kernel(x, out, stride_x, stride_o, d, ACT: tl.constexpr, BLOCK:
 def act_and_mul(x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """act(x[:, :d]) * x[:, d:] for a fused gate_up output x [N, 2d] (rows may be strided): out [N, d], x's dtype.
 
-    act: a key of gpu/layers/mlp.py ACTIVATIONS (silu; gelu_tanh = gelu_pytorch_tanh). out: where the result
-    goes, else a new tensor. One launch, grid (N, cdiv(d, 1024)). Equals act_and_mul_reference, its rounding order.
+    act: a key of gpu/layers/kernels.py ACTIVATIONS (silu; gelu_tanh = gelu_pytorch_tanh). out: where the result
+    goes, else a new tensor. One launch, grid (N, cdiv(d, 1024)). Equals TorchKernels.act_and_mul, its rounding order.
     """
     n, d = x.shape[0], x.shape[-1] // 2
     out = x.new_empty(n, d) if out is None else out
@@ -210,7 +191,19 @@ def act_and_mul(x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> t
     return out
 
 
-def act_and_mul_reference(x: torch.Tensor, act: str) -> torch.Tensor:
-    """The torch path (gpu/layers/mlp.py FusedGatedMLP): gate, up = x.chunk(2, -1); act(gate) * up."""
-    gate, up = x.chunk(2, dim=-1)
-    return ACTIVATIONS[act](gate) * up
+class TritonKernels:
+    """The triton backend's kernel set (gpu/layers/kernels.py): one launch per step, q/k/v and gate/up stacked."""
+
+    fuse_weights = True
+
+    @staticmethod
+    def rms_norm(x, residual, weight, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum is written into `residual` (vLLM's in-place residual stream)."""
+        return fused_add_rms_norm(x, residual, weight, eps, offset), x if residual is None else residual
+
+    @staticmethod
+    def rope_and_write_kv(q, k, v, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], slots) -> torch.Tensor:
+        """q is rotated in place (a projection's fresh output, read by nothing else)."""
+        return rope_and_write_kv(q, k, v, cos, sin, kv, slots)
+
+    act_and_mul = staticmethod(act_and_mul)

@@ -1,41 +1,49 @@
-"""The gated MLP, down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), as the config's hidden_act says."""
+"""The gated MLP, down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), as the config's hidden_act says.
+
+gate and up are two weights (Llama's checkpoints) or one [2 * intermediate, hidden] `gate_up_proj` (Phi-3's, and
+every family's once `fuse()` stacks them at load for a kernel set with `fuse_weights`: one GEMM, then one
+act-and-mul kernel)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from gpu.layers.kernels import ACTIVATIONS, TORCH_KERNELS
 from gpu.linear import Linear
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+    kernels = TORCH_KERNELS
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, fused: bool = False) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=bias)
-        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        if fused:
+            self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        else:
+            self.gate_proj = Linear(hidden, intermediate, bias=bias)
+            self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act = ACTIVATIONS[act]
+        self.act = act
+
+    def fuse(self) -> None:
+        """Stack the loaded gate and up weights into one gate_up_proj."""
+        if not hasattr(self, "gate_up_proj"):
+            self.gate_up_proj = stack_linears(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            return self.down_proj(self.kernels.act_and_mul(self.gate_up_proj(x), self.act))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
-class FusedGatedMLP(nn.Module):
-    """Phi-3's: gate and up in one [2 * intermediate, hidden] weight (`gate_up_proj`), one matmul."""
-
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.act = ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+def stack_linears(*linears: Linear) -> Linear:
+    """One Linear computing the given ones' outputs side by side (their loaded weights stacked by output row)."""
+    weight, bias = torch.cat([lin.weight for lin in linears]), linears[0].bias
+    with torch.device("meta"):
+        out = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+    return out

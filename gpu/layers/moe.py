@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.layers.mlp import ACTIVATIONS
+from gpu.layers.kernels import ACTIVATIONS
 from gpu.linear import Linear
 
 # a checkpoint's per-expert tensor: "experts.<e>.<its projection>.weight", in either family's names

@@ -1,27 +1,26 @@
-"""RMSNorm, as HF transformers computes it for each family.
-
-- Llama style (`offset=0`): normalised in float32, cast back, then scaled by the weight in the model's dtype.
-- Gemma style (`offset=1`): the weight is stored as w and scales by (1 + w), in float32, before the cast.
-Float32 input is one fused op either way (the two orders round alike there).
-"""
+"""RMSNorm, optionally added to the residual stream first (vLLM's fused_add_rms_norm): `norm(x)` returns the normed
+x; `norm.add(x, residual)` returns (normed sum, sum), the sum being the new residual (residual None: (norm(x), x)). Computed by the layer's kernel set
+(gpu/layers/kernels.py, where the families' two rounding orders are written out); `offset` 1 scales by (1 + w)
+(Gemma), 0 by w (Llama)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from gpu.layers.kernels import TORCH_KERNELS
 
 
 class RMSNorm(nn.Module):
+    kernels = TORCH_KERNELS
+
     def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.weight.shape
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, shape, self.weight + self.offset if self.offset else self.weight, self.eps)
-        if self.offset:
-            return (F.rms_norm(x.float(), shape, eps=self.eps) * (self.weight.float() + self.offset)).to(x.dtype)
-        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
+        return self.kernels.rms_norm(x, None, self.weight, self.eps, self.offset)[0]
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.rms_norm(x, residual, self.weight, self.eps, self.offset)

@@ -40,7 +40,7 @@ class RotaryEmbedding:
         self.inv_freq = self.inv_freq.to(device)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and the sign-folded sin (-sin on the first half: see apply_rope), [num_tokens, 1, rotary_dim]."""
+        """cos and the sign-folded sin (-sin on the first half: see gpu/layers/kernels.py apply_rope), [num_tokens, 1, rotary_dim]."""
         freqs = positions.float()[:, None] * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         if self.factor != 1.0:
@@ -102,12 +102,3 @@ def _yarn(inv_freq: torch.Tensor, theta: float, factor: float, dim: int, s: dict
 def _mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's x * cos + rotate_half(x) * sin over the first cos.shape[-1] dims (the rest pass), with rotate_half(x) =
-    (-x2, x1) as the halves swapped times the sign-folded sin: three kernels instead of five."""
-    d = cos.shape[-1]
-    if d < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :d], cos, sin), x[..., d:]), -1)
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return torch.addcmul(x * cos, swapped, sin)

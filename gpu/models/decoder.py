@@ -44,14 +44,17 @@ class DecoderLayer(nn.Module):
         self.sandwich = family.sandwich
         self.rope = 1 if c.local_rope and c.layer_windows[layer] else 0  # which of the model's rotaries
 
-    def forward(self, x, ropes, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), ropes[self.rope], meta, kv)
+    def forward(self, h, residual, ropes, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
+        """(h, residual) -> this layer's (h, residual); the stream is residual + h, the add deferred into the next
+        norm (one fused step with it); residual None before the first layer."""
+        h, residual = self.input_layernorm.add(h, residual)
+        h = self.self_attn(h, ropes[self.rope], meta, kv)
         mlp = getattr(self, self.mlp_name)
         if not self.sandwich:
-            x = x + attn
-            return x + mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
+            h, residual = self.post_attention_layernorm.add(h, residual)
+            return mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
@@ -72,9 +75,10 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         ropes = [rotary(positions, x.dtype) for rotary in self.rotaries]
+        residual = None
         for layer, kv in zip(self.layers, kv_cache.layers, strict=True):
-            x = layer(x, ropes, meta, kv)
-        return self.norm(x)
+            x, residual = layer(x, residual, ropes, meta, kv)
+        return self.norm.add(x, residual)[0]
 
 
 class CausalLM(nn.Module):

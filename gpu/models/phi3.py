@@ -2,7 +2,7 @@
 matmul each); partial rotary (`partial_rotary_factor`) and longrope read by gpu/config.py for any family."""
 
 from gpu.layers.attention import FusedQKVAttention
-from gpu.layers.mlp import FusedGatedMLP
+from gpu.layers.mlp import GatedMLP
 from gpu.models.decoder import CausalLM
 
 
@@ -10,5 +10,5 @@ class Phi3ForCausalLM(CausalLM):
     attention = FusedQKVAttention
 
     @staticmethod
-    def make_mlp(c, layer: int) -> FusedGatedMLP:
-        return FusedGatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+    def make_mlp(c, layer: int) -> GatedMLP:
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, fused=True)
