@@ -66,8 +66,8 @@ def load_model(
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
-    attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set every layer calls
-and which may stack q/k/v and gate/up weights into one each once loaded."""
+    attention layer calls (gpu/attention_backend.py; the torch path when None): its kernel set goes to every layer,
+    and where that set fuses weights, q/k/v and gate/up are stacked into one each once loaded."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
     with torch.device("meta"):

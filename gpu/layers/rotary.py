@@ -101,4 +101,3 @@ def _yarn(inv_freq: torch.Tensor, theta: float, factor: float, dim: int, s: dict
 
 def _mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
