@@ -1,0 +1,114 @@
+"""The launch budget of the GPU path (issue 30): the kernels one decode step launches, counted on CPU as the aten ops
+it dispatches plus its Triton launches (the interpreter's), each charged to the decoder layer running it.
+
+Views (an op that may alias and did: `x.to(dtype)` of another dtype is a copy and counts), allocations and other
+metadata-only ops launch nothing on a GPU and are not counted; everything else is (a copy, a cast, an index, a GEMM).
+Ops count only inside the counted step: the prefills before it are not charged. The step is `ModelRunner.execute` in bfloat16 on the triton backend, the GPU path's
+dtype and backend: at most LAYER_BUDGET launches per decoder layer, plus STEP_BUDGET for the rest (embedding,
+rotary cos/sin, the final norm, the logit rows and the LM head). The torch backend's layers, counted alike, exceed
+the budget: the counter sees what it must.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from triton.runtime import interpreter
+
+from gpu.batch import BatchSpec
+from gpu.config import ModelConfig
+from gpu.runner import ModelRunner
+from tests.tiny_model import Request, block_pool
+
+LAYER_BUDGET, STEP_BUDGET = 12, 30
+aten = torch.ops.aten
+FREE = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.new_empty.default}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts launches per place: "step", or the index of the decoder layer running (set by module hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: str | int = "step"
+        self.counts: Counter = Counter()
+        self.ops: dict = {}
+        self.active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def launch(self, name: str) -> None:
+        if self.active:
+            self.counts[self.where] += 1
+            self.ops.setdefault(self.where, []).append(name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (list, tuple)) else out  # split's views
+        aliased = func.is_view and first.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
+        if not (aliased or func in FREE):
+            self.launch(str(func.overloadpacket))
+        return out
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    """A LaunchCounter that also counts each Triton launch once (not the torch ops the interpreter runs it with)."""
+    count = LaunchCounter()
+    run = interpreter.InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        count.launch(f"triton:{self.fn.__name__}")
+        with _disable_current_modes():
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+    return count
+
+
+def decode_step_launches(model_dir, backend: str, counter: LaunchCounter, prompt_lens) -> LaunchCounter:
+    runner = ModelRunner(
+        ModelConfig.from_path(model_dir), "cpu", torch.bfloat16, num_blocks=64, num_threads=1, attention_backend=backend
+    )
+    pool, g = block_pool(num_blocks=64), torch.Generator().manual_seed(0)
+    reqs = [
+        Request(pool, i, torch.randint(3, 49152, (n,), generator=g).tolist(), 16) for i, n in enumerate(prompt_lens)
+    ]
+    for r in reqs:  # the prefills, not counted
+        r.tokens.append(int(runner.execute(BatchSpec(r.slot, [r.row()]))[0].argmax()))
+    for i, layer in enumerate(runner.model.model.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: setattr(counter, "where", i))
+        layer.register_forward_hook(lambda *_: setattr(counter, "where", "step"))
+    with counter:
+        runner.execute(BatchSpec(len(reqs), [r.row() for r in reqs]))
+    return counter
+
+
+# Llama (SmolLM2's shape), Qwen3 (per-head q/k norms), Gemma 2 (four norms a layer, soft-caps, scaled embeddings);
+# Llama: one row past 256 keys takes split-K attention (two launches)
+CASES = {"llama": (5, 260, 17), "qwen3": (5, 17), "gemma2": (9, 17)}
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_a_decode_step_on_the_gpu_path_fits_the_launch_budget(family, family_dir_of, counter):
+    counts = decode_step_launches(family_dir_of(family), "triton", counter, CASES[family])
+    layers = {k: v for k, v in counts.counts.items() if k != "step"}
+    assert len(layers) == 2  # both layers were counted
+    for layer, n in layers.items():
+        assert n <= LAYER_BUDGET, f"layer {layer}: {n} launches: {counts.ops[layer]}"
+    assert counts.counts["step"] <= STEP_BUDGET, counts.ops["step"]
+    assert any(op.startswith("triton:") for op in counts.ops[0])
+
+
+def test_the_torch_path_exceeds_the_budget(family_dir_of, counter):
+    counts = decode_step_launches(family_dir_of("llama"), "torch", counter, (5, 17))
+    assert counts.counts[0] > LAYER_BUDGET, counts.ops[0]
