@@ -66,8 +66,8 @@ def load_model(
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
-    attention layer calls (gpu/attention_backend.py; the torch path when None): its kernel set goes to every layer,
-    and where that set fuses weights, q/k/v and gate/up are stacked into one each once loaded."""
+    attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set goes to every layer.
+    Once loaded, q/k/v and gate/up weights are stacked into one each."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
     with torch.device("meta"):
@@ -88,10 +88,9 @@ def load_model(
     for file, name, target, row in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(files) < 2):
         param = params[target]
         (param if row is None else param[row]).copy_(files[file].get_tensor(name))
-    if attention is not None and attention.kernels.fuse_weights:
-        for module in list(model.modules()):
-            if hasattr(module, "fuse"):
-                module.fuse()
+    for module in list(model.modules()):  # q/k/v and gate/up stacked: one GEMM each (scripts/bench_layouts.py)
+        if hasattr(module, "fuse"):
+            module.fuse()
     if quantization:
         quantize_model(model, quantization)
         return model

@@ -192,9 +192,7 @@ def act_and_mul(x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> t
 
 
 class TritonKernels:
-    """The triton backend's kernel set (gpu/layers/kernels.py): one launch per step, q/k/v and gate/up stacked."""
-
-    fuse_weights = True
+    """The triton backend's kernel set (gpu/layers/kernels.py): one launch per step."""
 
     @staticmethod
     def rms_norm(x, residual, weight, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,8 @@ q/k RMSNorm before rotary (Qwen3, Gemma 3), a sliding window, a logit soft-cap a
 attention over the cache is `attend`, the backend the runner chose at load (gpu/attention_backend.py; the torch path
 until then); rotary and the cache write are one step of the layer's kernel set (gpu/layers/kernels.py).
 
-q, k and v are three weights (Llama's checkpoints) or one `qkv_proj` with [q; k; v] rows: Phi-3's
-(`FusedQKVAttention`), and every family's once `fuse()` stacks them at load for a kernel set with `fuse_weights`."""
+q, k and v are three weights in most checkpoints, one `qkv_proj` with [q; k; v] rows in Phi-3's
+(`FusedQKVAttention`); `fuse()` stacks them at load (gpu/weights.py): one GEMM."""
 
 from __future__ import annotations
 
@@ -44,14 +44,9 @@ class Attention(nn.Module):
             self.qkv_proj = stack_linears(self.q_proj, self.k_proj, self.v_proj)
             del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if hasattr(self, "qkv_proj"):
-            return self.qkv_proj(x).split(self.sizes, dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
     def forward(self, x, rope, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = (t.view(n, -1, self.head_dim) for t in self.project(x))
+        q, k, v = (t.view(n, -1, self.head_dim) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.kernels.rope_and_write_kv(q, k, v, *rope, kv, meta.slot_mapping)

@@ -6,7 +6,6 @@ to every layer at load (gpu/weights.py): each layer calls `self.kernels.<step>` 
 | rms_norm(x, residual, weight, eps, offset)  | residual + x, then HF's RMSNorm of the sum    | one kernel           |
 | rope_and_write_kv(q, k, v, cos, sin, kv, s) | apply_rope on q and k, write_kv                | one kernel           |
 | act_and_mul(x, act)                         | act(gate) * up of a fused gate_up output       | one kernel           |
-| fuse_weights                                | False (CPU keeps separate q/k/v, gate/up)     | True: one GEMM each  |
 
 Each Triton kernel equals its torch step here, with its rounding order in bf16/fp16 (gpu/kernels/triton_fused.py).
 
@@ -30,8 +29,6 @@ ACTIVATIONS = {
 
 
 class TorchKernels:
-    fuse_weights = False
-
     @staticmethod
     def rms_norm(x, residual, weight, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(x + residual), x + residual) rounded to x's dtype; residual None: (RMSNorm(x), x). The sum is

@@ -1,15 +1,14 @@
 """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), as the config's hidden_act says.
 
-gate and up are two weights (Llama's checkpoints) or one [2 * intermediate, hidden] `gate_up_proj` (Phi-3's, and
-every family's once `fuse()` stacks them at load for a kernel set with `fuse_weights`: one GEMM, then one
-act-and-mul kernel)."""
+gate and up are two weights in most checkpoints, one [2 * intermediate, hidden] `gate_up_proj` in Phi-3's; `fuse()`
+stacks them at load (gpu/weights.py), so the model runs one GEMM and one act-and-mul step of its kernel set."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from gpu.layers.kernels import ACTIVATIONS, TORCH_KERNELS
+from gpu.layers.kernels import TORCH_KERNELS
 from gpu.linear import Linear
 
 
@@ -33,9 +32,7 @@ class GatedMLP(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_proj"):
-            return self.down_proj(self.kernels.act_and_mul(self.gate_up_proj(x), self.act))
-        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.kernels.act_and_mul(self.gate_up_proj(x), self.act))
 
 
 def stack_linears(*linears: Linear) -> Linear:
