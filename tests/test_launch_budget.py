@@ -1,5 +1,6 @@
-"""The launch budget of the GPU path (issue 30): the kernels one decode step launches, counted on CPU as the aten ops
-it dispatches plus its Triton launches (the interpreter's), each charged to the decoder layer running it.
+"""The launch budget of the GPU path (issue 30): the kernels one decode step launches, counted as the aten ops it
+dispatches plus its Triton launches (compiled on CUDA, the interpreter's on CPU), each charged to the decoder layer
+running it.
 
 Views (an op that may alias and did: `x.to(dtype)` of another dtype is a copy and counts), allocations and other
 metadata-only ops launch nothing on a GPU and are not counted; everything else is (a copy, a cast, an index, a GEMM).
@@ -16,12 +17,14 @@ from collections import Counter
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from triton.runtime import interpreter
 
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
+from gpu.kernels import triton_fused
 from gpu.runner import ModelRunner
 from tests.tiny_model import Request, block_pool
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 LAYER_BUDGET, STEP_BUDGET = 12, 30
 aten = torch.ops.aten
@@ -64,20 +67,26 @@ class LaunchCounter(TorchDispatchMode):
 def counter(monkeypatch):
     """A LaunchCounter that also counts each Triton launch once (not the torch ops the interpreter runs it with)."""
     count = LaunchCounter()
-    run = interpreter.InterpretedFunction.run
+    kernel_type = type(triton_fused._act_and_mul_kernel)  # JITFunction, or the interpreter's InterpretedFunction
+    run = kernel_type.run
 
     def counted_run(self, *args, **kwargs):
         count.launch(f"triton:{self.fn.__name__}")
         with _disable_current_modes():
             return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+    monkeypatch.setattr(kernel_type, "run", counted_run)
     return count
 
 
 def decode_step_launches(model_dir, backend: str, counter: LaunchCounter, prompt_lens) -> LaunchCounter:
     runner = ModelRunner(
-        ModelConfig.from_path(model_dir), "cpu", torch.bfloat16, num_blocks=64, num_threads=1, attention_backend=backend
+        ModelConfig.from_path(model_dir),
+        DEVICE,
+        torch.bfloat16,
+        num_blocks=64,
+        num_threads=1,
+        attention_backend=backend,
     )
     pool, g = block_pool(num_blocks=64), torch.Generator().manual_seed(0)
     reqs = [
