@@ -60,6 +60,11 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="paged attention: torch (the reference) or triton (kernels reading the KV cache in place; on CPU they run "
         "in the Triton interpreter, slowly: for tests and debugging) (default: triton on CUDA, torch on CPU)",
     )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: every step runs eagerly (default: decode steps replay graphs captured at startup)",
+    )
     g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: every core)")
     g.add_argument(
         "--worker",

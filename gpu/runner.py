@@ -12,10 +12,11 @@ from itertools import chain
 import numpy as np
 import torch
 
-from gpu.attention import AttentionMetadata
+from gpu.attention import AttentionMetadata, TorchAttention
 from gpu.attention_backend import BackendName, choose_attention_backend
 from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.config import ModelConfig
+from gpu.graphs import DecodeGraphs, GraphMode
 from gpu.kv_cache import KVCache
 from gpu.quant import Quantization
 from gpu.weights import load_model
@@ -55,6 +56,7 @@ class ModelRunner:
         num_threads: int | None = None,
         quantization: Quantization | None = None,
         attention_backend: BackendName | None = None,
+        decode_graphs: GraphMode | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -79,8 +81,11 @@ class ModelRunner:
         # interpreter switch first
         self.attention = choose_attention_backend(attention_backend, self.device, self.dtype, block_size)
         self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention)
-        self.kv_cache = KVCache(model_config, num_blocks, block_size, self.dtype, self.device)
+        mode = graph_mode(decode_graphs, self.device, self.attention)
+        # decode steps on static buffers (gpu/graphs.py) have their pad rows write one block beyond the scheduler's
+        self.kv_cache = KVCache(model_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.graphs = DecodeGraphs(self, mode == "capture") if mode != "off" else None
 
     @torch.inference_mode()
     def set_prev_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -95,12 +100,17 @@ class ModelRunner:
         then, row by row, the first fed tokens of rows with prompt_targets (one per target)."""
         if not batch.rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
+        num_rows, size = len(batch.rows), self.graphs and self.graphs.size_for(batch)
+        if size:
+            batch = self.graphs.pad(batch, size)
         host, plans, max_query_len, max_seq_len = self._prepare(batch)
         tensors = iter(self._upload([*host.values(), *(a for p in plans for a in p.arrays.values())]))
         t = {name: next(tensors) for name in host}
         uploaded = [{name: next(tensors) for name in p.arrays} for p in plans]
         if "placeholders" in t:
             t["input_ids"][t["placeholders"]] = self.prev_sampled[t["placeholder_slots"]]
+        if size:
+            return self.graphs.run(size, t, plans, uploaded)[:num_rows]
         meta = AttentionMetadata(
             slot_mapping=t["slot_mapping"],
             query_start_loc=t["query_start_loc"],
@@ -164,3 +174,14 @@ class ModelRunner:
             views.append(flat[offset : offset + a.size].view(a.shape))
             offset += a.size
         return views
+
+
+def graph_mode(mode: GraphMode | None, device: torch.device, attention) -> GraphMode:
+    """The decode-step mode (gpu/graphs.py): None is "capture" where graphs can be had (CUDA, a backend without
+    host-side plans: triton), else "off"."""
+    capturable = device.type == "cuda" and not isinstance(attention, TorchAttention)
+    if mode is None:
+        return "capture" if capturable else "off"
+    if mode == "capture" and not capturable:
+        raise ValueError(f"CUDA graphs need a CUDA device and the triton attention backend, not {device.type} here")
+    return mode

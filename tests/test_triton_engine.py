@@ -1,9 +1,13 @@
-"""The whole engine on the triton backend (Triton attention, the fused kernels and stacked q/k/v and gate/up weights:
-the GPU path, in the Triton interpreter on CPU) gives the torch backend's tokens on one workload through chunked
-prefill, decode, preemption (a KV cache too small for every row) and n-gram speculation (multi-token verification
-rows, rolled-back drafts), greedy and seeded; the counters show each of those paths ran."""
+"""The GPU path's pieces through the whole engine on CPU: the triton backend (Triton attention, the fused kernels,
+in the Triton interpreter) and decode steps on the CUDA graphs' static buffers (gpu/graphs.py, run eagerly here)
+give the torch backend's dynamic-path tokens on one workload through chunked prefill, decode, preemption (a KV
+cache too small for every row), n-gram speculation (verification rows, rolled-back drafts; the seeded rows outlast
+the others, so the last steps are plain decode steps) and an abort, greedy and seeded; the counters show each of
+those paths ran."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -20,35 +24,51 @@ PROMPTS = [
 ]
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-    SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-    SamplingParams(temperature=1.0, top_k=30, seed=8, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=30, seed=8, max_tokens=30, ignore_eos=True),
 ]
 
 
-async def run(model_dir, backend: str):  # noqa: F811
+async def aborted_after(llm, n: int) -> list[int]:
+    """PROMPTS[2] with its params, aborted once it has streamed n tokens: the tokens it got."""
+    rid, got = llm.new_id(), []
+    stream = llm.stream(PROMPTS[2], PARAMS[2], request_id=rid)
+    async for item in stream:
+        got += item.token_ids
+        if len(got) >= n:
+            break
+    llm.abort(rid)
+    assert [item async for item in stream][-1].finish_reason == "abort"
+    return got
+
+
+async def run(model_dir, backend: str, static: bool):  # noqa: F811
     config = engine_config(
         model_dir,
         attention_backend=backend,
+        static_decode=static,
         max_model_len=96,
         num_kv_blocks=7,  # the 4 rows end at 3 + 5 + 2 + 2 blocks: preemption
         step_gate=False,
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
     )
     async with AsyncLLM(config, log_level="WARNING") as llm:
-        outs = await llm.generate(PROMPTS, PARAMS)
+        outs, aborted = await asyncio.gather(llm.generate(PROMPTS, PARAMS), aborted_after(llm, 3))
         stats, _ = await llm.fresh_stats()
-    return [(o.token_ids, o.finish_reason) for o in outs], stats
+    return [(o.token_ids, o.finish_reason) for o in outs], aborted, stats
 
 
 @pytest.fixture(scope="module")
-async def torch_run(model_dir):  # noqa: F811
-    return await run(model_dir, "torch")
+async def reference(model_dir):  # noqa: F811
+    return await run(model_dir, "torch", static=False)
 
 
-async def test_triton_backend_engine_equals_torch_backend(model_dir, torch_run):  # noqa: F811
-    outs, stats = await run(model_dir, "triton")
-    assert outs == torch_run[0]
-    assert all(len(tokens) == 20 for tokens, _ in outs)
+@pytest.mark.parametrize(("backend", "static"), [("torch", True), ("triton", True)], ids=["static", "triton-static"])
+async def test_gpu_path_pieces_give_the_torch_dynamic_paths_tokens(model_dir, reference, backend, static):  # noqa: F811
+    outs, aborted, stats = await run(model_dir, backend, static)
+    assert outs == reference[0]
+    assert [len(tokens) for tokens, _ in outs] == [p.max_tokens for p in PARAMS]
+    assert aborted == outs[2][0][: len(aborted)]  # the aborted twin of request 2 streamed its tokens, then stopped
     assert stats.num_preemptions_total > 0
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0

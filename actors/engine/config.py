@@ -41,6 +41,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
     # paged attention (gpu/attention_backend.py); None: triton on CUDA, torch on CPU
     attention_backend: Literal["torch", "triton"] | None = None
+    enforce_eager: bool = False  # no CUDA graphs: every step runs the dynamic path (gpu/graphs.py)
+    static_decode: bool = False  # tests, debugging: decode steps on the graphs' static buffers, run without graphs
     max_num_seqs: int = 64
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048  # a step's token budget: a wave of 128-token prompts prefills in one step
@@ -86,3 +88,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.engine_threads:
             return self.engine_threads
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def decode_graphs(self) -> Literal["eager", "off"] | None:
+        """The runner's decode-step mode (gpu/graphs.py): None lets it capture where it can."""
+        return "off" if self.enforce_eager else "eager" if self.static_decode else None

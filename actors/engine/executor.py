@@ -110,6 +110,7 @@ class StepExecutor:
             num_threads=config.threads(),
             quantization=config.quantization,
             attention_backend=config.attention_backend,
+            decode_graphs=config.decode_graphs(),
         )
         self.sampler = Sampler(logprobs_mode=config.logprobs_mode)
         self.device = self.runner.device

@@ -1,0 +1,131 @@
+"""Decode steps on static buffers (gpu/graphs.py), checked on CPU where no graph is captured: the same buffers and
+padding run eagerly and give the dynamic path's tokens and logits, and write no KV outside the scratch block, as
+rows come and go (a smaller step after a larger one leaves stale entries in the buffers: the padding must cover
+them). Also: the capture sizes, which steps run static, the mode per device and backend, `--enforce-eager`.
+On CUDA (marked): replay equals the eager dynamic path, and a captured step never syncs with the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from frontend.cli import _engine_config, build_parser
+from gpu.attention import TorchAttention
+from gpu.batch import BatchSpec, ScheduledRow
+from gpu.config import ModelConfig
+from gpu.convert import default_model_dir
+from gpu.graphs import capture_sizes
+from gpu.runner import ModelRunner, graph_mode
+from tests.tiny_model import Request, block_pool
+
+NUM_BLOCKS = 48
+PROMPT_LENS, DECODES = (5, 19, 33, 8, 12), (9, 3, 12, 6, 1)  # rows leave after their decodes: 5, 4, 3, ... rows
+
+
+def decode_run(model_dir, device, dtype, backend: str, mode: str):
+    """Prefill each prompt alone, then decode all rows together, each leaving after its DECODES[i] tokens: the
+    tokens, every decode step's logits, the runner."""
+    runner = ModelRunner(
+        ModelConfig.from_path(model_dir).served(256), device, dtype, num_blocks=NUM_BLOCKS, max_num_seqs=8,
+        num_threads=1, attention_backend=backend, decode_graphs=mode,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    pool = block_pool(num_blocks=NUM_BLOCKS)
+    reqs = [
+        Request(pool, i, torch.randint(3, 49152, (n,), generator=g).tolist(), 16) for i, n in enumerate(PROMPT_LENS)
+    ]
+    for r in reqs:
+        r.tokens.append(int(runner.execute(BatchSpec(r.slot, [r.row()]))[0].argmax()))
+    steps = []
+    for step in range(max(DECODES)):
+        live = [r for r, n in zip(reqs, DECODES, strict=True) if n > step]
+        logits = runner.execute(BatchSpec(100 + step, [r.row() for r in live]))
+        steps.append(logits.cpu())
+        for r, row_logits in zip(live, logits, strict=True):
+            r.tokens.append(int(row_logits.argmax()))
+    return [r.tokens for r in reqs], steps, runner
+
+
+@pytest.mark.parametrize(
+    ("model", "backend"),
+    [("tiny", "torch"), ("tiny", "triton"), ("smollm2", "torch")],
+    ids=["tiny", "triton", "smollm2"],
+)
+def test_static_buffers_give_the_dynamic_paths_tokens(model, backend, tiny_model_dir):
+    model_dir = tiny_model_dir if model == "tiny" else default_model_dir()
+    tokens, logits, dynamic = decode_run(model_dir, "cpu", torch.float32, backend, "off")
+    static_tokens, static_logits, static = decode_run(model_dir, "cpu", torch.float32, backend, "eager")
+    assert static_tokens == tokens
+    for ours, reference in zip(static_logits, logits, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    assert static.kv_cache.num_blocks == NUM_BLOCKS + 1 and dynamic.kv_cache.num_blocks == NUM_BLOCKS
+    for (k, v), (k_ref, v_ref) in zip(static.kv_cache.layers, dynamic.kv_cache.layers, strict=True):
+        torch.testing.assert_close(k[:NUM_BLOCKS], k_ref, rtol=1e-4, atol=1e-4)  # pad rows wrote only the scratch
+        torch.testing.assert_close(v[:NUM_BLOCKS], v_ref, rtol=1e-4, atol=1e-4)
+        assert k[NUM_BLOCKS].abs().sum() > 0  # ... which they did write
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(64) == [1, 2, 4, *range(8, 65, 8)]
+
+
+def test_which_steps_run_static(tiny_model_dir):
+    runner = ModelRunner(
+        ModelConfig.from_path(tiny_model_dir).served(64), "cpu", torch.float32, num_blocks=16, max_num_seqs=8,
+        decode_graphs="eager",
+    )  # fmt: skip
+    graphs = runner.graphs
+
+    def row(tokens=1, **kw):
+        return ScheduledRow("r", 0, [7] * tokens, 3, [0, 1], True, **kw)
+
+    assert graphs.size_for(BatchSpec(0, [row()] * 3)) == 4
+    assert graphs.size_for(BatchSpec(0, [row()] * 8)) == 8
+    assert graphs.size_for(BatchSpec(0, [row()] * 9)) is None  # above the largest size
+    assert graphs.size_for(BatchSpec(0, [row(), row(tokens=4)])) is None  # a prefill chunk: mixed
+    assert graphs.size_for(BatchSpec(0, [row(tokens=3, draft_token_ids=[5, 6])])) is None  # verification
+    assert graphs.size_for(BatchSpec(0, [row(prompt_targets=[9])])) is None  # prompt logprobs
+    assert graphs.size_for(BatchSpec(0, [ScheduledRow("r", 0, [7], 3, list(range(5)), True)])) is None  # too wide
+    padded = graphs.pad(BatchSpec(0, [row()] * 3), 4)
+    assert padded.rows[3].block_table == [16] and padded.rows[3].token_ids == [0]  # the scratch block, past 0..15
+
+
+def test_graph_mode_per_device_and_backend():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    torch_backend = TorchAttention(cpu, torch.float32, 16)
+    assert graph_mode(None, cpu, torch_backend) == "off"
+    assert graph_mode(None, cuda, torch_backend) == "off"  # host-side segment plans: not capturable
+    assert graph_mode(None, cuda, object()) == "capture"
+    assert graph_mode("eager", cpu, torch_backend) == "eager"
+    with pytest.raises(ValueError, match="CUDA graphs need"):
+        graph_mode("capture", cpu, torch_backend)
+
+
+@pytest.mark.parametrize(("flag", "mode"), [([], None), (["--enforce-eager"], "off")])
+def test_enforce_eager_flag(flag, mode):
+    config = _engine_config(build_parser().parse_args(["serve", "m", *flag]), "m")
+    assert config.enforce_eager == bool(flag) and config.decode_graphs() == mode
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replay_equals_eager_and_never_syncs(tiny_model_dir, monkeypatch):
+    tokens, logits, _ = decode_run(tiny_model_dir, "cuda", torch.float32, "triton", "off")
+    execute = ModelRunner.execute
+
+    def no_sync(self, batch):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(self, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(ModelRunner, "execute", no_sync)  # a sync inside any step raises
+    graph_tokens, graph_logits, runner = decode_run(tiny_model_dir, "cuda", torch.float32, "triton", "capture")
+    assert graph_tokens == tokens and len(runner.graphs.graphs) == len(runner.graphs.sizes)
+    for ours, reference in zip(graph_logits, logits, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
