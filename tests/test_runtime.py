@@ -12,8 +12,21 @@ import pytest
 import zmq
 
 from actors.runtime import Actor, ActorSpec, ActorSystem, AskTimeout, ProcessSpec, RestartPolicy, mailbox
+from actors.runtime.mailbox import Inbox
 from messages.codec import BadFrame, Codec, LocalOnlyError
-from messages.wire import Abort, AbortReason, CheckIdle, Finished, FinishReason, Opaque, Ping, Pong, Probe, Shutdown
+from messages.wire import (
+    Abort,
+    AbortReason,
+    CheckIdle,
+    Finished,
+    FinishReason,
+    Msg,
+    Opaque,
+    Ping,
+    Pong,
+    Probe,
+    Shutdown,
+)
 from tests.runtime_actors import Drainer, Recorder, Sender
 
 ECHO = ProcessSpec(name="echoproc", actors=[ActorSpec(name="echo", factory="tests.runtime_actors:Echo")])
@@ -81,6 +94,31 @@ async def test_an_inbox_whose_reader_someone_else_removed_hears_its_socket_again
         assert asyncio.get_running_loop().remove_reader(tester.inbox._sock.getsockopt(zmq.FD))  # the stale close
         pong = await tester.ask("echo", Ping(payload=b"again"), timeout=10)
         assert pong.payload == b"again" and tester.inbox.rearmed == 1
+
+
+def test_a_healthy_inbox_re_arms_silently_on_uvloop(caplog):
+    """uvloop's remove_reader answers None whether or not a reader was there: no false 'removed by someone else'
+    (every actor of a served graph logged it every REARM_S once)."""
+    import uvloop
+
+    async def rearm_twice() -> tuple[int, Msg]:
+        codec, ctx = Codec(), zmq.Context.instance()
+        inbox = Inbox("probe", codec)
+        inbox.bind(ctx, "inproc://rearm-probe")
+        inbox.rearm()
+        inbox.rearm()
+        push = ctx.socket(zmq.PUSH)
+        push.connect("inproc://rearm-probe")
+        push.send(codec.encode(Ping(payload=b"heard")))
+        try:
+            return inbox.rearmed, await asyncio.wait_for(inbox.get(), 10)
+        finally:
+            push.close(linger=0)
+            inbox.close()
+
+    rearmed, msg = uvloop.run(rearm_twice())
+    assert rearmed == 0 and "removed by someone else" not in caplog.text
+    assert msg == Ping(payload=b"heard")  # re-armed, it still hears its socket
 
 
 async def test_ask_timeout_and_local_only_refused():

@@ -9,7 +9,8 @@ An inbox re-arms its socket's reader every REARM_S: the loop's registration is k
 sharing the loop that closes a transport after its socket was already closed (an un-closed openai client that the
 cyclic GC finalizes and its own __del__ resurrects: its deferred aclose() aborts the transports whose sockets the GC
 closed) removes the reader of whatever took that fd number since. Such an inbox would never hear its socket again;
-re-armed, it loses at most REARM_S (counted in `rearmed`, logged).
+re-armed, it loses at most REARM_S (counted in `rearmed` and logged where the loop tells: asyncio's does, uvloop's
+`remove_reader` answers None either way).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Inbox:
         if self._sock is None:
             return
         loop = asyncio.get_running_loop()
-        if not loop.remove_reader(self._fd):
+        if loop.remove_reader(self._fd) is False:  # (asyncio's loop says; uvloop's answers None: renewed unseen)
             self.rearmed += 1
             log.warning(
                 "%s: the reader of its socket (fd %d) was removed by someone else: re-armed", self.name, self._fd
