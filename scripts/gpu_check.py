@@ -1,0 +1,228 @@
+"""The GPU runbook: one command that checks and measures Sluice on a GPU machine within ~10 minutes, and writes a
+markdown report (docs/GPU.md says how to set up a machine without network access).
+
+    python scripts/gpu_check.py --out DIR [--bundle .gpu] [--only PART ...] [--skip PART ...] [--model DIR]
+
+--bundle: what scripts/gpu_bundle.sh packed; where the converted SmolLM2 is not in the cache (a machine without
+network), random weights of its shape are built from the bundle's config and tokenizer, and every part (the tests'
+tokenizer, the benchmarks' model) uses them: speed is the real model's; outputs are not.
+
+Parts, in order, each a subprocess with its own time limit (a part that fails or runs out is reported and the next
+one runs): env (card, driver, versions), tests (the `cuda`-marked tests and the GPU path's own: kernels, launch
+budget, graphs, the engine on the triton backend), step (scripts/bench_step.py: step time eager and with graphs at
+batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the same run), serving (a
+server per setting, scripts/bench_serving.py at concurrency 1/16/64; async against sync and the process worker at
+64), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), spec (scripts/bench_spec.py, n-gram).
+DIR gets three files (a GPU machine returns at most 8): report.md (the tables), gpu_check.log (every part's output,
+in order) and results.json (every benchmark's JSON); the report is printed last, with a line per part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TESTS = ["tests/test_graphs.py", "tests/test_launch_budget.py", "tests/test_attention_backends.py"]
+TESTS += ["tests/test_triton_engine.py", "tests/test_cuda.py", "tests/test_model_parity.py"]
+SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
+    ("async", [], [1, 16, 64]),
+    ("sync", ["--no-async-scheduling"], [64]),
+    ("process-worker", ["--worker", "process"], [64]),
+]
+
+
+def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int | str, float]:
+    """Run `cmd` from the repo root, its output appended to `log`: (exit code or "timeout", seconds)."""
+    start = time.monotonic()
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        try:
+            rc = subprocess.run(
+                cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, env=env
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        except OSError as exc:  # no such program
+            out.write(f"{exc}\n")
+            rc = "missing"
+    return rc, time.monotonic() - start
+
+
+def part_env(out: Path, model: str) -> list[str]:
+    log, lines = out / "env.log", []
+    code = "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,"
+    code += " 'transformers', transformers.__version__)"
+    gpu = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    for cmd in (gpu, [PY, "-c", code]):
+        before = log.read_text() if log.exists() else ""
+        run(cmd, log, 60)
+        lines += [f"- {line}" for line in log.read_text()[len(before) :].splitlines()[1:]]
+    return lines
+
+
+def part_tests(out: Path, model: str) -> list[str]:
+    rc, secs = run([PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS], out / "tests.log", 240)
+    tail = (out / "tests.log").read_text().strip().splitlines()[-1:]
+    return [f"- pytest ({secs:.0f} s, exit {rc}): {tail[0] if tail else ''}"]
+
+
+def part_step(out: Path, model: str) -> list[str]:
+    data = out / "step.json"
+    cmd = [PY, "scripts/bench_step.py", "--json", str(data), *(["--model", model] if model else [])]
+    rc, secs = run(cmd, out / "step.log", 200)
+    if not data.exists():
+        return [f"- bench_step failed ({rc}, {secs:.0f} s): see step.log"]
+    r = json.loads(data.read_text())
+    lines = [
+        f"- {r['device']}: weight-read floor {r['floor_ms']:.3f} ms/step",
+        "",
+        "| mode | batch | ms/step | tok/s |",
+    ]
+    lines += ["|---|---:|---:|---:|"] + [
+        f"| {x['mode']} | {x['batch']} | {x['ms']:.2f} | {x['tok_s']:.0f} |" for x in r["results"]
+    ]
+    return lines
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def part_serving(out: Path, model: str) -> list[str]:
+    lines = ["| setting | concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms |"]
+    lines.append("|---|---:|---:|---:|---:|---:|")
+    log = out / "serving.log"
+    for label, flags, concurrencies in SERVE_RUNS:
+        port = free_port()
+        serve = [PY, "-m", "frontend.cli", "serve", *([model] if model else []), "--port", str(port), *flags]
+        with log.open("a") as sink:
+            server = subprocess.Popen(serve, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            if not wait_healthy(port, server, 120):
+                lines.append(f"| {label} | - | server did not start: see serving.log | | | |")
+                continue
+            for c in concurrencies:
+                data = out / f"serve-{label}-{c}.json"
+                bench = [PY, "scripts/bench_serving.py", "--base-url", f"http://127.0.0.1:{port}", "--concurrency"]
+                bench += [str(c), "--num-prompts", str(max(8, 2 * c)), "--output-len", "64", "--warmup", "2"]
+                run([*bench, "--json", str(data)], log, 90)
+                lines.append(serving_row(label, c, data))
+        finally:
+            server.terminate()
+            server.wait(30)
+    return lines
+
+
+def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> bool:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            time.sleep(1)  # (a polled external process: no event to wait on)
+    return False
+
+
+def serving_row(label: str, c: int, data: Path) -> str:
+    if not data.exists():
+        return f"| {label} | {c} | failed: see serving.log | | | |"
+    r = json.loads(data.read_text())
+    stats = (r["ttft_ms"]["p50"], r["tpot_ms"]["p50"], r["itl_ms"]["p99"])
+    return f"| {label} | {c} | {r['output_throughput']:.0f} | " + " | ".join(f"{s:.1f}" for s in stats) + " |"
+
+
+def part_sampler(out: Path, model: str) -> list[str]:
+    cmd = [PY, "scripts/bench_sampler.py", "--device", "cuda", "--batches", "1", "64", "256", "--vocabs", "49152"]
+    rc, secs = run([*cmd, "--no-reference"], out / "sampler.log", 90)
+    return [f"- bench_sampler ({secs:.0f} s, exit {rc}): table in sampler.log"]
+
+
+def part_spec(out: Path, model: str) -> list[str]:
+    cmd = [PY, "scripts/bench_spec.py", "--requests", "2", "--max-tokens", "64", *(["--model", model] if model else [])]
+    rc, secs = run(cmd, out / "spec.log", 120)
+    return [f"- bench_spec ({secs:.0f} s, exit {rc}): table in spec.log"]
+
+
+def prepare_model(bundle: Path) -> str:
+    """The default model's directory in the cache, built from the bundle with random weights where it is missing."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gpu.convert import DEFAULT_MODEL_NAME, cache_dir
+
+    out = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if out.is_dir():
+        return f"model: {out} (as found)"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bundle / "smollm2"))
+        model.save_pretrained(tmp)
+        for f in (bundle / "smollm2").iterdir():
+            shutil.copy(f, tmp)
+        Path(tmp).rename(out)
+    return f"model: {out} (random weights of SmolLM2-135M-Instruct's shape)"
+
+
+PARTS = {"env": part_env, "tests": part_tests, "step": part_step, "serving": part_serving}
+PARTS |= {"sampler": part_sampler, "spec": part_spec}
+
+
+def gather(work: Path, out: Path) -> None:
+    """The parts' logs, in the order they were written, into gpu_check.log; their JSON files into results.json."""
+    logs = sorted(work.glob("*.log"), key=lambda f: f.stat().st_mtime_ns)
+    (out / "gpu_check.log").write_text("".join(f"===== {f.name}\n{f.read_text()}" for f in logs))
+    data = {f.stem: json.loads(f.read_text()) for f in sorted(work.glob("*.json"))}
+    (out / "results.json").write_text(json.dumps(data, indent=2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="directory for the logs and report.md")
+    ap.add_argument("--only", nargs="+", choices=list(PARTS), default=list(PARTS))
+    ap.add_argument("--skip", nargs="+", choices=list(PARTS), default=[])
+    ap.add_argument("--model", default="", help="an HF-style directory (default: the bundled SmolLM2)")
+    ap.add_argument("--bundle", type=Path, default=None, help="scripts/gpu_bundle.sh's directory (.gpu)")
+    ap.add_argument("--commit", default="", help="the commit checked (a copied tree may have no .git)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="sluice-gpu-check-"))  # each part's files, gathered into --out
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    report, summary = [f"# Sluice GPU check {args.commit}".rstrip(), ""], []
+    if args.bundle:
+        report += [f"- {prepare_model(args.bundle)}", ""]
+    for name in [p for p in PARTS if p in args.only and p not in args.skip]:
+        start = time.monotonic()
+        try:
+            lines = PARTS[name](work, args.model)
+        except Exception as exc:  # a part's own failure is reported; the next part runs
+            lines = [f"- failed: {exc!r}"]
+        secs = time.monotonic() - start
+        report += [f"## {name} ({secs:.0f} s)", "", *lines, ""]
+        (args.out / "report.md").write_text("\n".join(report))
+        gather(work, args.out)
+        summary.append(f"{name:>8} {secs:>5.0f} s  {lines[0] if lines else ''}")
+    print("\n".join(report))
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
