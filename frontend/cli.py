@@ -26,7 +26,7 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields += ("block_size", "num_kv_blocks")
     fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
     fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching", "worker", "attention_backend")
-    fields += ("enforce_eager",)
+    fields += ("enforce_eager", "gpu_memory_utilization")
     values = {f: getattr(args, f) for f in fields}
     values["speculative"] = spec = values.pop("speculative_config")
     if args.worker == "process" and spec is not None and spec.method == "draft_model":

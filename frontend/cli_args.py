@@ -48,6 +48,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.kv_cache_memory_gb,
         help="memory of every KV cache together (the model's and a draft model's), in GiB",
     )
+    kv.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=_DEFAULTS.gpu_memory_utilization,
+        help="on CUDA: the fraction of the device's memory the engine may use; the KV cache gets what a worst-case "
+        "step, the weights and CUDA graphs leave (default 0.9; --num-kv-blocks overrides; CPU: --kv-cache-memory-gb)",
+    )
     g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")
     g.add_argument(
@@ -139,3 +146,10 @@ def metrics_prefix(prefix: str) -> str:
     if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", prefix):
         raise argparse.ArgumentTypeError(f"{prefix!r} cannot start a Prometheus metric name")
     return prefix
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value

@@ -16,8 +16,9 @@ from gpu.attention import AttentionMetadata, TorchAttention
 from gpu.attention_backend import BackendName, choose_attention_backend
 from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.config import ModelConfig
-from gpu.graphs import DecodeGraphs, GraphMode
+from gpu.graphs import DecodeGraphs, GraphMode, capture_sizes
 from gpu.kv_cache import KVCache
+from gpu.memory import CudaMemory, DeviceMemory, log_plan, profile
 from gpu.quant import Quantization
 from gpu.weights import load_model
 
@@ -49,7 +50,7 @@ class ModelRunner:
         model_config: ModelConfig,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
-        num_blocks: int = 1024,
+        num_blocks: int | None = 1024,
         block_size: int = 16,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
@@ -57,7 +58,12 @@ class ModelRunner:
         quantization: Quantization | None = None,
         attention_backend: BackendName | None = None,
         decode_graphs: GraphMode | None = None,
+        gpu_memory_utilization: float = 0.9,
+        drafts: tuple[ModelConfig, ...] = (),
+        memory: DeviceMemory | None = None,
     ) -> None:
+        """num_blocks None: as many as fit in `gpu_memory_utilization` of the device, with a paired block for each
+        of `drafts` (draft models loaded after this runner), measured by `memory` (CUDA's: gpu/memory.py)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = model_config
@@ -82,9 +88,18 @@ class ModelRunner:
         self.attention = choose_attention_backend(attention_backend, self.device, self.dtype, block_size)
         self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention)
         mode = graph_mode(decode_graphs, self.device, self.attention)
-        # decode steps on static buffers (gpu/graphs.py) have their pad rows write one block beyond the scheduler's
-        self.kv_cache = KVCache(model_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.graphs = self.kv_cache = None
+        if num_blocks is None:
+            if memory is None and self.device.type != "cuda":
+                raise ValueError("a KV cache sized to the device needs a CUDA device: give num_blocks on CPU")
+            graph_rows = capture_sizes(min(max_num_seqs, max_num_batched_tokens))[-1] if mode == "capture" else 0
+            plan = profile(self, memory or CudaMemory(self.device), list(drafts), graph_rows)
+            num_blocks = plan.blocks(gpu_memory_utilization)
+            log_plan(plan, num_blocks, block_size, model_config.max_model_len)
+        self.num_blocks = num_blocks  # the scheduler's; decode steps on static buffers (gpu/graphs.py) have their
+        # pad rows write one block more
+        self.kv_cache = KVCache(model_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, mode == "capture") if mode != "off" else None
 
     @torch.inference_mode()

@@ -61,8 +61,8 @@ def make_prompts(tokenizer: Tokenizer, batch: int) -> list[list[int]]:
     return [ids[(7 * i) % 200 : (7 * i) % 200 + 28 + i % 5] for i in range(batch)]
 
 
-def make_scheduler(config: EngineConfig, model: ModelConfig, prompts: list[list[int]], n: int) -> Scheduler:
-    blocks = BlockManager(num_kv_blocks(config, model), config.block_size)
+def make_scheduler(config: EngineConfig, model: ModelConfig, prompts: list[list[int]], n: int, num_blocks: int):
+    blocks = BlockManager(num_blocks, config.block_size)
     sched = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                       model.eos_token_ids)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -73,7 +73,8 @@ def make_scheduler(config: EngineConfig, model: ModelConfig, prompts: list[list[
 
 def count_steps(config: EngineConfig, model: ModelConfig, prompts: list[list[int]], n: int) -> int:
     """Steps the engine takes for this workload (the schedule does not depend on the sampled ids here)."""
-    sched, steps = make_scheduler(config, model, prompts, n), 0
+    # (enough blocks: on CUDA the engine sizes its cache to the device, which only a runner can profile)
+    sched, steps = make_scheduler(config, model, prompts, n, num_kv_blocks(config, model) or 1 << 16), 0
     while sched.has_unfinished():
         batch = sched.schedule()
         sched.update(batch, [0] * len(batch.sampling_rows))
@@ -111,7 +112,7 @@ class BareEngine:
     def _start(self, prompts: list[list[int]], n: int) -> Scheduler:
         self.times.clear()
         self.steps = 0
-        return make_scheduler(self.config, self.model, prompts, n)
+        return make_scheduler(self.config, self.model, prompts, n, self.executor.runner.num_blocks)
 
     def _rows(self, sched: Scheduler, batch) -> tuple[list[SamplingRow], list[int]]:
         reqs = [(sched.requests[r.request_id], r.slot) for r in batch.rows if r.sample]

@@ -133,7 +133,7 @@ def main() -> None:
     config = EngineConfig(model=str(model_dir), engine_threads=args.threads, max_num_seqs=max(args.batches))
     torch.set_num_threads(config.threads())
     model = ModelConfig.from_path(str(model_dir))
-    worker = Worker(config, model, num_kv_blocks(config, model))
+    worker = Worker(config, model, num_kv_blocks(config, model))  # (None on CUDA: sized to the device)
     repeats = 50 if args.quick else 200
     base = step_ms(worker, 20 if args.quick else 60)
     print(f"load {load()}; {torch.get_num_threads()} threads; batch-1 decode step {base:.2f} ms (model + sampling)")

@@ -85,20 +85,29 @@ def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tu
     return logits.index_copy(0, idx, guided)[to_device(keep, torch.int64, logits.device)], companions
 
 
-def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
-    """Blocks per KV cache: `num_kv_blocks`, or as many as fit in `kv_cache_memory_gb` with every cache counted: the
-    target's and a draft model's (actors/engine/draft.py: as many blocks as the target's, paired one-for-one)."""
+def draft_configs(config: EngineConfig) -> list[ModelConfig]:
+    spec = config.speculative
+    return [ModelConfig.from_path(spec.model)] if spec is not None and spec.method == "draft_model" else []
+
+
+def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
+    """Blocks per KV cache: `num_kv_blocks`; None on CUDA with the worker inline: the runner sizes the cache to
+    `gpu_memory_utilization` of the device (gpu/memory.py); else as many as fit in `kv_cache_memory_gb` with every
+    cache counted: the target's and a draft model's (actors/engine/draft.py: as many blocks, paired one-for-one).
+    (A process worker is restarted with the count its scheduler holds: it is fixed before either starts.)"""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-    spec = config.speculative
-    drafts = [ModelConfig.from_path(spec.model)] if spec is not None and spec.method == "draft_model" else []
+    device = resolve_device(config.device)
+    if device.type == "cuda" and config.worker == "inline":
+        return None
+    dtype = resolve_dtype(config.dtype, device)
+    drafts = draft_configs(config)
     budget = int(config.kv_cache_memory_gb * (1 << 30))
     return num_blocks_for_memory(model, config.block_size, dtype, budget, *drafts)
 
 
 class StepExecutor:
-    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int):
+    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int | None):
         self.runner = ModelRunner(
             model.served(config.max_model_len),  # (a rotary scaling fixed by the served length reads it)
             device=config.device,
@@ -111,6 +120,8 @@ class StepExecutor:
             quantization=config.quantization,
             attention_backend=config.attention_backend,
             decode_graphs=config.decode_graphs(),
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            drafts=tuple(draft_configs(config)) if num_blocks is None else (),
         )
         self.sampler = Sampler(logprobs_mode=config.logprobs_mode)
         self.device = self.runner.device

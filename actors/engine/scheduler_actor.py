@@ -115,15 +115,17 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         for rid, n in self.flight.recover().items():  # (before any request arrives: its copy takes its blame)
             log.warning("[%s] was in a step in flight as the engine process died: %d failed steps", rid, n)
         torch.set_num_threads(self.config.threads())
-        blocks = num_kv_blocks(self.config, self.model)
+        blocks = num_kv_blocks(self.config, self.model)  # (None: the inline worker sizes its cache to the device)
         loop = asyncio.get_running_loop()
-        self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
         if self.config.worker == "process":
+            self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
             if isinstance(self.proposer, DraftProposer):
                 raise ValueError('draft-model speculation needs the worker in the engine process (worker "inline")')
             self.link = ProcessWorker(self, self.config.step_timeout_s)
         else:
             worker = await loop.run_in_executor(self._device, Worker, self.config, self.model, blocks)
+            blocks = worker.executor.runner.num_blocks
+            self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
             worker.executor.draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
             self.link = InlineWorker(worker, self._device, worker.executor.device.type != "cpu")
         self.grammar_key = (self.config.model, self.model.vocab_size, tuple(self.model.eos_token_ids))

@@ -60,7 +60,7 @@ class Launched:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int):
+    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int | None):
         self.executor = StepExecutor(config, model, num_blocks)
         self.eos_token_ids, self.vocab_size = model.eos_token_ids, model.vocab_size
         hooks = {"crash": config.crash_token, "slow": config.slow_token, "hang": config.hang_token}

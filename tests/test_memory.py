@@ -1,0 +1,102 @@
+"""The KV cache sized to the device (gpu/memory.py, `--gpu-memory-utilization`): the arithmetic against a fake
+device-memory report, the runner sizing its cache through a profiled worst-case step (on CPU, the fake standing in
+for CUDA's numbers), the engine's choice of who sizes, the flag. On CUDA (marked): the cache fits the budget."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from actors.engine import executor
+from actors.engine.config import EngineConfig
+from frontend.cli import _engine_config, build_parser
+from gpu.config import ModelConfig
+from gpu.kv_cache import bytes_per_block
+from gpu.memory import MemoryPlan
+from gpu.runner import ModelRunner
+
+GIB = 1 << 30
+
+
+def test_blocks_are_what_the_fraction_leaves():
+    plan = MemoryPlan(total=80 * GIB, used_at_peak=3 * GIB, graphs=GIB // 2, drafts=GIB // 4, per_block=1 << 20)
+    assert plan.blocks(0.9) == (72 * GIB - 3 * GIB - GIB // 2 - GIB // 4) // (1 << 20)
+    assert plan.blocks(1.0) == (80 * GIB - 3 * GIB - GIB // 2 - GIB // 4) // (1 << 20)
+    with pytest.raises(ValueError, match=r"no KV cache fits in gpu_memory_utilization 0\.04"):
+        plan.blocks(0.04)  # 3.2 GiB: less than the 3.75 in use
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+            plan.blocks(bad)
+
+
+class FakeMemory:
+    """A device of `total` bytes on which `used` are taken before the profile and each profiled step's peak grows
+    the allocator by `peaks[k]` beyond what it keeps."""
+
+    def __init__(self, total: int, used: int, peaks: list[int]) -> None:
+        self.total, self.used, self.peaks, self.resets = total, used, list(peaks), 0
+
+    def info(self) -> tuple[int, int]:
+        return self.total - self.used, self.total
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def peak_growth(self) -> int:
+        return self.peaks[self.resets - 1]
+
+
+@pytest.mark.parametrize("mode", ["off", "eager"])
+def test_the_runner_sizes_its_cache_from_a_profiled_step(tiny_model_dir, caplog, mode):
+    config = ModelConfig.from_path(tiny_model_dir).served(128)
+    memory = FakeMemory(total=64 << 20, used=10 << 20, peaks=[3 << 20, 1 << 20])
+    with caplog.at_level(logging.INFO, logger="sluice.memory"):
+        runner = ModelRunner(
+            config, "cpu", torch.float32, num_blocks=None, block_size=16, max_num_seqs=4, max_num_batched_tokens=40,
+            decode_graphs=mode, gpu_memory_utilization=0.5, memory=memory,
+        )  # fmt: skip
+    per_block = bytes_per_block(config, 16, torch.float32)
+    assert memory.resets == 1  # one worst-case step; no graph reserve where nothing is captured
+    assert runner.num_blocks == ((32 << 20) - (10 << 20) - (3 << 20)) // per_block
+    assert runner.kv_cache.num_blocks == runner.num_blocks + (mode == "eager")  # + the pad rows' scratch block
+    assert f"KV cache: {runner.num_blocks} blocks of 16 tokens" in caplog.text and "max concurrency" in caplog.text
+
+
+def test_a_cache_sized_to_the_device_needs_one(tiny_model_dir):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ModelRunner(ModelConfig.from_path(tiny_model_dir), "cpu", torch.float32, num_blocks=None)
+
+
+def test_who_sizes_the_cache(tiny_model_dir, monkeypatch):
+    model = ModelConfig.from_path(tiny_model_dir)
+    assert executor.num_kv_blocks(EngineConfig(model="m", device="cpu", num_kv_blocks=7), model) == 7
+    assert executor.num_kv_blocks(EngineConfig(model="m", device="cpu", kv_cache_memory_gb=1), model) > 0
+    monkeypatch.setattr(executor, "resolve_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(executor, "resolve_dtype", lambda dtype, device: torch.bfloat16)
+    assert executor.num_kv_blocks(EngineConfig(model="m"), model) is None  # the inline worker's runner profiles
+    assert executor.num_kv_blocks(EngineConfig(model="m", num_kv_blocks=9), model) == 9
+    process = EngineConfig(model="m", worker="process", kv_cache_memory_gb=1)  # (restarted with the same count)
+    assert executor.num_kv_blocks(process, model) > 0
+
+
+def test_the_flag(capsys):
+    args = build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "0.5"])
+    assert _engine_config(args, "m").gpu_memory_utilization == 0.5
+    assert _engine_config(build_parser().parse_args(["serve", "m"]), "m").gpu_memory_utilization == 0.9
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "1.5"])
+    assert "must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cache_fits_the_budget_on_cuda(tiny_model_dir):
+    total = torch.cuda.mem_get_info()[1]
+    runner = ModelRunner(
+        ModelConfig.from_path(tiny_model_dir).served(256), "cuda", torch.bfloat16, num_blocks=None,
+        gpu_memory_utilization=0.3, attention_backend="triton",
+    )  # fmt: skip
+    assert runner.num_blocks > 0
+    assert torch.cuda.memory_reserved() <= 0.3 * total
