@@ -104,6 +104,7 @@ class DecodeGraphs:
         self.runner.attention.finish(meta, plans, uploaded)
         return self.forward(size, meta)
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Record every size's forward, largest first, the smaller ones reusing its memory pool. The buffers hold
         pad rows only (every row writes the scratch slot); each size runs once eagerly first (Triton compiles, the

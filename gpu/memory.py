@@ -95,6 +95,7 @@ def profile(runner: ModelRunner, memory: DeviceMemory, drafts: list[ModelConfig]
     lens = [runner.max_num_batched_tokens // rows + (i < runner.max_num_batched_tokens % rows) for i in range(rows)]
     per_row = [-(-n // bs) for n in lens]
     scratch = KVCache(c, sum(per_row) + 1, bs, runner.dtype, runner.device)
+    scratch_bytes = (sum(per_row) + 1) * bytes_per_block(c, bs, runner.dtype)
     kept, runner.kv_cache = runner.kv_cache, scratch
     starts = [sum(per_row[:i]) for i in range(rows)]
     batch = BatchSpec(
@@ -108,7 +109,7 @@ def profile(runner: ModelRunner, memory: DeviceMemory, drafts: list[ModelConfig]
         memory.reset_peak()
         runner.execute(batch)
         free, total = memory.info()
-        used_at_peak = total - free + memory.peak_growth()
+        used_at_peak = total - free + memory.peak_growth() - scratch_bytes  # (the real cache replaces the scratch)
         graphs = 0
         if graph_size:
             decode = BatchSpec(1, [ScheduledRow("graph", 0, [0], 0, [0], True)] * graph_size)
