@@ -46,14 +46,15 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory-gb",
         type=float,
         default=_DEFAULTS.kv_cache_memory_gb,
-        help="memory of every KV cache together (the model's and a draft model's), in GiB",
+        help="memory of every KV cache together (the model's and a draft model's), in GiB (default: 1 on CPU and "
+        "with --worker process; on CUDA, what --gpu-memory-utilization leaves)",
     )
     kv.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
         default=_DEFAULTS.gpu_memory_utilization,
         help="on CUDA: the fraction of the device's memory the engine may use; the KV cache gets what a worst-case "
-        "step, the weights and CUDA graphs leave (default 0.9; --num-kv-blocks overrides; CPU: --kv-cache-memory-gb)",
+        "step, the weights and CUDA graphs leave (default 0.9; --num-kv-blocks or --kv-cache-memory-gb override)",
     )
     g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")

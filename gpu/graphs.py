@@ -6,15 +6,18 @@ max_num_seqs). A pad row feeds token 0 at position 0 into the scratch block, the
 scheduler never hands out (the runner allocates it beyond the scheduler's blocks): its one slot takes the pad rows'
 keys and values, and their attention reads only it. The step's arrays are uploaded as any step's, then copied into
 persistent buffers (token ids, positions, slot mapping, sequence lengths, query starts, block tables) that the
-forward reads at fixed addresses; the logits of the first n rows are returned.
+forward reads at fixed addresses. The graph ends at the final norm's hidden states (a buffer of the graph's pool);
+the LM head runs eagerly on the first n rows, so the logits returned are the step's own tensor, pad rows cost no
+vocabulary-wide work, and no size keeps a logits buffer.
 
 Modes (ModelRunner's `decode_graphs`): "capture" records the forward and LM head for every size at startup, largest
 first in one memory pool, with a progress bar, and replays the graph of the step's size (CUDA with the triton
 backend: the torch backend's host-side segment plans change shape from step to step); "eager" runs the same buffers
 and padding without graphs (CPU: how the tests check padding and buffer reuse; debugging on CUDA); "off" is the
-dynamic path (`--enforce-eager`, or no graphs to be had). Attention in a static step is planned for the longest
-servable row (max_seq_len = max_model_len: the triton kernel's split-K layout is fixed for a graph; empty
-partitions weigh nothing). Mixed, prefill and speculative steps and those above the largest size run dynamically.
+dynamic path (`--enforce-eager`, or no graphs to be had: CPU, the torch backend, an MoE model, whose expert
+routing reads counts back to the host). Attention in a decode step, static or not, is planned for the longest
+servable row (max_seq_len = max_model_len, gpu/runner.py: the triton kernel's split-K layout is the same in a
+graph and out of one, and never depends on the batch; empty partitions weigh nothing). Mixed, prefill and speculative steps and those above the largest size run dynamically.
 The sampler runs after the graph, eagerly: its row sets change with each step's parameters.
 """
 
@@ -58,7 +61,7 @@ class DecodeGraphs:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=runner.device)  # noqa: E731
         self.buffers = {name: zeros(n) for name in BUFFERS[:4]}
         self.buffers["query_start_loc"], self.buffers["block_tables"] = zeros(n + 1), zeros(n, width)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> (graph, its hidden states)
         if capture:
             self.capture()
 
@@ -85,24 +88,24 @@ class DecodeGraphs:
         )
 
     def forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
-        model, b = self.runner.model, self.buffers
-        hidden = model(b["input_ids"][:size], b["positions"][:size], meta, self.runner.kv_cache)
-        return model.compute_logits(hidden).float()
+        b = self.buffers
+        return self.runner.model(b["input_ids"][:size], b["positions"][:size], meta, self.runner.kv_cache)
 
-    def run(self, size: int, step: dict[str, torch.Tensor], plans: list, uploaded: list) -> torch.Tensor:
-        """The padded step's logits [size, vocab]: its arrays copied into the buffers, then the graph replayed (or
-        the forward run on the buffers)."""
+    def run(self, size: int, step: dict[str, torch.Tensor], plans: list, uploaded: list, rows: int) -> torch.Tensor:
+        """The logits [rows, vocab] of the padded step's first `rows`: its arrays copied into the buffers, the graph
+        replayed (or the forward run on the buffers), the LM head run on those rows' hidden states."""
         b = self.buffers
         for name in BUFFERS[:5]:
             b[name][: step[name].shape[0]].copy_(step[name])
         b["block_tables"][:size, : step["block_tables"].shape[1]].copy_(step["block_tables"])
         if size in self.graphs:
-            graph, logits = self.graphs[size]
+            graph, hidden = self.graphs[size]
             graph.replay()
-            return logits
-        meta = self.metadata(size)
-        self.runner.attention.finish(meta, plans, uploaded)
-        return self.forward(size, meta)
+        else:
+            meta = self.metadata(size)
+            self.runner.attention.finish(meta, plans, uploaded)
+            hidden = self.forward(size, meta)
+        return self.runner.model.compute_logits(hidden[:rows]).float()
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -120,6 +123,6 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(size, meta)
+                hidden = self.forward(size, meta)
             pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            self.graphs[size] = (graph, hidden)

@@ -1,15 +1,17 @@
 """The KV cache sized to the device (`--gpu-memory-utilization`, vLLM's flag and meaning).
 
-The engine may use `utilization` of the device's total memory. Everything in use on the device at the peak of a
-worst-case step is subtracted (this process's weights, its activations, the CUDA context, and other processes'
-memory: a second server on the card counts against the fraction), then a reserve for the CUDA graphs (their pool
-holds about one decode step's activations at the largest capture size, measured the same way); what is left is KV
-blocks, each with a paired block of every draft model's cache, whose weights are subtracted too (they load after
-the profile).
+This engine may use `utilization` of the device's total memory; what other processes hold does not count against
+it, but the device must have that much free when the engine starts (vLLM's check). From it are subtracted what this
+engine holds at the peak of a worst-case step (weights, activations, the CUDA context's growth since the start),
+a reserve for the CUDA graphs (the growth of a decode step of the largest capture size with every row at
+max_model_len keys, as a captured step plans its attention; the graphs share one pool) and the weights of draft
+models (they load after the profile); what is left is KV blocks, each with a paired block of every draft's cache.
 
 The worst case is one step of `max_num_batched_tokens` tokens over as many rows as may sample (up to max_num_seqs),
 with the LM head and float32 logits of every row. It runs on a scratch KV cache just large enough for it, before the
-real one is allocated. `DeviceMemory` is where the numbers come from: CUDA's, or a fake in the tests.
+real one is allocated. Not profiled (left to the margin of 1 - utilization): the sampler's temporaries, prompt
+logprobs' logits, a draft model's own activations and graphs. `DeviceMemory` is where the numbers come from: CUDA's,
+or a fake in the tests.
 """
 
 from __future__ import annotations
@@ -34,32 +36,36 @@ class DeviceMemory(Protocol):
     def info(self) -> tuple[int, int]:
         """(free, total) bytes of the device."""
 
-    def reset_peak(self) -> None: ...
+    def reset_peak(self) -> None:
+        """Release cached blocks and measure the peak from what is held now."""
 
     def peak_growth(self) -> int:
-        """Bytes this process's allocator held at its peak since reset_peak beyond what it holds now."""
+        """Bytes this process's allocator held at its peak since reset_peak beyond what it held then."""
 
 
 class CudaMemory:
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device, self.base = device, 0
 
     def info(self) -> tuple[int, int]:
         torch.cuda.synchronize(self.device)
         return torch.cuda.mem_get_info(self.device)
 
     def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_reserved(self.device)
 
     def peak_growth(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device)
+        return torch.cuda.max_memory_reserved(self.device) - self.base
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     total: int  # the device's bytes
-    used_at_peak: int  # in use on the device (every process) at the worst-case step's peak
+    free_at_start: int  # free when the engine started (before its weights)
+    used_at_peak: int  # held by this engine at the worst-case step's peak (its scratch cache not counted)
     graphs: int  # reserved for the CUDA graphs' pool
     drafts: int  # draft models' weights, loaded after the profile
     per_block: int  # one KV block of the model's cache and of each draft's
@@ -68,9 +74,14 @@ class MemoryPlan:
         """KV blocks that fit in `utilization` of the device; ValueError naming the shortfall when none do."""
         if not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-        budget = int(self.total * utilization) - self.used_at_peak - self.graphs - self.drafts
+        gib, requested = 1 << 30, int(self.total * utilization)
+        if self.free_at_start < requested:
+            raise ValueError(
+                f"gpu_memory_utilization {utilization} asks for {requested / gib:.2f} GiB of the device's "
+                f"{self.total / gib:.1f}, but only {self.free_at_start / gib:.2f} GiB were free at startup: lower it"
+            )
+        budget = requested - self.used_at_peak - self.graphs - self.drafts
         if budget < self.per_block:
-            gib = 1 << 30
             raise ValueError(
                 f"no KV cache fits in gpu_memory_utilization {utilization} of {self.total / gib:.1f} GiB: "
                 f"{self.used_at_peak / gib:.2f} GiB in use at the worst-case step, {self.graphs / gib:.2f} GiB for "
@@ -87,41 +98,40 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
-def profile(runner: ModelRunner, memory: DeviceMemory, drafts: list[ModelConfig], graph_size: int) -> MemoryPlan:
-    """Run the worst-case step (and, where graphs will be captured, a decode step of `graph_size` rows) on a scratch
-    KV cache; the plan of what the device holds at its peak."""
+def profile(
+    runner: ModelRunner, memory: DeviceMemory, free_at_start: int, drafts: list[ModelConfig], graph_size: int
+) -> MemoryPlan:
+    """Run the worst-case step (and, where graphs will be captured, a decode step of `graph_size` rows at
+    max_model_len keys) on a scratch KV cache; the plan of what this engine holds at its peak."""
     c, bs = runner.config, runner.block_size
     rows = max(1, min(runner.max_num_seqs, runner.max_num_batched_tokens))
     lens = [runner.max_num_batched_tokens // rows + (i < runner.max_num_batched_tokens % rows) for i in range(rows)]
-    per_row = [-(-n // bs) for n in lens]
-    scratch = KVCache(c, sum(per_row) + 1, bs, runner.dtype, runner.device)
-    scratch_bytes = (sum(per_row) + 1) * bytes_per_block(c, bs, runner.dtype)
-    kept, runner.kv_cache = runner.kv_cache, scratch
+    per_row, width = [-(-n // bs) for n in lens], -(-c.max_model_len // bs)
     starts = [sum(per_row[:i]) for i in range(rows)]
-    batch = BatchSpec(
-        0,
-        [
-            ScheduledRow(f"profile-{i}", i, [0] * n, 0, list(range(starts[i], starts[i] + per_row[i])), True)
-            for i, n in enumerate(lens)
-        ],
-    )
+    worst = BatchSpec(0, [
+        ScheduledRow(f"profile-{i}", i, [0] * n, 0, list(range(starts[i], starts[i] + per_row[i])), True)
+        for i, n in enumerate(lens)
+    ])  # fmt: skip
+    longest = ScheduledRow("graph", 0, [0], c.max_model_len - 1, [0] * width, True)  # (one block read throughout)
+    scratch_blocks = sum(per_row) + 1
+    kept, runner.kv_cache = runner.kv_cache, KVCache(c, scratch_blocks, bs, runner.dtype, runner.device)
     try:
         memory.reset_peak()
-        runner.execute(batch)
         free, total = memory.info()
-        used_at_peak = total - free + memory.peak_growth() - scratch_bytes  # (the real cache replaces the scratch)
+        runner.execute(worst)
+        scratch = scratch_blocks * bytes_per_block(c, bs, runner.dtype)  # (the real cache replaces it)
+        used_at_peak = free_at_start - free + memory.peak_growth() - scratch
         graphs = 0
         if graph_size:
-            decode = BatchSpec(1, [ScheduledRow("graph", 0, [0], 0, [0], True)] * graph_size)
             memory.reset_peak()
-            runner.execute(decode)
+            runner.execute(BatchSpec(1, [longest] * graph_size))
             graphs = memory.peak_growth()
     finally:
         runner.kv_cache = kept
-        del scratch
+        memory.reset_peak()  # (the scratch cache and the profile's activations go back to the device)
     drafts_bytes = sum(weight_bytes(d, runner.dtype) for d in drafts)
     per_block = sum(bytes_per_block(m, bs, runner.dtype) for m in (c, *drafts))
-    return MemoryPlan(total, used_at_peak, graphs, drafts_bytes, per_block)
+    return MemoryPlan(total, free_at_start, used_at_peak, graphs, drafts_bytes, per_block)
 
 
 def log_plan(plan: MemoryPlan, blocks: int, block_size: int, max_model_len: int) -> None:

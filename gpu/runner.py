@@ -86,15 +86,18 @@ class ModelRunner:
         # before the model is built, which imports triton (torch._dynamo): the triton backend on CPU sets its
         # interpreter switch first
         self.attention = choose_attention_backend(attention_backend, self.device, self.dtype, block_size)
+        if num_blocks is None:  # sized to the device: what it has free before this engine's weights
+            if memory is None and self.device.type != "cuda":
+                raise ValueError("a KV cache sized to the device needs a CUDA device: give num_blocks on CPU")
+            memory = memory or CudaMemory(self.device)
+            free_at_start = memory.info()[0]
         self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention)
-        mode = graph_mode(decode_graphs, self.device, self.attention)
+        mode = graph_mode(decode_graphs, self.device, self.attention, model_config.moe is not None)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self.kv_cache = None
         if num_blocks is None:
-            if memory is None and self.device.type != "cuda":
-                raise ValueError("a KV cache sized to the device needs a CUDA device: give num_blocks on CPU")
             graph_rows = capture_sizes(min(max_num_seqs, max_num_batched_tokens))[-1] if mode == "capture" else 0
-            plan = profile(self, memory or CudaMemory(self.device), list(drafts), graph_rows)
+            plan = profile(self, memory, free_at_start, list(drafts), graph_rows)
             num_blocks = plan.blocks(gpu_memory_utilization)
             log_plan(plan, num_blocks, block_size, model_config.max_model_len)
         self.num_blocks = num_blocks  # the scheduler's; decode steps on static buffers (gpu/graphs.py) have their
@@ -125,14 +128,16 @@ class ModelRunner:
         if "placeholders" in t:
             t["input_ids"][t["placeholders"]] = self.prev_sampled[t["placeholder_slots"]]
         if size:
-            return self.graphs.run(size, t, plans, uploaded)[:num_rows]
+            return self.graphs.run(size, t, plans, uploaded, num_rows)
         meta = AttentionMetadata(
             slot_mapping=t["slot_mapping"],
             query_start_loc=t["query_start_loc"],
             seq_lens=t["seq_lens"],
             block_tables=t["block_tables"],
             max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
+            # a decode step's attention is planned for the longest servable row: split-K's layout is then the same
+            # whatever the batch, and in a graph or out of one (gpu/graphs.py)
+            max_seq_len=max(self.config.max_model_len, max_seq_len) if max_query_len == 1 else max_seq_len,
         )
         self.attention.finish(meta, plans, uploaded)
         hidden = self.model(t["input_ids"], t["positions"], meta, self.kv_cache)
@@ -191,12 +196,12 @@ class ModelRunner:
         return views
 
 
-def graph_mode(mode: GraphMode | None, device: torch.device, attention) -> GraphMode:
+def graph_mode(mode: GraphMode | None, device: torch.device, attention, moe: bool = False) -> GraphMode:
     """The decode-step mode (gpu/graphs.py): None is "capture" where graphs can be had (CUDA, a backend without
-    host-side plans: triton), else "off"."""
-    capturable = device.type == "cuda" and not isinstance(attention, TorchAttention)
+    host-side plans: triton, a dense model: MoE routing reads expert counts back to the host), else "off"."""
+    capturable = device.type == "cuda" and not isinstance(attention, TorchAttention) and not moe
     if mode is None:
         return "capture" if capturable else "off"
     if mode == "capture" and not capturable:
-        raise ValueError(f"CUDA graphs need a CUDA device and the triton attention backend, not {device.type} here")
+        raise ValueError("CUDA graphs need a CUDA device, the triton attention backend and a dense (not MoE) model")
     return mode

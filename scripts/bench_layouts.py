@@ -1,5 +1,5 @@
 """Stacked against separate projection weights on CPU (issue 30: the GPU path stacks q/k/v and gate/up into one GEMM
-each; the CPU path keeps whichever layout measures faster here).
+each; this measured whether the CPU path should too: it does, docs/PERFORMANCE.md).
 
     python scripts/bench_layouts.py [--threads 2 1] [--rows 1 8 64 512] [--repeats 200]
 

@@ -18,6 +18,7 @@ static cache on CUDA), run twice, the second timed; ms per token = time / steps 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -137,21 +138,37 @@ def main() -> None:
             launches, kernels = counts(runner, last) if device.type == "cuda" else (None, None)
             ms = statistics.median(times) * 1e3
             results.append(dict(mode=mode, batch=b, ms=ms, tok_s=b / ms * 1e3, launches=launches, kernels=kernels))
+            save(args.json, device, weights / bandwidth * 1e3, results)  # (so far: a timeout keeps what ran)
+        runner.graphs = None  # (the graphs refer to the runner: freed with it, before the next mode's)
         del runner
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     floor_ms = weights / bandwidth * 1e3
     if not args.no_hf:
         for b in args.batches:
             ms = hf_ms_per_token(model_dir, device, config_dtype(args.dtype, device), prompts[b], args.steps)
             results.append(dict(mode="hf-static", batch=b, ms=ms, tok_s=b / ms * 1e3, launches=None, kernels=None))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            save(args.json, device, floor_ms, results)
+    name = device_name(device)
     print(f"{model_dir.name} on {name}, {args.dtype}; weights {weights / 1e6:.0f} MB, copy {bandwidth / 1e9:.0f} GB/s")
     print(f"floor (weights read once): {floor_ms:.3f} ms/step")
     print(f"{'mode':>10} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'x floor':>7} {'launches':>8} {'kernels':>7}")
     for r in results:
         extra = " ".join(f"{r[k] if r[k] is not None else '-':>8}" for k in ("launches", "kernels"))
         print(f"{r['mode']:>10} {r['batch']:>5} {r['ms']:>8.2f} {r['tok_s']:>9.0f} {r['ms'] / floor_ms:>7.1f} {extra}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=name, floor_ms=floor_ms, results=results), indent=2))
+    save(args.json, device, floor_ms, results)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def save(path: str | None, device: torch.device, floor_ms: float, results: list[dict]) -> None:
+    if path:
+        Path(path).write_text(
+            json.dumps(dict(device=device_name(device), floor_ms=floor_ms, results=results), indent=2)
+        )
 
 
 def config_dtype(dtype: str, device: torch.device) -> torch.dtype:

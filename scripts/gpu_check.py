@@ -71,7 +71,7 @@ def part_env(out: Path, model: str) -> list[str]:
 
 
 def part_tests(out: Path, model: str) -> list[str]:
-    rc, secs = run([PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS], out / "tests.log", 240)
+    rc, secs = run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], out / "tests.log", 240)
     tail = (out / "tests.log").read_text().strip().splitlines()[-1:]
     return [f"- pytest ({secs:.0f} s, exit {rc}): {tail[0] if tail else ''}"]
 
@@ -121,7 +121,11 @@ def part_serving(out: Path, model: str) -> list[str]:
                 lines.append(serving_row(label, c, data))
         finally:
             server.terminate()
-            server.wait(30)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
     return lines
 
 
@@ -190,7 +194,12 @@ def gather(work: Path, out: Path) -> None:
     """The parts' logs, in the order they were written, into gpu_check.log; their JSON files into results.json."""
     logs = sorted(work.glob("*.log"), key=lambda f: f.stat().st_mtime_ns)
     (out / "gpu_check.log").write_text("".join(f"===== {f.name}\n{f.read_text()}" for f in logs))
-    data = {f.stem: json.loads(f.read_text()) for f in sorted(work.glob("*.json"))}
+    data = {}
+    for f in sorted(work.glob("*.json")):
+        try:
+            data[f.stem] = json.loads(f.read_text())
+        except ValueError as exc:  # a part cut off while writing
+            data[f.stem] = {"unreadable": repr(exc)}
     (out / "results.json").write_text(json.dumps(data, indent=2))
 
 

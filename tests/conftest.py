@@ -211,7 +211,8 @@ async def real_server():
     from frontend.launch import resolve_model, start_server
 
     model = resolve_model(None)
-    engine = EngineConfig(model=str(model.path), max_model_len=1024, max_num_seqs=8)
+    # (1 GiB of KV cache on every device: on CUDA, sized to the card, it would leave later tests no room)
+    engine = EngineConfig(model=str(model.path), max_model_len=1024, max_num_seqs=8, kv_cache_memory_gb=1.0)
     srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
     yield (handle := ServerHandle(srv, model.path))
     await handle.close_clients()

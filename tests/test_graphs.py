@@ -1,5 +1,6 @@
 """Decode steps on static buffers (gpu/graphs.py), checked on CPU where no graph is captured: the same buffers and
-padding run eagerly and give the dynamic path's tokens and logits, and write no KV outside the scratch block, as
+padding run eagerly (served to 600 tokens: the triton backend's decode steps split keys into 3 partitions) and give
+the dynamic path's tokens and logits, and write no KV outside the scratch block, as
 rows come and go (a smaller step after a larger one leaves stale entries in the buffers: the padding must cover
 them). Also: the capture sizes, which steps run static, the mode per device and backend, `--enforce-eager`.
 On CUDA (marked): replay equals the eager dynamic path, and a captured step never syncs with the host."""
@@ -26,7 +27,7 @@ def decode_run(model_dir, device, dtype, backend: str, mode: str):
     """Prefill each prompt alone, then decode all rows together, each leaving after its DECODES[i] tokens: the
     tokens, every decode step's logits, the runner."""
     runner = ModelRunner(
-        ModelConfig.from_path(model_dir).served(256), device, dtype, num_blocks=NUM_BLOCKS, max_num_seqs=8,
+        ModelConfig.from_path(model_dir).served(600), device, dtype, num_blocks=NUM_BLOCKS, max_num_seqs=8,
         num_threads=1, attention_backend=backend, decode_graphs=mode,
     )  # fmt: skip
     g = torch.Generator().manual_seed(1)

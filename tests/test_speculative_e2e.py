@@ -55,7 +55,7 @@ async def generate(speculative, async_scheduling: bool = True):
     # bf16's coarser rounding of another shape flips near-ties (vLLM promises spec/plain identity only up to that)
     config = engine_config(
         model.path, speculative=speculative, async_scheduling=async_scheduling, step_gate=False,
-        num_kv_blocks=None, max_model_len=1024, max_num_batched_tokens=512, engine_threads=None, dtype="float32",
+        num_kv_blocks=None, kv_cache_memory_gb=1.0, max_model_len=1024, max_num_batched_tokens=512, engine_threads=None, dtype="float32",
     )  # fmt: skip
     async with AsyncLLM(config, log_level="WARNING") as llm:
 

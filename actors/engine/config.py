@@ -49,10 +49,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int | None = 256  # ... but one prompt gets at most this in a step that decodes
     block_size: int = 16
     # KV blocks per cache: the target's and, with a draft model, the draft's (its blocks pair one-for-one with the
-    # target's). None: on CUDA with the worker inline, as many as fit in gpu_memory_utilization of the device
-    # (profiled: gpu/memory.py); elsewhere as many as fit in kv_cache_memory_gb, which holds every KV cache
+    # target's). None: as many as fit in kv_cache_memory_gb, which holds every KV cache, where given; else, on CUDA
+    # with the worker inline, in gpu_memory_utilization of the device (profiled: gpu/memory.py), elsewhere in 1 GiB
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9  # vLLM's: the fraction of the device's memory the engine may use
     engine_threads: int | None = None  # None: the cores left after the other actors
     async_scheduling: bool = True  # speculative decoding steps synchronously (the proposer reads the last tokens)

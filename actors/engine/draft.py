@@ -1,7 +1,7 @@
 """The draft-model proposer: a second, smaller model with the same vocabulary drafts K tokens per request.
 
 It runs on the engine's device thread with a ModelRunner and paged KV cache of its own (its own block tables,
-as many blocks as the target's; `kv_cache_memory_gb` holds both caches: executor.num_kv_blocks): per step, one forward over the tokens each request's draft KV lacks (the
+as many blocks as the target's; the memory budget holds both caches: executor.num_kv_blocks): per step, one forward over the tokens each request's draft KV lacks (the
 prompt at first, then the one or two tokens since the last proposal), then K - 1 single-token forwards. Draft
 token j is drawn from q_j, the draft's distribution processed with the request's own sampling parameters (the
 section 5 pipeline, the earlier drafts in its output history), with a uniform keyed by (seed, output position,

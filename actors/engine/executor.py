@@ -91,18 +91,19 @@ def draft_configs(config: EngineConfig) -> list[ModelConfig]:
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
-    """Blocks per KV cache: `num_kv_blocks`; None on CUDA with the worker inline: the runner sizes the cache to
-    `gpu_memory_utilization` of the device (gpu/memory.py); else as many as fit in `kv_cache_memory_gb` with every
-    cache counted: the target's and a draft model's (actors/engine/draft.py: as many blocks, paired one-for-one).
-    (A process worker is restarted with the count its scheduler holds: it is fixed before either starts.)"""
+    """Blocks per KV cache: `num_kv_blocks`; else as many as fit in `kv_cache_memory_gb` (default 1 GiB) with every
+    cache counted: the target's and a draft model's (actors/engine/draft.py: as many blocks, paired one-for-one);
+    None where that is not given on CUDA with the worker inline: the runner sizes the cache to
+    `gpu_memory_utilization` of the device (gpu/memory.py). (A process worker is restarted with the count its
+    scheduler holds: it is fixed before either starts.)"""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     device = resolve_device(config.device)
-    if device.type == "cuda" and config.worker == "inline":
+    if device.type == "cuda" and config.worker == "inline" and config.kv_cache_memory_gb is None:
         return None
     dtype = resolve_dtype(config.dtype, device)
     drafts = draft_configs(config)
-    budget = int(config.kv_cache_memory_gb * (1 << 30))
+    budget = int((config.kv_cache_memory_gb or 1.0) * (1 << 30))
     return num_blocks_for_memory(model, config.block_size, dtype, budget, *drafts)
 
 
