@@ -130,10 +130,13 @@ def main() -> None:
     parser.add_argument("--link-only", action="store_true", help="part 1 only")
     args = parser.parse_args()
     model_dir = default_model_dir()
-    config = EngineConfig(model=str(model_dir), engine_threads=args.threads, max_num_seqs=max(args.batches))
+    # (1 GiB of KV cache: sized to a GPU, it would leave part 2's engines no room beside it)
+    config = EngineConfig(
+        model=str(model_dir), engine_threads=args.threads, max_num_seqs=max(args.batches), kv_cache_memory_gb=1.0
+    )
     torch.set_num_threads(config.threads())
     model = ModelConfig.from_path(str(model_dir))
-    worker = Worker(config, model, num_kv_blocks(config, model))  # (None on CUDA: sized to the device)
+    worker = Worker(config, model, num_kv_blocks(config, model))
     repeats = 50 if args.quick else 200
     base = step_ms(worker, 20 if args.quick else 60)
     print(f"load {load()}; {torch.get_num_threads()} threads; batch-1 decode step {base:.2f} ms (model + sampling)")
