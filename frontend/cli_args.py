@@ -44,7 +44,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     kv.add_argument(
         "--kv-cache-memory-gb",
-        type=float,
+        type=_positive,
         default=_DEFAULTS.kv_cache_memory_gb,
         help="memory of every KV cache together (the model's and a draft model's), in GiB (default: 1 on CPU and "
         "with --worker process; on CUDA, what --gpu-memory-utilization leaves)",
@@ -153,4 +153,11 @@ def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value

@@ -101,8 +101,8 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 def profile(
     runner: ModelRunner, memory: DeviceMemory, free_at_start: int, drafts: list[ModelConfig], graph_size: int
 ) -> MemoryPlan:
-    """Run the worst-case step (and, where graphs will be captured, a decode step of `graph_size` rows at
-    max_model_len keys) on a scratch KV cache; the plan of what this engine holds at its peak."""
+    """Run the worst-case step and a decode step (of `graph_size` rows where graphs will be captured, else of as many
+    as may be) at max_model_len keys on a scratch KV cache; the plan of what this engine holds at its peak."""
     c, bs = runner.config, runner.block_size
     rows = max(1, min(runner.max_num_seqs, runner.max_num_batched_tokens))
     lens = [runner.max_num_batched_tokens // rows + (i < runner.max_num_batched_tokens % rows) for i in range(rows)]
@@ -113,25 +113,29 @@ def profile(
         for i, n in enumerate(lens)
     ])  # fmt: skip
     longest = ScheduledRow("graph", 0, [0], c.max_model_len - 1, [0] * width, True)  # (one block read throughout)
-    scratch_blocks = sum(per_row) + 1
-    kept, runner.kv_cache = runner.kv_cache, KVCache(c, scratch_blocks, bs, runner.dtype, runner.device)
+    runner.kv_cache = KVCache(c, sum(per_row) + 1, bs, runner.dtype, runner.device)
     try:
-        memory.reset_peak()
-        free, total = memory.info()
-        runner.execute(worst)
-        scratch = scratch_blocks * bytes_per_block(c, bs, runner.dtype)  # (the real cache replaces it)
-        used_at_peak = free_at_start - free + memory.peak_growth() - scratch
-        graphs = 0
-        if graph_size:
-            memory.reset_peak()
-            runner.execute(BatchSpec(1, [longest] * graph_size))
-            graphs = memory.peak_growth()
+        worst_growth = _growth(memory, runner, worst)
+        decode_growth = _growth(memory, runner, BatchSpec(1, [longest] * (graph_size or rows)))
     finally:
-        runner.kv_cache = kept
+        runner.kv_cache = None
         memory.reset_peak()  # (the scratch cache and the profile's activations go back to the device)
+    free, total = memory.info()  # (after the steps: what they left loaded outside the allocator counts too)
+    if graph_size:  # the graphs' pool holds the forward's activations; its LM head runs eagerly, outside the pool
+        logits = graph_size * c.vocab_size * (runner.dtype.itemsize + 4)
+        peak, graphs = worst_growth, max(0, decode_growth - logits)
+    else:  # decode steps run eagerly: theirs may be the peak (split-K scratch at max_model_len keys)
+        peak, graphs = max(worst_growth, decode_growth), 0
+    used_at_peak = free_at_start - free + peak
     drafts_bytes = sum(weight_bytes(d, runner.dtype) for d in drafts)
     per_block = sum(bytes_per_block(m, bs, runner.dtype) for m in (c, *drafts))
     return MemoryPlan(total, free_at_start, used_at_peak, graphs, drafts_bytes, per_block)
+
+
+def _growth(memory: DeviceMemory, runner: ModelRunner, batch: BatchSpec) -> int:
+    memory.reset_peak()
+    runner.execute(batch)
+    return memory.peak_growth()
 
 
 def log_plan(plan: MemoryPlan, blocks: int, block_size: int, max_model_len: int) -> None:

@@ -7,6 +7,7 @@ slot); PLACEHOLDER input tokens are filled from it on the device, so the host ne
 
 from __future__ import annotations
 
+import gc
 from itertools import chain
 
 import numpy as np
@@ -90,6 +91,8 @@ class ModelRunner:
             if memory is None and self.device.type != "cuda":
                 raise ValueError("a KV cache sized to the device needs a CUDA device: give num_blocks on CPU")
             memory = memory or CudaMemory(self.device)
+            gc.collect()  # (what this process dropped, still cached, is free to this engine: as vLLM's snapshot)
+            memory.reset_peak()
             free_at_start = memory.info()[0]
         self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention)
         mode = graph_mode(decode_graphs, self.device, self.attention, model_config.moe is not None)

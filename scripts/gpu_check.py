@@ -31,8 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-TESTS = ["tests/test_graphs.py", "tests/test_launch_budget.py", "tests/test_attention_backends.py"]
-TESTS += ["tests/test_triton_engine.py", "tests/test_cuda.py", "tests/test_model_parity.py"]
+# the GPU path's own tests (on the card: compiled kernels, captured graphs), run whole; then every `cuda`-marked test
+GPU_PATH_TESTS = ["tests/test_graphs.py", "tests/test_launch_budget.py", "tests/test_attention_backends.py"]
+GPU_PATH_TESTS += ["tests/test_triton_engine.py", "tests/test_memory.py", "tests/test_cuda.py"]
 SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
     ("async", [], [1, 16, 64]),
     ("sync", ["--no-async-scheduling"], [64]),
@@ -71,9 +72,12 @@ def part_env(out: Path, model: str) -> list[str]:
 
 
 def part_tests(out: Path, model: str) -> list[str]:
-    rc, secs = run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], out / "tests.log", 240)
-    tail = (out / "tests.log").read_text().strip().splitlines()[-1:]
-    return [f"- pytest ({secs:.0f} s, exit {rc}): {tail[0] if tail else ''}"]
+    lines, log = [], out / "tests.log"
+    for label, args, limit in (("GPU path", GPU_PATH_TESTS, 150), ("cuda-marked", ["-m", "cuda", "tests"], 150)):
+        rc, secs = run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], log, limit)
+        tail = log.read_text().strip().splitlines()[-1:]
+        lines.append(f"- {label} tests ({secs:.0f} s, exit {rc}): {tail[0] if tail else ''}")
+    return lines
 
 
 def part_step(out: Path, model: str) -> list[str]:

@@ -41,7 +41,7 @@ def decode_run(model_dir, device, dtype, backend: str, mode: str):
     for step in range(max(DECODES)):
         live = [r for r, n in zip(reqs, DECODES, strict=True) if n > step]
         logits = runner.execute(BatchSpec(100 + step, [r.row() for r in live]))
-        steps.append(logits.cpu())
+        steps.append(logits)  # (kept on the device: a later replay must not overwrite a step's logits)
         for r, row_logits in zip(live, logits, strict=True):
             r.tokens.append(int(row_logits.argmax()))
     return [r.tokens for r in reqs], steps, runner
@@ -101,6 +101,7 @@ def test_graph_mode_per_device_and_backend():
     assert graph_mode(None, cpu, torch_backend) == "off"
     assert graph_mode(None, cuda, torch_backend) == "off"  # host-side segment plans: not capturable
     assert graph_mode(None, cuda, object()) == "capture"
+    assert graph_mode(None, cuda, object(), moe=True) == "off"  # expert routing reads counts back: not capturable
     assert graph_mode("eager", cpu, torch_backend) == "eager"
     with pytest.raises(ValueError, match="CUDA graphs need"):
         graph_mode("capture", cpu, torch_backend)

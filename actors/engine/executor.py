@@ -103,7 +103,7 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
         return None
     dtype = resolve_dtype(config.dtype, device)
     drafts = draft_configs(config)
-    budget = int((config.kv_cache_memory_gb or 1.0) * (1 << 30))
+    budget = int((1.0 if config.kv_cache_memory_gb is None else config.kv_cache_memory_gb) * (1 << 30))
     return num_blocks_for_memory(model, config.block_size, dtype, budget, *drafts)
 
 
