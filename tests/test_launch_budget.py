@@ -4,7 +4,7 @@ running it.
 
 Views (an op that may alias and did: `x.to(dtype)` of another dtype is a copy and counts), allocations and other
 metadata-only ops launch nothing on a GPU and are not counted; everything else is (a copy, a cast, an index, a GEMM).
-Ops count only inside the counted step: the prefills before it are not charged. The step is `ModelRunner.execute` in bfloat16 on the triton backend, the GPU path's
+Ops count only inside the counted step. The step is `ModelRunner.execute` in bfloat16 on the triton backend, the GPU path's
 dtype and backend: at most LAYER_BUDGET launches per decoder layer, plus STEP_BUDGET for the rest (embedding,
 rotary cos/sin, the final norm, the logit rows and the LM head). The torch backend's layers, counted alike, exceed
 the budget: the counter sees what it must.
@@ -18,11 +18,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from gpu.batch import BatchSpec
+from gpu.batch import BatchSpec, ScheduledRow
 from gpu.config import ModelConfig
 from gpu.kernels import triton_fused
 from gpu.runner import ModelRunner
-from tests.tiny_model import Request, block_pool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,22 +78,22 @@ def counter(monkeypatch):
     return count
 
 
-def decode_step_launches(model_dir, backend: str, counter: LaunchCounter, prompt_lens) -> LaunchCounter:
+def decode_step_launches(model_dir, backend: str, counter: LaunchCounter, context_lens) -> LaunchCounter:
     runner = ModelRunner(
         ModelConfig.from_path(model_dir), DEVICE, torch.bfloat16, num_blocks=64, num_threads=1,
         attention_backend=backend, decode_graphs="off",  # (a replayed graph would hide its launches from the hooks)
     )  # fmt: skip
-    pool, g = block_pool(num_blocks=64), torch.Generator().manual_seed(0)
-    reqs = [
-        Request(pool, i, torch.randint(3, 49152, (n,), generator=g).tolist(), 16) for i, n in enumerate(prompt_lens)
-    ]
-    for r in reqs:  # the prefills, not counted
-        r.tokens.append(int(runner.execute(BatchSpec(r.slot, [r.row()]))[0].argmax()))
+    # decode rows whose contexts are already "cached" (the cache's zeros: values do not change what is launched)
+    rows, first = [], 0
+    for i, n in enumerate(context_lens):
+        blocks = list(range(first, first + n // 16 + 1))
+        rows.append(ScheduledRow(f"r{i}", i, [5], n, blocks, True))
+        first += len(blocks)
     for i, layer in enumerate(runner.model.model.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: setattr(counter, "where", i))
         layer.register_forward_hook(lambda *_: setattr(counter, "where", "step"))
     with counter:
-        runner.execute(BatchSpec(len(reqs), [r.row() for r in reqs]))
+        runner.execute(BatchSpec(0, rows))
     return counter
 
 
@@ -112,6 +111,7 @@ def test_a_decode_step_on_the_gpu_path_fits_the_launch_budget(family, family_dir
         assert n <= LAYER_BUDGET, f"layer {layer}: {n} launches: {counts.ops[layer]}"
     assert counts.counts["step"] <= STEP_BUDGET, counts.ops["step"]
     assert any(op.startswith("triton:") for op in counts.ops[0])
+    assert ("triton:_reduce_kernel" in counts.ops[0]) == (family == "llama")  # split-K where a row passes 256 keys
 
 
 def test_the_torch_path_exceeds_the_budget(family_dir_of, counter):
