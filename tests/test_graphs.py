@@ -54,8 +54,9 @@ def decode_run(model_dir, device, dtype, backend: str, mode: str):
 )
 def test_static_buffers_give_the_dynamic_paths_tokens(model, backend, tiny_model_dir):
     model_dir = tiny_model_dir if model == "tiny" else default_model_dir()
-    tokens, logits, dynamic = decode_run(model_dir, "cpu", torch.float32, backend, "off")
-    static_tokens, static_logits, static = decode_run(model_dir, "cpu", torch.float32, backend, "eager")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # (compiled kernels on a GPU)
+    tokens, logits, dynamic = decode_run(model_dir, device, torch.float32, backend, "off")
+    static_tokens, static_logits, static = decode_run(model_dir, device, torch.float32, backend, "eager")
     assert static_tokens == tokens
     for ours, reference in zip(static_logits, logits, strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
