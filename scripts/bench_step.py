@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frontend.launch import resolve_model
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.config import ModelConfig
-from gpu.runner import ModelRunner
+from gpu.runner import ModelRunner, resolve_dtype
 
 BLOCK = 16
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
@@ -75,21 +75,22 @@ def decode_steps(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> tupl
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(n)]
     rows = [ScheduledRow(f"r{i}", i, prompts[i].tolist(), 0, tables[i], True) for i in range(n)]
     tokens = runner.execute(BatchSpec(0, rows)).argmax(-1)
-    times = []
-    for step in range(steps + 1):
+
+    def decode(step: int) -> BatchSpec:  # every row feeds its last sampled token at position length + step
         ids = tokens.tolist()
-        batch = BatchSpec(
+        return BatchSpec(
             step + 1, [ScheduledRow(f"r{i}", i, [ids[i]], length + step, tables[i], True) for i in range(n)]
         )
+
+    times = []
+    for step in range(steps + 1):
+        batch = decode(step)
         sync(runner.device)
         start = time.perf_counter()
         tokens = runner.execute(batch).argmax(-1)
         sync(runner.device)
         times.append(time.perf_counter() - start)
-    ids = tokens.tolist()
-    last = BatchSpec(
-        steps + 2, [ScheduledRow(f"r{i}", i, [ids[i]], length + steps + 1, tables[i], True) for i in range(n)]
-    )
+    last = decode(steps + 1)
     return times[1:], last
 
 
@@ -147,7 +148,7 @@ def main() -> None:
     floor_ms = weights / bandwidth * 1e3
     if not args.no_hf:
         for b in args.batches:
-            ms = hf_ms_per_token(model_dir, device, config_dtype(args.dtype, device), prompts[b], args.steps)
+            ms = hf_ms_per_token(model_dir, device, resolve_dtype(args.dtype, device), prompts[b], args.steps)
             results.append(dict(mode="hf-static", batch=b, ms=ms, tok_s=b / ms * 1e3, launches=None, kernels=None))
             save(args.json, device, floor_ms, results)
     name = device_name(device)
@@ -169,12 +170,6 @@ def save(path: str | None, device: torch.device, floor_ms: float, results: list[
         Path(path).write_text(
             json.dumps(dict(device=device_name(device), floor_ms=floor_ms, results=results), indent=2)
         )
-
-
-def config_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    from gpu.runner import resolve_dtype
-
-    return resolve_dtype(dtype, device)
 
 
 if __name__ == "__main__":
