@@ -113,7 +113,7 @@ def profile(
         for i, n in enumerate(lens)
     ])  # fmt: skip
     longest = ScheduledRow("graph", 0, [0], c.max_model_len - 1, [0] * width, True)  # (one block read throughout)
-    runner.kv_cache = KVCache(c, sum(per_row) + 1, bs, runner.dtype, runner.device)
+    runner.kv_cache = KVCache(runner.kv_config, sum(per_row) + 1, bs, runner.dtype, runner.device)
     try:
         worst_growth = _growth(memory, runner, worst)
         decode_growth = _growth(memory, runner, BatchSpec(1, [longest] * (graph_size or rows)))
@@ -128,7 +128,7 @@ def profile(
         peak, graphs = max(worst_growth, decode_growth), 0
     used_at_peak = free_at_start - free + peak
     drafts_bytes = sum(weight_bytes(d, runner.dtype) for d in drafts)
-    per_block = sum(bytes_per_block(m, bs, runner.dtype) for m in (c, *drafts))
+    per_block = sum(bytes_per_block(m, bs, runner.dtype) for m in (runner.kv_config, *drafts))
     return MemoryPlan(total, free_at_start, used_at_peak, graphs, drafts_bytes, per_block)
 
 

@@ -17,8 +17,10 @@ from gpu.attention import AttentionMetadata, TorchAttention
 from gpu.attention_backend import BackendName, choose_attention_backend
 from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.config import ModelConfig
+from gpu.distributed.group import current
 from gpu.graphs import DecodeGraphs, GraphMode, capture_sizes
 from gpu.kv_cache import KVCache
+from gpu.layers.parallel import local_config
 from gpu.memory import CudaMemory, DeviceMemory, log_plan, profile
 from gpu.quant import Quantization
 from gpu.weights import load_model
@@ -68,6 +70,7 @@ class ModelRunner:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = model_config
+        self.kv_config = local_config(model_config, current())  # the heads this rank holds (tensor parallelism)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cuda":
@@ -105,7 +108,7 @@ class ModelRunner:
             log_plan(plan, num_blocks, block_size, model_config.max_model_len)
         self.num_blocks = num_blocks  # the scheduler's; decode steps on static buffers (gpu/graphs.py) have their
         # pad rows write one block more
-        self.kv_cache = KVCache(model_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.kv_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, mode == "capture") if mode != "off" else None
 
     @torch.inference_mode()
@@ -115,8 +118,8 @@ class ModelRunner:
         self.prev_sampled.index_copy_(0, slots, token_ids.to(self.device, torch.int64, non_blocking=True))
 
     @torch.inference_mode()
-    def execute(self, batch: BatchSpec) -> torch.Tensor:
-        """Run one step; float32 logits [num logit positions + num prompt targets, vocab]: each row's
+    def execute(self, batch: BatchSpec) -> torch.Tensor | None:
+        """Run one step (None on a tensor-parallel rank that does not sample: the logits are gathered on the first); float32 logits [num logit positions + num prompt targets, vocab]: each row's
         `num_logits` positions in batch order (1 + K for a row verifying K drafts, as many for its CFG companion),
         then, row by row, the first fed tokens of rows with prompt_targets (one per target)."""
         if not batch.rows:
@@ -144,7 +147,8 @@ class ModelRunner:
         )
         self.attention.finish(meta, plans, uploaded)
         hidden = self.model(t["input_ids"], t["positions"], meta, self.kv_cache)
-        return self.model.compute_logits(hidden[t["logits_indices"]]).float()
+        logits = self.model.compute_logits(hidden[t["logits_indices"]])
+        return None if logits is None else logits.float()
 
     def _prepare(self, batch: BatchSpec):
         rows, bs = batch.rows, self.block_size
@@ -201,10 +205,13 @@ class ModelRunner:
 
 def graph_mode(mode: GraphMode | None, device: torch.device, attention, moe: bool = False) -> GraphMode:
     """The decode-step mode (gpu/graphs.py): None is "capture" where graphs can be had (CUDA, a backend without
-    host-side plans: triton, a dense model: MoE routing reads expert counts back to the host), else "off"."""
-    capturable = device.type == "cuda" and not isinstance(attention, TorchAttention) and not moe
+    host-side plans: triton, a dense model: MoE routing reads expert counts back to the host; one device: the
+    collectives of a tensor-parallel step are not captured yet), else "off"."""
+    capturable = device.type == "cuda" and not isinstance(attention, TorchAttention) and not moe and current().size == 1
     if mode is None:
         return "capture" if capturable else "off"
     if mode == "capture" and not capturable:
-        raise ValueError("CUDA graphs need a CUDA device, the triton attention backend and a dense (not MoE) model")
+        raise ValueError(
+            "CUDA graphs need a CUDA device, the triton attention backend, a dense (not MoE) model and one device"
+        )
     return mode

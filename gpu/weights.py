@@ -5,7 +5,8 @@ The family's class comes from the registry (gpu/models/); a checkpoint tensor lo
 every tensor to its destination from the files' headers alone, so `check_checkpoint` (run before any process
 starts) names a tensor the model lacks, one of the wrong shape, or one the checkpoint lacks, without reading a
 weight. Files are memory-mapped and copied tensor by tensor into the model's dtype: a load never holds a second copy
-of the model.
+of the model. Under tensor parallelism each parameter holds its rank's shard (gpu/layers/parallel.py): the plan checks
+the checkpoint's full shapes and the load reads only the shard's ranges.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from gpu.attention_backend import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError, weight_files
 from gpu.layers.attention import Attention
+from gpu.layers.parallel import Shard
 from gpu.linear import Linear
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
@@ -31,10 +33,16 @@ def check_checkpoint(config: ModelConfig) -> None:
     """Raise ModelLoadError unless every parameter has exactly one tensor of its shape in the checkpoint."""
     with torch.device("meta"):
         model = REGISTRY[config.architecture](config)
-    checkpoint_plan(config, dict(model.named_parameters()))
+    checkpoint_plan(config, dict(model.named_parameters()), shards_of(model))
 
 
-def checkpoint_plan(config: ModelConfig, params: dict[str, torch.Tensor]) -> list[Load]:
+def shards_of(model: torch.nn.Module) -> dict[str, Shard]:
+    """Parameter name -> its shard, for the sharded ones (module.shards)."""
+    found = ((prefix, getattr(m, "shards", {})) for prefix, m in model.named_modules())
+    return {f"{prefix}.{name}".lstrip("."): s for prefix, shards in found for name, s in shards.items()}
+
+
+def checkpoint_plan(config: ModelConfig, params: dict[str, torch.Tensor], shards: dict[str, Shard]) -> list[Load]:
     family, plan, loaded = REGISTRY[config.architecture], [], set()
     for file in weight_files(config.path):
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -44,7 +52,9 @@ def checkpoint_plan(config: ModelConfig, params: dict[str, torch.Tensor]) -> lis
                 target, row = family.checkpoint_name(name)
                 if target not in params:
                     raise ModelLoadError(f"{file}: unexpected weight {name} for {config.architecture}")
-                expected, shape = params[target].shape[row is not None :], tuple(f.get_slice(name).get_shape())
+                expected, shape = list(params[target].shape[row is not None :]), tuple(f.get_slice(name).get_shape())
+                if target in shards:  # (the checkpoint holds every rank's)
+                    expected[shards[target].dim] = shards[target].full
                 if shape != tuple(expected):
                     raise ModelLoadError(f"{file}: {name} has shape {shape}, expected {tuple(expected)}")
                 plan.append((file, name, target, row))
@@ -83,11 +93,19 @@ def load_model(
     for rotary in model.model.rotaries:  # computed, not weights: built on the host
         rotary.to(device)
     params = dict(model.named_parameters())  # a tied lm_head is not listed: it is embed_tokens
-    plan = checkpoint_plan(config, params)
+    shards = shards_of(model)
+    plan = checkpoint_plan(config, params, shards)
     files = {file: safe_open(file, framework="pt", device="cpu") for file, *_ in plan}
     for file, name, target, row in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(files) < 2):
-        param = params[target]
-        (param if row is None else param[row]).copy_(files[file].get_tensor(name))
+        param = params[target] if row is None else params[target][row]
+        shard = shards.get(target)
+        if shard is None:
+            param.copy_(files[file].get_tensor(name))
+            continue
+        part = shard.read(files[file].get_slice(name)) if shard.ranges else param.narrow(shard.dim, 0, 0)
+        if part.shape[shard.dim] < param.shape[shard.dim]:  # padding, or a bias another rank adds
+            param.zero_()
+        param.narrow(shard.dim, 0, part.shape[shard.dim]).copy_(part)
     for module in list(model.modules()):  # q/k/v and gate/up stacked: one GEMM each (scripts/bench_layouts.py)
         if hasattr(module, "fuse"):
             module.fuse()

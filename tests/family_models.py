@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from gpu.batch import BatchSpec
+from gpu.distributed.group import current
 from gpu.runner import ModelRunner
 from tests.tiny_model import Request, save_with_tokenizer
 
@@ -103,15 +104,16 @@ def run_greedy(runner: ModelRunner, reqs: list[Request], new_tokens: int, budget
                 left -= n
         out = runner.execute(BatchSpec(step, rows))
         sampled = [row for row in rows if row.sample]
-        sample_logits, target_logits = (
-            out[: len(sampled)],
-            out[len(sampled) :].split([len(r.prompt_targets) for r in rows]),
-        )
-        by_slot = {row.slot: [*t] for row, t in zip(rows, target_logits, strict=True)}
-        for row, row_logits in zip(sampled, sample_logits, strict=True):
-            by_slot[row.slot].append(row_logits)
-            reqs[row.slot].tokens.append(int(row_logits.argmax()))
-        for slot, rows_logits in by_slot.items():
-            logits[slot] += rows_logits
+        # (under tensor parallelism the first rank has the logits: its greedy tokens are broadcast to every rank)
+        greedy = torch.zeros(len(sampled), dtype=torch.int64) if out is None else out[: len(sampled)].argmax(-1)
+        for row, token in zip(sampled, current().broadcast(greedy).tolist(), strict=True):
+            reqs[row.slot].tokens.append(token)
+        if out is not None:
+            targets = out[len(sampled) :].split([len(r.prompt_targets) for r in rows])
+            by_slot = {row.slot: [*t] for row, t in zip(rows, targets, strict=True)}
+            for row, row_logits in zip(sampled, out[: len(sampled)], strict=True):
+                by_slot[row.slot].append(row_logits)
+            for slot, rows_logits in by_slot.items():
+                logits[slot] += rows_logits
         step += 1
     return logits

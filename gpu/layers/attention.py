@@ -4,7 +4,8 @@ attention over the cache is `attend`, the backend the runner chose at load (gpu/
 until then); rotary and the cache write are one step of the layer's kernel set (gpu/layers/kernels.py).
 
 q, k and v are three weights in most checkpoints, one `qkv_proj` with [q; k; v] rows in Phi-3's
-(`FusedQKVAttention`); `fuse()` stacks them at load (gpu/weights.py): one GEMM."""
+(`FusedQKVAttention`); `fuse()` stacks them at load (gpu/weights.py): one GEMM. Under tensor parallelism a rank
+holds its query heads and their KV heads (gpu/layers/parallel.py) and all-reduces o_proj's output."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import torch
 from torch import nn
 
 from gpu.attention import AttentionMetadata, paged_attention
+from gpu.distributed.group import current
 from gpu.layers.kernels import TORCH_KERNELS
 from gpu.layers.mlp import stack_linears
 from gpu.layers.norm import RMSNorm
+from gpu.layers.parallel import column, kv_heads, row, split
 from gpu.linear import Linear
 
 
@@ -23,20 +26,30 @@ class Attention(nn.Module):
 
     def __init__(self, c, layer: int, norm_offset: float = 0.0) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.tp, d = current(), c.head_dim
+        q0, self.num_heads = split(c.num_attention_heads, "attention heads", self.tp)
+        kv0, self.num_kv_heads = kv_heads(c.num_attention_heads, c.num_key_value_heads, self.tp)
+        self.head_dim = d
+        # this rank's rows of q, k and v in their checkpoint tensors, and those tensors' sizes
+        self.ranges = [(q0 * d, self.num_heads * d), *[(kv0 * d, self.num_kv_heads * d)] * 2]
+        self.full = [c.num_attention_heads * d, *[c.num_key_value_heads * d] * 2]
         self.scale = c.attn_scale or c.head_dim**-0.5
         self.window = c.layer_windows[layer] if c.layer_windows else None
         self.softcap = c.attn_softcap
         self.attend = paged_attention
-        self.sizes = [self.num_heads * c.head_dim, *[self.num_kv_heads * c.head_dim] * 2]
+        self.sizes = [n for _, n in self.ranges]
         self.make_projections(c)
-        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        o_proj = Linear(self.num_heads * d, c.hidden_size, bias=c.o_bias)
+        self.o_proj = row(o_proj, self.ranges[:1], self.full[0], self.tp)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, norm_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, norm_offset)
 
     def make_projections(self, c) -> None:
-        self.q_proj, self.k_proj, self.v_proj = (Linear(c.hidden_size, n, bias=c.qkv_bias) for n in self.sizes)
+        self.q_proj, self.k_proj, self.v_proj = (
+            column(Linear(c.hidden_size, n, bias=c.qkv_bias), [r], full)
+            for n, r, full in zip(self.sizes, self.ranges, self.full, strict=True)
+        )
 
     def fuse(self) -> None:
         """Stack the loaded q, k and v weights into one qkv_proj."""
@@ -51,9 +64,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.kernels.rope_and_write_kv(q, k, v, *rope, kv, meta.slot_mapping)
         out = self.attend(q, kv, meta, self.scale, self.window, self.softcap)
-        return self.o_proj(out.flatten(1))
+        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class FusedQKVAttention(Attention):
     def make_projections(self, c) -> None:
-        self.qkv_proj = Linear(c.hidden_size, sum(self.sizes), bias=c.qkv_bias)
+        offsets = [0, self.full[0], self.full[0] + self.full[1]]  # [q; k; v] rows
+        ranges = [(offset + start, n) for offset, (start, n) in zip(offsets, self.ranges, strict=True)]
+        self.qkv_proj = column(Linear(c.hidden_size, sum(self.sizes), bias=c.qkv_bias), ranges, sum(self.full))

@@ -1,14 +1,18 @@
 """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), as the config's hidden_act says.
 
 gate and up are two weights in most checkpoints, one [2 * intermediate, hidden] `gate_up_proj` in Phi-3's; `fuse()`
-stacks them at load (gpu/weights.py), so the model runs one GEMM and one act-and-mul step of its kernel set."""
+stacks them at load (gpu/weights.py), so the model runs one GEMM and one act-and-mul step of its kernel set. Under
+tensor parallelism a rank holds a slice of the intermediate dim (gpu/layers/parallel.py) and all-reduces down's
+output."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from gpu.distributed.group import current
 from gpu.layers.kernels import TORCH_KERNELS
+from gpu.layers.parallel import column, row, split
 from gpu.linear import Linear
 
 
@@ -17,12 +21,15 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, fused: bool = False) -> None:
         super().__init__()
-        if fused:
-            self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.tp = current()
+        start, n = split(intermediate, "intermediate size", self.tp)
+        if fused:  # [gate; up] rows
+            ranges = [(start, n), (intermediate + start, n)]
+            self.gate_up_proj = column(Linear(hidden, 2 * n, bias=bias), ranges, 2 * intermediate)
         else:
-            self.gate_proj = Linear(hidden, intermediate, bias=bias)
-            self.up_proj = Linear(hidden, intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+            self.gate_proj = column(Linear(hidden, n, bias=bias), [(start, n)], intermediate)
+            self.up_proj = column(Linear(hidden, n, bias=bias), [(start, n)], intermediate)
+        self.down_proj = row(Linear(n, hidden, bias=bias), [(start, n)], intermediate, self.tp)
         self.act = act
 
     def fuse(self) -> None:
@@ -32,7 +39,7 @@ class GatedMLP(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.act_and_mul(self.gate_up_proj(x), self.act))
+        return self.tp.all_reduce(self.down_proj(self.kernels.act_and_mul(self.gate_up_proj(x), self.act)))
 
 
 def stack_linears(*linears: Linear) -> Linear:

@@ -2,7 +2,9 @@
 renormalised to sum to 1 where the config says (`norm_topk_prob`; Mixtral always), and each expert is a SwiGLU
 MLP. The experts' weights are stacked ([E, out, in]; the checkpoint's per-expert tensors are copied in at load,
 `expert_weight`), and the tokens are grouped by expert: one pass per expert that got any token, never a Python
-loop over tokens. A token's k contributions are summed in expert order, whatever the batch around it."""
+loop over tokens. A token's k contributions are summed in expert order, whatever the batch around it. Under tensor
+parallelism each rank holds every expert's slice of the intermediate dim and all-reduces the block's output (the
+router is replicated)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.distributed.group import current
 from gpu.layers.kernels import ACTIVATIONS
+from gpu.layers.parallel import Shard, shard, split
 from gpu.linear import Linear
 
 # a checkpoint's per-expert tensor: "experts.<e>.<its projection>.weight", in either family's names
@@ -30,9 +34,14 @@ def expert_weight(name: str) -> tuple[str, int] | None:
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        self.up = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        start, n = split(intermediate, "experts' intermediate size", current())
+        self.gate = nn.Parameter(torch.empty(num_experts, n, hidden))
+        self.up = nn.Parameter(torch.empty(num_experts, n, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, n))
+        part = ((start, n),)  # (dims of one expert's checkpoint tensor)
+        shard(
+            self, gate=Shard(0, part, intermediate), up=Shard(0, part, intermediate), down=Shard(1, part, intermediate)
+        )
 
 
 class SparseMoE(nn.Module):
@@ -43,6 +52,7 @@ class SparseMoE(nn.Module):
         self.gate = Linear(c.hidden_size, moe.num_experts, bias=False)  # the router
         self.experts = Experts(moe.num_experts, c.hidden_size, intermediate)
         self.act = ACTIVATIONS[c.hidden_act]
+        self.tp = current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = self.gate(x).softmax(-1, dtype=torch.float32)
@@ -60,7 +70,7 @@ class SparseMoE(nn.Module):
                 h = x[token]
                 y = F.linear(self.act(F.linear(h, e.gate[expert])) * F.linear(h, e.up[expert]), e.down[expert])
                 out.index_add_(0, token, y * weights[group, None])
-        return out
+        return self.tp.all_reduce(out)
 
 
 @dataclass(frozen=True)

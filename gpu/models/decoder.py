@@ -22,11 +22,13 @@ import torch
 from torch import nn
 
 from gpu.attention import AttentionMetadata
+from gpu.distributed.group import current
 from gpu.kv_cache import KVCache
 from gpu.layers.attention import Attention
 from gpu.layers.mlp import GatedMLP
 from gpu.layers.moe import SparseMoE, expert_weight
 from gpu.layers.norm import RMSNorm
+from gpu.layers.parallel import VocabParallelEmbedding, column, vocab_range
 from gpu.layers.rotary import RotaryEmbedding
 from gpu.linear import Linear
 
@@ -60,7 +62,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, family: type[CausalLM], c) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(family, c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, family.norm_offset)
         rotary_dim = int(c.head_dim * c.partial_rotary_factor)
@@ -115,7 +117,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(type(self), config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = current()
+        start, held, per = vocab_range(config.vocab_size, self.tp)
+        self.lm_head = column(Linear(config.hidden_size, per, bias=False), [(start, held)], config.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -127,7 +131,11 @@ class CausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] of a flat batch; writes this step's K/V into `kv_cache`."""
         return self.model(input_ids, positions, meta, kv_cache)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of `hidden` on the first rank (each rank's vocabulary share gathered there); None elsewhere."""
+        logits = self.tp.gather_first(self.lm_head(hidden))
+        if logits is None:
+            return None
+        logits = logits[:, : self.config.vocab_size]  # (the last share's padding)
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,96 @@
+"""The tensor-parallel group of a worker gang (torch.distributed) and the collectives the layers call.
+
+A process holds at most one rank of one gang. Until `join()` it is `SINGLE` (size 1: every collective is the
+identity, every shard the whole tensor), so the one-device path runs the same blocks with nothing sharded.
+`join(rank, size, store)` makes it rank `rank` of `size` in a torch.distributed group: gloo on CPU; on CUDA one
+group with NCCL for device tensors and gloo for host ones (the steps the first rank broadcasts: NCCL carries no host
+tensors). Every collective has the group's timeout: a peer that died fails the others' collective at once (its
+connections close), one that hangs within `timeout_s` — nothing waits forever.
+
+`current()` is this process's group; the layers read it when they are built (their shapes: gpu/layers/parallel.py)
+and call its collectives in their forward. The first rank (0) is the one that samples: the logits are gathered
+there only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def first(self) -> bool:
+        """The sampling rank."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x (in place), on every rank."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """On the first rank, every rank's x concatenated along the last dim (rank order); None on the others."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.first else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, -1) if self.first else None
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """The first rank's x, in place on every rank."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
+        return x
+
+    def broadcast_bytes(self, data: bytes = b"") -> bytes:
+        """The first rank's bytes on every rank (host tensors): their length, then (unless empty) the bytes."""
+        length = self.broadcast(torch.tensor([len(data)], dtype=torch.int64))
+        if not int(length):
+            return b""
+        if self.first:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(length), dtype=torch.uint8)
+        return self.broadcast(buf).numpy().tobytes()
+
+
+SINGLE = TensorParallel()
+_current = SINGLE
+
+
+def current() -> TensorParallel:
+    return _current
+
+
+def join(rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float) -> TensorParallel:
+    """Make this process rank `rank` of `size` (blocks until every rank joined `store`, at most `timeout_s`)."""
+    global _current
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    _current = TensorParallel(rank, size)
+    return _current
+
+
+def leave() -> None:
+    """Back to SINGLE (the group torn down, where one was joined)."""
+    global _current
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _current = SINGLE

@@ -1,0 +1,100 @@
+"""Tensor-parallel blocks (gpu/layers/parallel.py) against the one-device forward: two gloo ranks in two spawned
+processes shard tiny checkpoints of every kind of block — KV heads split (Llama) and replicated (one KV head),
+q/k/v and o biases with an MLP bias (the row-parallel bias added once), Phi-3's fused q/k/v and gate/up tensors,
+Gemma 2's soft-caps and sandwich norms, Qwen3-MoE's experts and q/k norm, a vocabulary that does not split evenly
+(the last rank's padding) — and run the same greedy schedule (chunked prefill beside decodes: tests/family_models.py).
+The first rank's logits at every position equal the one-device logits within 1e-4 (fp32; the reductions' order
+differs), and its greedy tokens are the same. A size that does not divide the heads is refused by name."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpu.config import ModelConfig
+from gpu.distributed.group import TensorParallel, join, leave
+from gpu.layers.parallel import kv_heads, local_config
+from gpu.runner import ModelRunner
+from tests.family_models import make_family_dir, run_greedy
+from tests.tiny_model import Request, block_pool
+
+TOL = 1e-4
+BLOCK, BUDGET, NEW_TOKENS = 4, 12, 8
+CASES = {  # name -> (family, config overrides)
+    "llama": ("llama", {}),
+    "llama_one_kv_head": ("llama", {"num_key_value_heads": 1}),
+    "llama_biases_odd_vocab": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "vocab_size": 49155, "tie_word_embeddings": True},
+    ),
+    "phi3": ("phi3", {}),
+    "gemma2": ("gemma2", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+}
+
+
+def greedy_logits(path: Path) -> dict[int, list[torch.Tensor]]:
+    runner = ModelRunner(ModelConfig.from_path(path), "cpu", torch.float32, 128, BLOCK, num_threads=1)
+    g = torch.Generator().manual_seed(0)
+    pool = block_pool()
+    reqs = [Request(pool, i, torch.randint(3, 49152, (n,), generator=g).tolist(), BLOCK) for i, n in enumerate([5, 19])]
+    logits = run_greedy(runner, reqs, NEW_TOKENS, BUDGET)  # (empty on a rank that does not sample)
+    return {slot: torch.stack(rows) for slot, rows in logits.items() if rows}
+
+
+def rank_main(rank: int, size: int, port: int, paths: dict[str, Path], out: Path) -> None:
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+    join(rank, size, store, torch.device("cpu"), timeout_s=60)
+    try:
+        for name, path in paths.items():
+            logits = greedy_logits(path)
+            if rank == 0:
+                torch.save(logits, out / f"{name}.pt")
+    finally:
+        leave()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp")
+    return {name: make_family_dir(root / name, family, **o) for name, (family, o) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def sharded(checkpoints, tmp_path_factory) -> Path:
+    """Each case's first-rank logits under TP = 2, saved by the ranks."""
+    out = tmp_path_factory.mktemp("tp-out")
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)  # (the ranks' rendezvous)
+    ctx = multiprocessing.get_context("spawn")
+    ranks = [ctx.Process(target=rank_main, args=(r, 2, store.port, checkpoints, out)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(300)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_one_device(case, checkpoints, sharded):
+    ours = torch.load(sharded / f"{case}.pt")
+    reference = greedy_logits(checkpoints[case])
+    assert ours.keys() == reference.keys()
+    for slot, expected in reference.items():
+        assert ours[slot].shape == expected.shape
+        assert torch.equal(ours[slot].argmax(-1), expected.argmax(-1))
+        assert (ours[slot] - expected).abs().max() < TOL
+
+
+def test_shapes_the_heads_refuse_by_name(checkpoints):
+    c = ModelConfig.from_path(checkpoints["llama"])  # 4 query heads, 2 KV heads
+    assert kv_heads(4, 2, TensorParallel(1, 2)) == (1, 1)
+    assert kv_heads(4, 1, TensorParallel(1, 2)) == (0, 1)  # replicated
+    assert kv_heads(8, 2, TensorParallel(3, 4)) == (1, 1)  # ranks 2 and 3 read KV head 1
+    assert local_config(c, TensorParallel(0, 4)).num_key_value_heads == 1
+    with pytest.raises(ValueError, match="does not divide the model's attention heads"):
+        local_config(c, TensorParallel(0, 3))
