@@ -26,13 +26,18 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields += ("block_size", "num_kv_blocks")
     fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
     fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching", "worker", "attention_backend")
-    fields += ("enforce_eager", "gpu_memory_utilization")
+    fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size")
     values = {f: getattr(args, f) for f in fields}
     values["speculative"] = spec = values.pop("speculative_config")
-    if args.worker == "process" and spec is not None and spec.method == "draft_model":
+    if args.tensor_parallel_size > 1:  # a gang's ranks are processes: its leader is the worker process
+        values["worker"] = "process"
+    if values["worker"] == "process" and spec is not None and spec.method == "draft_model":
         from gpu.config import ModelLoadError
 
-        raise ModelLoadError("draft-model speculation needs --worker inline (the draft model runs beside the target)")
+        raise ModelLoadError(
+            "draft-model speculation needs --worker inline and no tensor parallelism (the draft model runs beside"
+            " the target)"
+        )
     return EngineConfig(model=model, **values)
 
 

@@ -73,7 +73,17 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no CUDA graphs: every step runs eagerly (default: decode steps replay graphs captured at startup)",
     )
-    g.add_argument("--engine-threads", type=int, default=None, help="torch threads (default: every core)")
+    g.add_argument(
+        "--engine-threads", type=int, default=None, help="torch threads per rank (default: every core, shared by ranks)"
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_count,
+        default=_DEFAULTS.tensor_parallel_size,
+        help="shard the model over this many worker processes (ranks of a torch.distributed gang: gloo on CPU, NCCL "
+        "on CUDA, one device each); the worker then runs in processes of its own",
+    )
     g.add_argument(
         "--worker",
         choices=["inline", "process"],
@@ -160,4 +170,11 @@ def _positive(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return value

@@ -61,6 +61,8 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
 
 def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]:
     model = resolve_model(engine.model)
+    if engine.tensor_parallel_size > 1:
+        check_checkpoint(model, engine.tensor_parallel_size)
     engine = msgspec.structs.replace(engine, model=str(model.path))
     spec = engine.speculative
     if spec is not None and spec.model is not None:  # a draft .gguf is converted here too, before anything starts

@@ -29,7 +29,7 @@ from frontend.responses import response_body, stream_events, stream_head, stream
 from frontend.structured import compile_check
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
-from messages.names import HTTP
+from messages.names import HTTP, WORKER
 from messages.wire import (
     ActorDown,
     ActorUp,
@@ -62,6 +62,7 @@ class HttpActor(Actor):
         c = self.config
         self.table = RequestTable(self.tell, self.metrics, c.abort_timeout_s, c.max_abort_tries, c.max_resumes)
         self.admitting = True
+        self.worker_down = False  # (a process worker, or a gang: restarting)
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self._large_reads, self._large_parses = asyncio.Semaphore(LARGE_READS), asyncio.Semaphore(LARGE_PARSES)
@@ -117,11 +118,15 @@ class HttpActor(Actor):
     # ------------------------------------------------------------ actor messages
 
     def on_actor_down(self, msg: ActorDown) -> None:
+        if msg.actor == WORKER:  # (its requests wait in the engine: only /health says so)
+            self.worker_down = True
         if self.table.on_down(msg.actor):
             self.metrics.forget(msg.actor)
             log.error("%s is down (%s): %d requests wait for it", msg.actor, msg.reason, len(self.table.live))
 
     def on_actor_up(self, msg: ActorUp) -> None:
+        if msg.actor == WORKER:
+            self.worker_down = False
         if self.table.on_up(msg.actor):
             log.info("%s is back: %d requests resumed", msg.actor, len(self.table.live))
 
@@ -156,6 +161,8 @@ class HttpActor(Actor):
 
     async def health(self, request: web.Request) -> web.Response:
         self._check_available()
+        if self.worker_down:
+            raise RequestError(503, "the worker is down (restarting); retry later")
         return web.Response()
 
     async def models(self, request: web.Request) -> web.Response:

@@ -60,6 +60,13 @@ class BatchSpec(msgspec.Struct, array_like=True):
         return [i for i, r in enumerate(self.rows) if r.num_samples]
 
     @property
+    def relay_slots(self) -> list[int]:
+        """The slots whose next input is a token sampled this step (the device relay): each sampling row's, then each
+        sampling CFG companion's (its parent's token)."""
+        companions = [r.slot for r in self.rows if r.guidance_scale is not None and r.sample]
+        return [r.slot for r in self.rows if r.num_samples] + companions
+
+    @property
     def num_samples(self) -> int:
         """Sampled positions: one per sampling row, 1 + K for a row verifying K drafts."""
         return sum(r.num_samples for r in self.rows)

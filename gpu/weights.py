@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from gpu.attention_backend import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError, weight_files
+from gpu.distributed.group import TensorParallel, shaped_as
 from gpu.layers.attention import Attention
 from gpu.layers.parallel import Shard
 from gpu.linear import Linear
@@ -29,10 +30,14 @@ from gpu.quant import Quantization, quantize_model
 Load = tuple[Path, str, str, int | None]  # (file, tensor name, parameter, stacked row or None)
 
 
-def check_checkpoint(config: ModelConfig) -> None:
-    """Raise ModelLoadError unless every parameter has exactly one tensor of its shape in the checkpoint."""
-    with torch.device("meta"):
-        model = REGISTRY[config.architecture](config)
+def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1) -> None:
+    """Raise ModelLoadError unless every parameter has exactly one tensor of its shape in the checkpoint, and the
+    model shards over `tensor_parallel_size` ranks."""
+    try:
+        with shaped_as(TensorParallel(0, tensor_parallel_size)), torch.device("meta"):
+            model = REGISTRY[config.architecture](config)
+    except ValueError as e:  # (a size that does not divide the heads, the intermediate dim, ...)
+        raise ModelLoadError(f"{config.name}: {e}") from e
     checkpoint_plan(config, dict(model.named_parameters()), shards_of(model))
 
 

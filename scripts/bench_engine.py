@@ -114,11 +114,10 @@ class BareEngine:
         self.steps = 0
         return make_scheduler(self.config, self.model, prompts, n, self.executor.runner.num_blocks)
 
-    def _rows(self, sched: Scheduler, batch) -> tuple[list[SamplingRow], list[int]]:
-        reqs = [(sched.requests[r.request_id], r.slot) for r in batch.rows if r.sample]
-        rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids if needs_history(q) else [], None,
-                            list(self.model.eos_token_ids)) for q, _ in reqs]  # fmt: skip
-        return rows, [s for _, s in reqs]
+    def _rows(self, sched: Scheduler, batch) -> list[SamplingRow]:
+        reqs = [sched.requests[r.request_id] for r in batch.rows if r.sample]
+        return [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids if needs_history(q) else [], None,
+                            list(self.model.eos_token_ids)) for q in reqs]  # fmt: skip
 
     def _update(self, sched: Scheduler, batch, result, out: dict[str, list[int]]) -> None:
         sampled = result.host()[0]
@@ -132,9 +131,9 @@ class BareEngine:
         while sched.has_unfinished():
             t0 = time.thread_time()
             batch = sched.schedule()
-            rows, slots = self._rows(sched, batch)
+            rows = self._rows(sched, batch)
             t1 = time.thread_time()
-            result = self.executor.run(batch, rows, slots)
+            result = self.executor.run(batch, rows)
             t2 = time.thread_time()
             self._update(sched, batch, result, out)
             t["schedule"] += t1 - t0
@@ -152,7 +151,7 @@ class BareEngine:
                 if len(inflight) < 2 and not (inflight and any(needs_history(r) for r in sched.running)):
                     batch = sched.schedule()
                     if batch.rows:
-                        inflight.append((batch, device.submit(self.executor.run, batch, *self._rows(sched, batch))))
+                        inflight.append((batch, device.submit(self.executor.run, batch, self._rows(sched, batch))))
                 if inflight and (len(inflight) == 2 or batch is None or not batch.rows):
                     done, future = inflight.popleft()
                     self._update(sched, done, future.result(), out)

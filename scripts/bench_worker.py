@@ -101,12 +101,12 @@ def message_costs(worker: Worker, batch: int, repeats: int) -> dict[str, float]:
 def step_ms(worker: Worker, repeats: int) -> float:
     """Median wall ms of a batch-1 decode step of the model (StepExecutor.run), after a 32-token prefill."""
     ex, row = worker.executor, SamplingRow(GREEDY, [], [], 0, [])
-    ex.run(BatchSpec(0, [ScheduledRow("a", 0, list(range(100, 132)), 0, [0, 1, 2], True)]), [row], [0])
+    ex.run(BatchSpec(0, [ScheduledRow("a", 0, list(range(100, 132)), 0, [0, 1, 2], True)]), [row])
     times = []
     for i in range(repeats):
         batch = BatchSpec(1 + i, [ScheduledRow("a", 0, [7], 32, [0, 1, 2], True)])
         t = time.perf_counter()
-        ex.run(batch, [row], [0])
+        ex.run(batch, [row])
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times)
 

@@ -75,6 +75,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # every step_timeout_s / 5, came but showed no progress: blamed, the process restarted) or lost (nothing came:
     # the worker is reset). A slow step that progresses is waited for
     step_timeout_s: float = 60.0
+    # tensor parallelism: the worker is a gang of this many ranks, each with its shard of the model and KV cache
+    # (actors/engine/gang.py); more than one needs worker "process"
+    tensor_parallel_size: int = 1
     # a request in this many steps that killed the worker or failed there is failed alone; from the one before, it
     # runs in steps of its own (so the others are not blamed with it). Three deaths fit the supervisor's default
     # restart intensity (3 in 60 s)
@@ -84,12 +87,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     hang_token: int | None = None  # tests: a step feeding it blocks for good, with no progress (a hung step)
 
     def threads(self) -> int:
-        """Torch threads for the engine: every core this process may run on. Measured on 2 cores with the HTTP and
+        """Torch threads for the engine (per rank of a gang): every core this process may run on (a gang's ranks
+        divide them). Measured on 2 cores with the HTTP and
         detokenizer processes busy (docs/PERFORMANCE.md): 2 threads against 1 gave 69.6 vs 40.9 output tok/s at
         concurrency 16 and 12.6 vs 11.4 at 1; more threads than cores once cut decode 5x, so never more."""
         if self.engine_threads:
             return self.engine_threads
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, cores // self.tensor_parallel_size)  # (a gang's ranks share the cores)
 
     def decode_graphs(self) -> Literal["eager", "off"] | None:
         """The runner's decode-step mode (gpu/graphs.py): None lets it capture where it can."""

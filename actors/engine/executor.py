@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.grammar_masks import WorkerMasks
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
+from gpu.distributed.group import TensorParallel, current
 from gpu.kv_cache import num_blocks_for_memory
+from gpu.layers.parallel import local_config
 from gpu.runner import ModelRunner, resolve_device, resolve_dtype
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow, to_device
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
@@ -93,7 +96,7 @@ def draft_configs(config: EngineConfig) -> list[ModelConfig]:
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
     """Blocks per KV cache: `num_kv_blocks`; else as many as fit in `kv_cache_memory_gb` (default 1 GiB) with every
     cache counted: the target's and a draft model's (actors/engine/draft.py: as many blocks, paired one-for-one);
-    None where that is not given on CUDA with the worker inline: the runner sizes the cache to
+    under tensor parallelism the budget is each rank's, for its share of the heads (as vLLM's, per device); None where that is not given on CUDA with the worker inline: the runner sizes the cache to
     `gpu_memory_utilization` of the device (gpu/memory.py). (A process worker is restarted with the count its
     scheduler holds: it is fixed before either starts.)"""
     if config.num_kv_blocks:
@@ -104,26 +107,45 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
     dtype = resolve_dtype(config.dtype, device)
     drafts = draft_configs(config)
     budget = int((1.0 if config.kv_cache_memory_gb is None else config.kv_cache_memory_gb) * (1 << 30))
-    return num_blocks_for_memory(model, config.block_size, dtype, budget, *drafts)
+    local = local_config(model, TensorParallel(0, config.tensor_parallel_size))  # (a rank's heads: its cache)
+    return num_blocks_for_memory(local, config.block_size, dtype, budget, *drafts)
+
+
+def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None) -> ModelRunner:
+    """The target model's runner (a tensor-parallel rank's shard of it, in a gang: actors/engine/gang.py)."""
+    return ModelRunner(
+        model.served(config.max_model_len),  # (a rotary scaling fixed by the served length reads it)
+        device=config.device,
+        dtype=config.dtype,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        num_threads=config.threads(),
+        quantization=config.quantization,
+        attention_backend=config.attention_backend,
+        decode_graphs=config.decode_graphs(),
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        drafts=tuple(draft_configs(config)) if num_blocks is None else (),
+    )
+
+
+@torch.inference_mode()
+def follow(tp: TensorParallel, runner: ModelRunner) -> None:
+    """A follower rank of a gang: each step the leader broadcasts (StepExecutor.run), until the empty one: the
+    forward on this rank's shard, then the relay ids the leader sampled."""
+    while data := tp.broadcast_bytes():
+        batch = msgspec.msgpack.decode(data, type=BatchSpec)
+        runner.execute(batch)
+        if relay := batch.relay_slots:
+            ids = tp.broadcast(torch.empty(len(relay), dtype=torch.int64, device=runner.device))
+            runner.set_prev_sampled(torch.tensor(relay, dtype=torch.int64), ids)
 
 
 class StepExecutor:
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int | None):
-        self.runner = ModelRunner(
-            model.served(config.max_model_len),  # (a rotary scaling fixed by the served length reads it)
-            device=config.device,
-            dtype=config.dtype,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            num_threads=config.threads(),
-            quantization=config.quantization,
-            attention_backend=config.attention_backend,
-            decode_graphs=config.decode_graphs(),
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            drafts=tuple(draft_configs(config)) if num_blocks is None else (),
-        )
+        self.runner = make_runner(config, model, num_blocks)
+        self.tp = current()  # (a gang's leader: the followers run each step's forward with it)
         self.sampler = Sampler(logprobs_mode=config.logprobs_mode)
         self.device = self.runner.device
         self.metadata = MetadataCache(model.vocab_size, self.device)
@@ -137,7 +159,6 @@ class StepExecutor:
         self,
         batch: BatchSpec,
         rows: list[SamplingRow],
-        slots: list[int],
         num_prompt_logprobs: int = 0,
         masks: WorkerMasks | None = None,
     ) -> StepTensors:
@@ -146,6 +167,8 @@ class StepExecutor:
         masks: the constrained rows' grammar masks, applied after CFG (waiting for their last fills)."""
         if self.debug_checks:
             self._check_relay(batch)
+        if self.tp.size > 1:
+            self.tp.broadcast_bytes(msgspec.msgpack.encode(batch))
         logits = self.runner.execute(batch)
         num_logits = sum(r.num_logits for r in batch.rows)
         plp = self._prompt_logprobs(batch, logits[num_logits:], num_prompt_logprobs)
@@ -161,11 +184,11 @@ class StepExecutor:
             fixed = self.sampler.logprobs_of(spec.raw, tokens[spec.positions], 1, spec.meta)
             out.logprobs.sampled[spec.positions], out.logprobs.ranks[spec.positions] = fixed.sampled, fixed.ranks
         if companions:  # a CFG companion's next input is its parent's token
-            slots = slots + [slot for _, slot in companions]
             parents = to_device([j for j, _ in companions], torch.int64, last.device)
             last = torch.cat([last, last.index_select(0, parents)])
-        if slots:
-            self.runner.set_prev_sampled(torch.tensor(slots, dtype=torch.int64), last)
+        if relay := batch.relay_slots:  # (the followers' copy: one broadcast)
+            last = self.tp.broadcast(last.to(torch.int64).contiguous())
+            self.runner.set_prev_sampled(torch.tensor(relay, dtype=torch.int64), last)
         return self._to_host(tokens, out.logprobs, plp, emitted)
 
     def _spec_rows(self, batch: BatchSpec, logits: torch.Tensor, rows: list[SamplingRow]) -> _DraftCheck | None:

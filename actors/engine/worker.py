@@ -10,7 +10,8 @@ Launched it returns gives the StepResult (`result()`, any thread: it waits for t
 An ExecuteStep of an older epoch, or one already run, is ignored (None); a gap in seq (a lost or reordered
 ExecuteStep) breaks the epoch: that step and every later one of the epoch answer with an error, and the
 scheduler resets the worker (a new epoch). A step that raises answers with the error too: the scheduler treats
-it as a lost worker (the step's requests are recomputed; one that keeps failing steps is failed alone).
+it as a lost worker (the step's requests are recomputed; one that keeps failing steps is failed alone); the leader
+of a tensor-parallel gang exits instead (actors/engine/gang.py), a worker death.
 
 Progress (a process worker's, for its heartbeats: messages/step.py StepProgress): `progress` counts what the
 device thread did (a step begun, every few decoder layers of the forward: forward pre-hooks, at most 8 a forward,
@@ -33,6 +34,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.executor import StepExecutor, StepTensors
+from actors.engine.gang import GANG_EXIT
 from actors.engine.grammar_masks import WorkerMasks
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
@@ -96,6 +98,8 @@ class Worker:
             return Launched(msg, self._run(msg))
         except Exception as e:  # a bug, or a fault: the scheduler recomputes the step's requests
             log.exception("step %d (epoch %d, seq %d) failed", msg.batch.step, msg.epoch, msg.seq)
+            if self.executor.tp.size > 1:  # the gang's ranks may wait in a collective this one will not call
+                os._exit(GANG_EXIT)
             self.broken = True
             return Launched(msg, failure="raised", error=f"step failed in the worker: {type(e).__name__}: {e}")
         finally:
@@ -129,14 +133,14 @@ class Worker:
         for rid, tokens in msg.appended.items():
             self.requests[rid].output_token_ids += tokens
 
-    def sampling_rows(self, batch: BatchSpec) -> tuple[list[SamplingRow], list[int]]:
+    def sampling_rows(self, batch: BatchSpec) -> list[SamplingRow]:
         """A SamplingRow per sampled position (a row verifying K drafts has K + 1, position j with the first j drafts
-        in its output history), and a relay slot per sampling row.
+        in its output history).
 
         One step ahead, the output list lags the device by the step in flight. A request whose sampling reads it
         (reads_output) never has a step in flight when it is scheduled (the scheduler syncs first, or it was just
         admitted); the others read only its length (min_tokens), past min_tokens once it is."""
-        rows, slots = [], []
+        rows = []
         for row in batch.rows:
             if row.num_samples:
                 req = self.requests[row.request_id]
@@ -144,8 +148,7 @@ class Worker:
                     output = req.output_token_ids + row.draft_token_ids[:j] if j else req.output_token_ids
                     position = row.output_position + j
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, output, position, self.eos_token_ids))
-                slots.append(row.slot)
-        return rows, slots
+        return rows
 
     def fill(self, msg: FillMasks) -> None:
         """A launched (or yet to launch) step's deferred grammar masks."""
@@ -162,7 +165,7 @@ class Worker:
             return None  # bookkeeping only (the scheduler went idle)
         if self.hooks:
             self._test_hooks(msg.batch)
-        rows, slots = self.sampling_rows(msg.batch)
+        rows = self.sampling_rows(msg.batch)
         masks = None
         if msg.masks is not None:
             masks = WorkerMasks(msg.masks, msg.batch.num_samples, self.vocab_size)
@@ -173,7 +176,7 @@ class Worker:
                         self._waiting[msg.epoch, msg.seq] = masks
                 if early is not None:
                     masks.fill(early.masks, last=True)
-        return self.executor.run(msg.batch, rows, slots, msg.num_prompt_logprobs, masks)
+        return self.executor.run(msg.batch, rows, msg.num_prompt_logprobs, masks)
 
     def _layer(self, *_) -> None:
         """A hooked decoder layer begins (device thread): progress."""

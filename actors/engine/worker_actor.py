@@ -4,6 +4,7 @@ ExecuteSteps run on the one device thread in arrival order; one owned sender tas
 StepResult in the same order, waiting (off the loop on CUDA) for that step's host copy only, so the device
 thread launches step N+1 while step N's copy completes. FillMasks go straight to the worker (any thread).
 The supervisor restarts the process when it dies; the scheduler then resets the worker's state (a new epoch).
+With tensor parallelism this process leads a gang of ranks (actors/engine/gang.py) and the gang dies with it.
 
 Heartbeats: while it holds a step (received, not yet answered) the actor sends the scheduler a StepProgress every
 step_timeout_s / 5 (Worker.beat(): the device thread's step and progress counter), so that a slow step is told from
@@ -26,6 +27,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.executor import num_kv_blocks
+from actors.engine.gang import Gang
 from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
 from gpu.config import ModelConfig
@@ -45,6 +47,8 @@ class WorkerActor(Actor):
         self._launched: asyncio.Queue[asyncio.Future[Launched | None]] = asyncio.Queue()
         self._held = 0  # ExecuteSteps received and not yet answered (or ignored)
         self._busy = asyncio.Event()  # set while _held > 0: heartbeats go out
+        self.gang: Gang | None = None  # tensor parallelism: this process leads a gang of ranks
+        self.tp = None  # ... and is rank 0 of its group
 
     def handlers(self):
         return {ExecuteStep: self.on_execute, FillMasks: lambda msg: self.worker.fill(msg), CheckIdle: self.on_check,
@@ -65,7 +69,13 @@ class WorkerActor(Actor):
         model = ModelConfig.from_path(self.config.model)
         blocks = num_kv_blocks(self.config, model)
         loop = asyncio.get_running_loop()
+        if self.config.tensor_parallel_size > 1:  # the leader of a gang (actors/engine/gang.py)
+            self.gang = Gang(self.config, blocks, logging.getLevelName(logging.getLogger().level))
+            self.spawn(self.gang.watch())
+            self.tp = await loop.run_in_executor(self._device, self.gang.join)
         self.worker = await loop.run_in_executor(self._device, Worker, self.config, model, blocks)
+        if self.gang is not None:
+            await loop.run_in_executor(self._device, self.gang.loaded)
         self.on_device = self.worker.executor.device.type != "cpu"
         self.spawn(self._send_results())
         self.spawn(self._heartbeats())
@@ -101,4 +111,6 @@ class WorkerActor(Actor):
                 self.tell(SCHEDULER, self.worker.beat())
 
     async def on_shutdown(self, reason: str) -> None:
+        if self.gang is not None:  # (after the steps already queued on the device thread)
+            await asyncio.get_running_loop().run_in_executor(self._device, self.gang.stop, self.tp)
         self._device.shutdown(wait=False, cancel_futures=True)

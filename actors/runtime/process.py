@@ -62,8 +62,8 @@ def child_main(config_json: bytes) -> None:
 
     config = msgspec.json.decode(config_json, type=ChildConfig)
     os.environ.update(config.process.env)
-    _die_with_parent(config.parent_pid)
-    _set_title(f"sluice:{config.process.name}")
+    die_with_parent(config.parent_pid)
+    set_title(f"sluice:{config.process.name}")
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s %(levelname)s [{config.process.name}] %(name)s: %(message)s"
     )
@@ -104,7 +104,7 @@ async def _watch_parent(parent_pid: int) -> None:
             os._exit(EXIT_ORPHANED)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -112,7 +112,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(EXIT_ORPHANED)
 
 
-def _set_title(title: str) -> None:
+def set_title(title: str) -> None:
     import setproctitle
 
     setproctitle.setproctitle(title)

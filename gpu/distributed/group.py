@@ -14,6 +14,7 @@ there only.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,6 +71,18 @@ _current = SINGLE
 
 def current() -> TensorParallel:
     return _current
+
+
+@contextmanager
+def shaped_as(tp: TensorParallel):
+    """Build layers as rank `tp.rank` of `tp.size` would, with no group (a checkpoint's check before any rank starts;
+    a collective called inside fails)."""
+    global _current
+    saved, _current = _current, tp
+    try:
+        yield tp
+    finally:
+        _current = saved
 
 
 def join(rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float) -> TensorParallel:

@@ -1,0 +1,152 @@
+"""A worker gang: the tensor-parallel ranks behind the one WorkerActor (`EngineConfig.tensor_parallel_size` > 1).
+
+The WorkerActor's process is rank 0, the leader: the scheduler's one link (ExecuteStep in, StepResult out), the
+sampler, the grammar masks. It hosts the group's rendezvous (a TCPStore on loopback, on a free port), spawns ranks
+1..N-1 (`python -m actors.engine.gang`, each killed by the kernel when the leader dies), joins the group with them
+once each has said so in the store (gpu/distributed/group.py), and says it is Ready once each has loaded. A rank holds its shard of the model and of the KV cache (its heads; every rank the
+same block count). Each step, on every rank's device thread, in this order (actors/engine/executor.py):
+
+1. the leader broadcasts the step's BatchSpec (msgpack: one broadcast to the group, not one send per rank);
+2. every rank runs the forward on its shard (an all-reduce per row-parallel block); the logits are gathered on the
+   leader only;
+3. the leader samples and broadcasts the ids the next step reads (`BatchSpec.relay_slots`); every rank keeps them
+   in its own device relay buffer, so async scheduling never sends a sampled token from the host.
+
+An empty broadcast ends the followers (the leader's shutdown). The gang lives and dies as one (a collective cannot go
+on short of a member), and a death is a worker death as before: the supervisor restarts the worker process, which
+starts a new gang; the scheduler resets it (a new epoch: the old gang's messages are dropped) and recomputes its
+requests (actors/engine/recovery.py).
+
+| event                                   | what happens                                                             |
+|-----------------------------------------|--------------------------------------------------------------------------|
+| a follower exits, however               | the leader sees it (a pidfd), logs the rank and its code, exits (code 4) |
+| a follower hangs                        | the leader's step stops progressing: the scheduler's hang verdict        |
+|                                         | (worker_link.py) has the leader exit (within step_timeout_s)             |
+| a step raises on the leader             | the followers wait in a collective it will not call: the leader exits    |
+| the leader dies                         | the kernel kills its followers (PDEATHSIG)                               |
+| a collective's peer is gone / stuck     | gloo fails it at once / after the group's timeout (2 × step_timeout_s)   |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from actors.engine.config import EngineConfig
+from gpu.config import ModelConfig
+from gpu.distributed.group import TensorParallel, join
+
+log = logging.getLogger("sluice.gang")
+GANG_EXIT = 4  # the leader's exit code when its gang broke
+
+
+class FollowerConfig(msgspec.Struct, kw_only=True):
+    engine: EngineConfig
+    rank: int
+    port: int  # the leader's TCPStore, on loopback
+    num_blocks: int
+    leader_pid: int
+    log_level: str
+
+
+def timeout_s(config: EngineConfig) -> float:
+    """A collective's deadline: a step may take step_timeout_s without progress before the scheduler gives up."""
+    return 2 * config.step_timeout_s
+
+
+def bind_device(config: EngineConfig, rank: int) -> torch.device:
+    """The rank's device: on CUDA, the rank-th of this node (set as the thread's current one), else the CPU."""
+    if config.device in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    if config.device not in ("auto", "cpu"):
+        raise ValueError(
+            f'tensor parallelism places ranks itself: device must be "auto", "cuda" or "cpu", not {config.device!r}'
+        )
+    return torch.device("cpu")
+
+
+class Gang:
+    """The leader's side: the followers' processes and the group (built on the loop thread; `join` on the device
+    thread, which runs every collective)."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, log_level: str) -> None:
+        self.config, self.size = config, config.tensor_parallel_size
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False)
+        self.stopping = False
+        self.followers = {}  # rank -> its process
+        for rank in range(1, self.size):  # (spawned from the loop thread: PDEATHSIG follows the spawning thread)
+            follower = FollowerConfig(
+                engine=config, rank=rank, port=self.store.port, num_blocks=num_blocks, leader_pid=os.getpid(),
+                log_level=log_level,
+            )  # fmt: skip
+            argv = [sys.executable, "-m", "actors.engine.gang", msgspec.json.encode(follower).decode()]
+            self.followers[rank] = subprocess.Popen(argv)
+        log.info("gang of %d ranks: followers %s", self.size, {r: p.pid for r, p in self.followers.items()})
+
+    def join(self) -> TensorParallel:
+        """Rank 0 of the group, once every follower is there to join it (device thread; a follower takes seconds to
+        start: longer than a collective's deadline)."""
+        self.store.wait([f"joining/{rank}" for rank in self.followers])
+        return join(0, self.size, self.store, bind_device(self.config, 0), timeout_s(self.config))
+
+    def loaded(self) -> None:
+        """Until every follower loaded its shard (device thread): no collective waits on a load."""
+        self.store.wait([f"loaded/{rank}" for rank in self.followers])
+
+    async def watch(self) -> None:
+        """Until a follower exits; then the gang is over: this process exits (unless it is stopping)."""
+        loop, exited = asyncio.get_running_loop(), asyncio.Event()
+        fds = {os.pidfd_open(p.pid): rank for rank, p in self.followers.items()}
+        for fd in fds:
+            loop.add_reader(fd, exited.set)
+        await exited.wait()
+        if self.stopping:
+            return
+        codes = {rank: p.poll() for rank, p in self.followers.items() if p.poll() is not None}
+        log.error("gang rank(s) exited %s: the gang is over, the worker restarts", codes)
+        os._exit(GANG_EXIT)
+
+    def stop(self, tp: TensorParallel | None) -> None:
+        """End the followers: the empty broadcast (device thread, when the group was joined), then a kill for any
+        that is still there."""
+        self.stopping = True
+        if tp is not None:
+            tp.broadcast_bytes(b"")
+        for p in self.followers.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def follower_main(config: FollowerConfig) -> None:
+    """A follower rank: join the group, load its shard, then run the leader's steps until the empty one."""
+    from actors.engine.executor import follow, make_runner
+    from actors.runtime.process import die_with_parent, set_title
+
+    die_with_parent(config.leader_pid)
+    name = f"worker.rank{config.rank}"
+    set_title(f"sluice:{name}")
+    logging.basicConfig(level=config.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+    engine = config.engine
+    torch.set_num_threads(engine.threads())
+    device = bind_device(engine, config.rank)
+    store = dist.TCPStore("127.0.0.1", config.port, engine.tensor_parallel_size, is_master=False)
+    store.set(f"joining/{config.rank}", "")
+    tp = join(config.rank, engine.tensor_parallel_size, store, device, timeout_s(engine))
+    runner = make_runner(engine, ModelConfig.from_path(engine.model), config.num_blocks)
+    store.set(f"loaded/{config.rank}", "")
+    log.info("rank %d of %d ready (%d KV blocks)", tp.rank, tp.size, runner.num_blocks)
+    follow(tp, runner)
+
+
+if __name__ == "__main__":
+    follower_main(msgspec.json.decode(sys.argv[1], type=FollowerConfig))
