@@ -26,8 +26,22 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields += ("block_size", "num_kv_blocks")
     fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
     fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching", "worker", "attention_backend")
-    fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size")
+    fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "nnodes", "master_addr")
+    fields += ("master_port",)
     values = {f: getattr(args, f) for f in fields}
+    if args.tensor_parallel_size % args.nnodes:
+        raise SystemExit(
+            f"--tensor-parallel-size {args.tensor_parallel_size} is not a multiple of --nnodes {args.nnodes}"
+        )
+    if args.nnodes > 1:
+        from actors.runtime.curve import SECRET_ENV, cluster_secret
+
+        if args.cluster_secret:  # (the environment carries it to every process that needs it)
+            os.environ[SECRET_ENV] = args.cluster_secret
+        try:
+            cluster_secret()
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
     values["speculative"] = spec = values.pop("speculative_config")
     if args.tensor_parallel_size > 1:  # a gang's ranks are processes: its leader is the worker process
         values["worker"] = "process"
@@ -65,6 +79,8 @@ def serve(args: argparse.Namespace) -> int:
     from frontend.http_base import HttpConfig
 
     model = _setup(args, "INFO")
+    if args.headless or args.node_rank:
+        return _headless(args, _engine_config(args, str(model.path)))
     http = HttpConfig(
         host=args.host,
         port=args.port,
@@ -80,6 +96,21 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     return uvloop.run(_serve(_engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
+
+
+def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
+    """This node's ranks of a gang led by node 0 (actors/engine/gang_nodes.py)."""
+    import uvloop
+
+    from actors.engine.gang_nodes import HeadlessNode
+
+    if not args.headless:
+        raise SystemExit(f"--node-rank {args.node_rank}: only node 0 serves; the others run with --headless")
+    try:
+        node = HeadlessNode(engine, args.node_rank)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    return uvloop.run(node.run())
 
 
 def _chat_template(path: str | None) -> str | None:

@@ -84,6 +84,25 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="shard the model over this many worker processes (ranks of a torch.distributed gang: gloo on CPU, NCCL "
         "on CUDA, one device each); the worker then runs in processes of its own",
     )
+    g.add_argument("--nnodes", type=_count, default=_DEFAULTS.nnodes, help="nodes the gang spans")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's rank (0: the node that serves)")
+    g.add_argument(
+        "--master-addr",
+        default=_DEFAULTS.master_addr,
+        help="node 0's address, where its gang leader listens for the other nodes (bind and connect)",
+    )
+    g.add_argument("--master-port", type=int, default=_DEFAULTS.master_port, help="... and its port")
+    g.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's ranks of a gang led by node --master-addr (no API server)",
+    )
+    g.add_argument(
+        "--cluster-secret",
+        default=None,
+        help="the secret the nodes authenticate each other with (CurveZMQ keys derived from it; prefer the "
+        "SLUICE_CLUSTER_SECRET environment variable: a command line is visible to every local user)",
+    )
     g.add_argument(
         "--worker",
         choices=["inline", "process"],

@@ -110,3 +110,35 @@ class StepHung(Msg, kw_only=True):
 
 
 STEP_TYPES: tuple[type[Msg], ...] = (ExecuteStep, FillMasks, StepResult, StepProgress, StepHung)
+
+
+# A tensor-parallel gang across nodes (actors/engine/gang_nodes.py): its leader's door <-> each other node's headless
+# launcher, over an authenticated TCP link (actors/runtime/curve.py). A gang is named by an id per incarnation.
+
+
+class NodeHello(Msg, kw_only=True):
+    """headless node -> door, every second: it is there, and which gang its ranks belong to."""
+
+    node_rank: int
+    gang: str = ""  # the gang its ranks run in ("": none)
+
+
+class SpawnRanks(Msg, kw_only=True):
+    """door -> headless node: (re)start this node's ranks in a new gang (its old ranks are killed first)."""
+
+    gang: str
+    store: str  # the group's rendezvous (tcp://host:port: gpu/distributed/group.py)
+    engine: dict  # the leader's EngineConfig (the node serves its own copy of the model: `model` is replaced)
+    num_blocks: int  # KV blocks per rank
+    log_level: str
+
+
+class RankExited(Msg, kw_only=True):
+    """headless node -> door: one of its ranks of `gang` exited (the gang is over)."""
+
+    gang: str
+    rank: int
+    code: int | None  # its exit code (negative: the signal that killed it)
+
+
+NODE_TYPES: tuple[type[Msg], ...] = (NodeHello, SpawnRanks, RankExited)

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gpu.config import ModelConfig
-from gpu.distributed.group import TensorParallel, join, leave
+from gpu.distributed.group import TensorParallel, join, leave, rendezvous
 from gpu.layers.parallel import kv_heads, local_config
 from gpu.runner import ModelRunner
 from tests.family_models import make_family_dir, run_greedy
@@ -46,8 +45,8 @@ def greedy_logits(path: Path) -> dict[int, list[torch.Tensor]]:
     return {slot: torch.stack(rows) for slot, rows in logits.items() if rows}
 
 
-def rank_main(rank: int, size: int, port: int, paths: dict[str, Path], out: Path) -> None:
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+def rank_main(rank: int, size: int, paths: dict[str, Path], out: Path) -> None:
+    store, _ = rendezvous(f"file://{out}/store", size, first=rank == 0)
     join(rank, size, store, torch.device("cpu"), timeout_s=60)
     try:
         for name, path in paths.items():
@@ -68,9 +67,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def sharded(checkpoints, tmp_path_factory) -> Path:
     """Each case's first-rank logits under TP = 2, saved by the ranks."""
     out = tmp_path_factory.mktemp("tp-out")
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)  # (the ranks' rendezvous)
     ctx = multiprocessing.get_context("spawn")
-    ranks = [ctx.Process(target=rank_main, args=(r, 2, store.port, checkpoints, out)) for r in range(2)]
+    ranks = [ctx.Process(target=rank_main, args=(r, 2, checkpoints, out)) for r in range(2)]
     for p in ranks:
         p.start()
     for p in ranks:

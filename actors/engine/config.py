@@ -78,6 +78,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # tensor parallelism: the worker is a gang of this many ranks, each with its shard of the model and KV cache
     # (actors/engine/gang.py); more than one needs worker "process"
     tensor_parallel_size: int = 1
+    # ... across this many nodes, each with tensor_parallel_size / nnodes ranks (actors/engine/gang_nodes.py); the
+    # first node's leader listens for the others at master_addr:master_port (CurveZMQ, the cluster secret)
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     # a request in this many steps that killed the worker or failed there is failed alone; from the one before, it
     # runs in steps of its own (so the others are not blamed with it). Three deaths fit the supervisor's default
     # restart intensity (3 in 60 s)

@@ -1,7 +1,7 @@
 """A worker gang: the tensor-parallel ranks behind the one WorkerActor (`EngineConfig.tensor_parallel_size` > 1).
 
 The WorkerActor's process is rank 0, the leader: the scheduler's one link (ExecuteStep in, StepResult out), the
-sampler, the grammar masks. It hosts the group's rendezvous (a TCPStore on loopback, on a free port), spawns ranks
+sampler, the grammar masks. It makes the group's rendezvous (a file store in the runtime directory), spawns ranks
 1..N-1 (`python -m actors.engine.gang`, each killed by the kernel when the leader dies), joins the group with them
 once each has said so in the store (gpu/distributed/group.py), and says it is Ready once each has loaded. A rank holds its shard of the model and of the KV cache (its heads; every rank the
 same block count). Each step, on every rank's device thread, in this order (actors/engine/executor.py):
@@ -34,14 +34,15 @@ import logging
 import os
 import subprocess
 import sys
+import uuid
 
 import msgspec
 import torch
-import torch.distributed as dist
 
 from actors.engine.config import EngineConfig
 from gpu.config import ModelConfig
-from gpu.distributed.group import TensorParallel, join
+from gpu.distributed.group import TensorParallel, join, rendezvous
+from messages.step import SpawnRanks
 
 log = logging.getLogger("sluice.gang")
 GANG_EXIT = 4  # the leader's exit code when its gang broke
@@ -50,9 +51,10 @@ GANG_EXIT = 4  # the leader's exit code when its gang broke
 class FollowerConfig(msgspec.Struct, kw_only=True):
     engine: EngineConfig
     rank: int
-    port: int  # the leader's TCPStore, on loopback
+    device_index: int  # its device among its node's (CUDA)
+    store: str  # the group's rendezvous (gpu/distributed/group.py)
     num_blocks: int
-    leader_pid: int
+    parent_pid: int  # the process that spawned it (the leader, or a headless node's launcher): it dies with it
     log_level: str
 
 
@@ -61,11 +63,11 @@ def timeout_s(config: EngineConfig) -> float:
     return 2 * config.step_timeout_s
 
 
-def bind_device(config: EngineConfig, rank: int) -> torch.device:
-    """The rank's device: on CUDA, the rank-th of this node (set as the thread's current one), else the CPU."""
+def bind_device(config: EngineConfig, index: int) -> torch.device:
+    """A rank's device: on CUDA, the index-th of its node (set as the thread's current one), else the CPU."""
     if config.device in ("auto", "cuda") and torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     if config.device not in ("auto", "cpu"):
         raise ValueError(
             f'tensor parallelism places ranks itself: device must be "auto", "cuda" or "cpu", not {config.device!r}'
@@ -73,50 +75,83 @@ def bind_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-class Gang:
-    """The leader's side: the followers' processes and the group (built on the loop thread; `join` on the device
-    thread, which runs every collective)."""
+def spawn_rank(follower: FollowerConfig) -> subprocess.Popen:
+    """A follower rank's process (call from a thread that outlives it: PDEATHSIG follows the spawning thread)."""
+    return subprocess.Popen([sys.executable, "-m", "actors.engine.gang", msgspec.json.encode(follower).decode()])
 
-    def __init__(self, config: EngineConfig, num_blocks: int, log_level: str) -> None:
+
+async def first_exit(ranks: dict[int, subprocess.Popen]) -> tuple[int, int | None]:
+    """Until one of the ranks' processes exits: its rank and exit code (negative: the signal that killed it)."""
+    loop, exited = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+    fds = {os.pidfd_open(p.pid): rank for rank, p in ranks.items()}
+    try:
+        for fd, rank in fds.items():
+            loop.add_reader(fd, lambda r=rank: exited.done() or exited.set_result(r))
+        rank = await exited
+        return rank, ranks[rank].poll()
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
+class Gang:
+    """The leader's side: its node's followers, the other nodes' through the door (actors/engine/gang_nodes.py), and
+    the group (built on the loop thread; `join` on the device thread, which runs every collective)."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, log_level: str, rundir: str) -> None:
         self.config, self.size = config, config.tensor_parallel_size
-        self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False)
+        per_node = self.size // config.nnodes
+        if config.nnodes == 1:  # a new incarnation, a new store
+            self.store, url = rendezvous(f"file://{rundir}/gang-{os.getpid()}", self.size, first=True)
+        else:
+            self.store, url = rendezvous(f"tcp://{config.master_addr}:0", self.size, first=True)
         self.stopping = False
-        self.followers = {}  # rank -> its process
-        for rank in range(1, self.size):  # (spawned from the loop thread: PDEATHSIG follows the spawning thread)
-            follower = FollowerConfig(
-                engine=config, rank=rank, port=self.store.port, num_blocks=num_blocks, leader_pid=os.getpid(),
+        self.followers = {  # (spawned on the loop thread, which outlives them)
+            rank: spawn_rank(FollowerConfig(engine=config, rank=rank, device_index=rank, store=url,
+                                            num_blocks=num_blocks, parent_pid=os.getpid(), log_level=log_level))
+            for rank in range(1, per_node)
+        }  # fmt: skip
+        log.info("gang of %d ranks: this node's followers %s", self.size, {r: p.pid for r, p in self.followers.items()})
+        self.door = None
+        if config.nnodes > 1:
+            from actors.engine.gang_nodes import Door
+
+            self.door = Door(config, SpawnRanks(
+                gang=uuid.uuid4().hex, store=url, engine=msgspec.to_builtins(config), num_blocks=num_blocks,
                 log_level=log_level,
-            )  # fmt: skip
-            argv = [sys.executable, "-m", "actors.engine.gang", msgspec.json.encode(follower).decode()]
-            self.followers[rank] = subprocess.Popen(argv)
-        log.info("gang of %d ranks: followers %s", self.size, {r: p.pid for r, p in self.followers.items()})
+            ))  # fmt: skip
 
     def join(self) -> TensorParallel:
-        """Rank 0 of the group, once every follower is there to join it (device thread; a follower takes seconds to
-        start: longer than a collective's deadline)."""
-        self.store.wait([f"joining/{rank}" for rank in self.followers])
+        """Rank 0 of the group, once every other rank is there to join it (device thread; a follower takes seconds
+        to start: longer than a collective's deadline)."""
+        self.store.wait([f"joining/{rank}" for rank in range(1, self.size)])
         return join(0, self.size, self.store, bind_device(self.config, 0), timeout_s(self.config))
 
     def loaded(self) -> None:
-        """Until every follower loaded its shard (device thread): no collective waits on a load."""
-        self.store.wait([f"loaded/{rank}" for rank in self.followers])
+        """Until every other rank loaded its shard (device thread): no collective waits on a load."""
+        self.store.wait([f"loaded/{rank}" for rank in range(1, self.size)])
 
     async def watch(self) -> None:
-        """Until a follower exits; then the gang is over: this process exits (unless it is stopping)."""
-        loop, exited = asyncio.get_running_loop(), asyncio.Event()
-        fds = {os.pidfd_open(p.pid): rank for rank, p in self.followers.items()}
-        for fd in fds:
-            loop.add_reader(fd, exited.set)
-        await exited.wait()
+        """Until a rank exits (here, or on another node: the door hears it); then the gang is over: this process
+        exits (unless it is stopping)."""
+        watches = [asyncio.ensure_future(first_exit(self.followers)) if self.followers else asyncio.Future()]
+        if self.door is not None:
+            watches.append(asyncio.ensure_future(self.door.serve()))
+        try:
+            done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in watches:
+                w.cancel()
         if self.stopping:
             return
-        codes = {rank: p.poll() for rank, p in self.followers.items() if p.poll() is not None}
-        log.error("gang rank(s) exited %s: the gang is over, the worker restarts", codes)
+        rank, code = done.pop().result()
+        log.error("gang rank %d exited (code %s): the gang is over, the worker restarts", rank, code)
         os._exit(GANG_EXIT)
 
     def stop(self, tp: TensorParallel | None) -> None:
         """End the followers: the empty broadcast (device thread, when the group was joined), then a kill for any
-        that is still there."""
+        of this node's that is still there (another node's launcher reaps its own)."""
         self.stopping = True
         if tp is not None:
             tp.broadcast_bytes(b"")
@@ -132,14 +167,14 @@ def follower_main(config: FollowerConfig) -> None:
     from actors.engine.executor import follow, make_runner
     from actors.runtime.process import die_with_parent, set_title
 
-    die_with_parent(config.leader_pid)
+    die_with_parent(config.parent_pid)
     name = f"worker.rank{config.rank}"
     set_title(f"sluice:{name}")
     logging.basicConfig(level=config.log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
     engine = config.engine
     torch.set_num_threads(engine.threads())
-    device = bind_device(engine, config.rank)
-    store = dist.TCPStore("127.0.0.1", config.port, engine.tensor_parallel_size, is_master=False)
+    device = bind_device(engine, config.device_index)
+    store, _ = rendezvous(config.store, engine.tensor_parallel_size, first=False)
     store.set(f"joining/{config.rank}", "")
     tp = join(config.rank, engine.tensor_parallel_size, store, device, timeout_s(engine))
     runner = make_runner(engine, ModelConfig.from_path(engine.model), config.num_blocks)

@@ -14,6 +14,7 @@ there only.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -83,6 +84,20 @@ def shaped_as(tp: TensorParallel):
         yield tp
     finally:
         _current = saved
+
+
+def rendezvous(url: str, size: int, first: bool) -> tuple[dist.Store, str]:
+    """The group's store, and its URL for the other ranks: "file://<path>" on one node (a file in the server's
+    private runtime directory: nothing listens; gloo's and NCCL's own sockets are bound to loopback), or
+    "tcp://<host>:<port>" across nodes (the first rank's TCPStore, port 0: a free one; it listens on every interface:
+    docs/OPERATIONS.md)."""
+    scheme, _, where = url.partition("://")
+    if scheme == "file":
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+        return dist.FileStore(where, size), url
+    host, _, port = where.rpartition(":")
+    store = dist.TCPStore(host, int(port), size, is_master=first, wait_for_workers=False)
+    return store, f"tcp://{host}:{store.port}"
 
 
 def join(rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float) -> TensorParallel:

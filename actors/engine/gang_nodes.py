@@ -1,0 +1,167 @@
+"""A gang across nodes (`--nnodes N`): node 0 runs the whole actor graph and the gang's leader; every other node runs
+`sluice serve --headless --node-rank K`, a launcher of that node's ranks only (ranks K * R .. K * R + R - 1, where
+R = tensor_parallel_size / nnodes, on the node's devices 0 .. R - 1).
+
+The leader's door, a ZMQ ROUTER at --master-addr:--master-port, speaks with each headless launcher over CurveZMQ
+with keys derived from the cluster secret (actors/runtime/curve.py: an unauthenticated peer is refused). Each gang
+incarnation has an id; the messages are messages/step.py's NodeHello, SpawnRanks, RankExited:
+
+| node's launcher                         | door (the leader's process)                                           |
+|-----------------------------------------|-----------------------------------------------------------------------|
+| NodeHello(its rank, its ranks' gang)    | a node whose ranks are not in this gang: SpawnRanks(this gang, the    |
+| every second                            | group's store, the leader's EngineConfig, KV blocks)                  |
+| SpawnRanks of a new gang: kills its     |                                                                       |
+| ranks, spawns the new ones              |                                                                       |
+| one of its ranks exits: RankExited,     | RankExited of this gang: the gang is over (the leader exits, and the  |
+| kills the others                        | supervisor restarts it: a new gang, whose SpawnRanks follow the hello)|
+| refused handshake: exits with code 2    |                                                                       |
+
+The collectives themselves run over torch.distributed (gloo or NCCL), whose store and connections are neither
+authenticated nor encrypted: docs/OPERATIONS.md says what that means for the network between nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from actors.engine.config import EngineConfig
+from actors.engine.gang import FollowerConfig, first_exit, spawn_rank
+from actors.runtime import curve
+from messages.codec import BadFrame, Codec
+from messages.step import NODE_TYPES, NodeHello, RankExited, SpawnRanks
+
+log = logging.getLogger("sluice.gang")
+HELLO_S = 1.0
+EXIT_REFUSED = 2
+
+
+class Door:
+    """The leader's side of the other nodes (its loop): `serve()` answers hellos until a rank of this gang exits."""
+
+    def __init__(self, config: EngineConfig, spawn: SpawnRanks) -> None:
+        self.spawn, self.codec = spawn, Codec(NODE_TYPES)
+        self.ctx = zmq.asyncio.Context()
+        address = f"tcp://{config.master_addr}:{config.master_port}"
+        self.sock, self.auth = curve.server(self.ctx, curve.cluster_secret(), address)
+        self.monitor = curve.server_monitor(self.sock)
+        self.told: set[int] = set()  # nodes sent this gang's SpawnRanks (again while their hellos say otherwise)
+        log.info("gang %s: waiting for %d other node(s) at %s", spawn.gang, config.nnodes - 1, address)
+
+    async def serve(self) -> tuple[int, int | None]:
+        """Until a rank of this gang exits on another node: its rank and exit code."""
+        refusals = asyncio.ensure_future(curve.log_refusals(self.monitor))
+        try:
+            while True:
+                peer, frame = await self.sock.recv_multipart()
+                try:
+                    msg = self.codec.decode(frame)
+                except BadFrame as e:
+                    log.warning("dropped a bad frame from a node: %s", e)
+                    continue
+                if isinstance(msg, NodeHello) and msg.gang != self.spawn.gang:
+                    if msg.node_rank not in self.told:
+                        log.info("node %d: starting its ranks in gang %s", msg.node_rank, self.spawn.gang)
+                        self.told.add(msg.node_rank)
+                    await self.sock.send_multipart([peer, self.codec.encode(self.spawn)])
+                elif isinstance(msg, RankExited) and msg.gang == self.spawn.gang:
+                    return msg.rank, msg.code
+        finally:
+            refusals.cancel()
+            self.monitor.close(0)
+            self.sock.close(0)
+            self.auth.stop()
+            self.ctx.term()
+
+
+class HeadlessNode:
+    """A node's launcher of its ranks (`sluice serve --headless`)."""
+
+    def __init__(self, config: EngineConfig, node_rank: int) -> None:
+        if not 0 < node_rank < config.nnodes:
+            raise ValueError(f"--node-rank of a headless node must be in [1, {config.nnodes - 1}], got {node_rank}")
+        self.config, self.node_rank, self.codec = config, node_rank, Codec(NODE_TYPES)
+        self.per_node = config.tensor_parallel_size // config.nnodes
+        self.gang = ""  # the gang its ranks run in
+        self.ranks: dict[int, subprocess.Popen] = {}
+        self.address = f"tcp://{config.master_addr}:{config.master_port}"
+
+    async def run(self) -> int:
+        """Serve the leader's gangs until SIGTERM/SIGINT (0), or until refused (EXIT_REFUSED)."""
+        ctx = zmq.asyncio.Context()
+        self.sock, monitor = curve.client(ctx, curve.cluster_secret(), self.address)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        tasks = [asyncio.ensure_future(t) for t in (curve.handshakes(monitor, self.address), stop.wait())]
+        tasks += [asyncio.ensure_future(self._hello()), asyncio.ensure_future(self._receive())]
+        log.info("node %d: connecting to the leader at %s", self.node_rank, self.address)
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            errors = [t.exception() for t in done if t.exception() is not None]
+            for error in errors:
+                log.error("node %d: %s", self.node_rank, error, exc_info=not isinstance(error, curve.Refused))
+            return EXIT_REFUSED if any(isinstance(e, curve.Refused) for e in errors) else 1 if errors else 0
+        finally:
+            for t in tasks:
+                t.cancel()
+            self._kill()
+            monitor.close(0)
+            self.sock.close(0)
+            ctx.term()
+
+    async def _hello(self) -> None:
+        while True:
+            await self.sock.send(self.codec.encode(NodeHello(node_rank=self.node_rank, gang=self.gang)))
+            await asyncio.sleep(HELLO_S)
+
+    async def _receive(self) -> None:
+        watch = None
+        while True:
+            try:
+                msg = self.codec.decode(await self.sock.recv())
+            except BadFrame as e:
+                log.warning("dropped a bad frame from the leader: %s", e)
+                continue
+            if not isinstance(msg, SpawnRanks) or msg.gang == self.gang:
+                continue
+            if watch is not None:
+                watch.cancel()
+            self._kill()
+            self.gang = msg.gang
+            self.ranks = {rank: spawn_rank(self._follower(msg, rank)) for rank in self._my_ranks()}
+            log.info("node %d: ranks %s started in gang %s", self.node_rank, list(self.ranks), msg.gang)
+            watch = asyncio.ensure_future(self._watch(msg.gang))
+
+    def _my_ranks(self) -> range:
+        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+
+    def _follower(self, msg: SpawnRanks, rank: int) -> FollowerConfig:
+        engine = msgspec.structs.replace(msgspec.convert(msg.engine, EngineConfig), model=self.config.model)
+        return FollowerConfig(
+            engine=engine, rank=rank, device_index=rank - self.node_rank * self.per_node, store=msg.store,
+            num_blocks=msg.num_blocks, parent_pid=os.getpid(), log_level=msg.log_level,
+        )  # fmt: skip
+
+    async def _watch(self, gang: str) -> None:
+        """A rank of this gang exited: tell the leader, end the others (the gang is over)."""
+        rank, code = await first_exit(self.ranks)
+        log.error("node %d: rank %d exited (code %s): gang %s is over", self.node_rank, rank, code, gang)
+        await self.sock.send(self.codec.encode(RankExited(gang=gang, rank=rank, code=code)))
+        self._kill()
+        self.gang = ""
+
+    def _kill(self) -> None:
+        for p in self.ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+        self.ranks = {}

@@ -1,0 +1,98 @@
+"""Links between nodes: ZMQ over TCP with CurveZMQ, its keys derived from a secret the nodes share.
+
+The secret comes from the environment (SLUICE_CLUSTER_SECRET; `--cluster-secret` sets it in the launcher, so it never
+appears in a child's command line or spawn config). Each end derives two key pairs from it (PBKDF2-HMAC-SHA256, a
+salt per role): the server's, which a client must know to complete a handshake with it, and the one client key the
+server accepts (its ZAP handler refuses any other, with a log line). Traffic is encrypted and authenticated: a peer
+without the secret neither reads nor sends one message. A client watches its handshakes (a socket monitor): one
+that fails (a wrong secret at either end) raises `Refused`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+log = logging.getLogger("sluice.curve")
+SECRET_ENV = "SLUICE_CLUSTER_SECRET"
+_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+class Refused(Exception):
+    """The other end refused the handshake (or could not be authenticated): the secrets differ."""
+
+
+def cluster_secret() -> str:
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise ValueError(f"nodes authenticate with a shared secret: set {SECRET_ENV} (or --cluster-secret)")
+    return secret
+
+
+def keypair(secret: str, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys of `role` ("server" or "client") for this cluster secret."""
+    seed = hashlib.pbkdf2_hmac("sha256", secret.encode(), f"sluice-cluster-{role}".encode(), 100_000)
+    private = z85.encode(seed)
+    return zmq.curve_public(private), private
+
+
+class _OneClient:
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key != self.public:
+            log.warning("refused a node whose key is not derived from this cluster's secret")
+        return key == self.public
+
+
+def server(ctx: zmq.asyncio.Context, secret: str, address: str) -> tuple[zmq.asyncio.Socket, AsyncioAuthenticator]:
+    """A ROUTER bound at `address` (tcp://host:port) that accepts only this secret's clients; stop the authenticator
+    when the socket is closed."""
+    auth = AsyncioAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_OneClient(keypair(secret, "client")[0]))
+    sock = ctx.socket(zmq.ROUTER)
+    sock.curve_publickey, sock.curve_secretkey = keypair(secret, "server")
+    sock.curve_server = True
+    sock.linger = 0
+    sock.bind(address)
+    return sock, auth
+
+
+def client(ctx: zmq.asyncio.Context, secret: str, address: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+    """A DEALER connecting (and reconnecting) to `address` as this secret's client, and its monitor (`handshakes`)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.curve_serverkey = keypair(secret, "server")[0]
+    sock.curve_publickey, sock.curve_secretkey = keypair(secret, "client")
+    sock.linger = 0
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED)
+    sock.connect(address)
+    return sock, monitor
+
+
+async def log_refusals(monitor: zmq.asyncio.Socket) -> None:
+    """A server's side: a log line per failed handshake (`server_monitor`)."""
+    while True:
+        message = await recv_monitor_message(monitor)
+        log.warning("refused a peer at %s: its handshake failed (a wrong cluster secret?)", message["endpoint"])
+
+
+def server_monitor(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+    return sock.get_monitor_socket(_FAILED)
+
+
+async def handshakes(monitor: zmq.asyncio.Socket, address: str) -> None:
+    """Logs each handshake with `address`; raises Refused at the first that fails."""
+    while True:
+        event = (await recv_monitor_message(monitor))["event"]
+        if event & _FAILED:
+            raise Refused(f"{address} refused the handshake: is the cluster secret the same on every node?")
+        log.info("authenticated with %s", address)
