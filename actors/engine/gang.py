@@ -180,7 +180,11 @@ def follower_main(config: FollowerConfig) -> None:
     runner = make_runner(engine, ModelConfig.from_path(engine.model), config.num_blocks)
     store.set(f"loaded/{config.rank}", "")
     log.info("rank %d of %d ready (%d KV blocks)", tp.rank, tp.size, runner.num_blocks)
-    follow(tp, runner)
+    try:
+        follow(tp, runner)
+    except RuntimeError as e:  # (a collective failed: a rank is gone, or hung past the group's timeout)
+        log.error("rank %d: the gang broke: %s", tp.rank, str(e).splitlines()[0])
+        sys.exit(1)
 
 
 if __name__ == "__main__":
