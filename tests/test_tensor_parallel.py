@@ -2,9 +2,10 @@
 processes shard tiny checkpoints of every kind of block — KV heads split (Llama) and replicated (one KV head),
 q/k/v and o biases with an MLP bias (the row-parallel bias added once), Phi-3's fused q/k/v and gate/up tensors,
 Gemma 2's soft-caps and sandwich norms, Qwen3-MoE's experts and q/k norm, a vocabulary that does not split evenly
-(the last rank's padding) — and run the same greedy schedule (chunked prefill beside decodes: tests/family_models.py).
-The first rank's logits at every position equal the one-device logits within 1e-4 (fp32; the reductions' order
-differs), and its greedy tokens are the same. A size that does not divide the heads is refused by name."""
+(the last rank's padding), shares that are not equal (3 KV groups, an odd intermediate size: SmolLM2's 9 heads
+split so) — and run the same greedy schedule (chunked prefill beside decodes: tests/family_models.py).
+The first rank's logprobs at every position equal the one-device ones within 1e-4 (fp32; the reductions' order
+differs), and its greedy tokens are the same; so on the bundled SmolLM2. A size that does not divide the heads is refused by name."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from frontend.launch import resolve_model
 from gpu.config import ModelConfig
 from gpu.distributed.group import TensorParallel, join, leave, rendezvous
-from gpu.layers.parallel import kv_heads, local_config
+from gpu.layers.parallel import Heads, heads, local_config
 from gpu.runner import ModelRunner
 from tests.family_models import make_family_dir, run_greedy
 from tests.tiny_model import Request, block_pool
@@ -30,9 +32,14 @@ CASES = {  # name -> (family, config overrides)
         "llama",
         {"attention_bias": True, "mlp_bias": True, "vocab_size": 49155, "tie_word_embeddings": True},
     ),
+    "llama_uneven": (
+        "llama",
+        {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 127},
+    ),
     "phi3": ("phi3", {}),
     "gemma2": ("gemma2", {}),
     "qwen3_moe": ("qwen3_moe", {}),
+    "smollm2": (None, {}),  # the bundled model: 9 query heads and 3 KV heads over 2 ranks, 30 layers
 }
 
 
@@ -60,7 +67,8 @@ def rank_main(rank: int, size: int, paths: dict[str, Path], out: Path) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
-    return {name: make_family_dir(root / name, family, **o) for name, (family, o) in CASES.items()}
+    built = {name: make_family_dir(root / name, family, **o) for name, (family, o) in CASES.items() if family}
+    return {**built, "smollm2": resolve_model(None).path}
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +93,18 @@ def test_two_ranks_match_one_device(case, checkpoints, sharded):
     for slot, expected in reference.items():
         assert ours[slot].shape == expected.shape
         assert torch.equal(ours[slot].argmax(-1), expected.argmax(-1))
-        assert (ours[slot] - expected).abs().max() < TOL
+        assert (ours[slot].log_softmax(-1) - expected.log_softmax(-1)).abs().max() < TOL
 
 
-def test_shapes_the_heads_refuse_by_name(checkpoints):
+def test_heads_split_by_kv_group_and_refuse_by_name(checkpoints):
+    assert heads(4, 2, TensorParallel(1, 2)) == Heads(2, 2, 1, 1)
+    assert heads(4, 1, TensorParallel(1, 2)) == Heads(2, 2, 0, 1)  # one KV head, replicated
+    assert heads(8, 2, TensorParallel(3, 4)) == Heads(6, 2, 1, 1)  # ranks 2 and 3 read KV head 1
+    assert heads(9, 3, TensorParallel(0, 2)) == Heads(0, 6, 0, 2)  # SmolLM2: uneven, the first rank the larger
+    assert heads(9, 3, TensorParallel(1, 2)) == Heads(6, 3, 2, 1)
+    assert heads(4, 2, TensorParallel(0, 4)) == Heads(0, 1, 0, 1)
     c = ModelConfig.from_path(checkpoints["llama"])  # 4 query heads, 2 KV heads
-    assert kv_heads(4, 2, TensorParallel(1, 2)) == (1, 1)
-    assert kv_heads(4, 1, TensorParallel(1, 2)) == (0, 1)  # replicated
-    assert kv_heads(8, 2, TensorParallel(3, 4)) == (1, 1)  # ranks 2 and 3 read KV head 1
-    assert local_config(c, TensorParallel(0, 4)).num_key_value_heads == 1
-    with pytest.raises(ValueError, match="does not divide the model's attention heads"):
+    with pytest.raises(ValueError, match="neither at most nor a multiple of the model's 2 key-value heads"):
         local_config(c, TensorParallel(0, 3))
+    with pytest.raises(ValueError, match=r"exceeds the model's query heads per key-value head \(2\)"):
+        local_config(c, TensorParallel(0, 8))

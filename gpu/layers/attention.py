@@ -17,7 +17,7 @@ from gpu.distributed.group import current
 from gpu.layers.kernels import TORCH_KERNELS
 from gpu.layers.mlp import stack_linears
 from gpu.layers.norm import RMSNorm
-from gpu.layers.parallel import column, kv_heads, row, split
+from gpu.layers.parallel import column, heads, row
 from gpu.linear import Linear
 
 
@@ -27,11 +27,10 @@ class Attention(nn.Module):
     def __init__(self, c, layer: int, norm_offset: float = 0.0) -> None:
         super().__init__()
         self.tp, d = current(), c.head_dim
-        q0, self.num_heads = split(c.num_attention_heads, "attention heads", self.tp)
-        kv0, self.num_kv_heads = kv_heads(c.num_attention_heads, c.num_key_value_heads, self.tp)
-        self.head_dim = d
+        h = heads(c.num_attention_heads, c.num_key_value_heads, self.tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = h.num_q, h.num_kv, d
         # this rank's rows of q, k and v in their checkpoint tensors, and those tensors' sizes
-        self.ranges = [(q0 * d, self.num_heads * d), *[(kv0 * d, self.num_kv_heads * d)] * 2]
+        self.ranges = [(h.q * d, h.num_q * d), *[(h.kv * d, h.num_kv * d)] * 2]
         self.full = [c.num_attention_heads * d, *[c.num_key_value_heads * d] * 2]
         self.scale = c.attn_scale or c.head_dim**-0.5
         self.window = c.layer_windows[layer] if c.layer_windows else None

@@ -4,15 +4,16 @@ family file never sees the world size. At size 1 every shard is the whole tensor
 
 | block                         | sharded as                                  | after it                             |
 |-------------------------------|---------------------------------------------|--------------------------------------|
-| q / k / v, gate / up (stacked | column-parallel: each rank its heads (KV    | nothing: each rank attends over (or  |
-| or fused in the checkpoint)   | heads replicated where ranks > KV heads),   | activates) its own part              |
-|                               | its slice of the intermediate dim           |                                      |
+| q / k / v, gate / up (stacked | column-parallel: each rank its KV groups    | nothing: each rank attends over (or  |
+| or fused in the checkpoint)   | (KV heads replicated where ranks > KV       | activates) its own part              |
+|                               | heads), its slice of the intermediate dim   |                                      |
 | o_proj, down_proj, experts'   | row-parallel: the matching input columns;   | one all-reduce (the block's forward) |
 | down                          | a bias on the first rank only               |                                      |
 | embed_tokens, lm_head         | vocab-parallel: ceil(V / N) rows each, the  | embedding: all-reduce; logits:       |
 |                               | last rank's padded with zeros               | gathered on the first rank, cut to V |
 | norms, router, rotary         | replicated                                  |                                      |
 
+Shares need not be equal (9 heads over 2 ranks), only each rank's non-empty: the first ranks take the larger ones.
 A module keeps its parameters' shards in `module.shards` (parameter name -> Shard); the loader (gpu/weights.py)
 reads only those ranges of a tensor from safetensors.
 """
@@ -44,29 +45,45 @@ class Shard:
 
 
 def split(n: int, what: str, tp: TensorParallel) -> tuple[int, int]:
-    """(start, length) of this rank's equal share of n."""
-    if n % tp.size:
-        raise ValueError(f"tensor_parallel_size {tp.size} does not divide the model's {what} ({n})")
-    return tp.rank * (n // tp.size), n // tp.size
+    """(start, length) of this rank's share of n: as even as can be, the first ranks' the larger (the first rank's is
+    the largest: its KV cache sizes every rank's block count)."""
+    if n < tp.size:
+        raise ValueError(f"tensor_parallel_size {tp.size} exceeds the model's {what} ({n})")
+    start, end = -(-tp.rank * n // tp.size), -(-(tp.rank + 1) * n // tp.size)
+    return start, end - start
 
 
-def kv_heads(num_heads: int, num_kv: int, tp: TensorParallel) -> tuple[int, int]:
-    """(first, count) of the KV heads a rank holds: its share, or where ranks outnumber them, the one its query heads
-    read (replicated)."""
-    split(num_heads, "attention heads", tp)
+@dataclass(frozen=True)
+class Heads:
+    """The attention heads a rank holds: query heads [q, q + num_q), KV heads [kv, kv + num_kv)."""
+
+    q: int
+    num_q: int
+    kv: int
+    num_kv: int
+
+
+def heads(num_heads: int, num_kv: int, tp: TensorParallel) -> Heads:
+    """A rank's heads: whole KV groups (a KV head and the query heads that read it), split as evenly as can be
+    (SmolLM2's 3 groups over 2 ranks: 2 and 1); where ranks outnumber the KV heads, each KV head is replicated on
+    tp.size / num_kv ranks, which split its group's query heads."""
+    group = num_heads // num_kv
     if num_kv >= tp.size:
-        return split(num_kv, "key-value heads", tp)
+        kv, n = split(num_kv, "key-value heads", tp)
+        return Heads(kv * group, n * group, kv, n)
     if tp.size % num_kv:
-        raise ValueError(f"tensor_parallel_size {tp.size} is not a multiple of the model's {num_kv} key-value heads")
-    return tp.rank * num_kv // tp.size, 1
+        raise ValueError(f"tensor_parallel_size {tp.size} is neither at most nor a multiple of the model's {num_kv} "
+                         "key-value heads")  # fmt: skip
+    per_head = tp.size // num_kv  # ranks sharing a KV head
+    kv = tp.rank // per_head
+    q, n = split(group, "query heads per key-value head", TensorParallel(tp.rank % per_head, per_head))
+    return Heads(kv * group + q, n, kv, 1)
 
 
 def local_config(c, tp: TensorParallel):
     """A model config with the heads one rank holds (its KV cache's shape)."""
-    heads = split(c.num_attention_heads, "attention heads", tp)[1]
-    return replace(
-        c, num_attention_heads=heads, num_key_value_heads=kv_heads(c.num_attention_heads, c.num_key_value_heads, tp)[1]
-    )
+    h = heads(c.num_attention_heads, c.num_key_value_heads, tp)
+    return replace(c, num_attention_heads=h.num_q, num_key_value_heads=h.num_kv)
 
 
 def shard(module: nn.Module, **shards: Shard) -> nn.Module:
