@@ -177,6 +177,9 @@ class _Snapshots:
         yield self.counter("num_preemptions", "Recompute preemptions.", e.num_preemptions_total)
         resets = "Worker states lost (a death, a lost step): running requests recomputed."
         yield self.counter("worker_resets", resets, e.worker_resets_total)
+        ranks = [((str(rank),), int(e.worker_up)) for rank in range(e.worker_ranks)]
+        doc = "1 while the worker's rank serves (a tensor-parallel gang's ranks: all or none), 0 while it restarts."
+        yield self.family(GaugeMetricFamily, "worker_rank_up", doc, ["rank"], ranks)
         yield self.counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_cache_queries_total
         )

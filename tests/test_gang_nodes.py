@@ -1,7 +1,8 @@
 """A gang across two "nodes" on loopback (actors/engine/gang_nodes.py): node 0 serves with --nnodes 2 and its
 leader, a second launcher runs `sluice serve --headless --node-rank 1` with rank 1; the openai client's greedy
 completions equal the one-device server's (the `server` fixture: the same checkpoint). A headless node with the wrong
-cluster secret is refused (its handshake fails: it exits with code 2 saying so), and the gang serves on."""
+cluster secret is refused (its handshake fails: it exits with code 2 saying so), and the gang serves on, both ranks
+up in /metrics."""
 
 from __future__ import annotations
 
@@ -80,4 +81,5 @@ async def test_two_nodes_serve_and_refuse_a_wrong_secret(two_nodes, server, tiny
     assert intruder.returncode == 2
     assert b"refused the handshake" in stderr
     assert await completions(handle) == reference  # (the gang serves on)
+    await handle.wait_metrics({("sluice:worker_rank_up", (("rank", str(rank)),)): 1.0 for rank in range(2)})
     await handle.close_clients()

@@ -286,6 +286,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             steps, self.iteration_tokens = self.iteration_tokens, []
             stats = engine_stats(self.sched, self.late_aborts, queue_times, steps)
             stats.worker_resets_total = self.worker_resets
+            stats.worker_ranks, stats.worker_up = self.config.tensor_parallel_size, self.link.is_up
             for actor in self.config.stats_to:
                 self.tell(actor, stats)
             await asyncio.sleep(self.config.stats_interval_s)

@@ -77,6 +77,7 @@ class WorkerActor(Actor):
         self.worker = await loop.run_in_executor(self._device, Worker, self.config, model, blocks)
         if self.gang is not None:
             await loop.run_in_executor(self._device, self.gang.loaded)
+            log.info("rank 0 of %d (the leader) ready: every rank loaded its shard", self.tp.size)
         self.on_device = self.worker.executor.device.type != "cpu"
         self.spawn(self._send_results())
         self.spawn(self._heartbeats())

@@ -21,8 +21,8 @@ submits again. `fill(msg)` delivers deferred grammar masks.
   | no beat, or the latest waits for the scheduler or    | "lost": nobody blamed (a lost message; a process     |
   | for host copies                                      | whose loop hangs too misses the supervisor's pings)  |
 
-The scheduler does not know how many workers are behind the link: tensor parallelism would fan an ExecuteStep out
-to one worker per device and answer with the first rank's StepResult.
+The scheduler does not know how many workers are behind the link: with tensor parallelism the process worker leads
+a gang of ranks (actors/engine/gang.py) and answers with the first rank's StepResult.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def _checked(result: StepResult) -> StepResult:
 
 class InlineWorker:
     reset_due = False  # (it dies with the scheduler)
+    is_up = True
 
     def __init__(self, worker: Worker, device: concurrent.futures.Executor, on_device: bool):
         self.worker, self._device, self._on_device = worker, device, on_device
@@ -142,6 +143,10 @@ class ProcessWorker:
         self.stalled: StepProgress | None = None  # the latest beat since the last progress, unless it was waiting
         self.doomed: int | None = None  # a step of this epoch hung: the worker is asked to exit until it dies
         self._deadline: asyncio.Timeout | None = None  # result()'s, while it waits
+
+    @property
+    def is_up(self) -> bool:
+        return self.up.is_set()
 
     def submit(self, msg: ExecuteStep) -> asyncio.Future[StepResult]:
         future = asyncio.get_running_loop().create_future()
