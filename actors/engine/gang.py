@@ -77,7 +77,10 @@ def bind_device(config: EngineConfig, index: int) -> torch.device:
 
 def spawn_rank(follower: FollowerConfig) -> subprocess.Popen:
     """A follower rank's process (call from a thread that outlives it: PDEATHSIG follows the spawning thread)."""
-    return subprocess.Popen([sys.executable, "-m", "actors.engine.gang", msgspec.json.encode(follower).decode()])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (finds this code as we do)
+    return subprocess.Popen(
+        [sys.executable, "-m", "actors.engine.gang", msgspec.json.encode(follower).decode()], env=env
+    )
 
 
 async def first_exit(ranks: dict[int, subprocess.Popen]) -> tuple[int, int | None]:

@@ -86,6 +86,8 @@ class HeadlessNode:
     """A node's launcher of its ranks (`sluice serve --headless`)."""
 
     def __init__(self, config: EngineConfig, node_rank: int) -> None:
+        if config.nnodes < 2:
+            raise ValueError("a headless node is one of several: give --nnodes (2 or more) and --node-rank")
         if not 0 < node_rank < config.nnodes:
             raise ValueError(f"--node-rank of a headless node must be in [1, {config.nnodes - 1}], got {node_rank}")
         self.config, self.node_rank, self.codec = config, node_rank, Codec(NODE_TYPES)
