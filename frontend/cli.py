@@ -29,9 +29,20 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "nnodes", "master_addr")
     fields += ("master_port",)
     values = {f: getattr(args, f) for f in fields}
-    if args.tensor_parallel_size % args.nnodes:
+    tp = args.tensor_parallel_size
+    if tp % args.nnodes:
+        raise SystemExit(f"--tensor-parallel-size {tp} is not a multiple of --nnodes {args.nnodes}")
+    if tp > 1 and args.worker == "inline":
         raise SystemExit(
-            f"--tensor-parallel-size {args.tensor_parallel_size} is not a multiple of --nnodes {args.nnodes}"
+            "--tensor-parallel-size: a gang's ranks are processes (its leader the worker's): not --worker inline"
+        )
+    values["worker"] = args.worker or ("process" if tp > 1 else "inline")
+    if values["gpu_memory_utilization"] is None:
+        values.pop("gpu_memory_utilization")
+    elif values["worker"] == "process":
+        raise SystemExit(
+            "--gpu-memory-utilization sizes the inline worker's KV cache; with --worker process (or a gang) give "
+            "--kv-cache-memory-gb (per rank) or --num-kv-blocks"
         )
     if args.nnodes > 1:
         from actors.runtime.curve import SECRET_ENV, cluster_secret
@@ -43,8 +54,6 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         except ValueError as e:
             raise SystemExit(str(e)) from e
     values["speculative"] = spec = values.pop("speculative_config")
-    if args.tensor_parallel_size > 1:  # a gang's ranks are processes: its leader is the worker process
-        values["worker"] = "process"
     if values["worker"] == "process" and spec is not None and spec.method == "draft_model":
         from gpu.config import ModelLoadError
 
@@ -103,10 +112,12 @@ def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
     import uvloop
 
     from actors.engine.gang_nodes import HeadlessNode
+    from frontend.launch import check_gang, resolve_model
 
     if not args.headless:
         raise SystemExit(f"--node-rank {args.node_rank}: only node 0 serves; the others run with --headless")
     try:
+        check_gang(resolve_model(engine.model), engine)
         node = HeadlessNode(engine, args.node_rank)
     except ValueError as e:
         raise SystemExit(str(e)) from e

@@ -46,15 +46,16 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory-gb",
         type=_positive,
         default=_DEFAULTS.kv_cache_memory_gb,
-        help="memory of every KV cache together (the model's and a draft model's), in GiB (default: 1 on CPU and "
-        "with --worker process; on CUDA, what --gpu-memory-utilization leaves)",
+        help="memory of every KV cache together (the model's and a draft model's; a gang's: per rank), in GiB "
+        "(default: 1 on CPU and with --worker process; on CUDA, what --gpu-memory-utilization leaves)",
     )
     kv.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
-        default=_DEFAULTS.gpu_memory_utilization,
-        help="on CUDA: the fraction of the device's memory the engine may use; the KV cache gets what a worst-case "
-        "step, the weights and CUDA graphs leave (default 0.9; --num-kv-blocks or --kv-cache-memory-gb override)",
+        default=None,
+        help="on CUDA, with the inline worker: the fraction of the device's memory the engine may use; the KV cache "
+        "gets what a worst-case step, the weights and CUDA graphs leave (default 0.9; --num-kv-blocks or "
+        "--kv-cache-memory-gb override)",
     )
     g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")
@@ -106,9 +107,10 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--worker",
         choices=["inline", "process"],
-        default=_DEFAULTS.worker,
+        default=None,
         help="where the model runner and sampler run: in the engine process, or in a supervised process of their "
-        "own (a crash in the forward then costs a pause; draft-model speculation needs inline)",
+        "own (a crash in the forward then costs a pause; draft-model speculation needs inline; default: inline, "
+        "process with --tensor-parallel-size above 1)",
     )
     g.add_argument(
         "--async-scheduling",

@@ -13,6 +13,7 @@ import socket
 import time
 
 import msgspec
+import torch
 
 from actors.engine.config import EngineConfig
 from actors.graph import engine_processes
@@ -20,6 +21,7 @@ from actors.runtime import ActorSpec, ActorSystem, AskTimeout, FaultPlan, Proces
 from frontend.http_base import HttpConfig
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.convert import ConversionError, default_model_dir
+from gpu.runner import resolve_device
 from gpu.weights import check_checkpoint
 from messages.names import HTTP
 from messages.wire import Ping
@@ -59,10 +61,19 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
     return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
 
 
+def check_gang(model: ModelConfig, engine: EngineConfig) -> None:
+    """Before any process starts: the model shards over the gang's ranks (quantized as asked), and a node has a
+    device for each of its ranks."""
+    if engine.tensor_parallel_size > 1 or engine.quantization == "int4":
+        check_checkpoint(model, engine.tensor_parallel_size, engine.quantization)
+    per_node = engine.tensor_parallel_size // engine.nnodes
+    if per_node > 1 and resolve_device(engine.device).type == "cuda" and per_node > torch.cuda.device_count():
+        raise ModelLoadError(f"{per_node} ranks on this node, {torch.cuda.device_count()} CUDA devices")
+
+
 def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]:
     model = resolve_model(engine.model)
-    if engine.tensor_parallel_size > 1:
-        check_checkpoint(model, engine.tensor_parallel_size)
+    check_gang(model, engine)
     engine = msgspec.structs.replace(engine, model=str(model.path))
     spec = engine.speculative
     if spec is not None and spec.model is not None:  # a draft .gguf is converted here too, before anything starts

@@ -92,7 +92,9 @@ class DecodeGraphs:
         b = self.buffers
         return self.runner.model(b["input_ids"][:size], b["positions"][:size], meta, self.runner.kv_cache)
 
-    def run(self, size: int, step: dict[str, torch.Tensor], plans: list, uploaded: list, rows: int) -> torch.Tensor:
+    def run(
+        self, size: int, step: dict[str, torch.Tensor], plans: list, uploaded: list, rows: int
+    ) -> torch.Tensor | None:
         """The logits [rows, vocab] of the padded step's first `rows`: its arrays copied into the buffers, the graph
         replayed (or the forward run on the buffers), the LM head run on those rows' hidden states."""
         b = self.buffers
@@ -106,7 +108,7 @@ class DecodeGraphs:
             meta = self.metadata(size)
             self.runner.attention.finish(meta, plans, uploaded)
             hidden = self.forward(size, meta)
-        return self.runner.model.compute_logits(hidden[:rows]).float()
+        return self.runner.logits(hidden[:rows])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -147,7 +147,11 @@ class ModelRunner:
         )
         self.attention.finish(meta, plans, uploaded)
         hidden = self.model(t["input_ids"], t["positions"], meta, self.kv_cache)
-        logits = self.model.compute_logits(hidden[t["logits_indices"]])
+        return self.logits(hidden[t["logits_indices"]])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of these hidden states (None on a rank that does not sample)."""
+        logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
 
     def _prepare(self, batch: BatchSpec):

@@ -25,19 +25,25 @@ from gpu.layers.parallel import Shard
 from gpu.linear import Linear
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
-from gpu.quant import Quantization, quantize_model
+from gpu.quant import GROUP, Quantization, quantize_model
 
 Load = tuple[Path, str, str, int | None]  # (file, tensor name, parameter, stacked row or None)
 
 
-def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1) -> None:
+def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1, quantization: Quantization | None = None):
     """Raise ModelLoadError unless every parameter has exactly one tensor of its shape in the checkpoint, and the
-    model shards over `tensor_parallel_size` ranks."""
-    try:
-        with shaped_as(TensorParallel(0, tensor_parallel_size)), torch.device("meta"):
-            model = REGISTRY[config.architecture](config)
-    except ValueError as e:  # (a size that does not divide the heads, the intermediate dim, ...)
-        raise ModelLoadError(f"{config.name}: {e}") from e
+    model shards over `tensor_parallel_size` ranks, each rank's layers quantizable."""
+    for rank in range(tensor_parallel_size):
+        try:
+            with shaped_as(TensorParallel(rank, tensor_parallel_size)), torch.device("meta"):
+                model = REGISTRY[config.architecture](config)
+        except ValueError as e:  # (more ranks than heads, KV heads that do not spread over them)
+            raise ModelLoadError(f"{config.name}: {e}") from e
+        if quantization == "int4":
+            odd = sorted({m.in_features for m in model.modules() if isinstance(m, Linear) and m.in_features % GROUP})
+            if odd:
+                raise ModelLoadError(f"{config.name}: --quantization int4 needs input widths in multiples of {GROUP};"
+                                     f" rank {rank} of {tensor_parallel_size} has {odd}")  # fmt: skip
     checkpoint_plan(config, dict(model.named_parameters()), shards_of(model))
 
 

@@ -14,9 +14,11 @@ import sys
 import pytest
 
 from actors.engine.config import EngineConfig
+from actors.engine.gang_nodes import STALE_S, Nodes
 from actors.runtime.curve import SECRET_ENV
 from frontend.http_base import HttpConfig
 from frontend.launch import start_server
+from messages.step import NodeHello
 from tests.conftest import ServerHandle
 
 PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,"]
@@ -83,3 +85,18 @@ async def test_two_nodes_serve_and_refuse_a_wrong_secret(two_nodes, server, tiny
     assert await completions(handle) == reference  # (the gang serves on)
     await handle.wait_metrics({("sluice:worker_rank_up", (("rank", str(rank)),)): 1.0 for rank in range(2)})
     await handle.close_clients()
+
+
+def test_the_door_spawns_a_node_once_and_ends_the_gang_when_the_node_loses_its_ranks():
+    """gang_nodes.Nodes, the door's table: hellos before the node runs the gang are answered with SpawnRanks (again,
+    until it runs it); a hello without the gang after one with it means the node lost its ranks; a second launcher
+    claiming a node that is heard is ignored, one that replaces a silent launcher is taken."""
+    nodes = Nodes("g1")
+    hello = lambda gang="", k=1: NodeHello(node_rank=k, gang=gang)  # noqa: E731
+    assert [nodes.on_hello(hello(), b"a", t) for t in (0.0, 0.5)] == ["spawn", "spawn"]
+    assert nodes.on_hello(hello("g0"), b"a", 0.7) == "spawn"  # (its ranks of an older gang: restarted into this one)
+    assert nodes.on_hello(hello("g1"), b"a", 1.0) == "ignore"
+    assert nodes.on_hello(hello(), b"b", 2.0) == "ignore"  # a second launcher for node 1, while the first is heard
+    assert nodes.on_hello(hello("g1"), b"a", 3.0) == "ignore"
+    assert nodes.on_hello(hello(k=2), b"c", 3.0) == "spawn"  # (another node)
+    assert nodes.on_hello(hello(), b"b", 3.0 + STALE_S + 0.1) == "over"  # the first went silent: node 1 lost its ranks

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from frontend.launch import resolve_model
-from gpu.config import ModelConfig
+from gpu.config import ModelConfig, ModelLoadError
 from gpu.distributed.group import TensorParallel, join, leave, rendezvous
 from gpu.layers.parallel import Heads, heads, local_config
 from gpu.runner import ModelRunner
+from gpu.weights import check_checkpoint
 from tests.family_models import make_family_dir, run_greedy
 from tests.tiny_model import Request, block_pool
 
@@ -108,3 +109,11 @@ def test_heads_split_by_kv_group_and_refuse_by_name(checkpoints):
         local_config(c, TensorParallel(0, 3))
     with pytest.raises(ValueError, match=r"exceeds the model's query heads per key-value head \(2\)"):
         local_config(c, TensorParallel(0, 8))
+
+
+def test_a_gang_the_model_does_not_fit_is_refused_before_any_process_starts(checkpoints):
+    with pytest.raises(ModelLoadError, match="neither at most nor a multiple of the model's 2 key-value heads"):
+        check_checkpoint(ModelConfig.from_path(checkpoints["llama"]), 3)
+    with pytest.raises(ModelLoadError, match=r"int4 needs input widths in multiples of 32; rank 0 of 4 has \[16\]"):
+        check_checkpoint(ModelConfig.from_path(checkpoints["llama"]), 4, "int4")  # (o_proj: one 16-wide head a rank)
+    check_checkpoint(ModelConfig.from_path(checkpoints["llama"]), 2, "int4")

@@ -4,10 +4,11 @@ decode, preemption (a KV cache too small for every row), prefix hits (a second w
 grammar and a CFG request, with async scheduling (the relay ids broadcast to each rank) and with n-gram
 speculation (verification rows); the counters show each path ran. A follower rank killed (kill -9) or stopped
 (SIGSTOP: a hung rank) mid-stream ends the gang: every stream then finishes with the undisturbed run's tokens, the
-worker is reset (a new epoch) and the engine ends idle."""
+worker is reset (a new epoch) and the engine ends idle. An idle gang outlives its collectives' deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -86,11 +87,24 @@ def running(pid: int | str) -> bool:
 async def gang(model_dir):  # noqa: F811
     """A TP = 2 engine whose steps are given up after 2 s without progress (a hung rank is found quickly), and the
     undisturbed run's outputs of the long workload."""
-    async with AsyncLLM(config(model_dir, 2, step_timeout_s=2.0), log_level="WARNING") as llm:
+    async with AsyncLLM(config(model_dir, 2, step_timeout_s=STEP_TIMEOUT_S), log_level="WARNING") as llm:
         yield llm, await llm.generate(PROMPTS, LONG)
 
 
+STEP_TIMEOUT_S = 2.0
 LONG = [SamplingParams(temperature=0.8, seed=i, max_tokens=48, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+async def test_an_idle_gang_outlives_its_collectives_deadline(gang):
+    """A follower waits for the next step under the group's deadline (2 x step_timeout_s = 4 s here): the leader's
+    keepalives hold an idle gang together."""
+    llm, undisturbed = gang
+    leader = llm.system.pids()[WORKER]
+    (follower,) = followers(leader)
+    await asyncio.sleep(3 * 2 * STEP_TIMEOUT_S)  # (idle: the deadline itself is what is tested)
+    assert (llm.system.pids()[WORKER], followers(leader)) == (leader, [follower])
+    outs = await llm.generate(PROMPTS, LONG)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in undisturbed]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
@@ -109,6 +123,7 @@ async def test_a_lost_rank_ends_the_gang_and_streams_continue_exactly(gang, sig)
     await wait_for(lambda: llm.system.pids().get(WORKER) not in (None, leader), what="a new gang")
     after, _ = await llm.fresh_stats()
     assert after.worker_resets_total > before.worker_resets_total  # a new epoch
-    assert followers(llm.system.pids()[WORKER]) != [follower]
+    (new_follower,) = followers(llm.system.pids()[WORKER])
+    assert new_follower != follower
     await assert_idle(llm)
     await wait_for(lambda: not running(follower), what="the old follower gone")  # (a hung one too: PDEATHSIG)

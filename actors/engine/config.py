@@ -91,6 +91,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     slow_token: int | None = None  # tests: a step feeding it sleeps step_timeout_s per hooked layer (worker.py)
     hang_token: int | None = None  # tests: a step feeding it blocks for good, with no progress (a hung step)
 
+    def __post_init__(self) -> None:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1 or nnodes < 1 or tp % nnodes:
+            raise ValueError(f"tensor_parallel_size ({tp}) must be a positive multiple of nnodes ({nnodes})")
+        if tp > 1 and self.worker != "process":
+            raise ValueError('a tensor-parallel gang runs in worker processes: worker must be "process"')
+
     def threads(self) -> int:
         """Torch threads for the engine (per rank of a gang): every core this process may run on (a gang's ranks
         divide them). Measured on 2 cores with the HTTP and
@@ -99,7 +106,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.engine_threads:
             return self.engine_threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, cores // self.tensor_parallel_size)  # (a gang's ranks share the cores)
+        return max(1, cores // (self.tensor_parallel_size // self.nnodes))  # (a node's ranks share its cores)
 
     def decode_graphs(self) -> Literal["eager", "off"] | None:
         """The runner's decode-step mode (gpu/graphs.py): None lets it capture where it can."""

@@ -130,11 +130,16 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
     )
 
 
+KEEPALIVE = b"keepalive"  # the leader's broadcast while idle: a follower's wait for a step has the group's deadline
+
+
 @torch.inference_mode()
 def follow(tp: TensorParallel, runner: ModelRunner) -> None:
     """A follower rank of a gang: each step the leader broadcasts (StepExecutor.run), until the empty one: the
     forward on this rank's shard, then the relay ids the leader sampled."""
     while data := tp.broadcast_bytes():
+        if data == KEEPALIVE:
+            continue
         batch = msgspec.msgpack.decode(data, type=BatchSpec)
         runner.execute(batch)
         if relay := batch.relay_slots:
@@ -146,6 +151,7 @@ class StepExecutor:
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int | None):
         self.runner = make_runner(config, model, num_blocks)
         self.tp = current()  # (a gang's leader: the followers run each step's forward with it)
+        self.followed = False  # the followers are in a step with us: if it raises, they wait in a collective
         self.sampler = Sampler(logprobs_mode=config.logprobs_mode)
         self.device = self.runner.device
         self.metadata = MetadataCache(model.vocab_size, self.device)
@@ -169,10 +175,12 @@ class StepExecutor:
             self._check_relay(batch)
         if self.tp.size > 1:
             self.tp.broadcast_bytes(msgspec.msgpack.encode(batch))
+            self.followed = True  # the followers run this step's collectives with us until its relay
         logits = self.runner.execute(batch)
         num_logits = sum(r.num_logits for r in batch.rows)
         plp = self._prompt_logprobs(batch, logits[num_logits:], num_prompt_logprobs)
-        if not rows:  # only partial chunked-prefill rows: nothing samples this step
+        if not rows:  # only partial chunked-prefill rows: nothing samples this step (no relay)
+            self.followed = False
             return self._to_host(torch.empty(0, dtype=torch.int64), None, plp)
         logits, companions = guide(batch, logits[:num_logits])
         if masks is not None:
@@ -189,6 +197,7 @@ class StepExecutor:
         if relay := batch.relay_slots:  # (the followers' copy: one broadcast)
             last = self.tp.broadcast(last.to(torch.int64).contiguous())
             self.runner.set_prev_sampled(torch.tensor(relay, dtype=torch.int64), last)
+        self.followed = False
         return self._to_host(tokens, out.logprobs, plp, emitted)
 
     def _spec_rows(self, batch: BatchSpec, logits: torch.Tensor, rows: list[SamplingRow]) -> _DraftCheck | None:

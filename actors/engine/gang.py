@@ -12,7 +12,8 @@ same block count). Each step, on every rank's device thread, in this order (acto
 3. the leader samples and broadcasts the ids the next step reads (`BatchSpec.relay_slots`); every rank keeps them
    in its own device relay buffer, so async scheduling never sends a sampled token from the host.
 
-An empty broadcast ends the followers (the leader's shutdown). The gang lives and dies as one (a collective cannot go
+While idle the leader broadcasts a keepalive every step_timeout_s / 2 (a follower waits for the next step under the
+group's deadline); an empty broadcast ends the followers (the leader's shutdown). The gang lives and dies as one (a collective cannot go
 on short of a member), and a death is a worker death as before: the supervisor restarts the worker process, which
 starts a new gang; the scheduler resets it (a new epoch: the old gang's messages are dropped) and recomputes its
 requests (actors/engine/recovery.py).
@@ -40,6 +41,7 @@ import msgspec
 import torch
 
 from actors.engine.config import EngineConfig
+from actors.engine.executor import KEEPALIVE, follow, make_runner
 from gpu.config import ModelConfig
 from gpu.distributed.group import TensorParallel, join, rendezvous
 from messages.step import SpawnRanks
@@ -106,7 +108,7 @@ class Gang:
         self.config, self.size = config, config.tensor_parallel_size
         per_node = self.size // config.nnodes
         if config.nnodes == 1:  # a new incarnation, a new store
-            self.store, url = rendezvous(f"file://{rundir}/gang-{os.getpid()}", self.size, first=True)
+            self.store, url = rendezvous(f"file://{rundir}/gang-{uuid.uuid4().hex[:12]}", self.size, first=True)
         else:
             self.store, url = rendezvous(f"tcp://{config.master_addr}:0", self.size, first=True)
         self.stopping = False
@@ -138,19 +140,29 @@ class Gang:
     async def watch(self) -> None:
         """Until a rank exits (here, or on another node: the door hears it); then the gang is over: this process
         exits (unless it is stopping)."""
-        watches = [asyncio.ensure_future(first_exit(self.followers)) if self.followers else asyncio.Future()]
+        watches = [asyncio.ensure_future(self._local_exit()) if self.followers else asyncio.Future()]
         if self.door is not None:
             watches.append(asyncio.ensure_future(self.door.serve()))
         try:
             done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+            why = done.pop().result()
+        except Exception as e:  # (a watch that fails cannot watch: the gang is given up all the same)
+            why = f"its watch failed: {type(e).__name__}: {e}"
         finally:
             for w in watches:
                 w.cancel()
-        if self.stopping:
-            return
-        rank, code = done.pop().result()
-        log.error("gang rank %d exited (code %s): the gang is over, the worker restarts", rank, code)
-        os._exit(GANG_EXIT)
+        if not self.stopping:
+            log.error("the gang is over (%s): the worker restarts", why)
+            os._exit(GANG_EXIT)
+
+    async def _local_exit(self) -> str:
+        rank, code = await first_exit(self.followers)
+        return f"rank {rank} exited with code {code}"
+
+    def keepalive(self, tp: TensorParallel) -> None:
+        """(device thread, idle) The followers' wait for the next step goes on."""
+        if not self.stopping:  # (after stop() the followers are gone)
+            tp.broadcast_bytes(KEEPALIVE)
 
     def stop(self, tp: TensorParallel | None) -> None:
         """End the followers: the empty broadcast (device thread, when the group was joined), then a kill for any
@@ -167,7 +179,6 @@ class Gang:
 
 def follower_main(config: FollowerConfig) -> None:
     """A follower rank: join the group, load its shard, then run the leader's steps until the empty one."""
-    from actors.engine.executor import follow, make_runner
     from actors.runtime.process import die_with_parent, set_title
 
     die_with_parent(config.parent_pid)

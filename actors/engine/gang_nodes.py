@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import subprocess
+from typing import Literal
 
 import msgspec
 import zmq
@@ -41,39 +42,83 @@ from messages.step import NODE_TYPES, NodeHello, RankExited, SpawnRanks
 
 log = logging.getLogger("sluice.gang")
 HELLO_S = 1.0
+STALE_S = 5 * HELLO_S  # a launcher not heard for this long is gone (another may take its node rank)
 EXIT_REFUSED = 2
 
 
+Action = Literal["spawn", "ignore", "over"]
+
+
+class Nodes:
+    """The door's ledger of the other nodes for one gang: what a NodeHello from node K (peer P) saying gang g means.
+
+    | hello                                                   | action                                        |
+    |---------------------------------------------------------|-----------------------------------------------|
+    | K is another peer's, heard within STALE_S               | ignore (a second launcher for K), logged      |
+    | g is this gang                                          | ignore: K's ranks run in it (remembered)      |
+    | g is not, and K's ranks were seen in this gang          | over: K lost its ranks (a restarted launcher) |
+    | g is not (K not yet started, or the SpawnRanks in       | spawn: SpawnRanks (again: a node ignores one  |
+    | flight)                                                 | for the gang it runs)                         |
+    """
+
+    def __init__(self, gang: str) -> None:
+        self.gang = gang
+        self.heard: dict[int, tuple[bytes, float]] = {}  # node rank -> (its launcher's peer id, when last heard)
+        self.running: set[int] = set()  # nodes whose hellos said this gang
+        self.told: set[int] = set()  # nodes sent this gang's SpawnRanks (for the log)
+
+    def on_hello(self, hello: NodeHello, peer: bytes, now: float) -> Action:
+        k = hello.node_rank
+        claimed = self.heard.get(k)
+        if claimed is not None and claimed[0] != peer and now - claimed[1] < STALE_S:
+            log.warning("a second launcher says it is node %d: ignored while the first is heard", k)
+            return "ignore"
+        self.heard[k] = (peer, now)
+        if hello.gang == self.gang:
+            self.running.add(k)
+            return "ignore"
+        if k in self.running:
+            return "over"
+        if k not in self.told:
+            log.info("node %d: starting its ranks in gang %s", k, self.gang)
+            self.told.add(k)
+        return "spawn"
+
+
 class Door:
-    """The leader's side of the other nodes (its loop): `serve()` answers hellos until a rank of this gang exits."""
+    """The leader's side of the other nodes (its loop): `serve()` answers their hellos (Nodes) until the gang is over
+    (a RankExited of this gang, or a node that lost its ranks)."""
 
     def __init__(self, config: EngineConfig, spawn: SpawnRanks) -> None:
-        self.spawn, self.codec = spawn, Codec(NODE_TYPES)
+        self.spawn, self.codec, self.nodes = spawn, Codec(NODE_TYPES), Nodes(spawn.gang)
         self.ctx = zmq.asyncio.Context()
         address = f"tcp://{config.master_addr}:{config.master_port}"
         self.sock, self.auth = curve.server(self.ctx, curve.cluster_secret(), address)
         self.monitor = curve.server_monitor(self.sock)
-        self.told: set[int] = set()  # nodes sent this gang's SpawnRanks (again while their hellos say otherwise)
         log.info("gang %s: waiting for %d other node(s) at %s", spawn.gang, config.nnodes - 1, address)
 
-    async def serve(self) -> tuple[int, int | None]:
-        """Until a rank of this gang exits on another node: its rank and exit code."""
+    async def serve(self) -> str:
+        """Until the gang is over: why."""
         refusals = asyncio.ensure_future(curve.log_refusals(self.monitor))
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                peer, frame = await self.sock.recv_multipart()
+                frames = await self.sock.recv_multipart()
                 try:
+                    peer, frame = frames
                     msg = self.codec.decode(frame)
-                except BadFrame as e:
-                    log.warning("dropped a bad frame from a node: %s", e)
+                except (ValueError, BadFrame) as e:
+                    log.warning("dropped a bad message from a node: %s", e)
                     continue
-                if isinstance(msg, NodeHello) and msg.gang != self.spawn.gang:
-                    if msg.node_rank not in self.told:
-                        log.info("node %d: starting its ranks in gang %s", msg.node_rank, self.spawn.gang)
-                        self.told.add(msg.node_rank)
+                if isinstance(msg, RankExited) and msg.gang == self.spawn.gang:
+                    return f"rank {msg.rank} exited with code {msg.code} on another node"
+                if not isinstance(msg, NodeHello):
+                    continue
+                action = self.nodes.on_hello(msg, peer, loop.time())
+                if action == "over":
+                    return f"node {msg.node_rank} lost its ranks (its launcher restarted)"
+                if action == "spawn":
                     await self.sock.send_multipart([peer, self.codec.encode(self.spawn)])
-                elif isinstance(msg, RankExited) and msg.gang == self.spawn.gang:
-                    return msg.rank, msg.code
         finally:
             refusals.cancel()
             self.monitor.close(0)
@@ -91,7 +136,6 @@ class HeadlessNode:
         if not 0 < node_rank < config.nnodes:
             raise ValueError(f"--node-rank of a headless node must be in [1, {config.nnodes - 1}], got {node_rank}")
         self.config, self.node_rank, self.codec = config, node_rank, Codec(NODE_TYPES)
-        self.per_node = config.tensor_parallel_size // config.nnodes
         self.gang = ""  # the gang its ranks run in
         self.ranks: dict[int, subprocess.Popen] = {}
         self.address = f"tcp://{config.master_addr}:{config.master_port}"
@@ -135,21 +179,27 @@ class HeadlessNode:
                 continue
             if not isinstance(msg, SpawnRanks) or msg.gang == self.gang:
                 continue
+            engine = msgspec.structs.replace(msgspec.convert(msg.engine, EngineConfig), model=self.config.model)
+            if (engine.tensor_parallel_size, engine.nnodes) != (self.config.tensor_parallel_size, self.config.nnodes):
+                log.error("node %d: the leader's gang is -tp %d over %d nodes, not -tp %d over %d as this node was "
+                          "told: not started", self.node_rank, engine.tensor_parallel_size, engine.nnodes,
+                          self.config.tensor_parallel_size, self.config.nnodes)  # fmt: skip
+                continue
             if watch is not None:
                 watch.cancel()
             self._kill()
             self.gang = msg.gang
-            self.ranks = {rank: spawn_rank(self._follower(msg, rank)) for rank in self._my_ranks()}
+            self.ranks = {rank: spawn_rank(self._follower(msg, engine, rank)) for rank in self._my_ranks()}
             log.info("node %d: ranks %s started in gang %s", self.node_rank, list(self.ranks), msg.gang)
             watch = asyncio.ensure_future(self._watch(msg.gang))
 
     def _my_ranks(self) -> range:
-        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+        per_node = self.config.tensor_parallel_size // self.config.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
-    def _follower(self, msg: SpawnRanks, rank: int) -> FollowerConfig:
-        engine = msgspec.structs.replace(msgspec.convert(msg.engine, EngineConfig), model=self.config.model)
+    def _follower(self, msg: SpawnRanks, engine: EngineConfig, rank: int) -> FollowerConfig:
         return FollowerConfig(
-            engine=engine, rank=rank, device_index=rank - self.node_rank * self.per_node, store=msg.store,
+            engine=engine, rank=rank, device_index=rank - self._my_ranks().start, store=msg.store,
             num_blocks=msg.num_blocks, parent_pid=os.getpid(), log_level=msg.log_level,
         )  # fmt: skip
 

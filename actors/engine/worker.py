@@ -11,7 +11,7 @@ An ExecuteStep of an older epoch, or one already run, is ignored (None); a gap i
 ExecuteStep) breaks the epoch: that step and every later one of the epoch answer with an error, and the
 scheduler resets the worker (a new epoch). A step that raises answers with the error too: the scheduler treats
 it as a lost worker (the step's requests are recomputed; one that keeps failing steps is failed alone); the leader
-of a tensor-parallel gang exits instead (actors/engine/gang.py), a worker death.
+of a tensor-parallel gang whose followers were in the step exits instead (actors/engine/gang.py), a worker death.
 
 Progress (a process worker's, for its heartbeats: messages/step.py StepProgress): `progress` counts what the
 device thread did (a step begun, every few decoder layers of the forward: forward pre-hooks, at most 8 a forward,
@@ -98,7 +98,7 @@ class Worker:
             return Launched(msg, self._run(msg))
         except Exception as e:  # a bug, or a fault: the scheduler recomputes the step's requests
             log.exception("step %d (epoch %d, seq %d) failed", msg.batch.step, msg.epoch, msg.seq)
-            if self.executor.tp.size > 1:  # the gang's ranks may wait in a collective this one will not call
+            if self.executor.followed:  # the gang's other ranks wait in a collective this one will not call
                 os._exit(GANG_EXIT)
             self.broken = True
             return Launched(msg, failure="raised", error=f"step failed in the worker: {type(e).__name__}: {e}")

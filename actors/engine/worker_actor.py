@@ -73,6 +73,7 @@ class WorkerActor(Actor):
             level = logging.getLevelName(logging.getLogger().level)
             self.gang = Gang(self.config, blocks, level, self.router.placement.rundir)
             self.spawn(self.gang.watch())
+            self.spawn(self._keepalive())
             self.tp = await loop.run_in_executor(self._device, self.gang.join)
         self.worker = await loop.run_in_executor(self._device, Worker, self.config, model, blocks)
         if self.gang is not None:
@@ -111,6 +112,15 @@ class WorkerActor(Actor):
             await asyncio.sleep(self.config.step_timeout_s / 5)
             if self._busy.is_set():
                 self.tell(SCHEDULER, self.worker.beat())
+
+    async def _keepalive(self) -> None:
+        """A gang's followers wait for the next step under the group's deadline: while no step is held, a keepalive
+        every step_timeout_s / 2."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.step_timeout_s / 2)
+            if not self._held and self.tp is not None:
+                await loop.run_in_executor(self._device, self.gang.keepalive, self.tp)
 
     async def on_shutdown(self, reason: str) -> None:
         if self.gang is not None:  # (after the steps already queued on the device thread)

@@ -4,8 +4,8 @@ The secret comes from the environment (SLUICE_CLUSTER_SECRET; `--cluster-secret`
 appears in a child's command line or spawn config). Each end derives two key pairs from it (PBKDF2-HMAC-SHA256, a
 salt per role): the server's, which a client must know to complete a handshake with it, and the one client key the
 server accepts (its ZAP handler refuses any other, with a log line). Traffic is encrypted and authenticated: a peer
-without the secret neither reads nor sends one message. A client watches its handshakes (a socket monitor): one
-that fails (a wrong secret at either end) raises `Refused`.
+without the secret neither reads nor sends one message. A client watches its handshakes (a socket monitor): three
+that fail in a row (a wrong secret at either end) raise `Refused`.
 """
 
 from __future__ import annotations
@@ -89,10 +89,14 @@ def server_monitor(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
     return sock.get_monitor_socket(_FAILED)
 
 
-async def handshakes(monitor: zmq.asyncio.Socket, address: str) -> None:
-    """Logs each handshake with `address`; raises Refused at the first that fails."""
+async def handshakes(monitor: zmq.asyncio.Socket, address: str, tries: int = 3) -> None:
+    """Logs each handshake with `address`; raises Refused after `tries` failed in a row (one alone may be a server
+    that died in the middle of it)."""
+    failed = 0
     while True:
         event = (await recv_monitor_message(monitor))["event"]
-        if event & _FAILED:
+        failed = failed + 1 if event & _FAILED else 0
+        if failed >= tries:
             raise Refused(f"{address} refused the handshake: is the cluster secret the same on every node?")
-        log.info("authenticated with %s", address)
+        if not failed:
+            log.info("authenticated with %s", address)
