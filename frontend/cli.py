@@ -180,6 +180,9 @@ def generate(args: argparse.Namespace) -> int:
         print(f"sluice generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
         return EXIT_USAGE
     engine = _engine_config(args, str(model.path))
+    from frontend.launch import check_gang
+
+    check_gang(model, engine)
     return uvloop.run(_generate(engine, args.prompt, params, args.chat, _fault_plan(args), args.log_level))
 
 

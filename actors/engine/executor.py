@@ -174,13 +174,13 @@ class StepExecutor:
         if self.debug_checks:
             self._check_relay(batch)
         if self.tp.size > 1:
+            self.followed = True  # the followers run this step's collectives with us (from its first byte)
             self.tp.broadcast_bytes(msgspec.msgpack.encode(batch))
-            self.followed = True  # the followers run this step's collectives with us until its relay
         logits = self.runner.execute(batch)
+        self.followed = self.followed and bool(batch.relay_slots)  # (without a relay they are done)
         num_logits = sum(r.num_logits for r in batch.rows)
         plp = self._prompt_logprobs(batch, logits[num_logits:], num_prompt_logprobs)
         if not rows:  # only partial chunked-prefill rows: nothing samples this step (no relay)
-            self.followed = False
             return self._to_host(torch.empty(0, dtype=torch.int64), None, plp)
         logits, companions = guide(batch, logits[:num_logits])
         if masks is not None:

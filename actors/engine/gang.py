@@ -161,8 +161,13 @@ class Gang:
 
     def keepalive(self, tp: TensorParallel) -> None:
         """(device thread, idle) The followers' wait for the next step goes on."""
-        if not self.stopping:  # (after stop() the followers are gone)
+        if self.stopping:  # (after stop() the followers are gone)
+            return
+        try:
             tp.broadcast_bytes(KEEPALIVE)
+        except RuntimeError as e:  # a follower is gone or stuck: the gang is over
+            log.error("the gang is over (a keepalive failed: %s): the worker restarts", str(e).splitlines()[0])
+            os._exit(GANG_EXIT)
 
     def stop(self, tp: TensorParallel | None) -> None:
         """End the followers: the empty broadcast (device thread, when the group was joined), then a kill for any

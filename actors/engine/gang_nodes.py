@@ -137,13 +137,15 @@ class HeadlessNode:
             raise ValueError(f"--node-rank of a headless node must be in [1, {config.nnodes - 1}], got {node_rank}")
         self.config, self.node_rank, self.codec = config, node_rank, Codec(NODE_TYPES)
         self.gang = ""  # the gang its ranks run in
+        self.mismatched = ""  # the last gang refused for a layout other than this node's flags (logged once)
         self.ranks: dict[int, subprocess.Popen] = {}
         self.address = f"tcp://{config.master_addr}:{config.master_port}"
 
     async def run(self) -> int:
         """Serve the leader's gangs until SIGTERM/SIGINT (0), or until refused (EXIT_REFUSED)."""
         ctx = zmq.asyncio.Context()
-        self.sock, monitor = curve.client(ctx, curve.cluster_secret(), self.address)
+        identity = f"node{self.node_rank}-{os.getpid()}".encode()  # (a reconnect is the same launcher; a restart not)
+        self.sock, monitor = curve.client(ctx, curve.cluster_secret(), self.address, identity)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -180,10 +182,13 @@ class HeadlessNode:
             if not isinstance(msg, SpawnRanks) or msg.gang == self.gang:
                 continue
             engine = msgspec.structs.replace(msgspec.convert(msg.engine, EngineConfig), model=self.config.model)
-            if (engine.tensor_parallel_size, engine.nnodes) != (self.config.tensor_parallel_size, self.config.nnodes):
-                log.error("node %d: the leader's gang is -tp %d over %d nodes, not -tp %d over %d as this node was "
-                          "told: not started", self.node_rank, engine.tensor_parallel_size, engine.nnodes,
-                          self.config.tensor_parallel_size, self.config.nnodes)  # fmt: skip
+            layout = (engine.tensor_parallel_size, engine.nnodes)
+            if layout != (self.config.tensor_parallel_size, self.config.nnodes):
+                if msg.gang != self.mismatched:
+                    self.mismatched = msg.gang
+                    log.error("node %d: the leader's gang is -tp %d over %d nodes, not -tp %d over %d as this node "
+                              "was told: not started", self.node_rank, *layout, self.config.tensor_parallel_size,
+                              self.config.nnodes)  # fmt: skip
                 continue
             if watch is not None:
                 watch.cancel()

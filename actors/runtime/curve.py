@@ -67,9 +67,13 @@ def server(ctx: zmq.asyncio.Context, secret: str, address: str) -> tuple[zmq.asy
     return sock, auth
 
 
-def client(ctx: zmq.asyncio.Context, secret: str, address: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
-    """A DEALER connecting (and reconnecting) to `address` as this secret's client, and its monitor (`handshakes`)."""
+def client(
+    ctx: zmq.asyncio.Context, secret: str, address: str, identity: bytes
+) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+    """A DEALER connecting (and reconnecting, under the same `identity`) to `address` as this secret's client, and
+    its monitor (`handshakes`)."""
     sock = ctx.socket(zmq.DEALER)
+    sock.routing_id = identity
     sock.curve_serverkey = keypair(secret, "server")[0]
     sock.curve_publickey, sock.curve_secretkey = keypair(secret, "client")
     sock.linger = 0
