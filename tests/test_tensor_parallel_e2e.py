@@ -1,8 +1,8 @@
 """A tensor-parallel gang (actors/engine/gang.py) through the whole engine on CPU: two gloo ranks in their own
 processes give the one-rank worker's tokens, greedy and seeded, on a workload through prefill, chunked prefill,
 decode, preemption (a KV cache too small for every row), prefix hits (a second wave of the same prompts), a regex
-grammar and a CFG request, with async scheduling (the relay ids broadcast to each rank) and with n-gram
-speculation (verification rows); the counters show each path ran. A follower rank killed (kill -9) or stopped
+grammar and a CFG request, with async scheduling (the relay ids broadcast to each rank), on the CUDA graphs' static
+decode buffers, and with n-gram speculation (verification rows); the counters show each path ran. A follower rank killed (kill -9) or stopped
 (SIGSTOP: a hung rank) mid-stream ends the gang: every stream then finishes with the undisturbed run's tokens, the
 worker is reset (a new epoch) and the engine ends idle. An idle gang outlives its collectives' deadline."""
 
@@ -47,19 +47,26 @@ async def waves(llm: AsyncLLM) -> list[tuple]:
     return [(o.token_ids, o.finish_reason) for o in outs]
 
 
-async def run(model_dir, tp: int, speculative: bool):  # noqa: F811
+async def run(model_dir, tp: int, speculative: bool = False, **extra):  # noqa: F811
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3) if speculative else None
-    async with AsyncLLM(config(model_dir, tp, speculative=spec), log_level="WARNING") as llm:
+    async with AsyncLLM(config(model_dir, tp, speculative=spec, **extra), log_level="WARNING") as llm:
         outs = await waves(llm)
         stats, _ = await llm.fresh_stats()
         await assert_idle(llm)
     return outs, stats
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["async", "ngram"])
-async def test_two_ranks_give_one_ranks_tokens(model_dir, speculative):  # noqa: F811
-    reference, _ = await run(model_dir, 1, speculative)
-    outs, stats = await run(model_dir, 2, speculative)
+@pytest.fixture(scope="module")
+async def one_rank(model_dir):  # noqa: F811
+    return (await run(model_dir, 1))[0]
+
+
+@pytest.mark.parametrize("variant", ["async", "static", "ngram"])
+async def test_two_ranks_give_one_ranks_tokens(model_dir, one_rank, variant):  # noqa: F811
+    """ "static": decode steps on the CUDA graphs' static buffers (gpu/graphs.py, run eagerly here)."""
+    speculative = variant == "ngram"
+    reference = (await run(model_dir, 1, speculative))[0] if speculative else one_rank
+    outs, stats = await run(model_dir, 2, speculative, static_decode=variant == "static")
     assert outs == reference
     assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
     assert not speculative or stats.spec_num_accepted_tokens > 0
