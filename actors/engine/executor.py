@@ -173,11 +173,12 @@ class StepExecutor:
         masks: the constrained rows' grammar masks, applied after CFG (waiting for their last fills)."""
         if self.debug_checks:
             self._check_relay(batch)
+        relay = batch.relay_slots
         if self.tp.size > 1:
             self.followed = True  # the followers run this step's collectives with us (from its first byte)
             self.tp.broadcast_bytes(msgspec.msgpack.encode(batch))
         logits = self.runner.execute(batch)
-        self.followed = self.followed and bool(batch.relay_slots)  # (without a relay they are done)
+        self.followed = self.followed and bool(relay)  # (without a relay they are done)
         num_logits = sum(r.num_logits for r in batch.rows)
         plp = self._prompt_logprobs(batch, logits[num_logits:], num_prompt_logprobs)
         if not rows:  # only partial chunked-prefill rows: nothing samples this step (no relay)
@@ -194,7 +195,7 @@ class StepExecutor:
         if companions:  # a CFG companion's next input is its parent's token
             parents = to_device([j for j, _ in companions], torch.int64, last.device)
             last = torch.cat([last, last.index_select(0, parents)])
-        if relay := batch.relay_slots:  # (the followers' copy: one broadcast)
+        if relay:  # (the followers' copy: one broadcast)
             last = self.tp.broadcast(last.to(torch.int64).contiguous())
             self.runner.set_prev_sampled(torch.tensor(relay, dtype=torch.int64), last)
         self.followed = False

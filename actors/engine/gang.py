@@ -112,6 +112,7 @@ class Gang:
         else:
             self.store, url = rendezvous(f"tcp://{config.master_addr}:0", self.size, first=True)
         self.stopping = False
+        self.tp: TensorParallel | None = None  # rank 0 of the group, once joined
         self.followers = {  # (spawned on the loop thread, which outlives them)
             rank: spawn_rank(FollowerConfig(engine=config, rank=rank, device_index=rank, store=url,
                                             num_blocks=num_blocks, parent_pid=os.getpid(), log_level=log_level))
@@ -131,7 +132,8 @@ class Gang:
         """Rank 0 of the group, once every other rank is there to join it (device thread; a follower takes seconds
         to start: longer than a collective's deadline)."""
         self.store.wait([f"joining/{rank}" for rank in range(1, self.size)])
-        return join(0, self.size, self.store, bind_device(self.config, 0), timeout_s(self.config))
+        self.tp = join(0, self.size, self.store, bind_device(self.config, 0), timeout_s(self.config))
+        return self.tp
 
     def loaded(self) -> None:
         """Until every other rank loaded its shard (device thread): no collective waits on a load."""
@@ -159,22 +161,22 @@ class Gang:
         rank, code = await first_exit(self.followers)
         return f"rank {rank} exited with code {code}"
 
-    def keepalive(self, tp: TensorParallel) -> None:
+    def keepalive(self) -> None:
         """(device thread, idle) The followers' wait for the next step goes on."""
         if self.stopping:  # (after stop() the followers are gone)
             return
         try:
-            tp.broadcast_bytes(KEEPALIVE)
+            self.tp.broadcast_bytes(KEEPALIVE)
         except RuntimeError as e:  # a follower is gone or stuck: the gang is over
             log.error("the gang is over (a keepalive failed: %s): the worker restarts", str(e).splitlines()[0])
             os._exit(GANG_EXIT)
 
-    def stop(self, tp: TensorParallel | None) -> None:
+    def stop(self) -> None:
         """End the followers: the empty broadcast (device thread, when the group was joined), then a kill for any
         of this node's that is still there (another node's launcher reaps its own)."""
         self.stopping = True
-        if tp is not None:
-            tp.broadcast_bytes(b"")
+        if self.tp is not None:
+            self.tp.broadcast_bytes(b"")
         for p in self.followers.values():
             try:
                 p.wait(5)

@@ -48,7 +48,6 @@ class WorkerActor(Actor):
         self._held = 0  # ExecuteSteps received and not yet answered (or ignored)
         self._busy = asyncio.Event()  # set while _held > 0: heartbeats go out
         self.gang: Gang | None = None  # tensor parallelism: this process leads a gang of ranks
-        self.tp = None  # ... and is rank 0 of its group
         self._keepalives: asyncio.Task | None = None  # the gang's, once every rank loaded
 
     def handlers(self):
@@ -74,11 +73,11 @@ class WorkerActor(Actor):
             level = logging.getLevelName(logging.getLogger().level)
             self.gang = Gang(self.config, blocks, level, self.router.placement.rundir)
             self.spawn(self.gang.watch())
-            self.tp = await loop.run_in_executor(self._device, self.gang.join)
+            await loop.run_in_executor(self._device, self.gang.join)
         self.worker = await loop.run_in_executor(self._device, Worker, self.config, model, blocks)
         if self.gang is not None:
             await loop.run_in_executor(self._device, self.gang.loaded)
-            log.info("rank 0 of %d (the leader) ready: every rank loaded its shard", self.tp.size)
+            log.info("rank 0 of %d (the leader) ready: every rank loaded its shard", self.gang.size)
             self._keepalives = self.spawn(self._keepalive())  # (the followers wait for steps from now on)
         self.on_device = self.worker.executor.device.type != "cpu"
         self.spawn(self._send_results())
@@ -121,11 +120,11 @@ class WorkerActor(Actor):
         while True:
             await asyncio.sleep(self.config.step_timeout_s / 2)
             if not self._held:
-                await loop.run_in_executor(self._device, self.gang.keepalive, self.tp)
+                await loop.run_in_executor(self._device, self.gang.keepalive)
 
     async def on_shutdown(self, reason: str) -> None:
         if self._keepalives is not None:
             self._keepalives.cancel()
         if self.gang is not None:  # (after the steps already queued on the device thread)
-            await asyncio.get_running_loop().run_in_executor(self._device, self.gang.stop, self.tp)
+            await asyncio.get_running_loop().run_in_executor(self._device, self.gang.stop)
         self._device.shutdown(wait=False, cancel_futures=True)
