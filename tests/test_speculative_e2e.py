@@ -83,9 +83,11 @@ def check_identical(outs, plain, greedy_only: bool = False) -> None:
         if greedy_only and not REQUESTS[i][1].greedy:
             continue
         assert got[:4] == want[:4], f"request {i}: {REQUESTS[i][0][:40]!r}"
-        if want[4] is not None:  # logprobs for every emitted token; values up to batch-shape numerics
+        if want[4] is not None:  # logprobs for every emitted token; values up to batch-shape numerics: a
+            # verification row runs in GEMMs of other row counts, whose fp32 rounding moved SmolLM2's logprobs
+            # by up to 1.6e-4 on CI's CPU (issue 36's batch-invariant kernels are to make this exact)
             assert got[4].top_ids == want[4].top_ids
-            assert got[4].sampled == pytest.approx(want[4].sampled, abs=1e-4)
+            assert got[4].sampled == pytest.approx(want[4].sampled, abs=1e-3)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
