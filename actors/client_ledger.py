@@ -21,13 +21,16 @@ Request states, state x event -> action:
                                          it: violation "after_finished" (I2 broken); logged, counted, dropped
   unknown     TextDelta / Finished    -> violation "unknown_id": logged, counted, dropped (an id CLOSED long ago, or
                                          whose tombstone was dropped, is unknown)
-  LIVE        scheduler or detokenizer down -> waits (I8: the engine side forgets every request)
-  LIVE        both up again           -> re-submitted from its record (prompt, params, the tokens and text it has) as
-                                         a resumed request: its stream goes on from there; one live at more than
+  LIVE        its replica's scheduler or detokenizer down (I8: the replica forgets every request it held) ->
+                                         re-submitted from its record (prompt, params, the tokens and text it has) as
+                                         a resumed request, on a replica that serves (actors/routing.py): its stream
+                                         goes on from there; none serves: it waits. One live at more than
                                          max_resumes detokenizer deaths fails (503, all of them); the engine judges
                                          its own deaths (actors/engine/flight_record.py); MAX_ATTEMPTS bounds the
                                          rest (deaths outside any step)
-  TOMBSTONED  scheduler or detokenizer down -> dropped (nobody will send its Finished)
+  LIVE, waiting   a replica serves again -> re-submitted there likewise
+  LIVE        output from another replica than its copy's -> stale: dropped, counted
+  TOMBSTONED  its replica's scheduler or detokenizer down -> dropped (nobody will send its Finished)
 """
 
 from __future__ import annotations
@@ -37,68 +40,12 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-import msgspec
-
-from actors.protocol import (
-    CLIENT_COPIES,
-    MAX_ATTEMPTS,
-    Ledger,
-    ProtocolCounts,
-    StepNumbers,
-    lost_suspects,
-    next_attempt,
-)
-from messages.names import DETOKENIZER, REQUEST_PATH, SCHEDULER
+from actors.client_record import RequestRecord
+from actors.protocol import MAX_ATTEMPTS, Ledger, ProtocolCounts, lost_suspects
+from actors.routing import ReplicaLink, Replicas
 from messages.wire import Abort, AbortReason, AddRequest, Finished, Msg, TextDelta, TextOutputs
 
-
-class RequestRecord:
-    """A client's durable record of one engine request (DESIGN I8) and the check of its outputs (I6): what it
-    first sent, the tokens and characters of text received so far, and which copy of the request it follows.
-
-    `check(seq, n, attempt)` of an output bringing n tokens: "ok" (the next one: take it, and `received` it),
-    "stale" (an older copy's, still in flight), "duplicate" (seen before) or "gap" (something before it was
-    lost). A newer copy's output (the detokenizer re-submitted the request) makes that copy the one followed."""
-
-    __slots__ = ("add", "attempt", "deaths", "heard", "num_chars", "token_ids")
-
-    def __init__(self, add: AddRequest, heard: int):
-        self.add = add
-        self.token_ids: list[int] = []
-        self.num_chars = 0
-        self.attempt = add.attempt
-        self.deaths = 0  # detokenizer deaths it was live at (a poison request's are bounded)
-        self.heard = heard  # the number of the last TextOutputs whose output of it was taken (or that came before it)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def follows(self, attempt: int) -> bool:
-        """False for an output (or Finished) of an older copy; one of a newer copy makes that copy the one followed
-        (a repair goes on above it)."""
-        self.attempt = max(self.attempt, attempt)
-        return attempt == self.attempt
-
-    def check(self, seq: int, n: int, attempt: int) -> str:
-        if not self.follows(attempt):
-            return "stale"
-        if seq == len(self.token_ids):
-            return "ok"
-        return "duplicate" if seq + n <= len(self.token_ids) else "gap"
-
-    def received(self, text: str, token_ids: list[int]) -> None:
-        self.token_ids += token_ids
-        self.num_chars += len(text)
-
-    def resume(self) -> AddRequest | None:
-        """The request's next copy, going on after what was received; None once it had MAX_ATTEMPTS copies."""
-        if self.attempt >= MAX_ATTEMPTS:
-            return None
-        self.attempt = next_attempt(self.attempt, CLIENT_COPIES)
-        return msgspec.structs.replace(
-            self.add, resume_token_ids=list(self.token_ids), resume_chars=self.num_chars, attempt=self.attempt
-        )
+__all__ = ["ClientLedger", "RequestRecord"]
 
 
 class Recorded(Protocol):
@@ -109,7 +56,8 @@ R = TypeVar("R", bound=Recorded)
 
 
 class ClientLedger(Ledger[R]):
-    """The client party's ledger: engine request id -> the client's state of it (anything with a `record`)."""
+    """The client party's ledger: engine request id -> the client's state of it (anything with a `record`), over
+    the engine replicas (`replicas`: one, unless --data-parallel-size)."""
 
     def __init__(
         self,
@@ -119,13 +67,12 @@ class ClientLedger(Ledger[R]):
         max_abort_tries: int = 3,
         max_resumes: int = 2,
         counts: ProtocolCounts | None = None,
+        replicas: Replicas | None = None,
     ):
         super().__init__(abort_timeout_s, max_abort_tries, log, counts)
         self.tell = tell
         self.max_resumes = max_resumes
-        self.link = StepNumbers()  # the numbering of the detokenizer's TextOutputs
-        self.down: set[str] = set()  # engine-side actors that are down
-        self.detokenizer_died = False  # since the request path was last whole
+        self.replicas = replicas or Replicas()
 
     # ------------------------------------------------------------ what a client does (its subclass)
 
@@ -138,36 +85,48 @@ class ClientLedger(Ledger[R]):
     def fail(self, state: R, status: int, error: str, abort: bool) -> None:
         raise NotImplementedError  # end a LIVE request with an error (`status`: its HTTP code); `abort` it if `abort`
 
+    def group(self, state: R) -> object:
+        """What is routed as one (a request's n choices share its prompt's blocks): by default, each request."""
+        return state
+
     # ------------------------------------------------------------ requests in, outputs in
 
-    def submit(self, state: R, msg: AddRequest, send: bool = True) -> R:
-        """Register a request, its state given the record of `msg`, and send `msg` (unless not `send`: the system
-        is gone, the request is to fail)."""
-        state.record = RequestRecord(msg, self.link.last)
+    def submit(self, state: R, msg: AddRequest, send: bool = True, replica: ReplicaLink | None = None) -> R:
+        """Register a request, its state given the record of `msg`, and send `msg` to `replica` (None: where the
+        routing says) unless not `send` (the system is gone, the request is to fail). With no replica serving it
+        waits for one, as after a death."""
+        replica = replica or self.replicas.route(msg)
+        state.record = RequestRecord(msg, replica or self.replicas[0])
         self.open(msg.request_id, state)
-        if send:
-            self.tell(SCHEDULER, msg)
+        if send and replica is not None:
+            self.tell(replica.names.scheduler, msg)
         return state
 
     def on_outputs(self, msg: TextOutputs) -> None:
-        if msg.number >= 0 and not self.link.accept(msg.number, msg.recent):
+        if not 0 <= msg.replica < len(self.replicas):
+            self.violation("unknown_id", "-", f"TextOutputs from replica {msg.replica}")
+            return
+        replica = self.replicas[msg.replica]
+        if msg.number >= 0 and not replica.link.accept(msg.number, msg.recent):
             self.violation("duplicate", "-", f"TextOutputs {msg.number} again")
             return
         now = time.monotonic()
         for delta in msg.deltas:
-            self._on_delta(delta, now, msg.number)
+            self._on_delta(delta, now, msg.number, replica)
         for fin in msg.finished:
-            self.on_finished(fin)
-        self.find_lost()
+            self.on_finished(fin, replica)
+        self.find_lost(replica)
 
-    def _on_delta(self, delta: TextDelta, now: float, number: int) -> None:
+    def _on_delta(self, delta: TextDelta, now: float, number: int, replica: ReplicaLink) -> None:
         rid = delta.request_id
         state = self.live.get(rid)
         if state is None:
             self._not_live(rid, f"TextDelta seq {delta.seq}", delta.seq + len(delta.token_ids), terminal=False)
             return
         record = state.record
-        match record.check(delta.seq, len(delta.token_ids), delta.attempt):
+        match (
+            "stale" if record.replica is not replica else record.check(delta.seq, len(delta.token_ids), delta.attempt)
+        ):
             case "ok":  # (only output taken: a lost message before a stale or duplicate one may hold its next)
                 record.heard = max(record.heard, number)
                 record.received(delta.text, delta.token_ids)
@@ -179,13 +138,13 @@ class ClientLedger(Ledger[R]):
             case "gap":
                 self._gap(state, f"TextDelta seq {delta.seq}, expected {record.num_tokens}")
 
-    def on_finished(self, fin: Finished) -> None:
+    def on_finished(self, fin: Finished, replica: ReplicaLink | None = None) -> None:
         rid = fin.request_id
         state = self.live.get(rid)
         if state is None:
             self._not_live(rid, f"Finished({fin.finish_reason})", fin.num_output_tokens, terminal=True)
             return
-        if not state.record.follows(fin.attempt):  # an older copy's
+        if replica not in (None, state.record.replica) or not state.record.follows(fin.attempt):  # an older copy's
             self.counts.stale += 1
             return
         seen = state.record.num_tokens + len(fin.token_ids)
@@ -217,10 +176,11 @@ class ClientLedger(Ledger[R]):
         else:
             self.violation("duplicate", rid, f"{what} after its Finished")
 
-    def find_lost(self) -> None:
-        """Repair the requests that may have had output in a TextOutputs now known to be lost."""
-        if lost := self.link.lost():
-            for rid in lost_suspects(self.link, lost, ((rid, s.record) for rid, s in self.live.items())):
+    def find_lost(self, replica: ReplicaLink) -> None:
+        """Repair the requests that may have had output in a TextOutputs of `replica` now known to be lost."""
+        if lost := replica.link.lost():
+            records = ((rid, s.record) for rid, s in self.live.items() if s.record.replica is replica)
+            for rid in lost_suspects(replica.link, lost, records):
                 if (state := self.live.get(rid)) is not None:  # (a sibling's failure may have ended it)
                     self._gap(state, "a TextOutputs it may have been in was lost")
 
@@ -235,65 +195,88 @@ class ClientLedger(Ledger[R]):
         self.violation("gap", state.record.add.request_id, what)
         self.resume(state, "lost_output", f"lost output ({what})")
 
-    def resume(self, state: R, cause: str, why: str) -> None:
-        """Re-submit the request from its record; one that had MAX_ATTEMPTS copies fails, saying `why`."""
+    def resume(self, state: R, cause: str, why: str, to: ReplicaLink | None = None) -> None:
+        """Re-submit the request from its record (to replica `to`; None: its own); one that had MAX_ATTEMPTS copies
+        fails, saying `why`."""
         if (msg := (record := state.record).resume()) is None:
             error = f"request {record.add.request_id}: {why}; failed after {MAX_ATTEMPTS} resumptions"
             self.fail(state, 500, error, abort=True)
             return
+        if to is not None:
+            record.move(to)
         self.counts.resumes[cause] += 1
-        self.log.info("[%s] resumed after %d tokens (%s)", msg.request_id, record.num_tokens, cause)
-        self.tell(SCHEDULER, msg)
+        self.log.info("[%s] resumed after %d tokens on engine %d (%s)", msg.request_id, record.num_tokens,
+                      record.replica.index, cause)  # fmt: skip
+        self.tell(record.replica.names.scheduler, msg)
 
     def on_down(self, actor: str) -> bool:
-        """An actor died; True if the engine side forgot every request: LIVE ones wait for it to be whole again,
-        tombstones are dropped (no terminal message will come)."""
-        if actor not in REQUEST_PATH:
+        """An actor died; True if it held requests (a replica's scheduler or detokenizer: that replica forgot every
+        one): its LIVE ones are re-submitted on a replica that serves (or wait for one), its tombstones dropped (no
+        terminal message will come); one live at more than max_resumes deaths of a detokenizer fails."""
+        replica = self.replicas.of(actor)
+        if replica is None or actor not in replica.names.actors:
             return False
-        self.down.add(actor)
-        self.tombstones.clear()
-        if actor == DETOKENIZER:
-            self.link.reset()  # its next incarnation numbers from 0
-            self.detokenizer_died = True
+        replica.down.add(actor)  # (its worker: not routed to; its requests wait in its engine)
+        if actor not in replica.names.request_path:
+            return False
+        replica.forget()
+        self.tombstones.drop(replica.names.scheduler)
+        died = actor == replica.names.detokenizer
+        if died:
+            replica.link.reset()  # its next incarnation numbers from 0
+        for rid, state in list(self.live.items()):
+            if rid in self.live and state.record.replica is replica:  # (not failed with a sibling)
+                state.record.deaths += died
+                if state.record.deaths > self.max_resumes:
+                    self.log.error("[%s] live at %d deaths of the detokenizer: failed", rid, state.record.deaths)
+                    error = f"request {rid}: failed after {self.max_resumes} restarts of the detokenizer while it ran"
+                    self.fail(state, 503, error, abort=False)  # (innocent or not: the detokenizer blames nobody)
+        self._failover()
         return True
 
     def on_up(self, actor: str) -> bool:
-        """An actor is back; True if the engine side is whole again: every LIVE request is re-submitted from its
-        record (DESIGN I8), or fails if it was live at more than max_resumes deaths of the detokenizer."""
-        if actor not in self.down:
-            return False  # (a worker's restart is the engine's business)
-        self.down.discard(actor)
-        if self.down:
+        """An actor is back; True if its replica serves again: the LIVE requests waiting for a replica are
+        re-submitted (DESIGN I8) where the routing says."""
+        replica = self.replicas.of(actor)
+        if replica is None or actor not in replica.down:
             return False
-        counted, self.detokenizer_died = self.detokenizer_died, False
-        for rid, state in list(self.live.items()):
-            if rid not in self.live:
-                continue  # failed with a sibling
-            state.record.deaths += counted
-            if state.record.deaths > self.max_resumes:
-                self.log.error("[%s] live at %d deaths of the detokenizer: failed", rid, state.record.deaths)
-                error = f"request {rid}: failed after {self.max_resumes} restarts of the detokenizer while it ran"
-                self.fail(state, 503, error, abort=False)  # (innocent or not: the detokenizer blames nobody)
-            else:
-                self.resume(state, "death", "an engine-side process died")
+        replica.down.discard(actor)
+        if replica.down:
+            return False
+        self._failover()
         return True
+
+    def _failover(self) -> None:
+        """Re-submit every LIVE request whose replica does not serve on one that does (a group together)."""
+        placed: dict[int, ReplicaLink | None] = {}
+        for rid, state in list(self.live.items()):
+            if rid not in self.live or not state.record.orphaned:
+                continue  # (failed with a sibling)
+            key = id(self.group(state))
+            if key not in placed:
+                placed[key] = self.replicas.route(state.record.add)
+            if placed[key] is not None:
+                self.resume(state, "death", "an engine-side process died", placed[key])
 
     # ------------------------------------------------------------ ending requests early
 
     def abort(self, rid: str, reason: AbortReason, send: bool = True) -> R:
         """The client ends a LIVE request: CLOSED, and TOMBSTONED until the engine's terminal message (`send`: an
-        Abort is sent; without one, the engine is gone, the tombstone lasts one timeout)."""
+        Abort is sent; without one, or with its replica down, the tombstone lasts one timeout)."""
         state = self.forget(rid)  # (its fate is written when its terminal message closes the tombstone)
-        msg = Abort(request_id=rid, reason=reason)
-        self.tombstones.add(msg, sent=send)
+        msg, replica = Abort(request_id=rid, reason=reason), state.record.replica
+        send = send and not replica.forgot
+        self.tombstones.add(msg, replica.names.scheduler, sent=send)
         if send:
-            self.tell(SCHEDULER, msg)
+            self.tell(replica.names.scheduler, msg)
         return state
 
     def expire(self, now: float) -> None:
         """I7: re-send an Abort that no Finished answered in time (max_abort_tries); find a lost TextOutputs."""
-        self.tombstones.expire(now, lambda msg: self.tell(SCHEDULER, msg))
-        self.find_lost()
+        self.tombstones.expire(now, self.tell)
+        for replica in self.replicas.all:
+            self.find_lost(replica)
 
     def _abort(self, rid: str, reason: AbortReason) -> None:
-        self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
+        replica = self.live[rid].record.replica
+        self.tell(replica.names.scheduler, Abort(request_id=rid, reason=reason))

@@ -1,4 +1,4 @@
-"""The engine side of the actor graph: which actors run in which process."""
+"""The engine side of the actor graph: which actors run in which process, for each engine replica."""
 
 from __future__ import annotations
 
@@ -6,53 +6,42 @@ import msgspec
 
 from actors.engine.config import EngineConfig
 from actors.runtime import ActorSpec, ProcessSpec
-from messages.names import DETOKENIZER, SCHEDULER, WORKER
 
 
-def engine_processes(config: EngineConfig, client: str) -> list[ProcessSpec]:
-    """The engine process (the scheduler, and the worker: model runner + sampler, unless it has a process of its
-    own: `config.worker`) and the detokenizer process.
+def engine_processes(config: EngineConfig, client: str, devices: list[str] | None = None) -> list[ProcessSpec]:
+    """Every replica's (config.data_parallel_size): its engine process (the scheduler, and the worker: model runner
+    + sampler, unless it has a process of its own: `config.worker`) and its detokenizer process, named after the
+    replica (messages/names.py). `devices`: each replica's CUDA_VISIBLE_DEVICES (None: they share the node's).
 
     `client` is the actor that receives TextOutputs / Finished / stats (the HTTP actor, or the
     offline API's client actor)."""
-    config = msgspec.structs.replace(config, stats_to=[client])
-    worker = [
-        ProcessSpec(
-            name=WORKER,
-            actors=[
-                ActorSpec(
-                    name=WORKER,
-                    factory="actors.engine.worker_actor:WorkerActor",
-                    kwargs={"config": msgspec.to_builtins(config)},
-                )
-            ],
+    return [
+        p
+        for k in range(config.data_parallel_size)
+        for p in replica_processes(
+            msgspec.structs.replace(config, stats_to=[client], data_parallel_rank=k),
+            client,
+            {"CUDA_VISIBLE_DEVICES": devices[k]} if devices else {},
         )
     ]
-    return worker * (config.worker == "process") + [
-        ProcessSpec(
-            name="engine",
-            actors=[
-                ActorSpec(
-                    name=SCHEDULER,
-                    factory="actors.engine.scheduler_actor:SchedulerActor",
-                    kwargs={"config": msgspec.to_builtins(config)},
-                )
-            ],
-        ),
-        ProcessSpec(
-            name="detokenizer",
-            actors=[
-                ActorSpec(
-                    name=DETOKENIZER,
-                    factory="actors.detokenizer.actor:DetokenizerActor",
-                    kwargs={
-                        "model": config.model,
-                        "client": client,
-                        "abort_timeout_s": config.abort_timeout_s,
-                        "max_abort_tries": config.max_abort_tries,
-                        "stats_interval_s": config.stats_interval_s,
-                    },
-                )
-            ],
-        ),
+
+
+def replica_processes(config: EngineConfig, client: str, env: dict[str, str]) -> list[ProcessSpec]:
+    names, engine = config.replica, msgspec.to_builtins(config)
+
+    def process(name: str, actor: str, factory: str, kwargs: dict) -> ProcessSpec:
+        return ProcessSpec(name=name, actors=[ActorSpec(name=actor, factory=factory, kwargs=kwargs)], env=env)
+
+    worker = process(names.worker, names.worker, "actors.engine.worker_actor:WorkerActor", {"config": engine})
+    detokenizer = {
+        "model": config.model,
+        "client": client,
+        "abort_timeout_s": config.abort_timeout_s,
+        "max_abort_tries": config.max_abort_tries,
+        "stats_interval_s": config.stats_interval_s,
+        "replica": config.data_parallel_rank,
+    }
+    return [worker] * (config.worker == "process") + [
+        process(names.engine, names.scheduler, "actors.engine.scheduler_actor:SchedulerActor", {"config": engine}),
+        process(names.detokenizer, names.detokenizer, "actors.detokenizer.actor:DetokenizerActor", detokenizer),
     ]

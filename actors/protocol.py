@@ -53,6 +53,7 @@ class RecentIds(dict):
 @dataclass(slots=True)
 class Tombstone:
     abort: Abort  # the Abort sent, re-sent as it is
+    to: str  # the actor it was sent to (a replica's scheduler)
     since: float  # when the last Abort was sent
     tries: int
 
@@ -66,12 +67,18 @@ class Tombstones(dict):
         self.max_abort_tries = max_abort_tries
         self.log = log
 
-    def add(self, abort: Abort, sent: bool = True) -> None:
-        """`sent`: the Abort was sent. If not (the engine is gone) one timeout passes, then the tombstone is dropped."""
-        self[abort.request_id] = Tombstone(abort, time.monotonic(), 1 if sent else self.max_abort_tries)
+    def add(self, abort: Abort, to: str, sent: bool = True) -> None:
+        """`sent`: the Abort was sent (to `to`). If not (the engine is gone) one timeout passes, then the tombstone
+        is dropped."""
+        self[abort.request_id] = Tombstone(abort, to, time.monotonic(), 1 if sent else self.max_abort_tries)
 
-    def expire(self, now: float, resend: Callable[[Abort], None]) -> None:
-        """I7: `resend` the Abort of a tombstone that got no terminal message within the timeout; after
+    def drop(self, to: str) -> None:
+        """`to` died: no terminal message will come for the Aborts sent to it."""
+        for rid in [rid for rid, t in self.items() if t.to == to]:
+            del self[rid]
+
+    def expire(self, now: float, resend: Callable[[str, Abort], None]) -> None:
+        """I7: `resend` (to, abort) the Abort of a tombstone that got no terminal message within the timeout; after
         max_abort_tries the tombstone is dropped with an error log."""
         for rid, t in list(self.items()):
             if now - t.since < self.abort_timeout_s:
@@ -81,7 +88,7 @@ class Tombstones(dict):
                 del self[rid]
             else:
                 t.tries, t.since = t.tries + 1, now
-                resend(t.abort)
+                resend(t.to, t.abort)
 
 
 @dataclass

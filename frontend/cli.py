@@ -27,11 +27,13 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
     fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching", "worker", "attention_backend")
     fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "nnodes", "master_addr")
-    fields += ("master_port",)
+    fields += ("master_port", "data_parallel_size")
     values = {f: getattr(args, f) for f in fields}
     tp = args.tensor_parallel_size
     if tp % args.nnodes:
         raise SystemExit(f"--tensor-parallel-size {tp} is not a multiple of --nnodes {args.nnodes}")
+    if args.data_parallel_size > 1 and args.nnodes > 1:
+        raise SystemExit("--data-parallel-size: a replica's gang spans one node (--nnodes 1)")
     if tp > 1 and args.worker == "inline":
         raise SystemExit(
             "--tensor-parallel-size: a gang's ranks are processes (its leader the worker's): not --worker inline"
@@ -101,6 +103,7 @@ def serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         grammar_timeout_s=args.grammar_compile_timeout,
         metrics_prefix=args.metrics_prefix,
+        dp_routing=args.dp_routing,
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
@@ -190,7 +193,7 @@ async def _generate(engine: EngineConfig, prompt: str, params, chat: bool, fault
     from frontend.offline import AsyncLLM
     from messages.wire import Finished
 
-    async with AsyncLLM(engine, fault_plan=fault_plan, log_level=log_level) as llm:
+    async with AsyncLLM(engine, fault_plan=fault_plan, log_level=log_level) as llm:  # (one prompt: replica 0)
         tokens = prompt
         if chat:
             text = llm.tokenizer.render_chat([{"role": "user", "content": prompt}])

@@ -10,6 +10,7 @@ from typing import get_args
 import msgspec
 
 from actors.engine.config import EngineConfig, SpeculativeConfig
+from actors.routing import POLICIES
 from messages.sampling_params import LogprobsMode, RequestLimits
 
 _DEFAULTS = EngineConfig(model="")
@@ -86,6 +87,21 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "on CUDA, one device each); the worker then runs in processes of its own",
     )
     g.add_argument("--nnodes", type=_count, default=_DEFAULTS.nnodes, help="nodes the gang spans")
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_count,
+        default=_DEFAULTS.data_parallel_size,
+        help="engine replicas behind the server, each a scheduler, its worker (or gang), its detokenizer and its own "
+        "KV and prefix cache; they share the node's cores (and split its CUDA devices)",
+    )
+    g.add_argument(
+        "--dp-routing",
+        choices=POLICIES,
+        default="cache_aware",
+        help="which replica a request goes to: the one whose prefix cache holds most of its prompt unless it is "
+        "much busier (cache_aware), the least loaded (4 x waiting + running), or each in turn",
+    )
     g.add_argument("--node-rank", type=int, default=0, help="this node's rank (0: the node that serves)")
     g.add_argument(
         "--master-addr",

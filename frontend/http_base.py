@@ -10,7 +10,8 @@ import logging
 import msgspec
 from aiohttp import web
 
-from frontend.metrics import Metrics
+from actors.routing import Policy
+from frontend.metrics import SERVER, Metrics
 from frontend.protocol import RequestError
 from messages.sampling_params import RequestLimits
 
@@ -39,6 +40,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this
     max_resumes: int = 2  # DESIGN I8: a request live at more detokenizer deaths fails (the engine judges its own)
     metrics_prefix: str = "sluice:"  # of /metrics series (--metrics-prefix vllm: for dashboards built for vLLM)
+    dp_routing: Policy = "cache_aware"  # which engine replica a request goes to (actors/routing.py)
 
     @property
     def url(self) -> str:
@@ -81,7 +83,7 @@ def middleware(config: HttpConfig, metrics: Metrics):
             log.log(level, "[%s] %s %s: %d %s", rid, request.method, request.path, error.status, error.message)
         route = request.match_info.route.resource
         endpoint = route.canonical if route is not None else "other"
-        metrics.http_requests.labels(endpoint, str(error.status if error else resp.status)).inc()
+        metrics.http_requests.labels(SERVER, endpoint, str(error.status if error else resp.status)).inc()
         return resp
 
     return checked

@@ -9,6 +9,7 @@ binds the same one.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
@@ -57,23 +58,32 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
         "max_model_len": min(engine.max_model_len, model.max_model_len),
         "vocab_size": model.vocab_size,
         "bos_token_id": model.bos_token_id,  # (the engine's: whether the model has a BOS to guide against)
+        "replicas": engine.data_parallel_size,
+        "block_size": engine.block_size,
     }
     return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
 
 
-def check_gang(model: ModelConfig, engine: EngineConfig) -> None:
+def check_gang(model: ModelConfig, engine: EngineConfig) -> list[str] | None:
     """Before any process starts: the model shards over the gang's ranks (quantized as asked), and a node has a
-    device for each of its ranks."""
+    device for each of its ranks (of every replica). Returns each replica's CUDA_VISIBLE_DEVICES where replicas
+    split the node's CUDA devices (None: they share the node)."""
     if engine.tensor_parallel_size > 1 or engine.quantization == "int4":
         check_checkpoint(model, engine.tensor_parallel_size, engine.quantization)
-    per_node = engine.tensor_parallel_size // engine.nnodes
-    if per_node > 1 and resolve_device(engine.device).type == "cuda" and per_node > torch.cuda.device_count():
-        raise ModelLoadError(f"{per_node} ranks on this node, {torch.cuda.device_count()} CUDA devices")
+    per_replica = engine.tensor_parallel_size // engine.nnodes
+    per_node, dp = per_replica * engine.data_parallel_size, engine.data_parallel_size
+    if per_node == 1 or resolve_device(engine.device).type != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if per_node > len(devices):
+        raise ModelLoadError(f"{per_node} ranks on this node, {len(devices)} CUDA devices")
+    return None if dp == 1 else [",".join(devices[k * per_replica : (k + 1) * per_replica]) for k in range(dp)]
 
 
 def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]:
     model = resolve_model(engine.model)
-    check_gang(model, engine)
+    devices = check_gang(model, engine)
     engine = msgspec.structs.replace(engine, model=str(model.path))
     spec = engine.speculative
     if spec is not None and spec.model is not None:  # a draft .gguf is converted here too, before anything starts
@@ -83,7 +93,7 @@ def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]
                 f"the draft model's vocabulary ({draft.vocab_size}) is not the model's ({model.vocab_size})"
             )
         engine = msgspec.structs.replace(engine, speculative=msgspec.structs.replace(spec, model=str(draft.path)))
-    return [http_process(model, engine, http), *engine_processes(engine, HTTP)]
+    return [http_process(model, engine, http), *engine_processes(engine, HTTP, devices)]
 
 
 class Server(ActorSystem):

@@ -1,9 +1,11 @@
 """/metrics: Prometheus text, vLLM's metric names under the `sluice:` prefix (`--metrics-prefix vllm:` for
 dashboards built for vLLM).
 
-Every series carries vLLM's `model_name` (the served model's name) and `engine` ("0": one engine per server)
-labels, which vLLM's dashboards select on; the Metrics object binds them once, so a call site names only the
-series' own labels (`metrics.aborts.labels(reason)`).
+Every series carries vLLM's `model_name` (the served model's name) and `engine` labels, which vLLM's dashboards
+select on: `engine` is the engine replica (--data-parallel-size) that served the request or reports the value; the
+server's own series (HTTP responses, the HTTP actor's protocol counters, routing) carry engine "0". The Metrics
+object binds the model once, so a call site names the engine and the series' own labels
+(`metrics.aborts.labels(engine, reason)`).
 
 The HTTP actor's own observations (latencies, finished requests, aborts) are prometheus_client
 metrics. The engine's and the detokenizer's totals arrive as absolute values in EngineStats /
@@ -20,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from actors.protocol import ProtocolCounts
+from actors.routing import Replicas
 from messages.names import DETOKENIZER, HTTP
 from messages.sampling_params import SamplingParams
 from messages.wire import DetokStats, EngineStats, Finished
@@ -40,33 +43,38 @@ NO_DETOK_STATS = DetokStats(stale_outputs_dropped_total=0, protocol_violations_t
 
 
 BASE_LABELS = ("model_name", "engine")
-ENGINE = "0"  # vLLM's engine index: one engine per server
+SERVER = 0  # the engine label of the server's own series
 
 
 class _Labelled:
-    """A labelled metric with model_name and engine bound: `.labels(reason)` is `.labels(model, engine, reason)`."""
+    """A labelled metric with model_name bound: `.labels(engine, reason)` is `.labels(model, str(engine), reason)`."""
 
-    def __init__(self, metric: Counter, bound: tuple[str, str]):
-        self.metric, self.bound = metric, bound
+    def __init__(self, metric: Counter | Histogram, model: str):
+        self.metric, self.model = metric, model
 
-    def labels(self, *values: str):
-        return self.metric.labels(*self.bound, *values)
+    def labels(self, engine: int, *values: str):
+        return self.metric.labels(self.model, str(engine), *values)
 
 
 class Metrics:
-    def __init__(self, prefix: str = DEFAULT_PREFIX, model_name: str = "") -> None:
+    def __init__(self, prefix: str = DEFAULT_PREFIX, model_name: str = "", replicas: Replicas | None = None) -> None:
         """`prefix`: of every series' name (--metrics-prefix: `vllm:` serves dashboards built for vLLM);
-        `model_name`: the served model's (its first name), every series' model_name label."""
+        `model_name`: the served model's (its first name), every series' model_name label; `replicas`: the HTTP
+        actor's view of the engine replicas (their routing)."""
         disable_created_metrics()  # no `_created` series (as vLLM); the HTTP process has only this registry
         self.registry = r = CollectorRegistry()
         self.prefix = prefix
-        self.bound = (model_name, ENGINE)
+        self.model = model_name
+        self.replicas = replicas or Replicas()
 
-        def histogram(name: str, doc: str, buckets):
-            return Histogram(prefix + name, doc, BASE_LABELS, buckets=buckets, registry=r).labels(*self.bound)
+        def histogram(name: str, doc: str, buckets) -> _Labelled:
+            labelled = _Labelled(Histogram(prefix + name, doc, BASE_LABELS, buckets=buckets, registry=r), model_name)
+            for engine in range(len(self.replicas)):  # (each engine's series from the start, as vLLM)
+                labelled.labels(engine)
+            return labelled
 
         def counter(name: str, doc: str, *labels: str) -> _Labelled:
-            return _Labelled(Counter(prefix + name, doc, [*BASE_LABELS, *labels], registry=r), self.bound)
+            return _Labelled(Counter(prefix + name, doc, [*BASE_LABELS, *labels], registry=r), model_name)
 
         self.request_success = counter(
             "request_success", "Finished requests (per choice) by finish reason.", "finished_reason"
@@ -96,117 +104,125 @@ class Metrics:
         )
         self.protocol = ProtocolCounts()  # the HTTP actor's (its RequestTable counts in it)
         self.num_tombstones: Callable[[], int] = lambda: 0
-        self.engine = NO_ENGINE_STATS
-        self.detok = NO_DETOK_STATS
+        self.engine: dict[int, EngineStats] = {}  # by replica: the latest report (none: all zero)
+        self.detok: dict[int, DetokStats] = {}
         r.register(_Snapshots(self))
 
-    def finished(self, fin: Finished, params: SamplingParams) -> None:
+    def finished(self, fin: Finished, params: SamplingParams, engine: int) -> None:
         """A choice ended: its sizes and (when the engine timed it) its prefill and decode times."""
-        self.request_success.labels(fin.finish_reason).inc()
-        self.prompt_tokens.observe(fin.num_prompt_tokens)
-        self.generation_tokens.observe(fin.num_output_tokens)
-        self.max_tokens.observe(params.max_tokens)
+        self.request_success.labels(engine, fin.finish_reason).inc()
+        self.prompt_tokens.labels(engine).observe(fin.num_prompt_tokens)
+        self.generation_tokens.labels(engine).observe(fin.num_output_tokens)
+        self.max_tokens.labels(engine).observe(params.max_tokens)
         if fin.timings:
             prefill, decode = fin.timings
-            self.prefill_time.observe(prefill)
-            self.decode_time.observe(decode)
-            self.inference_time.observe(prefill + decode)
+            self.prefill_time.labels(engine).observe(prefill)
+            self.decode_time.labels(engine).observe(decode)
+            self.inference_time.labels(engine).observe(prefill + decode)
 
-    def prompt_finished(self, n: int, most_generated: int) -> None:
+    def prompt_finished(self, n: int, most_generated: int, engine: int) -> None:
         """The n choices of one prompt have all ended (vLLM's parallel sampling observes once per prompt, then):
         its n, and the most tokens one of them generated."""
-        self.params_n.observe(n)
-        self.max_generation.observe(most_generated)
+        self.params_n.labels(engine).observe(n)
+        self.max_generation.labels(engine).observe(most_generated)
 
     def on_engine_stats(self, msg: EngineStats) -> None:
-        self.engine = msg
+        self.engine[msg.replica] = msg
         for t in msg.queue_times_s:
-            self.queue_time.observe(t)
+            self.queue_time.labels(msg.replica).observe(t)
         for n in msg.iteration_tokens:
-            self.iteration_tokens.observe(n)
+            self.iteration_tokens.labels(msg.replica).observe(n)
 
     def on_detok_stats(self, msg: DetokStats) -> None:
-        self.detok = msg
+        self.detok[msg.replica] = msg
 
     def forget(self, actor: str) -> None:
         """`actor` died: its gauges read 0 and its counters restart (a counter reset) until it reports again."""
-        if actor == DETOKENIZER:
-            self.detok = NO_DETOK_STATS
-        else:
-            self.engine = NO_ENGINE_STATS
+        if (replica := self.replicas.of(actor)) is not None:
+            reports = self.detok if actor == replica.names.detokenizer else self.engine
+            reports.pop(replica.index, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _Snapshots:
-    """Exports the engine's and the detokenizer's latest totals, and the HTTP actor's protocol counters."""
+    """Exports each replica's engine and detokenizer latest totals, and the HTTP actor's protocol and routing
+    counters."""
 
     def __init__(self, metrics: Metrics):
         self.m = metrics
 
     def family(self, kind, name: str, doc: str, labels=(), rows=()):
-        """A family whose samples are (the values of `labels`, value) rows, model_name and engine first."""
+        """A family whose samples are ((engine, the values of `labels`...), value) rows (model_name first)."""
         family = kind(self.m.prefix + name, doc, labels=[*BASE_LABELS, *labels])
         for values, value in rows:
-            family.add_metric([*self.m.bound, *values], value)
+            family.add_metric([self.m.model, *map(str, values)], value)
         return family
 
-    def gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        return self.family(GaugeMetricFamily, name, doc, rows=[((), value)])
+    def per_engine(self, kind, name: str, doc: str, value: Callable[[EngineStats], float]):
+        return self.family(kind, name, doc, rows=[((k,), value(e)) for k, e in self.engines()])
 
-    def counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        return self.family(CounterMetricFamily, name, doc, rows=[((), value)])
-
-    def counters(self, name: str, doc: str, labels, rows) -> CounterMetricFamily:
-        return self.family(CounterMetricFamily, name, doc, labels, rows)
+    def engines(self) -> list[tuple[int, EngineStats]]:
+        return [(k, self.m.engine.get(k, NO_ENGINE_STATS)) for k in range(len(self.m.replicas))]
 
     def collect(self):
-        e, d, proto = self.m.engine, self.m.detok, self.m.protocol
-        if e.cache_config:  # (vLLM's info gauge: 1, the configuration in its labels)
-            config = [(list(e.cache_config.values()), 1)]
-            yield self.family(
-                GaugeMetricFamily, "cache_config_info", "The KV cache's configuration.", e.cache_config, config
-            )
-        yield self.gauge("num_requests_running", "Requests in the engine's running batch.", e.num_running)
-        yield self.gauge("num_requests_waiting", "Requests waiting in the engine.", e.num_waiting)
-        yield self.gauge("kv_cache_usage_perc", "KV cache usage (1 = full).", e.kv_usage)
-        yield self.counter("prompt_tokens", "Prompt tokens processed.", e.prompt_tokens_total)
-        yield self.counter("generation_tokens", "Tokens generated.", e.generation_tokens_total)
-        yield self.counter("late_aborts", "Aborts for finished or unknown requests (ignored).", e.late_aborts_total)
-        yield self.counter("num_preemptions", "Recompute preemptions.", e.num_preemptions_total)
-        resets = "Worker states lost (a death, a lost step): running requests recomputed."
-        yield self.counter("worker_resets", resets, e.worker_resets_total)
-        ranks = [((str(rank),), int(e.worker_up)) for rank in range(e.worker_ranks)]
+        m, proto, engines = self.m, self.m.protocol, self.engines()
+        detoks = [(k, m.detok.get(k, NO_DETOK_STATS)) for k in range(len(m.replicas))]
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        configs = [((k, *e.cache_config.values()), 1) for k, e in engines if e.cache_config]
+        if configs:  # (vLLM's info gauge: 1, the configuration in its labels)
+            keys = list(next(e.cache_config for _, e in engines if e.cache_config))
+            yield self.family(gauge, "cache_config_info", "The KV cache's configuration.", keys, configs)
+        yield self.per_engine(gauge, "num_requests_running", "Requests in the engine's running batch.",
+                              lambda e: e.num_running)  # fmt: skip
+        yield self.per_engine(gauge, "num_requests_waiting", "Requests waiting in the engine.", lambda e: e.num_waiting)
+        yield self.per_engine(gauge, "kv_cache_usage_perc", "KV cache usage (1 = full).", lambda e: e.kv_usage)
+        for name, doc, value in ENGINE_COUNTERS:
+            yield self.per_engine(counter, name, doc, value)
+        ranks = [((k, rank), int(e.worker_up)) for k, e in engines for rank in range(e.worker_ranks)]
         doc = "1 while the worker's rank serves (a tensor-parallel gang's ranks: all or none), 0 while it restarts."
-        yield self.family(GaugeMetricFamily, "worker_rank_up", doc, ["rank"], ranks)
-        yield self.counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_cache_queries_total
-        )
-        yield self.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits_total)
-        yield self.counter("discarded_samples", "Samples of aborted requests discarded.", e.discarded_samples_total)
-        yield self.counter("spec_decode_num_drafts", "Rows that verified draft tokens.", e.spec_num_drafts)
-        yield self.counter("spec_decode_num_draft_tokens", "Draft tokens verified.", e.spec_num_draft_tokens)
-        yield self.counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", e.spec_num_accepted_tokens)
-        per_pos = [((str(pos),), count) for pos, count in enumerate(e.spec_accepted_per_pos)]
+        yield self.family(gauge, "worker_rank_up", doc, ["rank"], ranks)
+        per_pos = [((k, pos), count) for k, e in engines for pos, count in enumerate(e.spec_accepted_per_pos)]
         by_pos = "Draft tokens accepted, by position."
-        yield self.counters("spec_decode_num_accepted_tokens_per_pos", by_pos, ["position"], per_pos)
-        stale = [((HTTP,), proto.stale), ((DETOKENIZER,), d.stale_outputs_dropped_total)]
-        yield self.counters("stale_outputs_dropped", "Outputs for tombstoned requests (dropped).", ["actor"], stale)
+        yield self.family(counter, "spec_decode_num_accepted_tokens_per_pos", by_pos, ["position"], per_pos)
+        serving = [((r.index,), int(r.serves)) for r in m.replicas.all]
+        yield self.family(gauge, "dp_engine_serving", "1 while the engine replica is routed to, 0 while down.",
+                          rows=serving)  # fmt: skip
+        routed = [((SERVER, *key), n) for key, n in sorted(m.replicas.routed.items())]
+        doc = "Requests routed to an engine replica, by policy and reason (actors/routing.py)."
+        yield self.family(counter, "dp_routed", doc, ["policy", "reason"], routed)
+        stale = [((SERVER, HTTP), proto.stale), *(((k, DETOKENIZER), d.stale_outputs_dropped_total) for k, d in detoks)]
+        yield self.family(counter, "stale_outputs_dropped", "Outputs for tombstoned requests (dropped).", ["actor"],
+                          stale)  # fmt: skip
         kinds = ("unknown_id", "duplicate", "gap", "after_finished")
         violations = [
-            *(((HTTP, k), proto.violations[k]) for k in kinds),
-            ((DETOKENIZER, "any"), d.protocol_violations_total),
+            *(((SERVER, HTTP, k), proto.violations[k]) for k in kinds),
+            *(((k, DETOKENIZER, "any"), d.protocol_violations_total) for k, d in detoks),
         ]
         bad = "Outputs for unknown ids, duplicates, gaps, past a Finished."
-        yield self.counters("protocol_violations", bad, ["actor", "kind"], violations)
+        yield self.family(counter, "protocol_violations", bad, ["actor", "kind"], violations)
         resumes = [
-            *(((HTTP, c), proto.resumes[c]) for c in ("death", "lost_output")),
-            ((DETOKENIZER, "lost_output"), d.repairs_total),
+            *(((SERVER, HTTP, c), proto.resumes[c]) for c in ("death", "lost_output")),
+            *(((k, DETOKENIZER, "lost_output"), d.repairs_total) for k, d in detoks),
         ]
         why = "Requests re-submitted from what their client has, by who re-submitted them and why."
-        yield self.counters("request_resumes", why, ["actor", "cause"], resumes)
-        tombstones = [((HTTP,), self.m.num_tombstones()), ((DETOKENIZER,), d.num_tombstones)]
-        yield self.family(
-            GaugeMetricFamily, "num_tombstones", "Requests aborted, awaiting Finished.", ["actor"], tombstones
-        )
+        yield self.family(counter, "request_resumes", why, ["actor", "cause"], resumes)
+        tombstones = [((SERVER, HTTP), m.num_tombstones()), *(((k, DETOKENIZER), d.num_tombstones) for k, d in detoks)]
+        yield self.family(gauge, "num_tombstones", "Requests aborted, awaiting Finished.", ["actor"], tombstones)
+
+
+ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [  # (name, doc, value), one row per engine
+    ("prompt_tokens", "Prompt tokens processed.", lambda e: e.prompt_tokens_total),
+    ("generation_tokens", "Tokens generated.", lambda e: e.generation_tokens_total),
+    ("late_aborts", "Aborts for finished or unknown requests (ignored).", lambda e: e.late_aborts_total),
+    ("num_preemptions", "Recompute preemptions.", lambda e: e.num_preemptions_total),
+    ("worker_resets", "Worker states lost (a death, a lost step): running requests recomputed.",
+     lambda e: e.worker_resets_total),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda e: e.prefix_cache_queries_total),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e: e.prefix_cache_hits_total),
+    ("discarded_samples", "Samples of aborted requests discarded.", lambda e: e.discarded_samples_total),
+    ("spec_decode_num_drafts", "Rows that verified draft tokens.", lambda e: e.spec_num_drafts),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", lambda e: e.spec_num_draft_tokens),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda e: e.spec_num_accepted_tokens),
+]  # fmt: skip

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 from actors.engine.config import EngineConfig
 from actors.graph import engine_processes
+from actors.routing import Policy, Replicas
 from actors.runtime import ActorSystem, FaultPlan, RestartPolicy
 from frontend.offline_client import ClientActor
 from frontend.tokenizer import Tokenizer
-from messages.names import CLIENT, DETOKENIZER, SCHEDULER, WORKER
+from messages.names import CLIENT, replica
 from messages.sampling_params import SamplingParams
 from messages.wire import (
     Abort,
@@ -55,10 +56,12 @@ class AsyncLLM:
         fault_plan: FaultPlan | None = None,
         policy: RestartPolicy | None = None,
         log_level: str = "WARNING",
+        dp_routing: Policy = "cache_aware",
     ):
+        """`dp_routing`: which replica a request goes to, with config.data_parallel_size > 1 (actors/routing.py)."""
         self.config = config
         self.tokenizer = Tokenizer.from_model_dir(config.model)
-        self.client = ClientActor()
+        self.client = ClientActor(replicas=Replicas(config.data_parallel_size, dp_routing, config.block_size))
         self.system = ActorSystem(
             engine_processes(config, CLIENT),
             local=[self.client],
@@ -118,16 +121,24 @@ class AsyncLLM:
 
     def abort(self, request_id: str, reason: AbortReason = "client") -> None:
         """Explicit abort: the request ends with finish_reason "abort" (or its natural end if that won)."""
-        self.client.tell(SCHEDULER, Abort(request_id=request_id, reason=reason))
+        stream = self.client.streams.live.get(request_id)
+        scheduler = (stream.record.replica.names if stream is not None else replica(0)).scheduler
+        self.client.tell(scheduler, Abort(request_id=request_id, reason=reason))
 
     async def idle_reports(self) -> dict[str, dict[str, int]]:
         """The idle invariant's view of every request-path actor: all zero when idle."""
         reports = {}
-        for actor in (SCHEDULER, DETOKENIZER, WORKER)[: 2 + (self.config.worker == "process")]:
+        for actor in self.engine_actors():
             report = await self.client.ask(actor, CheckIdle(), timeout=10)
             reports[actor] = report.details
         reports[CLIENT] = {**self.client.streams.idle_details, "pending_asks": self.client.pending_asks}
         return reports
+
+    def engine_actors(self) -> list[str]:
+        """Every replica's scheduler and detokenizer, and its worker where it has a process."""
+        process = self.config.worker == "process"
+        dp = self.config.data_parallel_size
+        return [a for k in range(dp) for a in replica(k).actors if process or a != replica(k).worker]
 
     async def fresh_stats(self) -> tuple[EngineStats, DetokStats]:
         """The engine's and the detokenizer's counters, as published after this call."""

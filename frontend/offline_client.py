@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from actors.client_ledger import ClientLedger, RequestRecord
+from actors.routing import Replicas
 from actors.runtime import Actor
 from messages.names import CLIENT
 from messages.wire import (
@@ -60,21 +61,25 @@ class ClientActor(Actor):
 
     name = CLIENT
 
-    def __init__(self, max_resumes: int = 2):
+    def __init__(self, max_resumes: int = 2, replicas: Replicas | None = None):
         super().__init__()
-        self.streams = Streams(self.tell, log, max_resumes=max_resumes)
-        self.engine_stats: EngineStats | None = None
+        self.streams = Streams(self.tell, log, max_resumes=max_resumes, replicas=replicas)
+        self.engine_stats: EngineStats | None = None  # the latest report of any replica
         self.detok_stats: DetokStats | None = None
 
     def handlers(self):
         return {
             TextOutputs: self.streams.on_outputs,
             Finished: self.streams.on_finished,
-            EngineStats: lambda m: setattr(self, "engine_stats", m),
+            EngineStats: self.on_engine_stats,
             DetokStats: lambda m: setattr(self, "detok_stats", m),
             ActorDown: lambda m: self.streams.on_down(m.actor),
             ActorUp: lambda m: self.streams.on_up(m.actor),
         }
+
+    def on_engine_stats(self, msg: EngineStats) -> None:
+        self.engine_stats = msg
+        self.streams.replicas.on_stats(msg)
 
     async def on_start(self) -> None:
         self.spawn(self._housekeeping())

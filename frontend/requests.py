@@ -33,16 +33,22 @@ class RequestTable(ClientLedger[Choice]):
         max_abort_tries: int = 3,
         max_resumes: int = 2,
     ):
-        super().__init__(tell, log, abort_timeout_s, max_abort_tries, max_resumes, metrics.protocol)
+        super().__init__(tell, log, abort_timeout_s, max_abort_tries, max_resumes, metrics.protocol, metrics.replicas)
         self.metrics = metrics
         metrics.num_tombstones = lambda: len(self.tombstones)
 
     def add(self, parsed: ParsedRequest, client: str) -> HttpRequest:
-        """Register the request and send its AddRequests; `client` is the actor that gets the text."""
+        """Register the request and send its AddRequests (its choices to one replica: they share its prompt's
+        blocks); `client` is the actor that gets the text."""
         req = HttpRequest(parsed)
-        for c, msg in zip(req.choices, req.engine_requests(client), strict=True):
-            self.submit(c, msg)
+        msgs = req.engine_requests(client)
+        replica = self.replicas.route(msgs[0])
+        for c, msg in zip(req.choices, msgs, strict=True):
+            self.submit(c, msg, replica=replica)
         return req
+
+    def group(self, c: Choice) -> object:
+        return c.request
 
     # ------------------------------------------------------------ the ledger's hooks
 
@@ -57,11 +63,12 @@ class RequestTable(ClientLedger[Choice]):
         now = time.monotonic()
         if fin.token_ids:
             self._observe_output(c, now)
-        self.metrics.e2e.observe(now - c.request.arrival)
-        self.metrics.finished(fin, c.record.add.params)
+        engine = c.record.replica.index
+        self.metrics.e2e.labels(engine).observe(now - c.request.arrival)
+        self.metrics.finished(fin, c.record.add.params, engine)
         siblings = c.request.siblings(c)
         if all(s.finished is not None for s in siblings):  # (vLLM observes n and the longest once per prompt)
-            self.metrics.prompt_finished(len(siblings), max(s.finished.num_output_tokens for s in siblings))
+            self.metrics.prompt_finished(len(siblings), max(s.finished.num_output_tokens for s in siblings), engine)
         self._ended(c)
         if fin.finish_reason == "error":
             log.warning("[%s] failed in the engine (%s): %s", c.engine_id, fin.error_kind, fin.error)
@@ -74,9 +81,9 @@ class RequestTable(ClientLedger[Choice]):
         req = c.request
         if req.first_output is None:
             req.first_output = now
-            self.metrics.ttft.observe(now - req.arrival)
+            self.metrics.ttft.labels(c.record.replica.index).observe(now - req.arrival)
         elif c.last_output:
-            self.metrics.itl.observe(now - c.last_output)
+            self.metrics.itl.labels(c.record.replica.index).observe(now - c.last_output)
         c.last_output = now
 
     # ------------------------------------------------------------ ending requests
@@ -88,9 +95,10 @@ class RequestTable(ClientLedger[Choice]):
     def _tombstone(self, c: Choice, reason: AbortReason, send_abort: bool = True) -> None:
         self.abort(c.engine_id, reason, send_abort)
         self._ended(c)
-        self.metrics.request_success.labels("abort").inc()
+        engine = c.record.replica.index
+        self.metrics.request_success.labels(engine, "abort").inc()
         if send_abort:
-            self.metrics.aborts.labels(reason).inc()
+            self.metrics.aborts.labels(engine, reason).inc()
 
     def cancel(self, req: HttpRequest, reason: AbortReason = "client") -> None:
         """The client is gone: tombstone every live choice and abort it in the engine."""
@@ -112,7 +120,7 @@ class RequestTable(ClientLedger[Choice]):
     def abort_all(self, reason: AbortReason) -> None:
         """Shutdown: ask the engine to abort everything; choices stay LIVE until their Finished."""
         for rid in self.live:
-            self.metrics.aborts.labels(reason).inc()
+            self.metrics.aborts.labels(self.live[rid].record.replica.index, reason).inc()
             self._abort(rid, reason)
 
     def fail_all(self, error: RequestError, send_abort: bool) -> None:

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from actors.engine.grammar import warm
+from actors.routing import Replicas
 from actors.runtime import Actor
 from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_response, json_response, middleware
 from frontend.metrics import CONTENT_TYPE, Metrics
@@ -29,7 +30,7 @@ from frontend.responses import response_body, stream_events, stream_head, stream
 from frontend.structured import compile_check
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
-from messages.names import HTTP, WORKER
+from messages.names import HTTP
 from messages.wire import (
     ActorDown,
     ActorUp,
@@ -50,7 +51,18 @@ LARGE_READS, LARGE_PARSES = 32, 4  # large bodies read / parsed at once (the res
 class HttpActor(Actor):
     name = HTTP
 
-    def __init__(self, model: str, http: dict, max_model_len: int, vocab_size: int, bos_token_id: int | None = None):
+    def __init__(
+        self,
+        model: str,
+        http: dict,
+        max_model_len: int,
+        vocab_size: int,
+        bos_token_id: int | None = None,
+        replicas: int = 1,
+        block_size: int = 16,
+    ):
+        """The engine's facts: `max_model_len`, `vocab_size`, `bos_token_id` (whether the model has a BOS to guide
+        against), its `replicas` (--data-parallel-size) and their KV `block_size` (what the router hashes)."""
         super().__init__()
         self.config = msgspec.convert(http, HttpConfig)
         self.model = model
@@ -58,11 +70,11 @@ class HttpActor(Actor):
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.names = self.config.served_model_name or [Path(model).name]
-        self.metrics = Metrics(self.config.metrics_prefix, self.names[0])  # (vLLM's model_name: the first name)
         c = self.config
+        routing = Replicas(replicas, c.dp_routing, block_size)
+        self.metrics = Metrics(c.metrics_prefix, self.names[0], routing)  # (vLLM's model_name: the first name)
         self.table = RequestTable(self.tell, self.metrics, c.abort_timeout_s, c.max_abort_tries, c.max_resumes)
         self.admitting = True
-        self.worker_down = False  # (a process worker, or a gang: restarting)
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self._large_reads, self._large_parses = asyncio.Semaphore(LARGE_READS), asyncio.Semaphore(LARGE_PARSES)
@@ -71,7 +83,7 @@ class HttpActor(Actor):
         return {
             TextOutputs: self.table.on_outputs,
             Finished: self.table.on_finished,
-            EngineStats: self.metrics.on_engine_stats,
+            EngineStats: self.on_engine_stats,
             DetokStats: self.metrics.on_detok_stats,
             ActorDown: self.on_actor_down,
             ActorUp: self.on_actor_up,
@@ -117,18 +129,21 @@ class HttpActor(Actor):
 
     # ------------------------------------------------------------ actor messages
 
+    def on_engine_stats(self, msg: EngineStats) -> None:
+        self.metrics.on_engine_stats(msg)
+        self.table.replicas.on_stats(msg)
+
     def on_actor_down(self, msg: ActorDown) -> None:
-        if msg.actor == WORKER:  # (its requests wait in the engine: only /health says so)
-            self.worker_down = True
+        """A replica's scheduler or detokenizer: its requests go on elsewhere (or wait); its worker: they wait in its
+        engine. Either way it is out of rotation until it serves again."""
         if self.table.on_down(msg.actor):
             self.metrics.forget(msg.actor)
-            log.error("%s is down (%s): %d requests wait for it", msg.actor, msg.reason, len(self.table.live))
+            log.error("%s is down (%s): its requests go on on the replicas that serve (%d live)", msg.actor,
+                      msg.reason, len(self.table.live))  # fmt: skip
 
     def on_actor_up(self, msg: ActorUp) -> None:
-        if msg.actor == WORKER:
-            self.worker_down = False
         if self.table.on_up(msg.actor):
-            log.info("%s is back: %d requests resumed", msg.actor, len(self.table.live))
+            log.info("%s is back: its engine replica serves", msg.actor)
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = self.table.idle_details
@@ -156,13 +171,14 @@ class HttpActor(Actor):
     def _check_available(self) -> None:
         if not self.admitting:
             raise RequestError(503, "the server is shutting down")
-        if self.table.down:
-            raise RequestError(503, f"the {' and '.join(sorted(self.table.down))} is down; retry later")
+        if not self.table.replicas.taking():
+            raise RequestError(503, f"the {' and '.join(self.table.replicas.down())} is down; retry later")
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while an engine replica serves (every actor of it up)."""
         self._check_available()
-        if self.worker_down:
-            raise RequestError(503, "the worker is down (restarting); retry later")
+        if not self.table.replicas.serving():
+            raise RequestError(503, f"the {' and '.join(self.table.replicas.down())} is down (restarting); retry later")
         return web.Response()
 
     async def models(self, request: web.Request) -> web.Response:

@@ -1,9 +1,13 @@
 """The actors' names (their mailbox addresses), declared once. Messages name actors by these (ActorDown.actor,
-AddRequest.client, ...); a process may host several (actors/graph.py, frontend/launch.py)."""
+AddRequest.client, ...); a process may host several (actors/graph.py, frontend/launch.py).
+
+An engine replica (--data-parallel-size) is a scheduler, its worker and its detokenizer: replica 0's keep the bare
+names, replica k's carry ".k" (`replica(k)`), so one replica is today's whole engine side."""
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+from typing import NamedTuple
 
 SUPERVISOR = "supervisor"  # the launcher's: spawns, heartbeats, restarts
 SCHEDULER = "scheduler"  # the engine process's
@@ -11,7 +15,37 @@ WORKER = "worker"  # the model runner and sampler, when the worker has a process
 DETOKENIZER = "detokenizer"
 HTTP = "http"  # the OpenAI server (a client of the engine)
 CLIENT = "client"  # the offline API's client (frontend/offline.py), in the launcher process
+ENGINE = "engine"  # the scheduler's process (a process is named after what it runs)
 
-REQUEST_PATH = (SCHEDULER, DETOKENIZER)  # the actors that hold requests: the death of either forgets every one (I8)
 
-ActorName = Literal["supervisor", "scheduler", "worker", "detokenizer", "http", "client"]
+class Replica(NamedTuple):
+    """The names of one engine replica's actors, and of the processes that run them."""
+
+    index: int
+    scheduler: str
+    worker: str
+    detokenizer: str
+    engine: str  # the scheduler's process
+
+    @property
+    def request_path(self) -> tuple[str, str]:
+        """The actors that hold its requests: the death of either forgets every one of them (DESIGN I8)."""
+        return self.scheduler, self.detokenizer
+
+    @property
+    def actors(self) -> tuple[str, str, str]:
+        return self.scheduler, self.worker, self.detokenizer
+
+
+@functools.cache
+def replica(k: int) -> Replica:
+    suffix = f".{k}" if k else ""
+    return Replica(k, SCHEDULER + suffix, WORKER + suffix, DETOKENIZER + suffix, ENGINE + suffix)
+
+
+def replica_of(actor: str) -> int | None:
+    """The replica an engine-side actor (or process) belongs to; None for any other name."""
+    base, _, k = actor.partition(".")
+    if base not in (SCHEDULER, WORKER, DETOKENIZER, ENGINE) or (k and not k.isdigit()):
+        return None
+    return int(k or 0)

@@ -224,6 +224,7 @@ class TextOutputs(Msg, kw_only=True):
     finished: list[Finished] = []
     number: int = -1  # consecutive per (detokenizer incarnation, client) from 0, as StepOutputs.step; -1: unnumbered
     recent: list[tuple[int, list[str]]] = []  # as StepOutputs.recent
+    replica: int = 0  # the engine replica whose detokenizer sent it (a client numbers each replica's link apart)
 
 
 class EngineStats(Msg, kw_only=True):
@@ -249,6 +250,10 @@ class EngineStats(Msg, kw_only=True):
     prefix_cache_hits_total: int = 0  # ... and found there
     iteration_tokens: list[int] = []  # the tokens of each step run since the last EngineStats
     cache_config: dict[str, str] = {}  # block_size, num_gpu_blocks, enable_prefix_caching (vLLM's cache_config_info)
+    replica: int = 0  # the engine replica that reports (--data-parallel-size; vLLM's `engine` label)
+    prefix_anchors: list[
+        bytes
+    ] = []  # its prefix cache's anchors (actors/prefix_hash.py): the replica router reads them
 
 
 class DetokStats(Msg, kw_only=True):
@@ -258,6 +263,7 @@ class DetokStats(Msg, kw_only=True):
     protocol_violations_total: int
     num_tombstones: int
     repairs_total: int = 0  # requests re-submitted because some output of theirs was lost
+    replica: int = 0  # the engine replica whose detokenizer reports
 
 
 class Opaque(Msg, kw_only=True):

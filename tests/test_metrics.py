@@ -80,7 +80,7 @@ def test_n_and_the_longest_choice_are_observed_once_per_prompt_when_its_choices_
     prompt, after its n choices have all finished: n, and the most tokens one of them generated."""
     table, metrics, _ = make_table()
     req = table.add(parsed(n=2, prompts=((1, 2), (3,))), "http")
-    labels = dict(zip(("model_name", "engine"), metrics.bound, strict=True))
+    labels = {"model_name": metrics.model, "engine": "0"}
 
     def observed(name: str) -> tuple[float, float]:
         get = metrics.registry.get_sample_value
@@ -113,8 +113,8 @@ def test_every_series_is_labelled_with_the_model_name_and_engine():
         )
     )  # fmt: skip
     metrics.on_detok_stats(DetokStats(stale_outputs_dropped_total=0, protocol_violations_total=0, num_tombstones=0))
-    metrics.aborts.labels("client").inc()
-    metrics.http_requests.labels("/v1/completions", "200").inc()
+    metrics.aborts.labels(0, "client").inc()
+    metrics.http_requests.labels(0, "/v1/completions", "200").inc()
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
     names = {s.name for s in samples}
     assert {"sluice:cache_config_info", "sluice:spec_decode_num_accepted_tokens_per_pos_total"} <= names

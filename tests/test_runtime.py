@@ -144,7 +144,7 @@ async def test_a_restart_that_dies_during_startup_is_tried_again(tmp_path):
         marker.touch()
         system.kill("echoproc")
         await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
-        assert not marker.exists() and not system.done.is_set() and len(system.restarts) == 2
+        assert not marker.exists() and not system.done.is_set() and len(system.restarts["echoproc"]) == 2
         recorder.tell("echo", Probe(seq=3))
         await wait_for(lambda: len(recorder.probes) == 1)
 

@@ -47,7 +47,8 @@ from actors.detokenizer.incremental import token_table
 from actors.detokenizer.request_state import DetokRequestState, abort_finished
 from actors.protocol import MAX_ATTEMPTS, Ledger, RecentIds, SentNames, StepNumbers, lost_suspects
 from actors.runtime import Actor
-from messages.names import DETOKENIZER, SCHEDULER
+from messages import names
+from messages.names import DETOKENIZER
 from messages.wire import (
     Abort,
     AbortAck,
@@ -79,8 +80,11 @@ class DetokenizerActor(Actor):
         abort_timeout_s: float = 5.0,
         max_abort_tries: int = 3,
         stats_interval_s: float = 0.5,
+        replica: int = 0,
     ):
         super().__init__()
+        self.replica = replica  # of the engine (--data-parallel-size)
+        self.scheduler = names.replica(replica).scheduler
         self.tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
         self.stats_to = client
         self.stats_interval_s = stats_interval_s
@@ -177,7 +181,7 @@ class DetokenizerActor(Actor):
             self._violation(rid, "AbortAck")
 
     def on_actor_down(self, msg: ActorDown) -> None:
-        if msg.actor == SCHEDULER:
+        if msg.actor == self.scheduler:
             log.warning("engine down: forgetting %d requests and %d tombstones", len(self.live), len(self.tombstones))
             for rid in list(self.live):
                 self.requests.forget(rid)  # not CLOSED: it may come back resumed
@@ -203,7 +207,7 @@ class DetokenizerActor(Actor):
 
     def _send(self, client: str, batch: TextOutputs, marker: bool = False) -> None:
         """Every message to a client is numbered; after output, markers follow for MARKERS_FOR_S."""
-        batch.number = self.numbers.get(client, 0)
+        batch.number, batch.replica = self.numbers.get(client, 0), self.replica
         self.numbers[client] = batch.number + 1
         names = [d.request_id for d in batch.deltas] + [f.request_id for f in batch.finished]
         batch.recent = self.names.setdefault(client, SentNames()).stamp(batch.number, names)
@@ -234,11 +238,11 @@ class DetokenizerActor(Actor):
     def _tombstone(self, rid: str, reason: AbortReason, attempt: int | None = None) -> None:
         """Abort the request in the engine (`attempt`: only that copy, and any older; its output ended it here)."""
         msg = Abort(request_id=rid, reason=reason, attempt=attempt)
-        self.tombstones.add(msg)
-        self.tell(SCHEDULER, msg)
+        self.tombstones.add(msg, self.scheduler)
+        self.tell(self.scheduler, msg)
 
     def _abort(self, rid: str, reason: AbortReason) -> None:
-        self.tell(SCHEDULER, Abort(request_id=rid, reason=reason))
+        self.tell(self.scheduler, Abort(request_id=rid, reason=reason))
 
     def _violation(self, rid: str, what: str) -> None:
         self.counts.violations["any"] += 1
@@ -269,7 +273,7 @@ class DetokenizerActor(Actor):
         state.attempt = resumed.attempt
         self.copies.remember(rid, resumed.attempt)
         self.counts.resumes["lost_output"] += 1
-        self.tell(SCHEDULER, resumed)
+        self.tell(self.scheduler, resumed)
 
     async def _housekeeping(self) -> None:
         """Find lost steps on a quiet link, re-send Aborts that got no terminal message (I7), publish counters."""
@@ -279,12 +283,13 @@ class DetokenizerActor(Actor):
             for client, sent in self.last_sent.items():
                 if time.monotonic() - sent < MARKERS_FOR_S:
                     self._send(client, TextOutputs(step=-1, deltas=[]), marker=True)
-            self.tombstones.expire(time.monotonic(), lambda msg: self.tell(SCHEDULER, msg))
+            self.tombstones.expire(time.monotonic(), self.tell)
             stats = DetokStats(
                 stale_outputs_dropped_total=self.counts.stale,
                 protocol_violations_total=self.counts.violations.total(),
                 num_tombstones=len(self.tombstones),
                 repairs_total=self.counts.resumes.total(),
+                replica=self.replica,
             )
             self.tell(self.stats_to, stats)
             self.moved()  # (a drain waits for the requests to end)

@@ -6,7 +6,9 @@ the scheduler grows it to cover the tokens it is about to feed.
 Prefix caching (on unless `enable_caching=False`):
 - A block is identified by a hash chained over its tokens and its parent block's hash (blake2b, 128 bits: a
   crafted collision could read another request's KV); a request's `cache_salt` stands for the first block's
-  parent, so only requests with the same salt share (a tenant cannot probe another's prompts by timing). A KV
+  parent, so only requests with the same salt share (a tenant cannot probe another's prompts by timing). The
+  chain is actors/prefix_hash.py's, which the replica router shares: `anchors` (8-byte truncations of the cached
+  blocks at chain depths 2^i - 1) tell it which prefixes this cache holds. A KV
   entry depends on the token prefix alone (one model per engine), so any two sequences with the same token prefix
   (and salt) share it, a CFG companion and its request included.
 - A block is registered (cached) once it is full of known tokens (prompt and emitted output: never a pending
@@ -24,12 +26,10 @@ Prefix caching (on unless `enable_caching=False`):
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
-import numpy as np
-
 from actors.engine.request import Companion, EngineRequest
+from actors.prefix_hash import ANCHOR_BYTES, extend, is_anchor
 
 Sequence = EngineRequest | Companion
 
@@ -45,6 +45,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> the block holding it
+        self.anchors: set[bytes] = set()  # the cached blocks' at anchor depths, truncated (actors/prefix_hash.py)
         self.queries = self.hits = 0  # prompt tokens looked up, and found cached (metrics)
 
     @property
@@ -107,6 +108,7 @@ class BlockManager:
     def forget_cache(self) -> None:
         """Nothing cached is valid any more (the worker holding the KV was lost)."""
         self.cached.clear()
+        self.anchors.clear()
         self.block_hash = [None] * self.num_blocks
 
     # ---------------------------------------------------------------- growth and release
@@ -134,6 +136,7 @@ class BlockManager:
             block, _ = self.free_queue.popitem(last=False)
             if (h := self.block_hash[block]) is not None:
                 del self.cached[h]
+                self.anchors.discard(h[:ANCHOR_BYTES])
                 self.block_hash[block] = None
             self.ref_counts[block] = 1
             seq.block_table.append(block)
@@ -148,6 +151,8 @@ class BlockManager:
             block = seq.block_table[i]
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block], self.cached[h] = h, block
+                if is_anchor(i):
+                    self.anchors.add(h[:ANCHOR_BYTES])
 
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past those covering num_computed_tokens (speculative lookahead not kept)."""
@@ -172,16 +177,4 @@ class BlockManager:
 
     def _hashes(self, seq: Sequence, tokens: list[int], n: int) -> list[bytes]:
         """The chained hashes of the sequence's first n full blocks (computed once per block, kept on it)."""
-        hashes = seq.block_hashes
-        bs = self.block_size
-        while len(hashes) < n:
-            i = len(hashes)
-            h = hashlib.blake2b(hashes[-1] if hashes else _root(seq.cache_salt), digest_size=16)
-            h.update(np.asarray(tokens[i * bs : (i + 1) * bs], dtype=np.int64).tobytes())
-            hashes.append(h.digest())
-        return hashes[:n]
-
-
-def _root(salt: str | None) -> bytes:
-    """The first block's parent: nothing, or the salt's own hash (16 bytes, like every parent's)."""
-    return b"" if salt is None else hashlib.blake2b(b"cache_salt:" + salt.encode(), digest_size=16).digest()
+        return extend(seq.block_hashes, tokens, self.block_size, n, seq.cache_salt)

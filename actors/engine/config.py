@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from messages.names import DETOKENIZER
+from messages import names
 from messages.sampling_params import LogprobsMode
 
 
@@ -61,7 +61,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     logprobs_mode: LogprobsMode = "raw_logprobs"  # what response logprobs report (gpu/sampling/sampler.py)
     stats_interval_s: float = 0.5
     stats_to: list[str] = []  # actors that receive EngineStats (the HTTP actor)
-    detokenizer: str = DETOKENIZER
     debug_checks: bool = False  # fill the device relay buffer with -1 and assert every read slot was written
     abort_timeout_s: float = 5.0  # the detokenizer re-sends an unanswered Abort after this (DESIGN I7)
     max_abort_tries: int = 3  # ... and drops the tombstone after this many tries
@@ -87,6 +86,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # runs in steps of its own (so the others are not blamed with it). Three deaths fit the supervisor's default
     # restart intensity (3 in 60 s)
     max_step_failures: int = 3
+    # data parallelism: this many engine replicas (each a scheduler, its worker or gang, its detokenizer, its KV and
+    # prefix cache) behind one client (frontend/routing.py); this config is replica data_parallel_rank's
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     crash_token: int | None = None  # tests: the worker's process exits when a row feeds this token (a poison request)
     slow_token: int | None = None  # tests: a step feeding it sleeps step_timeout_s per hooked layer (worker.py)
     hang_token: int | None = None  # tests: a step feeding it blocks for good, with no progress (a hung step)
@@ -97,16 +100,27 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"tensor_parallel_size ({tp}) must be a positive multiple of nnodes ({nnodes})")
         if tp > 1 and self.worker != "process":
             raise ValueError('a tensor-parallel gang runs in worker processes: worker must be "process"')
+        dp = self.data_parallel_size
+        if dp < 1 or not 0 <= self.data_parallel_rank < dp:
+            raise ValueError(f"data_parallel_size ({dp}) must be positive and above data_parallel_rank")
+        if dp > 1 and nnodes > 1:
+            raise ValueError("a data-parallel replica's gang runs on one node (nnodes 1)")
+
+    @property
+    def replica(self) -> names.Replica:
+        """This replica's actors (messages/names.py)."""
+        return names.replica(self.data_parallel_rank)
 
     def threads(self) -> int:
         """Torch threads for the engine (per rank of a gang): every core this process may run on (a gang's ranks
-        divide them). Measured on 2 cores with the HTTP and
+        and the data-parallel replicas divide them). Measured on 2 cores with the HTTP and
         detokenizer processes busy (docs/PERFORMANCE.md): 2 threads against 1 gave 69.6 vs 40.9 output tok/s at
         concurrency 16 and 12.6 vs 11.4 at 1; more threads than cores once cut decode 5x, so never more."""
         if self.engine_threads:
             return self.engine_threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, cores // (self.tensor_parallel_size // self.nnodes))  # (a node's ranks share its cores)
+        ranks = self.tensor_parallel_size // self.nnodes * self.data_parallel_size  # (a node's ranks share its cores)
+        return max(1, cores // ranks)
 
     def decode_graphs(self) -> Literal["eager", "off"] | None:
         """The runner's decode-step mode (gpu/graphs.py): None lets it capture where it can."""

@@ -113,10 +113,12 @@ class RequestIntake:
         rid = msg.request_id
         seen = self.intake.note(rid)
         seen.added, early_abort = True, seen.abort
-        self.tell(self.config.detokenizer, msg)  # registration precedes every output (FIFO link)
+        self.tell(self.config.replica.detokenizer, msg)  # registration precedes every output (FIFO link)
         if early_abort is not None:
             log.info("[%s] aborted before it arrived (%s)", rid, early_abort)
-            self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=early_abort, attempt=msg.attempt))
+            self.tell(
+                self.config.replica.detokenizer, AbortAck(request_id=rid, reason=early_abort, attempt=msg.attempt)
+            )
             return
         if not self.admitting:
             self._reject(msg, "the server is shutting down", "unavailable")
@@ -163,7 +165,7 @@ class RequestIntake:
             error_param=param,
             attempt=msg.attempt,
         )
-        self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[out]))
+        self.tell(self.config.replica.detokenizer, StepOutputs(step=-1, outputs=[out]))
 
     async def _compile(self, msg: AddRequest) -> None:
         """A constrained request's matcher, compiled off the loop; then it joins the queue (unless aborted)."""
@@ -213,7 +215,9 @@ class RequestIntake:
             del self.intake.held[rid]
             log.info("[%s] aborted while its grammar compiled (%s)", rid, msg.reason)
             self._aborted(msg)
-            self.tell(self.config.detokenizer, AbortAck(request_id=rid, reason=msg.reason, attempt=held.msg.attempt))
+            self.tell(
+                self.config.replica.detokenizer, AbortAck(request_id=rid, reason=msg.reason, attempt=held.msg.attempt)
+            )
         elif self.sched.abort(msg.request_id, msg.reason):
             self._aborted(msg)
             log.info("[%s] aborted (%s)", msg.request_id, msg.reason)
@@ -240,13 +244,13 @@ class RequestIntake:
         for req in self.sched.drain_aborted():
             if req.abort_reason is not None:
                 ack = AbortAck(request_id=req.request_id, reason=req.abort_reason, attempt=req.attempt)
-                self.tell(self.config.detokenizer, ack)
+                self.tell(self.config.replica.detokenizer, ack)
         held = self.intake.held
         for rid in [r for r, h in held.items() if not h.compiling and r not in self.sched.requests]:
             self._register(held.pop(rid).msg)
 
     def on_actor_down(self, msg: ActorDown) -> None:
-        if msg.actor != self.config.detokenizer:
+        if msg.actor != self.config.replica.detokenizer:
             return
         live = [r.request_id for r in (*self.sched.waiting, *self.sched.running)]
         log.warning("detokenizer down: aborting %d requests silently", len(live) + self.intake.count(compiling=True))

@@ -83,6 +83,7 @@ def engine_stats(
         prefix_cache_hits_total=bm.hits,
         iteration_tokens=list(iteration_tokens),
         cache_config={k: str(v) for k, v in cache.items()},
+        prefix_anchors=list(bm.anchors),
     )
 
 

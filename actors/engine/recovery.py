@@ -17,7 +17,6 @@ import time
 
 from actors.engine.request import EngineRequest
 from actors.engine.worker_link import ProcessWorker, WorkerLost
-from messages.names import WORKER
 from messages.wire import ActorDown, StepOutputs
 
 log = logging.getLogger("sluice.engine")
@@ -46,7 +45,7 @@ class WorkerRecovery:
             if req.failed_steps >= self.config.max_step_failures and not req.is_finished:
                 error = f"the worker failed {req.failed_steps} steps of this request ({reason})"
                 log.error("[%s] %s", req.request_id, error)
-                self.tell(self.config.detokenizer, StepOutputs(step=-1, outputs=[self.sched.fail(req, error)]))
+                self.tell(self.config.replica.detokenizer, StepOutputs(step=-1, outputs=[self.sched.fail(req, error)]))
         self._send_acks()
         t0 = time.monotonic()
         await self.link.ready()
@@ -61,7 +60,7 @@ class WorkerRecovery:
 
     def on_down(self, msg: ActorDown) -> None:
         """The worker's process died: its steps will never report. (Any other actor: the request intake's.)"""
-        if msg.actor == WORKER and isinstance(self.link, ProcessWorker):
+        if msg.actor == self.config.replica.worker and isinstance(self.link, ProcessWorker):
             self.link.down()
             self._work.set()  # (an idle step loop resets the worker state too)
         else:

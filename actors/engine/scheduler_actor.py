@@ -54,7 +54,7 @@ from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.sampling import reads_output
-from messages.names import SCHEDULER, WORKER
+from messages.names import SCHEDULER
 from messages.step import FillMasks, StepProgress, StepResult
 from messages.wire import (
     Abort,
@@ -105,7 +105,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         if self.config.worker == "process":
             table[StepResult] = lambda msg: self.link.on_result(msg)
             table[StepProgress] = lambda msg: self.link.on_progress(msg)
-            table[ActorUp] = lambda msg: msg.actor == WORKER and self.link.up.set()
+            table[ActorUp] = lambda msg: msg.actor == self.config.replica.worker and self.link.up.set()
         if self.config.step_gate:
             table[Probe] = lambda msg: self.gate.set(None if msg.seq < 0 else msg.seq)
         return table
@@ -121,7 +121,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
             if isinstance(self.proposer, DraftProposer):
                 raise ValueError('draft-model speculation needs the worker in the engine process (worker "inline")')
-            self.link = ProcessWorker(self, self.config.step_timeout_s)
+            self.link = ProcessWorker(self, self.config.replica.worker, self.config.step_timeout_s)
         else:
             worker = await loop.run_in_executor(self._device, Worker, self.config, self.model, blocks)
             blocks = worker.executor.runner.num_blocks
@@ -247,7 +247,9 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
 
     def _no_outputs(self, step: int) -> None:
         """An empty StepOutputs numbered `step`: the detokenizer sees no gap in the step numbers."""
-        self.tell(self.config.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, [])))
+        self.tell(
+            self.config.replica.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, []))
+        )
 
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)
@@ -267,7 +269,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         if self._record:  # before the send: a kill -9 between the two must not leave a sent token unrecorded
             self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
         recent = self.names.stamp(batch.step, [out.request_id for out in outputs])
-        self.tell(self.config.detokenizer, StepOutputs(step=batch.step, outputs=outputs, recent=recent))
+        self.tell(self.config.replica.detokenizer, StepOutputs(step=batch.step, outputs=outputs, recent=recent))
         self._send_acks()
 
     def _note_scheduled(self, batch: BatchSpec) -> None:
@@ -287,6 +289,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             stats = engine_stats(self.sched, self.late_aborts, queue_times, steps)
             stats.worker_resets_total = self.worker_resets
             stats.worker_ranks, stats.worker_up = self.config.tensor_parallel_size, self.link.is_up
+            stats.replica = self.config.data_parallel_rank
             for actor in self.config.stats_to:
                 self.tell(actor, stats)
             await asyncio.sleep(self.config.stats_interval_s)

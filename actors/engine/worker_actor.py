@@ -31,7 +31,6 @@ from actors.engine.gang import Gang
 from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
 from gpu.config import ModelConfig
-from messages.names import SCHEDULER
 from messages.step import ExecuteStep, FillMasks, StepHung
 from messages.wire import CheckIdle, IdleReport
 
@@ -100,7 +99,7 @@ class WorkerActor(Actor):
             launched = await (await self._launched.get())
             if launched is not None:  # (None: a stale or duplicated step, not answered)
                 result = await loop.run_in_executor(None, launched.result) if self.on_device else launched.result()
-                self.tell(SCHEDULER, result)
+                self.tell(self.config.replica.scheduler, result)
             self._held -= 1
             if not self._held:
                 self._busy.clear()
@@ -111,7 +110,7 @@ class WorkerActor(Actor):
             await self._busy.wait()
             await asyncio.sleep(self.config.step_timeout_s / 5)
             if self._busy.is_set():
-                self.tell(SCHEDULER, self.worker.beat())
+                self.tell(self.config.replica.scheduler, self.worker.beat())
 
     async def _keepalive(self) -> None:
         """A gang's followers wait for the next step under the group's deadline: while no step is held, a keepalive

@@ -36,7 +36,6 @@ from actors.engine.request import EngineRequest
 from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
-from messages.names import WORKER
 from messages.step import (
     BLAMING_FAILURES,
     ExecuteStep,
@@ -133,8 +132,8 @@ class InlineWorker:
 
 
 class ProcessWorker:
-    def __init__(self, actor: Actor, timeout_s: float):
-        self.actor, self.timeout_s = actor, timeout_s
+    def __init__(self, actor: Actor, worker: str, timeout_s: float):
+        self.actor, self.worker, self.timeout_s = actor, worker, timeout_s  # (`worker`: its actor's name)
         self.pending: dict[tuple[int, int], asyncio.Future[StepResult]] = {}  # (epoch, seq) -> its result
         self.up = asyncio.Event()
         self.up.set()
@@ -151,7 +150,7 @@ class ProcessWorker:
     def submit(self, msg: ExecuteStep) -> asyncio.Future[StepResult]:
         future = asyncio.get_running_loop().create_future()
         self.pending[msg.epoch, msg.seq] = future
-        self.actor.tell(WORKER, msg)
+        self.actor.tell(self.worker, msg)
         return future
 
     async def result(self, handle: asyncio.Future[StepResult]) -> StepResult:
@@ -198,7 +197,7 @@ class ProcessWorker:
         self._settle(key, msg=msg)
 
     def fill(self, msg: FillMasks) -> None:
-        self.actor.tell(WORKER, msg)
+        self.actor.tell(self.worker, msg)
 
     def lost(self, failure: StepFailure, reason: str) -> None:
         """Every pending step is lost (the worker died, or its answers stopped)."""
@@ -215,7 +214,7 @@ class ProcessWorker:
         """Until the worker is up (the supervisor restarts it, or gives up and stops the system); a hung one is
         asked to exit first, again every step_timeout_s until its death is seen (the ask may be lost)."""
         while self.doomed is not None:
-            self.actor.tell(WORKER, StepHung(epoch=self.doomed))
+            self.actor.tell(self.worker, StepHung(epoch=self.doomed))
             await self.actor.until(lambda: self.doomed is None, self.timeout_s)
         await self.up.wait()
 

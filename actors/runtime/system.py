@@ -3,8 +3,10 @@
 Supervision (Erlang-style, one_for_one): a child is dead when its process sentinel fires, hung
 when it misses `max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor
 broadcasts ActorDown for each of its actors, restarts the process unless `max_restarts` restarts
-already happened within `window_s` (then the whole system stops with exit code 1), and
-broadcasts ActorUp once the new incarnation is Ready. Those broadcasts skip processes that are
+of its group (an engine replica's processes, or the process alone) already happened within `window_s`, and
+broadcasts ActorUp once the new incarnation is Ready. A group past that intensity stops the whole system (exit code
+1), unless it is an engine replica and another replica serves: then it is parked (out of rotation: its actors stay
+down) for `park_s`, and restarted with a fresh budget. Those broadcasts skip processes that are
 (re)starting: a restarted incarnation is told, once Ready, which actors are down at that moment.
 """
 
@@ -26,7 +28,7 @@ from actors.runtime.actor import Actor, AskTimeout
 from actors.runtime.faults import FaultPlan
 from actors.runtime.process import ChildConfig, ProcessSpec, child_main
 from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
-from messages.names import SUPERVISOR
+from messages.names import SUPERVISOR, replica_of
 from messages.wire import ActorDown, ActorUp, Ping, Ready, Shutdown
 
 log = logging.getLogger("sluice.supervisor")
@@ -46,6 +48,7 @@ class RestartPolicy(msgspec.Struct, kw_only=True):
     max_missed: int = 3
     ready_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
+    park_s: float = 30.0  # an engine replica past the restart intensity sits out this long (another one serving)
 
 
 class Supervisor(Actor):
@@ -108,7 +111,7 @@ class ActorSystem:
         self.children: dict[str, multiprocessing.process.BaseProcess] = {}
         self.state: dict[str, str] = {}  # process -> starting | up | down | stopped
         self.exited: dict[str, asyncio.Event] = {}  # process -> set as its current child exits
-        self.restarts: collections.deque[float] = collections.deque()
+        self.restarts: dict[object, collections.deque[float]] = collections.defaultdict(collections.deque)  # by group
         self.exit_code = 0
         self.done = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -185,16 +188,25 @@ class ActorSystem:
         for actor in dead:
             self.router.forget(actor)
             self.broadcast(ActorDown(actor=actor, reason=f"process {proc} exited"), exclude=dead, only_up=True)
+        group = _group(proc)
+        restarts = self.restarts[group]
         while True:  # a restart that dies during its startup is tried again, within the same bound
             now = time.monotonic()
-            while self.restarts and now - self.restarts[0] > self.policy.window_s:
-                self.restarts.popleft()
-            if len(self.restarts) >= self.policy.max_restarts:
-                log.error("restart intensity exceeded (%d in %ss): stopping", len(self.restarts), self.policy.window_s)
-                self.exit_code = 1
-                await self.stop()
-                return
-            self.restarts.append(now)
+            while restarts and now - restarts[0] > self.policy.window_s:
+                restarts.popleft()
+            if len(restarts) >= self.policy.max_restarts:
+                intensity = f"{len(restarts)} restarts in {self.policy.window_s}s"
+                if not self._serving_besides(group):
+                    log.error("restart intensity of %s exceeded (%s): stopping", proc, intensity)
+                    self.exit_code = 1
+                    await self.stop()
+                    return
+                log.error("engine replica %s keeps dying (%s): out of rotation for %ss", group, intensity,
+                          self.policy.park_s)  # fmt: skip
+                await asyncio.sleep(self.policy.park_s)
+                restarts.clear()
+                continue
+            restarts.append(now)
             try:
                 await self._spawn(proc, restart=True)
                 break
@@ -202,6 +214,14 @@ class ActorSystem:
                 log.error("restart of %s failed: %s", proc, e)
         for actor in dead:
             self.broadcast(ActorUp(actor=actor), exclude=[], only_up=True)
+
+    def _serving_besides(self, group: object) -> bool:
+        """Whether an engine replica other than `group` (an index, or a process name: not a replica) has every
+        process up."""
+        replicas = {_group(p) for p in self.specs if isinstance(_group(p), int)}
+        return isinstance(group, int) and any(
+            all(self.state.get(p) == "up" for p in self.specs if _group(p) == k) for k in replicas - {group}
+        )
 
     def broadcast(self, msg, exclude: list[str], only_up: bool = False) -> None:
         """To every actor but `exclude`; `only_up`: not to those whose process is (re)starting (a message queued
@@ -247,6 +267,12 @@ class ActorSystem:
         self.router.close()
         remove_rundir(self.rundir)
         self.done.set()
+
+
+def _group(proc: str) -> object:
+    """The restart group of a process: its engine replica's index, or its own name."""
+    k = replica_of(proc)
+    return proc if k is None else k
 
 
 async def _all_set(events: list[asyncio.Event]) -> None:
