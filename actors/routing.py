@@ -130,9 +130,10 @@ class Replicas:
         return chosen
 
     def _choose(self, prompt: list[bytes], serving: list[ReplicaLink]) -> tuple[ReplicaLink, str]:
-        if self.policy == "round_robin":
-            self._next += 1
-            return serving[(self._next - 1) % len(serving)], "round_robin"
+        if self.policy == "round_robin":  # (the next index from the last one taken that serves)
+            chosen = min(serving, key=lambda r: (r.index - self._next) % len(self.all))
+            self._next = chosen.index + 1
+            return chosen, "round_robin"
         least = min(serving, key=lambda r: r.load)
         if self.policy == "least_loaded":
             return least, "least_loaded"

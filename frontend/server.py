@@ -44,6 +44,7 @@ from messages.wire import (
 
 log = logging.getLogger("sluice.http")
 
+ENGINE_HEADER = "X-Sluice-Engine"  # the engine replica that took the request (--data-parallel-size)
 PARSE_INLINE_BYTES = 16 << 10  # larger bodies are parsed and tokenized off the event loop
 LARGE_READS, LARGE_PARSES = 32, 4  # large bodies read / parsed at once (the rest wait, unread)
 
@@ -211,17 +212,13 @@ class HttpActor(Actor):
             await compile_check(parsed.prompts[0].params.structured, parsed.grammar_param, self.ctx)
         self._check_available()  # an actor may have died while we parsed
         req = self.table.add(parsed, self.name)
+        engine = req.choices[0].record.replica.index  # (the replica that took it: a death may move it on)
         stream = ", stream" if parsed.stream else ""
-        log.info(
-            "[%s] %s: %d prompt tokens, %d choices%s",
-            rid,
-            request.path,
-            req.num_prompt_tokens,
-            len(req.choices),
-            stream,
-        )
+        log.info("[%s] %s: %d prompt tokens, %d choices%s, engine %d", rid, request.path, req.num_prompt_tokens,
+                 len(req.choices), stream, engine)  # fmt: skip
+        headers = {ENGINE_HEADER: str(engine)}
         try:
-            return await (self._stream(request, req) if parsed.stream else self._respond(req))
+            return await (self._stream(request, req, headers) if parsed.stream else self._respond(req, headers))
         finally:
             if not req.done:  # the client went away (a failed write, or this handler was cancelled)
                 self.table.cancel(req, "client")
@@ -246,16 +243,20 @@ class HttpActor(Actor):
         except TimeoutError:
             raise RequestError(408, f"the request body did not arrive within {self.config.body_timeout_s} s") from None
 
-    async def _respond(self, req: HttpRequest) -> web.Response:
+    async def _respond(self, req: HttpRequest, headers: dict[str, str]) -> web.Response:
         while not req.done:
             await req.wake.wait()
             req.wake.clear()
-        if req.error is not None:
-            return error_response(req.error)
-        return json_response(response_body(req, self.ctx.tokenizer))
+        resp = (
+            error_response(req.error)
+            if req.error is not None
+            else json_response(response_body(req, self.ctx.tokenizer))
+        )
+        resp.headers.update(headers)
+        return resp
 
-    async def _stream(self, request: web.Request, req: HttpRequest) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request: web.Request, req: HttpRequest, headers: dict[str, str]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
         try:
             data = stream_head(req)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from actors.routing import Replicas
 from frontend.metrics import Metrics
 from frontend.protocol import ParsedRequest, PromptInput
 from frontend.requests import RequestTable
@@ -31,9 +32,9 @@ def parsed(
     return ParsedRequest(kind, rid, "m", 0, inputs, True, True, echo)
 
 
-def make_table(abort_timeout_s=1.0):
+def make_table(abort_timeout_s=1.0, replicas=1, policy="cache_aware"):
     sent = []
-    metrics = Metrics()
+    metrics = Metrics(replicas=Replicas(replicas, policy))
     table = RequestTable(lambda dst, msg: sent.append(msg), metrics, abort_timeout_s, max_abort_tries=3)
     return table, metrics, sent
 
