@@ -89,8 +89,8 @@ def test_cache_aware_follows_the_deepest_anchor_unless_the_gap_is_too_large():
     replicas = Replicas(2, "cache_aware", BS, load_gap=4)
     replicas.on_stats(stats(0, prefix=other[:20]))  # replica 0 holds a shallow prefix of `other` ...
     replicas.on_stats(stats(1, running=2, prefix=shared))  # ... replica 1 `shared`, busier
-    assert replicas.route(add(shared + [7])).index == 1
-    assert replicas.route(add(other + [7])).index == 0
+    assert replicas.route(add([*shared, 7])).index == 1
+    assert replicas.route(add([*other, 7])).index == 0
     assert replicas.route(add([9] * 40)).index == 0  # no hit: the least loaded (0 + 1 routed < 2 + 1)
     replicas.on_stats(stats(1, running=8, prefix=shared))  # 8 > 2 + 4
     assert replicas.route(add(shared)).index == 0
@@ -101,13 +101,13 @@ def test_cache_aware_keeps_a_burst_of_one_prefix_together_until_reports_show_it(
     """A prompt routed is counted as cached there over the replica's next two reports (then only what it reports)."""
     replicas = Replicas(2, "cache_aware", BS)
     system = list(range(64))
-    first = replicas.route(add(system + [1])).index
-    assert [replicas.route(add(system + [i])).index for i in range(2, 6)] == [first] * 4
+    first = replicas.route(add([*system, 1])).index
+    assert [replicas.route(add([*system, i])).index for i in range(2, 6)] == [first] * 4
     replicas.on_stats(stats(first))  # reported before the prompt was cached
-    assert replicas.route(add(system + [9])).index == first
+    assert replicas.route(add([*system, 9])).index == first
     for _ in range(2):  # two reports since it was last routed there, without it: forgotten
         replicas.on_stats(stats(first, running=1))
-    assert replicas.route(add(system + [9])).index == 1 - first  # (no hit: the least loaded)
+    assert replicas.route(add([*system, 9])).index == 1 - first  # (no hit: the least loaded)
     assert replicas.routed == {("cache_aware", "no_hit"): 2, ("cache_aware", "cache_hit"): 5}
 
 

@@ -112,6 +112,7 @@ class ActorSystem:
         self.state: dict[str, str] = {}  # process -> starting | up | down | stopped
         self.exited: dict[str, asyncio.Event] = {}  # process -> set as its current child exits
         self.restarts: dict[object, collections.deque[float]] = collections.defaultdict(collections.deque)  # by group
+        self.parked: set[int] = set()  # engine replicas out of rotation (past the restart intensity)
         self.exit_code = 0
         self.done = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -203,7 +204,9 @@ class ActorSystem:
                     return
                 log.error("engine replica %s keeps dying (%s): out of rotation for %ss", group, intensity,
                           self.policy.park_s)  # fmt: skip
+                self.parked.add(group)
                 await asyncio.sleep(self.policy.park_s)
+                self.parked.discard(group)
                 restarts.clear()
                 continue
             restarts.append(now)
