@@ -97,6 +97,8 @@ class ClientLedger(Ledger[R]):
         waits for one, as after a death."""
         replica = replica or self.replicas.route(msg)
         state.record = RequestRecord(msg, replica or self.replicas[0])
+        if replica is None:
+            state.record.generation = -1  # (no replica took it: an orphan from the start)
         self.open(msg.request_id, state)
         if send and replica is not None:
             self.tell(replica.names.scheduler, msg)

@@ -198,7 +198,7 @@ async def chaos(
         "client_gaps": client.violations["gap"],
         "client_resumes": client.resumes.total(),
         "detok_repairs": detok.repairs_total,
-        "restarts": len(chaos_llm.system.restarts),
+        "restarts": chaos_llm.system.num_restarts,
         "late_aborts": engine.late_aborts_total,
         "stale_outputs": detok.stale_outputs_dropped_total,
         "violations": detok.protocol_violations_total,

@@ -140,8 +140,13 @@ def test_requests_wait_while_no_replica_serves_and_go_to_the_first_back():
     table.on_down("scheduler.1")
     table.on_down("scheduler")
     assert not table.replicas.taking() and not resumed(sent)
+    n = len(sent)
+    later = table.add(parsed(rid="cmpl-later"), "http")  # while none serves: not sent, an orphan from the start
+    assert len(sent) == n
     table.on_up("scheduler.1")
-    assert resumed(sent) == [(req.choices[0].engine_id, 1, [], 0)] and req.choices[0].record.replica.index == 1
+    ids = [c.engine_id for r in (req, later) for c in r.choices]
+    assert resumed(sent) == [(rid, 1, [], 0) for rid in ids]
+    assert {c.record.replica.index for r in (req, later) for c in r.choices} == {1}
 
 
 def test_a_replica_whose_worker_is_down_keeps_its_requests_and_takes_new_ones_only_alone():

@@ -245,7 +245,7 @@ async def test_a_failing_matcher_ends_its_request_alone(model_dir):  # noqa: F81
             assert out.finish_reason == "error" and "RuntimeError: injected" in out.error, out
             assert len(out.token_ids) == after and re.fullmatch("[a-z]*", out.text), out
         assert (await llm.generate_one(prompt, failing[0])).finish_reason == "error"  # (served: the engine is up)
-        assert not llm.system.restarts
+        assert not llm.system.num_restarts
         await assert_idle(llm)  # (a request that failed is freed once its step in flight is postprocessed)
 
 

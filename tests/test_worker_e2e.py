@@ -52,7 +52,7 @@ async def test_a_poison_request_is_failed_alone(model_dir, reference):  # noqa: 
             await run.done(timeout=120)
         assert [key(r) for r in runs] == reference
         assert poison.finished.finish_reason == "error" and "failed 3 steps" in poison.finished.error
-        assert len(llm.system.restarts) == 3  # (within the supervisor's restart intensity: it did not give up)
+        assert llm.system.num_restarts == 3  # (within the supervisor's restart intensity: it did not give up)
         await assert_idle(llm)
         stats, _ = await llm.fresh_stats()
         assert stats.worker_resets_total == 3
@@ -72,7 +72,7 @@ async def test_a_poison_request_that_kills_the_engine_is_failed_alone(model_dir,
         fin = poison.finished
         assert (fin.finish_reason, fin.error_kind) == ("error", "internal")
         assert "crashed the engine 3 times" in fin.error
-        assert len(llm.system.restarts) == 3  # (within the supervisor's restart intensity: it did not give up)
+        assert llm.system.num_restarts == 3  # (within the supervisor's restart intensity: it did not give up)
         await assert_idle(llm)
         assert [key(r) for r in await outcomes(llm)] == reference  # it serves on
 

@@ -241,6 +241,11 @@ class ActorSystem:
         if child is not None and child.pid and child.exitcode is None:
             os.kill(child.pid, sig)
 
+    @property
+    def num_restarts(self) -> int:
+        """Restarts within the window, of every group."""
+        return sum(map(len, self.restarts.values()))
+
     def pids(self) -> dict[str, int]:
         return {name: c.pid for name, c in self.children.items() if c.exitcode is None}
 
