@@ -9,7 +9,7 @@ from actors.runtime import ActorSpec, ProcessSpec
 
 
 def engine_processes(config: EngineConfig, client: str, devices: list[str] | None = None) -> list[ProcessSpec]:
-    """Every replica's (config.data_parallel_size): its engine process (the scheduler, and the worker: model runner
+    """Every local replica's (config.local_replicas): its engine process (the scheduler, and the worker: model runner
     + sampler, unless it has a process of its own: `config.worker`) and its detokenizer process, named after the
     replica (messages/names.py). `devices`: each replica's CUDA_VISIBLE_DEVICES (None: they share the node's).
 
@@ -17,7 +17,7 @@ def engine_processes(config: EngineConfig, client: str, devices: list[str] | Non
     offline API's client actor)."""
     return [
         p
-        for k in range(config.data_parallel_size)
+        for k in range(config.local_replicas)
         for p in replica_processes(
             msgspec.structs.replace(config, stats_to=[client], data_parallel_rank=k),
             client,

@@ -27,13 +27,18 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
     fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching", "worker", "attention_backend")
     fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "nnodes", "master_addr")
-    fields += ("master_port", "data_parallel_size")
+    fields += ("master_port", "data_parallel_size", "data_parallel_size_local", "data_parallel_address")
+    fields += ("data_parallel_rpc_port",)
     values = {f: getattr(args, f) for f in fields}
     tp = args.tensor_parallel_size
     if tp % args.nnodes:
         raise SystemExit(f"--tensor-parallel-size {tp} is not a multiple of --nnodes {args.nnodes}")
     if args.data_parallel_size > 1 and args.nnodes > 1:
         raise SystemExit("--data-parallel-size: a replica's gang spans one node (--nnodes 1)")
+    if args.data_parallel_rank is not None:
+        if not args.headless:
+            raise SystemExit("--data-parallel-rank: a replica of its own runs with --headless")
+        values["data_parallel_rank"], values["data_parallel_size_local"] = args.data_parallel_rank, 1
     if tp > 1 and args.worker == "inline":
         raise SystemExit(
             "--tensor-parallel-size: a gang's ranks are processes (its leader the worker's): not --worker inline"
@@ -46,7 +51,12 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
             "--gpu-memory-utilization sizes the inline worker's KV cache; with --worker process (or a gang) give "
             "--kv-cache-memory-gb (per rank) or --num-kv-blocks"
         )
-    if args.nnodes > 1:
+    local = args.data_parallel_size_local
+    if (
+        args.nnodes > 1
+        or args.data_parallel_rank is not None
+        or (local is not None and local < args.data_parallel_size)
+    ):
         from actors.runtime.curve import SECRET_ENV, cluster_secret
 
         if args.cluster_secret:  # (the environment carries it to every process that needs it)
@@ -63,7 +73,10 @@ def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
             "draft-model speculation needs --worker inline and no tensor parallelism (the draft model runs beside"
             " the target)"
         )
-    return EngineConfig(model=model, **values)
+    try:
+        return EngineConfig(model=model, **values)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
 
 
 def _fault_plan(args: argparse.Namespace):
@@ -111,16 +124,22 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
-    """This node's ranks of a gang led by node 0 (actors/engine/gang_nodes.py)."""
+    """This node's ranks of a gang led by node 0 (actors/engine/gang_nodes.py), or its engine replica
+    (actors/replica_link.py)."""
     import uvloop
 
-    from actors.engine.gang_nodes import HeadlessNode
     from frontend.launch import check_gang, resolve_model
 
     if not args.headless:
         raise SystemExit(f"--node-rank {args.node_rank}: only node 0 serves; the others run with --headless")
     try:
         check_gang(resolve_model(engine.model), engine)
+        if args.data_parallel_rank is not None:
+            from actors.replica_link import serve_node
+
+            return uvloop.run(serve_node(engine, args.log_level))
+        from actors.engine.gang_nodes import HeadlessNode
+
         node = HeadlessNode(engine, args.node_rank)
     except ValueError as e:
         raise SystemExit(str(e)) from e

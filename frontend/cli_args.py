@@ -96,6 +96,28 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "KV and prefix cache; they share the node's cores (and split its CUDA devices)",
     )
     g.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="replicas this node runs, the first ones (default: all); each other one runs on a node of its own "
+        "(`sluice serve --headless --data-parallel-rank K`) and joins this one at --data-parallel-address",
+    )
+    g.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=None,
+        help="with --headless: the replica this node runs, joined to the front node at --data-parallel-address",
+    )
+    g.add_argument(
+        "--data-parallel-address",
+        default=_DEFAULTS.data_parallel_address,
+        help="the front node's address, where it listens for the replicas' nodes (bind and connect; CurveZMQ with "
+        "the cluster secret)",
+    )
+    g.add_argument(
+        "--data-parallel-rpc-port", type=int, default=_DEFAULTS.data_parallel_rpc_port, help="... and its port"
+    )
+    g.add_argument(
         "--dp-routing",
         choices=POLICIES,
         default="cache_aware",

@@ -18,13 +18,15 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.graph import engine_processes
+from actors.replica_link import Door, Proxy
 from actors.runtime import ActorSpec, ActorSystem, AskTimeout, FaultPlan, ProcessSpec, RestartPolicy, StartupError
+from actors.runtime.actor import Actor
 from frontend.http_base import HttpConfig
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.convert import ConversionError, default_model_dir
 from gpu.runner import resolve_device
 from gpu.weights import check_checkpoint
-from messages.names import HTTP
+from messages.names import HTTP, replica
 from messages.wire import Ping
 
 
@@ -71,7 +73,7 @@ def check_gang(model: ModelConfig, engine: EngineConfig) -> list[str] | None:
     if engine.tensor_parallel_size > 1 or engine.quantization == "int4":
         check_checkpoint(model, engine.tensor_parallel_size, engine.quantization)
     per_replica = engine.tensor_parallel_size // engine.nnodes
-    per_node, dp = per_replica * engine.data_parallel_size, engine.data_parallel_size
+    per_node, dp = per_replica * engine.local_replicas, engine.local_replicas
     if per_node == 1 or resolve_device(engine.device).type != "cuda":
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -94,6 +96,15 @@ def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]
             )
         engine = msgspec.structs.replace(engine, speculative=msgspec.structs.replace(spec, model=str(draft.path)))
     return [http_process(model, engine, http), *engine_processes(engine, HTTP, devices)]
+
+
+def remote_replicas(engine: EngineConfig) -> list[Actor]:
+    """The launcher's door to the replicas on other nodes, and their proxies (actors/replica_link.py)."""
+    remote = list(range(engine.local_replicas, engine.data_parallel_size))
+    if not remote:
+        return []
+    door = Door(remote, HTTP, f"tcp://{engine.data_parallel_address}:{engine.data_parallel_rpc_port}")
+    return [door, *(Proxy(actor, k, door) for k in remote for actor in replica(k).actors)]
 
 
 class Server(ActorSystem):
@@ -134,6 +145,7 @@ async def start_server(
 ) -> Server:
     """Start the whole graph; `await server.stop()` (or `async with`) shuts it down."""
     http = pick_port(http)
-    server = Server(build_processes(engine, http), http, fault_plan=fault_plan, policy=policy, log_level=log_level)
+    server = Server(build_processes(engine, http), http, local=remote_replicas(engine), fault_plan=fault_plan,
+                    policy=policy, log_level=log_level)  # fmt: skip
     await server.start()
     return server

@@ -142,3 +142,34 @@ class RankExited(Msg, kw_only=True):
 
 
 NODE_TYPES: tuple[type[Msg], ...] = (NodeHello, SpawnRanks, RankExited)
+
+
+# Engine replicas on other nodes (actors/replica_link.py): the front node's door <-> each headless replica's node, over
+# an authenticated TCP link (actors/runtime/curve.py). The link's epoch numbers its admissions of a node.
+
+
+class ReplicaHello(Msg, kw_only=True):
+    """headless replica's node -> the front's door, every second: it serves replica `replica`, in the link's
+    epoch it last adopted (0: none yet)."""
+
+    replica: int
+    epoch: int = 0
+
+
+class Welcome(Msg, kw_only=True):
+    """door -> node, answering each hello: the link's epoch. A node adopting a new one first drops every request the
+    front sent it before (they were re-submitted elsewhere when the door lost it)."""
+
+    replica: int
+    epoch: int
+
+
+class Relay(Msg, kw_only=True):
+    """door <-> node: a message for actor `dst` on the other side (a front proxy's or the node's client proxy's),
+    encoded as on any process link (decoded and validated there)."""
+
+    dst: str
+    frame: bytes
+
+
+REPLICA_TYPES: tuple[type[Msg], ...] = (ReplicaHello, Welcome, Relay)

@@ -9,6 +9,7 @@ import types
 from actors.engine.block_manager import BlockManager
 from actors.engine.intake import IntakeLedger, RequestIntake
 from actors.engine.scheduler import Scheduler
+from messages.names import replica
 from messages.sampling_params import SamplingParams
 from messages.wire import Abort, AbortAck, AddRequest
 
@@ -23,7 +24,7 @@ class Intake(RequestIntake):
         self.sched = Scheduler(BlockManager(64, 16, False), 8, 64, 128, [2])
         self.intake = IntakeLedger()
         self.intake.seen.capacity = 4
-        self.config = types.SimpleNamespace(detokenizer="detokenizer", stats_to=None)
+        self.config = types.SimpleNamespace(replica=replica(0), stats_to=None)
         self.model = types.SimpleNamespace(bos_token_id=1, vocab_size=100)
         self.max_model_len, self.admitting, self.flight = 128, True, Flight()
         self.duplicates = self.late_aborts = 0

@@ -190,7 +190,7 @@ async def unanswered(link: ProcessWorker, *beats: StepProgress) -> WorkerLost:
     ],
 )
 async def test_a_step_is_hung_only_when_its_beats_show_no_progress(beats, verdict):
-    link = ProcessWorker(Scheduler(), timeout_s=0.05)
+    link = ProcessWorker(Scheduler(), "worker", timeout_s=0.05)
     lost = await unanswered(link, *beats)
     assert (lost.failure, lost.blames) == (verdict, verdict == "hung")
     assert link.pending == {}
@@ -198,7 +198,7 @@ async def test_a_step_is_hung_only_when_its_beats_show_no_progress(beats, verdic
 
 async def test_a_hung_worker_is_asked_to_exit_until_it_dies_and_costs_one_reset():
     scheduler = Scheduler()
-    link = ProcessWorker(scheduler, timeout_s=0.05)
+    link = ProcessWorker(scheduler, "worker", timeout_s=0.05)
     assert "step 0 of epoch 1 hung" in str(await unanswered(link, beat(5), beat(5)))
     ready = asyncio.create_task(link.ready())
     while sum(isinstance(m, StepHung) for m in scheduler.sent) < 2:  # asked again: the first ask may be lost
@@ -217,7 +217,7 @@ async def test_a_hung_worker_is_asked_to_exit_until_it_dies_and_costs_one_reset(
 async def test_a_result_that_comes_as_the_deadline_expires_is_taken():
     """The timeout fires and the StepResult is handled in the same turn of the loop: the result settles the step
     (re-arming the expiring deadline used to raise in the handler, and the step was then judged lost)."""
-    link = ProcessWorker(Scheduler(), timeout_s=0.05)
+    link = ProcessWorker(Scheduler(), "worker", timeout_s=0.05)
     handle = link.submit(prefill(1, 0))
     waiting = asyncio.ensure_future(link.result(handle))
     await asyncio.sleep(0)  # (result() is waiting under its deadline)

@@ -90,6 +90,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # prefix cache) behind one client (frontend/routing.py); this config is replica data_parallel_rank's
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # ... of which the front node runs the first data_parallel_size_local (None: all); each other one runs on a node
+    # of its own, whose launcher joins the front's door at data_parallel_address:data_parallel_rpc_port (CurveZMQ,
+    # the cluster secret: actors/replica_link.py)
+    data_parallel_size_local: int | None = None
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
     crash_token: int | None = None  # tests: the worker's process exits when a row feeds this token (a poison request)
     slow_token: int | None = None  # tests: a step feeding it sleeps step_timeout_s per hooked layer (worker.py)
     hang_token: int | None = None  # tests: a step feeding it blocks for good, with no progress (a hung step)
@@ -101,10 +107,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if tp > 1 and self.worker != "process":
             raise ValueError('a tensor-parallel gang runs in worker processes: worker must be "process"')
         dp = self.data_parallel_size
-        if dp < 1 or not 0 <= self.data_parallel_rank < dp:
-            raise ValueError(f"data_parallel_size ({dp}) must be positive and above data_parallel_rank")
+        if dp < 1 or not 0 <= self.data_parallel_rank < dp or not 0 <= self.local_replicas <= dp:
+            raise ValueError(
+                f"data_parallel_size ({dp}) must be positive, above data_parallel_rank and at least "
+                "data_parallel_size_local"
+            )
         if dp > 1 and nnodes > 1:
             raise ValueError("a data-parallel replica's gang runs on one node (nnodes 1)")
+
+    @property
+    def local_replicas(self) -> int:
+        """The replicas the front node runs: 0 .. local_replicas - 1."""
+        return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
 
     @property
     def replica(self) -> names.Replica:
@@ -119,7 +133,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.engine_threads:
             return self.engine_threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        ranks = self.tensor_parallel_size // self.nnodes * self.data_parallel_size  # (a node's ranks share its cores)
+        ranks = (
+            self.tensor_parallel_size // self.nnodes * max(1, self.local_replicas)
+        )  # (a node's ranks share its cores)
         return max(1, cores // ranks)
 
     def decode_graphs(self) -> Literal["eager", "off"] | None:

@@ -1,0 +1,272 @@
+"""Engine replicas on other nodes: `sluice serve --data-parallel-size N --data-parallel-size-local L` serves replicas
+0 .. L-1 itself; each other replica K runs on a node of its own, `sluice serve --headless --data-parallel-rank K`,
+under that node's launcher and supervisor.
+
+The front's launcher hosts a Door (a CurveZMQ ROUTER at --data-parallel-address:--data-parallel-rpc-port, keys from
+the cluster secret: actors/runtime/curve.py) and, for each remote replica, proxies named as its actors (scheduler.K,
+worker.K, detokenizer.K): what the front's actors send them is relayed to the node. The node's launcher hosts a
+NodeLink named as the front's client (http): what the replica sends its client (outputs, stats, and its supervisor's
+ActorDown / ActorUp of its actors) is relayed to the front, where the door delivers it. Each side checks what it
+delivers: a node may only speak to the client, and only of its own replica's actors.
+
+Door, per remote replica (messages/step.py's ReplicaHello, Welcome, Relay):
+| state                 | event                                       | action                                        |
+|-----------------------|---------------------------------------------|-----------------------------------------------|
+| any                   | hello from a second launcher of the replica | ignored while the first is heard (logged)     |
+| down, none offered    | hello                                       | epoch + 1 (offered); Welcome(epoch)           |
+| down, offered         | hello in another epoch                      | Welcome(epoch) again                          |
+| down, offered         | hello in the offered epoch                  | up: ActorUp of its actors to the client       |
+| up                    | hello                                       | Welcome(epoch) (the node knows it is heard)   |
+| up                    | no hello for STALE_S                        | down: ActorDown of its actors to the client   |
+|                       |                                             | (its requests go on elsewhere)                |
+| up                    | Relay to the client                         | delivered (an ActorDown / ActorUp only of its |
+|                       |                                             | own actors); anything else dropped, logged    |
+| down                  | Relay                                       | dropped (an old epoch's)                      |
+The node adopts a Welcome's epoch; a new one (the front lost it, or is new) first ends every request the front sent
+before: its replica is told the client died (ActorDown(http): the detokenizer aborts them) and came back. With no
+Welcome for STALE_S it stops relaying until the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from actors.engine.config import EngineConfig
+from actors.graph import replica_processes
+from actors.runtime import ActorSystem, curve
+from actors.runtime.actor import Actor
+from messages.codec import BadFrame, Codec
+from messages.names import HTTP, replica
+from messages.step import REPLICA_TYPES, Relay, ReplicaHello, Welcome
+from messages.wire import ActorDown, ActorUp, Msg, Ping, Reply, Shutdown
+
+log = logging.getLogger("sluice.replicas")
+HELLO_S = 1.0
+STALE_S = 5 * HELLO_S
+EXIT_REFUSED = 2
+LOCAL = (Ping, Shutdown, Reply)  # what a proxy's own runtime handles (never relayed)
+
+
+class Remote:
+    """What the door knows of one remote replica."""
+
+    def __init__(self, index: int) -> None:
+        self.names = replica(index)
+        self.peer: bytes | None = None  # its node's launcher
+        self.heard = 0.0
+        self.epoch = 0
+        self.offered = False  # a Welcome of this epoch was sent since it was last down (a lost one is sent again)
+        self.up = False
+
+
+class Door(Actor):
+    """The front's side of its remote replicas (module docstring's table)."""
+
+    def __init__(self, remote: list[int], client: str, address: str) -> None:
+        super().__init__("door")
+        self.remote = {k: Remote(k) for k in remote}
+        self.client, self.address = client, address
+        self.link, self.wire = Codec(REPLICA_TYPES), Codec()
+
+    async def on_start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock, self.auth = curve.server(self.ctx, curve.cluster_secret(), self.address)
+        for r in self.remote.values():  # (down until their node joins)
+            self._tell_client(r, ActorDown, "its node has not joined")
+        log.info("waiting for the nodes of engine replicas %s at %s", sorted(self.remote), self.address)
+        self.spawn(curve.log_refusals(curve.server_monitor(self.sock)))
+        self.spawn(self._listen())
+        self.spawn(self._watch())
+
+    async def on_shutdown(self, reason: str) -> None:
+        self.sock.close(0)
+        self.auth.stop()
+        self.ctx.term()
+
+    def forward(self, k: int, dst: str, msg: Msg) -> None:
+        """A proxy's message for replica k's actor `dst` (dropped while k is down: its requests go on elsewhere)."""
+        r = self.remote[k]
+        if r.up:
+            self.sock.send_multipart([r.peer, self.link.encode(Relay(dst=dst, frame=self.wire.encode(msg)))])
+
+    async def _listen(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                peer, frame = frames
+                msg = self.link.decode(frame)
+            except (ValueError, BadFrame) as e:
+                log.warning("dropped a bad message from a replica's node: %s", e)
+                continue
+            if isinstance(msg, ReplicaHello):
+                self._on_hello(msg, peer)
+            elif isinstance(msg, Relay):
+                self._on_relay(msg, peer)
+
+    def _on_hello(self, hello: ReplicaHello, peer: bytes) -> None:
+        r, now = self.remote.get(hello.replica), time.monotonic()
+        if r is None:
+            log.warning("a node says it serves engine replica %d, not one of %s: ignored", hello.replica,
+                        sorted(self.remote))  # fmt: skip
+            return
+        if r.peer not in (None, peer) and now - r.heard < STALE_S:
+            log.warning(
+                "a second node says it serves engine replica %d: ignored while the first is heard", r.names.index
+            )
+            return
+        r.peer, r.heard = peer, now
+        if not r.up and r.offered and hello.epoch == r.epoch:
+            r.up = True
+            log.info("engine replica %d joined from its node (epoch %d)", r.names.index, r.epoch)
+            self._tell_client(r, ActorUp)
+        elif not r.up and not r.offered:  # (a node that was up before must adopt a new epoch: it forgets first)
+            r.epoch, r.offered = r.epoch + 1, True
+        self.sock.send_multipart([peer, self.link.encode(Welcome(replica=r.names.index, epoch=r.epoch))])
+
+    def _on_relay(self, relay: Relay, peer: bytes) -> None:
+        r = next((r for r in self.remote.values() if r.up and r.peer == peer), None)
+        try:
+            msg = self.wire.decode(relay.frame)
+        except BadFrame as e:
+            log.warning("dropped a bad relayed message: %s", e)
+            return
+        if (
+            r is None
+            or relay.dst != self.client
+            or (isinstance(msg, ActorDown | ActorUp) and msg.actor not in r.names.actors)
+        ):
+            log.warning("dropped a %s for %s from a node not serving it", type(msg).__name__, relay.dst)
+            return
+        self.router.send(self.name, relay.dst, msg)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(HELLO_S)
+            for r in self.remote.values():
+                if r.up and time.monotonic() - r.heard > STALE_S:
+                    r.up = r.offered = False
+                    log.error("engine replica %d: its node is not heard (%.0f s): its requests go on elsewhere",
+                              r.names.index, STALE_S)  # fmt: skip
+                    self._tell_client(r, ActorDown, "its node is not heard")
+
+    def _tell_client(self, r: Remote, kind: type[ActorDown] | type[ActorUp], reason: str = "") -> None:
+        for actor in r.names.actors:
+            self.tell(self.client, ActorDown(actor=actor, reason=reason) if kind is ActorDown else ActorUp(actor=actor))
+
+
+class Proxy(Actor):
+    """Named as one of a remote replica's actors on the front: relays what it receives through the door."""
+
+    def __init__(self, name: str, k: int, door: Door) -> None:
+        super().__init__(name)
+        self.k, self.door = k, door
+
+    def dispatch(self, msg: Msg):
+        if isinstance(msg, LOCAL):
+            return super().dispatch(msg)
+        self.door.forward(self.k, self.name, msg)
+        return None
+
+
+class NodeLink(Actor):
+    """Named as the front's client on a replica's node: relays what the replica sends it to the front, and delivers
+    what the front relays (module docstring)."""
+
+    def __init__(self, client: str, k: int, address: str) -> None:
+        super().__init__(client)
+        self.names, self.address = replica(k), address
+        self.link, self.wire = Codec(REPLICA_TYPES), Codec()
+        self.epoch, self.heard = 0, 0.0
+        self.serving = asyncio.Event()  # set by the node's launcher once its replica is ready
+
+    @property
+    def welcomed(self) -> bool:
+        return self.epoch > 0 and time.monotonic() - self.heard < STALE_S
+
+    async def on_start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        identity = f"replica{self.names.index}-{time.time_ns()}".encode()
+        self.sock, self.monitor = curve.client(self.ctx, curve.cluster_secret(), self.address, identity)
+        self.spawn(self._hello())
+        self.spawn(self._listen())
+
+    async def on_shutdown(self, reason: str) -> None:
+        self.monitor.close(0)
+        self.sock.close(0)
+        self.ctx.term()
+
+    def dispatch(self, msg: Msg):
+        if isinstance(msg, LOCAL):
+            return super().dispatch(msg)
+        if self.welcomed:
+            self.sock.send(self.link.encode(Relay(dst=self.name, frame=self.wire.encode(msg))))
+        return None
+
+    async def _hello(self) -> None:
+        await self.serving.wait()
+        while True:
+            await self.sock.send(self.link.encode(ReplicaHello(replica=self.names.index, epoch=self.epoch)))
+            await asyncio.sleep(HELLO_S)
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                msg = self.link.decode(await self.sock.recv())
+                inner = self.wire.decode(msg.frame) if isinstance(msg, Relay) else None
+            except BadFrame as e:
+                log.warning("dropped a bad message from the front: %s", e)
+                continue
+            if isinstance(msg, Welcome) and msg.replica == self.names.index:
+                self.heard = time.monotonic()
+                if msg.epoch != self.epoch:
+                    self._forget(msg.epoch)
+            elif isinstance(msg, Relay) and self.welcomed and msg.dst in self.names.actors:
+                self.router.send(self.name, msg.dst, inner)
+
+    def _forget(self, epoch: int) -> None:
+        """A new epoch: the requests the front sent before are ended (its client, to the replica, died and is back)."""
+        if self.epoch:
+            log.warning("the front's link is new (epoch %d): ending the requests of the last one", epoch)
+            for actor in self.names.request_path:
+                self.tell(actor, ActorDown(actor=self.name, reason="the front's link was lost"))
+                self.tell(actor, ActorUp(actor=self.name))
+        self.epoch = epoch
+
+
+async def serve_node(config: EngineConfig, log_level: str = "INFO") -> int:
+    """A headless node's launcher of replica config.data_parallel_rank, until SIGTERM/SIGINT (0), its supervisor
+    gives up (1) or the front refuses its handshakes (EXIT_REFUSED: found while the replica loads)."""
+    address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
+    link = NodeLink(HTTP, config.data_parallel_rank, address)
+    engine = msgspec.structs.replace(config, stats_to=[HTTP])
+    system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], log_level=log_level)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    start = asyncio.ensure_future(system.start())
+    await link.started.wait()  # (its socket connects while the replica loads)
+    tasks = [start, *map(asyncio.ensure_future, (curve.handshakes(link.monitor, address), stop.wait()))]
+    try:
+        while not stop.is_set():
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if error := next((t.exception() for t in done if t.exception() is not None), None):
+                log.error("%s", error)
+                return EXIT_REFUSED if isinstance(error, curve.Refused) else 1
+            if start in done:  # (serving: from now on until stopped, refused or given up)
+                link.serving.set()
+                log.info("engine replica %d serves: joining the front at %s", config.data_parallel_rank, address)
+                tasks[0] = asyncio.ensure_future(system.done.wait())
+            elif system.done.is_set():
+                return system.exit_code
+        return 0
+    finally:
+        for t in tasks:
+            t.cancel()
+        await system.stop()

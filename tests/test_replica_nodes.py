@@ -1,0 +1,95 @@
+"""An engine replica on another "node" on loopback (actors/replica_link.py): the front serves replica 0 and waits
+for replica 1 at its door; `sluice serve --headless --data-parallel-rank 1` joins it. Both serve (requests land on
+each, their greedy outputs the one-replica server's); a node with the wrong cluster secret is refused (it exits with
+code 2 saying so) and the front serves on; once the node is killed, the front takes replica 1 out of rotation
+(/health stays 200) and serves on replica 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import pytest
+
+from actors.engine.config import EngineConfig
+from actors.replica_link import STALE_S
+from actors.runtime.curve import SECRET_ENV
+from frontend.http_base import HttpConfig
+from frontend.launch import start_server
+from tests.conftest import ServerHandle
+from tests.test_data_parallel import per_engine
+from tests.test_gang_nodes import free_port
+
+PROMPTS = [[1, 2, 3], [40, 41, 42, 43], [7] * 12, [300, 12, 4000, 91], [99, 98]]
+LIMITS = {"max_model_len": 512, "max_num_seqs": 16, "num_kv_blocks": 256}  # the `server` fixture's
+
+
+async def node(model_dir, port: int, secret: str, stderr=None) -> asyncio.subprocess.Process:
+    argv = ["-m", "frontend.cli", "serve", str(model_dir), "--headless", "--data-parallel-size", "2"]
+    argv += ["--data-parallel-rank", "1", "--data-parallel-rpc-port", str(port), "--engine-threads", "1"]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
+    env = {**os.environ, SECRET_ENV: secret}
+    return await asyncio.create_subprocess_exec(sys.executable, *argv, env=env, stderr=stderr)
+
+
+@pytest.fixture(scope="module")
+async def front(tiny_model_dir):
+    os.environ[SECRET_ENV] = "the right secret"  # (the launcher's door reads it; the processes inherit it)
+    port = free_port()
+    engine = EngineConfig(model=str(tiny_model_dir), data_parallel_size=2, data_parallel_size_local=1,
+                          data_parallel_rpc_port=port, engine_threads=1, **LIMITS)  # fmt: skip
+    srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
+    handle = ServerHandle(srv, tiny_model_dir)
+    try:
+        yield handle, port
+    finally:
+        await handle.close_clients()
+        await srv.stop()
+        del os.environ[SECRET_ENV]
+
+
+async def serving(handle: ServerHandle) -> dict[str, float]:
+    return await per_engine(handle, "sluice:dp_engine_serving")
+
+
+async def until(handle: ServerHandle, expected: dict[str, float], timeout: float) -> None:
+    async def reached() -> None:
+        while await serving(handle) != expected:
+            await asyncio.sleep(0.1)
+
+    await asyncio.wait_for(reached(), timeout)
+
+
+async def greedy(handle: ServerHandle) -> list[tuple[str, int]]:
+    async def one(prompt):
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+        async with handle.session() as s, s.post("/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return (await resp.json())["choices"][0]["text"], int(resp.headers["X-Sluice-Engine"])
+
+    return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+
+async def test_a_replica_on_another_node_joins_serves_and_leaves(front, server, tiny_model_dir):
+    handle, port = front
+    assert await serving(handle) == {"0": 1.0, "1": 0.0}, "replica 1 is down until its node joins"
+    joined = await node(tiny_model_dir, port, "the right secret")
+    try:
+        await until(handle, {"0": 1.0, "1": 1.0}, 120)
+        wrong = await node(tiny_model_dir, port, "a wrong secret", asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(wrong.communicate(), 120)
+        assert wrong.returncode == 2 and b"is the cluster secret the same on every node?" in err
+        served, reference = await greedy(handle), await greedy(server)
+        assert [text for text, _ in served] == [text for text, _ in reference]
+        assert {engine for _, engine in served} == {0, 1}
+        generated = await per_engine(handle, "sluice:generation_tokens_total")
+        assert generated["1"] > 0, generated  # (its EngineStats came through the door)
+    finally:
+        joined.send_signal(signal.SIGKILL)
+        await joined.wait()
+    await until(handle, {"0": 1.0, "1": 0.0}, 3 * STALE_S)
+    async with handle.session() as s, s.get("/health") as resp:
+        assert resp.status == 200
+    assert {engine for _, engine in await greedy(handle)} == {0}
