@@ -98,13 +98,7 @@ class Door(Actor):
 
     async def _listen(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
-            try:
-                peer, frame = frames
-                msg = self.link.decode(frame)
-            except (ValueError, BadFrame) as e:
-                log.warning("dropped a bad message from a replica's node: %s", e)
-                continue
+            peer, msg = await curve.receive(self.sock, self.link, "a replica's node")
             if isinstance(msg, ReplicaHello):
                 self._on_hello(msg, peer)
             elif isinstance(msg, Relay):

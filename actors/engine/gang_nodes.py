@@ -103,13 +103,7 @@ class Door:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                frames = await self.sock.recv_multipart()
-                try:
-                    peer, frame = frames
-                    msg = self.codec.decode(frame)
-                except (ValueError, BadFrame) as e:
-                    log.warning("dropped a bad message from a node: %s", e)
-                    continue
+                peer, msg = await curve.receive(self.sock, self.codec, "a node")
                 if isinstance(msg, RankExited) and msg.gang == self.spawn.gang:
                     return f"rank {msg.rank} exited with code {msg.code} on another node"
                 if not isinstance(msg, NodeHello):

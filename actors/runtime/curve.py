@@ -20,6 +20,9 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
+from messages.codec import BadFrame, Codec
+from messages.wire import Msg
+
 log = logging.getLogger("sluice.curve")
 SECRET_ENV = "SLUICE_CLUSTER_SECRET"
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -104,3 +107,15 @@ async def handshakes(monitor: zmq.asyncio.Socket, address: str, tries: int = 3) 
             raise Refused(f"{address} refused the handshake: is the cluster secret the same on every node?")
         if not failed:
             log.info("authenticated with %s", address)
+
+
+async def receive(sock: zmq.asyncio.Socket, codec: Codec, who: str) -> tuple[bytes, Msg]:
+    """A server's next well-formed message and its peer; a malformed one is logged (naming `who` sent it) and
+    dropped."""
+    while True:
+        frames = await sock.recv_multipart()
+        try:
+            peer, frame = frames
+            return peer, codec.decode(frame)
+        except (ValueError, BadFrame) as e:
+            log.warning("dropped a bad message from %s: %s", who, e)
