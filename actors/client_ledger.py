@@ -200,6 +200,8 @@ class ClientLedger(Ledger[R]):
     def resume(self, state: R, cause: str, why: str, to: ReplicaLink | None = None) -> None:
         """Re-submit the request from its record (to replica `to`; None: its own); one that had MAX_ATTEMPTS copies
         fails, saying `why`."""
+        if to is None and state.record.orphaned:
+            return  # (its replica forgot it: `_failover` re-submits it where one takes it)
         if (msg := (record := state.record).resume()) is None:
             error = f"request {record.add.request_id}: {why}; failed after {MAX_ATTEMPTS} resumptions"
             self.fail(state, 500, error, abort=True)
@@ -216,8 +218,8 @@ class ClientLedger(Ledger[R]):
         one): its LIVE ones are re-submitted on a replica that serves (or wait for one), its tombstones dropped (no
         terminal message will come); one live at more than max_resumes deaths of a detokenizer fails."""
         replica = self.replicas.of(actor)
-        if replica is None or actor not in replica.names.actors:
-            return False
+        if replica is None or actor not in replica.names.actors or actor in replica.down:
+            return False  # (a report again, of a death already known: nothing more is lost)
         replica.down.add(actor)  # (its worker: not routed to; its requests wait in its engine)
         if actor not in replica.names.request_path:
             return False
@@ -267,7 +269,7 @@ class ClientLedger(Ledger[R]):
         Abort is sent; without one, or with its replica down, the tombstone lasts one timeout)."""
         state = self.forget(rid)  # (its fate is written when its terminal message closes the tombstone)
         msg, replica = Abort(request_id=rid, reason=reason), state.record.replica
-        send = send and not replica.forgot
+        send = send and not state.record.orphaned
         self.tombstones.add(msg, replica.names.scheduler, sent=send)
         if send:
             self.tell(replica.names.scheduler, msg)

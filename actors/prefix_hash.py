@@ -1,5 +1,5 @@
 """The prefix cache's block identity, shared by the engine's BlockManager and the HTTP side's replica router
-(frontend/routing.py), so both name a prompt's blocks alike. Pure Python: the HTTP process imports it.
+(actors/routing.py), so both name a prompt's blocks alike. Pure Python: the HTTP process imports it.
 
 A block's hash is chained over its tokens (int64, in the machine's byte order) and its parent's hash (blake2b, 16 bytes); the
 first block's parent is nothing, or the cache salt's own hash. An engine tells its client which prefixes it holds by

@@ -16,42 +16,43 @@ Door, per remote replica (messages/step.py's ReplicaHello, Welcome, Relay):
 | down, none offered    | hello                                       | epoch + 1 (offered); Welcome(epoch)           |
 | down, offered         | hello in another epoch                      | Welcome(epoch) again                          |
 | down, offered         | hello in the offered epoch                  | up: ActorUp of its actors to the client       |
-| up                    | hello                                       | Welcome(epoch) (the node knows it is heard)   |
-| up                    | no hello for STALE_S                        | down: ActorDown of its actors to the client   |
-|                       |                                             | (its requests go on elsewhere)                |
-| up                    | Relay to the client                         | delivered (an ActorDown / ActorUp only of its |
-|                       |                                             | own actors); anything else dropped, logged    |
+| up                    | hello in the epoch                          | Welcome(epoch) (the node knows it is heard)   |
+| up                    | hello in another (the node restarted, or    | down: ActorDown of its actors to the client   |
+|                       | left the epoch), no hello for STALE_S, or a | (its requests go on elsewhere)                |
+|                       | relay its node's connection cannot take     |                                               |
+| up                    | Relay to the client                         | delivered if it is output, stats or a report  |
+|                       |                                             | of this replica's (its index, its actors);    |
+|                       |                                             | anything else dropped, logged                 |
 | down                  | Relay                                       | dropped (an old epoch's)                      |
-The node adopts a Welcome's epoch; a new one (the front lost it, or is new) first ends every request the front sent
-before: its replica is told the client died (ActorDown(http): the detokenizer aborts them) and came back. With no
-Welcome for STALE_S it stops relaying until the next.
+| any                   | ActorUp of the client (it restarted)        | ActorDown of every replica down, again        |
+Epochs start at a random number, so a restarted front's are new to every node. The node adopts a Welcome's epoch; a
+new one first ends every request the front sent before: its replica is told the client died (ActorDown(http): the
+detokenizer aborts them) and came back. It leaves the epoch (back to 0) when a relay is missing (the door numbers
+them), and stops relaying with no Welcome for STALE_S.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
+import secrets
 import time
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from actors.engine.config import EngineConfig
-from actors.graph import replica_processes
-from actors.runtime import ActorSystem, curve
+from actors.runtime import curve
 from actors.runtime.actor import Actor
 from messages.codec import BadFrame, Codec
-from messages.names import HTTP, replica
+from messages.names import replica
 from messages.step import REPLICA_TYPES, Relay, ReplicaHello, Welcome
-from messages.wire import ActorDown, ActorUp, Msg, Ping, Reply, Shutdown
+from messages.wire import ActorDown, ActorUp, DetokStats, EngineStats, Msg, Ping, Reply, Shutdown, TextOutputs
 
 log = logging.getLogger("sluice.replicas")
 HELLO_S = 1.0
 STALE_S = 5 * HELLO_S
-EXIT_REFUSED = 2
 LOCAL = (Ping, Shutdown, Reply)  # what a proxy's own runtime handles (never relayed)
+FROM_NODE = (TextOutputs, EngineStats, DetokStats)  # what a node may tell the client, of its replica (and reports)
 
 
 class Remote:
@@ -61,7 +62,8 @@ class Remote:
         self.names = replica(index)
         self.peer: bytes | None = None  # its node's launcher
         self.heard = 0.0
-        self.epoch = 0
+        self.epoch = secrets.randbits(48)
+        self.sent = 0  # relays sent in this epoch
         self.offered = False  # a Welcome of this epoch was sent since it was last down (a lost one is sent again)
         self.up = False
 
@@ -75,9 +77,20 @@ class Door(Actor):
         self.client, self.address = client, address
         self.link, self.wire = Codec(REPLICA_TYPES), Codec()
 
+    def handlers(self):
+        return {ActorUp: self.on_actor_up}
+
+    def on_actor_up(self, msg: ActorUp) -> None:
+        """The client restarted: it is told again which remote replicas are down."""
+        if msg.actor == self.client:
+            for r in self.remote.values():
+                if not r.up:
+                    self._tell_client(r, ActorDown, "its node has not joined")
+
     async def on_start(self) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock, self.auth = curve.server(self.ctx, curve.cluster_secret(), self.address)
+        self.sock.router_mandatory = True  # (a relay its node's connection cannot take fails: the replica is down)
         for r in self.remote.values():  # (down until their node joins)
             self._tell_client(r, ActorDown, "its node has not joined")
         log.info("waiting for the nodes of engine replicas %s at %s", sorted(self.remote), self.address)
@@ -93,8 +106,12 @@ class Door(Actor):
     def forward(self, k: int, dst: str, msg: Msg) -> None:
         """A proxy's message for replica k's actor `dst` (dropped while k is down: its requests go on elsewhere)."""
         r = self.remote[k]
-        if r.up:
-            self.sock.send_multipart([r.peer, self.link.encode(Relay(dst=dst, frame=self.wire.encode(msg)))])
+        if not r.up:
+            return
+        r.sent += 1
+        relay = Relay(dst=dst, frame=self.wire.encode(msg), seq=r.sent)
+        sent = self.sock.send_multipart([r.peer, self.link.encode(relay)])
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._lost(r, f"{f.exception()}"))
 
     async def _listen(self) -> None:
         while True:
@@ -116,12 +133,14 @@ class Door(Actor):
             )
             return
         r.peer, r.heard = peer, now
+        if r.up and hello.epoch != r.epoch:
+            self._lost(r, "its node left the epoch (a missing relay, or a restart)")
         if not r.up and r.offered and hello.epoch == r.epoch:
             r.up = True
             log.info("engine replica %d joined from its node (epoch %d)", r.names.index, r.epoch)
             self._tell_client(r, ActorUp)
         elif not r.up and not r.offered:  # (a node that was up before must adopt a new epoch: it forgets first)
-            r.epoch, r.offered = r.epoch + 1, True
+            r.epoch, r.offered, r.sent = r.epoch + 1, True, 0
         self.sock.send_multipart([peer, self.link.encode(Welcome(replica=r.names.index, epoch=r.epoch))])
 
     def _on_relay(self, relay: Relay, peer: bytes) -> None:
@@ -131,24 +150,31 @@ class Door(Actor):
         except BadFrame as e:
             log.warning("dropped a bad relayed message: %s", e)
             return
-        if (
-            r is None
-            or relay.dst != self.client
-            or (isinstance(msg, ActorDown | ActorUp) and msg.actor not in r.names.actors)
-        ):
-            log.warning("dropped a %s for %s from a node not serving it", type(msg).__name__, relay.dst)
+        if r is None or relay.dst != self.client or not self._its_own(r, msg):
+            log.warning("dropped a %s for %s from a node, not its replica's to send", type(msg).__name__, relay.dst)
             return
         self.router.send(self.name, relay.dst, msg)
+
+    @staticmethod
+    def _its_own(r: Remote, msg: Msg) -> bool:
+        """Whether a node may tell the client `msg`: output or stats of its replica, or a report of its actors."""
+        if isinstance(msg, ActorDown | ActorUp):
+            return msg.actor in r.names.actors
+        return isinstance(msg, FROM_NODE) and msg.replica == r.names.index
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(HELLO_S)
             for r in self.remote.values():
                 if r.up and time.monotonic() - r.heard > STALE_S:
-                    r.up = r.offered = False
-                    log.error("engine replica %d: its node is not heard (%.0f s): its requests go on elsewhere",
-                              r.names.index, STALE_S)  # fmt: skip
-                    self._tell_client(r, ActorDown, "its node is not heard")
+                    self._lost(r, f"its node is not heard ({STALE_S:.0f} s)")
+
+    def _lost(self, r: Remote, why: str) -> None:
+        """Replica r is down until its node adopts a new epoch: its requests go on elsewhere."""
+        if r.up:
+            r.up = r.offered = False
+            log.error("engine replica %d: %s: its requests go on elsewhere", r.names.index, why)
+            self._tell_client(r, ActorDown, why)
 
     def _tell_client(self, r: Remote, kind: type[ActorDown] | type[ActorUp], reason: str = "") -> None:
         for actor in r.names.actors:
@@ -177,7 +203,7 @@ class NodeLink(Actor):
         super().__init__(client)
         self.names, self.address = replica(k), address
         self.link, self.wire = Codec(REPLICA_TYPES), Codec()
-        self.epoch, self.heard = 0, 0.0
+        self.epoch, self.heard, self.received = 0, 0.0, 0  # (relays received in the epoch)
         self.serving = asyncio.Event()  # set by the node's launcher once its replica is ready
 
     @property
@@ -199,6 +225,8 @@ class NodeLink(Actor):
     def dispatch(self, msg: Msg):
         if isinstance(msg, LOCAL):
             return super().dispatch(msg)
+        if isinstance(msg, ActorDown):  # (what its router queued for the dead actor is not delivered to the next)
+            self.router.forget(msg.actor)
         if self.welcomed:
             self.sock.send(self.link.encode(Relay(dst=self.name, frame=self.wire.encode(msg))))
         return None
@@ -222,45 +250,19 @@ class NodeLink(Actor):
                 if msg.epoch != self.epoch:
                     self._forget(msg.epoch)
             elif isinstance(msg, Relay) and self.welcomed and msg.dst in self.names.actors:
+                if msg.seq != self.received + 1:
+                    log.error("relay %d of the front's epoch lost: leaving the epoch", self.received + 1)
+                    self._forget(0)
+                    continue
+                self.received = msg.seq
                 self.router.send(self.name, msg.dst, inner)
 
     def _forget(self, epoch: int) -> None:
-        """A new epoch: the requests the front sent before are ended (its client, to the replica, died and is back)."""
+        """A new epoch (0: none): the requests the front sent before are ended (its client, to the replica, died and
+        is back)."""
         if self.epoch:
-            log.warning("the front's link is new (epoch %d): ending the requests of the last one", epoch)
+            log.warning("left the front's epoch %d: ending its requests", self.epoch)
             for actor in self.names.request_path:
                 self.tell(actor, ActorDown(actor=self.name, reason="the front's link was lost"))
                 self.tell(actor, ActorUp(actor=self.name))
-        self.epoch = epoch
-
-
-async def serve_node(config: EngineConfig, log_level: str = "INFO") -> int:
-    """A headless node's launcher of replica config.data_parallel_rank, until SIGTERM/SIGINT (0), its supervisor
-    gives up (1) or the front refuses its handshakes (EXIT_REFUSED: found while the replica loads)."""
-    address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
-    link = NodeLink(HTTP, config.data_parallel_rank, address)
-    engine = msgspec.structs.replace(config, stats_to=[HTTP])
-    system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], log_level=log_level)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    start = asyncio.ensure_future(system.start())
-    await link.started.wait()  # (its socket connects while the replica loads)
-    tasks = [start, *map(asyncio.ensure_future, (curve.handshakes(link.monitor, address), stop.wait()))]
-    try:
-        while not stop.is_set():
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if error := next((t.exception() for t in done if t.exception() is not None), None):
-                log.error("%s", error)
-                return EXIT_REFUSED if isinstance(error, curve.Refused) else 1
-            if start in done:  # (serving: from now on until stopped, refused or given up)
-                link.serving.set()
-                log.info("engine replica %d serves: joining the front at %s", config.data_parallel_rank, address)
-                tasks[0] = asyncio.ensure_future(system.done.wait())
-            elif system.done.is_set():
-                return system.exit_code
-        return 0
-    finally:
-        for t in tasks:
-            t.cancel()
-        await system.stop()
+        self.epoch, self.received = epoch, 0

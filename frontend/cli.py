@@ -14,69 +14,12 @@ from pathlib import Path
 
 from actors.engine.config import EngineConfig
 from frontend.cli_args import Help, engine_arguments, limit_arguments, metrics_prefix
+from frontend.cli_engine import engine_config
 from frontend.reasoning import REASONING_PARSERS
 from frontend.tools import TOOL_CALL_PARSERS
 from messages.sampling_params import RequestLimits
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def _engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
-    fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "long_prefill_token_threshold")
-    fields += ("block_size", "num_kv_blocks")
-    fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
-    fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching", "worker", "attention_backend")
-    fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "nnodes", "master_addr")
-    fields += ("master_port", "data_parallel_size", "data_parallel_size_local", "data_parallel_address")
-    fields += ("data_parallel_rpc_port",)
-    values = {f: getattr(args, f) for f in fields}
-    tp = args.tensor_parallel_size
-    if tp % args.nnodes:
-        raise SystemExit(f"--tensor-parallel-size {tp} is not a multiple of --nnodes {args.nnodes}")
-    if args.data_parallel_size > 1 and args.nnodes > 1:
-        raise SystemExit("--data-parallel-size: a replica's gang spans one node (--nnodes 1)")
-    if args.data_parallel_rank is not None:
-        if not args.headless:
-            raise SystemExit("--data-parallel-rank: a replica of its own runs with --headless")
-        values["data_parallel_rank"], values["data_parallel_size_local"] = args.data_parallel_rank, 1
-    if tp > 1 and args.worker == "inline":
-        raise SystemExit(
-            "--tensor-parallel-size: a gang's ranks are processes (its leader the worker's): not --worker inline"
-        )
-    values["worker"] = args.worker or ("process" if tp > 1 else "inline")
-    if values["gpu_memory_utilization"] is None:
-        values.pop("gpu_memory_utilization")
-    elif values["worker"] == "process":
-        raise SystemExit(
-            "--gpu-memory-utilization sizes the inline worker's KV cache; with --worker process (or a gang) give "
-            "--kv-cache-memory-gb (per rank) or --num-kv-blocks"
-        )
-    local = args.data_parallel_size_local
-    if (
-        args.nnodes > 1
-        or args.data_parallel_rank is not None
-        or (local is not None and local < args.data_parallel_size)
-    ):
-        from actors.runtime.curve import SECRET_ENV, cluster_secret
-
-        if args.cluster_secret:  # (the environment carries it to every process that needs it)
-            os.environ[SECRET_ENV] = args.cluster_secret
-        try:
-            cluster_secret()
-        except ValueError as e:
-            raise SystemExit(str(e)) from e
-    values["speculative"] = spec = values.pop("speculative_config")
-    if values["worker"] == "process" and spec is not None and spec.method == "draft_model":
-        from gpu.config import ModelLoadError
-
-        raise ModelLoadError(
-            "draft-model speculation needs --worker inline and no tensor parallelism (the draft model runs beside"
-            " the target)"
-        )
-    try:
-        return EngineConfig(model=model, **values)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
 
 
 def _fault_plan(args: argparse.Namespace):
@@ -104,7 +47,7 @@ def serve(args: argparse.Namespace) -> int:
 
     model = _setup(args, "INFO")
     if args.headless or args.node_rank:
-        return _headless(args, _engine_config(args, str(model.path)))
+        return _headless(args, engine_config(args, str(model.path)))
     http = HttpConfig(
         host=args.host,
         port=args.port,
@@ -120,7 +63,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
-    return uvloop.run(_serve(_engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
+    return uvloop.run(_serve(engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
 
 
 def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
@@ -135,7 +78,7 @@ def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
     try:
         check_gang(resolve_model(engine.model), engine)
         if args.data_parallel_rank is not None:
-            from actors.replica_link import serve_node
+            from frontend.launch import serve_node
 
             return uvloop.run(serve_node(engine, args.log_level))
         from actors.engine.gang_nodes import HeadlessNode
@@ -201,7 +144,9 @@ def generate(args: argparse.Namespace) -> int:
     except ParamError as e:
         print(f"sluice generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
         return EXIT_USAGE
-    engine = _engine_config(args, str(model.path))
+    engine = engine_config(args, str(model.path))
+    if engine.local_replicas < engine.data_parallel_size:
+        raise SystemExit("sluice generate runs every replica itself: --data-parallel-size-local is for a server")
     from frontend.launch import check_gang
 
     check_gang(model, engine)

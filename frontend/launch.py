@@ -1,4 +1,5 @@
-"""Launch a server: the HTTP, engine and detokenizer processes under the launcher's supervisor.
+"""Launch a server: the HTTP, engine and detokenizer processes under the launcher's supervisor (and the door of its
+replicas on other nodes); or a headless node's engine replica (`serve_node`).
 
 Everything that can fail fast does so before any process starts: the model is resolved (the
 bundled default is converted on first use, a .gguf is converted into the cache) and checked, and a
@@ -9,7 +10,9 @@ binds the same one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import signal
 import socket
 import time
 
@@ -17,9 +20,18 @@ import msgspec
 import torch
 
 from actors.engine.config import EngineConfig
-from actors.graph import engine_processes
-from actors.replica_link import Door, Proxy
-from actors.runtime import ActorSpec, ActorSystem, AskTimeout, FaultPlan, ProcessSpec, RestartPolicy, StartupError
+from actors.graph import engine_processes, replica_processes
+from actors.replica_link import Door, NodeLink, Proxy
+from actors.runtime import (
+    ActorSpec,
+    ActorSystem,
+    AskTimeout,
+    FaultPlan,
+    ProcessSpec,
+    RestartPolicy,
+    StartupError,
+    curve,
+)
 from actors.runtime.actor import Actor
 from frontend.http_base import HttpConfig
 from gpu.config import ModelConfig, ModelLoadError
@@ -28,6 +40,9 @@ from gpu.runner import resolve_device
 from gpu.weights import check_checkpoint
 from messages.names import HTTP, replica
 from messages.wire import Ping
+
+log = logging.getLogger("sluice.replicas")
+EXIT_REFUSED = 2  # a headless replica's node refused by the front (as a gang's: actors/engine/gang_nodes.py)
 
 
 def resolve_model(model: str | None) -> ModelConfig:
@@ -149,3 +164,35 @@ async def start_server(
                     policy=policy, log_level=log_level)  # fmt: skip
     await server.start()
     return server
+
+
+async def serve_node(config: EngineConfig, log_level: str = "INFO") -> int:
+    """A headless node's launcher of replica config.data_parallel_rank, until SIGTERM/SIGINT (0), its supervisor
+    gives up (1) or the front refuses its handshakes (EXIT_REFUSED: found while the replica loads)."""
+    address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
+    link = NodeLink(HTTP, config.data_parallel_rank, address)
+    engine = msgspec.structs.replace(config, stats_to=[HTTP])
+    system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], log_level=log_level)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    start = asyncio.ensure_future(system.start())
+    await link.started.wait()  # (its socket connects while the replica loads)
+    tasks = [start, *map(asyncio.ensure_future, (curve.handshakes(link.monitor, address), stop.wait()))]
+    try:
+        while not stop.is_set():
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if error := next((t.exception() for t in done if t.exception() is not None), None):
+                log.error("%s", error)
+                return EXIT_REFUSED if isinstance(error, curve.Refused) else 1
+            if start in done:  # (serving: from now on until stopped, refused or given up)
+                link.serving.set()
+                log.info("engine replica %d serves: joining the front at %s", config.data_parallel_rank, address)
+                tasks[0] = asyncio.ensure_future(system.done.wait())
+            elif system.done.is_set():
+                return system.exit_code
+        return 0
+    finally:
+        for t in tasks:
+            t.cancel()
+        await system.stop()

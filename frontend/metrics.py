@@ -127,6 +127,8 @@ class Metrics:
         self.max_generation.labels(engine).observe(most_generated)
 
     def on_engine_stats(self, msg: EngineStats) -> None:
+        if not 0 <= msg.replica < len(self.replicas):
+            return
         self.engine[msg.replica] = msg
         for t in msg.queue_times_s:
             self.queue_time.labels(msg.replica).observe(t)
@@ -134,7 +136,8 @@ class Metrics:
             self.iteration_tokens.labels(msg.replica).observe(n)
 
     def on_detok_stats(self, msg: DetokStats) -> None:
-        self.detok[msg.replica] = msg
+        if 0 <= msg.replica < len(self.replicas):
+            self.detok[msg.replica] = msg
 
     def forget(self, actor: str) -> None:
         """`actor` died: its gauges read 0 and its counters restart (a counter reset) until it reports again."""

@@ -59,6 +59,8 @@ class AsyncLLM:
         dp_routing: Policy = "cache_aware",
     ):
         """`dp_routing`: which replica a request goes to, with config.data_parallel_size > 1 (actors/routing.py)."""
+        if config.local_replicas < config.data_parallel_size:
+            raise ValueError("the offline API runs every replica itself (replicas on other nodes join a server)")
         self.config = config
         self.tokenizer = Tokenizer.from_model_dir(config.model)
         self.client = ClientActor(replicas=Replicas(config.data_parallel_size, dp_routing, config.block_size))

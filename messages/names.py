@@ -45,7 +45,9 @@ def replica(k: int) -> Replica:
 
 def replica_of(actor: str) -> int | None:
     """The replica an engine-side actor (or process) belongs to; None for any other name."""
-    base, _, k = actor.partition(".")
-    if base not in (SCHEDULER, WORKER, DETOKENIZER, ENGINE) or (k and not k.isdigit()):
+    base, dot, k = actor.partition(".")
+    if base not in (SCHEDULER, WORKER, DETOKENIZER, ENGINE):
         return None
-    return int(k or 0)
+    if not dot:
+        return 0
+    return int(k) if k.isascii() and k.isdecimal() and k == str(int(k)) != "0" else None  # (as `replica` names it)

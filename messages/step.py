@@ -170,6 +170,7 @@ class Relay(Msg, kw_only=True):
 
     dst: str
     frame: bytes
+    seq: int = 0  # door -> node: consecutive from 1 in each epoch (a node that finds a gap leaves the epoch)
 
 
 REPLICA_TYPES: tuple[type[Msg], ...] = (ReplicaHello, Welcome, Relay)

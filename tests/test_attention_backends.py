@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from frontend.cli import _engine_config, build_parser
+from frontend.cli import build_parser
+from frontend.cli_engine import engine_config
 from gpu.attention import TorchAttention
 from gpu.attention_backend import TritonAttention, choose_attention_backend
 from gpu.config import ModelConfig
@@ -69,9 +70,9 @@ def test_default_backend_per_device_and_by_name(monkeypatch):
 
 
 @pytest.mark.parametrize(("flag", "backend"), [([], None), (["--attention-backend", "triton"], "triton")])
-def test_cli_flag_reaches_the_engine_config(flag, backend):
+def test_cli_flag_reaches_theengine_config(flag, backend):
     args = build_parser().parse_args(["serve", "m", *flag])
-    assert _engine_config(args, "m").attention_backend == backend
+    assert engine_config(args, "m").attention_backend == backend
 
 
 def test_choosing_the_torch_backend_imports_no_triton():

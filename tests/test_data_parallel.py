@@ -180,7 +180,7 @@ async def test_a_replica_that_keeps_dying_is_parked_and_comes_back(dp):
     """Replica 1 has restarted twice this minute (the kill tests): its third death parks it for PARKED_S while
     replica 0 serves alone; then it restarts and serves again."""
     dp.server.kill("engine.1")
-    await wait_for(lambda: dp.server.parked == {1}, 10, "replica 1 parked")
+    await wait_for(lambda: set(dp.server.parked) == {1}, 10, "replica 1 parked")
     async with dp.session() as s, s.get("/health") as resp:
         assert resp.status == 200, "one replica serves"
     assert (await per_engine(dp, "sluice:dp_engine_serving")) == {"0": 1.0, "1": 0.0}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frontend.cli import _engine_config, build_parser
+from frontend.cli import build_parser
+from frontend.cli_engine import engine_config
 from gpu.attention import TorchAttention
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.config import ModelConfig
@@ -110,7 +111,7 @@ def test_graph_mode_per_device_and_backend():
 
 @pytest.mark.parametrize(("flag", "mode"), [([], None), (["--enforce-eager"], "off")])
 def test_enforce_eager_flag(flag, mode):
-    config = _engine_config(build_parser().parse_args(["serve", "m", *flag]), "m")
+    config = engine_config(build_parser().parse_args(["serve", "m", *flag]), "m")
     assert config.enforce_eager == bool(flag) and config.decode_graphs() == mode
 
 

@@ -85,7 +85,7 @@ def test_children_do_not_import_torch_through_the_cli():
 
 @pytest.mark.parametrize(("flag", "caching"), [([], True), (["--no-enable-prefix-caching"], False)])
 def test_prefix_caching_is_on_unless_turned_off(flag, caching):
-    from frontend.cli import _engine_config
+    from frontend.cli_engine import engine_config
 
     args = build_parser().parse_args(["serve", "m", *flag])
-    assert _engine_config(args, "m").enable_prefix_caching is caching
+    assert engine_config(args, "m").enable_prefix_caching is caching

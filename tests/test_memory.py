@@ -11,7 +11,8 @@ import torch
 
 from actors.engine import executor
 from actors.engine.config import EngineConfig
-from frontend.cli import _engine_config, build_parser
+from frontend.cli import build_parser
+from frontend.cli_engine import engine_config
 from gpu.config import ModelConfig
 from gpu.kv_cache import bytes_per_block
 from gpu.memory import MemoryPlan
@@ -107,8 +108,8 @@ def test_who_sizes_the_cache(tiny_model_dir, monkeypatch):
 
 def test_the_flag(capsys):
     args = build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "0.5"])
-    assert _engine_config(args, "m").gpu_memory_utilization == 0.5
-    assert _engine_config(build_parser().parse_args(["serve", "m"]), "m").gpu_memory_utilization == 0.9
+    assert engine_config(args, "m").gpu_memory_utilization == 0.5
+    assert engine_config(build_parser().parse_args(["serve", "m"]), "m").gpu_memory_utilization == 0.9
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "1.5"])
     assert "must be in (0, 1]" in capsys.readouterr().err

@@ -2,11 +2,13 @@
 for replica 1 at its door; `sluice serve --headless --data-parallel-rank 1` joins it. Both serve (requests land on
 each, their greedy outputs the one-replica server's); a node with the wrong cluster secret is refused (it exits with
 code 2 saying so) and the front serves on; once the node is killed, the front takes replica 1 out of rotation
-(/health stays 200) and serves on replica 0."""
+(/health stays 200) and serves on replica 0. Without processes: the door's table (actors/replica_link.py), epochs,
+numbered relays and what a node may deliver."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import sys
@@ -14,10 +16,13 @@ import sys
 import pytest
 
 from actors.engine.config import EngineConfig
-from actors.replica_link import STALE_S
+from actors.replica_link import STALE_S, Door
 from actors.runtime.curve import SECRET_ENV
 from frontend.http_base import HttpConfig
 from frontend.launch import start_server
+from messages.codec import Codec
+from messages.step import REPLICA_TYPES, Relay, ReplicaHello, Welcome
+from messages.wire import Abort, ActorDown, ActorUp, Shutdown, TextOutputs
 from tests.conftest import ServerHandle
 from tests.test_data_parallel import per_engine
 from tests.test_gang_nodes import free_port
@@ -93,3 +98,73 @@ async def test_a_replica_on_another_node_joins_serves_and_leaves(front, server, 
     async with handle.session() as s, s.get("/health") as resp:
         assert resp.status == 200
     assert {engine for _, engine in await greedy(handle)} == {0}
+
+
+class FakeSocket:
+    def __init__(self):
+        self.sent: list[tuple[bytes, object]] = []
+
+    def send_multipart(self, frames):
+        peer, frame = frames
+        self.sent.append((peer, Codec(REPLICA_TYPES).decode(frame)))
+        done = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
+
+class FakeRouter:
+    def __init__(self):
+        self.delivered: list[tuple[str, object]] = []
+
+    def send(self, src, dst, msg):
+        self.delivered.append((dst, msg))
+
+
+def door() -> Door:
+    d = Door([1], "http", "tcp://127.0.0.1:0")
+    d.sock, d.router = FakeSocket(), FakeRouter()
+    return d
+
+
+def relay(d: Door, peer: bytes, msg) -> None:
+    d._on_relay(Relay(dst="http", frame=Codec().encode(msg)), peer)
+
+
+def test_the_door_admits_a_node_under_a_new_epoch_and_delivers_only_its_replicas_messages():
+    d, r = door(), None
+    d._on_hello(ReplicaHello(replica=1, epoch=0), b"A")
+    (peer, welcome), r = d.sock.sent[-1], d.remote[1]
+    assert (peer, welcome.epoch) == (b"A", r.epoch) and not r.up and not d.router.delivered
+    d._on_hello(ReplicaHello(replica=1, epoch=welcome.epoch), b"A")
+    assert r.up and [(dst, m.actor) for dst, m in d.router.delivered] == [("http", a) for a in r.names.actors]
+    d.router.delivered.clear()
+    d._on_hello(ReplicaHello(replica=1, epoch=0), b"B")  # a second launcher while the first is heard
+    assert r.up and r.peer == b"A" and d.sock.sent[-1][0] == b"A"
+    ours = TextOutputs(step=0, deltas=[], replica=1)
+    for msg in (ours, TextOutputs(step=0, deltas=[], replica=0), ActorDown(actor="scheduler"), Shutdown(reason="x"),
+                ActorDown(actor="detokenizer.1")):  # fmt: skip
+        relay(d, b"A", msg)
+    relay(d, b"B", ours)  # (not its node)
+    assert d.router.delivered == [("http", ours), ("http", ActorDown(actor="detokenizer.1"))]
+    d.forward(1, "scheduler.1", Abort(request_id="x", reason="client"))
+    d.forward(1, "scheduler.1", Abort(request_id="y", reason="client"))
+    assert [m.seq for _, m in d.sock.sent if isinstance(m, Relay)] == [1, 2]
+
+
+def test_a_node_that_left_the_epoch_is_down_until_it_adopts_a_new_one():
+    d = door()
+    r = d.remote[1]
+    d._on_hello(ReplicaHello(replica=1, epoch=0), b"A")
+    first = r.epoch
+    d._on_hello(ReplicaHello(replica=1, epoch=first), b"A")
+    d.router.delivered.clear()
+    d._on_hello(ReplicaHello(replica=1, epoch=0), b"A")  # it found a relay missing (or restarted)
+    assert not r.up and [m.actor for _, m in d.router.delivered if isinstance(m, ActorDown)] == list(r.names.actors)
+    assert r.epoch == first + 1 and d.sock.sent[-1][1] == Welcome(replica=1, epoch=first + 1)
+    d.forward(1, "scheduler.1", Abort(request_id="x", reason="client"))  # (down: dropped)
+    assert not any(isinstance(m, Relay) for _, m in d.sock.sent)
+    d.router.delivered.clear()
+    d.on_actor_up(ActorUp(actor="http"))  # the client restarted while replica 1 was down: told again
+    assert [m.actor for _, m in d.router.delivered] == list(r.names.actors)
+    d._on_hello(ReplicaHello(replica=1, epoch=first + 1), b"A")
+    assert r.up

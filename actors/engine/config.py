@@ -87,7 +87,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # restart intensity (3 in 60 s)
     max_step_failures: int = 3
     # data parallelism: this many engine replicas (each a scheduler, its worker or gang, its detokenizer, its KV and
-    # prefix cache) behind one client (frontend/routing.py); this config is replica data_parallel_rank's
+    # prefix cache) behind one client (actors/routing.py); this config is replica data_parallel_rank's
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     # ... of which the front node runs the first data_parallel_size_local (None: all); each other one runs on a node

@@ -5,8 +5,9 @@ when it misses `max_missed` heartbeats (it is then SIGKILLed). On a death the su
 broadcasts ActorDown for each of its actors, restarts the process unless `max_restarts` restarts
 of its group (an engine replica's processes, or the process alone) already happened within `window_s`, and
 broadcasts ActorUp once the new incarnation is Ready. A group past that intensity stops the whole system (exit code
-1), unless it is an engine replica and another replica serves: then it is parked (out of rotation: its actors stay
-down) for `park_s`, and restarted with a fresh budget. Those broadcasts skip processes that are
+1), unless it is an engine replica and another replica of this node serves: then the whole replica is parked (its
+other processes are killed too, so its requests go on elsewhere; its actors stay down) for `park_s`, and restarted
+with a fresh budget. Those broadcasts skip processes that are
 (re)starting: a restarted incarnation is told, once Ready, which actors are down at that moment.
 """
 
@@ -112,7 +113,7 @@ class ActorSystem:
         self.state: dict[str, str] = {}  # process -> starting | up | down | stopped
         self.exited: dict[str, asyncio.Event] = {}  # process -> set as its current child exits
         self.restarts: dict[object, collections.deque[float]] = collections.defaultdict(collections.deque)  # by group
-        self.parked: set[int] = set()  # engine replicas out of rotation (past the restart intensity)
+        self.parked: dict[object, asyncio.Event] = {}  # engine replicas out of rotation -> set as they come back
         self.exit_code = 0
         self.done = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -192,6 +193,8 @@ class ActorSystem:
         group = _group(proc)
         restarts = self.restarts[group]
         while True:  # a restart that dies during its startup is tried again, within the same bound
+            if (parked := self.parked.get(group)) is not None:  # (its replica sits out: restarted after)
+                await parked.wait()
             now = time.monotonic()
             while restarts and now - restarts[0] > self.policy.window_s:
                 restarts.popleft()
@@ -204,9 +207,13 @@ class ActorSystem:
                     return
                 log.error("engine replica %s keeps dying (%s): out of rotation for %ss", group, intensity,
                           self.policy.park_s)  # fmt: skip
-                self.parked.add(group)
+                self.parked[group] = parked = asyncio.Event()
+                for other in self.specs:
+                    if other != proc and _group(other) == group:
+                        self.kill(other)  # (the replica sits out whole: its requests go on elsewhere)
                 await asyncio.sleep(self.policy.park_s)
-                self.parked.discard(group)
+                del self.parked[group]
+                parked.set()
                 restarts.clear()
                 continue
             restarts.append(now)

@@ -1,0 +1,67 @@
+"""The engine's configuration from `sluice serve` / `sluice generate` flags (frontend/cli_args.py): the flags that
+depend on each other are checked here, with a message naming them (SystemExit)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from actors.engine.config import EngineConfig
+
+
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    fields = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "long_prefill_token_threshold")
+    fields += ("block_size", "num_kv_blocks")
+    fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
+    fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching", "worker", "attention_backend")
+    fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "nnodes", "master_addr")
+    fields += ("master_port", "data_parallel_size", "data_parallel_size_local", "data_parallel_address")
+    fields += ("data_parallel_rpc_port",)
+    values = {f: getattr(args, f) for f in fields}
+    tp = args.tensor_parallel_size
+    if tp % args.nnodes:
+        raise SystemExit(f"--tensor-parallel-size {tp} is not a multiple of --nnodes {args.nnodes}")
+    if args.data_parallel_size > 1 and args.nnodes > 1:
+        raise SystemExit("--data-parallel-size: a replica's gang spans one node (--nnodes 1)")
+    if args.data_parallel_rank is not None:
+        if not args.headless:
+            raise SystemExit("--data-parallel-rank: a replica of its own runs with --headless")
+        values["data_parallel_rank"], values["data_parallel_size_local"] = args.data_parallel_rank, 1
+    if tp > 1 and args.worker == "inline":
+        raise SystemExit(
+            "--tensor-parallel-size: a gang's ranks are processes (its leader the worker's): not --worker inline"
+        )
+    values["worker"] = args.worker or ("process" if tp > 1 else "inline")
+    if values["gpu_memory_utilization"] is None:
+        values.pop("gpu_memory_utilization")
+    elif values["worker"] == "process":
+        raise SystemExit(
+            "--gpu-memory-utilization sizes the inline worker's KV cache; with --worker process (or a gang) give "
+            "--kv-cache-memory-gb (per rank) or --num-kv-blocks"
+        )
+    local = args.data_parallel_size_local
+    if (
+        args.nnodes > 1
+        or args.data_parallel_rank is not None
+        or (local is not None and local < args.data_parallel_size)
+    ):
+        from actors.runtime.curve import SECRET_ENV, cluster_secret
+
+        if args.cluster_secret:  # (the environment carries it to every process that needs it)
+            os.environ[SECRET_ENV] = args.cluster_secret
+        try:
+            cluster_secret()
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
+    values["speculative"] = spec = values.pop("speculative_config")
+    if values["worker"] == "process" and spec is not None and spec.method == "draft_model":
+        from gpu.config import ModelLoadError
+
+        raise ModelLoadError(
+            "draft-model speculation needs --worker inline and no tensor parallelism (the draft model runs beside"
+            " the target)"
+        )
+    try:
+        return EngineConfig(model=model, **values)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
