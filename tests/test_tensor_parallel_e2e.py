@@ -4,7 +4,8 @@ decode, preemption (a KV cache too small for every row), prefix hits (a second w
 grammar and a CFG request, with async scheduling (the relay ids broadcast to each rank), on the CUDA graphs' static
 decode buffers, and with n-gram speculation (verification rows); the counters show each path ran. A follower rank killed (kill -9) or stopped
 (SIGSTOP: a hung rank) mid-stream ends the gang: every stream then finishes with the undisturbed run's tokens, the
-worker is reset (a new epoch) and the engine ends idle. An idle gang outlives its collectives' deadline."""
+worker is reset (a new epoch) and the engine ends idle. An idle gang outlives its collectives' deadline. Two
+data-parallel replicas of two ranks each give the same tokens."""
 
 from __future__ import annotations
 
@@ -70,6 +71,15 @@ async def test_two_ranks_give_one_ranks_tokens(model_dir, one_rank, variant):  #
     assert outs == reference
     assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
     assert not speculative or stats.spec_num_accepted_tokens > 0
+
+
+async def test_two_replicas_of_two_ranks_give_one_ranks_tokens(model_dir, one_rank):  # noqa: F811
+    """-dp 2 -tp 2: each replica is a gang of its own (its own rendezvous and ranks), the requests spread over both."""
+    async with AsyncLLM(config(model_dir, 2, data_parallel_size=2), log_level="WARNING") as llm:
+        assert await waves(llm) == one_rank
+        routed = llm.client.streams.replicas.routed
+        assert sum(routed.values()) == 2 * len(PROMPTS) and routed["cache_aware", "no_hit"] >= 2, routed
+        await assert_idle(llm)
 
 
 def stat(pid: int | str) -> list[str]:
