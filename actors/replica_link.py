@@ -141,7 +141,8 @@ class Door(Actor):
             self._tell_client(r, ActorUp)
         elif not r.up and not r.offered:  # (a node that was up before must adopt a new epoch: it forgets first)
             r.epoch, r.offered, r.sent = r.epoch + 1, True, 0
-        self.sock.send_multipart([peer, self.link.encode(Welcome(replica=r.names.index, epoch=r.epoch))])
+        welcome = Welcome(replica=r.names.index, epoch=r.epoch, sent=r.sent)
+        self.sock.send_multipart([peer, self.link.encode(welcome)]).add_done_callback(_quiet)
 
     def _on_relay(self, relay: Relay, peer: bytes) -> None:
         r = next((r for r in self.remote.values() if r.up and r.peer == peer), None)
@@ -204,16 +205,17 @@ class NodeLink(Actor):
         self.names, self.address = replica(k), address
         self.link, self.wire = Codec(REPLICA_TYPES), Codec()
         self.epoch, self.heard, self.received = 0, 0.0, 0  # (relays received in the epoch)
+        self.left = 0  # the epoch it last left (a Welcome of it still in flight is not adopted again)
         self.serving = asyncio.Event()  # set by the node's launcher once its replica is ready
+        self.ctx = zmq.asyncio.Context()  # (connecting now: a refusal shows while the replica loads)
+        identity = f"replica{k}-{time.time_ns()}".encode()
+        self.sock, self.monitor = curve.client(self.ctx, curve.cluster_secret(), address, identity)
 
     @property
     def welcomed(self) -> bool:
         return self.epoch > 0 and time.monotonic() - self.heard < STALE_S
 
     async def on_start(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        identity = f"replica{self.names.index}-{time.time_ns()}".encode()
-        self.sock, self.monitor = curve.client(self.ctx, curve.cluster_secret(), self.address, identity)
         self.spawn(self._hello())
         self.spawn(self._listen())
 
@@ -234,6 +236,8 @@ class NodeLink(Actor):
     async def _hello(self) -> None:
         await self.serving.wait()
         while True:
+            if self.epoch and not self.welcomed:  # (what it sent meanwhile was dropped: the door must down it)
+                self._leave(f"no Welcome for {STALE_S:.0f} s")
             await self.sock.send(self.link.encode(ReplicaHello(replica=self.names.index, epoch=self.epoch)))
             await asyncio.sleep(HELLO_S)
 
@@ -245,17 +249,23 @@ class NodeLink(Actor):
             except BadFrame as e:
                 log.warning("dropped a bad message from the front: %s", e)
                 continue
-            if isinstance(msg, Welcome) and msg.replica == self.names.index:
+            if isinstance(msg, Welcome) and msg.replica == self.names.index and msg.epoch != self.left:
                 self.heard = time.monotonic()
                 if msg.epoch != self.epoch:
                     self._forget(msg.epoch)
+                elif msg.sent != self.received:  # (a relay before this Welcome, on the same ordered link, is missing)
+                    self._leave(f"relays {self.received + 1}..{msg.sent} lost")
             elif isinstance(msg, Relay) and self.welcomed and msg.dst in self.names.actors:
                 if msg.seq != self.received + 1:
-                    log.error("relay %d of the front's epoch lost: leaving the epoch", self.received + 1)
-                    self._forget(0)
+                    self._leave(f"relay {self.received + 1} lost")
                     continue
                 self.received = msg.seq
                 self.router.send(self.name, msg.dst, inner)
+
+    def _leave(self, why: str) -> None:
+        log.error("%s: leaving the front's epoch %d", why, self.epoch)
+        self.left = self.epoch
+        self._forget(0)
 
     def _forget(self, epoch: int) -> None:
         """A new epoch (0: none): the requests the front sent before are ended (its client, to the replica, died and
@@ -266,3 +276,9 @@ class NodeLink(Actor):
                 self.tell(actor, ActorDown(actor=self.name, reason="the front's link was lost"))
                 self.tell(actor, ActorUp(actor=self.name))
         self.epoch, self.received = epoch, 0
+
+
+def _quiet(sent: asyncio.Future) -> None:
+    """A Welcome its node's connection could not take: the node's next hello is answered again."""
+    if not sent.cancelled():
+        sent.exception()

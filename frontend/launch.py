@@ -176,8 +176,7 @@ async def serve_node(config: EngineConfig, log_level: str = "INFO") -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    start = asyncio.ensure_future(system.start())
-    await link.started.wait()  # (its socket connects while the replica loads)
+    start = asyncio.ensure_future(system.start())  # (the link's socket connects meanwhile)
     tasks = [start, *map(asyncio.ensure_future, (curve.handshakes(link.monitor, address), stop.wait()))]
     try:
         while not stop.is_set():

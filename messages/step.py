@@ -162,6 +162,7 @@ class Welcome(Msg, kw_only=True):
 
     replica: int
     epoch: int
+    sent: int = 0  # the relays sent in the epoch before it (a node that received fewer lost one: it leaves the epoch)
 
 
 class Relay(Msg, kw_only=True):

@@ -1,14 +1,13 @@
 """The launcher: spawns actor processes from a placement, supervises them, tears them down.
 
-Supervision (Erlang-style, one_for_one): a child is dead when its process sentinel fires, hung
-when it misses `max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor
-broadcasts ActorDown for each of its actors, restarts the process unless `max_restarts` restarts
-of its group (an engine replica's processes, or the process alone) already happened within `window_s`, and
-broadcasts ActorUp once the new incarnation is Ready. A group past that intensity stops the whole system (exit code
-1), unless it is an engine replica and another replica of this node serves: then the whole replica is parked (its
-other processes are killed too, so its requests go on elsewhere; its actors stay down) for `park_s`, and restarted
-with a fresh budget. Those broadcasts skip processes that are
-(re)starting: a restarted incarnation is told, once Ready, which actors are down at that moment.
+Supervision (Erlang-style, one_for_one): a child is dead when its process sentinel fires, hung when it misses
+`max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor broadcasts ActorDown for each of its actors,
+restarts the process unless `max_restarts` restarts of its group (an engine replica's processes, or the process
+alone) already happened within `window_s`, and broadcasts ActorUp once the new incarnation is Ready. A group past that
+intensity stops the whole system (exit code 1), unless it is an engine replica and another replica of this node
+serves: then the whole replica is parked (its other processes killed too, so its requests go on elsewhere) for
+`park_s`, and restarted with a fresh budget. Those broadcasts skip processes that are (re)starting: a restarted
+incarnation is told, once Ready, which actors are down at that moment.
 """
 
 from __future__ import annotations
@@ -192,46 +191,52 @@ class ActorSystem:
             self.broadcast(ActorDown(actor=actor, reason=f"process {proc} exited"), exclude=dead, only_up=True)
         group = _group(proc)
         restarts = self.restarts[group]
+        fresh = False  # restarted with its replica after a park: not counted (the replica gets its whole budget)
         while True:  # a restart that dies during its startup is tried again, within the same bound
             if (parked := self.parked.get(group)) is not None:  # (its replica sits out: restarted after)
                 await parked.wait()
-            now = time.monotonic()
-            while restarts and now - restarts[0] > self.policy.window_s:
-                restarts.popleft()
-            if len(restarts) >= self.policy.max_restarts:
-                intensity = f"{len(restarts)} restarts in {self.policy.window_s}s"
-                if not self._serving_besides(group):
-                    log.error("restart intensity of %s exceeded (%s): stopping", proc, intensity)
-                    self.exit_code = 1
-                    await self.stop()
-                    return
-                log.error("engine replica %s keeps dying (%s): out of rotation for %ss", group, intensity,
-                          self.policy.park_s)  # fmt: skip
-                self.parked[group] = parked = asyncio.Event()
-                for other in self.specs:
-                    if other != proc and _group(other) == group:
-                        self.kill(other)  # (the replica sits out whole: its requests go on elsewhere)
-                await asyncio.sleep(self.policy.park_s)
-                del self.parked[group]
-                parked.set()
-                restarts.clear()
-                continue
-            restarts.append(now)
+                fresh = True
+            if not fresh and not await self._within_budget(proc, group, restarts):
+                return
             try:
                 await self._spawn(proc, restart=True)
                 break
             except StartupError as e:
                 log.error("restart of %s failed: %s", proc, e)
+                fresh = False
         for actor in dead:
             self.broadcast(ActorUp(actor=actor), exclude=[], only_up=True)
 
+    async def _within_budget(self, proc: str, group: object, restarts: collections.deque[float]) -> bool:
+        """Count a restart of `proc`; past the intensity, park its replica while another serves (then True: it is
+        restarted after, with a fresh budget) or stop the system (False)."""
+        now = time.monotonic()
+        while restarts and now - restarts[0] > self.policy.window_s:
+            restarts.popleft()
+        if len(restarts) < self.policy.max_restarts:
+            restarts.append(now)
+            return True
+        intensity = f"{len(restarts)} restarts in {self.policy.window_s}s"
+        if not self._serving_besides(group):
+            log.error("restart intensity of %s exceeded (%s): stopping", proc, intensity)
+            self.exit_code = 1
+            await self.stop()
+            return False
+        log.error("engine replica %s keeps dying (%s): out of rotation for %ss", group, intensity, self.policy.park_s)
+        self.parked[group] = asyncio.Event()
+        for other in self.specs:
+            if other != proc and _group(other) == group:
+                self.kill(other)  # (the replica sits out whole: its requests go on elsewhere)
+        await asyncio.sleep(self.policy.park_s)  # (cancelled only by stop: nothing is restarted then)
+        self.parked.pop(group).set()
+        restarts.clear()
+        return True
+
     def _serving_besides(self, group: object) -> bool:
-        """Whether an engine replica other than `group` (an index, or a process name: not a replica) has every
-        process up."""
-        replicas = {_group(p) for p in self.specs if isinstance(_group(p), int)}
-        return isinstance(group, int) and any(
-            all(self.state.get(p) == "up" for p in self.specs if _group(p) == k) for k in replicas - {group}
-        )
+        """Whether `group` is a replica and another one (of this node) has every process up."""
+        others = {_group(p) for p in self.specs if isinstance(_group(p), int)} - {group}
+        up = {k for k in others if all(self.state.get(p) == "up" for p in self.specs if _group(p) == k)}
+        return isinstance(group, int) and bool(up)
 
     def broadcast(self, msg, exclude: list[str], only_up: bool = False) -> None:
         """To every actor but `exclude`; `only_up`: not to those whose process is (re)starting (a message queued
@@ -249,8 +254,7 @@ class ActorSystem:
             os.kill(child.pid, sig)
 
     @property
-    def num_restarts(self) -> int:
-        """Restarts within the window, of every group."""
+    def num_restarts(self) -> int:  # (within the window, of every group)
         return sum(map(len, self.restarts.values()))
 
     def pids(self) -> dict[str, int]:
