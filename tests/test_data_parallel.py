@@ -171,7 +171,9 @@ async def test_a_kill_in_replica_1_moves_only_its_streams_and_replica_0_never_pa
     kill_at = downtime and max(min(s.arrivals) for s in runs)  # (every stream had started)
     gaps = [b - a for s in runs if s.engine == 0 for a, b in itertools.pairwise(s.arrivals) if b > kill_at]
     print(f"{kill} kill -9: replica 1 back after {downtime:.1f} s; replica 0's longest gap then {max(gaps):.3f} s")
-    assert max(gaps) < downtime / 4, "replica 0's streams waited for replica 1"
+    # a stream that waited for replica 1 would pause about as long as its restart: measurable against the engine's
+    # (seconds: torch and the model load), not against the detokenizer's (~0.5 s, near a loaded machine's hiccups)
+    assert downtime < 2 or max(gaps) < downtime / 4, "replica 0's streams waited for replica 1"
     idle = await dp.idle()
     assert all(not any(details.values()) for details in idle.values()), idle
 
