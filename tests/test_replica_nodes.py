@@ -89,8 +89,12 @@ async def test_a_replica_on_another_node_joins_serves_and_leaves(front, server, 
         served, reference = await greedy(handle), await greedy(server)
         assert [text for text, _ in served] == [text for text, _ in reference]
         assert {engine for _, engine in served} == {0, 1}
-        generated = await per_engine(handle, "sluice:generation_tokens_total")
-        assert generated["1"] > 0, generated  # (its EngineStats came through the door)
+
+        async def reported() -> None:  # (its EngineStats come through the door, every stats interval)
+            while not (await per_engine(handle, "sluice:generation_tokens_total")).get("1"):
+                await asyncio.sleep(0.1)
+
+        await asyncio.wait_for(reported(), 30)
     finally:
         joined.send_signal(signal.SIGKILL)
         await joined.wait()
