@@ -125,6 +125,21 @@ class ServerHandle:
         actors = [a.name for p in self.server.specs.values() for a in p.actors]
         return {a: (await self.server.supervisor.ask(a, CheckIdle(), timeout=10)).details for a in actors}
 
+    async def per_engine(self, name: str) -> dict[str, float]:
+        """A series' samples by their `engine` label (the engine replica)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with self.session() as s, s.get("/metrics") as resp:
+            families = text_string_to_metric_families(await resp.text())
+        return {x.labels["engine"]: x.value for f in families for x in f.samples if x.name == name}
+
+    async def wait_per_engine(self, name: str, holds, timeout: float = 30.0) -> None:
+        """Poll /metrics until `holds(per_engine(name))` (the replicas report every stats interval)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not holds(got := await self.per_engine(name)):
+            assert asyncio.get_running_loop().time() < deadline, f"{name} never held: {got}"
+            await asyncio.sleep(0.05)
+
     async def metric(self, name: str, **labels) -> float:
         return (await self.metrics()).get((name, tuple(sorted(labels.items()))), 0.0)
 

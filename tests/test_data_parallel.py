@@ -87,23 +87,10 @@ async def completions(handle: ServerHandle) -> list:
     return await asyncio.gather(*(one(p, b) for p in PROMPTS for b in BODIES))
 
 
-async def per_engine(handle: ServerHandle, name: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    async with handle.session() as s, s.get("/metrics") as resp:
-        text = await resp.text()
-    return {
-        sample.labels["engine"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
 async def test_two_replicas_give_one_replicas_outputs_and_share_the_work(dp, server):
     assert await completions(dp) == await completions(server)
-    generated = await per_engine(dp, "sluice:generation_tokens_total")
-    assert generated.keys() == {"0", "1"} and all(generated.values()), generated
+    both = lambda n: n.keys() == {"0", "1"} and all(n.values())  # noqa: E731 (each replica generated)
+    await dp.wait_per_engine("sluice:generation_tokens_total", both)  # (the stats of each stats interval)
     routed = {k[1]: v for k, v in (await dp.metrics()).items() if k[0] == "sluice:dp_routed_total"}
     assert sum(routed.values()) == len(PROMPTS) * len(BODIES), routed  # (once per request: its n choices together)
 
@@ -146,6 +133,9 @@ LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}  # (~2 s of dec
 async def streams(handle: ServerHandle, kill: str | None) -> tuple[list[Stream], float]:
     """Every prompt streamed at once; with `kill`, that process of replica 1 is killed once every stream has a few
     tokens. Returns the streams and the time from the kill until replica 1 serves again."""
+    idle = lambda n: n.keys() == {"0", "1"} and not any(n.values())  # noqa: E731
+    await handle.wait_per_engine("sluice:num_requests_running", idle)  # (loads even: the prompts without a cached
+    # prefix alternate between the replicas)
     runs = [Stream(handle, p, LONG) for p in PROMPTS]
     downtime = 0.0
     if kill:
@@ -197,12 +187,8 @@ async def test_a_replica_that_keeps_dying_is_parked_and_comes_back(dp):
     assert set(dp.server.parked) == {1}
     async with dp.session() as s, s.get("/health") as resp:
         assert resp.status == 200, "one replica serves"
-    assert (await per_engine(dp, "sluice:dp_engine_serving")) == {"0": 1.0, "1": 0.0}
+    assert (await dp.per_engine("sluice:dp_engine_serving")) == {"0": 1.0, "1": 0.0}
     assert {(await chat(dp, "Be brief.", f"Say {i}."))[0] for i in range(4)} == {0}
     await wait_for(lambda: not dp.server.parked and dp.server.state["engine.1"] == "up", 60, "replica 1 back")
 
-    async def both_serving() -> None:
-        while await per_engine(dp, "sluice:dp_engine_serving") != {"0": 1.0, "1": 1.0}:
-            await asyncio.sleep(0.05)
-
-    await asyncio.wait_for(both_serving(), 10)
+    await dp.wait_per_engine("sluice:dp_engine_serving", lambda up: up == {"0": 1.0, "1": 1.0}, 10)

@@ -24,10 +24,10 @@ from messages.codec import Codec
 from messages.step import REPLICA_TYPES, Relay, ReplicaHello, Welcome
 from messages.wire import Abort, ActorDown, ActorUp, Shutdown, TextOutputs
 from tests.conftest import ServerHandle
-from tests.test_data_parallel import per_engine
 from tests.test_gang_nodes import free_port
 
 PROMPTS = [[1, 2, 3], [40, 41, 42, 43], [7] * 12, [300, 12, 4000, 91], [99, 98]]
+SERVING = "sluice:dp_engine_serving"
 LIMITS = {"max_model_len": 512, "max_num_seqs": 16, "num_kv_blocks": 256}  # the `server` fixture's
 
 
@@ -55,18 +55,6 @@ async def front(tiny_model_dir):
         del os.environ[SECRET_ENV]
 
 
-async def serving(handle: ServerHandle) -> dict[str, float]:
-    return await per_engine(handle, "sluice:dp_engine_serving")
-
-
-async def until(handle: ServerHandle, expected: dict[str, float], timeout: float) -> None:
-    async def reached() -> None:
-        while await serving(handle) != expected:
-            await asyncio.sleep(0.1)
-
-    await asyncio.wait_for(reached(), timeout)
-
-
 async def greedy(handle: ServerHandle) -> list[tuple[str, int]]:
     async def one(prompt):
         body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
@@ -79,26 +67,21 @@ async def greedy(handle: ServerHandle) -> list[tuple[str, int]]:
 
 async def test_a_replica_on_another_node_joins_serves_and_leaves(front, server, tiny_model_dir):
     handle, port = front
-    assert await serving(handle) == {"0": 1.0, "1": 0.0}, "replica 1 is down until its node joins"
+    assert await handle.per_engine(SERVING) == {"0": 1.0, "1": 0.0}, "replica 1 is down until its node joins"
     joined = await node(tiny_model_dir, port, "the right secret")
     try:
-        await until(handle, {"0": 1.0, "1": 1.0}, 120)
+        await handle.wait_per_engine(SERVING, lambda up: up == {"0": 1.0, "1": 1.0}, 120)
         wrong = await node(tiny_model_dir, port, "a wrong secret", asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(wrong.communicate(), 120)
         assert wrong.returncode == 2 and b"is the cluster secret the same on every node?" in err
         served, reference = await greedy(handle), await greedy(server)
         assert [text for text, _ in served] == [text for text, _ in reference]
         assert {engine for _, engine in served} == {0, 1}
-
-        async def reported() -> None:  # (its EngineStats come through the door, every stats interval)
-            while not (await per_engine(handle, "sluice:generation_tokens_total")).get("1"):
-                await asyncio.sleep(0.1)
-
-        await asyncio.wait_for(reported(), 30)
+        await handle.wait_per_engine("sluice:generation_tokens_total", lambda n: n.get("1"))  # (through the door)
     finally:
         joined.send_signal(signal.SIGKILL)
         await joined.wait()
-    await until(handle, {"0": 1.0, "1": 0.0}, 3 * STALE_S)
+    await handle.wait_per_engine(SERVING, lambda up: up == {"0": 1.0, "1": 0.0}, 3 * STALE_S)
     async with handle.session() as s, s.get("/health") as resp:
         assert resp.status == 200
     assert {engine for _, engine in await greedy(handle)} == {0}
