@@ -116,7 +116,11 @@ def parse_completion(body: bytes, ctx: ServingContext, request_id: str | None = 
 
 
 def parse_chat(body: bytes, ctx: ServingContext, request_id: str | None = None) -> ParsedRequest:
-    req = decode_body(body, ChatCompletionRequest, NOT_HONOURED_IN_CHAT)
+    return chat_request(decode_body(body, ChatCompletionRequest, NOT_HONOURED_IN_CHAT), ctx, request_id)
+
+
+def chat_request(req: ChatCompletionRequest, ctx: ServingContext, request_id: str | None = None) -> ParsedRequest:
+    """A decoded chat request, validated and tokenized (the Responses API's requests come here as chat requests)."""
     model = _model(req, ctx)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError(400, "top_logprobs requires logprobs to be true", "top_logprobs")

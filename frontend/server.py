@@ -23,10 +23,12 @@ from actors.runtime import Actor
 from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_response, json_response, middleware
 from frontend.metrics import CONTENT_TYPE, Metrics
 from frontend.openapi import openapi
-from frontend.protocol import ParsedRequest, RequestError, ServingContext, new_request_id, parse_chat, parse_completion
+from frontend.protocol import RequestError, ServingContext, new_request_id, parse_chat, parse_completion
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
+from frontend.responses_api.endpoint import ResponsesEndpoint
+from frontend.responses_api.store import ResponseStore
 from frontend.structured import compile_check
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
@@ -114,6 +116,10 @@ class HttpActor(Actor):
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        self.responses = ResponsesEndpoint(self, ResponseStore(c.responses_path, c.responses_max_stored,
+                                                               c.responses_max_age_s))  # fmt: skip
+        await self.responses.store.open()
+        self.responses.add_routes(app)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_post("/tokenize", self.tokenize)
@@ -148,6 +154,7 @@ class HttpActor(Actor):
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = self.table.idle_details
+        details = details | {"responses": len(self.responses.runs)}
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     async def on_shutdown(self, reason: str) -> None:
@@ -160,6 +167,7 @@ class HttpActor(Actor):
             self.table.fail_all(RequestError(503, "the server is shutting down"), send_abort=False)
         if self.runner is not None:
             await self.runner.cleanup()
+            await self.responses.store.close()
 
     async def _housekeeping(self) -> None:
         while True:
@@ -169,7 +177,7 @@ class HttpActor(Actor):
 
     # ------------------------------------------------------------ HTTP
 
-    def _check_available(self) -> None:
+    def check_available(self) -> None:
         if not self.admitting:
             raise RequestError(503, "the server is shutting down")
         if not self.table.replicas.taking():
@@ -177,7 +185,7 @@ class HttpActor(Actor):
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while an engine replica serves (every actor of it up)."""
-        self._check_available()
+        self.check_available()
         if not self.table.replicas.serving():
             raise RequestError(503, f"the {' and '.join(self.table.replicas.down())} is down (restarting); retry later")
         return web.Response()
@@ -190,10 +198,10 @@ class HttpActor(Actor):
         return json_response(model_card(request.match_info["model"], self.ctx, self.created, self.model))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        return json_response(await self._parse(request, lambda body, ctx, _: tokenize(body, ctx), None))
+        return json_response(await self.parse_body(request, lambda body, ctx, _: tokenize(body, ctx), None))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return json_response(await self._parse(request, lambda body, ctx, _: detokenize(body, ctx), None))
+        return json_response(await self.parse_body(request, lambda body, ctx, _: detokenize(body, ctx), None))
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -205,12 +213,12 @@ class HttpActor(Actor):
         return await self._generate(request, parse_chat, "chatcmpl")
 
     async def _generate(self, request: web.Request, parse, prefix: str) -> web.StreamResponse:
-        self._check_available()
+        self.check_available()
         request[REQUEST_ID] = rid = new_request_id(prefix)
-        parsed = await self._parse(request, parse, rid)
+        parsed = await self.parse_body(request, parse, rid)
         if parsed.grammar_param is not None:
             await compile_check(parsed.prompts[0].params.structured, parsed.grammar_param, self.ctx)
-        self._check_available()  # an actor may have died while we parsed
+        self.check_available()  # an actor may have died while we parsed
         req = self.table.add(parsed, self.name)
         engine = req.choices[0].record.replica.index  # (the replica that took it: a death may move it on)
         stream = ", stream" if parsed.stream else ""
@@ -224,17 +232,23 @@ class HttpActor(Actor):
                 self.table.cancel(req, "client")
                 self.moved()
 
-    async def _parse(self, request: web.Request, parse, rid: str) -> ParsedRequest:
-        """Small bodies are parsed inline. Large ones (or of unknown length) are read LARGE_READS at a time, each
-        within body_timeout_s (a client that stops sending gets a 408 and frees its place), and parsed
-        LARGE_PARSES at a time, off the event loop: a flood of 16 MB bodies waits in the kernel's socket
-        buffers, not in our memory."""
+    async def parse_body(self, request: web.Request, parse, rid: str):
+        """`parse(body, ctx, rid)`: small bodies are parsed inline. Large ones (or of unknown length) are read
+        LARGE_READS at a time, each within body_timeout_s (a client that stops sending gets a 408 and frees its
+        place), and parsed LARGE_PARSES at a time, off the event loop: a flood of 16 MB bodies waits in the
+        kernel's socket buffers, not in our memory."""
         if request.content_length is not None and request.content_length <= PARSE_INLINE_BYTES:
             return parse(await self._read(request), self.ctx, rid)
         async with self._large_reads:
             body = await self._read(request)
+        return await self.off_loop(request, parse, body, self.ctx, rid)
+
+    async def off_loop(self, request: web.Request, fn, *args):
+        """`fn(*args)`, off the event loop when the request's body is large (as `parse_body` parses it)."""
+        if request.content_length is not None and request.content_length <= PARSE_INLINE_BYTES:
+            return fn(*args)
         async with self._large_parses:
-            return await asyncio.get_running_loop().run_in_executor(None, parse, body, self.ctx, rid)
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     async def _read(self, request: web.Request) -> bytes:
         try:

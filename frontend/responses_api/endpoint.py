@@ -1,0 +1,210 @@
+"""The Responses API's routes, on the HTTP actor (frontend/server.py), over its RequestTable and the store.
+
+  POST   /v1/responses                       create: the Response (foreground), its events (stream), or at once a
+                                             queued Response (background; with stream, its events follow)
+  GET    /v1/responses/{id}                  the Response now (a run's, else the stored one); ?stream=true
+                                             [&starting_after=N]: a background run's events after N, live or stored
+  DELETE /v1/responses/{id}                  forget it (a background run still going is cancelled first)
+  POST   /v1/responses/{id}/cancel           a background run ends `cancelled` (Abort -> AbortAck), output kept
+  GET    /v1/responses/{id}/input_items      the items it was given: previous_response_id's conversation, then its
+                                             input (limit 1..100, order asc|desc, after)
+
+A foreground client that goes away aborts its run, as on chat; a background run goes on until it ends or is
+cancelled, whoever reads it. Unknown ids are 404s in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from frontend.body import RequestError
+from frontend.http_base import REQUEST_ID, error_response, json_response
+from frontend.protocol import new_request_id
+from frontend.responses_api.request import decode_responses, responses_call
+from frontend.responses_api.runs import ResponseRun, drive
+from frontend.responses_api.store import ResponseStore
+from frontend.responses_api.writer import ResponseWriter
+from frontend.structured import compile_check
+
+log = logging.getLogger("sluice.http")
+
+MAX_ITEMS_PAGE = 100
+
+
+class ResponsesEndpoint:
+    def __init__(self, actor, store: ResponseStore):
+        self.actor = actor  # the HttpActor: its table, context, body parsing and owned tasks
+        self.store = store
+        self.runs: dict[str, ResponseRun] = {}  # runs not yet ended (and stored)
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/responses", self.create)
+        app.router.add_get("/v1/responses/{id}", self.retrieve)
+        app.router.add_delete("/v1/responses/{id}", self.delete)
+        app.router.add_post("/v1/responses/{id}/cancel", self.cancel)
+        app.router.add_get("/v1/responses/{id}/input_items", self.input_items)
+
+    # ------------------------------------------------------------ create
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        actor = self.actor
+        actor.check_available()
+        request[REQUEST_ID] = rid = new_request_id("resp")
+        body = await actor.parse_body(request, decode_responses, rid)
+        history = await self._history(body.previous_response_id)
+        call = await actor.off_loop(request, responses_call, body, actor.ctx, rid, history)
+        parsed = call.parsed
+        if parsed.grammar_param is not None:
+            await compile_check(parsed.prompts[0].params.structured, parsed.grammar_param, actor.ctx)
+        actor.check_available()
+        req = actor.table.add(parsed, actor.name)
+        run = self.runs[rid] = ResponseRun(call, req, ResponseWriter(call, actor.ctx.tokenizer))
+        actor.spawn(self._drive(run))
+        mode = ", background" if call.background else ""
+        log.info("[%s] %s: %d prompt tokens%s%s", rid, request.path, req.num_prompt_tokens, mode,
+                 ", stream" if body.stream else "")  # fmt: skip
+        if call.background and not body.stream:
+            return json_response(run.writer.response())
+        try:
+            if body.stream:
+                return await self._sse(request, run.events(-1))
+            await run.ended.wait()
+            if req.error is not None:
+                return error_response(req.error)
+            return json_response(run.writer.response())
+        finally:
+            if not call.background and not run.ended.is_set():  # the client went away
+                run.keep = False
+                actor.table.cancel(req, "client")
+                actor.moved()
+
+    async def _drive(self, run: ResponseRun) -> None:
+        try:
+            await drive(run, self.store)
+        finally:
+            del self.runs[run.id]
+            self.actor.moved()
+
+    async def _history(self, previous: str | None) -> list[dict]:
+        """The conversation previous_response_id continues: its items and its output."""
+        if previous is None:
+            return []
+        if previous in self.runs:
+            raise RequestError(400, f"previous response {previous!r} has not ended", "previous_response_id")
+        stored = await self.store.get(previous)
+        if stored is None:
+            raise RequestError(404, f"previous response {previous!r} not found", "previous_response_id")
+        return stored.conversation + stored.response["output"]
+
+    # ------------------------------------------------------------ retrieve, delete, cancel, input items
+
+    async def retrieve(self, request: web.Request) -> web.StreamResponse:
+        rid = request[REQUEST_ID] = request.match_info["id"]
+        stream = _flag(request, "stream")
+        after = _int(request, "starting_after", -1, -1)
+        if (run := self.runs.get(rid)) is not None:
+            if not stream:
+                return json_response(run.writer.response())
+            _background(run.call.background, "streamed")
+            return await self._sse(request, run.events(after))
+        stored = await self._stored(rid)
+        if not stream:
+            return json_response(stored.response)
+        _background(stored.events is not None, "streamed")
+        return await self._sse(request, _replay(stored.events, after))
+
+    async def delete(self, request: web.Request) -> web.Response:
+        rid = request[REQUEST_ID] = request.match_info["id"]
+        if (run := self.runs.get(rid)) is not None:
+            run.keep = False
+            self._cancel(run)
+        elif not await self.store.delete(rid):
+            raise _not_found(rid)
+        return json_response({"id": rid, "object": "response", "deleted": True})
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        rid = request[REQUEST_ID] = request.match_info["id"]
+        if (run := self.runs.get(rid)) is None:
+            stored = await self._stored(rid)
+            _background(stored.response.get("background"), "cancelled")
+            return json_response(stored.response)  # (it has ended: as it is)
+        _background(run.call.background, "cancelled")
+        self._cancel(run)
+        await run.ended.wait()  # (its choices ended as they were tombstoned: only the store's write is left)
+        return json_response(run.writer.response())
+
+    def _cancel(self, run: ResponseRun) -> None:
+        if not run.req.done:
+            run.cancelled = True
+            self.actor.table.cancel(run.req, "client")
+            self.actor.moved()
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        rid = request[REQUEST_ID] = request.match_info["id"]
+        limit = _int(request, "limit", 20, 1, MAX_ITEMS_PAGE)
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise RequestError(400, "order must be asc or desc", "order")
+        if request.query.get("include"):
+            raise RequestError(400, "include is not supported", "include")
+        run = self.runs.get(rid)
+        items = run.conversation if run is not None else (await self._stored(rid)).conversation
+        items = items[::-1] if order == "desc" else items
+        if (after := request.query.get("after")) is not None:
+            at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+            if at is None:
+                raise RequestError(404, f"item {after!r} not found", "after")
+            items = items[at + 1 :]
+        page = items[:limit]
+        return json_response({
+            "object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+        })  # fmt: skip
+
+    async def _stored(self, rid: str):
+        if (stored := await self.store.get(rid)) is None:
+            raise _not_found(rid)
+        return stored
+
+    async def _sse(self, request: web.Request, chunks) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            async for chunk in chunks:
+                await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionError:
+            log.info("[%s] client disconnected", request.get(REQUEST_ID, "-"))
+        return resp
+
+
+async def _replay(events: list[bytes], after: int):
+    yield b"".join(events[after + 1 :])
+
+
+def _background(background: bool, what: str) -> None:
+    if not background:
+        raise RequestError(400, f"only background responses can be {what}", "background")
+
+
+def _not_found(rid: str) -> RequestError:
+    return RequestError(404, f"Response with id {rid!r} not found.", "response_id", code="not_found")
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    return request.query.get(name, "false").lower() in ("true", "1")
+
+
+def _int(request: web.Request, name: str, default: int, low: int, high: int | None = None) -> int:
+    text = request.query.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        raise RequestError(400, f"{name} must be an integer in [{low}, {high if high is not None else '...'}]", name)
+    return value
