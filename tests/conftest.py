@@ -177,7 +177,13 @@ def family_dir_of(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-async def server(tiny_model_dir):
+def responses_db(tmp_path_factory) -> str:
+    """The Responses API's store of the session's servers (not the user's cache)."""
+    return str(tmp_path_factory.mktemp("responses") / "responses.sqlite3")
+
+
+@pytest.fixture(scope="session")
+async def server(tiny_model_dir, responses_db):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import start_server
@@ -185,21 +191,23 @@ async def server(tiny_model_dir):
     engine = EngineConfig(
         model=str(tiny_model_dir), max_model_len=512, max_num_seqs=16, num_kv_blocks=256, engine_threads=1
     )
-    srv = await start_server(engine, HttpConfig(port=0, tool_call_parser="hermes"), log_level="WARNING")
+    http = HttpConfig(port=0, tool_call_parser="hermes", responses_db=responses_db)
+    srv = await start_server(engine, http, log_level="WARNING")
     yield (handle := ServerHandle(srv, tiny_model_dir))
     await handle.close_clients()
     await srv.stop()
 
 
 @pytest.fixture(scope="session")
-async def fake_server(tiny_model_dir):
+async def fake_server(tiny_model_dir, responses_db):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import Server, http_process, pick_port, resolve_model
     from tests.fake_engine import FakeEngine
 
     model = resolve_model(str(tiny_model_dir))
-    http = pick_port(HttpConfig(port=0, api_key=API_KEY, abort_timeout_s=0.3, max_abort_tries=3, body_timeout_s=2.0))
+    http = pick_port(HttpConfig(port=0, api_key=API_KEY, abort_timeout_s=0.3, max_abort_tries=3, body_timeout_s=2.0,
+                                responses_db=responses_db))  # fmt: skip
     engine = FakeEngine()
     srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
     await srv.start()
@@ -220,7 +228,7 @@ def fake(fake_server):
 
 
 @pytest.fixture(scope="session")
-async def real_server():
+async def real_server(responses_db):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import resolve_model, start_server
@@ -228,7 +236,7 @@ async def real_server():
     model = resolve_model(None)
     # (1 GiB of KV cache on every device: on CUDA, sized to the card, it would leave later tests no room)
     engine = EngineConfig(model=str(model.path), max_model_len=1024, max_num_seqs=8, kv_cache_memory_gb=1.0)
-    srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
+    srv = await start_server(engine, HttpConfig(port=0, responses_db=responses_db), log_level="WARNING")
     yield (handle := ServerHandle(srv, model.path))
     await handle.close_clients()
     await srv.stop()

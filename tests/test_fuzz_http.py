@@ -1,4 +1,4 @@
-"""Property-based fuzzing of both generation endpoints (hypothesis, fixed seed): bodies built from
+"""Property-based fuzzing of the generation endpoints (completions, chat, responses) (hypothesis, fixed seed): bodies built from
 the request fields with hostile values at any depth (JSON text inside string fields too: schemas, tool-call
 arguments; tools, tool calls and guidance), raw byte mutations of valid bodies, and random headers. Properties: no response is a 5xx, every response arrives within BOUND_S, the server
 counted no 5xx, and canary streams running meanwhile finish with exactly their undisturbed output.
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.canary import Canary, undisturbed
 
 BOUND_S = 30.0  # liveness: valid fuzz requests are capped at 32 tokens each
-EXAMPLES = 250
+EXAMPLES = 300
 
 scalars = st.one_of(
     st.none(),
@@ -100,9 +100,55 @@ FIELD_VALUES = {
     "guidance_scale": st.sampled_from([1, 1.5]) | json_values,
     "negative_prompt": st.text(max_size=9) | token_ids,
 }
+RESPONSES_VALUES = {  # the Responses API's own fields (and chat's, mostly refused there)
+    "instructions": st.text(max_size=20) | json_values,
+    "text": st.fixed_dictionaries(
+        {},
+        optional={
+            "format": st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "json_schema", "x"])},
+                optional={"name": st.text(max_size=5), "schema": schemas},
+            )
+        },
+    )
+    | json_values,
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search"]), "name": st.sampled_from(["f", "g"])},
+            optional={"parameters": schemas},
+        ),
+        max_size=2,
+    )
+    | json_values,
+    "tool_choice": st.sampled_from(["none", "required"]) | json_values,
+    "previous_response_id": st.text(max_size=12) | json_values,
+    "background": st.booleans() | json_values,
+    "store": st.booleans() | json_values,
+    "include": st.lists(st.sampled_from(["message.output_text.logprobs", "x"]), max_size=2) | json_values,
+    "metadata": st.dictionaries(st.text(max_size=70), st.text(max_size=600), max_size=18) | json_values,
+    "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from([None, "low"])}) | json_values,
+    "top_logprobs": st.integers(-1, 25),
+}
+item = message | st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "input_image"])},
+    optional={
+        "role": st.sampled_from(["user", "developer", "assistant", "tool"]),
+        "content": json_values,
+        "call_id": st.text(max_size=4),
+        "name": st.text(max_size=4),
+        "arguments": json_texts,
+        "output": st.text(max_size=9) | json_values,
+    },
+)
 PROMPT = {
     "completions": st.text(max_size=80) | token_ids | st.lists(st.text(max_size=20) | token_ids, max_size=3),
     "chat/completions": st.lists(message, max_size=4),
+    "responses": st.text(max_size=80) | st.lists(item, max_size=4),
+}
+KEYS = {
+    "completions": ("prompt", "max_tokens"),
+    "chat/completions": ("messages", "max_tokens"),
+    "responses": ("input", "max_output_tokens"),
 }
 
 
@@ -138,14 +184,15 @@ NESTED_IN_CHAT = {
 
 @st.composite
 def bodies(draw, endpoint: str) -> bytes:
-    key = "prompt" if endpoint == "completions" else "messages"
-    fields = draw(st.dictionaries(st.sampled_from(sorted(FIELD_VALUES)), st.just(None), max_size=8))
-    body = {k: draw(FIELD_VALUES[k] | json_values if draw(st.booleans()) else FIELD_VALUES[k]) for k in fields}
+    key, max_key = KEYS[endpoint]
+    values = FIELD_VALUES | RESPONSES_VALUES if endpoint == "responses" else FIELD_VALUES
+    fields = draw(st.dictionaries(st.sampled_from(sorted(values)), st.just(None), max_size=8))
+    body = {k: draw(values[k] | json_values if draw(st.booleans()) else values[k]) for k in fields}
     if draw(st.integers(0, 9)):  # mostly a well-shaped prompt, sometimes anything at all
         body[key] = draw(PROMPT[endpoint])
     elif draw(st.booleans()):
         body[key] = draw(json_values)
-    body["max_tokens"] = draw(st.integers(1, 32) | st.integers(-(10**20), 10**20) | json_values)
+    body[max_key] = draw(st.integers(1, 32) | st.integers(-(10**20), 10**20) | json_values)
     if isinstance(body.get("n"), int) and body["n"] > 4:
         body["n"] = 4  # keep valid requests small: the properties are about bad input
     data = json.dumps(body).encode()
@@ -156,12 +203,12 @@ def bodies(draw, endpoint: str) -> bytes:
     if mutation == "truncate":
         return data[: draw(st.integers(0, len(data)))]
     if mutation == "duplicate":
-        return data[:-1] + b', "max_tokens": 1}'
+        return data[:-1] + b', "%s": 1}' % max_key.encode()
     if mutation == "nest":
         depth = draw(st.integers(100, 200_000))
         return b'{"%s": %s%s}' % (key.encode(), b"[" * depth, b"]" * depth)
     if mutation == "nest_text":  # deeply nested JSON inside a field (as text in a string, or a schema)
-        where = draw(st.sampled_from(sorted(NESTED_IN if key == "prompt" else {**NESTED_IN, **NESTED_IN_CHAT})))
+        where = draw(st.sampled_from(sorted(NESTED_IN if key != "messages" else {**NESTED_IN, **NESTED_IN_CHAT})))
         depth = draw(st.integers(65, 900 if where == "tool parameters" else 200_000))
         return (NESTED_IN | NESTED_IN_CHAT)[where](key, depth)
     if mutation == "raw":
@@ -194,7 +241,7 @@ def _post(host: str, port: int, path: str, data: bytes, hdrs: dict) -> tuple[int
         conn.close()
 
 
-def fuzz(host: str, port: int, seen: list[int]) -> None:
+def fuzz(host: str, port: int, seen: list[tuple[str, int]]) -> None:
     @settings(
         max_examples=EXAMPLES,
         deadline=None,
@@ -202,14 +249,14 @@ def fuzz(host: str, port: int, seen: list[int]) -> None:
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(endpoint=st.sampled_from(["completions", "chat/completions"]), data=st.data(), hdrs=headers)
+    @given(endpoint=st.sampled_from(sorted(KEYS)), data=st.data(), hdrs=headers)
     def one(endpoint, data, hdrs):
         body = data.draw(bodies(endpoint))
         start = time.monotonic()
         status, payload = _post(host, port, f"/v1/{endpoint}", body, hdrs)
         assert time.monotonic() - start < BOUND_S
         assert status < 500, (status, body[:300], payload[:300])
-        seen.append(status)
+        seen.append((endpoint, status))
 
     one()
 
@@ -217,14 +264,15 @@ def fuzz(host: str, port: int, seen: list[int]) -> None:
 async def test_fuzzed_requests_get_no_5xx_in_bounded_time_and_canaries_stay_intact(server):
     baseline = await undisturbed(server.url)
     before = await server.metrics()
-    statuses: list[int] = []
+    statuses: list[tuple[str, int]] = []
     fuzzing = asyncio.ensure_future(asyncio.to_thread(fuzz, server.server.http.host, server.server.http.port, statuses))
     canaries = []
     while not fuzzing.done():  # canaries back to back for as long as the fuzzing runs
         canaries.append(await Canary(server.url).start().task)
     await fuzzing
     assert len(canaries) >= 2 and all(c == baseline for c in canaries)
-    assert {200, 400} <= set(statuses)  # both valid and invalid requests were generated
+    for endpoint in KEYS:  # both valid and invalid requests were generated, for every endpoint
+        assert {200, 400} <= {status for e, status in statuses if e == endpoint}, endpoint
     after = await server.metrics()
     fives = {k: v - before.get(k, 0) for k, v in after.items() if k[0] == "sluice:http_requests_total"}
     assert not {k: v for k, v in fives.items() if dict(k[1])["status"].startswith("5") and v}, fives

@@ -16,12 +16,12 @@ cancelled, whoever reads it. Unknown ids are 404s in OpenAI's error shape.
 from __future__ import annotations
 
 import logging
+import uuid
 
 from aiohttp import web
 
 from frontend.body import RequestError
 from frontend.http_base import REQUEST_ID, error_response, json_response
-from frontend.protocol import new_request_id
 from frontend.responses_api.request import decode_responses, responses_call
 from frontend.responses_api.runs import ResponseRun, drive
 from frontend.responses_api.store import ResponseStore
@@ -51,7 +51,7 @@ class ResponsesEndpoint:
     async def create(self, request: web.Request) -> web.StreamResponse:
         actor = self.actor
         actor.check_available()
-        request[REQUEST_ID] = rid = new_request_id("resp")
+        request[REQUEST_ID] = rid = f"resp_{uuid.uuid4().hex}"  # (OpenAI's shape of a response id)
         body = await actor.parse_body(request, decode_responses, rid)
         history = await self._history(body.previous_response_id)
         call = await actor.off_loop(request, responses_call, body, actor.ctx, rid, history)
