@@ -57,7 +57,10 @@ class ResponsesEndpoint:
         call = await actor.off_loop(request, responses_call, body, actor.ctx, rid, history)
         parsed = call.parsed
         if parsed.grammar_param is not None:
-            await compile_check(parsed.prompts[0].params.structured, parsed.grammar_param, actor.ctx)
+            try:
+                await compile_check(parsed.prompts[0].params.structured, parsed.grammar_param, actor.ctx)
+            except RequestError as e:
+                raise call.names.error(e) from e
         actor.check_available()
         req = actor.table.add(parsed, actor.name)
         run = self.runs[rid] = ResponseRun(call, req, ResponseWriter(call, actor.ctx.tokenizer))

@@ -37,6 +37,7 @@ class ResponsesCall:
     input: list[dict]  # this call's items (frontend/responses_api/items.py)
     history: list[dict]  # the conversation before them: previous_response_id's input and output
     created_at: int
+    names: FieldNames  # a chat field -> the Responses field it came from (for errors found later: compile_check)
 
     @property
     def background(self) -> bool:
@@ -122,14 +123,13 @@ def responses_call(
     )
     if req.text is not None and req.text.format is not None:
         chat.response_format = _response_format(req.text.format)
-    name = _Names(starts, len(history), req.instructions is not None)
+    names = FieldNames(starts, len(history), req.instructions is not None)
     try:
         parsed = chat_request(chat, ctx, request_id)
     except RequestError as e:
-        param = name(e.param)
-        raise RequestError(e.status, e.message.replace(e.param or "\0", param or ""), param, e.type, e.code) from e
-    parsed = dataclasses.replace(parsed, fields={k: name(v) for k, v in parsed.fields.items()})
-    return ResponsesCall(req, parsed, items, history, int(time.time()))
+        raise names.error(e) from e
+    parsed = dataclasses.replace(parsed, fields={k: names(v) for k, v in parsed.fields.items()})
+    return ResponsesCall(req, parsed, items, history, int(time.time()), names)
 
 
 def _response_format(fmt: dict) -> dict:
@@ -154,7 +154,7 @@ def _check_metadata(metadata: dict[str, str]) -> None:
 
 
 @dataclass(frozen=True)
-class _Names:
+class FieldNames:
     """A chat field -> the Responses field it came from (module docstring)."""
 
     starts: list[int]  # the item each chat message (after the instructions) starts at
@@ -173,3 +173,8 @@ class _Names:
         for pattern, to in _RENAMES:
             param = pattern.sub(to, param)
         return param
+
+    def error(self, e: RequestError) -> RequestError:
+        """A chat path's error, naming the Responses field."""
+        param = self(e.param)
+        return RequestError(e.status, e.message.replace(e.param or "\0", param or ""), param, e.type, e.code)
