@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from actors.engine.config import EngineConfig
-from frontend.cli_args import Help, engine_arguments, limit_arguments, metrics_prefix
+from frontend.cli_args import Help, engine_arguments, limit_arguments, metrics_prefix, positive_float, positive_int
 from frontend.cli_engine import engine_config
 from frontend.reasoning import REASONING_PARSERS
 from frontend.tools import TOOL_CALL_PARSERS
@@ -60,6 +60,9 @@ def serve(args: argparse.Namespace) -> int:
         grammar_timeout_s=args.grammar_compile_timeout,
         metrics_prefix=args.metrics_prefix,
         dp_routing=args.dp_routing,
+        responses_db=args.responses_db,
+        responses_max_stored=args.responses_max_stored,
+        responses_max_age_s=args.responses_max_age_hours * 3600,
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
@@ -198,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SLUICE_API_KEY)",
     )
     g.add_argument("--metrics-prefix", type=metrics_prefix, default="sluice:", help="of /metrics series (vllm:…)")
+    g = p.add_argument_group("responses API (/v1/responses)")
+    g.add_argument("--responses-db", metavar="FILE", help="the stored responses' SQLite database (default: "
+                   "responses.sqlite3 in the cache directory, $SLUICE_CACHE_DIR or ~/.cache/sluice)")  # fmt: skip
+    g.add_argument(
+        "--responses-max-stored", type=positive_int, default=10_000, help="stored responses kept (oldest go)"
+    )
+    g.add_argument("--responses-max-age-hours", type=positive_float, default=720.0, help="... and for how long")
     g = p.add_argument_group("structured outputs and tools")
     g.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the model's own")
     g.add_argument(

@@ -45,7 +45,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     kv.add_argument(
         "--kv-cache-memory-gb",
-        type=_positive,
+        type=positive_float,
         default=_DEFAULTS.kv_cache_memory_gb,
         help="memory of every KV cache together (the model's and a draft model's; a gang's: per rank), in GiB "
         "(default: 1 on CPU and with --worker process; on CUDA, what --gpu-memory-utilization leaves)",
@@ -81,16 +81,16 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tensor-parallel-size",
         "-tp",
-        type=_count,
+        type=positive_int,
         default=_DEFAULTS.tensor_parallel_size,
         help="shard the model over this many worker processes (ranks of a torch.distributed gang: gloo on CPU, NCCL "
         "on CUDA, one device each); the worker then runs in processes of its own",
     )
-    g.add_argument("--nnodes", type=_count, default=_DEFAULTS.nnodes, help="nodes the gang spans")
+    g.add_argument("--nnodes", type=positive_int, default=_DEFAULTS.nnodes, help="nodes the gang spans")
     g.add_argument(
         "--data-parallel-size",
         "-dp",
-        type=_count,
+        type=positive_int,
         default=_DEFAULTS.data_parallel_size,
         help="engine replicas behind the server, each a scheduler, its worker (or gang), its detokenizer and its own "
         "KV and prefix cache; they share the node's cores (and split its CUDA devices)",
@@ -225,14 +225,14 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
 
 
-def _count(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")

@@ -26,14 +26,11 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields common to both endpoints: OpenAI's, then vLLM's extras."""
+class SamplingExtras(msgspec.Struct, kw_only=True):
+    """Fields of every generation endpoint (the Responses API's too): OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
-    n: int | None = None
     stream: bool | None = None
-    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -52,24 +49,32 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
     guidance_scale: float | None = None  # classifier-free guidance (frontend/guidance.py)
     negative_prompt: str | list[Any] | None = None
-    # structured outputs (frontend/structured.py): OpenAI's, vLLM's, and vLLM's older spellings
-    response_format: Any = None
+    # structured outputs (frontend/structured.py): vLLM's, and its older spellings
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context's length)
+    truncation_side: Literal["left", "right"] | None = None  # which end truncation drops from (default left)
+    cache_salt: str | None = None  # prefix caching shared only among requests with the same salt
+
+
+class SamplingFields(SamplingExtras, kw_only=True):
+    """Fields common to completions and chat completions."""
+
+    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    n: int | None = None
+    stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = None
+    response_format: Any = None  # OpenAI's structured outputs (frontend/structured.py)
     # vLLM's token-in/token-out extras (frontend/responses.py)
     return_token_ids: bool | None = None  # prompt and output token ids in the response (streamed per chunk)
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
-    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context's length)
-    truncation_side: Literal["left", "right"] | None = None  # which end truncation drops from (default left)
     best_of: int | None = None  # null or n (check_best_of): more is beam search's
-    cache_salt: str | None = None  # prefix caching shared only among requests with the same salt
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

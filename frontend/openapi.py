@@ -7,18 +7,37 @@ Errors share OpenAI's body: {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import functools
+import re
 
 import msgspec
 
 from frontend.fields import ChatCompletionRequest, CompletionRequest
+from frontend.responses_api.fields import ResponsesRequest
 from frontend.tokenize import DetokenizeRequest, TokenizeRequest, server_version
 
 REF = "#/components/schemas/{name}"
-BODIES = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+BODIES = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
 # (method, path, summary, request body, needs the API key)
 ENDPOINTS = [
     ("post", "/v1/completions", "Completions: OpenAI's API with vLLM's extras", CompletionRequest, True),
     ("post", "/v1/chat/completions", "Chat completions: OpenAI's API with vLLM's extras", ChatCompletionRequest, True),
+    (
+        "post",
+        "/v1/responses",
+        "Responses: OpenAI's API (stream, store, background) with chat's extras",
+        ResponsesRequest,
+        True,
+    ),
+    (
+        "get",
+        "/v1/responses/{id}",
+        "A response; ?stream=true&starting_after=N: a background run's events after N",
+        None,
+        True,
+    ),
+    ("delete", "/v1/responses/{id}", "Forget a response (a background run still going is cancelled)", None, True),
+    ("post", "/v1/responses/{id}/cancel", "Cancel a background response (its output so far is kept)", None, True),
+    ("get", "/v1/responses/{id}/input_items", "The items a response was given (limit, order, after)", None, True),
     ("get", "/v1/models", "The served model and its aliases", None, True),
     ("get", "/v1/models/{model}", "One model's card (404 for an unknown id)", None, True),
     ("post", "/tokenize", "vLLM's /tokenize: a prompt or a chat to token ids", TokenizeRequest, False),
@@ -50,8 +69,10 @@ def openapi(api_key: bool) -> dict:
         op: dict = {"summary": summary, "responses": _responses(body is not None or "{" in path)}
         if body is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_ref[body]}}}
-        if "{model}" in path:
-            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        if names := re.findall(r"\{(\w+)\}", path):
+            op["parameters"] = [
+                {"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names
+            ]
         if guarded and api_key:
             op["security"] = [{"bearer": []}]
         paths.setdefault(path, {})[method] = op
@@ -67,5 +88,5 @@ def _responses(can_fail: bool) -> dict:
     out = {"200": {"description": "OK (JSON, or text/event-stream when `stream` is true)"}}
     if can_fail:
         out["400"] = {"description": "A bad request: the error names the field", **error}
-        out["404"] = {"description": "An unknown model", **error}
+        out["404"] = {"description": "An unknown model or response", **error}
     return out

@@ -212,13 +212,21 @@ async def test_openapi_describes_every_endpoint_and_its_bodies(api):
         doc = await resp.json()
     assert doc["openapi"].startswith("3.1") and set(doc["paths"]) == {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize", "/detokenize",
-        "/version", "/health", "/metrics", "/openapi.json",
+        "/version", "/health", "/metrics", "/openapi.json", "/v1/responses", "/v1/responses/{id}",
+        "/v1/responses/{id}/cancel", "/v1/responses/{id}/input_items",
     }  # fmt: skip
+    assert set(doc["paths"]["/v1/responses/{id}"]) == {"get", "delete"}
     schemas = doc["components"]["schemas"]
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     chat = schemas[body["$ref"].rsplit("/", 1)[1]]["properties"]
     assert {"messages", "return_token_ids", "continue_final_message", "truncate_prompt_tokens"} <= set(chat)
     assert "use_beam_search" not in chat and "functions" not in chat
+    body = doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    responses = schemas[body["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert {"input", "instructions", "max_output_tokens", "previous_response_id", "background", "top_k"} <= set(
+        responses
+    )
+    assert not {"max_tokens", "n", "messages", "response_format", "prompt_logprobs"} & set(responses)
 
     assert {"enum": ["left", "right"]} in chat["truncation_side"]["anyOf"]
     assert chat["stream_options"]["anyOf"][0] == {"$ref": "#/components/schemas/StreamOptions"}

@@ -1,4 +1,4 @@
-"""The fields of a `POST /v1/responses` body: OpenAI's, and Sluice's sampling extras as in chat (SamplingFields).
+"""The fields of a `POST /v1/responses` body: OpenAI's, and Sluice's sampling extras as in chat (SamplingExtras).
 
 Refused with a 400 naming the field (any value other than the listed no-ops): what the Responses API spells
 otherwise (`max_tokens`: max_output_tokens; `response_format`: text.format; `messages`: input), what it has no
@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from frontend.fields import NOT_HONOURED_IN_CHAT, SamplingFields, _empty, _is
+from frontend.fields import NOT_HONOURED_IN_CHAT, SamplingExtras, _empty, _is
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` entry honoured
 
@@ -29,7 +29,7 @@ class TextOptions(msgspec.Struct):
     verbosity: str | None = None  # refused unless null or "medium"
 
 
-class ResponsesRequest(SamplingFields, kw_only=True):
+class ResponsesRequest(SamplingExtras, kw_only=True):
     input: Any = None  # a string, or a list of items (frontend/responses_api/items.py)
     instructions: str | None = None  # a system message first; not carried on by previous_response_id
     max_output_tokens: int | None = None

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from frontend.body import RequestError, decode_body
-from frontend.fields import ChatCompletionRequest, SamplingFields
+from frontend.fields import ChatCompletionRequest, SamplingExtras
 from frontend.protocol import ParsedRequest, ServingContext, chat_request
 from frontend.responses_api.fields import NOT_HONOURED_IN_RESPONSES, OUTPUT_LOGPROBS, ResponsesRequest
 from frontend.responses_api.items import chat_messages, chat_tool_choice, chat_tools, input_items
@@ -108,10 +108,10 @@ def responses_call(
     messages, starts = chat_messages(history + items)
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions})
-    sampling = {k: getattr(req, k) for k in SamplingFields.__struct_fields__}
+    sampling = {k: getattr(req, k) for k in SamplingExtras.__struct_fields__}
     logprobs = req.top_logprobs is not None or OUTPUT_LOGPROBS in (req.include or [])
     chat = ChatCompletionRequest(
-        **(sampling | {"stream": False, "stream_options": None, "max_tokens": None, "response_format": None}),
+        **(sampling | {"stream": False}),
         messages=messages,
         max_completion_tokens=req.max_output_tokens,
         logprobs=logprobs,
