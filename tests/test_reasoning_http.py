@@ -114,3 +114,41 @@ async def test_enable_thinking_reaches_the_template(thinking):
                 texts.append(thinking.tokenizer.decode((await resp.json())["tokens"]))
     assert texts[0].endswith("<|im_start|>assistant\n") and texts[1] == texts[0] + "<think>\n\n</think>\n\n"
     assert await chat(thinking, ["It is 4."], True, extra_body=off) == (None, "It is 4.", [])
+
+
+async def respond(server: ServerHandle, script: list[str], stream: bool, **kwargs) -> list[tuple]:
+    """The Responses API's output items, as (type, text) pairs, of a response the engine answers with `script`;
+    streamed, the reasoning and text deltas are checked to add up to their items."""
+    engine, before = server.engine, len(server.engine.added)
+    answer = asyncio.ensure_future(server.client().responses.create(model="", input=CHAT, stream=stream, **kwargs))
+    rid = (await engine.wait_added(before)).request_id
+    for i, piece in enumerate(script):
+        engine.emit(rid, piece, [100 + i])
+    engine.finish(rid, "stop")
+    response = await answer
+    if stream:
+        events = [e async for e in response]
+        response = events[-1].response
+        deltas = {"reasoning": "", "message": ""}
+        for e in events:
+            if e.type in ("response.reasoning_text.delta", "response.output_text.delta"):
+                deltas["reasoning" if "reasoning" in e.type else "message"] += e.delta
+        assert deltas == {kind: "".join(_text(o) for o in response.output if o.type == kind) for kind in deltas}
+    assert response.status == "completed"
+    return [(o.type, _text(o)) for o in response.output]
+
+
+def _text(item) -> str:
+    if item.type == "function_call":
+        return f"{item.name} {item.arguments}"
+    return item.content[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_reasoning_items(thinking, stream):
+    """A Response says what the chat says: a reasoning item, then the message or the call."""
+    assert await respond(thinking, SCRIPT, stream) == [("reasoning", "Let me think."), ("message", "\n\nIt is 4.")]
+    script = ["<think>Hmm.</think>", CALL[:30], CALL[30:]]
+    tool = {"type": "function", **WEATHER["function"]}
+    called = await respond(thinking, script, stream, tools=[tool])
+    assert called == [("reasoning", "Hmm."), ("function_call", 'get_weather {"city": "Rome", "days": 1}')]

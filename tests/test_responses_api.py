@@ -159,3 +159,15 @@ async def test_previous_response_across_a_restart(served, tiny_model_dir):
     chat = await client.chat.completions.create(model=None, messages=convo, temperature=0, max_completion_tokens=12)
     assert second.output_text == chat.choices[0].message.content
     assert second.previous_response_id == first.id
+
+
+async def test_logprobs_and_cached_tokens(client):
+    convo = [{"role": "user", "content": "Name a color, please, in one word."}]
+    chat = await client.chat.completions.create(model=None, messages=convo, temperature=0, max_completion_tokens=6,
+                                                logprobs=True, top_logprobs=2)  # fmt: skip
+    r = await client.responses.create(model="", input=convo, temperature=0, max_output_tokens=6, top_logprobs=2,
+                                      include=["message.output_text.logprobs"])  # fmt: skip
+    got, want = r.output[0].content[0].logprobs, chat.choices[0].logprobs.content
+    assert [(x.token, len(x.top_logprobs)) for x in got] == [(x.token, 2) for x in want]
+    assert [x.logprob for x in got] == pytest.approx([x.logprob for x in want], abs=1e-3)
+    assert r.usage.input_tokens_details.cached_tokens >= 16  # the chat's prompt blocks, found in the prefix cache
