@@ -1,5 +1,6 @@
 """No request lost (DESIGN I8, issue 17), end to end: kill -9 the worker's process, then the engine's, then the
-detokenizer's, while greedy and seeded streams are mid-flight over the real server and the `openai` client. Every
+detokenizer's, while greedy and seeded streams (and a background response) are mid-flight over the real server and
+the `openai` client. Every
 stream completes with exactly the text and tokens of an undisturbed run, with no error chunk, and the idle
 invariant holds afterwards. A worker's death is repaired inside the engine (its requests recompute): no client
 resumes; the others' are repaired by the clients' resumes.
@@ -29,7 +30,7 @@ PROMPTS = [f"Story {i}: once upon a time" for i in range(2)]
 
 
 @pytest.fixture(scope="module")
-async def own_server(tiny_model_dir):
+async def own_server(tiny_model_dir, responses_db):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import start_server
@@ -38,7 +39,7 @@ async def own_server(tiny_model_dir):
         model=str(tiny_model_dir), max_model_len=512, max_num_seqs=16, num_kv_blocks=256, engine_threads=1,
         worker="process",
     )  # fmt: skip
-    srv = await start_server(engine, HttpConfig(port=0), log_level="WARNING")
+    srv = await start_server(engine, HttpConfig(port=0, responses_db=responses_db), log_level="WARNING")
     yield (handle := ServerHandle(srv, tiny_model_dir))
     await handle.close_clients()
     await srv.stop()
@@ -67,12 +68,31 @@ class Stream:
                 self.started.set()
 
 
+class Background:
+    """One greedy background response (the Responses API), followed by resuming its event stream to the end;
+    `started` once it has output. Its result: (text, output tokens, "length" when max_output_tokens cut it)."""
+
+    def __init__(self, client, prompt: str):
+        self.started = asyncio.Event()
+        self.task = asyncio.ensure_future(self._run(client, prompt))
+
+    async def _run(self, client, prompt: str) -> tuple:
+        r = await client.responses.create(model="", input=prompt, background=True, max_output_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        async for event in await client.responses.retrieve(r.id, stream=True):
+            if event.type == "response.output_text.delta":
+                self.started.set()
+        r = event.response
+        return r.output_text, r.usage.output_tokens, "length" if r.status == "incomplete" else r.status
+
+
 async def run_all(handle: ServerHandle, kill: str | None) -> tuple[list[tuple], float]:
-    """Every prompt x kind streamed at once, and one request not streamed; with `kill`, that process is killed
-    once all streams have a few tokens. Returns each request's (text, tokens, finish reason[, prompt logprobs])
+    """Every prompt x kind streamed at once, one request not streamed and one background response; with `kill`,
+    that process is killed once all streams have a few tokens. Returns each request's (text, tokens, finish reason[, prompt logprobs])
     and the pause the kill cost: from the kill to the first chunk every stream received after it (0 without)."""
     client = handle.client()
     streams = [Stream(client, p, k) for p in PROMPTS for k in KINDS]
+    background = Background(client, PROMPTS[1])
     whole = asyncio.ensure_future(  # not streamed, with prompt logprobs (sent with the request's first output)
         client.completions.create(
             model=None,
@@ -85,7 +105,7 @@ async def run_all(handle: ServerHandle, kill: str | None) -> tuple[list[tuple], 
     )
     pause = 0.0
     if kill:
-        await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
+        await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in [*streams, background])), 60)
         old = handle.server.pids()[kill]
         t0 = time.monotonic()
         handle.server.kill(kill)
@@ -94,7 +114,7 @@ async def run_all(handle: ServerHandle, kill: str | None) -> tuple[list[tuple], 
         assert handle.server.pids()[kill] != old
     await asyncio.wait_for(asyncio.gather(*(s.task for s in streams)), 180)
     choice = (await asyncio.wait_for(whole, 180)).choices[0]
-    got = [(s.text, s.tokens, s.finish) for s in streams]
+    got = [(s.text, s.tokens, s.finish) for s in streams] + [await asyncio.wait_for(background.task, 180)]
     return [*got, (choice.text, len(choice.logprobs.tokens), choice.finish_reason, choice.prompt_logprobs)], pause
 
 
