@@ -148,9 +148,21 @@ def decode_body(body: bytes, type_: type[T], refused: Mapping[str, Callable[[obj
         missing = re.match(r"Object missing required field `([^`]*)`", msg)
         if missing:
             param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        if "at `key` in" in msg and isinstance(keyed := obj.get(param) if isinstance(obj, dict) else None, dict):
+            bad = [repr(k) for k in keyed if not _int_key(k)]  # (logit_bias: the one map keyed by integers)
+            says = "is not a token id" if len(bad) == 1 else "are not token ids"
+            raise RequestError(400, f"{param}: {', '.join(bad[:8])} {says}", param) from e
         raise RequestError(400, f"Invalid value for '{param}': {msg[: m.start()]}", param) from e
     except RecursionError as e:
         raise RequestError(400, "Invalid JSON body: nested too deeply") from e
+
+
+def _int_key(key: str) -> bool:
+    try:
+        msgspec.convert({key: 0}, dict[int, int], str_keys=True)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def token_ids(value) -> list[int] | None:

@@ -1,11 +1,12 @@
-"""What every HTTP call passes through: the server's configuration, the API key check, errors turned into
-OpenAI error bodies (and logged with the request id: 5xx as errors, a 5xx is a bug or a dead actor, never the
-client's fault), and a count of every response by endpoint and status."""
+"""What every HTTP call passes through: the server's configuration, the API key check, a JSON content type on POSTs,
+errors turned into OpenAI error bodies (and logged with the request id: 5xx as errors, a 5xx is a bug or a dead actor,
+never the client's fault), and a count of every response by endpoint and status."""
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 from pathlib import Path
 
 import msgspec
@@ -58,6 +59,16 @@ class HttpConfig(msgspec.Struct, kw_only=True):
         return f"http://{host}:{self.port}"
 
 
+_JSON = re.compile(r"application/(?:[\w.-]+\+)?json")
+
+
+def check_json(request: web.Request) -> None:
+    """A POST's body must say it is JSON (or say nothing): a form or text body is a 415, as vLLM's."""
+    given = request.headers.get("Content-Type")
+    if given is not None and not _JSON.fullmatch(given.split(";", 1)[0].strip().lower()):
+        raise RequestError(415, f"Content-Type must be application/json, not {given!r}", code="unsupported_media_type")
+
+
 def json_response(body: dict, status: int = 200) -> web.Response:
     return web.Response(body=_encode(body), status=status, content_type="application/json")
 
@@ -74,6 +85,8 @@ def middleware(config: HttpConfig, metrics: Metrics):
                 given = request.headers.get("Authorization", "").encode("utf-8", "replace")
                 if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
                     raise RequestError(401, "Invalid or missing API key", code="invalid_api_key")
+            if request.method == "POST":  # (every POST endpoint takes JSON, or nothing)
+                check_json(request)
             resp = await handler(request)
             error = request.get(STREAM_ERROR)
         except RequestError as e:

@@ -76,8 +76,9 @@ def _event(req: HttpRequest, c: Choice, vocab: TokenVocab) -> bytes:
             calls = [_delta(d) for d in deltas]
         if not (text or reasoning or calls or logprobs or ending or (p.return_token_ids and ids)):
             return b""  # (what the parsers hold back)
+        content = text or ("" if ending and not calls else None)  # (vLLM: the finish chunk's content is "")
         delta = fmt.chat_delta(
-            c.index, text or None, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs, tool_calls=calls,
+            c.index, content, finish_reason=reason, stop_reason=stop_reason, logprobs=logprobs, tool_calls=calls,
             reasoning=reasoning or None,
         )  # fmt: skip
         delta |= {"token_ids": ids} if p.return_token_ids else {}

@@ -55,7 +55,8 @@ def test_bytes_method_equals_tokenizer_decode_on_random_ids(skip_special_tokens)
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))] + [rng.randrange(3)]
         detok = IncrementalDetokenizer(tok, [], skip_special_tokens, method="bytes")
         text = "".join(stream(detok, ids, (1, 3)))
-        assert text == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        whole = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert text == whole or (whole == text + "\ufffd" and _ends_mid_character(tok, ids)), (text, whole)
 
 
 def test_first_token_gets_its_leading_space_from_the_prompt():
@@ -89,14 +90,25 @@ def test_prompt_ending_mid_character_does_not_leak_into_the_output(method):
     assert stream(IncrementalDetokenizer(tok, prompt, method=method), out[:1]) == ["", ""]
 
 
+def _ends_mid_character(tok, ids: list[int]) -> bool:
+    """Whether the text of `ids` ends inside a character: a continuation byte's token (0x80-0xBF, in GPT-2's byte
+    alphabet, transformers' own table) completes or extends it without a U+FFFD at the end."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    continuations = [tok.token_to_id(alphabet[b]) for b in range(0x80, 0xC0)]
+    return any(not tok.decode(ids + [c]).endswith("\ufffd") for c in continuations if c is not None)
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_flush_releases_an_incomplete_trailing_character_as_replacement(method):
+def test_flush_drops_an_incomplete_trailing_character(method):
+    """As vLLM, a request cut inside a character ends at the last whole one (no U+FFFD)."""
     tok = smollm2()
     out = tok.encode("ok 🤗").ids[:-1]
     detok = IncrementalDetokenizer(tok, tok.encode(PROMPT).ids, method=method)
     streamed = detok.step(out)
-    assert "\ufffd" not in streamed
-    assert streamed + detok.flush() == tok.decode(out) == "ok \ufffd"
+    assert tok.decode(out) == "ok \ufffd"
+    assert streamed + detok.flush() == "ok "
     assert detok.flush() == ""
 
 

@@ -243,7 +243,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "seed": 2**64}, "seed", "seed must be in"),
     ({"prompt": "hi", "stop": ["ok", ""]}, "stop", "non-empty"),
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", "token id 99999 is outside the vocabulary"),
-    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "Expected `int`"),
+    ({"prompt": "hi", "logit_bias": {"x": 1, "5": 1}}, "logit_bias", "logit_bias: 'x' is not a token id"),
     ({"prompt": "hi", "logit_bias": {"5": "high"}}, "logit_bias", "Expected `float`, got `str`"),
     ({"prompt": "hi", "stop_token_ids": [3, 99999]}, "stop_token_ids", "token id 99999"),
     ({"prompt": "hi", "allowed_token_ids": [-1]}, "allowed_token_ids", "token id -1"),

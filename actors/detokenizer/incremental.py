@@ -11,7 +11,8 @@ Three methods, same output (the text `tokenizer.decode` gives for prompt + outpu
   when DecodeStream cannot be primed (tokenizers < 0.22), when the prompt ends inside a UTF-8
   character (DecodeStream would re-emit the whole prompt, vLLM #48853), and for the rest of a request
   whose stream raised.
-Text is emitted only once every multi-byte character is complete; `flush()` releases the rest. A
+Text is emitted only once every multi-byte character is complete; `flush()` releases the rest but an incomplete last
+character (vLLM's text ends at the last whole one). A
 character that starts in the prompt and ends in the output belongs to the prompt: it is not emitted.
 """
 
@@ -167,10 +168,11 @@ class IncrementalDetokenizer:
         return "".join(pieces)
 
     def flush(self) -> str:
-        """At finish: release text still buffered, an incomplete trailing character as U+FFFD."""
+        """At finish: release text still buffered but an incomplete trailing character (as vLLM: the text ends at
+        the last whole character; the token ids still say every byte)."""
         if self._bytes is not None:
-            text, self._buf = utf_8_decode(self._buf, "replace", True)[0], b""
-            return self._drop_prompt_char(text)
+            self._buf = b""  # (only ever an incomplete character: `step` decoded everything before it)
+            return ""
         if self._read_offset == len(self._ids):
             return ""
         if self._stream is not None:
@@ -179,7 +181,7 @@ class IncrementalDetokenizer:
         text = self._decode(self._prefix_offset, len(self._ids))[len(self._prefix_text) :]
         self._read_offset = len(self._ids)
         self._start_offsets()  # steps after a flush go on from a clean state
-        return text
+        return text.removesuffix(_FFFD)  # (held back: it was the incomplete character)
 
     # ------------------------------------------------------------------ internals
 
