@@ -97,7 +97,7 @@ def _ends_mid_character(tok, ids: list[int]) -> bool:
 
     alphabet = bytes_to_unicode()
     continuations = [tok.token_to_id(alphabet[b]) for b in range(0x80, 0xC0)]
-    return any(not tok.decode(ids + [c]).endswith("\ufffd") for c in continuations if c is not None)
+    return any(not tok.decode([*ids, c]).endswith("\ufffd") for c in continuations if c is not None)
 
 
 @pytest.mark.parametrize("method", METHODS)
