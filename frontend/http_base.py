@@ -59,11 +59,12 @@ class HttpConfig(msgspec.Struct, kw_only=True):
         return f"http://{host}:{self.port}"
 
 
-_JSON = re.compile(r"application/(?:[\w.-]+\+)?json")
+_JSON = re.compile(r"application/(?:[\w.-]+\+)?json|application/octet-stream")
 
 
 def check_json(request: web.Request) -> None:
-    """A POST's body must say it is JSON (or say nothing): a form or text body is a 415, as vLLM's."""
+    """A POST's body must say it is JSON, or nothing (no type, or application/octet-stream: what HTTP libraries
+    send for raw bytes); a form or text body is a 415, as vLLM's."""
     given = request.headers.get("Content-Type")
     if given is not None and not _JSON.fullmatch(given.split(";", 1)[0].strip().lower()):
         raise RequestError(415, f"Content-Type must be application/json, not {given!r}", code="unsupported_media_type")

@@ -219,7 +219,7 @@ async def test_client_disconnect_removes_the_request_from_the_engine(server):
         }
     )
     reports = await server.idle()
-    assert reports["http"] == {"live": 0, "tombstones": 0}
+    assert reports["http"] == {"live": 0, "tombstones": 0, "responses": 0}
     assert all(v == 0 for details in reports.values() for v in details.values()), reports
 
 

@@ -96,7 +96,7 @@ async def test_an_unacknowledged_abort_is_resent_then_given_up(fake):
     later = await fake.client().completions.create(model=None, prompt="hi", max_tokens=2)
     assert later.choices[0].finish_reason == "length"
     assert len(fake.engine.aborts) == 3
-    assert (await fake.idle())["http"] == {"live": 0, "tombstones": 0}
+    assert (await fake.idle())["http"] == {"live": 0, "tombstones": 0, "responses": 0}
 
 
 async def test_duplicate_outputs_are_dropped(fake):
