@@ -167,6 +167,7 @@ class HttpActor(Actor):
             self.table.fail_all(RequestError(503, "the server is shutting down"), send_abort=False)
         if self.runner is not None:
             await self.runner.cleanup()
+            await self.until(lambda: not self.responses.runs, self.config.drain_timeout_s)  # (their last writes)
             await self.responses.store.close()
 
     async def _housekeeping(self) -> None:
@@ -237,15 +238,19 @@ class HttpActor(Actor):
         LARGE_READS at a time, each within body_timeout_s (a client that stops sending gets a 408 and frees its
         place), and parsed LARGE_PARSES at a time, off the event loop: a flood of 16 MB bodies waits in the
         kernel's socket buffers, not in our memory."""
-        if request.content_length is not None and request.content_length <= PARSE_INLINE_BYTES:
+        if not self.large(request):
             return parse(await self._read(request), self.ctx, rid)
         async with self._large_reads:
             body = await self._read(request)
-        return await self.off_loop(request, parse, body, self.ctx, rid)
+        return await self.off_loop(True, parse, body, self.ctx, rid)
 
-    async def off_loop(self, request: web.Request, fn, *args):
-        """`fn(*args)`, off the event loop when the request's body is large (as `parse_body` parses it)."""
-        if request.content_length is not None and request.content_length <= PARSE_INLINE_BYTES:
+    @staticmethod
+    def large(request: web.Request) -> bool:
+        return request.content_length is None or request.content_length > PARSE_INLINE_BYTES
+
+    async def off_loop(self, large: bool, fn, *args):
+        """`fn(*args)`: inline, or when `large`, off the event loop (LARGE_PARSES at a time)."""
+        if not large:
             return fn(*args)
         async with self._large_parses:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

@@ -60,27 +60,35 @@ class ToolCallParser:
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """The next chunk of output -> (content now safe to emit, tool-call deltas)."""
-        self._buf += text
-        content, deltas = [], []
-        while self._step(content, deltas):
-            pass
-        return "".join(content), deltas
+        return _apart(self.pieces(text))
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The end of the output: flush what was held back."""
-        content, deltas = self.feed("")
+        return _apart(self.last_pieces())
+
+    def pieces(self, text: str) -> list[str | ToolCallDelta]:
+        """`feed`'s content and deltas in the order the output wrote them."""
+        self._buf += text
+        out: list = []
+        while self._step(out, out):
+            pass
+        return out
+
+    def last_pieces(self) -> list[str | ToolCallDelta]:
+        """`finish`'s content and deltas in the order the output wrote them."""
+        out = self.pieces("")
         buf, self._buf = self._buf, ""
         if self.state is State.TEXT:
-            content += buf if self._texty or buf.strip() or not self.calls else ""
+            out.append(buf if self._texty or buf.strip() or not self.calls else "")
         elif self.state is State.HEADER:
-            content += OPEN + buf
+            out.append(OPEN + buf)
         # ARGS (cut off: the call stays as far as it got) or TAIL (complete): nothing more to emit
         self.state = State.TEXT
-        return content, deltas
+        return out
 
     # ---------------------------------------------------------------- states
 
-    def _step(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
+    def _step(self, content: list, deltas: list) -> bool:
         """Consume what the current state can; whether to go on."""
         buf = self._buf
         if self.state is State.TEXT:
@@ -152,6 +160,10 @@ class ToolCallParser:
                 if self._depth == 0:
                     return i + 1
         return None
+
+
+def _apart(pieces: list[str | ToolCallDelta]) -> tuple[str, list[ToolCallDelta]]:
+    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if not isinstance(p, str)]
 
 
 def _could_be(buf: str, literal: str) -> bool:

@@ -152,3 +152,5 @@ async def test_responses_reasoning_items(thinking, stream):
     tool = {"type": "function", **WEATHER["function"]}
     called = await respond(thinking, script, stream, tools=[tool])
     assert called == [("reasoning", "Hmm."), ("function_call", 'get_weather {"city": "Rome", "days": 1}')]
+    then = await respond(thinking, [CALL + "\nAfter."], stream, tools=[tool])  # (one delta: the call, then text)
+    assert then == [("function_call", 'get_weather {"city": "Rome", "days": 1}'), ("message", "\nAfter.")]

@@ -54,7 +54,8 @@ class ResponsesEndpoint:
         request[REQUEST_ID] = rid = f"resp_{uuid.uuid4().hex}"  # (OpenAI's shape of a response id)
         body = await actor.parse_body(request, decode_responses, rid)
         history = await self._history(body.previous_response_id)
-        call = await actor.off_loop(request, responses_call, body, actor.ctx, rid, history)
+        large = bool(history) or actor.large(request)  # (a stored conversation may be long: rendered off the loop)
+        call = await actor.off_loop(large, responses_call, body, actor.ctx, rid, history)
         parsed = call.parsed
         if parsed.grammar_param is not None:
             try:
@@ -86,6 +87,13 @@ class ResponsesEndpoint:
     async def _drive(self, run: ResponseRun) -> None:
         try:
             await drive(run, self.store)
+        except Exception:  # a bug: the run fails alone (an exception here would stop the HTTP actor)
+            log.exception("[%s] the response failed", run.id)
+            if not run.req.done:
+                self.actor.table.fail_request(run.req, RequestError(500, "the response failed"))
+            run.writer.fail("the response failed")
+            run.publish()
+            run.ended.set()
         finally:
             del self.runs[run.id]
             self.actor.moved()
@@ -99,6 +107,9 @@ class ResponsesEndpoint:
         stored = await self.store.get(previous)
         if stored is None:
             raise RequestError(404, f"previous response {previous!r} not found", "previous_response_id")
+        if stored.size > self.actor.config.max_body_bytes:  # (truncation lets a chain outgrow the context)
+            raise RequestError(400, "previous response's conversation is longer than a request body may be",
+                               "previous_response_id")  # fmt: skip
         return stored.conversation + stored.response["output"]
 
     # ------------------------------------------------------------ retrieve, delete, cancel, input items
@@ -123,6 +134,8 @@ class ResponsesEndpoint:
         if (run := self.runs.get(rid)) is not None:
             run.keep = False
             self._cancel(run)
+            await run.ended.wait()  # (its write may have begun before `keep` was cleared: deleted after it)
+            await self.store.delete(rid)
         elif not await self.store.delete(rid):
             raise _not_found(rid)
         return json_response({"id": rid, "object": "response", "deleted": True})

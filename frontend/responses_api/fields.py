@@ -74,4 +74,8 @@ NOT_HONOURED_IN_RESPONSES = {
     "truncation": _is(None, "disabled"),
     "stream_options": _is(None, {}, {"include_obfuscation": False}),
     "functions": _empty,
+    **dict.fromkeys(
+        ("context_management", "moderation", "background_options", "prompt_cache_options", "image", "access_programs"),
+        _empty,
+    ),  # (the client's newer options, none built)
 }

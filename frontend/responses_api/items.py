@@ -67,7 +67,7 @@ def _item(item, field: str) -> dict:
 
 def _message(item: dict, field: str) -> dict:
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise RequestError(400, f"{field}.role must be one of {', '.join(ROLES)}; got {role!r}", f"{field}.role")
     content = item.get("content")
     if isinstance(content, str):

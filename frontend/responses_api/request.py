@@ -23,7 +23,8 @@ from frontend.responses_api.items import chat_messages, chat_tool_choice, chat_t
 
 MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
 _RENAMES = [
-    (re.compile(r"^max_completion_tokens$|^max_tokens$|^n$"), "max_output_tokens"),
+    (re.compile(r"^max_completion_tokens$|^max_tokens$"), "max_output_tokens"),
+    (re.compile(r"^n$"), "input"),  # (check_total without max tokens: the prompt is what is too long)
     (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
     (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
     (re.compile(r"^messages$"), "input"),
@@ -176,5 +177,7 @@ class FieldNames:
 
     def error(self, e: RequestError) -> RequestError:
         """A chat path's error, naming the Responses field."""
-        param = self(e.param)
-        return RequestError(e.status, e.message.replace(e.param or "\0", param or ""), param, e.type, e.code)
+        param, message = self(e.param), e.message
+        if e.param and message.startswith(e.param):
+            message = param + message[len(e.param) :]
+        return RequestError(e.status, message, param, e.type, e.code)

@@ -106,7 +106,7 @@ def _outcome(run: ResponseRun) -> tuple[str, dict | None]:
     req = run.req
     if req.error is not None:
         e = req.error
-        return "failed", {"code": "server_error" if e.status >= 500 else "invalid_request", "message": e.message}
+        return "failed", {"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message}
     fin = req.choices[0].finished
     if run.cancelled or fin is None:
         return "cancelled", None

@@ -38,6 +38,7 @@ class Stored:
     response: dict
     conversation: list[dict]
     events: list[bytes] | None = None
+    size: int = 0  # bytes of the stored conversation (as read)
 
 
 class ResponseStore:
@@ -53,7 +54,7 @@ class ResponseStore:
 
     async def close(self) -> None:
         await self._run(self._db.close)
-        self._thread.shutdown()
+        self._thread.shutdown(wait=False)
 
     async def put(self, id: str, stored: Stored) -> None:
         await self._run(self._put, id, stored)
@@ -98,7 +99,7 @@ class ResponseStore:
         if row is None:
             return None
         events = msgspec.msgpack.decode(row[2], type=list[bytes]) if row[2] is not None else None
-        return Stored(msgspec.json.decode(row[0]), msgspec.json.decode(row[1]), events)
+        return Stored(msgspec.json.decode(row[0]), msgspec.json.decode(row[1]), events, len(row[1]))
 
     def _delete(self, id: str) -> bool:
         with self._db:

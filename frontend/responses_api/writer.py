@@ -50,6 +50,7 @@ class ResponseWriter:
         self._item: dict | None = None  # the item being written
         self._logprobs: list[dict] = []  # logprobs not yet given to a text delta
         self._reasoning = []  # every reasoning text (its tokens are counted at the end)
+        self._calls: dict[int, dict] = {}  # the tool parser's index of a call -> its item
 
     @property
     def id(self) -> str:
@@ -82,20 +83,17 @@ class ResponseWriter:
         if self.status == "queued":
             self.status = "in_progress"
             self._emit("response.in_progress", response=self.response())
+        lps = []
         if self.call.parsed.logprobs is not None and token_ids:
-            lp = fmt.chat_logprobs(token_ids, TokenLogprobs.join(logprobs), self.tokenizer)
-            self._logprobs += lp["content"]
+            lps = fmt.chat_logprobs(token_ids, TokenLogprobs.join(logprobs), self.tokenizer)["content"]
         reasoning, content = self.thoughts.feed(text) if self.thoughts is not None else ("", text)
-        self._write(reasoning, *(self.tools.feed(content) if self.tools is not None else (content, [])))
+        self._write(reasoning, self.tools.pieces(content) if self.tools is not None else [content], lps)
 
     def finish(self, status: str, usage: dict, error: dict | None = None) -> None:
         """The end: `status` completed, incomplete (the length limit), failed or cancelled."""
         reasoning, content = self.thoughts.finish() if self.thoughts is not None else ("", "")
-        text, calls = self.tools.feed(content) if self.tools is not None else (content, [])
-        if self.tools is not None:
-            rest, more = self.tools.finish()
-            text, calls = text + rest, calls + more
-        self._write(reasoning, text, calls)
+        pieces = [content] if self.tools is None else self.tools.pieces(content) + self.tools.last_pieces()
+        self._write(reasoning, pieces, [])
         self._close("completed" if status == "completed" else "incomplete")
         self.status, self.error = status, error
         if status == "incomplete":
@@ -111,16 +109,30 @@ class ResponseWriter:
         }
         self._emit(TERMINAL[status], response=self.response())
 
+    def fail(self, message: str) -> None:
+        """The run broke (a bug): it ends `failed` as it is."""
+        self.status, self.error = "failed", {"code": "server_error", "message": message}
+        self._emit(TERMINAL["failed"], response=self.response())
+
     # ------------------------------------------------------------ items
 
-    def _write(self, reasoning: str, text: str, calls: list[ToolCallDelta]) -> None:
+    def _write(self, reasoning: str, pieces: list[str | ToolCallDelta], logprobs: list[dict]) -> None:
+        """Reasoning, then the content's text and calls in their order. Logprobs go to the message's next text;
+        those of a feed that wrote only reasoning or calls are theirs, and dropped."""
         if reasoning:
             self._reasoning.append(reasoning)
             self._text("reasoning", reasoning)
-        if text:
-            self._text("message", text)
-        for d in calls:
-            self._call(d)
+        self._logprobs += logprobs
+        wrote = {"text": False, "call": False}
+        for piece in pieces:
+            if isinstance(piece, ToolCallDelta):
+                self._call(piece)
+                wrote["call"] = True
+            elif piece:
+                self._text("message", piece)
+                wrote["text"] = True
+        if not wrote["text"] and (reasoning or wrote["call"]):
+            self._logprobs = []
 
     def _text(self, kind: str, text: str) -> None:
         part_kind, event = _PART[kind]
@@ -137,7 +149,7 @@ class ResponseWriter:
         part = self._item["content"][0]
         part["text"] += text
         extra = {}
-        if kind == "message" and self.call.parsed.logprobs is not None:
+        if kind == "message":
             extra["logprobs"], self._logprobs = self._logprobs, []
             part["logprobs"] += extra["logprobs"]
         self._emit(f"{event}.delta", **self._where(), delta=text, **extra)
@@ -145,11 +157,14 @@ class ResponseWriter:
     def _call(self, d: ToolCallDelta) -> None:
         if d.id is not None:
             call_id = "call_" + d.id.rsplit("-", 1)[-1]
-            self._open({"id": new_id("function_call"), "type": "function_call", "status": "in_progress",
-                        "call_id": call_id, "name": d.name, "arguments": ""})  # fmt: skip
+            self._calls[d.index] = item = {"id": new_id("function_call"), "type": "function_call",
+                                           "status": "in_progress", "call_id": call_id, "name": d.name,
+                                           "arguments": ""}  # fmt: skip
+            self._open(item)
         if d.arguments:
-            self._item["arguments"] += d.arguments
-            self._emit("response.function_call_arguments.delta", **self._where(False), delta=d.arguments)
+            item = self._calls[d.index]
+            item["arguments"] += d.arguments
+            self._emit("response.function_call_arguments.delta", **self._where(False, item), delta=d.arguments)
 
     def _open(self, item: dict) -> None:
         self._close("completed")
