@@ -132,12 +132,12 @@ class Metrics:
         self.engine[msg.replica] = msg
         for t in msg.queue_times_s:
             self.queue_time.labels(msg.replica).observe(t)
-        for n in msg.iteration_tokens:
-            self.iteration_tokens.labels(msg.replica).observe(n)
 
     def on_detok_stats(self, msg: DetokStats) -> None:
         if 0 <= msg.replica < len(self.replicas):
             self.detok[msg.replica] = msg
+            for n in msg.iteration_tokens:
+                self.iteration_tokens.labels(msg.replica).observe(n)
 
     def forget(self, actor: str) -> None:
         """`actor` died: its gauges read 0 and its counters restart (a counter reset) until it reports again."""
@@ -183,6 +183,10 @@ class _Snapshots:
         yield self.per_engine(gauge, "kv_cache_usage_perc", "KV cache usage (1 = full).", lambda e: e.kv_usage)
         for name, doc, value in ENGINE_COUNTERS:
             yield self.per_engine(counter, name, doc, value)
+        yield self.family(counter, "prompt_tokens", "Prompt tokens processed.",
+                          rows=[((k,), d.prompt_tokens_total) for k, d in detoks])  # fmt: skip
+        yield self.family(counter, "generation_tokens", "Tokens generated (given to requests).",
+                          rows=[((k,), d.generation_tokens_total) for k, d in detoks])  # fmt: skip
         ranks = [((k, rank), int(e.worker_up)) for k, e in engines for rank in range(e.worker_ranks)]
         doc = "1 while the worker's rank serves (a tensor-parallel gang's ranks: all or none), 0 while it restarts."
         yield self.family(gauge, "worker_rank_up", doc, ["rank"], ranks)
@@ -216,8 +220,6 @@ class _Snapshots:
 
 
 ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [  # (name, doc, value), one row per engine
-    ("prompt_tokens", "Prompt tokens processed.", lambda e: e.prompt_tokens_total),
-    ("generation_tokens", "Tokens generated.", lambda e: e.generation_tokens_total),
     ("late_aborts", "Aborts for finished or unknown requests (ignored).", lambda e: e.late_aborts_total),
     ("num_preemptions", "Recompute preemptions.", lambda e: e.num_preemptions_total),
     ("worker_resets", "Worker states lost (a death, a lost step): running requests recomputed.",

@@ -248,7 +248,6 @@ class EngineStats(Msg, kw_only=True):
     spec_accepted_per_pos: list[int] = []  # [i]: drafts accepted at position i
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache (at first admission)
     prefix_cache_hits_total: int = 0  # ... and found there
-    iteration_tokens: list[int] = []  # the tokens of each step run since the last EngineStats
     cache_config: dict[str, str] = {}  # block_size, num_gpu_blocks, enable_prefix_caching (vLLM's cache_config_info)
     replica: int = 0  # the engine replica that reports (--data-parallel-size; vLLM's `engine` label)
     prefix_anchors: list[
@@ -264,6 +263,9 @@ class DetokStats(Msg, kw_only=True):
     num_tombstones: int
     repairs_total: int = 0  # requests re-submitted because some output of theirs was lost
     replica: int = 0  # the engine replica whose detokenizer reports
+    prompt_tokens_total: int = 0  # vLLM's accounting (actors/detokenizer/token_counts.py)
+    generation_tokens_total: int = 0
+    iteration_tokens: list[int] = []  # the tokens of each step that gave a request tokens, since the last report
 
 
 class Opaque(Msg, kw_only=True):

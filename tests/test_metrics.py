@@ -109,10 +109,12 @@ def test_every_series_is_labelled_with_the_model_name_and_engine():
     metrics.on_engine_stats(
         EngineStats(
             num_running=1, num_waiting=0, kv_usage=0.5, prompt_tokens_total=3, generation_tokens_total=2,
-            late_aborts_total=0, spec_accepted_per_pos=[4, 1], iteration_tokens=[5], cache_config=cache,
+            late_aborts_total=0, spec_accepted_per_pos=[4, 1], cache_config=cache,
         )
     )  # fmt: skip
-    metrics.on_detok_stats(DetokStats(stale_outputs_dropped_total=0, protocol_violations_total=0, num_tombstones=0))
+    metrics.on_detok_stats(
+        DetokStats(stale_outputs_dropped_total=0, protocol_violations_total=0, num_tombstones=0, iteration_tokens=[5])
+    )
     metrics.aborts.labels(0, "client").inc()
     metrics.http_requests.labels(0, "/v1/completions", "200").inc()
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
@@ -140,3 +142,49 @@ def test_metrics_prefix_names_every_series(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--metrics-prefix", "9x"])
     assert "cannot start a Prometheus metric name" in capsys.readouterr().err
+
+
+async def test_token_counters_count_each_token_once_as_vllm(server):
+    """vLLM's own accounting test: 10 requests one after another, 9 prompt tokens and 10 generated tokens each: the
+    prompt and generation counters rise by exactly 90 and 100, and the tokens-per-step histogram by 100 steps holding
+    190 tokens (a step counts the tokens it generated, and a request's whole prompt in the step of its first token;
+    steps that generated nothing, or whose tokens were discarded, are not observed). A request a stop string ends
+    counts the tokens it was given, not those the engine computed before the Abort reached it."""
+
+    async def idle():
+        deadline = asyncio.get_running_loop().time() + 30
+        while any(v for d in (await server.idle()).values() for v in d.values()):
+            assert asyncio.get_running_loop().time() < deadline, "the server never went idle"
+            await asyncio.sleep(0.05)
+
+    await idle()
+    await asyncio.sleep(0)
+    names = ["prompt_tokens_total", "generation_tokens_total", "iteration_tokens_total_sum",
+             "iteration_tokens_total_count"]  # fmt: skip
+    settled = None
+    while settled != (settled := [series(await server.metrics(), "sluice:" + n) for n in names]):
+        await asyncio.sleep(1.1)  # (an EngineStats a second: the earlier tests' last steps reported)
+    before = settled
+    for i in range(10):
+        out = await server.client().completions.create(
+            model=None, prompt=[100 + i] * 9, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.usage.completion_tokens == 10
+    # and one ended by a stop string within its tokens: only the tokens it was given count (the engine computed more)
+    probe = await server.client().completions.create(
+        model=None, prompt=[7] * 9, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    stop = probe.choices[0].text[len(probe.choices[0].text) // 2 :][:2]
+    out = await server.client().completions.create(
+        model=None, prompt=[7] * 9, max_tokens=10, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    k = out.usage.completion_tokens
+    assert out.choices[0].finish_reason == "stop" and 0 < k < 10
+    await idle()
+    expected = [a + d for a, d in zip(before, [90 + 18, 100 + 10 + k, 190 + 19 + 9 + k, 100 + 10 + k], strict=True)]
+    deadline = asyncio.get_running_loop().time() + 30
+    while (got := [series(await server.metrics(), "sluice:" + n) for n in names]) != expected:
+        assert asyncio.get_running_loop().time() < deadline, dict(
+            zip(names, [g - b for g, b in zip(got, before, strict=True)], strict=True)
+        )
+        await asyncio.sleep(0.1)

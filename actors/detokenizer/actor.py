@@ -45,6 +45,7 @@ from tokenizers import Tokenizer
 
 from actors.detokenizer.incremental import token_table
 from actors.detokenizer.request_state import DetokRequestState, abort_finished
+from actors.detokenizer.token_counts import TokenCounts
 from actors.protocol import MAX_ATTEMPTS, Ledger, RecentIds, SentNames, StepNumbers, lost_suspects
 from actors.runtime import Actor
 from messages import names
@@ -96,6 +97,7 @@ class DetokenizerActor(Actor):
         self.last_sent: dict[str, float] = {}  # client -> when it was last sent output
         self.copies = RecentIds()  # id -> the highest AddRequest.attempt made or registered (resumed ids only)
         self.steps = StepNumbers()
+        self.tokens = TokenCounts()  # /metrics' prompt, generation and per-step tokens
         self.duplicate_steps = self.lost_steps = 0
 
     def handlers(self):
@@ -155,7 +157,9 @@ class DetokenizerActor(Actor):
             if out.seq > state.num_output_tokens and state.attempt < MAX_ATTEMPTS:  # some output of it was lost
                 self._repair(rid, f"output seq {out.seq}, expected {state.num_output_tokens}")
                 continue
+            first = state.num_prompt_tokens if state.num_output_tokens == 0 else None
             deltas, finished = state.process_run(out)
+            self.tokens.output(first, deltas, finished)
             client = state.client
             batch = batches.get(client) or batches.setdefault(client, TextOutputs(step=msg.step, deltas=[]))
             batch.deltas += deltas
@@ -164,6 +168,7 @@ class DetokenizerActor(Actor):
                 self._close(rid)
                 if out.finish_reason is None:  # we ended it; the engine still runs it
                     self._tombstone(rid, state.abort_reason or "stop", state.attempt)  # (this copy only)
+        self.tokens.end_step()
         for client, batch in batches.items():
             if batch.deltas or batch.finished:
                 self._send(client, batch)
@@ -285,11 +290,9 @@ class DetokenizerActor(Actor):
                     self._send(client, TextOutputs(step=-1, deltas=[]), marker=True)
             self.tombstones.expire(time.monotonic(), self.tell)
             stats = DetokStats(
-                stale_outputs_dropped_total=self.counts.stale,
-                protocol_violations_total=self.counts.violations.total(),
-                num_tombstones=len(self.tombstones),
-                repairs_total=self.counts.resumes.total(),
-                replica=self.replica,
-            )
+                stale_outputs_dropped_total=self.counts.stale, protocol_violations_total=self.counts.violations.total(),
+                num_tombstones=len(self.tombstones), repairs_total=self.counts.resumes.total(), replica=self.replica,
+                **self.tokens.report(),
+            )  # fmt: skip
             self.tell(self.stats_to, stats)
             self.moved()  # (a drain waits for the requests to end)

@@ -59,9 +59,7 @@ def idle_details(sched: Scheduler) -> dict[str, int]:
     }
 
 
-def engine_stats(
-    sched: Scheduler, late_aborts_total: int = 0, queue_times_s: list[float] = (), iteration_tokens: list[int] = ()
-) -> EngineStats:
+def engine_stats(sched: Scheduler, late_aborts_total: int = 0, queue_times_s: list[float] = ()) -> EngineStats:
     """The numbers /metrics shows; the actor adds what only it knows."""
     spec, bm = sched.spec, sched.block_manager
     cache = {"block_size": bm.block_size, "num_gpu_blocks": bm.num_blocks, "enable_prefix_caching": bm.enable_caching}
@@ -81,7 +79,6 @@ def engine_stats(
         spec_accepted_per_pos=list(spec.accepted_per_pos),
         prefix_cache_queries_total=bm.queries,
         prefix_cache_hits_total=bm.hits,
-        iteration_tokens=list(iteration_tokens),
         cache_config={k: str(v) for k, v in cache.items()},
         prefix_anchors=list(bm.anchors),
     )

@@ -89,7 +89,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         self.duplicates = 0
         self.admitting = True
         self.queue_times: list[float] = []  # arrival -> first scheduled, since the last EngineStats
-        self.iteration_tokens: list[int] = []  # each step's tokens, since the last EngineStats
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
         # the worker state addressed (increasing across restarts of this process too: the clock since boot), and
         # the next ExecuteStep's number in it
@@ -274,7 +273,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
 
     def _note_scheduled(self, batch: BatchSpec) -> None:
         """For /metrics: the step's tokens, and the queue time of each request first scheduled."""
-        self.iteration_tokens.append(batch.num_tokens)
         now = time.monotonic()
         for row in batch.rows if self.config.stats_to else ():
             req = self.sched.requests[row.request_id]
@@ -285,8 +283,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
     async def _publish_stats(self) -> None:
         while True:
             queue_times, self.queue_times = self.queue_times, []
-            steps, self.iteration_tokens = self.iteration_tokens, []
-            stats = engine_stats(self.sched, self.late_aborts, queue_times, steps)
+            stats = engine_stats(self.sched, self.late_aborts, queue_times)
             stats.worker_resets_total = self.worker_resets
             stats.worker_ranks, stats.worker_up = self.config.tensor_parallel_size, self.link.is_up
             stats.replica = self.config.data_parallel_rank
