@@ -60,6 +60,7 @@ def serve(args: argparse.Namespace) -> int:
         grammar_timeout_s=args.grammar_compile_timeout,
         metrics_prefix=args.metrics_prefix,
         dp_routing=args.dp_routing,
+        log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
         responses_db=args.responses_db,
         responses_max_stored=args.responses_max_stored,
         responses_max_age_s=args.responses_max_age_hours * 3600,
@@ -201,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SLUICE_API_KEY)",
     )
     g.add_argument("--metrics-prefix", type=metrics_prefix, default="sluice:", help="of /metrics series (vllm:…)")
+    g.add_argument("--disable-log-stats", action="store_true", help="no throughput line in the log every 10 s")
     g = p.add_argument_group("responses API (/v1/responses)")
     g.add_argument("--responses-db", metavar="FILE", help="the stored responses' SQLite database (default: "
                    "responses.sqlite3 in the cache directory, $SLUICE_CACHE_DIR or ~/.cache/sluice)")  # fmt: skip

@@ -30,6 +30,7 @@ from frontend.responses import response_body, stream_events, stream_head, stream
 from frontend.responses_api.endpoint import ResponsesEndpoint
 from frontend.responses_api.store import ResponseStore
 from frontend.structured import compile_check
+from frontend.throughput_log import ThroughputLog
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
 from messages.names import HTTP
@@ -99,17 +100,9 @@ class HttpActor(Actor):
         tokenizer = Tokenizer.from_model_dir(self.model, c.chat_template)
         names = self.names
         self.ctx = ServingContext(
-            tokenizer,
-            names,
-            self.max_model_len,
-            self.vocab_size,
-            c.limits,
-            self.model,
-            c.grammar_timeout_s,
-            c.tool_call_parser,
-            self.bos_token_id,
-            c.reasoning_parser,
-        )
+            tokenizer, names, self.max_model_len, self.vocab_size, c.limits, self.model, c.grammar_timeout_s,
+            c.tool_call_parser, self.bos_token_id, c.reasoning_parser,
+        )  # fmt: skip
         warm(self.model, self.vocab_size, tuple(tokenizer.eos_token_ids))
         app = web.Application(
             client_max_size=self.config.max_body_bytes, middlewares=[middleware(self.config, self.metrics)]
@@ -171,10 +164,13 @@ class HttpActor(Actor):
             await self.responses.store.close()
 
     async def _housekeeping(self) -> None:
+        pulse = ThroughputLog(self.metrics, time.monotonic(), self.config.log_stats_interval_s)
         while True:
             await asyncio.sleep(min(0.5, self.config.abort_timeout_s / 2))
             self.table.expire(time.monotonic())
             self.moved()  # (a drain waits for the table to empty)
+            for line in pulse.lines(time.monotonic()) if self.config.log_stats_interval_s else ():
+                log.info("%s", line)
 
     # ------------------------------------------------------------ HTTP
 
