@@ -82,6 +82,9 @@ class Metrics:
         self.aborts = counter("request_aborts", "Aborts sent to the engine, by reason.", "reason")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between a choice's outputs.", ITL_BUCKETS)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "A choice's decode time per token after its first.", ITL_BUCKETS
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
         self.prefill_time = histogram(
@@ -119,6 +122,8 @@ class Metrics:
             self.prefill_time.labels(engine).observe(prefill)
             self.decode_time.labels(engine).observe(decode)
             self.inference_time.labels(engine).observe(prefill + decode)
+            if fin.num_output_tokens > 1:  # (vLLM's TPOT)
+                self.tpot.labels(engine).observe(decode / (fin.num_output_tokens - 1))
 
     def prompt_finished(self, n: int, most_generated: int, engine: int) -> None:
         """The n choices of one prompt have all ended (vLLM's parallel sampling observes once per prompt, then):

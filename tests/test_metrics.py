@@ -52,6 +52,7 @@ async def test_vllm_request_series_and_cache_config(server):
     for name in ("prefill", "decode", "inference"):
         assert delta(f"request_{name}_time_seconds_count") == 2, name
     assert delta("request_inference_time_seconds_sum") >= delta("request_decode_time_seconds_sum") >= 0
+    assert delta("request_time_per_output_token_seconds_count") == 2  # (TPOT: decode time / 2 tokens after the first)
     deadline = asyncio.get_running_loop().time() + 30  # the engine's step sizes arrive with its next EngineStats
     while series(await server.metrics(), "sluice:iteration_tokens_total_count") <= series(
         before, "sluice:iteration_tokens_total_count"
