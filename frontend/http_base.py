@@ -87,7 +87,8 @@ def middleware(config: HttpConfig, metrics: Metrics):
                 given = request.headers.get("Authorization", "").encode("utf-8", "replace")
                 if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
                     raise RequestError(401, "Invalid or missing API key", code="invalid_api_key")
-            if request.method == "POST":  # (every POST endpoint takes JSON, or nothing)
+            if request.method == "POST" and request.content_length != 0 and request.match_info.http_exception is None:
+                # (every POST endpoint takes JSON, or nothing; an unknown route is a 404 whatever its body)
                 check_json(request)
             resp = await handler(request)
             error = request.get(STREAM_ERROR)

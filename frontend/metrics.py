@@ -122,8 +122,8 @@ class Metrics:
             self.prefill_time.labels(engine).observe(prefill)
             self.decode_time.labels(engine).observe(decode)
             self.inference_time.labels(engine).observe(prefill + decode)
-            if fin.num_output_tokens > 1:  # (vLLM's TPOT)
-                self.tpot.labels(engine).observe(decode / (fin.num_output_tokens - 1))
+            tpot = decode / (fin.num_output_tokens - 1) if fin.num_output_tokens > 1 else 0.0
+            self.tpot.labels(engine).observe(tpot)  # (vLLM's: 0 for a single token)
 
     def prompt_finished(self, n: int, most_generated: int, engine: int) -> None:
         """The n choices of one prompt have all ended (vLLM's parallel sampling observes once per prompt, then):

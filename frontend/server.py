@@ -169,8 +169,11 @@ class HttpActor(Actor):
             await asyncio.sleep(min(0.5, self.config.abort_timeout_s / 2))
             self.table.expire(time.monotonic())
             self.moved()  # (a drain waits for the table to empty)
-            for line in pulse.lines(time.monotonic()) if self.config.log_stats_interval_s else ():
-                log.info("%s", line)
+            try:
+                for line in pulse.lines(time.monotonic()) if self.config.log_stats_interval_s else ():
+                    log.info("%s", line)
+            except Exception:  # (never the housekeeping's end)
+                log.exception("the throughput line failed")
 
     # ------------------------------------------------------------ HTTP
 

@@ -2,9 +2,10 @@
 
   engine 0: prompt 412.3 tok/s, generation 96.0 tok/s, running 8, waiting 2, KV cache 37.5%, prefix cache hit rate 61.2%
 
-Throughputs are the interval's tokens (the detokenizer's counters: what reached requests) over its length; running,
+Throughputs are the interval's tokens (the detokenizer's counters: what reached requests) over its length, from a
+replica's first report on (its first interval is its baseline: the HTTP process may restart alone); running,
 waiting and KV use are the engine's latest report; the hit rate is the interval's (hits / queries, "-" without
-queries). An idle interval (no tokens, nothing running or waiting) after an idle one is not logged: a quiet server
+queries); a counter lower than before is a restarted actor's, counted from zero. An idle interval (no tokens, nothing running or waiting) after an idle one is not logged: a quiet server
 leaves a quiet log, and the line that says it went idle is the last.
 """
 
@@ -34,13 +35,17 @@ class ThroughputLog:
 
     def lines(self, now: float) -> list[str]:
         """The lines due at `now` (none before the interval has passed)."""
-        if now - min((last.at for last in self._last.values()), default=self._start) < self.interval_s:
+        if now - max((last.at for last in self._last.values()), default=self._start) < self.interval_s:
             return []
         out = []
         for k in range(len(self.metrics.replicas)):
             e = self.metrics.engine.get(k, NO_ENGINE_STATS)
             d = self.metrics.detok.get(k, NO_DETOK_STATS)
-            last = self._last.get(k) or _Last(self._start)
+            if (last := self._last.get(k)) is None:  # (its first report: the baseline, whatever it counted before)
+                if k in self.metrics.detok:
+                    self._last[k] = _Last(now, d.prompt_tokens_total, d.generation_tokens_total,
+                                          e.prefix_cache_queries_total, e.prefix_cache_hits_total)  # fmt: skip
+                continue
             span = max(now - last.at, 1e-9)
             # (a restarted actor counts from zero: a negative difference is the new count)
             prompt = _since(d.prompt_tokens_total, last.prompt)

@@ -181,7 +181,8 @@ class IncrementalDetokenizer:
         text = self._decode(self._prefix_offset, len(self._ids))[len(self._prefix_text) :]
         self._read_offset = len(self._ids)
         self._start_offsets()  # steps after a flush go on from a clean state
-        return text.removesuffix(_FFFD)  # (held back: it was the incomplete character)
+        return text.removesuffix(_FFFD)  # (held back: the incomplete character; also, unlike "bytes", a lone
+        # invalid byte at the very end: these methods see text, not bytes)
 
     # ------------------------------------------------------------------ internals
 

@@ -23,11 +23,13 @@ class TokenCounts:
         self._step = 0
 
     def output(self, num_prompt_tokens: int | None, deltas: list[TextDelta], finished: Finished | None) -> None:
-        """A request's output of this step; `num_prompt_tokens` with its first output (else None)."""
+        """A request's output of this step; `num_prompt_tokens` while it has had no tokens (else None): its prompt
+        is counted with its first tokens (a request failed before any, as a refused one, counts nothing)."""
         n = sum(len(d.token_ids) for d in deltas) + (len(finished.token_ids) if finished is not None else 0)
-        self.generated += n
-        self.prompt += num_prompt_tokens or 0
-        self._step += n + (num_prompt_tokens or 0)
+        if n:
+            self.generated += n
+            self.prompt += num_prompt_tokens or 0
+            self._step += n + (num_prompt_tokens or 0)
 
     def end_step(self) -> None:
         if self._step:
