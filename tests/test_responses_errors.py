@@ -47,6 +47,7 @@ CASES = {
     "conversation": ({"conversation": "conv_1"}, "conversation"),
     "moderation": ({"moderation": {"mode": "block"}}, "moderation"),
     "truncation auto": ({"truncation": "auto"}, "truncation"),
+    "service tier": ({"service_tier": "priority"}, "service_tier"),
     "temperature": ({"temperature": -1}, "temperature"),
     "too long for the context": ({"input": "x" * 3_000_000}, "input"),
     "instructions not a string": ({"instructions": ["x"]}, "instructions"),

@@ -93,6 +93,8 @@ def decode_responses(body: bytes, ctx: ServingContext, request_id: str) -> Respo
             )
     if req.metadata is not None:
         _check_metadata(req.metadata)
+    if req.service_tier not in (None, "auto", "default"):
+        raise RequestError(400, "service_tier: only 'auto' or 'default' (one tier here)", "service_tier")
     if req.background and req.store is False:
         raise RequestError(400, "background responses must be stored: store cannot be false", "background")
     return req
