@@ -159,7 +159,6 @@ async def test_token_counters_count_each_token_once_as_vllm(server):
             await asyncio.sleep(0.05)
 
     await idle()
-    await asyncio.sleep(0)
     names = ["prompt_tokens_total", "generation_tokens_total", "iteration_tokens_total_sum",
              "iteration_tokens_total_count"]  # fmt: skip
     settled = None
