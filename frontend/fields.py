@@ -3,8 +3,7 @@ for every optional field, unknown fields are ignored: OpenAI clients send `user`
 `service_tier`), and the fields of
 OpenAI's or vLLM's (0.32) API that Sluice does not honour (yet), each
 with the values that are its no-op. Any other value of those is refused with a 400 naming it: a
-field accepted but ignored would silently change the answer. Beam search's fields (`use_beam_search`,
-`length_penalty`, `early_stopping`, and `best_of` > n) are refused with the reason, BEAM_SEARCH.
+field accepted but ignored would silently change the answer. Beam search's fields are read by `beam_search`.
 """
 
 from __future__ import annotations
@@ -14,11 +13,7 @@ from typing import Any, Literal
 import msgspec
 
 from frontend.body import RequestError
-
-BEAM_SEARCH = (
-    "beam search is not implemented: a beam group would have to be one unit for the scheduler, the prefix cache "
-    "and the abort protocol"
-)
+from messages.sampling_params import BeamSearch
 
 
 class StreamOptions(msgspec.Struct):
@@ -74,7 +69,11 @@ class SamplingFields(SamplingExtras, kw_only=True):
     # vLLM's token-in/token-out extras (frontend/responses.py)
     return_token_ids: bool | None = None  # prompt and output token ids in the response (streamed per chunk)
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
-    best_of: int | None = None  # null or n (check_best_of): more is beam search's
+    # vLLM's beam search (beam_search): best_of beams (default n), the n best returned
+    use_beam_search: bool | None = None
+    best_of: int | None = None  # null or n without beam search; with it, the beams kept (>= n)
+    length_penalty: float | None = None  # a beam's score: cumulative logprob / length ** length_penalty (1.0)
+    early_stopping: bool | Literal["never"] | None = None  # when the search may stop before max_tokens (false)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -104,19 +103,21 @@ def _is(*noops):
     return lambda value: value in noops
 
 
-def _beam(*noops):
-    """A beam search field: a value other than its no-ops is refused, saying why (the verdict is the reason)."""
-    return lambda value: value in noops or BEAM_SEARCH
-
-
-def check_best_of(req: SamplingFields) -> None:
-    """best_of: null or n is a no-op; more ranks a group of samples (beam search's), fewer cannot be."""
+def beam_search(req: SamplingFields) -> BeamSearch | None:
+    """The request's beam search (None: it samples). best_of must not be less than n; more than n, or a length
+    penalty or early stopping, applies to beam search only (sampling best_of and keeping the n best is not
+    implemented)."""
     n = 1 if req.n is None else req.n
-    if req.best_of is None or req.best_of == n:
-        return
-    if req.best_of < n:
+    if req.best_of is not None and req.best_of < n:
         raise RequestError(400, f"best_of ({req.best_of}) must not be less than n ({n})", "best_of")
-    raise RequestError(400, f"best_of is not supported: {BEAM_SEARCH}", "best_of")
+    if req.use_beam_search:
+        es = False if req.early_stopping is None else req.early_stopping
+        lp = 1.0 if req.length_penalty is None else req.length_penalty
+        return BeamSearch(width=req.best_of or n, length_penalty=lp, early_stopping=es)
+    for name, off in (("best_of", (None, n)), ("length_penalty", (None, 1.0)), ("early_stopping", (None, False))):
+        if getattr(req, name) not in off:
+            raise RequestError(400, f"{name} {getattr(req, name)!r} applies to beam search: set use_beam_search", name)
+    return None
 
 
 def _empty(value) -> bool:
@@ -126,9 +127,6 @@ def _empty(value) -> bool:
 _NOT_HONOURED = {
     "functions": _empty,
     "function_call": _is(None, "none", "auto"),
-    "use_beam_search": _beam(None, False),
-    "length_penalty": _beam(None, 1, 1.0),
-    "early_stopping": _beam(None, False),
     "priority": _is(None, 0),
     "prompt_embeds": _empty,
     "audio": _empty,

@@ -25,7 +25,7 @@ from frontend.fields import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
-    check_best_of,
+    beam_search,
 )
 from frontend.guidance import negative_prompt_ids
 from frontend.reasoning import Reasoning, after_reasoning, request_reasoning
@@ -217,7 +217,7 @@ def _sampling_params(
     structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """`names`: SamplingParams' name of a field -> the request's, for the errors."""
-    check_best_of(req)
+    beam = beam_search(req)
     if req.stream_options is not None and not req.stream:
         raise RequestError(400, "stream_options is only allowed when stream is true", "stream_options")
     if req.prompt_logprobs is not None and req.stream:  # as vLLM
@@ -226,7 +226,7 @@ def _sampling_params(
     stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
     # a defaulted max_tokens is resolved per prompt in _fit; verify against the largest possible
     limit = ctx.max_model_len if max_tokens is None else max_tokens
-    params = SamplingParams(**fields, stop=stop, logprobs=logprobs, max_tokens=limit, structured=structured)
+    params = SamplingParams(**fields, stop=stop, logprobs=logprobs, max_tokens=limit, structured=structured, beam=beam)
     try:
         params.verify(ctx.vocab_size, ctx.limits)  # sizes first: nothing below iterates over an unbounded list
         if params.bad_words:

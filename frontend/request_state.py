@@ -89,9 +89,11 @@ class HttpRequest:
         now, n, out = time.time(), self.parsed.n, []
         for c in self.choices:
             prompt = self.parsed.prompts[c.index // n]
-            seed = prompt.params.seed
+            seed, beam = prompt.params.seed, prompt.params.beam
+            if beam is not None:  # the prompt's choices share one search: each is answered with its rank's beam
+                beam = msgspec.structs.replace(beam, group=f"{self.parsed.request_id}/{c.index // n}", rank=c.index % n)
             params = msgspec.structs.replace(
-                prompt.params, n=1, seed=None if seed is None else child_seed(seed, c.index % n)
+                prompt.params, n=1, seed=None if seed is None else child_seed(seed, c.index % n), beam=beam
             )
             out.append(
                 AddRequest(

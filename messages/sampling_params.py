@@ -71,6 +71,27 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     spec: str = ""
 
 
+class BeamSearch(msgspec.Struct, frozen=True, kw_only=True):
+    """Beam search (vLLM's use_beam_search): the engine keeps the `width` best sequences by cumulative logprob, and
+    the choices of one prompt share one search, each answered with the beam of its rank (actors/engine/beams.py)."""
+
+    width: int  # beams kept each step (the request's best_of, or n)
+    length_penalty: float = 1.0  # an ended beam's score: cumulative logprob / length ** length_penalty (vLLM's)
+    early_stopping: bool | Literal["never"] = False  # HF's and vLLM's: when `width` beams have ended, stop now
+    # (true), once no running beam can score better (false), or never before max_tokens ("never")
+    group: str = ""  # the search's name: the choices of one prompt share it
+    rank: int = 0  # which of the best beams this choice is answered with (0: the best)
+
+
+# What beam search ranks by (the model's own logprobs): the fields that would change them, with their neutral values.
+BEAM_NEUTRAL = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "min_tokens": (0,), "logprobs": (None,), "prompt_logprobs": (None,), "guidance_scale": (1.0,),
+    "structured_outputs": (None,),
+}  # fmt: skip
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Per-request sampling and stopping parameters (sentinel values disable a transform)."""
 
@@ -104,6 +125,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     negative_prompt_token_ids: list[int] | None = None  # the companion's prompt (None: the model's BOS token alone)
     structured: StructuredOutput | None = None  # grammar-constrained output (None: unconstrained)
     cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached blocks (vLLM's)
+    beam: BeamSearch | None = None  # beam search instead of sampling
 
     @property
     def guided(self) -> bool:
@@ -164,6 +186,30 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             for name in GRAMMAR_EXCLUSIVE:
                 if getattr(self, name):
                     raise ParamError(name, f"{name} cannot be combined with structured outputs: the grammar decides")
+        if self.beam is not None:
+            self._verify_beam(vocab_size, limits)
+
+    def _verify_beam(self, vocab_size: int, limits: RequestLimits | None) -> None:
+        """Beam search ranks by the model's logprobs: temperature 0 or 1 (both: the model's own distribution), and
+        nothing else that would change them; each step reads 2 x width candidates per beam."""
+        b = self.beam
+        _int_in("best_of", b.width, 1, min(limits.max_n if limits else 1 << 31, vocab_size // 2))
+        _int_in("n", self.n, 1, b.width)
+        _int_in("n", b.rank, 0, b.width - 1)
+        _finite("length_penalty", b.length_penalty)
+        if b.early_stopping not in (True, False, "never"):
+            raise ParamError(
+                "early_stopping", f'early_stopping must be true, false or "never", got {b.early_stopping!r}'
+            )
+        if self.temperature not in (0.0, 1.0):
+            raise ParamError(
+                "temperature", "beam search ranks beams by the model's logprobs: temperature must be 0 or 1"
+            )
+        for name, neutral in BEAM_NEUTRAL.items():
+            if getattr(self, "structured" if name == "structured_outputs" else name) not in neutral:
+                raise ParamError(
+                    name, f"{name} cannot be combined with beam search: it ranks beams by the model's logprobs"
+                )
 
     def _verify_sizes(self, vocab_size: int, limits: RequestLimits) -> None:
         """The per-request sizes bounded by `limits`, checked before anything iterates over them."""

@@ -14,7 +14,7 @@ def make_request(rid: str, n: int = 3) -> EngineRequest:
 def test_allocate_covers_tokens_and_usage():
     bm = BlockManager(num_blocks=8, block_size=4)
     req = make_request("a")
-    assert bm.can_allocate(32) and not bm.can_allocate(33)
+    assert bm.can_allocate([(32, [])]) and not bm.can_allocate([(33, [])])
     bm.allocate(req, 9)
     assert len(req.block_table) == 3 and len(set(req.block_table)) == 3
     assert bm.num_free_blocks == 5 and bm.usage == pytest.approx(3 / 8)
@@ -43,7 +43,7 @@ def test_free_is_idempotent_and_blocks_are_reused():
     bm = BlockManager(num_blocks=4, block_size=2)
     a, b = make_request("a"), make_request("b")
     bm.allocate(a, 8)
-    assert bm.num_free_blocks == 0 and not bm.can_allocate(1)
+    assert bm.num_free_blocks == 0 and not bm.can_allocate([(1, [])])
     blocks = set(a.block_table)
     bm.free(a)
     bm.free(a)

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from actors.engine.request import Companion, EngineRequest
 from actors.prefix_hash import ANCHOR_BYTES, extend, is_anchor
 
-Sequence = EngineRequest | Companion
+Sequence = EngineRequest | Companion  # (or a beam search's Beam: actors/engine/beams.py)
 
 
 class BlockManager:
@@ -85,13 +85,12 @@ class BlockManager:
             hits.append(blocks)
         return hits
 
-    def can_allocate(self, num_tokens: int, hits: list[int] = (), companion: tuple[int, list[int]] = (0, [])):
-        """Whether a sequence without blocks (and its CFG companion), taking `hits` first, can get blocks for
-        `num_tokens` more tokens: new blocks, and hit blocks that leave the free queue, come out of it."""
-        need = sum(
-            self.num_blocks_for(len(b) * self.block_size + n) - len(b) for n, b in ((num_tokens, hits), companion)
-        )
-        need += len({b for b in (*hits, *companion[1]) if not self.ref_counts[b]})  # (a block both hit counts once)
+    def can_allocate(self, plan: list[tuple[int, list[int]]]) -> bool:
+        """Whether sequences without blocks (a request's: its CFG companion, its beams), each taking its `hits` first,
+        can get blocks for their (num_tokens, hits) more tokens: new blocks, and hit blocks that leave the free
+        queue, come out of it."""
+        need = sum(self.num_blocks_for(len(b) * self.block_size + n) - len(b) for n, b in plan)
+        need += len({b for _, hits in plan for b in hits if not self.ref_counts[b]})  # (a block two hit counts once)
         return need <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
@@ -113,18 +112,18 @@ class BlockManager:
 
     # ---------------------------------------------------------------- growth and release
 
-    def may_append(self, request: EngineRequest, num_new_tokens: int, companion_tokens: int = 0) -> bool:
-        """Whether the request (and its CFG companion) can grow by that many tokens."""
-        missing = self._num_missing(request, num_new_tokens)
-        if companion_tokens:
-            missing += self._num_missing(request.companion, companion_tokens)
-        return missing <= self.num_free_blocks
+    def may_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the sequence can grow by that many tokens."""
+        return self._num_missing(seq, num_new_tokens) <= self.num_free_blocks
 
-    def grow(self, request: EngineRequest, num_new_tokens: int, companion_tokens: int = 0) -> None:
-        """append_slots for the request and its CFG companion (what may_append checked)."""
-        self.append_slots(request, num_new_tokens)
-        if companion_tokens:
-            self.append_slots(request.companion, companion_tokens)
+    def may_grow(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """Whether a request's sequences (itself, its CFG companion; a beam group's beams) can grow by their counts."""
+        return sum(self._num_missing(seq, n) for seq, n in plan) <= self.num_free_blocks
+
+    def grow(self, plan: list[tuple[Sequence, int]]) -> None:
+        """append_slots for each sequence of the plan (what may_grow checked)."""
+        for seq, n in plan:
+            self.append_slots(seq, n)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table to cover num_computed_tokens + num_new_tokens tokens (evicting cached blocks from
@@ -140,6 +139,15 @@ class BlockManager:
                 self.block_hash[block] = None
             self.ref_counts[block] = 1
             seq.block_table.append(block)
+
+    def fork(self, seq: Sequence, parent: Sequence, num_blocks: int) -> None:
+        """Give a sequence without blocks the parent's first `num_blocks` blocks, full ones, shared (a beam search's
+        fork: both compute only past them, so neither writes them again)."""
+        assert not seq.block_table and num_blocks * self.block_size <= parent.num_computed_tokens, seq.request_id
+        seq.block_table, seq.block_hashes = parent.block_table[:num_blocks], parent.block_hashes[:num_blocks]
+        for block in seq.block_table:
+            self.ref_counts[block] += 1
+        seq.num_computed_tokens = num_blocks * self.block_size
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full of known, computed-or-scheduled tokens (module docstring)."""

@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from actors.engine.beams import beam_fit_error
 from actors.engine.grammar import GrammarError, Matcher, grammars
 from actors.engine.guidance import guidance_error
 from actors.engine.request import EngineRequest
@@ -200,6 +201,12 @@ class RequestIntake:
             return ParamError("prompt", f"token id {bad} is outside the vocabulary")
         if resumed and (len(resumed) >= msg.params.max_tokens or n + len(resumed) >= self.max_model_len):
             return f"resumed after {len(resumed)} tokens: nothing is left to generate"
+        if (beam := msg.params.beam) is not None:
+            if resumed:
+                return "a beam search's choice is answered whole: a copy of it has no tokens to resume from"
+            max_output = min(msg.params.max_tokens, self.max_model_len - n)
+            error = beam_fit_error(beam.width, n, max_output, self.config.max_num_seqs, self.sched.block_manager)
+            return error and ParamError("best_of", error)
         if not msg.params.guided:
             return None
         return guidance_error(msg.params, self.config, self.model, n, self.sched.block_manager)

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from actors.engine.beams import Ending, Hypothesis, new_group, regroup
 from actors.engine.block_manager import BlockManager
 from actors.engine.request import EngineRequest, RequestStatus
+from messages.sampling_params import SamplingParams
 from messages.wire import AbortReason, FinishReason, RequestOutput
 
 
@@ -36,6 +38,7 @@ class RequestLedger:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.aborted_freed: list[EngineRequest] = []
         self.num_preemptions = 0
+        self.searches: dict[str, EngineRequest] = {}  # BeamSearch.group -> its live beam group
         self.matchers = 0  # grammar matchers its requests hold (the idle invariant's): counted as added, until freed
 
     def has_unfinished(self) -> bool:
@@ -51,10 +54,15 @@ class RequestLedger:
 
     def abort(self, request_id: str, reason: AbortReason | None = "client") -> bool:
         """Stop scheduling the request now (`reason`: its AbortAck's, once freed; None: aborted silently). False for
-        an unknown, finished or already aborted id (a late abort): no AbortAck is due for it."""
+        an unknown, finished or already aborted id (a late abort): no AbortAck is due for it. A beam group's members
+        are aborted with it (the last one's going aborts the group, silently)."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
+        if req.beams is not None and req.beams.members:
+            for member in list(req.beams.members.values()):
+                self.abort(member.request_id, reason)
+            return True
         self._dequeue(req)
         req.status, req.abort_reason = RequestStatus.ABORTED, reason
         self._settle(req)
@@ -65,15 +73,18 @@ class RequestLedger:
         freed, self.aborted_freed = self.aborted_freed, []
         return freed
 
-    def fail(self, req: EngineRequest, error: str) -> RequestOutput:
-        """End a request that has no step in flight with finish_reason "error" (a poison request)."""
+    def fail(self, req: EngineRequest, error: str) -> list[RequestOutput]:
+        """End a request that has no step in flight with finish_reason "error" (a poison request; a beam group: each
+        of its members)."""
         req.error = error
         self._finish(req, "error")
+        ended = [req] if req.beams is None else self._end_members(req)
         self._settle(req)
-        return RequestOutput(
-            request_id=req.request_id, seq=req.next_seq, new_token_ids=[], finish_reason="error", error=error,
-            attempt=req.attempt,
-        )  # fmt: skip
+        return [
+            RequestOutput(request_id=r.request_id, seq=r.next_seq, new_token_ids=[], finish_reason="error", error=error,
+                          attempt=r.attempt)
+            for r in ended
+        ]  # fmt: skip
 
     def forget_device_state(self) -> None:
         """The worker lost its KV cache and relay (call once every step in flight is dropped): every running request is
@@ -102,17 +113,78 @@ class RequestLedger:
             self._finish(req, "length")
         return req.is_finished
 
+    # ---------------------------------------------------------------- beam search (actors/engine/beams.py)
+
+    def _join(self, member: EngineRequest) -> None:
+        """A beam search's choice joins the live search of its prompt, or starts one (queued like any request)."""
+        spec = member.params.beam
+        group = self.searches.get(spec.group)
+        if group is None or group.is_finished or spec.rank in group.beams.members:
+            group = new_group(member, f"{member.request_id}/beams{member.attempt}")
+            self.searches[spec.group] = self.requests[group.request_id] = group
+            self.waiting.append(group)
+        group.beams.members[spec.rank] = member
+        member.search = group
+
+    def _leave(self, member: EngineRequest) -> None:
+        """A member ends (its abort, or its answer): a running search left with none is aborted silently."""
+        group, member.search = member.search, None
+        del group.beams.members[member.params.beam.rank]
+        if not group.beams.members and not group.is_finished:
+            self.abort(group.request_id, None)
+
+    def _search_step(self, group: EngineRequest) -> list[RequestOutput]:
+        """A group whose beams all sampled steps its search: its next beams, or its members' answers."""
+        if group.status is not RequestStatus.RUNNING or not group.beams.ready:
+            return []
+        beams, p = group.beams, group.params
+        max_output = min(p.max_tokens, self.max_model_len - group.num_prompt_tokens)
+        if children := beams.advance(lambda t: self._ending(p, t), group.num_prompt_tokens, max_output):
+            regroup(group, children, self.block_manager)
+            return []
+        self._finish(group, "stop")
+        outputs = []
+        for member in self._end_members(group):
+            hyp = beams.ended[min(member.params.beam.rank, len(beams.ended) - 1)]
+            outputs.append(self._answer(member, hyp))
+        self._settle(group)
+        return outputs
+
+    def _end_members(self, group: EngineRequest) -> list[EngineRequest]:
+        """A finished group's members, finished and freed (their outputs are the caller's)."""
+        members = list(group.beams.members.values())
+        for member in members:
+            member.scheduled_at, member.num_cached_tokens = group.scheduled_at, group.num_cached_tokens
+            self._finish(member, group.finish_reason)
+            self._settle(member)
+        return members
+
+    def _ending(self, p: SamplingParams, token: int) -> Ending | None:
+        """Whether a token ends a beam (EOS unless ignore_eos; a stop token id)."""
+        if token in p.stop_token_ids:
+            return "stop", token
+        return ("stop", None) if token in self.eos_token_ids and not p.ignore_eos else None
+
+    def _answer(self, member: EngineRequest, hyp: Hypothesis) -> RequestOutput:
+        """A member's one output: the hypothesis of its rank, whole."""
+        self.generation_tokens_total += len(hyp.token_ids)
+        return RequestOutput(
+            request_id=member.request_id, seq=member.first_seq, new_token_ids=hyp.token_ids,
+            finish_reason=hyp.finish_reason, stop_reason=hyp.stop_reason, num_cached_tokens=member.num_cached_tokens,
+            attempt=member.attempt, timings=member.timings(True, True),
+        )  # fmt: skip
+
     def _finish(self, req: EngineRequest, reason: FinishReason, stop_reason: int | None = None) -> None:
         self._dequeue(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
 
-    def _make_room(self, req: EngineRequest, n: int, m: int) -> bool:
-        """Preempt the youngest running requests until `req` may grow by n tokens (its CFG companion by m); whether
+    def _make_room(self, req: EngineRequest, plan: list) -> bool:
+        """Preempt the youngest running requests until `req` may grow by its plan (its sequences' tokens); whether
         it may grow now. The oldest running request is never preempted for blocks: alone, it waits instead (what it lacks is
         held by requests that ended with a step in flight, and it fits alone: Scheduler.add_request). Any other one
         goes itself once all younger ones are gone: the older ones hold the rest and need it first."""
-        while not self.block_manager.may_append(req, n, m):
+        while not self.block_manager.may_grow(plan):
             if self.running == [req]:
                 return False
             victim = self.running.pop()
@@ -131,7 +203,9 @@ class RequestLedger:
         self._settle(req)
 
     def _dequeue(self, req: EngineRequest) -> None:
-        if req.status is RequestStatus.RUNNING:
+        if req.search is not None:  # a beam search's member: it leaves its group
+            self._leave(req)
+        elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
@@ -146,8 +220,13 @@ class RequestLedger:
                 seq.slot = -1
             if req.is_finished:
                 self.block_manager.free(seq)
+        if req.beams is not None:
+            self.free_slots += req.beams.spare_slots
+            req.beams.spare_slots = []
         if req.is_finished:
             del self.requests[req.request_id]
+            if req.beams is not None and self.searches.get(req.beams.spec.group) is req:
+                del self.searches[req.beams.spec.group]
             if req.grammar is not None:
                 req.grammar.release()
                 self.matchers -= 1

@@ -56,6 +56,7 @@ def idle_details(sched: Scheduler) -> dict[str, int]:
         "in_flight_steps": len(sched.in_flight),
         "undrained_aborts": len(sched.aborted_freed),
         "matchers": sched.matchers,  # grammar matchers not released
+        "searches": len(sched.searches),  # beam searches not freed
     }
 
 

@@ -45,7 +45,7 @@ class WorkerRecovery:
             if req.failed_steps >= self.config.max_step_failures and not req.is_finished:
                 error = f"the worker failed {req.failed_steps} steps of this request ({reason})"
                 log.error("[%s] %s", req.request_id, error)
-                self.tell(self.config.replica.detokenizer, StepOutputs(step=-1, outputs=[self.sched.fail(req, error)]))
+                self.tell(self.config.replica.detokenizer, StepOutputs(step=-1, outputs=self.sched.fail(req, error)))
         self._send_acks()
         t0 = time.monotonic()
         await self.link.ready()

@@ -19,11 +19,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from actors.engine.grammar import Matcher
 from gpu.batch import PLACEHOLDER
 from messages.sampling_params import SamplingParams
 from messages.wire import AbortReason, AddRequest, FinishReason, TokenLogprobs
+
+if TYPE_CHECKING:
+    from actors.engine.beams import BeamGroup
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +67,8 @@ class EngineRequest:
     first_token_at: float = 0.0  # when its first output here was appended
     worker_outputs: int = -1  # output tokens the worker holds of it (ExecuteStep deltas); -1: it is new there
     failed_steps: int = 0  # steps of it that never reported (the worker died or lost them): a poison request's count
+    beams: BeamGroup | None = None  # a beam search's group: its live beams are its sequences (actors/engine/beams.py)
+    search: EngineRequest | None = None  # a beam search's choice: the group that answers it (it holds nothing)
 
     @property
     def fresh(self) -> bool:
@@ -103,9 +109,16 @@ class EngineRequest:
         return self.num_known_tokens + self.num_pending_tokens
 
     @property
-    def sequences(self) -> tuple[EngineRequest] | tuple[EngineRequest, Companion]:
-        """This sequence and its CFG companion's: each holds KV blocks and a slot."""
+    def sequences(self) -> tuple:
+        """This sequence and its CFG companion's, or a beam group's live beams: each holds KV blocks and a slot."""
+        if self.beams is not None:
+            return tuple(self.beams.live)
         return (self,) if self.companion is None else (self, self.companion)
+
+    @property
+    def num_slots(self) -> int:
+        """The slots it holds while admitted (a beam group: one per beam it may have)."""
+        return len(self.sequences) if self.beams is None else self.beams.spec.width
 
     @property
     def overhang(self) -> int:
@@ -137,7 +150,7 @@ class EngineRequest:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of the sequence; pending ones (only ever the last) are PLACEHOLDER."""
-        return _sequence(self.prompt_token_ids, self.output_token_ids, start, end)
+        return token_range(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 @dataclass(eq=False)
@@ -169,10 +182,10 @@ class Companion:
         return len(self.prompt_token_ids) + self.parent.num_output_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        return _sequence(self.prompt_token_ids, self.parent.output_token_ids, start, end)
+        return token_range(self.prompt_token_ids, self.parent.output_token_ids, start, end)
 
 
-def _sequence(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+def token_range(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
     """Tokens [start, end) of prompt + output + pending tokens (PLACEHOLDER: sampled by a step in flight)."""
     p, k = len(prompt), len(prompt) + len(output)
     ids = prompt[start : min(end, p)] + output[max(start - p, 0) : max(end - p, 0)]

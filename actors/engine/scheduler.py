@@ -16,16 +16,9 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
   later step rewriting those blocks runs after every in-flight reader. The victim keeps its slot
   and is not re-admitted until its in-flight sample is known, so it resumes from prompt + output
   and produces exactly the tokens it would have produced without preemption.
+- Speculative decoding: actors/engine/lookahead.py; beam search: actors/engine/beams.py.
 - A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot. A request in
   `isolate_after` failed steps (a suspected poison: the worker died in them) runs in steps of its own.
-- Speculative decoding: `speculation_candidates()` names the decoding requests with nothing in flight and how many
-  drafts each may take; a proposer drafts for them (on the device thread); `schedule(drafts)` feeds each its last
-  token and its drafts (planned after every row's own tokens, in the budget and free blocks those leave: drafts
-  never preempt, nor cost a row anything) and samples at each of those positions; `update()` receives how many
-  tokens each row emits (1..K+1), appends them up to the first that ends the request (no token after the end ever
-  gets out), rolls `num_computed_tokens` back past the rejected drafts (their KV slots are rewritten later) and
-  frees the lookahead blocks no longer needed.
-
 Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
 - Every request fits the whole KV cache alone at its longest: one max_model_len sequence (checked at construction;
   lookahead never passes max_tokens or max_model_len), a CFG pair at both halves' longest (`add_request` raises;
@@ -46,17 +39,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from actors.engine.beams import beam_plan
 from actors.engine.block_manager import BlockManager
 from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
 from actors.engine.lifecycle import RequestLedger
 from actors.engine.logprobs import take_prompt_logprobs
+from actors.engine.lookahead import Lookahead
 from actors.engine.metrics import SpecStats
 from actors.engine.request import EngineRequest, RequestStatus
 from gpu.batch import BatchSpec, ScheduledRow
-from messages.wire import RequestOutput
+from messages.wire import RequestOutput, TokenLogprobs
 
 
-class Scheduler(RequestLedger):
+class Scheduler(Lookahead, RequestLedger):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -101,23 +96,13 @@ class Scheduler(RequestLedger):
             if error := pair_fit_error(*sizes, self.max_model_len, self.block_manager):
                 raise error  # (a ParamError: a ValueError)
         self.requests[req.request_id] = req
+        if req.params.beam is not None:
+            self._join(req)
+            return
         self.waiting.append(req)
         self.matchers += req.grammar is not None
 
     # ---------------------------------------------------------------- step
-
-    def speculation_candidates(self) -> list[tuple[EngineRequest, int]]:
-        """The decoding requests with nothing in flight, and how many drafts each step may verify without passing
-        max_tokens or max_model_len (the step budget may cut them further)."""
-        out = []
-        for req in self.running:
-            if req.num_pending_tokens or any(s.num_tokens - s.num_computed_tokens != 1 for s in req.sequences):
-                continue  # (nor one whose CFG companion still prefills)
-            room = self.max_model_len - req.num_tokens - req.overhang
-            k = min(req.params.max_tokens - req.num_output_tokens, room) - 1
-            if k > 0:
-                out.append((req, k))
-        return out
 
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> BatchSpec:
         """Plan the next step; `drafts`: request id -> draft tokens (for speculation_candidates()). A batch without
@@ -126,40 +111,38 @@ class Scheduler(RequestLedger):
             raise RuntimeError("schedule() may run at most one batch ahead of update()")
         batch = BatchSpec(step=self.next_step)
         budget = self.max_num_batched_tokens
-        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for r in self.running for s in r.sequences)
         chunk = self.long_prefill_token_threshold if decoding else budget  # one request's prefill this step
         suspect = next((r for r in self.running if self._suspect(r)), None)  # it runs in steps of its own
         short = False  # blocks ran out: no admission this step (a request preempted now would only thrash)
         planned, i = [], 0
         while i < len(self.running) and budget > 0:  # each row's own tokens first, oldest first
             req = self.running[i]
-            done = self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens  # (drafts in flight)
-            if done or suspect not in (None, req):
-                i += 1
-                continue
-            n, m = plan_tokens(req, budget, chunk)
-            short = short or not self.block_manager.may_append(req, n, m)
-            if not self._make_room(req, n, m):
-                break
-            self.block_manager.grow(req, n, m)
-            planned.append((req, n, m))
-            budget -= n + m
             i += 1
-        for req, n, m in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
-            row_drafts = self._lookahead(req, n, m, budget, drafts or {})
-            k = len(row_drafts)
-            self.block_manager.append_slots(req, n + k)  # (the companion's grow with its row)
-            self._add_rows(batch, req, n + k, m + k * m, row_drafts)
-            budget -= k * (1 + m)
+            if self._waits(req) or suspect not in (None, req):
+                continue
+            plan = self._plan(req, budget, chunk)
+            short = short or not self.block_manager.may_grow(plan)
+            if not self._make_room(req, plan):
+                break
+            self.block_manager.grow(plan)
+            planned.append((req, plan))
+            budget -= sum(n for _, n in plan)
+        for req, plan in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
+            if row_drafts := self._lookahead(req, plan, budget, drafts or {}):
+                plan = [(seq, n + len(row_drafts)) for seq, n in plan]  # (each sequence feeds them)
+                self.block_manager.append_slots(req, plan[0][1])  # (the companion's grow with its row)
+                budget -= len(row_drafts) * len(plan)
+            self._add_rows(batch, req, plan, row_drafts)
         # Admit FIFO, not in a step short of blocks.
         while self.waiting and budget > 0 and self.free_slots and not short and suspect is None:
             req = self.waiting[0]
             if self._suspect(req) and batch.rows:
                 break
             hits = self.block_manager.prefix_hits(req)  # each sequence's cached prefix (counted as computed)
-            n, m = plan_tokens(req, budget, chunk)
-            blocked = req.num_inflight_steps or len(self.free_slots) < len(req.sequences) or not n + m
-            if blocked or not self.block_manager.can_allocate(n, hits[0], (m, hits[1]) if req.companion else (0, [])):
+            plan = self._plan(req, budget, chunk)
+            blocked = req.num_inflight_steps or len(self.free_slots) < req.num_slots or not any(n for _, n in plan)
+            if blocked or not self.block_manager.can_allocate([(n, h) for (_, n), h in zip(plan, hits, strict=True)]):
                 for seq in req.sequences:
                     seq.num_computed_tokens = 0
                 break  # strict FIFO: the head waits for its in-flight sample, for slots, budget or free blocks
@@ -173,20 +156,28 @@ class Scheduler(RequestLedger):
             for seq, blocks in zip(req.sequences, hits, strict=True):  # every hit out of the free queue first: a
                 seq.slot = self.free_slots.pop()  # new block taken from it could be another sequence's hit
                 self.block_manager.allocate(seq, 0, blocks)
-            self.block_manager.append_slots(req, n)  # (the companion's grow with its row)
+            if req.beams is not None:  # (the slots its beams may take)
+                req.beams.spare_slots = [self.free_slots.pop() for _ in range(req.num_slots - len(hits))]
+            self.block_manager.grow(plan)
             self.running.append(req)
-            self._add_rows(batch, req, n, m)
-            budget -= n + m
+            self._add_rows(batch, req, plan)
+            budget -= sum(n for _, n in plan)
             suspect = req if self._suspect(req) else None
         if batch.rows:
             self.in_flight.append(batch.step)
             self.next_step += 1
         return batch
 
-    def update(self, batch: BatchSpec, sampled: list[int], num_emitted: list[int] | None = None) -> list[RequestOutput]:
+    def update(
+        self,
+        batch: BatchSpec,
+        sampled: list[int],
+        num_emitted: list[int] | None = None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> list[RequestOutput]:
         """Apply a step's results: `sampled` holds the batch's sampled positions in order (1 per sampling row,
         1 + K for a row verifying K drafts); `num_emitted[j]`: how many leading positions sampling row j emits
-        (None: one each)."""
+        (None: one each); `logprobs`: theirs (a beam search's candidates)."""
         if not batch.rows:
             return []
         if not self.in_flight or self.in_flight[0] != batch.step:
@@ -194,23 +185,28 @@ class Scheduler(RequestLedger):
         if len(sampled) != batch.num_samples:
             raise ValueError(f"{len(sampled)} sampled tokens for {batch.num_samples} sampled positions")
         self.in_flight.popleft()
-        outputs = []
+        outputs, searches = [], {}
         pos, emitted = 0, iter(num_emitted or [1] * len(batch.sampling_rows))
         for row in batch.rows:
             req = self.requests[row.request_id]
             req.num_inflight_steps -= 1
             if row.num_samples:
                 n = next(emitted)
-                tokens, pos = sampled[pos : pos + n], pos + row.num_samples
+                tokens, at, pos = sampled[pos : pos + n], pos, pos + row.num_samples
                 req.num_pending_tokens -= 1
                 req.failed_steps = 0  # it sampled: no longer a suspect
                 if row.draft_token_ids:
                     self._verified(req, len(row.draft_token_ids), n - 1)
                 if req.is_finished:
                     self.num_discarded_samples += len(tokens)
+                elif req.beams is not None:
+                    req.beams.sampled(row.slot, logprobs, at)
+                    searches[req] = None
                 else:
                     outputs.append(self._append_tokens(req, tokens))
             self._settle(req)
+        for req in searches:
+            outputs += self._search_step(req)
         return outputs
 
     def drop(self, batch: BatchSpec) -> list[EngineRequest]:
@@ -234,48 +230,50 @@ class Scheduler(RequestLedger):
         """Whether the request's pending samples certainly end it: another row would be junk."""
         return req.num_output_tokens >= req.params.max_tokens or req.num_tokens + req.overhang >= self.max_model_len
 
-    def _lookahead(self, req: EngineRequest, n: int, m: int, budget: int, drafts: dict[str, list[int]]) -> list[int]:
-        """The drafts a row planned with n tokens (its companion m) takes: only when each sequence feeds its last
-        token, as many as the budget left covers, none unless their lookahead blocks are free (drafts never
-        preempt; a CFG companion feeds them too)."""
-        lockstep = n == 1 and m == len(req.sequences) - 1
-        row_drafts = drafts.get(req.request_id, [])[: budget // (1 + m)] if lockstep else []
-        k = len(row_drafts)
-        return row_drafts if self.block_manager.may_append(req, n + k, m + k * m) else []
+    def _waits(self, req: EngineRequest) -> bool:
+        """Nothing of a running request to feed this step: its samples in flight end it, or it is computed to its end
+        (drafts in flight); a beam group's step is in flight (its next rows follow from its decision)."""
+        if req.beams is not None:
+            return req.num_inflight_steps > 0
+        return self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens
 
-    def _add_rows(self, batch: BatchSpec, req: EngineRequest, n: int, m: int, drafts: list[int] = ()) -> None:
-        """The request's row (n tokens), then its CFG companion's (m tokens; built first: the parent's row adds a
-        pending token to both sequences)."""
+    def _plan(self, req: EngineRequest, budget: int, chunk: int) -> list[tuple[object, int]]:
+        """Each of the request's sequences and the tokens it feeds this step (actors/engine/guidance.py, beams.py)."""
+        if req.beams is not None:
+            return beam_plan(req, budget)
+        n, m = plan_tokens(req, budget, chunk)
+        return [(req, n)] if req.companion is None else [(req, n), (req.companion, m)]
+
+    def _add_rows(self, batch: BatchSpec, req: EngineRequest, plan: list, drafts: list[int] = ()) -> None:
+        """The rows of a plan: the request's, then its CFG companion's (built first: the parent's row adds a pending
+        token to both sequences); a beam group's, one per beam fed."""
+        if req.beams is not None:
+            batch.rows += [self._row(req, n, seq=beam) for beam, n in plan if n]
+            return
+        n, m = plan[0][1], sum(k for _, k in plan[1:])
         guide = companion_row(req, m, self.block_manager, drafts) if m else None
         if n:
             batch.rows.append(self._row(req, n, drafts))
         if guide:
             batch.rows.append(guide)
 
-    def _row(self, req: EngineRequest, n: int, drafts: list[int] = ()) -> ScheduledRow:
-        start, fed = req.num_computed_tokens, n - len(drafts)
-        sample = start + fed == req.num_tokens
+    def _row(self, req: EngineRequest, n: int, drafts: list[int] = (), seq=None) -> ScheduledRow:
+        """The row feeding n tokens of the request (or of `seq`, one of its beams)."""
+        seq = seq or req
+        start, fed = seq.num_computed_tokens, n - len(drafts)
+        sample = start + fed == seq.num_tokens
         # prompt_logprobs: the prompt tokens after the fed ones, until the first output token is known
         wants = req.params.prompt_logprobs is not None and req.fresh
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
-        token_ids = req.token_ids(start, start + fed) + list(drafts)
-        row = ScheduledRow(req.request_id, req.slot, token_ids, start, list(req.block_table), sample, targets,
+        token_ids = seq.token_ids(start, start + fed) + list(drafts)
+        row = ScheduledRow(req.request_id, seq.slot, token_ids, start, list(seq.block_table), sample, targets,
                            list(drafts), output_position=req.num_output_tokens)  # fmt: skip
-        req.num_computed_tokens += n
+        seq.num_computed_tokens += n
         req.scheduled_at = req.scheduled_at or time.monotonic()
-        self.block_manager.cache_full_blocks(req)
+        self.block_manager.cache_full_blocks(seq)
         req.num_pending_tokens += sample
         req.num_inflight_steps += 1
         return row
-
-    def _verified(self, req: EngineRequest, num_drafts: int, accepted: int) -> None:
-        """A row verified `num_drafts` drafts and accepted `accepted`: the rejected ones' KV is junk (unless the
-        request was preempted meanwhile: then it recomputes everything anyway)."""
-        if req.status is RequestStatus.RUNNING:
-            for seq in req.sequences:
-                seq.num_computed_tokens -= num_drafts - accepted
-                self.block_manager.trim(seq)
-        self.spec.observe(num_drafts, accepted)
 
     def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
         """Append a step's tokens up to the first that ends the request (or that its grammar refuses, which fails

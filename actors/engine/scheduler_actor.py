@@ -71,8 +71,9 @@ log = logging.getLogger("sluice.engine")
 
 
 def needs_history(req: EngineRequest) -> bool:
-    """Sampling that reads the output so far: the host must know every token before the step."""
-    return reads_output(req.params, len(req.output_token_ids))
+    """Sampling that reads the output so far, or a beam search (its next rows follow from this step's decision): the
+    host must know every token before the step."""
+    return req.beams is not None or reads_output(req.params, len(req.output_token_ids))
 
 
 class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
@@ -258,7 +259,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             collect_prompt_logprobs(batch, result.prompt_logprobs, self.sched.requests)
         lp = result.logprobs
         want = wanted_logprobs(batch, self.sched.requests) if lp is not None else {}  # before update() ends any
-        outputs = self.sched.update(batch, result.sampled, result.num_emitted)
+        outputs = self.sched.update(batch, result.sampled, result.num_emitted, lp)
         for out in outputs:
             if out.error:  # (a grammar matcher that failed)
                 log.error("[%s] failed: %s", out.request_id, out.error)

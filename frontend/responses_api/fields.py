@@ -59,6 +59,9 @@ NOT_HONOURED_IN_RESPONSES = {
     "response_format": _is(None),
     "n": _is(None, 1),
     "best_of": _is(None, 1),
+    "use_beam_search": _is(None, False),  # (chat's and completions')
+    "length_penalty": _is(None, 1, 1.0),
+    "early_stopping": _is(None, False),
     "logprobs": _is(None, False),
     "prompt_logprobs": _is(None),
     "echo": _is(None, False),
