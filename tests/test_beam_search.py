@@ -8,6 +8,7 @@ import random
 from itertools import count
 
 import pytest
+from msgspec.structs import replace
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.metrics import idle_details
@@ -168,7 +169,9 @@ def test_pruning_searches_match_the_reference(lp, es, caching):
     reference run over whole contexts, in rank order."""
     eng = Engine(vocab=12, caching=caching, max_num_seqs=12)
     prompts = [[1, 2, 0, 1, 2, 0, 1], [0, 0, 1], [2, 1, 0, 2, 1, 0, 2, 1, 0, 1]]
-    runs = [(p, w, eng.search(p, n=2, width=w, max_tokens=8, lp=lp, es=es)) for p, w in zip(prompts, (2, 3, 3))]
+    runs = [
+        (p, w, eng.search(p, n=2, width=w, max_tokens=8, lp=lp, es=es)) for p, w in zip(prompts, (2, 3, 3), strict=True)
+    ]
     eng.run()
     for prompt, width, rids in runs:
         want = reference(prompt, width, 8, lp, es, vocab=12)
@@ -255,3 +258,27 @@ def test_aborted_members_are_acked_at_once_and_the_last_one_ends_the_search():
     assert sorted(eng.drained_now()) == [c, d]
     eng.run()
     assert not eng.answers
+
+
+def test_only_the_choices_of_one_search_share_it():
+    """Two prompts' choices under one group name (a client's mistake, or the offline API's unnamed searches) and a
+    second copy of a rank each get a search of their own."""
+    eng = Engine(vocab=12)
+    spec = BeamSearch(width=2, group="same")
+    for rid, prompt, rank in (("a", [1, 2, 0], 0), ("b", [2, 0, 1], 1), ("c", [1, 2, 0], 0)):
+        eng.sched.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=6, beam=replace(spec, rank=rank))))
+    assert len(eng.sched.waiting) == 3
+    eng.run()
+    assert eng.answers["a"] == eng.answers["c"] == tuple(reference([1, 2, 0], 2, 6, 1.0, False, vocab=12)[0][1:])
+    assert eng.answers["b"] == tuple(reference([2, 0, 1], 2, 6, 1.0, False, vocab=12)[1][1:])
+
+
+def test_a_failed_search_fails_each_of_its_choices():
+    """A search the worker keeps failing (a poison request) ends each member with the error."""
+    eng = Engine(vocab=12)
+    a, b = eng.search([1, 2, 0, 1], n=2, max_tokens=8)
+    eng.step()
+    (group,) = eng.sched.running
+    outs = eng.sched.fail(group, "the worker failed 2 steps of this request")
+    assert [(o.request_id, o.finish_reason, o.error) for o in outs] == [(r, "error", outs[0].error) for r in (a, b)]
+    eng.run()

@@ -1,6 +1,7 @@
 """vLLM/OpenAI conformance (issue 18), continued from tests/test_conformance.py (its `api` fixture: Sluice's shared
 server, or the control server at SLUICE_CONFORMANCE_URL): continuous usage stats per choice; /tokenize with tools,
-refusing what it does not honour (and chat_template_kwargs that would replace the template's own variables); beam search refused saying why; chat messages of the deprecated and custom roles;
+refusing what it does not honour (and chat_template_kwargs that would replace the template's own variables); beam search
+(vLLM's batch test); chat messages of the deprecated and custom roles;
 chat truncation from the right; a chat's max_completion_tokens past the context.
 """
 
@@ -11,7 +12,6 @@ import json
 import openai
 import pytest
 
-from frontend.fields import BEAM_SEARCH
 from frontend.protocol import ServingContext, parse_chat
 from frontend.tokenize import tokenize
 from frontend.tokenizer import Tokenizer
@@ -110,27 +110,15 @@ async def test_tokenize_takes_tools_and_refuses_what_it_does_not_honour(api):
                 assert (resp.status, (await resp.json())["error"]["param"]) == (400, name)
 
 
-@pytest.mark.skipif(CONTROL is not None, reason="vLLM runs beam search")
-@pytest.mark.parametrize(
-    ("endpoint", "fields"),
-    [
-        ("completions", {"use_beam_search": True}),
-        ("chat", {"use_beam_search": True}),
-        ("completions", {"best_of": 3, "n": 2}),
-        ("chat", {"best_of": 2}),
-        ("completions", {"length_penalty": 0.5}),
-        ("chat", {"early_stopping": True}),
-    ],
-)
-async def test_beam_search_is_refused_saying_why(api, endpoint, fields):
-    """Every beam search field (and best_of > n) is a 400 naming it, with why beam search is not implemented."""
-    client, param = api.client(), next(iter(fields))
-    with pytest.raises(openai.BadRequestError) as e:
-        if endpoint == "completions":
-            await client.completions.create(model="", prompt="hi", max_tokens=1, extra_body=fields)
-        else:
-            await client.chat.completions.create(model="", messages=CHAT, max_tokens=1, extra_body=fields)
-    assert (e.value.body["param"], e.value.body["message"]) == (param, f"{param} is not supported: {BEAM_SEARCH}")
+async def test_beam_search_returns_distinct_beams_per_prompt(api):
+    """vLLM's batch completion with use_beam_search: n beams per prompt, different from each other, the same for
+    the same prompt."""
+    batch = await api.client().completions.create(
+        model="", prompt=["Hello, my name is"] * 2, n=2, max_tokens=5, temperature=0.0,
+        extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    texts = [c.text for c in sorted(batch.choices, key=lambda c: c.index)]
+    assert len(texts) == 4 and texts[0] != texts[1] and texts[:2] == texts[2:]
 
 
 @pytest.mark.skipif(CONTROL is not None, reason="vLLM 0.32 ignores best_of")

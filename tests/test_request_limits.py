@@ -115,8 +115,6 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
         (parse_chat, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         (parse_chat, {"chat_template": "{{ x }}"}, "chat_template"),
         (parse_completion, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat only
-        (parse_completion, {"use_beam_search": True}, "use_beam_search"),
-        (parse_chat, {"early_stopping": True}, "early_stopping"),  # beam search's too
         (parse_completion, {"add_special_tokens": False}, "add_special_tokens"),
         (parse_chat, {"logprobs_mode": "raw_logprobs"}, "logprobs_mode"),  # server-wide: --logprobs-mode
         (parse_completion, {"request_id": "mine"}, "request_id"),  # vLLM's extras Sluice lacks
@@ -127,7 +125,7 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(ctx, monkeypatch):
 def test_fields_not_honoured_are_refused(ctx, parse, fields, param):
     base = {"prompt": "hi"} if parse is parse_completion else {"messages": [{"role": "user", "content": "hi"}]}
     err = _error(parse, ctx, json.dumps({**base, "max_tokens": 1, **fields}).encode())
-    assert err.param == param and err.message.startswith(f"{param} is not supported")  # (beam search's say why)
+    assert err.param == param and err.message.startswith(f"{param} is not supported")
 
 
 def test_their_no_op_values_are_accepted(ctx):

@@ -5,8 +5,9 @@
   `spare_slots` are those no beam holds). It starts with one beam, the prompt (prefilled in chunks like any prompt).
 - The prompt's choices are its members (EngineRequests with `search` set, holding nothing): each is answered with
   the hypothesis of its rank, all of it in one terminal output, when the search ends. The actors/engine/lifecycle.py
-  ledger joins a choice to the live group of its BeamSearch.group (or starts one), acks an aborted member at once,
-  and aborts a group left without members silently.
+  ledger joins a choice to the live group of its `search_key` (its BeamSearch.group, prompt and parameters: only
+  choices of one search share it) whose rank is free, or starts one; acks an aborted member at once; and aborts a
+  group left without members silently.
 - A step: every live beam feeds its unfed tokens (as the budget allows) and samples at its end: the top 2 x width
   raw logprobs of its next token are its candidates. Once every live beam has its candidates and is computed to its
   end, the search steps (`advance`, HF's rule): the candidates by cumulative logprob, best first; an ending one (EOS
@@ -88,6 +89,7 @@ class BeamGroup:
     members: dict[int, EngineRequest] = field(default_factory=dict)  # rank -> the choice it answers
     ended: list[Hypothesis] = field(default_factory=list)  # the best `width`, best first
     spare_slots: list[int] = field(default_factory=list)
+    key: bytes = b""  # its search_key
 
     @property
     def ready(self) -> bool:
@@ -143,6 +145,12 @@ class BeamGroup:
         )
 
 
+def search_key(member: EngineRequest) -> bytes:
+    """What the choices of one search share: its group name, prompt and parameters (its rank aside)."""
+    params = msgspec.structs.replace(member.params, beam=msgspec.structs.replace(member.params.beam, rank=0))
+    return msgspec.msgpack.encode((member.prompt_token_ids, params))
+
+
 def new_group(member: EngineRequest, request_id: str) -> EngineRequest:
     """A search for the choice's prompt: greedy rows that return 2 x width logprobs, one beam (the prompt)."""
     spec = member.params.beam
@@ -153,11 +161,12 @@ def new_group(member: EngineRequest, request_id: str) -> EngineRequest:
     return group
 
 
-def beam_plan(group: EngineRequest, budget: int) -> list[tuple[Beam, int]]:
-    """Each live beam and the tokens it feeds this step: its unfed ones, in beam order, as far as the budget goes."""
+def beam_plan(group: EngineRequest, budget: int, chunk: int) -> list[tuple[Beam, int]]:
+    """Each live beam and the tokens it feeds this step: its unfed ones (a prefill at most `chunk`, the scheduler's
+    per-request chunk), in beam order, as far as the budget goes."""
     plan = []
     for beam in group.beams.live:
-        n = min(beam.num_tokens - beam.num_computed_tokens, budget)
+        n = min(beam.num_tokens - beam.num_computed_tokens, budget, chunk)
         plan.append((beam, n))
         budget -= n
     return plan

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from actors.engine.beams import Ending, Hypothesis, new_group, regroup
+from actors.engine.beams import Ending, Hypothesis, new_group, regroup, search_key
 from actors.engine.block_manager import BlockManager
 from actors.engine.request import EngineRequest, RequestStatus
 from messages.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ class RequestLedger:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.aborted_freed: list[EngineRequest] = []
         self.num_preemptions = 0
-        self.searches: dict[str, EngineRequest] = {}  # BeamSearch.group -> its live beam group
+        self.searches: dict[bytes, EngineRequest] = {}  # search_key -> its live beam group
         self.matchers = 0  # grammar matchers its requests hold (the idle invariant's): counted as added, until freed
 
     def has_unfinished(self) -> bool:
@@ -117,11 +117,12 @@ class RequestLedger:
 
     def _join(self, member: EngineRequest) -> None:
         """A beam search's choice joins the live search of its prompt, or starts one (queued like any request)."""
-        spec = member.params.beam
-        group = self.searches.get(spec.group)
+        spec, key = member.params.beam, search_key(member)
+        group = self.searches.get(key)
         if group is None or group.is_finished or spec.rank in group.beams.members:
             group = new_group(member, f"{member.request_id}/beams{member.attempt}")
-            self.searches[spec.group] = self.requests[group.request_id] = group
+            group.beams.key = key
+            self.searches[key] = self.requests[group.request_id] = group
             self.waiting.append(group)
         group.beams.members[spec.rank] = member
         member.search = group
@@ -225,8 +226,8 @@ class RequestLedger:
             req.beams.spare_slots = []
         if req.is_finished:
             del self.requests[req.request_id]
-            if req.beams is not None and self.searches.get(req.beams.spec.group) is req:
-                del self.searches[req.beams.spec.group]
+            if req.beams is not None and self.searches.get(req.beams.key) is req:
+                del self.searches[req.beams.key]
             if req.grammar is not None:
                 req.grammar.release()
                 self.matchers -= 1

@@ -20,7 +20,11 @@ class Lookahead:
         max_tokens or max_model_len (the step budget may cut them further)."""
         out = []
         for req in self.running:
-            if req.beams is not None or req.num_pending_tokens or any(s.num_tokens - s.num_computed_tokens != 1 for s in req.sequences):
+            if (
+                req.beams is not None
+                or req.num_pending_tokens
+                or any(s.num_tokens - s.num_computed_tokens != 1 for s in req.sequences)
+            ):
                 continue  # (nor one whose CFG companion still prefills)
             room = self.max_model_len - req.num_tokens - req.overhang
             k = min(req.params.max_tokens - req.num_output_tokens, room) - 1

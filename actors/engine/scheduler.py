@@ -22,7 +22,8 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
 Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
 - Every request fits the whole KV cache alone at its longest: one max_model_len sequence (checked at construction;
   lookahead never passes max_tokens or max_model_len), a CFG pair at both halves' longest (`add_request` raises;
-  the intake refuses it first, a 400 naming guidance_scale: actors/engine/guidance.py).
+  the intake refuses it first, a 400 naming guidance_scale: actors/engine/guidance.py), a beam group with every
+  beam at its longest, none shared (the intake refuses it, a 400 naming best_of: actors/engine/beams.py).
 - `running` is in admission order; a request short of blocks preempts the youngest (`_make_room`), never an older
   one. The oldest running request is never preempted: alone and still short, it waits for what requests that ended
   with a step in flight hold (the only other holders then), freed when that step reports. So it gains a token in
@@ -240,7 +241,7 @@ class Scheduler(Lookahead, RequestLedger):
     def _plan(self, req: EngineRequest, budget: int, chunk: int) -> list[tuple[object, int]]:
         """Each of the request's sequences and the tokens it feeds this step (actors/engine/guidance.py, beams.py)."""
         if req.beams is not None:
-            return beam_plan(req, budget)
+            return beam_plan(req, budget, chunk)
         n, m = plan_tokens(req, budget, chunk)
         return [(req, n)] if req.companion is None else [(req, n), (req.companion, m)]
 
