@@ -83,12 +83,14 @@ class BeamSearch(msgspec.Struct, frozen=True, kw_only=True):
     rank: int = 0  # which of the best beams this choice is answered with (0: the best)
 
 
-# What beam search ranks by (the model's own logprobs): the fields that would change them, with their neutral values.
+# What beam search ranks by (the model's own logprobs): the fields that would change them, with their neutral values
+# (by attribute; the request field is BEAM_PARAMS' where it differs).
+BEAM_PARAMS = {"structured": "structured_outputs", "bad_words_token_ids": "bad_words"}
 BEAM_NEUTRAL = {
     "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
     "min_tokens": (0,), "logprobs": (None,), "prompt_logprobs": (None,), "guidance_scale": (1.0,),
-    "structured_outputs": (None,),
+    "structured": (None,), "bad_words_token_ids": (None, []),
 }  # fmt: skip
 
 
@@ -205,8 +207,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ParamError(
                 "temperature", "beam search ranks beams by the model's logprobs: temperature must be 0 or 1"
             )
-        for name, neutral in BEAM_NEUTRAL.items():
-            if getattr(self, "structured" if name == "structured_outputs" else name) not in neutral:
+        for attr, neutral in BEAM_NEUTRAL.items():
+            if getattr(self, attr) not in neutral:
+                name = BEAM_PARAMS.get(attr, attr)
                 raise ParamError(
                     name, f"{name} cannot be combined with beam search: it ranks beams by the model's logprobs"
                 )

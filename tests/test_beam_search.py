@@ -63,6 +63,7 @@ class Engine:
         self.model = FakeModel(block_size, vocab)
         self.answers: dict[str, tuple[list[int], str]] = {}  # a member's whole answer; a plain request's output
         self.acks: list[str] = []
+        self.cached: dict[str, int | None] = {}  # each request's num_cached_tokens
         self.ids = count()
 
     def search(self, prompt, n=1, width=None, max_tokens=6, lp=1.0, es=False, **params) -> list[str]:
@@ -84,6 +85,7 @@ class Engine:
                 tokens, _ = self.answers.get(out.request_id, ([], None))
                 assert out.seq == len(tokens) and (out.finish_reason or "/" not in out.request_id)
                 self.answers[out.request_id] = (tokens + out.new_token_ids, out.finish_reason)
+                self.cached[out.request_id] = out.num_cached_tokens
         self.acks += self.drained_now()
 
     def drained_now(self) -> list[str]:
@@ -140,11 +142,11 @@ def reference(prompt, width, max_tokens, lp, es, vocab=4):
             elif seq[-1] != EOS and len(beams) < width:
                 beams.append((seq, cum))
         ended = sorted(ended, key=lambda h: -h[0])[:width]
-        if beams and len(beams[0][0]) == max_tokens:
-            ended += [(score(prompt, seq, cum, 0, lp), seq, "length") for seq, cum in beams]
-            break
         longest = len(prompt) + (max_tokens if es == "never" and lp > 0 else len(beams[0][0])) if beams else 1
         if not beams or (len(ended) >= width and (es is True or ended[-1][0] >= beams[0][1] / longest**lp)):
+            break  # (done: the running beams do not compete)
+        if len(beams[0][0]) == max_tokens:
+            ended += [(score(prompt, seq, cum, 0, lp), seq, "length") for seq, cum in beams]
             break
     return sorted(ended, key=lambda h: -h[0])[:width]
 
@@ -282,3 +284,14 @@ def test_a_failed_search_fails_each_of_its_choices():
     outs = eng.sched.fail(group, "the worker failed 2 steps of this request")
     assert [(o.request_id, o.finish_reason, o.error) for o in outs] == [(r, "error", outs[0].error) for r in (a, b)]
     eng.run()
+
+
+def test_a_search_reports_the_prompt_tokens_it_found_cached():
+    eng = Engine(vocab=12, caching=True)
+    prompt = [1, 2, 0] * 4  # (12 tokens: the first 2 blocks are hits, the last must be computed)
+    first = eng.search(prompt, n=2, width=2, max_tokens=4)
+    eng.run()
+    again = eng.search(prompt, n=2, width=2, max_tokens=4)
+    eng.run()
+    assert [eng.cached[r] for r in first + again] == [0, 0, 8, 8]
+    assert [eng.answers[r] for r in first] == [eng.answers[r] for r in again]

@@ -22,7 +22,7 @@
   but not an ending token. The search ends when `width` hypotheses have ended and early_stopping says so (true: at
   once; false: once no running beam can score better at its current length; "never": nor at its longest, with a
   positive length_penalty), when no beam continues, or at max_tokens / max_model_len, where the running beams end
-  ("length") and compete too. The `width` best hypotheses are kept, best first; choice k gets the k-th (the last one
+  ("length") and compete too, unless the search was done (HF's finalize). The `width` best hypotheses are kept, best first; choice k gets the k-th (the last one
   if fewer ended: only when stop token ids ended nearly every candidate).
 """
 
@@ -119,13 +119,12 @@ class BeamGroup:
                     )
             elif len(children) < w:
                 children.append((beam, tok, cum))
-        if children and length >= max_output:
-            for beam, tok, cum in children:
-                self._end(
-                    Hypothesis(self._score(cum, num_prompt + length), [*beam.output_token_ids, tok], "length", None)
-                )
-            return []
         if not children or self._done(children[0][2], num_prompt + length, num_prompt + max_output):
+            return []
+        if length >= max_output:  # (HF's finalize: the running beams compete, unless the search was done)
+            for beam, tok, cum in children:
+                hyp = [*beam.output_token_ids, tok]
+                self._end(Hypothesis(self._score(cum, num_prompt + length), hyp, "length", None))
             return []
         return children
 
@@ -146,8 +145,10 @@ class BeamGroup:
 
 
 def search_key(member: EngineRequest) -> bytes:
-    """What the choices of one search share: its group name, prompt and parameters (its rank aside)."""
-    params = msgspec.structs.replace(member.params, beam=msgspec.structs.replace(member.params.beam, rank=0))
+    """What the choices of one search share: its group name, prompt and parameters (its rank, and a seed, which each
+    choice of a prompt gets its own of and a search does not read, aside)."""
+    beam = msgspec.structs.replace(member.params.beam, rank=0)
+    params = msgspec.structs.replace(member.params, beam=beam, seed=None)
     return msgspec.msgpack.encode((member.prompt_token_ids, params))
 
 

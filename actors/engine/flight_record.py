@@ -30,6 +30,8 @@ Cases, state x event -> action:
                             (counted from the engine's readiness, `arm`: a slow model load is not the client's delay)
   blamed, running           it samples, or ends   -> dropped from the record at its next write
   blamed by a worker's death (recovery.py)        -> kept in the record (`watch`) like a copy's blame
+A beam search's rows carry its group's id: the record names its members (`names`), whose copies take the blame (the
+group they start takes their greatest).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -64,8 +66,15 @@ ENCODER, DECODER = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Flight)
 
 
 class FlightRecord:
-    def __init__(self, path: str, max_failures: int, ttl_s: float = PENDING_TTL_S):
+    def __init__(
+        self,
+        path: str,
+        max_failures: int,
+        ttl_s: float = PENDING_TTL_S,
+        names: Callable[[str], list[str]] | None = None,
+    ):
         self.max_failures = max_failures
+        self.names = names or (lambda rid: [rid])  # a row's request id -> the ids its copies arrive under
         self.fds = [os.open(f"{path}.{i}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600) for i in (0, 1)]
         self.pending: dict[str, int] = {}  # blamed requests whose copy has not come (yet)
         self.watched: dict[str, EngineRequest] = {}  # blamed requests here
@@ -93,7 +102,8 @@ class FlightRecord:
         """The record of `steps` (those in flight) and of every blame, in the older slot."""
         named, self.named = self.named, {}
         for batch in steps:  # (each step's names listed once: a step stays in flight for two writes)
-            self.named[batch.step] = named.get(batch.step) or [row.request_id for row in batch.rows]
+            ids = dict.fromkeys(rid for row in batch.rows for rid in self.names(row.request_id))
+            self.named[batch.step] = named.get(batch.step) or list(ids)
         body = ENCODER.encode(Flight(self.number, list(self.named.values()), self._blames()))
         os.pwrite(self.fds[self.number & 1], HEAD.pack(MAGIC, len(body), zlib.crc32(body)) + body, 0)
         self.number += 1
@@ -125,7 +135,7 @@ class FlightRecord:
     def _blames(self) -> dict[str, int]:
         if self.watched:
             self.watched = {rid: r for rid, r in self.watched.items() if r.failed_steps and not r.is_finished}
-        return self._pending() | {rid: req.failed_steps for rid, req in self.watched.items()}
+        return self._pending() | {n: req.failed_steps for rid, req in self.watched.items() for n in self.names(rid)}
 
     @staticmethod
     def _read(fd: int) -> Flight | None:

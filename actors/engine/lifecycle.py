@@ -125,7 +125,7 @@ class RequestLedger:
             self.searches[key] = self.requests[group.request_id] = group
             self.waiting.append(group)
         group.beams.members[spec.rank] = member
-        member.search = group
+        member.search, group.failed_steps = group, max(group.failed_steps, member.failed_steps)  # (a copy's blame)
 
     def _leave(self, member: EngineRequest) -> None:
         """A member ends (its abort, or its answer): a running search left with none is aborted silently."""

@@ -116,6 +116,11 @@ class EngineRequest:
         return (self,) if self.companion is None else (self, self.companion)
 
     @property
+    def decoding(self) -> bool:
+        """It feeds its last token next (a beam group: one of its beams does; a CFG companion does not count)."""
+        return any(s.num_tokens - s.num_computed_tokens == 1 for s in (self.beams.live if self.beams else (self,)))
+
+    @property
     def num_slots(self) -> int:
         """The slots it holds while admitted (a beam group: one per beam it may have)."""
         return len(self.sequences) if self.beams is None else self.beams.spec.width

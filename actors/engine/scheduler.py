@@ -112,7 +112,7 @@ class Scheduler(Lookahead, RequestLedger):
             raise RuntimeError("schedule() may run at most one batch ahead of update()")
         batch = BatchSpec(step=self.next_step)
         budget = self.max_num_batched_tokens
-        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for r in self.running for s in r.sequences)
+        decoding = any(r.decoding for r in self.running)
         chunk = self.long_prefill_token_threshold if decoding else budget  # one request's prefill this step
         suspect = next((r for r in self.running if self._suspect(r)), None)  # it runs in steps of its own
         short = False  # blocks ran out: no admission this step (a request preempted now would only thrash)
@@ -150,7 +150,7 @@ class Scheduler(Lookahead, RequestLedger):
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 self.prompt_tokens_total += req.num_prompt_tokens
-                req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+                req.num_cached_tokens = min(req.sequences[0].num_computed_tokens, req.num_prompt_tokens)
                 self.block_manager.queries += req.num_prompt_tokens
                 self.block_manager.hits += req.num_cached_tokens
             req.status = RequestStatus.RUNNING

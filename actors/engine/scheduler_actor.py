@@ -111,7 +111,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         return table
 
     async def on_start(self) -> None:
-        self.flight = FlightRecord(f"{self.router.placement.rundir}/{self.name}.flight", self.config.max_step_failures)
+        path = f"{self.router.placement.rundir}/{self.name}.flight"
+        self.flight = FlightRecord(path, self.config.max_step_failures, names=self._arrives_as)
         for rid, n in self.flight.recover().items():  # (before any request arrives: its copy takes its blame)
             log.warning("[%s] was in a step in flight as the engine process died: %d failed steps", rid, n)
         torch.set_num_threads(self.config.threads())
@@ -250,6 +251,11 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
         self.tell(
             self.config.replica.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, []))
         )
+
+    def _arrives_as(self, rid: str) -> list[str]:
+        """The ids a request's copies arrive under: a beam group's are its members' (its rows carry its own)."""
+        req = self.sched.requests.get(rid)
+        return [m.request_id for m in req.beams.members.values()] if req is not None and req.beams else [rid]
 
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)

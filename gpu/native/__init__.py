@@ -1,0 +1,61 @@
+"""Native CPU kernels: a C++ extension (gpu/native/csrc) built by `make setup` (gpu/native/build.py) once per ISA,
+AVX2 + FMA and AVX-512, into the environment; the one this CPU runs is loaded at first use. Absent (no compiler,
+not built, an older build than the sources, a CPU with neither ISA), callers get None and use torch's kernels, with
+one warning saying why.
+
+`ops()` is the op namespace (torch.ops.sluice_<isa>): `pack(weight) -> packed`, `linear(x, packed, out_features,
+bias) -> y`, `linear_out(x, packed, bias, y)` (gpu/native/csrc/linear.cpp says what they guarantee).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("sluice.native")
+
+BUILD_DIR = Path(sys.prefix) / "sluice-native"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+ISAS = ("avx2", "avx512")  # what build.py builds, in preference order: the last this CPU runs is used
+_NEEDS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}}
+
+
+def library_path(isa: str) -> Path:
+    return BUILD_DIR / isa / f"sluice_{isa}.so"
+
+
+@functools.cache
+def cpu_isas() -> tuple[str, ...]:
+    """The built ISAs this CPU runs (its flags in /proc/cpuinfo; none elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    return tuple(isa for isa in ISAS if _NEEDS[isa] <= flags)
+
+
+@functools.cache
+def ops(isa: str | None = None):
+    """The kernels for `isa` (default: the widest this CPU runs), loaded once; None where they cannot be (why is
+    logged once)."""
+    runs = cpu_isas()
+    isa = isa or (runs[-1] if runs else None)
+    if isa is None or isa not in runs:
+        return _absent(f"this CPU does not run {isa or 'AVX2 or AVX-512'}")
+    path = library_path(isa)
+    if not path.exists():
+        return _absent(f"{path} is not built (make setup builds it)")
+    if any(s.stat().st_mtime > path.stat().st_mtime for s in SOURCES):
+        return _absent(f"{path} is older than its sources (make setup rebuilds it)")
+    torch.ops.load_library(str(path))
+    return getattr(torch.ops, f"sluice_{isa}")
+
+
+def _absent(why: str) -> None:
+    log.warning("native CPU kernels unavailable: %s; using torch's", why)
+    return None

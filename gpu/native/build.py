@@ -1,0 +1,66 @@
+"""Build the native CPU kernels (gpu/native/csrc) with the machine's C++ compiler and ninja, through torch's
+cpp_extension: one library per ISA, side by side, never `-march=native` (a binary for this CPU could crash on
+another): AVX2 + FMA, and AVX-512. `make setup` runs it; a machine without a compiler gets a clear message and the
+torch fallback (gpu/native/__init__.py). Idempotent: ninja rebuilds only what changed.
+
+    python -m gpu.native.build
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+
+from gpu.native import BUILD_DIR, ISAS, SOURCES, library_path
+
+log = logging.getLogger("sluice.native")
+
+FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]}
+
+
+def build(isa: str) -> None:
+    from torch.utils import cpp_extension
+
+    out = BUILD_DIR / isa
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=f"sluice_{isa}",
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=["-O3", "-std=c++17", f"-DSLUICE_NS=sluice_{isa}", *FLAGS[isa]],
+        build_directory=str(out),
+        is_python_module=False,
+        verbose=False,
+    )  # (it loads what it built: only the ISA this CPU runs is built in this process, the other in a child)
+
+
+def main() -> int:
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None or shutil.which("ninja") is None:
+        print("native CPU kernels not built: no C++ compiler or ninja found; Sluice uses torch's kernels instead")
+        return 0
+    for isa in ISAS:
+        t0 = time.monotonic()
+        try:
+            _build_in_child(isa)
+        except Exception as e:  # (a compiler that cannot build it: the torch fallback)
+            print(f"native CPU kernels ({isa}) not built: {e}; Sluice uses torch's kernels for it")
+            continue
+        print(f"native CPU kernels ({isa}): {library_path(isa)} ({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+def _build_in_child(isa: str) -> None:
+    """Build in a process of its own: cpp_extension loads what it built, and a library for an ISA this CPU lacks
+    must never be loaded here."""
+    import subprocess
+
+    code = f"from gpu.native.build import build; build({isa!r})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0 and not library_path(isa).exists():
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

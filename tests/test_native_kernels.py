@@ -1,0 +1,62 @@
+"""The native CPU kernels (gpu/native): each ISA's build against a float64 reference on awkward shapes (sizes off
+the panel and tile widths), into outputs poisoned first; bitwise batch invariance (a row's result alone, in any
+batch, in any tile position) and agreement across ISAs; the torch fallback when the extension is absent."""
+
+import logging
+
+import pytest
+import torch
+
+from gpu import native
+
+BUILT = [isa for isa in native.cpu_isas() if native.library_path(isa).exists()]
+pytestmark = pytest.mark.skipif(not BUILT, reason="no native CPU kernels built for this CPU (make setup builds them)")
+SHAPES = [(1, 1, 1), (1, 576, 1536), (2, 33, 17), (5, 7, 33), (7, 100, 65), (13, 64, 577), (64, 31, 96), (70, 9, 40)]
+
+
+@pytest.mark.parametrize("isa", BUILT)
+@pytest.mark.parametrize("rows, in_features, out_features", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_a_float64_reference(isa, rows, in_features, out_features, bias):
+    ops, g = native.ops(isa), torch.Generator().manual_seed(rows * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    y = torch.full((rows, out_features), float("nan"))
+    ops.linear_out(x, ops.pack(w), b, y)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    bound = 4 * in_features * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T + 1)
+    assert not y.isnan().any() and ((y.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("isa", BUILT)
+def test_a_rows_result_is_the_same_in_any_batch(isa):
+    """Each of 40 rows alone, then in batches of every size 1..40 with other rows around it: bitwise equal."""
+    ops, g = native.ops(isa), torch.Generator().manual_seed(1)
+    w, b = torch.randn(300, 576, generator=g), torch.randn(300, generator=g)
+    packed, x = ops.pack(w), torch.randn(40, 576, generator=g)
+    alone = torch.cat([ops.linear(x[i : i + 1], packed, 300, b) for i in range(40)])
+    for size in range(1, 41):
+        for start in range(0, 40, size):
+            batch = ops.linear(x[start : start + size], packed, 300, b)
+            assert torch.equal(batch, alone[start : start + size]), (size, start)
+
+
+def test_every_isa_computes_the_same_bits():
+    if len(BUILT) < 2:
+        pytest.skip("this CPU runs one ISA's build")
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(129, 77, generator=g), torch.randn(11, 77, generator=g)
+    results = [native.ops(isa).linear(x, native.ops(isa).pack(w), 129, None) for isa in BUILT]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_an_absent_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(native, "BUILD_DIR", tmp_path)
+    native.ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, "sluice.native"):
+            assert native.ops() is None
+        assert "is not built (make setup builds it)" in caplog.text
+    finally:
+        native.ops.cache_clear()
