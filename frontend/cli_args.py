@@ -64,6 +64,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantization (CPU, float32)"
     )
     g.add_argument(
+        "--cpu-kernels",
+        choices=["native", "torch"],
+        default=_DEFAULTS.cpu_kernels,
+        help="CPU float32 linear layers: native (Sluice's AVX2/AVX-512 kernels, batch-invariant; built by make setup, "
+        "else torch's with a warning) or torch (oneDNN/MKL) (default: native)",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=["torch", "triton"],
         default=_DEFAULTS.attention_backend,

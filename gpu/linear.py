@@ -10,7 +10,11 @@ Measured on this class of machine (AMD EPYC AVX2, fp32, 1 thread, SmolLM2's shap
   vs 22 ms).
 So `pack()` keeps the [in, out] copy and the oneDNN one, and the parameter becomes a view of the former (no third
 copy; a weight shared with the embedding keeps its own storage, see `keep_weight`). Elsewhere (CUDA, other dtypes)
-nothing changes. gpu/quant.py keeps its dequantized weights in one of these layouts through the same functions
+nothing changes.
+With the native kernels (gpu/native, `--cpu-kernels native`, the default where they are built) the oneDNN copy
+gives way to theirs: up to NATIVE_ROWS rows (decode, verification, small prefill chunks) every row's result is the
+same bits whatever the batch around it, and batch 1 streams the weight faster (docs/PERFORMANCE.md); more rows
+take the [in, out] copy. gpu/quant.py keeps its dequantized weights in one of these layouts through the same functions
 (`onednn_pack`, `onednn_linear`, `transposed_linear`).
 """
 
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_ROWS = range(2, 33)  # batch sizes that use the oneDNN-packed weight
+NATIVE_ROWS = 64  # the most rows the native kernels take
 
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -42,20 +47,28 @@ def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tenso
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's layout, for PACKED_ROWS
     weight_t: torch.Tensor | None = None  # [in, out] contiguous, for the other batch sizes
+    native_ops = None  # the native kernels (gpu/native) ...
+    native: torch.Tensor | None = None  # ... and the weight in their layout, for up to NATIVE_ROWS rows
 
-    def pack(self, keep_weight: bool = False) -> None:
-        """Lay the (loaded) weight out for CPU float32 matmuls. keep_weight: the [out, in] storage is shared (a tied
-        embedding reads it row by row) and must stay; otherwise the parameter becomes a view of the [in, out] copy."""
+    def pack(self, keep_weight: bool = False, native_ops=None) -> None:
+        """Lay the (loaded) weight out for CPU float32 matmuls (the native kernels' layout, given their ops). keep_weight:
+        the [out, in] storage is shared (a tied embedding reads it row by row) and must stay; otherwise the parameter
+        becomes a view of the [in, out] copy."""
         if not (self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
             return
         self.weight_t = self.weight.detach().t().contiguous()
-        self.packed = onednn_pack(self.weight)
+        if native_ops is not None:
+            self.native_ops, self.native = native_ops, native_ops.pack(self.weight.detach())
+        else:
+            self.packed = onednn_pack(self.weight)
         if not keep_weight:
             self.weight.data = self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
+        if self.native is not None and x.shape[0] <= NATIVE_ROWS:
+            return self.native_ops.linear(x.contiguous(), self.native, self.out_features, self.bias)
         if self.packed is not None and x.shape[0] in PACKED_ROWS:
             return onednn_linear(x, self.packed, self.bias)
         return transposed_linear(x, self.weight_t, self.bias)

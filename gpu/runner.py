@@ -60,6 +60,7 @@ class ModelRunner:
         num_threads: int | None = None,
         quantization: Quantization | None = None,
         attention_backend: BackendName | None = None,
+        cpu_kernels: str = "native",
         decode_graphs: GraphMode | None = None,
         gpu_memory_utilization: float = 0.9,
         drafts: tuple[ModelConfig, ...] = (),
@@ -97,7 +98,7 @@ class ModelRunner:
             gc.collect()  # (what this process dropped, still cached, is free to this engine: as vLLM's snapshot)
             memory.reset_peak()
             free_at_start = memory.info()[0]
-        self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention)
+        self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention, cpu_kernels)
         mode = graph_mode(decode_graphs, self.device, self.attention, model_config.moe is not None)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self.kv_cache = None

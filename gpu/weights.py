@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from gpu import native
 from gpu.attention_backend import AttentionBackend
 from gpu.config import ModelConfig, ModelLoadError, weight_files
 from gpu.distributed.group import TensorParallel, shaped_as
@@ -84,10 +85,12 @@ def load_model(
     dtype: torch.dtype,
     quantization: Quantization | None = None,
     attention: AttentionBackend | None = None,
+    cpu_kernels: str = "native",
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
-    attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set goes to every layer.
+    attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set goes to every layer;
+    `cpu_kernels` "native": a CPU float32 model's linear layers use the native kernels where built (gpu/native).
     Once loaded, q/k/v and gate/up weights are stacked into one each."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
@@ -123,7 +126,9 @@ def load_model(
     if quantization:
         quantize_model(model, quantization)
         return model
+    cpu = device.type == "cpu" and dtype == torch.float32
+    ops = native.ops() if cpu and cpu_kernels == "native" else None
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)
+            module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings, native_ops=ops)
     return model

@@ -220,7 +220,7 @@ async def test_openapi_describes_every_endpoint_and_its_bodies(api):
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     chat = schemas[body["$ref"].rsplit("/", 1)[1]]["properties"]
     assert {"messages", "return_token_ids", "continue_final_message", "truncate_prompt_tokens"} <= set(chat)
-    assert "use_beam_search" not in chat and "functions" not in chat
+    assert {"use_beam_search", "length_penalty", "early_stopping"} <= set(chat) and "functions" not in chat
     body = doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     responses = schemas[body["$ref"].rsplit("/", 1)[1]]["properties"]
     assert {"input", "instructions", "max_output_tokens", "previous_response_id", "background", "top_k"} <= set(

@@ -250,7 +250,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
     ({"prompt": "hi", "bad_words": [" "]}, "bad_words", "must not be empty"),
     ({"prompt": "hi", "suffix": "!"}, "suffix", "suffix is not supported"),
-    ({"prompt": "hi", "best_of": 2}, "best_of", "best_of is not supported"),
+    ({"prompt": "hi", "best_of": 2}, "best_of", "best_of 2 applies to beam search: set use_beam_search"),
     ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "echo", "not available when stream is true"),
     ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available when stream is true"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),

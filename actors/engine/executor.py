@@ -124,6 +124,7 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
         num_threads=config.threads(),
         quantization=config.quantization,
         attention_backend=config.attention_backend,
+        cpu_kernels=config.cpu_kernels,
         decode_graphs=config.decode_graphs(),
         gpu_memory_utilization=config.gpu_memory_utilization,
         drafts=tuple(draft_configs(config)) if num_blocks is None else (),
