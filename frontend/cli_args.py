@@ -67,8 +67,9 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-kernels",
         choices=["native", "torch"],
         default=_DEFAULTS.cpu_kernels,
-        help="CPU float32 linear layers: native (Sluice's AVX2/AVX-512 kernels, batch-invariant; built by make setup, "
-        "else torch's with a warning) or torch (oneDNN/MKL) (default: native)",
+        help="CPU float32 linear layers: torch (oneDNN/MKL) or native (Sluice's AVX2/AVX-512 kernels, built by make "
+        "setup: a row's result is the same bits in any batch; 0.7-1x torch's speed yet; absent, torch's with a "
+        "warning) (default: torch)",
     )
     g.add_argument(
         "--attention-backend",

@@ -60,7 +60,7 @@ class ModelRunner:
         num_threads: int | None = None,
         quantization: Quantization | None = None,
         attention_backend: BackendName | None = None,
-        cpu_kernels: str = "native",
+        cpu_kernels: str = "torch",
         decode_graphs: GraphMode | None = None,
         gpu_memory_utilization: float = 0.9,
         drafts: tuple[ModelConfig, ...] = (),

@@ -85,7 +85,7 @@ def load_model(
     dtype: torch.dtype,
     quantization: Quantization | None = None,
     attention: AttentionBackend | None = None,
-    cpu_kernels: str = "native",
+    cpu_kernels: str = "torch",
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every

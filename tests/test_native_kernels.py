@@ -60,3 +60,25 @@ def test_an_absent_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog
         assert "is not built (make setup builds it)" in caplog.text
     finally:
         native.ops.cache_clear()
+
+
+def test_a_model_on_the_native_kernels_computes_what_it_does_on_torchs(tiny_model_dir):
+    """`--cpu-kernels native`: every float32 linear layer runs on them (prefill chunks and decode rows), and the
+    logits are torch's within float32 rounding."""
+    from gpu.batch import BatchSpec
+    from gpu.config import ModelConfig
+    from gpu.linear import Linear
+    from gpu.runner import ModelRunner
+    from tests.tiny_model import Request, block_pool
+
+    logits = {}
+    for kernels in ("torch", "native"):
+        runner = ModelRunner(ModelConfig.from_path(tiny_model_dir), device="cpu", dtype="float32", num_blocks=64,
+                             block_size=16, cpu_kernels=kernels)  # fmt: skip
+        layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        assert layers and all((m.native is not None) == (kernels == "native") for m in layers)
+        pool = block_pool(0, 64)
+        reqs = [Request(pool, i, list(range(10 + i, 40 + 3 * i)), 16) for i in range(3)]
+        first = runner.execute(BatchSpec(step=0, rows=[r.row(len(r.tokens) - 1) for r in reqs[:2]] + [reqs[2].row()]))
+        logits[kernels] = torch.cat([first, runner.execute(BatchSpec(step=1, rows=[r.row() for r in reqs[:2]]))])
+    assert torch.allclose(logits["native"], logits["torch"], rtol=1e-4, atol=1e-4)

@@ -39,8 +39,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
-    # CPU float32 linear layers: the native kernels (gpu/native: batch-invariant, where built) or torch's
-    cpu_kernels: Literal["native", "torch"] = "native"
+    # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/native: batch-invariant, slower yet)
+    cpu_kernels: Literal["native", "torch"] = "torch"
     # paged attention (gpu/attention_backend.py); None: triton on CUDA, torch on CPU
     attention_backend: Literal["torch", "triton"] | None = None
     enforce_eager: bool = False  # no CUDA graphs: every step runs the dynamic path (gpu/graphs.py)

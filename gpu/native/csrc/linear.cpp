@@ -40,6 +40,7 @@ inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 
 constexpr int64_t PANEL = 2 * LANES;  // output columns per panel: two vectors
 constexpr int64_t TILE = 6;  // rows per register tile: 12 accumulators
+constexpr int64_t PREFETCH = 16;  // input indices ahead: the panel's weights 2-4 KB ahead (past its end: harmless)
 
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: a float32 [out, in] weight");
@@ -63,6 +64,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const flo
   Vec acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t i = 0; i < in; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (i + PREFETCH) * PANEL), _MM_HINT_T0);
     const Vec w0 = vload(panel + i * PANEL), w1 = vload(panel + i * PANEL + LANES);
     for (int r = 0; r < R; ++r) {
       const Vec xb = vbroadcast(x + r * ldx + i);

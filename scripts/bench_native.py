@@ -1,0 +1,64 @@
+"""The native CPU linear kernels (gpu/native) against torch's two float32 paths (oneDNN's packed weight, and
+`x @ W^T` from the [in, out] copy: gpu/linear.py), on SmolLM2-135M's layer shapes, in the same run: one pass over a
+layer of each shape (qkv, o, gate_up, down, the LM head: 31.9 M weights, 127 MB) per row count.
+
+    python scripts/bench_native.py [--threads 1 2] [--rows 1 2 4 8 16 32 64 128 512]
+
+Prints each path's median time and the native kernels' weight-read rate; the ratio is torch's best over native's
+(above 1: native is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gpu import native
+from gpu.linear import onednn_linear, onednn_pack, transposed_linear
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]
+
+
+def main(args: argparse.Namespace) -> None:
+    ops = native.ops()
+    if ops is None:
+        raise SystemExit("the native kernels are not built for this CPU: make setup")
+    weights = [torch.randn(out, inp) for out, inp in SHAPES]
+    packed = [(ops.pack(w), onednn_pack(w), w.t().contiguous()) for w in weights]
+    size = sum(w.numel() for w in weights) * 4
+    print(f"{native.cpu_isas()[-1]} build, {size / 1e6:.0f} MB of float32 weights")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(f"\n{threads} thread(s)")
+        for rows in args.rows:
+            calls = [(p, w.shape[0], torch.randn(rows, w.shape[1])) for p, w in zip(packed, weights, strict=True)]
+            paths = {
+                "native": lambda calls=calls: [ops.linear(x, p[0], out, None) for p, out, x in calls],
+                "oneDNN": lambda calls=calls: [onednn_linear(x, p[1], None) for p, _, x in calls],
+                "x @ W^T": lambda calls=calls: [transposed_linear(x, p[2], None) for p, _, x in calls],
+            }
+            times = {}
+            for name, run in paths.items():
+                run()
+                samples = []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    run()
+                    samples.append(time.perf_counter() - start)
+                times[name] = statistics.median(samples)
+            best = min(times["oneDNN"], times["x @ W^T"])
+            cols = "  ".join(f"{name} {t * 1e3:7.2f} ms" for name, t in times.items())
+            print(
+                f"  rows {rows:4d}: {cols}  native {size / times['native'] / 1e9:5.1f} GB/s  {best / times['native']:.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    parser.add_argument("--repeats", type=int, default=9)
+    main(parser.parse_args())
