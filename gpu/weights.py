@@ -11,6 +11,7 @@ the checkpoint's full shapes and the load reads only the shard's ranges.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from gpu.linear import Linear
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
 from gpu.quant import GROUP, Quantization, quantize_model
+
+log = logging.getLogger("sluice.model")
 
 Load = tuple[Path, str, str, int | None]  # (file, tensor name, parameter, stacked row or None)
 
@@ -124,6 +127,8 @@ def load_model(
         if hasattr(module, "fuse"):
             module.fuse()
     if quantization:
+        if cpu_kernels == "native":
+            log.warning("--cpu-kernels native is for float32 weights: the %s layers use torch's", quantization)
         quantize_model(model, quantization)
         return model
     cpu = device.type == "cpu" and dtype == torch.float32

@@ -24,6 +24,9 @@ ISAS = ("avx2", "avx512")  # what build.py builds, in preference order: the last
 _NEEDS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}}
 
 
+BUILT = BUILD_DIR / ".built"  # written once every ISA built (the Makefile's target: a failed build is tried again)
+
+
 def library_path(isa: str) -> Path:
     return BUILD_DIR / isa / f"sluice_{isa}.so"
 
@@ -52,7 +55,10 @@ def ops(isa: str | None = None):
         return _absent(f"{path} is not built (make setup builds it)")
     if any(s.stat().st_mtime > path.stat().st_mtime for s in SOURCES):
         return _absent(f"{path} is older than its sources (make setup rebuilds it)")
-    torch.ops.load_library(str(path))
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as e:  # (built for another torch, or cut short)
+        return _absent(f"{path} does not load ({e}); make setup rebuilds it")
     return getattr(torch.ops, f"sluice_{isa}")
 
 

@@ -9,14 +9,17 @@ torch fallback (gpu/native/__init__.py). Idempotent: ninja rebuilds only what ch
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
-from gpu.native import BUILD_DIR, ISAS, SOURCES, library_path
+from gpu.native import BUILD_DIR, BUILT, ISAS, SOURCES, library_path
 
 log = logging.getLogger("sluice.native")
 
+BUILD_TIMEOUT_S = 900  # one ISA's library (~30 s on 2 cores)
 FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]}
 
 
@@ -25,6 +28,7 @@ def build(isa: str) -> None:
 
     out = BUILD_DIR / isa
     out.mkdir(parents=True, exist_ok=True)
+    (out / "lock").unlink(missing_ok=True)  # (cpp_extension's, left by a build that was killed: it would wait forever)
     cpp_extension.load(
         name=f"sluice_{isa}",
         sources=[str(s) for s in SOURCES],
@@ -37,30 +41,37 @@ def build(isa: str) -> None:
 
 
 def main() -> int:
-    compiler = shutil.which("c++") or shutil.which("g++")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # (ninja's
+    compiler = shutil.which("c++") or shutil.which("g++")  # wheel in the environment, whether it is active or not)
     if compiler is None or shutil.which("ninja") is None:
         print("native CPU kernels not built: no C++ compiler or ninja found; Sluice uses torch's kernels instead")
         return 0
+    built = 0
     for isa in ISAS:
         t0 = time.monotonic()
         try:
             _build_in_child(isa)
-        except Exception as e:  # (a compiler that cannot build it: the torch fallback)
+        except Exception as e:  # (a compiler that cannot build it, or a build past BUILD_TIMEOUT_S: torch's kernels)
             print(f"native CPU kernels ({isa}) not built: {e}; Sluice uses torch's kernels for it")
             continue
+        built += 1
         print(f"native CPU kernels ({isa}): {library_path(isa)} ({time.monotonic() - t0:.0f} s)")
+    if built == len(ISAS):
+        BUILT.touch()
     return 0
 
 
 def _build_in_child(isa: str) -> None:
     """Build in a process of its own: cpp_extension loads what it built, and a library for an ISA this CPU lacks
-    must never be loaded here."""
+    must never be loaded here (the child may die of loading it, by a signal: the build is done then; a failed build
+    exits with an error, and an older library left in place must not pass for it)."""
     import subprocess
 
     code = f"from gpu.native.build import build; build({isa!r})"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode != 0 and not library_path(isa).exists():
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    if done.returncode > 0 or not library_path(isa).exists():
+        errors = [line for line in done.stderr.splitlines() if "error" in line.lower()] or done.stderr.splitlines()
+        raise RuntimeError(errors[0] if errors else f"exit {done.returncode}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 // Float32 linear layers for CPU, batch-invariant: y[r, o] = bias[o] + sum_i x[r, i] * w[o, i].
 //
 // The weight is repacked once (pack) into panels of PANEL output columns, [ceil(out / PANEL)][in][PANEL] (the
-// last panel zero-padded), so that each input index reads PANEL consecutive weights: one or two vector loads that
-// every row of a tile multiplies by its broadcast x[r, i]. Each output element is one fused multiply-add chain over
-// i = 0, 1, ..., in - 1 from 0, then + bias: its rounding depends on nothing but its own row and column (not on the
-// other rows, the tile a row falls in, the thread that runs its panel, nor the ISA: AVX2 and AVX-512 chains are the
-// same IEEE fmas), which is what makes a row's logits identical in any batch. Threads split the panels.
+// last panel zero-padded), so that each input index reads PANEL consecutive weights: VECS vector loads that every
+// row of a tile multiplies by its broadcast x[r, i]. A single row (decode) walks GROUP panels at once instead: more
+// independent chains and weight streams in flight, which a memory-bound GEMV needs.
+// Each output element is one fused multiply-add chain over i = 0, 1, ..., in - 1 from 0, then + bias: its rounding
+// depends on nothing but its own row and column (not on the other rows, the tile or group a row falls in, the
+// thread that runs its panel, nor the ISA: AVX2 and AVX-512 chains are the same IEEE fmas), which is what makes a
+// row's logits identical in any batch. Threads split the panels, a group of them each.
 //
 // Built twice by gpu/native/build.py, with -mavx2 -mfma (namespace sluice_avx2) and with -mavx512f (sluice_avx512);
 // gpu/native/__init__.py loads the one the CPU runs.
@@ -13,6 +15,8 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include <algorithm>
 
 #ifndef SLUICE_NS
 #error "SLUICE_NS names the op namespace of this ISA's build"
@@ -23,6 +27,7 @@ namespace {
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int64_t LANES = 16;
+constexpr int TILE = 6, GROUP = 4;  // 32 registers: 24 accumulators in a tile, 16 in a group
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
@@ -31,6 +36,7 @@ inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 #else
 using Vec = __m256;
 constexpr int64_t LANES = 8;
+constexpr int TILE = 3, GROUP = 2;  // 16 registers: 12 accumulators in a tile, 8 in a group
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
@@ -38,9 +44,8 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
-constexpr int64_t PANEL = 2 * LANES;  // output columns per panel: two vectors
-constexpr int64_t TILE = 6;  // rows per register tile: 12 accumulators
-constexpr int64_t PREFETCH = 16;  // input indices ahead: the panel's weights 2-4 KB ahead (past its end: harmless)
+constexpr int VECS = 4;
+constexpr int64_t PANEL = VECS * LANES;  // output columns per panel: four vectors
 
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: a float32 [out, in] weight");
@@ -57,36 +62,51 @@ at::Tensor pack(const at::Tensor& weight) {
   return packed;
 }
 
+// One row's accumulators of a panel into y: `cols` valid columns, each plus its bias.
+inline void store(const Vec* acc, const float* bias, float* y, int64_t cols) {
+  alignas(64) float buf[PANEL];
+  for (int v = 0; v < VECS; ++v) vstore(buf + v * LANES, acc[v]);
+  for (int64_t c = 0; c < cols; ++c) y[c] = bias ? buf[c] + bias[c] : buf[c];
+}
+
 // R rows of x (row stride ldx) times one panel: the R x PANEL block of y at y (row stride ldy), `cols` valid.
 template <int R>
 void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const float* bias, float* y, int64_t ldy,
           int64_t cols) {
-  Vec acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+  Vec acc[R][VECS];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < VECS; ++v) acc[r][v] = vzero();
   for (int64_t i = 0; i < in; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (i + PREFETCH) * PANEL), _MM_HINT_T0);
-    const Vec w0 = vload(panel + i * PANEL), w1 = vload(panel + i * PANEL + LANES);
+    Vec w[VECS];
+    for (int v = 0; v < VECS; ++v) w[v] = vload(panel + i * PANEL + v * LANES);
     for (int r = 0; r < R; ++r) {
       const Vec xb = vbroadcast(x + r * ldx + i);
-      acc[r][0] = vfma(xb, w0, acc[r][0]);
-      acc[r][1] = vfma(xb, w1, acc[r][1]);
+      for (int v = 0; v < VECS; ++v) acc[r][v] = vfma(xb, w[v], acc[r][v]);
     }
   }
-  alignas(64) float buf[PANEL];
-  for (int r = 0; r < R; ++r) {
-    vstore(buf, acc[r][0]);
-    vstore(buf + LANES, acc[r][1]);
-    float* row = y + r * ldy;
-    for (int64_t c = 0; c < cols; ++c) row[c] = bias ? buf[c] + bias[c] : buf[c];
+  for (int r = 0; r < R; ++r) store(acc[r], bias, y + r * ldy, cols);
+}
+
+// One row times GROUP consecutive whole panels (the same chains as a tile's row): y gets GROUP * PANEL columns.
+void row_group(const float* x, const float* panels, int64_t in, const float* bias, float* y) {
+  Vec acc[GROUP][VECS];
+  for (int g = 0; g < GROUP; ++g)
+    for (int v = 0; v < VECS; ++v) acc[g][v] = vzero();
+  for (int64_t i = 0; i < in; ++i) {
+    const Vec xb = vbroadcast(x + i);
+    for (int g = 0; g < GROUP; ++g)
+      for (int v = 0; v < VECS; ++v) acc[g][v] = vfma(xb, vload(panels + (g * in + i) * PANEL + v * LANES), acc[g][v]);
   }
+  for (int g = 0; g < GROUP; ++g) store(acc[g], bias ? bias + g * PANEL : nullptr, y + g * PANEL, PANEL);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr TileFn TILES[TILE + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+constexpr TileFn TILES[7] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};  // (up to TILE)
 
 void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "linear: float32 [rows, in] x");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1), "linear: packed weight");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous(),
+              "linear: a packed weight (pack) of x's width");
   const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), panels = packed.size(0);
   TORCH_CHECK(y.dim() == 2 && y.size(0) == rows && y.stride(1) == 1 && (out + PANEL - 1) / PANEL == panels, "linear: y");
   TORCH_CHECK(!bias || (bias->numel() == out && bias->is_contiguous()), "linear: bias of out elements");
@@ -95,12 +115,21 @@ void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col = p * PANEL, cols = std::min(PANEL, out - col);
+  at::parallel_for(0, (panels + GROUP - 1) / GROUP, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t first = q * GROUP, last = std::min(panels, first + GROUP);
       for (int64_t r = 0; r < rows; r += TILE) {
-        const int64_t n = std::min(TILE, rows - r);
-        TILES[n](xp + r * ldx, ldx, wp + p * in * PANEL, in, bp ? bp + col : nullptr, yp + r * ldy + col, ldy, cols);
+        const int64_t n = std::min<int64_t>(TILE, rows - r);
+        const float* xr = xp + r * ldx;
+        float* yr = yp + r * ldy;
+        if (n == 1 && last - first == GROUP && last * PANEL <= out) {
+          row_group(xr, wp + first * in * PANEL, in, bp ? bp + first * PANEL : nullptr, yr + first * PANEL);
+          continue;
+        }
+        for (int64_t p = first; p < last; ++p) {
+          const int64_t col = p * PANEL;
+          TILES[n](xr, ldx, wp + p * in * PANEL, in, bp ? bp + col : nullptr, yr + col, ldy, std::min(PANEL, out - col));
+        }
       }
     }
   });
