@@ -13,7 +13,7 @@ budget, graphs, the engine on the triton backend), step (scripts/bench_step.py: 
 batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the same run), serving (a
 server per setting, scripts/bench_serving.py at concurrency 1/16/64; async against sync and the process worker at
 64), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), spec (scripts/bench_spec.py, n-gram).
-DIR gets three files (a GPU machine returns at most 8): report.md (the tables), gpu_check.log (every part's output,
+--only runs the parts named, in the order given. DIR gets three files (a GPU machine returns at most 8): report.md (the tables), gpu_check.log (every part's output,
 in order) and results.json (every benchmark's JSON); the report is printed last, with a line per part.
 """
 
@@ -222,7 +222,7 @@ def main() -> None:
     report, summary = [f"# Sluice GPU check {args.commit}".rstrip(), ""], []
     if args.bundle:
         report += [f"- {prepare_model(args.bundle)}", ""]
-    for name in [p for p in PARTS if p in args.only and p not in args.skip]:
+    for name in [p for p in dict.fromkeys(args.only) if p not in args.skip]:  # in the order given
         start = time.monotonic()
         try:
             lines = PARTS[name](work, args.model)
