@@ -20,6 +20,7 @@ in order) and results.json (every benchmark's JSON); the report is printed last,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -38,6 +39,7 @@ SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
     ("async", [], [1, 16, 64]),
     ("sync", ["--no-async-scheduling"], [64]),
     ("process-worker", ["--worker", "process"], [64]),
+    ("process-sync", ["--worker", "process", "--no-async-scheduling"], [64]),
 ]
 
 
@@ -104,11 +106,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def part_serving(out: Path, model: str) -> list[str]:
+def part_serving(out: Path, model: str, settings: list[str]) -> list[str]:
     lines = ["| setting | concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms |"]
     lines.append("|---|---:|---:|---:|---:|---:|")
     log = out / "serving.log"
-    for label, flags, concurrencies in SERVE_RUNS:
+    for label, flags, concurrencies in [r for r in SERVE_RUNS if r[0] in settings]:
         port = free_port()
         serve = [PY, "-m", "frontend.cli", "serve", *([model] if model else []), "--port", str(port), *flags]
         with log.open("a") as sink:
@@ -212,6 +214,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path, help="directory for the logs and report.md")
     ap.add_argument("--only", nargs="+", choices=list(PARTS), default=list(PARTS))
     ap.add_argument("--skip", nargs="+", choices=list(PARTS), default=[])
+    ap.add_argument("--serve", nargs="+", choices=[r[0] for r in SERVE_RUNS], default=[r[0] for r in SERVE_RUNS])
     ap.add_argument("--model", default="", help="an HF-style directory (default: the bundled SmolLM2)")
     ap.add_argument("--bundle", type=Path, default=None, help="scripts/gpu_bundle.sh's directory (.gpu)")
     ap.add_argument("--commit", default="", help="the commit checked (a copied tree may have no .git)")
@@ -222,10 +225,11 @@ def main() -> None:
     report, summary = [f"# Sluice GPU check {args.commit}".rstrip(), ""], []
     if args.bundle:
         report += [f"- {prepare_model(args.bundle)}", ""]
+    parts = PARTS | {"serving": functools.partial(part_serving, settings=args.serve)}
     for name in [p for p in dict.fromkeys(args.only) if p not in args.skip]:  # in the order given
         start = time.monotonic()
         try:
-            lines = PARTS[name](work, args.model)
+            lines = parts[name](work, args.model)
         except Exception as exc:  # a part's own failure is reported; the next part runs
             lines = [f"- failed: {exc!r}"]
         secs = time.monotonic() - start

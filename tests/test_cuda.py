@@ -55,9 +55,8 @@ def run_loop(worker: Worker, model: ModelConfig, params: list[SP], depth: int, p
     for i, p in enumerate(params):
         sched.add_request(EngineRequest(str(i), list(PROMPTS[i % len(PROMPTS)]), p))
     inflight, out, epoch = collections.deque(), collections.defaultdict(list), worker.epoch + 1
-    for seq in itertools.count():
-        if not (sched.has_unfinished() or inflight):
-            break
+    seqs = itertools.count()  # the launched steps' numbers: consecutive, as the worker requires
+    while sched.has_unfinished() or inflight:
         batch = None
         if len(inflight) < depth and not (inflight and any(needs_history(r) for r in sched.running)):
             drafts = proposer.propose(sched.speculation_candidates()) if proposer and not inflight else None
@@ -65,7 +64,9 @@ def run_loop(worker: Worker, model: ModelConfig, params: list[SP], depth: int, p
             try:
                 batch = sched.schedule(drafts)
                 if batch.rows:
-                    inflight.append((batch, worker.launch(execute_step(batch, sched.requests, epoch, seq, [])[0])))
+                    inflight.append(
+                        (batch, worker.launch(execute_step(batch, sched.requests, epoch, next(seqs), [])[0]))
+                    )
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         if inflight and (len(inflight) >= depth or batch is None or not batch.rows):
