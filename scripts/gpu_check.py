@@ -1,19 +1,22 @@
 """The GPU runbook: one command that checks and measures Sluice on a GPU machine within ~10 minutes, and writes a
 markdown report (docs/GPU.md says how to set up a machine without network access).
 
-    python scripts/gpu_check.py --out DIR [--bundle .gpu] [--only PART ...] [--skip PART ...] [--model DIR]
+    python scripts/gpu_check.py --out DIR [--bundle .gpu] [--only PART ...] [--skip PART ...] [--serve SETTING ...]
+                                [--model DIR]
 
 --bundle: what scripts/gpu_bundle.sh packed; where the converted SmolLM2 is not in the cache (a machine without
 network), random weights of its shape are built from the bundle's config and tokenizer, and every part (the tests'
 tokenizer, the benchmarks' model) uses them: speed is the real model's; outputs are not.
 
-Parts, in order, each a subprocess with its own time limit (a part that fails or runs out is reported and the next
-one runs): env (card, driver, versions), tests (the `cuda`-marked tests and the GPU path's own: kernels, launch
-budget, graphs, the engine on the triton backend), step (scripts/bench_step.py: step time eager and with graphs at
-batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the same run), serving (a
-server per setting, scripts/bench_serving.py at concurrency 1/16/64; async against sync and the process worker at
-64), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), spec (scripts/bench_spec.py, n-gram).
---only runs the parts named, in the order given. DIR gets three files (a GPU machine returns at most 8): report.md (the tables), gpu_check.log (every part's output,
+Parts, each a subprocess with its own time limit (a part that fails or runs out is reported and the next one runs),
+by default in this order, the timings first: env (card, driver, versions), step (scripts/bench_step.py: step time
+eager and with graphs at batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the
+same run), serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the
+concurrency: async at concurrency 1/16/64; sync, the process worker and the process worker sync at 64; --serve picks
+settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
+launch budget, graphs, the engine on the triton backend; then every other `cuda`-marked test), spec
+(scripts/bench_spec.py, n-gram). --only runs the parts named, in the order given.
+DIR gets three files (a GPU machine returns at most 8): report.md (the tables), gpu_check.log (every part's output,
 in order) and results.json (every benchmark's JSON); the report is printed last, with a line per part.
 """
 
@@ -75,7 +78,8 @@ def part_env(out: Path, model: str) -> list[str]:
 
 def part_tests(out: Path, model: str) -> list[str]:
     lines, log = [], out / "tests.log"
-    for label, args, limit in (("GPU path", GPU_PATH_TESTS, 150), ("cuda-marked", ["-m", "cuda", "tests"], 150)):
+    others = ["-m", "cuda", "tests", *(f"--ignore={t}" for t in GPU_PATH_TESTS)]  # (each test runs once)
+    for label, args, limit in (("GPU path", GPU_PATH_TESTS, 240), ("other cuda-marked", others, 150)):
         rc, secs = run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], log, limit)
         tail = log.read_text().strip().splitlines()[-1:]
         lines.append(f"- {label} tests ({secs:.0f} s, exit {rc}): {tail[0] if tail else ''}")
@@ -122,7 +126,7 @@ def part_serving(out: Path, model: str, settings: list[str]) -> list[str]:
             for c in concurrencies:
                 data = out / f"serve-{label}-{c}.json"
                 bench = [PY, "scripts/bench_serving.py", "--base-url", f"http://127.0.0.1:{port}", "--concurrency"]
-                bench += [str(c), "--num-prompts", str(max(8, 2 * c)), "--output-len", "64", "--warmup", "2"]
+                bench += [str(c), "--num-prompts", str(max(8, 2 * c)), "--output-len", "64", "--warmup", str(c)]
                 run([*bench, "--json", str(data)], log, 90)
                 lines.append(serving_row(label, c, data))
         finally:
@@ -192,8 +196,8 @@ def prepare_model(bundle: Path) -> str:
     return f"model: {out} (random weights of SmolLM2-135M-Instruct's shape)"
 
 
-PARTS = {"env": part_env, "tests": part_tests, "step": part_step, "serving": part_serving}
-PARTS |= {"sampler": part_sampler, "spec": part_spec}
+PARTS = {"env": part_env, "step": part_step, "serving": part_serving, "sampler": part_sampler}
+PARTS |= {"tests": part_tests, "spec": part_spec}
 
 
 def gather(work: Path, out: Path) -> None:
