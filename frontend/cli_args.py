@@ -72,6 +72,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: torch)",
     )
     g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's logits are the same bits in any step: alone or in any batch, as a prefill chunk, a "
+        "speculative verification row or a recomputed row (CPU float32 on the native kernels, attention per token; "
+        "slower: docs/PERFORMANCE.md)",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=["torch", "triton"],
         default=_DEFAULTS.attention_backend,

@@ -14,7 +14,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields += ("block_size", "num_kv_blocks")
     fields += ("kv_cache_memory_gb", "dtype", "device", "quantization", "engine_threads", "async_scheduling")
     fields += ("speculative_config", "logprobs_mode", "enable_prefix_caching", "worker", "attention_backend")
-    fields += ("cpu_kernels",)
+    fields += ("cpu_kernels", "batch_invariant")
     fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "nnodes", "master_addr")
     fields += ("master_port", "data_parallel_size", "data_parallel_size_local", "data_parallel_address")
     fields += ("data_parallel_rpc_port",)

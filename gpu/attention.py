@@ -108,6 +108,19 @@ def plan_segments(
     ]
 
 
+def plan_tokens(
+    query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray, block_tables: np.ndarray, block_size: int
+) -> list[SegmentPlan]:
+    """Batch-invariant mode: every query token attends alone over exactly the keys it sees, in a segment of the
+    tokens (of any rows) that see as many keys, so its result is the same bits whatever else is in the step: a
+    decode row, the same position in a prefill, a chunk or a verification row, alone or in any batch."""
+    rows = np.repeat(np.arange(len(query_lens)), query_lens)
+    tokens = np.arange(rows.size)
+    keys = seq_lens[rows] - (query_start_loc[rows] + query_lens[rows] - 1 - tokens)  # its position + 1
+    ones, tables = np.ones_like(tokens), block_tables[rows]
+    return [_plan(np.flatnonzero(keys == k), ones, keys, tokens, tables, block_size) for k in np.unique(keys)]
+
+
 def _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size) -> SegmentPlan:
     q, k = query_lens[rows], seq_lens[rows]
     max_q, max_k = int(q.max()), int(k.max())
@@ -127,13 +140,14 @@ class TorchAttention:
 
     kernels = TORCH_KERNELS
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
-        self.block_size, self.flash = block_size, use_flash_attn(device, dtype, block_size)
+    def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int, invariant: bool = False) -> None:
+        self.block_size, self.flash = block_size, use_flash_attn(device, dtype, block_size) and not invariant
+        self.planner = plan_tokens if invariant else plan_segments
 
     def plan(self, query_lens, seq_lens, query_start_loc, block_tables) -> list[SegmentPlan]:
         if self.flash:
             return []
-        return plan_segments(query_lens, seq_lens, query_start_loc, block_tables, self.block_size)
+        return self.planner(query_lens, seq_lens, query_start_loc, block_tables, self.block_size)
 
     def finish(self, meta: AttentionMetadata, plans: list[SegmentPlan], uploaded: list[dict[str, torch.Tensor]]):
         if self.flash:  # flash-attn wants int32 metadata

@@ -73,12 +73,15 @@ class TritonAttention:
 
 
 def choose_attention_backend(
-    name: BackendName | None, device: torch.device, dtype: torch.dtype, block_size: int
+    name: BackendName | None, device: torch.device, dtype: torch.dtype, block_size: int, invariant: bool = False
 ) -> AttentionBackend:
-    """The backend `name`, or the device's default (None): triton on CUDA, torch elsewhere."""
+    """The backend `name`, or the device's default (None): triton on CUDA, torch elsewhere. invariant: batch-invariant
+    attention (the torch backend's per-token plans; CPU only for now)."""
     name = name or ("triton" if device.type == "cuda" else "torch")
+    if invariant and (name != "torch" or device.type != "cpu"):
+        raise ValueError("batch-invariant mode runs on a CPU with the torch attention backend (for now)")
     if name == "torch":
-        return TorchAttention(device, dtype, block_size)
+        return TorchAttention(device, dtype, block_size, invariant)
     if name == "triton":
         return TritonAttention(device)
     raise ValueError(f"unknown attention backend {name!r} (torch or triton)")

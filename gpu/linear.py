@@ -19,6 +19,8 @@ batch around it (at 0.7-1x torch's speed for now: docs/PERFORMANCE.md); more row
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,7 +49,8 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's layout, for PACKED_ROWS
     weight_t: torch.Tensor | None = None  # [in, out] contiguous, for the other batch sizes
     native_ops = None  # the native kernels (gpu/native) ...
-    native: torch.Tensor | None = None  # ... and the weight in their layout, for up to NATIVE_ROWS rows
+    native: torch.Tensor | None = None  # ... and the weight in their layout, for up to native_rows rows
+    native_rows = NATIVE_ROWS  # (every row count in batch-invariant mode: make_invariant)
 
     def pack(self, keep_weight: bool = False, native_ops=None) -> None:
         """Lay the (loaded) weight out for CPU float32 matmuls (the native kernels' layout, given their ops). keep_weight:
@@ -66,8 +69,21 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        if self.native is not None and x.shape[0] <= NATIVE_ROWS:
+        if self.native is not None and x.shape[0] <= self.native_rows:
             return self.native_ops.linear(x.contiguous(), self.native, self.out_features, self.bias)
         if self.packed is not None and x.shape[0] in PACKED_ROWS:
             return onednn_linear(x, self.packed, self.bias)
         return transposed_linear(x, self.weight_t, self.bias)
+
+
+def make_invariant(model: nn.Module) -> None:
+    """Batch-invariant mode: every linear layer takes the native kernels at any number of rows, so a row's result is
+    the same bits in any step. ValueError where a layer cannot (not float32 on a CPU, quantized, not built)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]  # (none left once quantized: gpu/quant.py)
+    if not layers or any(m.native is None for m in layers):
+        raise ValueError(
+            "batch-invariant mode needs every linear layer on the native CPU kernels: float32 weights on a CPU, no "
+            "quantization, the kernels built (make setup)"
+        )
+    for m in layers:
+        m.native_rows = sys.maxsize

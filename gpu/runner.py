@@ -21,6 +21,7 @@ from gpu.distributed.group import current
 from gpu.graphs import DecodeGraphs, GraphMode, capture_sizes
 from gpu.kv_cache import KVCache
 from gpu.layers.parallel import local_config
+from gpu.linear import make_invariant
 from gpu.memory import CudaMemory, DeviceMemory, log_plan, profile
 from gpu.quant import Quantization
 from gpu.weights import load_model
@@ -61,6 +62,7 @@ class ModelRunner:
         quantization: Quantization | None = None,
         attention_backend: BackendName | None = None,
         cpu_kernels: str = "torch",
+        batch_invariant: bool = False,
         decode_graphs: GraphMode | None = None,
         gpu_memory_utilization: float = 0.9,
         drafts: tuple[ModelConfig, ...] = (),
@@ -90,7 +92,11 @@ class ModelRunner:
         # chosen once (the layers call it; each step's metadata is what it needs: gpu/attention_backend.py), and
         # before the model is built, which imports triton (torch._dynamo): the triton backend on CPU sets its
         # interpreter switch first
-        self.attention = choose_attention_backend(attention_backend, self.device, self.dtype, block_size)
+        self.attention = choose_attention_backend(
+            attention_backend, self.device, self.dtype, block_size, batch_invariant
+        )
+        if batch_invariant and (model_config.moe is not None or current().size > 1):  # (routing; all-reduce chunks)
+            raise ValueError("batch-invariant mode runs dense models on one device (for now)")
         if num_blocks is None:  # sized to the device: what it has free before this engine's weights
             if memory is None and self.device.type != "cuda":
                 raise ValueError("a KV cache sized to the device needs a CUDA device: give num_blocks on CPU")
@@ -98,7 +104,10 @@ class ModelRunner:
             gc.collect()  # (what this process dropped, still cached, is free to this engine: as vLLM's snapshot)
             memory.reset_peak()
             free_at_start = memory.info()[0]
-        self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention, cpu_kernels)
+        kernels = "native" if batch_invariant else cpu_kernels
+        self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention, kernels)
+        if batch_invariant:
+            make_invariant(self.model)
         mode = graph_mode(decode_graphs, self.device, self.attention, model_config.moe is not None)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self.kv_cache = None

@@ -41,6 +41,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
     # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/native: batch-invariant, slower yet)
     cpu_kernels: Literal["native", "torch"] = "torch"
+    # a row's logits the same bits in any step: alone, in any batch, chunked, verified, recomputed (CPU: the native
+    # kernels at every row count, attention per token; docs/OPERATIONS.md)
+    batch_invariant: bool = False
     # paged attention (gpu/attention_backend.py); None: triton on CUDA, torch on CPU
     attention_backend: Literal["torch", "triton"] | None = None
     enforce_eager: bool = False  # no CUDA graphs: every step runs the dynamic path (gpu/graphs.py)
@@ -116,6 +119,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if dp > 1 and nnodes > 1:
             raise ValueError("a data-parallel replica's gang runs on one node (nnodes 1)")
+        if self.batch_invariant and (self.quantization or self.device == "cuda" or tp > 1):
+            raise ValueError("batch-invariant mode runs float32 weights on a CPU, on one device (no --quantization)")
 
     @property
     def local_replicas(self) -> int:

@@ -58,6 +58,7 @@ class DraftProposer:
             max_num_batched_tokens=config.max_num_seqs * config.max_model_len,
             attention_backend=config.attention_backend,
             cpu_kernels=config.cpu_kernels,
+            batch_invariant=config.batch_invariant,
             decode_graphs=config.decode_graphs(),
         )
         self.sampler = Sampler()

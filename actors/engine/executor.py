@@ -128,6 +128,7 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
         quantization=config.quantization,
         attention_backend=config.attention_backend,
         cpu_kernels=config.cpu_kernels,
+        batch_invariant=config.batch_invariant,
         decode_graphs=config.decode_graphs(),
         gpu_memory_utilization=config.gpu_memory_utilization,
         drafts=tuple(draft_configs(config)) if num_blocks is None else (),

@@ -1,0 +1,145 @@
+"""Batch-invariant mode (`--batch-invariant`, gpu/linear.py make_invariant, gpu/attention.py plan_tokens): a
+request's logits are the same bits alone and in any batch, beside prefills, as chunks of a prefill, as a speculative
+verification row and as a recomputed prompt. The reference is the request run alone, step by step, on the same
+runner; the power check is the default attention plan (decode rows padded to the longest), under which the same
+comparison finds differing logits."""
+
+import pytest
+import torch
+
+from gpu import native
+from gpu.batch import BatchSpec, ScheduledRow
+from gpu.config import ModelConfig
+from gpu.runner import ModelRunner
+from tests.tiny_model import Request, block_pool
+
+BUILT = [isa for isa in native.cpu_isas() if native.ops(isa) is not None]
+pytestmark = pytest.mark.skipif(not BUILT, reason="no native CPU kernels built for this CPU (make setup builds them)")
+PROMPTS = [list(range(10 + 3 * i, 25 + 7 * i)) for i in range(16)]  # 15 .. 120 tokens
+STEPS = 4
+ALONE_STEPS = 20  # (the chunked test's rows decode while another prompt goes in, 7 tokens a step)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    config = ModelConfig.from_path(tiny_model_dir)
+    return ModelRunner(config, device="cpu", dtype="float32", num_blocks=512, block_size=16, batch_invariant=True)
+
+
+class Driver:
+    """Requests driven by hand on one runner, each decoding greedily; `logits[i]`: request i's rows, step by step."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.runner, self.pool, self.step = runner, block_pool(seed, 512), 0
+        self.reqs: dict[int, Request] = {}
+        self.logits: dict[int, list[torch.Tensor]] = {}
+
+    def add(self, i: int, tokens: list[int] | None = None) -> Request:
+        self.reqs[i], self.logits[i] = Request(self.pool, i, PROMPTS[i] if tokens is None else tokens, 16), []
+        return self.reqs[i]
+
+    def run(self, rows: dict[int, ScheduledRow]) -> None:
+        """One step of `rows` (request -> its row); each sampling row's logits recorded, its greedy token appended."""
+        out = self.runner.execute(BatchSpec(self.step, list(rows.values())))
+        self.step, at = self.step + 1, 0
+        for i, row in rows.items():
+            for _ in range(row.num_samples):
+                self.logits[i].append(out[at].clone())
+                at += 1
+            if row.sample:
+                self.reqs[i].tokens.append(int(self.logits[i][-1].argmax()))
+
+    def decode(self, ids: list[int], steps: int = STEPS) -> None:
+        for _ in range(steps):
+            self.run({i: self.reqs[i].row() for i in ids})
+
+
+@pytest.fixture(scope="module")
+def alone(runner) -> dict[int, list[torch.Tensor]]:
+    """Each request by itself: its prompt in one step, then ALONE_STEPS greedy decode steps."""
+    logits = {}
+    for i in range(len(PROMPTS)):
+        d = Driver(runner)
+        d.add(i)
+        d.decode([i], ALONE_STEPS)
+        logits[i] = d.logits[i]
+    return logits
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) <= len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=False))
+
+
+@pytest.mark.parametrize("size", [2, 3, 7, 16])
+def test_logits_are_the_same_bits_in_any_batch(runner, alone, size):
+    d = Driver(runner, seed=size)
+    ids = list(range(len(PROMPTS)))[-size:]  # (other prompts at each size: other lengths side by side)
+    for i in ids:
+        d.add(i)
+    d.decode(ids)
+    assert all(same(d.logits[i], alone[i]) for i in ids)
+
+
+def test_beside_prefills_and_as_chunks(runner, alone):
+    """Decode rows stepping beside other requests' prefills, and prompts prefilled in chunks of 7 tokens."""
+    d = Driver(runner, seed=1)
+    for i in (0, 1):
+        d.add(i)
+    d.run({i: d.reqs[i].row() for i in (0, 1)})
+    for i in (5, 9):
+        d.add(i)
+    while d.reqs[9].num_computed < len(PROMPTS[9]):  # (5 finishes its prompt first, then decodes beside 9's)
+        rows = {i: d.reqs[i].row() for i in (0, 1)}
+        for i in (5, 9):
+            left = len(PROMPTS[i]) - d.reqs[i].num_computed
+            rows[i] = d.reqs[i].row(min(7, left) if left > 0 else None)
+        d.run(rows)
+    d.decode([0, 1, 5, 9], 2)
+    assert all(same(d.logits[i], alone[i]) for i in (0, 1, 5, 9))
+
+
+def test_verification_rows_and_recomputed_prompts(runner, alone):
+    """A row feeding its greedy continuation as K drafts gets, at each position, the logits of the decode steps;
+    a prompt of prompt + generated tokens recomputed from scratch gets the last decode step's."""
+    for k in (1, 2, 4):
+        d = Driver(runner, seed=k)
+        ids = [2, 6, 11]
+        for i in ids:
+            d.add(i)
+        d.run({i: d.reqs[i].row() for i in ids})  # the prompts: one sampled token each
+        rows = {}
+        for i in ids:
+            r = d.reqs[i]
+            drafts = [int(x.argmax()) for x in alone[i][1 : k + 1]]
+            r.tokens += drafts
+            rows[i] = r.row()
+            rows[i].draft_token_ids = drafts
+        d.run(rows)
+        assert all(same(d.logits[i], alone[i][: k + 2]) for i in ids)
+    d = Driver(runner, seed=7)
+    generated = [int(x.argmax()) for x in alone[3][:STEPS]]
+    d.add(3, PROMPTS[3] + generated)
+    d.run({3: d.reqs[3].row()})
+    assert torch.equal(d.logits[3][0], alone[3][STEPS])
+
+
+def test_the_padded_plan_is_not_invariant(runner, alone, monkeypatch):
+    """The power check: the default attention plan on the same runner moves logits across batch sizes."""
+    from gpu.attention import plan_segments
+
+    monkeypatch.setattr(runner.attention, "planner", plan_segments)
+    d = Driver(runner, seed=3)
+    for i in range(len(PROMPTS)):
+        d.add(i)
+    d.decode(list(range(len(PROMPTS))))
+    assert not all(same(d.logits[i], alone[i]) for i in range(len(PROMPTS)))
+
+
+def test_a_model_the_mode_cannot_hold_is_refused(tiny_model_dir):
+    config = ModelConfig.from_path(tiny_model_dir)
+    with pytest.raises(ValueError, match="batch-invariant"):
+        ModelRunner(config, device="cpu", dtype="float32", num_blocks=64, quantization="int8", batch_invariant=True)
+    from actors.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="batch-invariant"):
+        EngineConfig(model=str(tiny_model_dir), batch_invariant=True, quantization="int4")
