@@ -3,7 +3,8 @@ step, the weight-read floor, and HF transformers' static-cache `generate` (compi
 in the same run on the same device, model, batch and lengths.
 
     python scripts/bench_step.py [--model DIR] [--device cuda] [--dtype auto] [--batches 1 16 64] [--steps 32]
-                                 [--prompt-len 128] [--no-hf] [--json FILE]
+                                 [--prompt-len 128] [--no-hf] [--cpu-kernels torch|native] [--batch-invariant]
+                                 [--json FILE]
 
 For each batch B: B random prompts of --prompt-len tokens prefilled in one step, then --steps decode steps through
 `ModelRunner.execute` (greedy ids fed back; each step synchronised, wall time; median). Modes: "eager" (the dynamic
@@ -68,13 +69,18 @@ def counts(runner: ModelRunner, batch: BatchSpec) -> tuple[int, int]:
     return launches, sum(e.device_type == DeviceType.CUDA and e.name not in LAUNCH_CALLS for e in events)
 
 
-def decode_steps(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> tuple[list[float], BatchSpec]:
-    """Prefill the prompts, then time `steps` greedy decode steps; the step times (s) and one more decode batch."""
+def decode_steps(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> tuple[float, list[float], BatchSpec]:
+    """Prefill the prompts, then time `steps` greedy decode steps: the prefill's time and the steps' (s), and one
+    more decode batch."""
     n, length = prompts.shape
     per_row = -(-(length + steps + 2) // BLOCK)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(n)]
     rows = [ScheduledRow(f"r{i}", i, prompts[i].tolist(), 0, tables[i], True) for i in range(n)]
+    sync(runner.device)
+    start = time.perf_counter()
     tokens = runner.execute(BatchSpec(0, rows)).argmax(-1)
+    sync(runner.device)
+    prefill = time.perf_counter() - start
 
     def decode(step: int) -> BatchSpec:  # every row feeds its last sampled token at position length + step
         ids = tokens.tolist()
@@ -91,7 +97,7 @@ def decode_steps(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> tupl
         sync(runner.device)
         times.append(time.perf_counter() - start)
     last = decode(steps + 1)
-    return times[1:], last
+    return prefill, times[1:], last
 
 
 def hf_ms_per_token(model_dir, device, dtype, prompts: torch.Tensor, steps: int) -> float:
@@ -118,6 +124,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    ap.add_argument("--cpu-kernels", default="torch", choices=["torch", "native"])
+    ap.add_argument("--batch-invariant", action="store_true", help="the runner in batch-invariant mode")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else resolve_model(None).path
@@ -132,13 +140,15 @@ def main() -> None:
         runner = ModelRunner(
             config, device, args.dtype, num_blocks=biggest * per_row, max_num_seqs=biggest,
             max_num_batched_tokens=biggest * args.prompt_len, decode_graphs="capture" if mode == "graphs" else "off",
+            cpu_kernels=args.cpu_kernels, batch_invariant=args.batch_invariant,
         )  # fmt: skip
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         for b in args.batches:
-            times, last = decode_steps(runner, prompts[b], args.steps)
+            prefill, times, last = decode_steps(runner, prompts[b], args.steps)
             launches, kernels = counts(runner, last) if device.type == "cuda" else (None, None)
             ms = statistics.median(times) * 1e3
             results.append(dict(mode=mode, batch=b, ms=ms, tok_s=b / ms * 1e3, launches=launches, kernels=kernels))
+            results[-1]["prefill_ms"] = prefill * 1e3  # (the first batch's includes warming up)
             save(args.json, device, weights / bandwidth * 1e3, results)  # (so far: a timeout keeps what ran)
         runner.graphs = None  # (the graphs refer to the runner: freed with it, before the next mode's)
         del runner
@@ -154,9 +164,12 @@ def main() -> None:
     name = device_name(device)
     print(f"{model_dir.name} on {name}, {args.dtype}; weights {weights / 1e6:.0f} MB, copy {bandwidth / 1e9:.0f} GB/s")
     print(f"floor (weights read once): {floor_ms:.3f} ms/step")
-    print(f"{'mode':>10} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'x floor':>7} {'launches':>8} {'kernels':>7}")
+    print(
+        f"{'mode':>10} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'x floor':>7} {'launches':>8} {'kernels':>7} prefill ms"
+    )
     for r in results:
-        extra = " ".join(f"{r[k] if r[k] is not None else '-':>8}" for k in ("launches", "kernels"))
+        extra = " ".join(f"{r.get(k) if r.get(k) is not None else '-':>8}" for k in ("launches", "kernels"))
+        extra += f" {r['prefill_ms']:>10.1f}" if "prefill_ms" in r else ""
         print(f"{r['mode']:>10} {r['batch']:>5} {r['ms']:>8.2f} {r['tok_s']:>9.0f} {r['ms'] / floor_ms:>7.1f} {extra}")
     save(args.json, device, floor_ms, results)
 

@@ -2,15 +2,19 @@
 request's logits are the same bits alone and in any batch, beside prefills, as chunks of a prefill, as a speculative
 verification row and as a recomputed prompt. The reference is the request run alone, step by step, on the same
 runner; the power check is the default attention plan (decode rows padded to the longest), under which the same
-comparison finds differing logits."""
+comparison finds differing logits. Through the engine: greedy and seeded requests side by side, and with n-gram
+speculation, give the tokens each gives alone."""
 
 import pytest
 import torch
 
+from actors.engine.config import EngineConfig, SpeculativeConfig
+from frontend.offline import AsyncLLM
 from gpu import native
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.config import ModelConfig
 from gpu.runner import ModelRunner
+from messages.sampling_params import SamplingParams as SP
 from tests.tiny_model import Request, block_pool
 
 BUILT = [isa for isa in native.cpu_isas() if native.ops(isa) is not None]
@@ -139,7 +143,25 @@ def test_a_model_the_mode_cannot_hold_is_refused(tiny_model_dir):
     config = ModelConfig.from_path(tiny_model_dir)
     with pytest.raises(ValueError, match="batch-invariant"):
         ModelRunner(config, device="cpu", dtype="float32", num_blocks=64, quantization="int8", batch_invariant=True)
-    from actors.engine.config import EngineConfig
-
     with pytest.raises(ValueError, match="batch-invariant"):
         EngineConfig(model=str(tiny_model_dir), batch_invariant=True, quantization="int4")
+
+
+def answer(out) -> tuple:
+    return out.token_ids, out.logprobs
+
+
+async def test_the_engine_answers_each_request_as_it_would_alone(tiny_model_dir):
+    """Tokens and their logprobs (the logits' bits: without the mode they differ in the last bits here)."""
+    prompts = PROMPTS[:8]
+    params = [SP(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)] * 4  # (logprobs: the logits' bits)
+    params += [SP(temperature=0.9, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True, logprobs=2) for i in range(4)]
+    config = EngineConfig(model=str(tiny_model_dir), batch_invariant=True, num_kv_blocks=512)
+    async with AsyncLLM(config) as llm:
+        alone = [answer((await llm.generate([p], sp))[0]) for p, sp in zip(prompts, params, strict=True)]
+        together = [answer(o) for o in await llm.generate(prompts, params)]
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+    async with AsyncLLM(EngineConfig(model=str(tiny_model_dir), batch_invariant=True, speculative=ngram)) as llm:
+        speculated = [answer(o) for o in await llm.generate(prompts, params)]
+    assert together == alone
+    assert speculated == alone

@@ -16,6 +16,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.grammar_masks import WorkerMasks
+from gpu import native
 from gpu.batch import BatchSpec
 from gpu.config import ModelConfig
 from gpu.distributed.group import TensorParallel, current
@@ -162,7 +163,8 @@ class StepExecutor:
             )
         self.tp = current()  # (a gang's leader: the followers run each step's forward with it)
         self.followed = False  # the followers are in a step with us: if it raises, they wait in a collective
-        self.sampler = Sampler(logprobs_mode=config.logprobs_mode)
+        row_sum = native.RowSum(native.ops()) if config.batch_invariant else None  # (built: the runner checked)
+        self.sampler = Sampler(logprobs_mode=config.logprobs_mode, row_sum=row_sum)
         self.device = self.runner.device
         self.metadata = MetadataCache(model.vocab_size, self.device)
         self.draft = None  # the DraftProposer whose q verifies draft-model speculation (set by the actor)

@@ -3,6 +3,7 @@ logprob, their rank, and the top-N of the row."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,15 +19,20 @@ class LogprobsTensors:
     top_logprobs: torch.Tensor  # [B, N] float32
 
 
-def log_softmax_into(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """log_softmax of x [n, V] written into out [n, Vp] (Vp: whole blocks, the padding -inf).
+def log_softmax_into(
+    x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, row_sum: Callable[[torch.Tensor], torch.Tensor] | None
+) -> torch.Tensor:
+    """log_softmax of x [n, V] written into out [n, Vp] (Vp: whole blocks, the padding -inf). row_sum: [n, V] ->
+    [n, 1], torch's sum where None (batch-invariant mode: gpu/native RowSum; torch splits one row's sum over the
+    threads, several rows' not).
 
     out and scratch are reused buffers: a fresh B x V tensor per step costs page faults at large B x V.
     """
     v = x.shape[1]
     lp = out[:, :v]
     torch.sub(x, x.amax(-1, keepdim=True), out=lp)
-    lp.sub_(torch.exp(lp, out=scratch[:, :v]).sum(-1, keepdim=True).log_())
+    e = torch.exp(lp, out=scratch[:, :v])
+    lp.sub_((e.sum(-1, keepdim=True) if row_sum is None else row_sum(e)).log_())
     out[:, v:] = float("-inf")
     return out
 

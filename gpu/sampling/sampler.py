@@ -26,6 +26,7 @@ Edge cases (defined, never a crash):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ class Sampler:
         flashinfer: bool = True,
         logprobs_mode: LogprobsMode = "raw_logprobs",
         sort_free: str | None = None,
+        row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         assert sort_free in (None, "off", "torch", "triton"), sort_free
         self.dynamic_fallback = dynamic_fallback
@@ -97,6 +99,7 @@ class Sampler:
         self.sort_free = sort_free
         self.processed = logprobs_mode == "processed_logprobs"
         self._buffers: dict[str, torch.Tensor] = {}
+        self.row_sum = row_sum  # the logprobs' normalizer (logprobs.log_softmax_into)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -225,7 +228,7 @@ class Sampler:
 
     def _log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         """log_softmax of x into a reused buffer, valid until the next call (callers gather from it at once)."""
-        return log_softmax_into(x, self._buffer("logprobs", len(x), x), self._buffer("vocab", len(x), x))
+        return log_softmax_into(x, self._buffer("logprobs", len(x), x), self._buffer("vocab", len(x), x), self.row_sum)
 
     def _logprobs(self, lp: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> LogprobsTensors:
         rows, n = meta.logprob_rows, meta.max_num_logprobs
