@@ -78,7 +78,7 @@ def choose_attention_backend(
     """The backend `name`, or the device's default (None): triton on CUDA, torch elsewhere. invariant: batch-invariant
     attention (the torch backend's per-token plans; CPU only for now)."""
     name = name or ("triton" if device.type == "cuda" else "torch")
-    if invariant and (name != "torch" or device.type != "cpu"):
+    if invariant and name in ("torch", "triton") and (name != "torch" or device.type != "cpu"):
         raise ValueError("batch-invariant mode runs on a CPU with the torch attention backend (for now)")
     if name == "torch":
         return TorchAttention(device, dtype, block_size, invariant)

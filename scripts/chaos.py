@@ -1,6 +1,7 @@
 """Seeded chaos for the cancellation protocol, at the engine level (AsyncLLM over the real processes).
 
     python scripts/chaos.py --requests 5000 --seed 7 [--model DIR] [--drops 0.01] [--kills 2] [--worker process]
+                            [--batch-invariant]
 
 Many concurrent requests (Poisson arrivals) with random explicit aborts (after k tokens, or after a
 random delay), stop strings, sibling requests (one prompt, derived seeds: n > 1 style), a long prompt
@@ -14,13 +15,14 @@ the tokens the engine sent for it (recorded before the faulty links, EngineConfi
 all of them when it ended with "length", a prefix otherwise; its text is what those tokens decode to (a fault never
 corrupts text); and its tokens are a fault-free run's of the same workload (a prefix, unless it ended naturally).
 
-Tokens may legitimately differ from the fault-free run: CPU matmuls are not batch-invariant, so the
-logits move in their last bits with the batch composition, and a near-tie can flip a greedy token or a seeded draw
-(the 8th/9th logits of top_k=8 tie within 5e-7 in ~1e-4 of draws on the random model). Such requests are counted
-as `diverged`, and each must be explained: its first differing token at a near-tie of an independent reference (HF
-transformers' logits, scripts/chaos_reference.py), every later one the reference sampler's. An unexplained one is a
-problem (a seed or row mix-up changes most seeded requests); so is a text that is not what the stream's own tokens
-decode to, diverged or not (scripts/chaos_check.py).
+Tokens may legitimately differ from the fault-free run: CPU matmuls are not batch-invariant, so the logits move in
+their last bits with the batch composition, and a near-tie can flip a greedy token or a seeded draw (the 8th/9th
+logits of top_k=8 tie within 5e-7 in ~1e-4 of draws on the random model). Such requests are counted as `diverged`
+(none with --batch-invariant, where a row's logits do not depend on the batch), and each must be explained: its
+first differing token at a near-tie of an independent reference (HF transformers' logits,
+scripts/chaos_reference.py), every later one the reference sampler's. An unexplained one is a problem (a seed or row
+mix-up changes most seeded requests); so is a text that is not what the stream's own tokens decode to, diverged or
+not (scripts/chaos_check.py).
 
 The seed fixes the workload, the abort schedule and the fault decisions per link message (faults.py);
 which requests a faulty message carries depends on batching, i.e. on timing, so a failure is
@@ -111,10 +113,15 @@ def fault_plan(seed: int, drops: float = 0.0) -> FaultPlan:
 
 
 def chaos_config(
-    model: str, record_outputs: str | None = None, speculative: SpeculativeConfig | None = None, worker="inline"
+    model: str,
+    record_outputs: str | None = None,
+    speculative: SpeculativeConfig | None = None,
+    worker="inline",
+    batch_invariant: bool = False,
 ) -> EngineConfig:
     return EngineConfig(
         worker=worker,
+        batch_invariant=batch_invariant,
         step_timeout_s=10.0,
         speculative=speculative,
         record_outputs=record_outputs,
@@ -219,6 +226,7 @@ async def main() -> int:
     parser.add_argument("--drops", type=float, default=0.0, help="probability a StepOutputs / TextOutputs is lost")
     parser.add_argument("--kills", type=int, default=0, help="kill -9 an engine-side process this many times")
     parser.add_argument("--worker", choices=["inline", "process"], default="inline", help="the worker's placement")
+    parser.add_argument("--batch-invariant", action="store_true", help="both engines batch-invariant: none diverges")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -228,12 +236,15 @@ async def main() -> int:
     record = str(Path(tempfile.mkdtemp(prefix="sluice-chaos-")) / "sent.jsonl")
     t0 = time.perf_counter()
     async with (
-        AsyncLLM(chaos_config(model)) as clean,
+        AsyncLLM(chaos_config(model, batch_invariant=args.batch_invariant)) as clean,
         AsyncLLM(
-            chaos_config(model, record, worker=args.worker), fault_plan=fault_plan(args.seed, args.drops)
+            chaos_config(model, record, worker=args.worker, batch_invariant=args.batch_invariant),
+            fault_plan=fault_plan(args.seed, args.drops),
         ) as faulty,
     ):
         report = await chaos(clean, faulty, args.seed, args.requests, kills=args.kills)
+    if args.batch_invariant and report.counts["diverged"]:
+        report.problems.append(f"{report.counts['diverged']} streams diverged under --batch-invariant")
     print(f"{args.requests} requests, seed {args.seed}, {time.perf_counter() - t0:.1f} s")
     print(report)
     return 1 if report.problems else 0

@@ -127,6 +127,34 @@ def test_verification_rows_and_recomputed_prompts(runner, alone):
     assert torch.equal(d.logits[3][0], alone[3][STEPS])
 
 
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])  # (sliding windows, soft-caps, other head sizes)
+def test_other_families_in_any_batch_and_chunk(family_dir_of, family):
+    """Decode rows side by side and prompts in 12-token chunks (crossing the window) against each request alone."""
+    config = ModelConfig.from_path(family_dir_of(family))
+    runner = ModelRunner(config, device="cpu", dtype="float32", num_blocks=512, block_size=16, batch_invariant=True)
+    ids, alone = [4, 8, 12], {}
+    for i in ids:
+        d = Driver(runner)
+        d.add(i)
+        d.decode([i], 6)
+        alone[i] = d.logits[i]
+    d = Driver(runner, seed=5)
+    for i in ids:
+        d.add(i)
+    while any(d.reqs[i].num_computed < len(PROMPTS[i]) for i in ids):
+        d.run({i: d.reqs[i].row(min(12, len(PROMPTS[i]) - d.reqs[i].num_computed) or None) for i in ids})
+    d.decode(ids, 3)
+    assert all(same(d.logits[i], alone[i]) for i in ids)
+
+
+def test_the_flag_reaches_the_engine_config():
+    from frontend.cli import build_parser
+    from frontend.cli_engine import engine_config
+
+    assert engine_config(build_parser().parse_args(["serve", "m", "--batch-invariant"]), "m").batch_invariant
+    assert not engine_config(build_parser().parse_args(["serve", "m"]), "m").batch_invariant
+
+
 def test_the_padded_plan_is_not_invariant(runner, alone, monkeypatch):
     """The power check: the default attention plan on the same runner moves logits across batch sizes."""
     from gpu.attention import plan_segments
@@ -143,8 +171,9 @@ def test_a_model_the_mode_cannot_hold_is_refused(tiny_model_dir):
     config = ModelConfig.from_path(tiny_model_dir)
     with pytest.raises(ValueError, match="batch-invariant"):
         ModelRunner(config, device="cpu", dtype="float32", num_blocks=64, quantization="int8", batch_invariant=True)
-    with pytest.raises(ValueError, match="batch-invariant"):
-        EngineConfig(model=str(tiny_model_dir), batch_invariant=True, quantization="int4")
+    for refused in (dict(quantization="int4"), dict(device="cuda:0"), dict(attention_backend="triton")):
+        with pytest.raises(ValueError, match="batch-invariant"):
+            EngineConfig(model=str(tiny_model_dir), batch_invariant=True, **refused)
 
 
 def answer(out) -> tuple:

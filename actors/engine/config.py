@@ -119,8 +119,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if dp > 1 and nnodes > 1:
             raise ValueError("a data-parallel replica's gang runs on one node (nnodes 1)")
-        if self.batch_invariant and (self.quantization or self.device == "cuda" or tp > 1):
-            raise ValueError("batch-invariant mode runs float32 weights on a CPU, on one device (no --quantization)")
+        if self.batch_invariant and (
+            self.quantization
+            or self.device.startswith("cuda")
+            or self.attention_backend == "triton"
+            or self.dtype not in ("auto", "float32")
+            or tp > 1
+        ):
+            raise ValueError(
+                "batch-invariant mode runs float32 weights on a CPU with the torch attention backend, on one device "
+                "(no --quantization)"
+            )
 
     @property
     def local_replicas(self) -> int:

@@ -156,7 +156,7 @@ def follow(tp: TensorParallel, runner: ModelRunner) -> None:
 class StepExecutor:
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int | None):
         self.runner = make_runner(config, model, num_blocks)
-        if config.speculative is not None and self.runner.graphs is not None and self.runner.device.type == "cuda":
+        if config.speculative is not None and self.runner.graphs is not None and self.runner.graphs.graphs:
             log.warning(
                 "speculative decoding: verification steps (several tokens a row) run eagerly, not as CUDA graphs; "
                 "on an H200 n-gram speculation ran at 0.18-0.74x plain decoding (docs/PERFORMANCE.md, CUDA)"
