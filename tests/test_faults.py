@@ -79,6 +79,27 @@ async def test_delay_stalls_the_link_and_keeps_fifo():
         assert min(recorder.times) - start >= 0.3
 
 
+async def test_a_reorder_in_a_stall_overtakes_nothing_sent_before_it():
+    """A chaos run hung when an AbortAck drawn for reordering while its link was stalled was delivered ahead of its
+    request's AddRequest, queued behind the delay: a reorder may swap a message with the next one only."""
+    from actors.runtime.mailbox import Link
+
+    delay, reorder = (FaultRule(link="a->b", action=a, delay_ms=1) for a in ("delay", "reorder"))
+
+    class Faults:  # (the decisions of a seeded plan, in the order that hung)
+        decisions = iter([delay, None, reorder, None])
+
+        def decide(self, link, msg_type):
+            return next(self.decisions)
+
+    got = []
+    link = Link("a->b", got.append, remote=False, faults=Faults())
+    for i in range(4):
+        link.send(Probe(seq=i))
+    link._unstall()  # (the delay's timer, run now)
+    assert [p.seq for p in got] == [0, 1, 2, 3]
+
+
 async def test_child_processes_apply_the_plan():
     plan = FaultPlan(seed=3, rules=[FaultRule(link="echo->recorder", action="drop")])
     tester, recorder = Sender(), Recorder()

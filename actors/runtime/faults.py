@@ -7,7 +7,7 @@ faults depend only on the seed and that link's own traffic: the same seed replay
 
 Actions: `drop`; `duplicate` (sent twice); `delay` (the link stalls for delay_ms, later messages
 queue behind it: FIFO is kept); `reorder` (the message is held and sent right after the next one
-on the link, or after delay_ms (default 50) if none comes).
+on the link, or after delay_ms (default 50) if none comes; while the link is stalled it queues like the rest).
 """
 
 from __future__ import annotations

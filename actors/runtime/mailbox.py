@@ -144,7 +144,7 @@ class Link:
                 self._stalled = []
                 asyncio.get_running_loop().call_later(rule.delay_ms / 1000, self._unstall)
             self._stalled.append(msg)
-        elif self._held is None:  # reorder
+        elif self._held is None and self._stalled is None:  # reorder (in a stall it would overtake what is queued)
             self._held = msg
             self._held_timer = asyncio.get_running_loop().call_later((rule.delay_ms or 50) / 1000, self._release)
         else:
