@@ -123,7 +123,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.quantization
             or self.device.startswith("cuda")
             or self.attention_backend == "triton"
-            or self.dtype not in ("auto", "float32")
+            or self.dtype not in ("auto", "float32", "float")
             or tp > 1
         ):
             raise ValueError(
