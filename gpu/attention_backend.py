@@ -78,10 +78,8 @@ def choose_attention_backend(
     """The backend `name`, or the device's default (None): triton on CUDA, torch elsewhere. invariant: batch-invariant
     attention (the torch backend's per-token plans; CPU only for now)."""
     name = name or ("triton" if device.type == "cuda" else "torch")
-    if invariant and name in ("torch", "triton") and (name != "torch" or device.type != "cpu"):
+    if name not in ("torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
+    if invariant and (name == "triton" or device.type != "cpu"):
         raise ValueError("batch-invariant mode runs on a CPU with the torch attention backend (for now)")
-    if name == "torch":
-        return TorchAttention(device, dtype, block_size, invariant)
-    if name == "triton":
-        return TritonAttention(device)
-    raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
+    return TorchAttention(device, dtype, block_size, invariant) if name == "torch" else TritonAttention(device)

@@ -147,8 +147,10 @@ def main() -> None:
             prefill, times, last = decode_steps(runner, prompts[b], args.steps)
             launches, kernels = counts(runner, last) if device.type == "cuda" else (None, None)
             ms = statistics.median(times) * 1e3
-            results.append(dict(mode=mode, batch=b, ms=ms, tok_s=b / ms * 1e3, launches=launches, kernels=kernels))
-            results[-1]["prefill_ms"] = prefill * 1e3  # (the first batch's includes warming up)
+            results.append(
+                dict(mode=mode, batch=b, ms=ms, tok_s=b / ms * 1e3, launches=launches, kernels=kernels,
+                     prefill_ms=prefill * 1e3)  # (the first batch's prefill includes warming up)
+            )  # fmt: skip
             save(args.json, device, weights / bandwidth * 1e3, results)  # (so far: a timeout keeps what ran)
         runner.graphs = None  # (the graphs refer to the runner: freed with it, before the next mode's)
         del runner
@@ -168,7 +170,7 @@ def main() -> None:
         f"{'mode':>10} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'x floor':>7} {'launches':>8} {'kernels':>7} prefill ms"
     )
     for r in results:
-        extra = " ".join(f"{r.get(k) if r.get(k) is not None else '-':>8}" for k in ("launches", "kernels"))
+        extra = " ".join(f"{r[k] if r[k] is not None else '-':>8}" for k in ("launches", "kernels"))
         extra += f" {r['prefill_ms']:>10.1f}" if "prefill_ms" in r else ""
         print(f"{r['mode']:>10} {r['batch']:>5} {r['ms']:>8.2f} {r['tok_s']:>9.0f} {r['ms'] / floor_ms:>7.1f} {extra}")
     save(args.json, device, floor_ms, results)
