@@ -71,7 +71,10 @@ def zombie_children() -> list[int]:
 
 
 async def restarted(llm: AsyncLLM, proc: str, old_pid: int) -> None:
-    await wait_for(lambda: llm.system.state.get(proc) == "up" and llm.system.pids().get(proc) != old_pid, 180)
+    """The new process is up (a killed one reaped before its exit handler ran is absent from pids, not restarted)."""
+    await wait_for(
+        lambda: llm.system.state.get(proc) == "up" and llm.system.pids().get(proc) not in (None, old_pid), 180
+    )
     assert not alive(old_pid) and not zombie_children()
 
 
