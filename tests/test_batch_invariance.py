@@ -1,7 +1,7 @@
-"""Batch-invariant mode (`--batch-invariant`, gpu/linear.py make_invariant, gpu/attention.py plan_tokens): a
+"""Batch-invariant mode (`--batch-invariant`, gpu/linear.py make_invariant, gpu/attention_native.py): a
 request's logits are the same bits alone and in any batch, beside prefills, as chunks of a prefill, as a speculative
 verification row and as a recomputed prompt. The reference is the request run alone, step by step, on the same
-runner; the power check is the default attention plan (decode rows padded to the longest), under which the same
+runner; the power check is the torch path's plan (decode rows padded to the longest), under which the same
 comparison finds differing logits. Through the engine: greedy and seeded requests side by side, and with n-gram
 speculation, give the tokens each gives alone."""
 
@@ -156,10 +156,9 @@ def test_the_flag_reaches_the_engine_config():
 
 
 def test_the_padded_plan_is_not_invariant(runner, alone, monkeypatch):
-    """The power check: the default attention plan on the same runner moves logits across batch sizes."""
-    from gpu.attention import plan_segments
-
-    monkeypatch.setattr(runner.attention, "planner", plan_segments)
+    """The power check: the torch path's padded segments (every row sent there) on the same runner move logits
+    across batch sizes."""
+    monkeypatch.setattr(runner.attention, "short_row", 0)
     d = Driver(runner, seed=3)
     for i in range(len(PROMPTS)):
         d.add(i)

@@ -42,10 +42,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/native: batch-invariant, slower yet)
     cpu_kernels: Literal["native", "torch"] = "torch"
     # a row's logits the same bits in any step: alone, in any batch, chunked, verified, recomputed (CPU: the native
-    # kernels at every row count, attention per token; docs/OPERATIONS.md)
+    # kernels at every row count, native attention for every row; docs/OPERATIONS.md)
     batch_invariant: bool = False
-    # paged attention (gpu/attention_backend.py); None: triton on CUDA, torch on CPU
-    attention_backend: Literal["torch", "triton"] | None = None
+    # paged attention (gpu/attention_backend.py); None: triton on CUDA, native on CPU for float32 (where built)
+    attention_backend: Literal["torch", "triton", "native"] | None = None
     enforce_eager: bool = False  # no CUDA graphs: every step runs the dynamic path (gpu/graphs.py)
     static_decode: bool = False  # tests, debugging: decode steps on the graphs' static buffers, run without graphs
     max_num_seqs: int = 64
@@ -122,12 +122,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.batch_invariant and (
             self.quantization
             or self.device.startswith("cuda")
-            or self.attention_backend == "triton"
+            or self.attention_backend not in (None, "native")
             or self.dtype not in ("auto", "float32", "float")
             or tp > 1
         ):
             raise ValueError(
-                "batch-invariant mode runs float32 weights on a CPU with the torch attention backend, on one device "
+                "batch-invariant mode runs float32 weights on a CPU with the native attention backend, on one device "
                 "(no --quantization)"
             )
 

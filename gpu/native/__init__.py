@@ -4,7 +4,9 @@ not built, an older build than the sources, a CPU with neither ISA), callers get
 one warning saying why.
 
 `ops()` is the op namespace (torch.ops.sluice_<isa>): `pack(weight) -> packed`, `linear(x, packed, out_features,
-bias) -> y`, `linear_out(x, packed, bias, y)` (gpu/native/csrc/linear.cpp says what they guarantee).
+bias) -> y`, `linear_out(x, packed, bias, y)` (gpu/native/csrc/linear.cpp says what they guarantee) and
+`paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, softcap) -> out`
+(gpu/native/csrc/attention.cpp).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 log = logging.getLogger("sluice.native")
 
 BUILD_DIR = Path(sys.prefix) / "sluice-native"
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))  # (compiled; the headers they include count for staleness too)
 ISAS = ("avx2", "avx512")  # what build.py builds, in preference order: the last this CPU runs is used
 _NEEDS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}}
 
@@ -53,7 +56,7 @@ def ops(isa: str | None = None):
     path = library_path(isa)
     if not path.exists():
         return _absent(f"{path} is not built (make setup builds it)")
-    if any(s.stat().st_mtime > path.stat().st_mtime for s in SOURCES):
+    if any(s.stat().st_mtime > path.stat().st_mtime for s in (*SOURCES, *CSRC.glob("*.h"))):
         return _absent(f"{path} is older than its sources (make setup rebuilds it)")
     try:
         torch.ops.load_library(str(path))

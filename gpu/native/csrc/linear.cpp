@@ -11,12 +11,13 @@
 //
 // Built twice by gpu/native/build.py, with -mavx2 -mfma (namespace sluice_avx2) and with -mavx512f (sluice_avx512);
 // gpu/native/__init__.py loads the one the CPU runs.
-#include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+
+#include "simd.h"
 
 #ifndef SLUICE_NS
 #error "SLUICE_NS names the op namespace of this ISA's build"
@@ -24,24 +25,12 @@
 
 namespace {
 
+using namespace simd;
+
 #if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t LANES = 16;
 constexpr int TILE = 6, GROUP = 4;  // 32 registers: 24 accumulators in a tile, 16 in a group
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 #else
-using Vec = __m256;
-constexpr int64_t LANES = 8;
 constexpr int TILE = 3, GROUP = 2;  // 16 registers: 12 accumulators in a tile, 8 in a group
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 constexpr int VECS = 4;

@@ -1,0 +1,111 @@
+// The vector types the kernels are written in, for the ISA this library is built for (gpu/native/build.py builds
+// it twice: -mavx2 -mfma, and -mavx512f).
+//
+// - Vec: the machine's widest float vector (8 or 16 lanes): the linear kernels, whose per-element results are single
+//   lanes' fma chains and so do not depend on the width.
+// - V16: sixteen float lanes on either ISA (one __m512, or two __m256 side by side), for kernels that reduce across
+//   lanes (attention's dot products and softmax): every operation, the reductions' trees and the exponential's
+//   polynomial included, is the same IEEE arithmetic lane by lane on both ISAs, so their results are the same bits.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace simd {
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t LANES = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+
+struct V16 {
+  __m512 v;
+};
+inline V16 zero16() { return {_mm512_setzero_ps()}; }
+inline V16 set16(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 load16(const float* p, int n) {  // the first n lanes (the rest 0)
+  return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p)};
+}
+inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 fma16(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V16 mul16(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 add16(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 max16(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V16 round16(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V16 pow2_16(V16 n) {  // 2^n for integral n in [-126, 127]
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
+}
+inline __m256 half8(V16 a, int hi) { return hi ? _mm512_extractf32x8_ps(a.v, 1) : _mm512_castps512_ps256(a.v); }
+#else
+using Vec = __m256;
+constexpr int64_t LANES = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+
+struct V16 {
+  __m256 lo, hi;
+};
+inline __m256 mask8(int n) {  // lanes < n set
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+}
+inline V16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 set16(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 load16(const float* p, int n) {
+  const __m256 lo = _mm256_maskload_ps(p, _mm256_castps_si256(mask8(n)));
+  return {lo, n > 8 ? _mm256_maskload_ps(p + 8, _mm256_castps_si256(mask8(n - 8))) : _mm256_setzero_ps()};
+}
+inline void store16(float* p, V16 a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+inline V16 fma16(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 mul16(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 add16(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 max16(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 round16(V16 a) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+inline __m256 pow2_8(__m256 n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline V16 pow2_16(V16 n) { return {pow2_8(n.lo), pow2_8(n.hi)}; }
+inline __m256 half8(V16 a, int hi) { return hi ? a.hi : a.lo; }
+#endif
+
+// The sum of the 16 lanes by one tree on both ISAs: lane i + lane i+8, then i + i+4, i + i+2, i + i+1.
+inline float sum16(V16 a) {
+  const __m256 s8 = _mm256_add_ps(half8(a, 0), half8(a, 1));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// The largest lane (exact in any order).
+inline float max16(V16 a) {
+  const __m256 m8 = _mm256_max_ps(half8(a, 0), half8(a, 1));
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+}
+
+// e^x lane by lane for x <= 0 (softmax's shifted scores; below -87 it returns 2^-126 x e^r, not 0): x = n ln2 + r,
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n.
+inline V16 exp16(V16 x) {
+  x = max16(x, set16(-87.0f));
+  const V16 n = round16(mul16(x, set16(1.44269504088896341f)));
+  V16 r = fma16(n, set16(-0.693359375f), x);  // ln2 in two parts: the first exact in float
+  r = fma16(n, set16(2.12194440e-4f), r);
+  V16 p = set16(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = fma16(p, r, set16(c));
+  return mul16(p, pow2_16(n));
+}
+
+}  // namespace simd
