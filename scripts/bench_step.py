@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--cpu-kernels", default="torch", choices=["torch", "native"])
     ap.add_argument("--batch-invariant", action="store_true", help="the runner in batch-invariant mode")
+    ap.add_argument("--attention-backend", default=None, choices=["torch", "triton", "native"])
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else resolve_model(None).path
@@ -141,6 +142,7 @@ def main() -> None:
             config, device, args.dtype, num_blocks=biggest * per_row, max_num_seqs=biggest,
             max_num_batched_tokens=biggest * args.prompt_len, decode_graphs="capture" if mode == "graphs" else "off",
             cpu_kernels=args.cpu_kernels, batch_invariant=args.batch_invariant,
+            attention_backend=args.attention_backend,
         )  # fmt: skip
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         for b in args.batches:
