@@ -163,7 +163,7 @@ class StepExecutor:
             )
         self.tp = current()  # (a gang's leader: the followers run each step's forward with it)
         self.followed = False  # the followers are in a step with us: if it raises, they wait in a collective
-        row_sum = native.RowSum(native.ops()) if config.batch_invariant else None  # (built: the runner checked)
+        row_sum = native.ops().row_sum if config.batch_invariant else None  # (built: the runner checked)
         self.sampler = Sampler(logprobs_mode=config.logprobs_mode, row_sum=row_sum)
         self.device = self.runner.device
         self.metadata = MetadataCache(model.vocab_size, self.device)

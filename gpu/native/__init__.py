@@ -6,7 +6,7 @@ one warning saying why.
 `ops()` is the op namespace (torch.ops.sluice_<isa>): `pack(weight) -> packed`, `linear(x, packed, out_features,
 bias) -> y`, `linear_out(x, packed, bias, y)` (gpu/native/csrc/linear.cpp says what they guarantee) and
 `paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, softcap) -> out`
-(gpu/native/csrc/attention.cpp).
+(gpu/native/csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (gpu/native/csrc/reduce.cpp).
 """
 
 from __future__ import annotations
@@ -68,18 +68,3 @@ def ops(isa: str | None = None):
 def _absent(why: str) -> None:
     log.warning("native CPU kernels unavailable: %s; using torch's", why)
     return None
-
-
-class RowSum:
-    """Each row's sum of an [n, V] float32 tensor as one fma chain in a fixed order (the native linear against a row
-    of ones), so a row's sum is the same bits in any batch: torch splits a single row's long sum over the threads
-    and several rows' not. A sequential sum: its error grows as sqrt(V) x float32's epsilon, ~1e-5 at V = 49k."""
-
-    def __init__(self, kernels) -> None:
-        self.kernels, self.ones = kernels, {}  # V -> a packed [1, V] row of ones
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        v = x.shape[1]
-        if v not in self.ones:
-            self.ones[v] = self.kernels.pack(torch.ones(1, v))
-        return self.kernels.linear(x.contiguous(), self.ones[v], 1, None)

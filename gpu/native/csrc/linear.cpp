@@ -65,12 +65,12 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const flo
   Vec acc[R][VECS];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < VECS; ++v) acc[r][v] = vzero();
-  for (int64_t i = 0; i < in; ++i) {
-    Vec w[VECS];
-    for (int v = 0; v < VECS; ++v) w[v] = vload(panel + i * PANEL + v * LANES);
-    for (int r = 0; r < R; ++r) {
-      const Vec xb = vbroadcast(x + r * ldx + i);
-      for (int v = 0; v < VECS; ++v) acc[r][v] = vfma(xb, w[v], acc[r][v]);
+  for (int64_t i = 0; i < in; ++i) {  // (R x VECS accumulators, R broadcasts and one weight vector: the registers)
+    Vec xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = vbroadcast(x + r * ldx + i);
+    for (int v = 0; v < VECS; ++v) {
+      const Vec w = vload(panel + i * PANEL + v * LANES);
+      for (int r = 0; r < R; ++r) acc[r][v] = vfma(xb[r], w, acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r) store(acc[r], bias, y + r * ldy, cols);
