@@ -121,6 +121,8 @@ def test_the_reference_check_fails_a_wrong_kernel():
     "change, message",
     [
         (lambda c: c.seq_lens.fill_(1000), "disagree"),  # keys past the block table
+        (lambda c: c.tables.__setitem__((1, 0), 10_000), "outside the cache"),
+        (lambda c: c.tables.__setitem__((0, 0), -1), "outside the cache"),
         (lambda c: c.qsl.__setitem__(-1, 2), "spans"),  # queries that are not q's tokens
         (lambda c: setattr(c, "tables", c.tables.int()), "int64"),
         (lambda c: setattr(c, "q", c.q.double()), "float32 q"),

@@ -122,15 +122,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   TORCH_CHECK(qsl[0] == 0 && qsl[rows] == tokens, "paged_attention: query_start_loc spans q's tokens");
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
   std::vector<int64_t> row_of(tokens);
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(qsl[r] <= qsl[r + 1] && qsl[r + 1] - qsl[r] <= lens[r] && lens[r] <= s.max_blocks * s.block_size,
                 "paged_attention: row ", r, "'s queries, keys and block table disagree");
+    for (int64_t b = 0; b * s.block_size < lens[r]; ++b)
+      TORCH_CHECK(tables[r * s.max_blocks + b] >= 0 && tables[r * s.max_blocks + b] < k_cache.size(0),
+                  "paged_attention: row ", r, "'s block table names a block outside the cache");
     for (int64_t t = qsl[r]; t < qsl[r + 1]; ++t) row_of[t] = r;
   }
   auto out = at::empty({tokens, s.heads, s.dim}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t group = s.heads / s.kv_heads;
   at::parallel_for(0, tokens * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
