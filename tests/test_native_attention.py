@@ -89,7 +89,9 @@ def test_a_tokens_result_is_the_same_alone_in_a_prefill_a_chunk_or_any_batch(isa
 
     def rows_out(case_rows, picks):  # the same caches and queries, other row splits: (queries, keys) of the prompt
         case = Case([*case_rows, *others], heads=9, kv_heads=3, dim=64, block_size=16, seed=1)
-        case.k, case.v, case.tables[: len(case_rows)] = whole.k, whole.v, whole.tables[0]
+        case.k, case.v, case.tables[: len(case_rows)], case.tables[len(case_rows) :] = (
+            whole.k, whole.v, whole.tables[0], whole.tables[1:]
+        )  # fmt: skip
         q = torch.cat([whole.q[:prompt][picks], whole.q[prompt:]])
         return case.run(isa, window=20, q=q)[: len(picks)]
 
