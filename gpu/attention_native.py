@@ -2,9 +2,9 @@
 reads each row's keys and values in place through its block table, one query token at a time, in a fixed order, so
 a token's result is the same bits in any batch.
 
-It takes the rows of at most SHORT_ROW queries (decode, speculative verification, short chunks), where it is 1.1-13x
+It takes the rows of at most SHORT_ROW queries (decode, speculative verification, short chunks), where it is 1.05-6.6x
 the torch path's speed (no gather, no padding to the longest row); longer rows (prefills) go to the torch path's
-padded segments, whose blocked SDPA is up to 2x faster there (docs/PERFORMANCE.md). In batch-invariant mode
+padded segments, whose blocked SDPA is up to 1.7x faster there at long contexts (docs/PERFORMANCE.md). In batch-invariant mode
 (`invariant`) it takes every row, so that a token's result cannot depend on the path its row was sent down.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from gpu.attention import AttentionMetadata, TorchAttention, paged_attention, plan_segments
 
-SHORT_ROW = 16  # queries: the native kernel's rows (measured: 1.07x torch's at 16 queries over 1,024 keys, 0.6x at 64)
+SHORT_ROW = 8  # queries: the native kernel's rows (measured at 1,024 keys: 1.05x torch's at 8 queries, 0.72x at 16)
 
 
 @dataclass

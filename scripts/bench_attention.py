@@ -28,6 +28,7 @@ CASES = {  # label: rows of (queries, keys)
     "decode, batch 32, 256 keys": [(1, 256)] * 32,
     "decode, batch 32, 16-512 keys": [(1, 16 + 16 * i) for i in range(32)],
     "verify K=4, batch 8, 512 keys": [(5, 512)] * 8,
+    "chunk of 8 at 1,024 keys": [(8, 1024)],
     "chunk of 16 at 1,024 keys": [(16, 1024)],
     "chunk of 64 at 1,024 keys": [(64, 1024)],
     "prefill 1 x 128": [(128, 128)],

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "simd.h"
 
@@ -35,6 +36,7 @@ constexpr int TILE = 3, GROUP = 2;  // 16 registers: 12 accumulators in a tile, 
 
 constexpr int VECS = 4;
 constexpr int64_t PANEL = VECS * LANES;  // output columns per panel: four vectors
+constexpr int64_t KBLOCK = 4096 / PANEL;  // inputs per pass over a panel: 16 KB of its weights, in L1
 
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: a float32 [out, in] weight");
@@ -51,29 +53,37 @@ at::Tensor pack(const at::Tensor& weight) {
   return packed;
 }
 
-// One row's accumulators of a panel into y: `cols` valid columns, each plus its bias.
+// One row's sums of a panel (PANEL floats at sums) into y: `cols` valid columns, each plus its bias.
+inline void finish(const float* sums, const float* bias, float* y, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) y[c] = bias ? sums[c] + bias[c] : sums[c];
+}
+
 inline void store(const Vec* acc, const float* bias, float* y, int64_t cols) {
   alignas(64) float buf[PANEL];
   for (int v = 0; v < VECS; ++v) vstore(buf + v * LANES, acc[v]);
-  for (int64_t c = 0; c < cols; ++c) y[c] = bias ? buf[c] + bias[c] : buf[c];
+  finish(buf, bias, y, cols);
 }
 
-// R rows of x (row stride ldx) times one panel: the R x PANEL block of y at y (row stride ldy), `cols` valid.
+// R rows of x (row stride ldx) times inputs k0 .. k1 - 1 of one panel: each element's chain continued from its
+// partial sum in sums (R x PANEL floats; zeros before the first inputs) and left there. A panel's KBLOCK inputs stay
+// in L1 while every row tile of the step passes over them; a float's store and load are exact, so the chain is the
+// one a single pass would compute. (Always loaded, and one-dimensional: GCC 12 mirrors a conditionally initialised
+// or two-dimensional accumulator array on the stack, a store per accumulator per input, half the kernel's speed.)
 template <int R>
-void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const float* bias, float* y, int64_t ldy,
-          int64_t cols) {
-  Vec acc[R][VECS];
+void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* sums) {
+  Vec acc[R * VECS];  // (one dimension: GCC 12 mirrors a two-dimensional one on the stack)
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VECS; ++v) acc[r][v] = vzero();
-  for (int64_t i = 0; i < in; ++i) {  // (R x VECS accumulators, R broadcasts and one weight vector: the registers)
+    for (int v = 0; v < VECS; ++v) acc[r * VECS + v] = vload(sums + r * PANEL + v * LANES);
+  for (int64_t i = k0; i < k1; ++i) {  // (R x VECS accumulators, R broadcasts and one weight vector: the registers)
     Vec xb[R];
     for (int r = 0; r < R; ++r) xb[r] = vbroadcast(x + r * ldx + i);
     for (int v = 0; v < VECS; ++v) {
       const Vec w = vload(panel + i * PANEL + v * LANES);
-      for (int r = 0; r < R; ++r) acc[r][v] = vfma(xb[r], w, acc[r][v]);
+      for (int r = 0; r < R; ++r) acc[r * VECS + v] = vfma(xb[r], w, acc[r * VECS + v]);
     }
   }
-  for (int r = 0; r < R; ++r) store(acc[r], bias, y + r * ldy, cols);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < VECS; ++v) vstore(sums + r * PANEL + v * LANES, acc[r * VECS + v]);
 }
 
 // One row times GROUP consecutive whole panels (the same chains as a tile's row): y gets GROUP * PANEL columns.
@@ -89,7 +99,7 @@ void row_group(const float* x, const float* panels, int64_t in, const float* bia
   for (int g = 0; g < GROUP; ++g) store(acc[g], bias ? bias + g * PANEL : nullptr, y + g * PANEL, PANEL);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
 constexpr TileFn TILES[7] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};  // (up to TILE)
 
 void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
@@ -105,20 +115,22 @@ void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::option
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
   at::parallel_for(0, (panels + GROUP - 1) / GROUP, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(rows * PANEL);  // (the rows' partial sums of one panel)
     for (int64_t q = begin; q < end; ++q) {
       const int64_t first = q * GROUP, last = std::min(panels, first + GROUP);
-      for (int64_t r = 0; r < rows; r += TILE) {
-        const int64_t n = std::min<int64_t>(TILE, rows - r);
-        const float* xr = xp + r * ldx;
-        float* yr = yp + r * ldy;
-        if (n == 1 && last - first == GROUP && last * PANEL <= out) {
-          row_group(xr, wp + first * in * PANEL, in, bp ? bp + first * PANEL : nullptr, yr + first * PANEL);
-          continue;
-        }
-        for (int64_t p = first; p < last; ++p) {
-          const int64_t col = p * PANEL;
-          TILES[n](xr, ldx, wp + p * in * PANEL, in, bp ? bp + col : nullptr, yr + col, ldy, std::min(PANEL, out - col));
-        }
+      if (rows == 1 && last - first == GROUP && last * PANEL <= out) {
+        row_group(xp, wp + first * in * PANEL, in, bp ? bp + first * PANEL : nullptr, yp + first * PANEL);
+        continue;
+      }
+      for (int64_t p = first; p < last; ++p) {
+        const int64_t col = p * PANEL;
+        std::fill(sums.begin(), sums.end(), 0.0f);
+        for (int64_t k0 = 0; k0 < in; k0 += KBLOCK)
+          for (int64_t r = 0; r < rows; r += TILE)
+            TILES[std::min<int64_t>(TILE, rows - r)](xp + r * ldx, ldx, wp + p * in * PANEL, k0,
+                                                     std::min(in, k0 + KBLOCK), sums.data() + r * PANEL);
+        for (int64_t r = 0; r < rows; ++r)
+          finish(sums.data() + r * PANEL, bp ? bp + col : nullptr, yp + r * ldy + col, std::min(PANEL, out - col));
       }
     }
   });
