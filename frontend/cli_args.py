@@ -68,8 +68,8 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["native", "torch"],
         default=_DEFAULTS.cpu_kernels,
         help="CPU float32 linear layers: torch (oneDNN/MKL) or native (Sluice's AVX2/AVX-512 kernels, built by make "
-        "setup: a row's result is the same bits in any step of up to 64 rows; absent, torch's with a warning) "
-        "(default: torch)",
+        "setup: a row's result is the same bits in any step of up to 64 rows) (default: native where built, torch's "
+        "with a warning otherwise; torch's for --quantization)",
     )
     g.add_argument(
         "--batch-invariant",

@@ -11,10 +11,10 @@ Measured on this class of machine (AMD EPYC AVX2, fp32, 1 thread, SmolLM2's shap
 So `pack()` keeps the [in, out] copy and the oneDNN one, and the parameter becomes a view of the former (no third
 copy; a weight shared with the embedding keeps its own storage, see `keep_weight`). Elsewhere (CUDA, other dtypes)
 nothing changes.
-With the native kernels (gpu/native, `--cpu-kernels native`, where built) the oneDNN copy gives way to theirs: up to
-NATIVE_ROWS rows (decode, verification, small prefill chunks; every row count in batch-invariant mode:
-`make_invariant`) every row's result is the same bits whatever the batch around it (at 0.7-1x torch's speed for now:
-docs/PERFORMANCE.md); more rows take the [in, out] copy. gpu/quant.py keeps its dequantized weights in one of these
+With the native kernels (gpu/native: the default where built; `--cpu-kernels torch` turns them off) the oneDNN copy
+gives way to theirs: up to NATIVE_ROWS rows (decode, verification, small prefill chunks; every row count in
+batch-invariant mode: `make_invariant`) every row's result is the same bits whatever the batch around it, at
+1.07-1.3x torch's best speed (AMD EPYC, AVX2: docs/PERFORMANCE.md); more rows take the [in, out] copy. gpu/quant.py keeps its dequantized weights in one of these
 layouts through the same functions (`onednn_pack`, `onednn_linear`, `transposed_linear`).
 """
 

@@ -61,7 +61,7 @@ class ModelRunner:
         num_threads: int | None = None,
         quantization: Quantization | None = None,
         attention_backend: BackendName | None = None,
-        cpu_kernels: str = "torch",
+        cpu_kernels: str | None = None,
         batch_invariant: bool = False,
         decode_graphs: GraphMode | None = None,
         gpu_memory_utilization: float = 0.9,

@@ -88,12 +88,13 @@ def load_model(
     dtype: torch.dtype,
     quantization: Quantization | None = None,
     attention: AttentionBackend | None = None,
-    cpu_kernels: str = "torch",
+    cpu_kernels: str | None = None,
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
     attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set goes to every layer;
-    `cpu_kernels` "native": a CPU float32 model's linear layers use the native kernels where built (gpu/native).
+    `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the native kernels where
+    built (gpu/native); "torch": torch's.
     Once loaded, q/k/v and gate/up weights are stacked into one each."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
@@ -132,7 +133,7 @@ def load_model(
         quantize_model(model, quantization)
         return model
     cpu = device.type == "cpu" and dtype == torch.float32
-    ops = native.ops() if cpu and cpu_kernels == "native" else None
+    ops = native.ops() if cpu and cpu_kernels != "torch" else None
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings, native_ops=ops)

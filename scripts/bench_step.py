@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    ap.add_argument("--cpu-kernels", default="torch", choices=["torch", "native"])
+    ap.add_argument("--cpu-kernels", default=None, choices=["torch", "native"])
     ap.add_argument("--batch-invariant", action="store_true", help="the runner in batch-invariant mode")
     ap.add_argument("--attention-backend", default=None, choices=["torch", "triton", "native"])
     ap.add_argument("--json", default=None, metavar="FILE")
