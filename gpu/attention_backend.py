@@ -33,7 +33,7 @@ import torch
 
 from gpu import native
 from gpu.attention import AttentionMetadata, TorchAttention
-from gpu.attention_native import NativeAttention
+from gpu.attention_native import MAX_GROUP, MAX_HEAD_DIM, NativeAttention
 
 BackendName = Literal["torch", "triton", "native"]
 
@@ -77,12 +77,17 @@ class TritonAttention:
 
 
 def choose_attention_backend(
-    name: BackendName | None, device: torch.device, dtype: torch.dtype, block_size: int, invariant: bool = False
+    name: BackendName | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    invariant: bool = False,
+    heads: tuple[int, int, int] = (1, 1, 64),
 ) -> AttentionBackend:
     """The backend `name`, or the device's default (None): triton on CUDA; on a CPU, native for float32 where its
-    kernels are built (torch's otherwise, with a warning), torch for other dtypes. invariant: batch-invariant
-    attention (the native backend on every row)."""
-    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    kernels are built and hold the model's `heads` (query heads, KV heads, head dim), torch otherwise (a warning says
+    why the kernels are absent). invariant: batch-invariant attention (the native backend on every row)."""
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32 and NativeAttention.holds(*heads)
     if name is None:
         ops = native.ops() if cpu_float32 else None
         name = "triton" if device.type == "cuda" else "native" if ops is not None or invariant else "torch"
@@ -92,6 +97,9 @@ def choose_attention_backend(
         raise ValueError("batch-invariant mode runs on a CPU with the native attention backend")
     if name == "native":
         if not cpu_float32 or native.ops() is None:
-            raise ValueError("the native attention backend runs float32 on a CPU with the native kernels built")
+            raise ValueError(
+                "the native attention backend runs float32 on a CPU with the native kernels built, for up to "
+                f"{MAX_GROUP} query heads a KV head and head dims up to {MAX_HEAD_DIM}"
+            )
         return NativeAttention(native.ops(), block_size, invariant)
     return TorchAttention(device, dtype, block_size) if name == "torch" else TritonAttention(device)

@@ -17,6 +17,7 @@ import torch
 
 from gpu.attention import AttentionMetadata, TorchAttention, paged_attention, plan_segments
 
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's limits: query heads a KV head, head dim (attention.cpp)
 SHORT_ROW = 8  # queries: the native kernel's rows (measured at 1,024 keys: 1.05x torch's at 8 queries, 0.72x at 16)
 
 
@@ -33,6 +34,15 @@ class NativeAttention(TorchAttention):
     def __init__(self, ops, block_size: int, invariant: bool = False) -> None:
         super().__init__(torch.device("cpu"), torch.float32, block_size)
         self.ops, self.short_row = ops, None if invariant else SHORT_ROW
+
+    @staticmethod
+    def holds(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (
+            num_kv_heads > 0
+            and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP
+            and (0 < head_dim <= MAX_HEAD_DIM)
+        )
 
     def plan(self, query_lens, seq_lens, query_start_loc, block_tables) -> list:
         native = np.ones_like(query_lens, bool) if self.short_row is None else query_lens <= self.short_row

@@ -92,9 +92,13 @@ class ModelRunner:
         # chosen once (the layers call it; each step's metadata is what it needs: gpu/attention_backend.py), and
         # before the model is built, which imports triton (torch._dynamo): the triton backend on CPU sets its
         # interpreter switch first
+        c = self.kv_config
+        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         self.attention = choose_attention_backend(
-            attention_backend, self.device, self.dtype, block_size, batch_invariant
+            attention_backend, self.device, self.dtype, block_size, batch_invariant, heads
         )
+        if batch_invariant and cpu_kernels == "torch":
+            raise ValueError("batch-invariant mode runs the native kernels, not --cpu-kernels torch")
         if batch_invariant and (model_config.moe is not None or current().size > 1):  # (routing; all-reduce chunks)
             raise ValueError("batch-invariant mode runs dense models on one device (for now)")
         if num_blocks is None:  # sized to the device: what it has free before this engine's weights

@@ -79,6 +79,10 @@ def test_default_backend_per_device_and_by_name(monkeypatch):
             choose_attention_backend(*refused, 16)
     with pytest.raises(ValueError, match="batch-invariant mode runs on a CPU with the native attention backend"):
         choose_attention_backend("torch", cpu, torch.float32, 16, invariant=True)
+    for unheld in ((32, 1, 64), (8, 8, 288)):  # (32 query heads a KV head; a head dim past the kernel's 256)
+        assert type(choose_attention_backend(None, cpu, torch.float32, 16, heads=unheld)) is TorchAttention
+        with pytest.raises(ValueError, match="up to 16 query heads a KV head and head dims up to 256"):
+            choose_attention_backend("native", cpu, torch.float32, 16, heads=unheld)
     assert isinstance(choose_attention_backend(None, cuda, torch.bfloat16, 16), TritonAttention)
     assert isinstance(choose_attention_backend("torch", cuda, torch.bfloat16, 16), TorchAttention)
     with pytest.raises(ValueError, match="flash"):

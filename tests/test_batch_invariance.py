@@ -170,7 +170,10 @@ def test_a_model_the_mode_cannot_hold_is_refused(tiny_model_dir):
     config = ModelConfig.from_path(tiny_model_dir)
     with pytest.raises(ValueError, match="batch-invariant"):
         ModelRunner(config, device="cpu", dtype="float32", num_blocks=64, quantization="int8", batch_invariant=True)
-    for refused in (dict(quantization="int4"), dict(device="cuda:0"), dict(attention_backend="triton")):
+    with pytest.raises(ValueError, match="batch-invariant"):
+        ModelRunner(config, device="cpu", dtype="float32", num_blocks=64, cpu_kernels="torch", batch_invariant=True)
+    refusals = (dict(quantization="int4"), dict(device="cuda:0"), dict(attention_backend="triton"))
+    for refused in (*refusals, dict(attention_backend="torch"), dict(cpu_kernels="torch")):
         with pytest.raises(ValueError, match="batch-invariant"):
             EngineConfig(model=str(tiny_model_dir), batch_invariant=True, **refused)
 

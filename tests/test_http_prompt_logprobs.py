@@ -57,7 +57,7 @@ async def test_echo_with_logprobs_covers_the_prompt_then_the_output(server):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
     alone = await server.client().completions.create(model=None, prompt=prompt, logprobs=1, **GREEDY)
     # (equal up to float32 rounding: the echo's prefill computes logits at every prompt position, a batch of rows
-    # whose LM head and normalizer round differently from one row's; exact only in batch-invariant mode)
+    # whose normalizer torch sums otherwise than one row's, split over the threads; exact in batch-invariant mode)
     assert lp.token_logprobs[-2:] == pytest.approx(alone.choices[0].logprobs.token_logprobs, rel=1e-5, abs=1e-5)
 
 

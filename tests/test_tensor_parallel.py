@@ -24,7 +24,7 @@ from gpu.weights import check_checkpoint
 from tests.family_models import make_family_dir, run_greedy
 from tests.tiny_model import Request, block_pool
 
-TOL = 1e-4
+TOL = 3e-4  # float32: logprobs of magnitude ~25 after 30 layers, summed in two orders (whole, and halves all-reduced)
 BLOCK, BUDGET, NEW_TOKENS = 4, 12, 8
 CASES = {  # name -> (family, config overrides)
     "llama": ("llama", {}),

@@ -124,11 +124,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.quantization
             or self.device.startswith("cuda")
             or self.attention_backend not in (None, "native")
+            or self.cpu_kernels == "torch"
             or self.dtype not in ("auto", "float32", "float")
             or tp > 1
         ):
             raise ValueError(
-                "batch-invariant mode runs float32 weights on a CPU with the native attention backend, on one device "
+                "batch-invariant mode runs float32 weights on a CPU with the native kernels and attention backend, on one "
+                "device "
                 "(no --quantization)"
             )
 

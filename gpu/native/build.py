@@ -32,7 +32,7 @@ def build(isa: str) -> None:
     cpp_extension.load(
         name=f"sluice_{isa}",
         sources=[str(s) for s in SOURCES],
-        extra_cflags=["-O3", "-std=c++17", "-fopenmp", f"-DSLUICE_NS=sluice_{isa}", *FLAGS[isa]],
+        extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", f"-DSLUICE_NS=sluice_{isa}", *FLAGS[isa]],
         extra_ldflags=["-fopenmp"],  # (torch's parallel_for is OpenMP's in its CPU build)
         build_directory=str(out),
         is_python_module=False,

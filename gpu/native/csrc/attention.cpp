@@ -5,7 +5,7 @@
 // position seq_lens[r] - 1, so its token t (of the row's q_len) sees keys 0 .. p with p = seq_lens[r] - q_len + i,
 // narrowed to p - window < j (a sliding window, 0: none). The cache is [blocks, block_size, Hkv, D] per tensor;
 // key j of row r is at slot block_tables[r, j / block_size] * block_size + j % block_size. Query heads share KV
-// heads in groups of Hq / Hkv (one task reads a KV head's keys once for its group).
+// heads in groups of Hq / Hkv (one task per token and KV head: its group's heads read each key while in L1).
 //
 // A token's result depends on nothing but its own query, keys and values: scores s_j = q . k_j (one V16 fma chain
 // per lane over D, then simd::sum16's tree) x scale (then softcap x tanh(s / softcap) where softcap > 0), an online
@@ -60,18 +60,17 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   }
   for (int64_t c = first - first % CHUNK; c <= last; c += CHUNK) {
     const int64_t j0 = std::max(c, first) - c, j1 = std::min(c + CHUNK, last + 1) - c;  // the chunk's keys c + j
-    const float* keys[CHUNK];  // (their cache rows: one division per chunk, not per key)
+    int64_t rows[CHUNK];  // (the keys' offsets in either cache: one division per chunk, not per key)
     for (int64_t j = j0, b = (c + j0) / s.block_size, o = (c + j0) % s.block_size; j < j1; ++j) {
-      keys[j] = k_cache + ((table[b] * s.block_size + o) * s.kv_heads + h) * dim;
+      rows[j] = ((table[b] * s.block_size + o) * s.kv_heads + h) * dim;
       if (++o == s.block_size) o = 0, ++b;
     }
-    const int64_t to_v = v_cache - k_cache;
     for (int64_t g = 0; g < group; ++g) {
       alignas(64) float p[CHUNK];
       for (int64_t j = 0; j < CHUNK; ++j) p[j] = NEG_INF;
       for (int64_t j = j0; j < j1; ++j) {
         V16 dot = zero16();
-        for (int v = 0; v < DV; ++v) dot = fma16(qv[g][v], lanes(keys[j], v * 16, dim), dot);
+        for (int v = 0; v < DV; ++v) dot = fma16(qv[g][v], lanes(k_cache + rows[j], v * 16, dim), dot);
         const float x = sum16(dot) * scale;
         p[j] = softcap > 0.0f ? softcap * std::tanh(x / softcap) : x;
       }
@@ -85,7 +84,7 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
       for (int v = 0; v < DV; ++v) a[v] = mul16(acc[g][v], set16(alpha));
       for (int64_t j = j0; j < j1; ++j) {
         const V16 pj = set16(p[j]);
-        for (int v = 0; v < DV; ++v) a[v] = fma16(pj, lanes(keys[j] + to_v, v * 16, dim), a[v]);
+        for (int v = 0; v < DV; ++v) a[v] = fma16(pj, lanes(v_cache + rows[j], v * 16, dim), a[v]);
       }
       for (int v = 0; v < DV; ++v) acc[g][v] = a[v];
     }
@@ -112,6 +111,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
               "paged_attention: contiguous float32 caches [blocks, block_size, Hkv, D]");
   const Shape s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), q.stride(0), q.stride(1), block_tables.size(1)};
+  TORCH_CHECK(block_tables.dim() == 2 && s.kv_heads > 0 && s.dim > 0, "paged_attention: metadata and head shapes");
   TORCH_CHECK(k_cache.size(3) == s.dim && s.heads % s.kv_heads == 0 && s.heads / s.kv_heads <= MAX_GROUP &&
                   s.dim <= MAX_DV * 16, "paged_attention: head shapes (Hq a multiple of Hkv, at most 16 per KV head; D <= 256)");
   const AttendFn attend_dv = ATTEND[(s.dim + 15) / 16 - 1];

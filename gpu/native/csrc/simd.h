@@ -1,5 +1,5 @@
 // The vector types the kernels are written in, for the ISA this library is built for (gpu/native/build.py builds
-// it twice: -mavx2 -mfma, and -mavx512f).
+// it twice: -mavx2 -mfma, and -mavx512f/bw/dq/vl; -ffp-contract=off: no fma the source does not write).
 //
 // - Vec: the machine's widest float vector (8 or 16 lanes): the linear kernels, whose per-element results are single
 //   lanes' fma chains and so do not depend on the width.
@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+namespace {  // (internal linkage: V16 is another type in each ISA's library)
 namespace simd {
 
 #if defined(__AVX512F__)
@@ -109,3 +110,4 @@ inline V16 exp16(V16 x) {
 }
 
 }  // namespace simd
+}  // namespace
