@@ -2,10 +2,11 @@
 reads each row's keys and values in place through its block table, one query token at a time, in a fixed order, so
 a token's result is the same bits in any batch.
 
-It takes the rows of at most SHORT_ROW queries (decode, speculative verification, short chunks), where it is 1.05-6.6x
-the torch path's speed (no gather, no padding to the longest row); longer rows (prefills) go to the torch path's
-padded segments, whose blocked SDPA is up to 1.7x faster there at long contexts (docs/PERFORMANCE.md). In batch-invariant mode
-(`invariant`) it takes every row, so that a token's result cannot depend on the path its row was sent down.
+It takes the rows of at most SHORT_ROW queries (decode, speculative verification, short chunks), where it is
+1.05-6.6x the torch path's speed (no gather, no padding to the longest row); longer rows (prefills) go to the torch
+path's padded segments, whose blocked SDPA is up to 1.7x faster there at long contexts (docs/PERFORMANCE.md). In
+batch-invariant mode (`invariant`) it takes every row, so that a token's result cannot depend on the path its row
+was sent down.
 """
 
 from __future__ import annotations

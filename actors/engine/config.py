@@ -129,9 +129,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             or tp > 1
         ):
             raise ValueError(
-                "batch-invariant mode runs float32 weights on a CPU with the native kernels and attention backend, on one "
-                "device "
-                "(no --quantization)"
+                "batch-invariant mode runs float32 weights on a CPU with the native kernels and attention backend, on "
+                "one device (no --quantization)"
             )
 
     @property
