@@ -14,12 +14,12 @@ own arrays, and `finish(meta, plans, uploaded)` attaches the uploaded tensors to
 - native (gpu/attention_native.py): CPU, float32: gpu/native's batch-invariant kernel for short rows (every row in
   batch-invariant mode), the torch path for prefills.
 
-Default: triton on CUDA; native on a CPU for float32 where the native kernels are built; torch elsewhere. On CPU
-the triton backend runs its kernels in the Triton interpreter (slow: for tests and debugging). `@triton.jit` reads TRITON_INTERPRET when it decorates, triton.language's own
-helpers included, so the backend sets it before its first import of triton, and it holds for the process; where
-triton was imported already (torch._dynamo imports it), it must come from the environment (tests/conftest.py sets
-it), and the backend says so rather than fail inside a kernel. Triton is imported only when the backend is triton:
-the torch path's startup does not pay for it.
+Default: triton on CUDA; native on a CPU for float32 where the native kernels are built; torch elsewhere. On CPU the
+triton backend runs its kernels in the Triton interpreter (slow: for tests and debugging). `@triton.jit` reads
+TRITON_INTERPRET when it decorates, triton.language's own helpers included, so the backend sets it before its first
+import of triton, and it holds for the process; where triton was imported already (torch._dynamo imports it), it must
+come from the environment (tests/conftest.py sets it), and the backend says so rather than fail inside a kernel.
+Triton is imported only when the backend is triton: the torch path's startup does not pay for it.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ copy; a weight shared with the embedding keeps its own storage, see `keep_weight
 nothing changes.
 With the native kernels (gpu/native: the default where built; `--cpu-kernels torch` turns them off) the oneDNN copy
 gives way to theirs: up to NATIVE_ROWS rows (decode, verification, small prefill chunks; every row count in
-batch-invariant mode: `make_invariant`) every row's result is the same bits whatever the batch around it, at
-1.07-1.3x torch's best speed (AMD EPYC, AVX2: docs/PERFORMANCE.md); more rows take the [in, out] copy. gpu/quant.py keeps its dequantized weights in one of these
-layouts through the same functions (`onednn_pack`, `onednn_linear`, `transposed_linear`).
+batch-invariant mode: `make_invariant`) every row's result is the same bits whatever the batch around it, at 1.07-1.3x
+torch's best speed (AMD EPYC, AVX2: docs/PERFORMANCE.md); more rows take the [in, out] copy. gpu/quant.py keeps its
+dequantized weights in one of these layouts through the same functions (`onednn_pack`, `onednn_linear`,
+`transposed_linear`).
 """
 
 from __future__ import annotations
