@@ -12,7 +12,7 @@ own arrays, and `finish(meta, plans, uploaded)` attaches the uploaded tensors to
 - triton (gpu/kernels/triton_attention.py): paged attention reading K/V through the block table; it needs nothing
   beyond the common metadata (query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len).
 - native (gpu/attention_native.py): CPU, float32: gpu/native's batch-invariant kernel for short rows (every row in
-  batch-invariant mode), the torch path for prefills.
+  batch-invariant mode), the torch path for prefills; the native kernel set (gpu/native/kernels.py).
 
 Default: triton on CUDA; native on a CPU for float32 where the native kernels are built; torch elsewhere. On CPU the
 triton backend runs its kernels in the Triton interpreter (slow: for tests and debugging). `@triton.jit` reads
@@ -39,7 +39,7 @@ BackendName = Literal["torch", "triton", "native"]
 
 
 class AttentionBackend(Protocol):
-    kernels: object  # gpu/layers/kernels.py: TorchKernels or TritonKernels
+    kernels: object  # gpu/layers/kernels.py: TorchKernels, TritonKernels or NativeKernels
 
     def plan(self, query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray, block_tables) -> list:
         """The step's host-side plans: objects with an `arrays` dict of numpy arrays to upload."""

@@ -6,7 +6,8 @@ It takes the rows of at most SHORT_ROW queries (decode, speculative verification
 1.05-6.6x the torch path's speed (no gather, no padding to the longest row); longer rows (prefills) go to the torch
 path's padded segments, whose blocked SDPA is up to 1.7x faster there at long contexts (docs/PERFORMANCE.md). In
 batch-invariant mode (`invariant`) it takes every row, so that a token's result cannot depend on the path its row
-was sent down.
+was sent down. Its kernel set is the native one (gpu/native/kernels.py): RMSNorm, rotary + cache write and
+act-and-mul as one native op each.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from gpu.attention import AttentionMetadata, TorchAttention, paged_attention, plan_segments
+from gpu.native.kernels import NativeKernels
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's limits: query heads a KV head, head dim (attention.cpp)
 SHORT_ROW = 8  # queries: the native kernel's rows (measured at 1,024 keys: 1.05x torch's at 8 queries, 0.72x at 16)
@@ -35,6 +37,7 @@ class NativeAttention(TorchAttention):
     def __init__(self, ops, block_size: int, invariant: bool = False) -> None:
         super().__init__(torch.device("cpu"), torch.float32, block_size)
         self.ops, self.short_row = ops, None if invariant else SHORT_ROW
+        self.kernels = NativeKernels(ops)
 
     @staticmethod
     def holds(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -4,7 +4,7 @@ in the same run on the same device, model, batch and lengths.
 
     python scripts/bench_step.py [--model DIR] [--device cuda] [--dtype auto] [--batches 1 16 64] [--steps 32]
                                  [--prompt-len 128] [--no-hf] [--cpu-kernels torch|native] [--batch-invariant]
-                                 [--json FILE]
+                                 [--attention-backend torch|triton|native] [--quantization int8|int4] [--json FILE]
 
 For each batch B: B random prompts of --prompt-len tokens prefilled in one step, then --steps decode steps through
 `ModelRunner.execute` (greedy ids fed back; each step synchronised, wall time; median). Modes: "eager" (the dynamic
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", default=None, choices=["torch", "native"])
     ap.add_argument("--batch-invariant", action="store_true", help="the runner in batch-invariant mode")
     ap.add_argument("--attention-backend", default=None, choices=["torch", "triton", "native"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="CPU weight-only quantization")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else resolve_model(None).path
@@ -142,7 +143,7 @@ def main() -> None:
             config, device, args.dtype, num_blocks=biggest * per_row, max_num_seqs=biggest,
             max_num_batched_tokens=biggest * args.prompt_len, decode_graphs="capture" if mode == "graphs" else "off",
             cpu_kernels=args.cpu_kernels, batch_invariant=args.batch_invariant,
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, quantization=args.quantization,
         )  # fmt: skip
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         for b in args.batches:

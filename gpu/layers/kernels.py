@@ -1,13 +1,15 @@
 """The decoder's small steps as a kernel set, chosen with the attention backend (gpu/attention_backend.py) and handed
 to every layer at load (gpu/weights.py): each layer calls `self.kernels.<step>` and never asks which set it has.
 
-| step                                        | TorchKernels (this module: the reference)     | TritonKernels        |
-|---------------------------------------------|-----------------------------------------------|----------------------|
-| rms_norm(x, residual, weight, eps, offset)  | residual + x, then HF's RMSNorm of the sum    | one kernel           |
-| rope_and_write_kv(q, k, v, cos, sin, kv, s) | apply_rope on q and k, write_kv                | one kernel           |
-| act_and_mul(x, act)                         | act(gate) * up of a fused gate_up output       | one kernel           |
+| step                                        | TorchKernels (this module: the reference)     | TritonKernels | NativeKernels |
+|---------------------------------------------|-----------------------------------------------|---------------|---------------|
+| rms_norm(x, residual, weight, eps, offset)  | residual + x, then HF's RMSNorm of the sum    | one kernel    | one op        |
+| rope_and_write_kv(q, k, v, cos, sin, kv, s) | apply_rope on q and k, write_kv                | one kernel    | one op        |
+| act_and_mul(x, act)                         | act(gate) * up of a fused gate_up output       | one kernel    | one op        |
 
-Each Triton kernel equals its torch step here, with its rounding order in bf16/fp16 (gpu/kernels/triton_fused.py).
+Each Triton kernel equals its torch step here, with its rounding order in bf16/fp16 (gpu/kernels/triton_fused.py);
+the native set (gpu/native/kernels.py: CPU, float32, the native attention backend's) equals it up to float32
+rounding, each row alone in a fixed order.
 
 RMSNorm, as HF transformers computes it for each family: Llama style (offset 0) normalised in float32, cast back,
 then scaled by the weight in the model's dtype; Gemma style (offset 1) scales by (1 + w) in float32 before the cast.

@@ -7,7 +7,8 @@
 // Each output element is one fused multiply-add chain over i = 0, 1, ..., in - 1 from 0, then + bias: its rounding
 // depends on nothing but its own row and column (not on the other rows, the tile or group a row falls in, the
 // thread that runs its panel, nor the ISA: AVX2 and AVX-512 chains are the same IEEE fmas), which is what makes a
-// row's logits identical in any batch. Threads split the panels, a group of them each.
+// row's logits identical in any batch. Threads split the panels evenly (a memory-bound GEMV is as slow as its
+// busiest thread).
 //
 // Built twice by gpu/native/build.py, with -mavx2 -mfma (namespace sluice_avx2) and with -mavx512f (sluice_avx512);
 // gpu/native/__init__.py loads the one the CPU runs.
@@ -114,24 +115,23 @@ void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
-  at::parallel_for(0, (panels + GROUP - 1) / GROUP, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {  // (an even share of the panels a thread)
     std::vector<float> sums(rows * PANEL);  // (the rows' partial sums of one panel)
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t first = q * GROUP, last = std::min(panels, first + GROUP);
-      if (rows == 1 && last - first == GROUP && last * PANEL <= out) {
-        row_group(xp, wp + first * in * PANEL, in, bp ? bp + first * PANEL : nullptr, yp + first * PANEL);
+    for (int64_t p = begin; p < end;) {
+      const int64_t col = p * PANEL;
+      if (rows == 1 && p + GROUP <= end && col + GROUP * PANEL <= out) {
+        row_group(xp, wp + p * in * PANEL, in, bp ? bp + col : nullptr, yp + col);
+        p += GROUP;
         continue;
       }
-      for (int64_t p = first; p < last; ++p) {
-        const int64_t col = p * PANEL;
-        std::fill(sums.begin(), sums.end(), 0.0f);
-        for (int64_t k0 = 0; k0 < in; k0 += KBLOCK)
-          for (int64_t r = 0; r < rows; r += TILE)
-            TILES[std::min<int64_t>(TILE, rows - r)](xp + r * ldx, ldx, wp + p * in * PANEL, k0,
-                                                     std::min(in, k0 + KBLOCK), sums.data() + r * PANEL);
-        for (int64_t r = 0; r < rows; ++r)
-          finish(sums.data() + r * PANEL, bp ? bp + col : nullptr, yp + r * ldy + col, std::min(PANEL, out - col));
-      }
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      for (int64_t k0 = 0; k0 < in; k0 += KBLOCK)
+        for (int64_t r = 0; r < rows; r += TILE)
+          TILES[std::min<int64_t>(TILE, rows - r)](xp + r * ldx, ldx, wp + p * in * PANEL, k0, std::min(in, k0 + KBLOCK),
+                                                   sums.data() + r * PANEL);
+      for (int64_t r = 0; r < rows; ++r)
+        finish(sums.data() + r * PANEL, bp ? bp + col : nullptr, yp + r * ldy + col, std::min(PANEL, out - col));
+      ++p;
     }
   });
 }

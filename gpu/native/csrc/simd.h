@@ -42,6 +42,14 @@ inline V16 pow2_16(V16 n) {  // 2^n for integral n in [-126, 127]
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
 }
 inline __m256 half8(V16 a, int hi) { return hi ? _mm512_extractf32x8_ps(a.v, 1) : _mm512_castps512_ps256(a.v); }
+inline void store16(float* p, V16 a, int n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), a.v); }
+inline V16 div16(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V16 neg_abs16(V16 a) {  // -|a|: the sign bit set
+  return {_mm512_castsi512_ps(_mm512_or_epi32(_mm512_castps_si512(a.v), _mm512_set1_epi32(INT32_MIN)))};
+}
+inline V16 select_ge0_16(V16 z, V16 a, V16 b) {  // a where z >= 0, else b
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(z.v, _mm512_setzero_ps(), _CMP_GE_OQ), b.v, a.v)};
+}
 #else
 using Vec = __m256;
 constexpr int64_t LANES = 8;
@@ -79,6 +87,20 @@ inline __m256 pow2_8(__m256 n) {
 }
 inline V16 pow2_16(V16 n) { return {pow2_8(n.lo), pow2_8(n.hi)}; }
 inline __m256 half8(V16 a, int hi) { return hi ? a.hi : a.lo; }
+inline void store16(float* p, V16 a, int n) {
+  _mm256_maskstore_ps(p, _mm256_castps_si256(mask8(n)), a.lo);
+  if (n > 8) _mm256_maskstore_ps(p + 8, _mm256_castps_si256(mask8(n - 8)), a.hi);
+}
+inline V16 div16(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V16 neg_abs16(V16 a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_or_ps(a.lo, sign), _mm256_or_ps(a.hi, sign)};
+}
+inline V16 select_ge0_16(V16 z, V16 a, V16 b) {
+  const __m256 zero = _mm256_setzero_ps();
+  return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(z.lo, zero, _CMP_GE_OQ)),
+          _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(z.hi, zero, _CMP_GE_OQ))};
+}
 #endif
 
 // The sum of the 16 lanes by one tree on both ISAs: lane i + lane i+8, then i + i+4, i + i+2, i + i+1.
@@ -107,6 +129,12 @@ inline V16 exp16(V16 x) {
   V16 p = set16(1.0f / 720);
   for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = fma16(p, r, set16(c));
   return mul16(p, pow2_16(n));
+}
+
+// 1 / (1 + e^-z) lane by lane, by exp16 of -|z| only (never overflows): e^-|z| / (1 + e^-|z|) where z < 0.
+inline V16 sigmoid16(V16 z) {
+  const V16 t = exp16(neg_abs16(z)), one = set16(1.0f);
+  return div16(select_ge0_16(z, one, t), add16(one, t));
 }
 
 }  // namespace simd
