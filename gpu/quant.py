@@ -2,8 +2,9 @@
 decoded token, which is what a step of few rows waits on.
 
 - int8: symmetric, one scale per output channel; torch's `_weight_int8pack_mm` (bfloat16 activations).
-- int4: asymmetric, a scale and a zero point per group of GROUP input channels; torch's
-  `_weight_int4pack_mm_for_cpu` (bfloat16 activations).
+- int4: asymmetric, a scale and a zero point per group of GROUP input channels; the native kernel where built
+  (gpu/native/csrc/quant.cpp: activations quantized to int8 per row and group, llama.cpp's Q4 x Q8 scheme, integer
+  dot products; 1.2-1.6x torch's at 1-8 rows), else torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations).
 
 How many rows a call has picks the path (state x event, per call):
 
@@ -46,9 +47,10 @@ KERNEL_ROWS: dict[str, int] = {"int8": 8, "int4": 16 if torch.backends.cpu.get_c
 class QuantLinear(nn.Module):
     """A linear layer holding its quantized weight, and that weight dequantized once in one float32 layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization, native_ops=None):
         super().__init__()
         self.mode, self.out_features, self.in_features = mode, *weight.shape
+        self.native = native_ops if mode == "int4" else None
         self.bias = bias
         w = weight.detach().float()
         if mode == "int8":
@@ -64,9 +66,13 @@ class QuantLinear(nn.Module):
             scale = ((hi - lo) / 15).clamp(min=1e-12)
             q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32)
             zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
             scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
-            self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]
+            if self.native is not None:  # byte j of a group: q[j] | q[j + 16] << 4; (scale, zero) [out, groups, 2]
+                self.qweight = (q[..., :16] | q[..., 16:] << 4).to(torch.uint8).view(self.out_features, -1)
+                self.scales = torch.cat([scale, zero], -1).contiguous()
+            else:
+                self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
+                self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]
             dense = ((q - 8) * scale.float() + zero.float()).view(self.out_features, self.in_features)
         self.packed = onednn_pack(dense)  # for calls of more than KERNEL_ROWS rows
         self.weight_t = dense.t().contiguous() if self.packed is None else None
@@ -83,16 +89,20 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T by torch's quantized kernel ([rows, in] float32 in, float32 out)."""
+        """x @ W^T by the quantized kernel ([rows, in] float32 in, float32 out): the native one (int8 activations)
+        where given, else torch's (bfloat16 activations)."""
+        if self.native is not None:
+            return self.native.int4_linear(x.contiguous(), self.qweight, self.scales, None)
         xb = x.to(torch.bfloat16)
         if self.mode == "int8":
             return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales).float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, GROUP, self.scales).float()
 
 
-def quantize_model(model: nn.Module, mode: Quantization) -> None:
-    """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place."""
+def quantize_model(model: nn.Module, mode: Quantization, native_ops=None) -> None:
+    """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place; int4
+    layers run the native kernel where `native_ops` are given (gpu/native)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, QuantLinear(child.weight, child.bias, mode))
+                setattr(module, name, QuantLinear(child.weight, child.bias, mode, native_ops))

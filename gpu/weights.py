@@ -94,7 +94,7 @@ def load_model(
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
     attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set goes to every layer;
     `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the native kernels where
-    built (gpu/native); "torch": torch's.
+    built (gpu/native), int4 layers' few-row calls too; "torch": torch's.
     Once loaded, q/k/v and gate/up weights are stacked into one each."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
@@ -127,13 +127,13 @@ def load_model(
     for module in list(model.modules()):  # q/k/v and gate/up stacked: one GEMM each (scripts/bench_layouts.py)
         if hasattr(module, "fuse"):
             module.fuse()
-    if quantization:
-        if cpu_kernels == "native":
-            log.warning("--cpu-kernels native is for float32 weights: the %s layers use torch's", quantization)
-        quantize_model(model, quantization)
-        return model
     cpu = device.type == "cpu" and dtype == torch.float32
     ops = native.ops() if cpu and cpu_kernels != "torch" else None
+    if quantization:
+        if quantization == "int8" and cpu_kernels == "native":
+            log.warning("--cpu-kernels native has no int8 kernel: the int8 layers use torch's")
+        quantize_model(model, quantization, ops)
+        return model
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings, native_ops=ops)

@@ -7,8 +7,9 @@ computed here, never the code's own dequantization:
 - the documented scheme, dequantized in this file in float64 (int8: round(w / s) * bf16(s), s = max|w| / 127 per
   output channel; int4: per group of 32, (q - 8) * bf16(scale) + bf16(lo + 8 * scale), q = round((w - lo) / scale)),
   within the path's own arithmetic: float32 GEMM above KERNEL_ROWS; bfloat16 activations and outputs (8
-  significant bits: a relative error of at most 2^-8 each) for the kernel. Tight: a misplaced nibble or a missing
-  zero point is off by far more.
+  significant bits: a relative error of at most 2^-8 each) for torch's kernel; int8 activations per row and group
+  of 32 (each off by at most half a step, max|x| / 254 of its group) for the native int4 kernel. Tight: a misplaced
+  nibble or a missing zero point is off by far more.
 A quantized engine serves end to end with greedy output close to the float32 one."""
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from torch.profiler import ProfilerActivity, profile
 
 from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
-from gpu import quant
+from gpu import native, quant
 from gpu.config import ModelConfig
 from gpu.quant import GROUP, KERNEL_ROWS, QuantLinear
 from gpu.runner import ModelRunner
 from messages.sampling_params import SamplingParams
 
-MODES = ["int8", "int4"]
+MODES = ["int8", "int4"]  # (served: int4 on the native kernel where built)
+NATIVE = pytest.mark.skipif(native.ops() is None, reason="the native kernels are not built for this CPU")
+LAYERS = [*MODES, pytest.param("int4-native", marks=NATIVE)]  # layers: int4 on torch's kernel, and on the native one
 BF16 = 2.0**-8  # bfloat16's relative rounding error bound
 
 
@@ -47,25 +50,34 @@ def scheme(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     return deq.view(w.shape), s.expand_as(g).reshape(w.shape).double()
 
 
+def layer(w: torch.Tensor, bias: torch.Tensor | None, mode: str) -> QuantLinear:
+    """mode "int8", "int4" (torch's kernels) or "int4-native"."""
+    return QuantLinear(w, bias, mode.removesuffix("-native"), native.ops() if mode.endswith("native") else None)
+
+
 def rows_cases(mode: str) -> list[int]:
-    k = KERNEL_ROWS[mode]
-    return [1, k, k + 1, 2 * k + 3]
+    k = KERNEL_ROWS[mode.removesuffix("-native")]
+    return [1, 3, k, k + 1, 2 * k + 3]
 
 
 def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, rows: int, mode: str) -> torch.Tensor:
-    """The kernel path's bound for bfloat16 activations and outputs; zero above KERNEL_ROWS (float32 throughout)."""
-    if rows > KERNEL_ROWS[mode]:
+    """The kernel path's bound: bfloat16 activations and outputs (torch's), or int8 activations per group of GROUP
+    (native); zero above KERNEL_ROWS (float32 throughout)."""
+    if rows > KERNEL_ROWS[mode.removesuffix("-native")]:
         return torch.zeros(())
+    if mode.endswith("native"):
+        amax = x.abs().view(rows, -1, GROUP).amax(-1, keepdim=True).expand(rows, -1, GROUP).reshape(x.shape)
+        return (amax.double() / 254 * (1 + 1e-5)) @ wq.abs().t()
     return BF16 * (x.abs().double() @ wq.abs().t()) * (2 + BF16)
 
 
 @pytest.mark.parametrize("onednn", [True, False])  # False: the [in, out] copy, where oneDNN is missing
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LAYERS)
 def test_every_path_matches_the_scheme_and_float32(mode, onednn, monkeypatch):
     if not onednn:
         monkeypatch.setattr(quant, "onednn_pack", lambda weight: None)
     w, bias = weight(), torch.randn(96, generator=torch.Generator().manual_seed(2))
-    q = QuantLinear(w, bias, mode)
+    q = layer(w, bias, mode)
     wq, step = scheme(w, mode)
     assert ((wq - w.double()).abs() <= step).all()
     for rows in rows_cases(mode):
@@ -81,9 +93,9 @@ def test_every_path_matches_the_scheme_and_float32(mode, onednn, monkeypatch):
         assert to_float.max() > 1e-3  # it is quantized
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LAYERS)
 def test_leading_dimensions_are_kept(mode):
-    q, k = QuantLinear(weight(), None, mode), KERNEL_ROWS[mode]
+    q, k = layer(weight(), None, mode), KERNEL_ROWS[mode.removesuffix("-native")]
     x = torch.randn(2, k, 128, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(q(x), q(x.reshape(2 * k, 128)).view(2, k, 96), rtol=0, atol=0)
     torch.testing.assert_close(q(x[1:, :1]), q(x[1, :1]).view(1, 1, 96), rtol=0, atol=0)

@@ -1,0 +1,129 @@
+// int4 linear layers for CPU (`--quantization int4`, gpu/quant.py), llama.cpp's Q4 x Q8 scheme: weights in groups
+// of 32 input channels, w = (q - 8) s + z with q in 0..15 and s, z bfloat16 per (column, group); activations
+// quantized per row and group on the fly, x ~ d a with d = max|x| / 127 and a = round(x / d) in -127..127. A group's
+// dot product is then d (s sum(q a) + (z - 8 s) sum(a)): sum(q a) exact in integers (maddubs: u8 x s8 pairs to
+// int16, then pairs to int32), the rest float32.
+//
+// qweight [out, in / 2] bytes: group g of column o at o * in / 2 + 16 g, byte j = q[j] | q[j + 16] << 4.
+// scales [out, in / 32, 2] bfloat16: (s, z). The same 256-bit code in both ISAs' builds, each column's float sums
+// in one fixed order (even and odd groups' in turn, eight lanes each, then their sum and one tree), each row quantized alone: a row's result is the
+// same bits in any batch and on either build. Threads split the columns evenly.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#ifndef SLUICE_NS
+#error "SLUICE_NS names the op namespace of this ISA's build"
+#endif
+
+namespace {
+
+constexpr int64_t QG = 32;  // inputs per group
+constexpr int64_t RT = 4;  // rows per pass over a column's weights
+
+inline float bf16(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float hsum8(__m256 v) {  // lanes i + i+4, then i + i+2, then i + i+1
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// One row's groups quantized: a (int8, in), d[g] (the scale), c[g] = d sum(a) of the group.
+void quantize_row(const float* x, int64_t in, int8_t* a, float* d, float* c) {
+  for (int64_t g = 0; g < in / QG; ++g) {
+    const float* xg = x + g * QG;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < QG; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < QG; ++i) {
+      const int32_t q = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(xg[i] * inv))));
+      a[g * QG + i] = static_cast<int8_t>(q), sum += q;
+    }
+    d[g] = scale, c[g] = scale * static_cast<float>(sum);
+  }
+}
+
+// Group g of one column into R rows' accumulators (acc, mins: R each).
+template <int R>
+inline void group(const uint8_t* w, const uint16_t* sz, int64_t g, int64_t groups, const int8_t* a, const float* d,
+                  const float* c, __m256* acc, float* mins) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+  const float s = bf16(sz[2 * g]), m = bf16(sz[2 * g + 1]) - 8.0f * s;  // (8 s exact: m rounds once)
+  for (int r = 0; r < R; ++r) {
+    const __m256i ar = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * groups * QG + g * QG));
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, ar), _mm256_set1_epi16(1));  // (<= 3810: exact)
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * d[r * groups + g]), acc[r]);
+    mins[r] = std::fma(m, c[r * groups + g], mins[r]);
+  }
+}
+
+// R rows (quantized: a, d, c, each row `in` / `groups` apart) times column o: y[r * ldy] = the dot + bias. Even and
+// odd groups go to two accumulators a row (two fma chains; explicit, so that they stay in registers).
+template <int R>
+void column(const uint8_t* w, const uint16_t* sz, int64_t groups, const int8_t* a, const float* d, const float* c,
+            float bias, float* y, int64_t ldy) {
+  __m256 even[R], odd[R];
+  float even_mins[R], odd_mins[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps(), even_mins[r] = odd_mins[r] = 0.0f;
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    group<R>(w, sz, g, groups, a, d, c, even, even_mins);
+    group<R>(w, sz, g + 1, groups, a, d, c, odd, odd_mins);
+  }
+  if (g < groups) group<R>(w, sz, g, groups, a, d, c, even, even_mins);
+  for (int r = 0; r < R; ++r)
+    y[r * ldy] = (hsum8(_mm256_add_ps(even[r], odd[r])) + (even_mins[r] + odd_mins[r])) + bias;
+}
+
+using ColumnFn = decltype(&column<1>);
+constexpr ColumnFn COLUMNS[RT + 1] = {nullptr, column<1>, column<2>, column<3>, column<4>};
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int4_linear: contiguous float32 x");
+  const int64_t rows = x.size(0), in = x.size(1), out = qweight.size(0), groups = in / QG;
+  TORCH_CHECK(in % QG == 0 && qweight.dim() == 2 && qweight.size(1) == in / 2 && qweight.scalar_type() == at::kByte &&
+                  qweight.is_contiguous(), "int4_linear: uint8 qweight [out, in / 2], in a multiple of 32");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == out && scales.size(1) == groups && scales.size(2) == 2 &&
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "int4_linear: bf16 scales [out, in / 32, 2]");
+  TORCH_CHECK(!bias || (bias->numel() == out && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "int4_linear: float32 bias of out elements");
+  std::vector<int8_t> a(rows * in);
+  std::vector<float> d(rows * groups), c(rows * groups);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * in, in, &a[r * in], &d[r * groups], &c[r * groups]);
+  auto y = at::empty({rows, out}, x.options());
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t r = 0; r < rows; r += RT)
+        COLUMNS[std::min(RT, rows - r)](wp + o * in / 2, sp + o * groups * 2, groups, &a[r * in], &d[r * groups],
+                                         &c[r * groups], bp ? bp[o] : 0.0f, yp + r * out + o, out);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(SLUICE_NS, m) {
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) { m.impl("int4_linear", int4_linear); }
