@@ -68,9 +68,9 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["native", "torch"],
         default=_DEFAULTS.cpu_kernels,
         help="CPU float32 linear layers: torch (oneDNN/MKL) or native (Sluice's AVX2/AVX-512 kernels, built by make "
-        "setup: a row's result is the same bits in any step of up to 64 rows), and --quantization int4's few-row "
-        "calls (native: int8 activations, llama.cpp's Q4 x Q8; torch: bfloat16 activations) (default: native where "
-        "built, torch's with a warning otherwise; torch's for int8)",
+        "setup: a row's result is the same bits in any step of up to 64 rows), and --quantization's few-row calls "
+        "(native: int8 activations, llama.cpp's Q8 / Q4 x Q8; torch: bfloat16 activations) (default: native where "
+        "built, torch's with a warning otherwise)",
     )
     g.add_argument(
         "--batch-invariant",

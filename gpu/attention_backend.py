@@ -3,7 +3,7 @@ forward.
 
 A backend is what the layers call, `backend(q, kv, meta, scale, window, softcap)` -> [T, Hq, D] (gpu/weights.py
 hands it to every attention layer at load), its `kernels`, the set of small fused steps the layers call around it
-(gpu/layers/kernels.py: the torch steps, or one Triton kernel each),
+(gpu/layers/kernels.py: the torch steps, one Triton kernel each, or one native op each),
 and what the runner asks for the step's metadata: `plan(query_lens,
 seq_lens, query_start_loc, block_tables)` returns host-side plans, each with an `arrays` dict uploaded with the step's
 own arrays, and `finish(meta, plans, uploaded)` attaches the uploaded tensors to the AttentionMetadata.

@@ -1,22 +1,26 @@
 """Weight-only quantization of the linear layers on CPU (`--quantization int8|int4`): less memory to stream per
 decoded token, which is what a step of few rows waits on.
 
-- int8: symmetric, one scale per output channel; torch's `_weight_int8pack_mm` (bfloat16 activations).
-- int4: asymmetric, a scale and a zero point per group of GROUP input channels; the native kernel where built
-  (gpu/native/csrc/quant.cpp: activations quantized to int8 per row and group, llama.cpp's Q4 x Q8 scheme, integer
-  dot products; 1.2-1.6x torch's at 1-8 rows), else torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations).
+- int8: symmetric, one scale per output channel.
+- int4: asymmetric, a scale and a zero point per group of GROUP input channels.
+Few-row calls run the native kernels where built and the input width is a multiple of GROUP
+(gpu/native/csrc/quant.cpp: activations quantized to int8 per row and group, llama.cpp's Q8 / Q4 x Q8 schemes,
+integer dot products; int4 1.2-1.6x torch's at 1-8 rows), else torch's `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` (bfloat16 activations).
 
 How many rows a call has picks the path (state x event, per call):
 
 | rows of the call      | path                                                                             |
 |-----------------------|----------------------------------------------------------------------------------|
-| <= KERNEL_ROWS[mode]  | the quantized kernel on the quantized weight                                     |
+| <= kernel_rows        | the quantized kernel on the quantized weight                                     |
 | more                  | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
+
+(kernel_rows: NATIVE_ROWS on the native kernels, KERNEL_ROWS[mode] on torch's.)
 
 Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
 float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
 - The kernels re-read and re-convert the weight for every block of 4 rows: they grow linearly with rows and lose to
-  float32's pre-packed GEMM past KERNEL_ROWS.
+  float32's pre-packed GEMM past kernel_rows.
 - Dequantizing per call costs a pass over the weight plus the GEMM's own packing of the result. Whole (the former
   path): the 49152 x 576 LM head took 142 ms (int8) and 318 ms (int4) at 16 rows against float32's 18.6. Tiled
   (4 MiB dequantized at a time into a kept scratch tile, tried for this decision): still 1.3-2x float32 from 16
@@ -42,6 +46,7 @@ GROUP = 32  # int4: input channels per scale / zero point
 # calls of up to this many rows use the quantized kernel: where it beat float32 (`bench_quant.py --part layers`);
 # torch's int4 kernel for AVX-512 did up to 16 rows, its AVX2 one (ATEN_CPU_CAPABILITY=avx2) up to 8
 KERNEL_ROWS: dict[str, int] = {"int8": 8, "int4": 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8}
+NATIVE_ROWS = 8  # the native kernels' (int4 at 8 rows about float32's time on an AVX2 EPYC: docs/PERFORMANCE.md)
 
 
 class QuantLinear(nn.Module):
@@ -50,7 +55,8 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization, native_ops=None):
         super().__init__()
         self.mode, self.out_features, self.in_features = mode, *weight.shape
-        self.native = native_ops if mode == "int4" else None
+        self.native_ops = native_ops if self.in_features % GROUP == 0 else None  # (the native kernels' groups)
+        self.kernel_rows = KERNEL_ROWS[mode] if self.native_ops is None else NATIVE_ROWS
         self.bias = bias
         w = weight.detach().float()
         if mode == "int8":
@@ -67,19 +73,19 @@ class QuantLinear(nn.Module):
             q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32)
             zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
             scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
-            if self.native is not None:  # byte j of a group: q[j] | q[j + 16] << 4; (scale, zero) [out, groups, 2]
+            if self.native_ops is not None:  # byte j of a group: q[j] | q[j + 16] << 4; (scale, zero) [out, groups, 2]
                 self.qweight = (q[..., :16] | q[..., 16:] << 4).to(torch.uint8).view(self.out_features, -1)
                 self.scales = torch.cat([scale, zero], -1).contiguous()
             else:
                 self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
                 self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]
             dense = ((q - 8) * scale.float() + zero.float()).view(self.out_features, self.in_features)
-        self.packed = onednn_pack(dense)  # for calls of more than KERNEL_ROWS rows
+        self.packed = onednn_pack(dense)  # for calls of more than kernel_rows rows
         self.weight_t = dense.t().contiguous() if self.packed is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= KERNEL_ROWS[self.mode]:
+        if flat.shape[0] <= self.kernel_rows:
             y = self.kernel(flat)
             y = y if self.bias is None else y.add_(self.bias)
         elif self.packed is not None:
@@ -89,10 +95,11 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T by the quantized kernel ([rows, in] float32 in, float32 out): the native one (int8 activations)
+        """x @ W^T by the quantized kernel ([rows, in] float32 in, float32 out): the native ones (int8 activations)
         where given, else torch's (bfloat16 activations)."""
-        if self.native is not None:
-            return self.native.int4_linear(x.contiguous(), self.qweight, self.scales, None)
+        if self.native_ops is not None:
+            kernel = self.native_ops.int4_linear if self.mode == "int4" else self.native_ops.int8_linear
+            return kernel(x.contiguous(), self.qweight, self.scales, None)
         xb = x.to(torch.bfloat16)
         if self.mode == "int8":
             return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales).float()
@@ -100,8 +107,8 @@ class QuantLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, mode: Quantization, native_ops=None) -> None:
-    """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place; int4
-    layers run the native kernel where `native_ops` are given (gpu/native)."""
+    """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place; their
+    few-row calls run the native kernels where `native_ops` are given (gpu/native)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

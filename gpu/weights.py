@@ -11,7 +11,6 @@ the checkpoint's full shapes and the load reads only the shard's ranges.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -28,8 +27,6 @@ from gpu.linear import Linear
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
 from gpu.quant import GROUP, Quantization, quantize_model
-
-log = logging.getLogger("sluice.model")
 
 Load = tuple[Path, str, str, int | None]  # (file, tensor name, parameter, stacked row or None)
 
@@ -94,7 +91,7 @@ def load_model(
     int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
     attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set goes to every layer;
     `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the native kernels where
-    built (gpu/native), int4 layers' few-row calls too; "torch": torch's.
+    built (gpu/native), quantized layers' few-row calls too; "torch": torch's.
     Once loaded, q/k/v and gate/up weights are stacked into one each."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
@@ -130,8 +127,6 @@ def load_model(
     cpu = device.type == "cpu" and dtype == torch.float32
     ops = native.ops() if cpu and cpu_kernels != "torch" else None
     if quantization:
-        if quantization == "int8" and cpu_kernels == "native":
-            log.warning("--cpu-kernels native has no int8 kernel: the int8 layers use torch's")
         quantize_model(model, quantization, ops)
         return model
     for module in model.modules():

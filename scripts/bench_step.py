@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frontend.launch import resolve_model
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.config import ModelConfig
+from gpu.quant import QuantLinear
 from gpu.runner import ModelRunner, resolve_dtype
 
 BLOCK = 16
@@ -145,7 +146,9 @@ def main() -> None:
             cpu_kernels=args.cpu_kernels, batch_invariant=args.batch_invariant,
             attention_backend=args.attention_backend, quantization=args.quantization,
         )  # fmt: skip
-        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters()) + sum(
+            m.qweight.nbytes + m.scales.nbytes for m in runner.model.modules() if isinstance(m, QuantLinear)
+        )  # (a quantized layer's: what its few-row calls read)
         for b in args.batches:
             prefill, times, last = decode_steps(runner, prompts[b], args.steps)
             launches, kernels = counts(runner, last) if device.type == "cuda" else (None, None)

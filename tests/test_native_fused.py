@@ -120,7 +120,7 @@ def run_all(ops, x, residual, weight, gate_up, q, k, v, cos, sin, slots):
 def test_a_rows_results_are_the_same_bits_alone_in_any_batch_and_on_every_isa():
     from gpu.layers.rotary import RotaryEmbedding
 
-    g, n = torch.Generator().manual_seed(7), 40  # (40 x 577 floats: past the one-thread grain, the rows split)
+    g, n = torch.Generator().manual_seed(7), 120  # (120 x 577 floats: past every step's one-thread grain)
     x, residual, weight = torch.randn(n, 577, generator=g), torch.randn(n, 577, generator=g), torch.randn(577)
     gate_up = torch.randn(n, 2 * 1000, generator=g)
     q, k, v = torch.randn(n, 9, 64, generator=g), torch.randn(n, 3, 64, generator=g), torch.randn(n, 3, 64, generator=g)

@@ -1,4 +1,4 @@
-"""Weight-only quantization (gpu/quant.py). Every path (the quantized kernel for few rows; above KERNEL_ROWS the
+"""Weight-only quantization (gpu/quant.py). Every path (the quantized kernel for few rows; above kernel_rows the
 float32 GEMM on the weight dequantized at load, oneDNN's or the [in, out] copy) is checked against references
 computed here, never the code's own dequantization:
 - float32: y = x @ W^T of the original weight, within the worst case of the quantization error (each weight off by
@@ -6,9 +6,9 @@ computed here, never the code's own dequantization:
   rounding; loose, but it holds whatever the inputs;
 - the documented scheme, dequantized in this file in float64 (int8: round(w / s) * bf16(s), s = max|w| / 127 per
   output channel; int4: per group of 32, (q - 8) * bf16(scale) + bf16(lo + 8 * scale), q = round((w - lo) / scale)),
-  within the path's own arithmetic: float32 GEMM above KERNEL_ROWS; bfloat16 activations and outputs (8
+  within the path's own arithmetic: float32 GEMM above kernel_rows; bfloat16 activations and outputs (8
   significant bits: a relative error of at most 2^-8 each) for torch's kernel; int8 activations per row and group
-  of 32 (each off by at most half a step, max|x| / 254 of its group) for the native int4 kernel. Tight: a misplaced
+  of 32 (each off by at most half a step, max|x| / 254 of its group) for the native kernels. Tight: a misplaced
   nibble or a missing zero point is off by far more.
 A quantized engine serves end to end with greedy output close to the float32 one."""
 
@@ -22,13 +22,13 @@ from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
 from gpu import native, quant
 from gpu.config import ModelConfig
-from gpu.quant import GROUP, KERNEL_ROWS, QuantLinear
+from gpu.quant import GROUP, QuantLinear
 from gpu.runner import ModelRunner
 from messages.sampling_params import SamplingParams
 
-MODES = ["int8", "int4"]  # (served: int4 on the native kernel where built)
+MODES = ["int8", "int4"]  # (served: on the native kernels where built)
 NATIVE = pytest.mark.skipif(native.ops() is None, reason="the native kernels are not built for this CPU")
-LAYERS = [*MODES, pytest.param("int4-native", marks=NATIVE)]  # layers: int4 on torch's kernel, and on the native one
+LAYERS = [*MODES, *(pytest.param(f"{m}-native", marks=NATIVE) for m in MODES)]  # layers: torch's kernels, and native
 BF16 = 2.0**-8  # bfloat16's relative rounding error bound
 
 
@@ -51,40 +51,40 @@ def scheme(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def layer(w: torch.Tensor, bias: torch.Tensor | None, mode: str) -> QuantLinear:
-    """mode "int8", "int4" (torch's kernels) or "int4-native"."""
+    """mode "int8", "int4" (torch's kernels), "int8-native" or "int4-native"."""
     return QuantLinear(w, bias, mode.removesuffix("-native"), native.ops() if mode.endswith("native") else None)
 
 
-def rows_cases(mode: str) -> list[int]:
-    k = KERNEL_ROWS[mode.removesuffix("-native")]
-    return [1, 3, k, k + 1, 2 * k + 3]
+def rows_cases(q: QuantLinear) -> list[int]:
+    return [1, 3, q.kernel_rows, q.kernel_rows + 1, 2 * q.kernel_rows + 3]
 
 
-def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, rows: int, mode: str) -> torch.Tensor:
+def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, q: QuantLinear, mode: str) -> torch.Tensor:
     """The kernel path's bound: bfloat16 activations and outputs (torch's), or int8 activations per group of GROUP
-    (native); zero above KERNEL_ROWS (float32 throughout)."""
-    if rows > KERNEL_ROWS[mode.removesuffix("-native")]:
+    (native); zero above kernel_rows (float32 throughout)."""
+    if x.shape[0] > q.kernel_rows:
         return torch.zeros(())
     if mode.endswith("native"):
-        amax = x.abs().view(rows, -1, GROUP).amax(-1, keepdim=True).expand(rows, -1, GROUP).reshape(x.shape)
+        amax = x.abs().unflatten(-1, (-1, GROUP)).amax(-1, keepdim=True).expand(-1, -1, GROUP).reshape(x.shape)
         return (amax.double() / 254 * (1 + 1e-5)) @ wq.abs().t()
     return BF16 * (x.abs().double() @ wq.abs().t()) * (2 + BF16)
 
 
 @pytest.mark.parametrize("onednn", [True, False])  # False: the [in, out] copy, where oneDNN is missing
 @pytest.mark.parametrize("mode", LAYERS)
-def test_every_path_matches_the_scheme_and_float32(mode, onednn, monkeypatch):
+@pytest.mark.parametrize("inp", [128, 96])  # four groups, and three (an odd count: the native kernels' last chain)
+def test_every_path_matches_the_scheme_and_float32(mode, onednn, inp, monkeypatch):
     if not onednn:
         monkeypatch.setattr(quant, "onednn_pack", lambda weight: None)
-    w, bias = weight(), torch.randn(96, generator=torch.Generator().manual_seed(2))
+    w, bias = weight(96, inp), torch.randn(96, generator=torch.Generator().manual_seed(2))
     q = layer(w, bias, mode)
     wq, step = scheme(w, mode)
     assert ((wq - w.double()).abs() <= step).all()
-    for rows in rows_cases(mode):
-        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    for rows in rows_cases(q):
+        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
         y = q(x).double()
         slack = 1e-5 * (x.abs().double() @ wq.abs().t() + 1)  # float32 accumulation over 128 terms
-        rounding = kernel_rounding(x, wq, rows, mode)
+        rounding = kernel_rounding(x, wq, q, mode)
         to_scheme = (y - (x.double() @ wq.t() + bias.double())).abs()
         assert (to_scheme <= rounding + slack).all(), (rows, (to_scheme - rounding).max())
         to_float = (y - (x.double() @ w.double().t() + bias.double())).abs()
@@ -95,7 +95,8 @@ def test_every_path_matches_the_scheme_and_float32(mode, onednn, monkeypatch):
 
 @pytest.mark.parametrize("mode", LAYERS)
 def test_leading_dimensions_are_kept(mode):
-    q, k = layer(weight(), None, mode), KERNEL_ROWS[mode.removesuffix("-native")]
+    q = layer(weight(), None, mode)
+    k = q.kernel_rows
     x = torch.randn(2, k, 128, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(q(x), q(x.reshape(2 * k, 128)).view(2, k, 96), rtol=0, atol=0)
     torch.testing.assert_close(q(x[1:, :1]), q(x[1, :1]).view(1, 1, 96), rtol=0, atol=0)
@@ -103,10 +104,10 @@ def test_leading_dimensions_are_kept(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_many_rows_dequantize_nothing_per_call(mode):
-    """Above KERNEL_ROWS the layer multiplies by the float32 weight it dequantized once, at load: a call allocates
+    """Above kernel_rows the layer multiplies by the float32 weight it dequantized once, at load: a call allocates
     its output, nothing of the weight's size (the former path rebuilt the whole float32 weight on every call)."""
     q = QuantLinear(weight(1024, 256), None, mode)
-    x = torch.randn(KERNEL_ROWS[mode] + 1, 256)
+    x = torch.randn(q.kernel_rows + 1, 256)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         q(x)
     largest = max(abs(e.cpu_memory_usage) for e in prof.events())

@@ -40,7 +40,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "auto"
     quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
     # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/native: batch-invariant up to 64
-    # rows); None: native where built (torch's with a warning otherwise), torch's for quantized weights
+    # rows; quantized layers' few-row calls too); None: native where built (torch's with a warning otherwise)
     cpu_kernels: Literal["native", "torch"] | None = None
     # a row's logits the same bits in any step: alone, in any batch, chunked, verified, recomputed (CPU: the native
     # kernels at every row count, native attention for every row; docs/OPERATIONS.md)

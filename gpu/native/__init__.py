@@ -8,7 +8,7 @@ bias) -> y`, `linear_out(x, packed, bias, y)` (gpu/native/csrc/linear.cpp says w
 `paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, softcap) -> out`
 (gpu/native/csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (gpu/native/csrc/reduce.cpp), and the decoder's small
 steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul` (gpu/native/csrc/fused.cpp; the kernel set of
-gpu/native/kernels.py).
+gpu/native/kernels.py), and the quantized layers' `int4_linear`, `int8_linear` (gpu/native/csrc/quant.cpp).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "simd.h"
@@ -56,7 +57,8 @@ at::Tensor add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& re
   TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.scalar_type() == at::kFloat && x.stride(-1) == 1,
               "add_rms_norm: float32 x [rows, n] or [A, B, n], the last dim contiguous");
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(1, n);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == n && weight.is_contiguous(), "add_rms_norm: weight");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == n && weight.is_contiguous(),
+              "add_rms_norm: float32 weight of n elements");
   TORCH_CHECK(!residual || (residual->sizes() == x.sizes() && residual->scalar_type() == at::kFloat &&
                             residual->stride(-1) == 1), "add_rms_norm: residual shaped as x");
   auto out = at::empty(x.sizes(), x.options());

@@ -1,18 +1,21 @@
-// int4 linear layers for CPU (`--quantization int4`, gpu/quant.py), llama.cpp's Q4 x Q8 scheme: weights in groups
-// of 32 input channels, w = (q - 8) s + z with q in 0..15 and s, z bfloat16 per (column, group); activations
-// quantized per row and group on the fly, x ~ d a with d = max|x| / 127 and a = round(x / d) in -127..127. A group's
-// dot product is then d (s sum(q a) + (z - 8 s) sum(a)): sum(q a) exact in integers (maddubs: u8 x s8 pairs to
-// int16, then pairs to int32), the rest float32.
-//
-// qweight [out, in / 2] bytes: group g of column o at o * in / 2 + 16 g, byte j = q[j] | q[j + 16] << 4.
-// scales [out, in / 32, 2] bfloat16: (s, z). The same 256-bit code in both ISAs' builds, each column's float sums
-// in one fixed order (even and odd groups' in turn, eight lanes each, then their sum and one tree), each row quantized alone: a row's result is the
-// same bits in any batch and on either build. Threads split the columns evenly.
+// Quantized linear layers for CPU (`--quantization`, gpu/quant.py), llama.cpp's Q4 / Q8 x Q8 schemes: activations
+// quantized per row and group of 32 inputs on the fly, x ~ d a with d = max|x| / 127 and a = round(x / d) in
+// -127..127; products summed exactly in integers (maddubs: u8 x s8 pairs to int16, then pairs to int32), the
+// scales applied in float32.
+// - int4: w = (q - 8) s + z, q in 0..15, s and z bfloat16 per (column, group); a group's dot product is
+//   d (s sum(q a) + (z - 8 s) sum(a)). qweight [out, in / 2] bytes: group g of column o at o * in / 2 + 16 g,
+//   byte j = q[j] | q[j + 16] << 4; scales [out, in / 32, 2] bfloat16: (s, z).
+// - int8: w = q s, q in -127..127, s bfloat16 per column; y = s (the sum over groups of d sum(q a)). qweight
+//   [out, in] int8 (torch's layout), scales [out] bfloat16.
+// The same 256-bit code in both ISAs' builds, each column's float sums in one fixed order (even and odd groups' in
+// turn, eight lanes each, then their sum and one tree), each row quantized alone: a row's result is the same bits
+// in any batch and on either build. Threads split the columns evenly.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -44,8 +47,9 @@ void quantize_row(const float* x, int64_t in, int8_t* a, float* d, float* c) {
   for (int64_t g = 0; g < in / QG; ++g) {
     const float* xg = x + g * QG;
     float amax = 0.0f;
-    for (int64_t i = 0; i < QG; ++i) amax = std::max(amax, std::fabs(xg[i]));
-    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    bool nan = false;  // (a NaN input makes its group's scale NaN: the outputs NaN, as torch's kernels give)
+    for (int64_t i = 0; i < QG; ++i) amax = std::max(amax, std::fabs(xg[i])), nan |= std::isnan(xg[i]);
+    const float scale = nan ? NAN : amax / 127.0f, inv = amax > 0.0f && !nan ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
     for (int64_t i = 0; i < QG; ++i) {
       const int32_t q = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(xg[i] * inv))));
@@ -99,7 +103,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(in % QG == 0 && qweight.dim() == 2 && qweight.size(1) == in / 2 && qweight.scalar_type() == at::kByte &&
                   qweight.is_contiguous(), "int4_linear: uint8 qweight [out, in / 2], in a multiple of 32");
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == out && scales.size(1) == groups && scales.size(2) == 2 &&
-                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "int4_linear: bf16 scales [out, in / 32, 2]");
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
+              "int4_linear: bf16 scales [out, in / 32, 2]");
   TORCH_CHECK(!bias || (bias->numel() == out && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
               "int4_linear: float32 bias of out elements");
   std::vector<int8_t> a(rows * in);
@@ -120,10 +125,68 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return y;
 }
 
+// int8 (per column) weights: R rows times column o, y = s * (the sum over groups of d_g sum(q a)) + bias: |q| a's
+// sign-adjusted pairs in int16 (<= 2 x 127 x 127: exact), then as int4's: even and odd groups in two chains.
+template <int R>
+void column8(const int8_t* w, float s, int64_t groups, const int8_t* a, const float* d, float bias, float* y,
+             int64_t ldy) {
+  __m256 acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto step = [&](int64_t g, __m256* into) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * QG));
+    const __m256i mag = _mm256_sign_epi8(q, q);
+    for (int r = 0; r < R; ++r) {
+      const __m256i ar = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * groups * QG + g * QG));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(ar, q)), ones);
+      into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[r * groups + g]), into[r]);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) step(g, acc[0]), step(g + 1, acc[1]);
+  if (g < groups) step(g, acc[0]);
+  for (int r = 0; r < R; ++r) y[r * ldy] = s * hsum8(_mm256_add_ps(acc[0][r], acc[1][r])) + bias;
+}
+
+using Column8Fn = decltype(&column8<1>);
+constexpr Column8Fn COLUMNS8[RT + 1] = {nullptr, column8<1>, column8<2>, column8<3>, column8<4>};
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int8_linear: contiguous float32 x");
+  const int64_t rows = x.size(0), in = x.size(1), out = qweight.size(0), groups = in / QG;
+  TORCH_CHECK(in % QG == 0 && qweight.dim() == 2 && qweight.size(1) == in && qweight.scalar_type() == at::kChar &&
+                  qweight.is_contiguous(), "int8_linear: int8 qweight [out, in], in a multiple of 32");
+  TORCH_CHECK(scales.numel() == out && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
+              "int8_linear: bf16 scales [out]");
+  TORCH_CHECK(!bias || (bias->numel() == out && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "int8_linear: float32 bias of out elements");
+  std::vector<int8_t> a(rows * in);
+  std::vector<float> d(rows * groups), c(rows * groups);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * in, in, &a[r * in], &d[r * groups], &c[r * groups]);
+  auto y = at::empty({rows, out}, x.options());
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t r = 0; r < rows; r += RT)
+        COLUMNS8[std::min(RT, rows - r)](wp + o * in, bf16(sp[o]), groups, &a[r * in], &d[r * groups],
+                                          bp ? bp[o] : 0.0f, yp + r * out + o, out);
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(SLUICE_NS, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) { m.impl("int4_linear", int4_linear); }
+TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) {
+  m.impl("int4_linear", int4_linear);
+  m.impl("int8_linear", int8_linear);
+}
