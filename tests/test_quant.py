@@ -38,7 +38,7 @@ def weight(out: int = 96, inp: int = 128) -> torch.Tensor:
 
 def scheme(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(the dequantized weight in float64, the step: the most any weight may be off by) of the documented scheme."""
-    if mode == "int8":
+    if mode.startswith("int8"):
         s = w.abs().amax(1, keepdim=True) / 127
         q = (w / s).round().clamp(-127, 127)
         return q.double() * s.bfloat16().double(), s.expand_as(w).double()
