@@ -15,7 +15,7 @@ How many rows a call has picks the path (state x event, per call):
 | <= kernel_rows        | the quantized kernel on the quantized weight                                     |
 | more                  | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
 
-(kernel_rows: NATIVE_ROWS on the native kernels, KERNEL_ROWS[mode] on torch's.)
+(kernel_rows: NATIVE_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's.)
 
 Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
 float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
@@ -46,7 +46,9 @@ GROUP = 32  # int4: input channels per scale / zero point
 # calls of up to this many rows use the quantized kernel: where it beat float32 (`bench_quant.py --part layers`);
 # torch's int4 kernel for AVX-512 did up to 16 rows, its AVX2 one (ATEN_CPU_CAPABILITY=avx2) up to 8
 KERNEL_ROWS: dict[str, int] = {"int8": 8, "int4": 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8}
-NATIVE_ROWS = 8  # the native kernels' (int4 at 8 rows about float32's time on an AVX2 EPYC: docs/PERFORMANCE.md)
+# the native kernels' (measured against float32's native kernel on SmolLM2's layers, AVX2 EPYC: int4 1.15x at 8 rows,
+# ~1.0x at 12; int8 1.26x at 16, ~1.07x at 24: docs/PERFORMANCE.md)
+NATIVE_ROWS: dict[str, int] = {"int8": 16, "int4": 8}
 
 
 class QuantLinear(nn.Module):
@@ -56,7 +58,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.mode, self.out_features, self.in_features = mode, *weight.shape
         self.native_ops = native_ops if self.in_features % GROUP == 0 else None  # (the native kernels' groups)
-        self.kernel_rows = KERNEL_ROWS[mode] if self.native_ops is None else NATIVE_ROWS
+        self.kernel_rows = (KERNEL_ROWS if self.native_ops is None else NATIVE_ROWS)[mode]
         self.bias = bias
         w = weight.detach().float()
         if mode == "int8":
