@@ -96,33 +96,51 @@ void column(const uint8_t* w, const uint16_t* sz, int64_t groups, const int8_t* 
 using ColumnFn = decltype(&column<1>);
 constexpr ColumnFn COLUMNS[RT + 1] = {nullptr, column<1>, column<2>, column<3>, column<4>};
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int4_linear: contiguous float32 x");
-  const int64_t rows = x.size(0), in = x.size(1), out = qweight.size(0), groups = in / QG;
-  TORCH_CHECK(in % QG == 0 && qweight.dim() == 2 && qweight.size(1) == in / 2 && qweight.scalar_type() == at::kByte &&
-                  qweight.is_contiguous(), "int4_linear: uint8 qweight [out, in / 2], in a multiple of 32");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == out && scales.size(1) == groups && scales.size(2) == 2 &&
-                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
-              "int4_linear: bf16 scales [out, in / 32, 2]");
-  TORCH_CHECK(!bias || (bias->numel() == out && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              "int4_linear: float32 bias of out elements");
+// What both ops share: x's rows quantized, y made, the columns split evenly over the threads and each column's rows
+// passed in tiles of up to RT: call(o, tile, a, d, c, bias, y, ldy) computes column o of `tile` rows.
+template <class Call>
+at::Tensor quantized_linear(const char* op, const at::Tensor& x, int64_t out, const c10::optional<at::Tensor>& bias,
+                            Call call) {
+  const int64_t rows = x.size(0), in = x.size(1), groups = in / QG;
+  TORCH_CHECK(!bias || (bias->numel() == out && bias->scalar_type() == at::kFloat && bias->is_contiguous()), op,
+              ": float32 bias of out elements");
   std::vector<int8_t> a(rows * in);
   std::vector<float> d(rows * groups), c(rows * groups);
   const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * in, in, &a[r * in], &d[r * groups], &c[r * groups]);
   auto y = at::empty({rows, out}, x.options());
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t r = 0; r < rows; r += RT)
-        COLUMNS[std::min(RT, rows - r)](wp + o * in / 2, sp + o * groups * 2, groups, &a[r * in], &d[r * groups],
-                                         &c[r * groups], bp ? bp[o] : 0.0f, yp + r * out + o, out);
+        call(o, std::min(RT, rows - r), &a[r * in], &d[r * groups], &c[r * groups], bp ? bp[o] : 0.0f,
+             yp + r * out + o, out);
   });
   return y;
+}
+
+inline void check_x(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % QG == 0, op,
+              ": contiguous float32 x [rows, in], in a multiple of 32");
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias) {
+  check_x("int4_linear", x);
+  const int64_t in = x.size(1), out = qweight.size(0), groups = in / QG;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == in / 2 && qweight.scalar_type() == at::kByte &&
+                  qweight.is_contiguous(), "int4_linear: uint8 qweight [out, in / 2]");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == out && scales.size(1) == groups && scales.size(2) == 2 &&
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
+              "int4_linear: bf16 scales [out, in / 32, 2]");
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  return quantized_linear("int4_linear", x, out, bias,
+                          [&](int64_t o, int64_t tile, const int8_t* a, const float* d, const float* c, float b,
+                              float* y, int64_t ldy) {
+                            COLUMNS[tile](wp + o * in / 2, sp + o * groups * 2, groups, a, d, c, b, y, ldy);
+                          });
 }
 
 // int8 (per column) weights: R rows times column o, y = s * (the sum over groups of d_g sum(q a)) + bias: |q| a's
@@ -153,30 +171,17 @@ constexpr Column8Fn COLUMNS8[RT + 1] = {nullptr, column8<1>, column8<2>, column8
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int8_linear: contiguous float32 x");
-  const int64_t rows = x.size(0), in = x.size(1), out = qweight.size(0), groups = in / QG;
-  TORCH_CHECK(in % QG == 0 && qweight.dim() == 2 && qweight.size(1) == in && qweight.scalar_type() == at::kChar &&
-                  qweight.is_contiguous(), "int8_linear: int8 qweight [out, in], in a multiple of 32");
+  check_x("int8_linear", x);
+  const int64_t in = x.size(1), out = qweight.size(0), groups = in / QG;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == in && qweight.scalar_type() == at::kChar &&
+                  qweight.is_contiguous(), "int8_linear: int8 qweight [out, in]");
   TORCH_CHECK(scales.numel() == out && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
               "int8_linear: bf16 scales [out]");
-  TORCH_CHECK(!bias || (bias->numel() == out && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              "int8_linear: float32 bias of out elements");
-  std::vector<int8_t> a(rows * in);
-  std::vector<float> d(rows * groups), c(rows * groups);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * in, in, &a[r * in], &d[r * groups], &c[r * groups]);
-  auto y = at::empty({rows, out}, x.options());
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o)
-      for (int64_t r = 0; r < rows; r += RT)
-        COLUMNS8[std::min(RT, rows - r)](wp + o * in, bf16(sp[o]), groups, &a[r * in], &d[r * groups],
-                                          bp ? bp[o] : 0.0f, yp + r * out + o, out);
-  });
-  return y;
+  return quantized_linear("int8_linear", x, out, bias,
+                          [&](int64_t o, int64_t tile, const int8_t* a, const float* d, const float*, float b, float* y,
+                              int64_t ldy) { COLUMNS8[tile](wp + o * in, bf16(sp[o]), groups, a, d, b, y, ldy); });
 }
 
 }  // namespace
