@@ -15,7 +15,8 @@ How many rows a call has picks the path (state x event, per call):
 | <= kernel_rows        | the quantized kernel on the quantized weight                                     |
 | more                  | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
 
-(kernel_rows: NATIVE_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's.)
+(kernel_rows: NATIVE_KERNEL_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's; the float32 GEMM is
+the native one too where the native kernels are, as a float32 model's.)
 
 Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
 float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
@@ -42,13 +43,13 @@ from torch import nn
 from gpu.linear import onednn_linear, onednn_pack, transposed_linear
 
 Quantization = Literal["int8", "int4"]
-GROUP = 32  # int4: input channels per scale / zero point
+GROUP = 32  # input channels per scale / zero point (int4), per activation scale (the native kernels)
 # calls of up to this many rows use the quantized kernel: where it beat float32 (`bench_quant.py --part layers`);
 # torch's int4 kernel for AVX-512 did up to 16 rows, its AVX2 one (ATEN_CPU_CAPABILITY=avx2) up to 8
 KERNEL_ROWS: dict[str, int] = {"int8": 8, "int4": 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8}
-# the native kernels' (measured against float32's native kernel on SmolLM2's layers, AVX2 EPYC: int4 1.15x at 8 rows,
+# the native kernels' (measured against float32's native kernel on SmolLM2's layers, AVX2 EPYC: int4 1.17x at 8 rows,
 # ~1.0x at 12; int8 1.26x at 16, ~1.07x at 24: docs/PERFORMANCE.md)
-NATIVE_ROWS: dict[str, int] = {"int8": 16, "int4": 8}
+NATIVE_KERNEL_ROWS: dict[str, int] = {"int8": 16, "int4": 8}
 
 
 class QuantLinear(nn.Module):
@@ -58,7 +59,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.mode, self.out_features, self.in_features = mode, *weight.shape
         self.native_ops = native_ops if self.in_features % GROUP == 0 else None  # (the native kernels' groups)
-        self.kernel_rows = (KERNEL_ROWS if self.native_ops is None else NATIVE_ROWS)[mode]
+        self.kernel_rows = (KERNEL_ROWS if self.native_ops is None else NATIVE_KERNEL_ROWS)[mode]
         self.bias = bias
         w = weight.detach().float()
         if mode == "int8":
@@ -82,14 +83,18 @@ class QuantLinear(nn.Module):
                 self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
                 self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]
             dense = ((q - 8) * scale.float() + zero.float()).view(self.out_features, self.in_features)
-        self.packed = onednn_pack(dense)  # for calls of more than kernel_rows rows
-        self.weight_t = dense.t().contiguous() if self.packed is None else None
+        # for calls of more than kernel_rows rows: the native float32 kernel's panels, else oneDNN's or [in, out]
+        self.native = native_ops.pack(dense) if self.native_ops is not None else None
+        self.packed = onednn_pack(dense) if self.native is None else None
+        self.weight_t = dense.t().contiguous() if self.native is None and self.packed is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= self.kernel_rows:
             y = self.kernel(flat)
             y = y if self.bias is None else y.add_(self.bias)
+        elif self.native is not None:
+            y = self.native_ops.linear(flat.contiguous(), self.native, self.out_features, self.bias)
         elif self.packed is not None:
             y = onednn_linear(flat, self.packed, self.bias)
         else:

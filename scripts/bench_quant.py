@@ -11,7 +11,7 @@ served:  the real engine (AsyncLLM, engine threads as `sluice serve` sets them u
 layers:  the real model's linear layers in model order (30 x q k v o gate up down, then the LM head), each called
          on `rows` rows, swept 3 times (the first discarded), so weights come from memory as in a step: ms per
          sweep for float32 (gpu/linear.py), and for each mode its quantized kernel and its forward (gpu/quant.py:
-         the kernel up to KERNEL_ROWS[mode] rows, the float32 GEMM on the dequantized weight above). One torch
+         the kernel up to each layer's kernel_rows, the float32 GEMM on the dequantized weight above). One torch
          thread unless --threads, timed in this process's CPU time, which other processes' load inflates far less
          than wall time (with more threads CPU time counts their spinning too: compare on a quiet machine).
 quality: one ~300-token English text fed as a prompt with prompt_logprobs, so every position's next-token
@@ -39,7 +39,7 @@ from frontend.offline import AsyncLLM
 from gpu.config import ModelConfig
 from gpu.convert import default_model_dir
 from gpu.linear import Linear
-from gpu.quant import KERNEL_ROWS, QuantLinear
+from gpu.quant import QuantLinear
 from gpu.weights import load_model
 from messages.sampling_params import SamplingParams
 
@@ -118,6 +118,7 @@ def layers(model_dir: Path, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads or 1)
     config = ModelConfig.from_path(model_dir)
     columns: dict[str, list] = {}
+    kernel_rows: dict[str, int] = {}
     for kind in ["float32", *args.modes]:
         model = load_model(config, torch.device("cpu"), torch.float32, KINDS[kind])
         mods = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
@@ -126,9 +127,10 @@ def layers(model_dir: Path, args: argparse.Namespace) -> None:
         else:
             columns[f"{kind} kernel"] = [(m.in_features, m.kernel) for m in mods]
             columns[kind] = [(m.in_features, m) for m in mods]
+            kernel_rows[kind] = mods[0].kernel_rows
         del model
     print(f"CPU ms per sweep of the {len(columns['float32'])} linear layers ({torch.get_num_threads()} threads); "
-          f"forward: kernel up to {KERNEL_ROWS} rows")  # fmt: skip
+          f"forward: kernel up to {kernel_rows} rows")  # fmt: skip
     print(f"{'rows':>5s} " + " ".join(f"{name:>12s}" for name in columns) + "  load")
     for rows in args.rows:
         cells = [sweep(calls, rows) for calls in columns.values()]

@@ -146,9 +146,12 @@ def main() -> None:
             cpu_kernels=args.cpu_kernels, batch_invariant=args.batch_invariant,
             attention_backend=args.attention_backend, quantization=args.quantization,
         )  # fmt: skip
-        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters()) + sum(
-            m.qweight.nbytes + m.scales.nbytes for m in runner.model.modules() if isinstance(m, QuantLinear)
-        )  # (a quantized layer's: what its few-row calls read)
+        quantized = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+        weights = (  # (a quantized model's decode reads its quantized layers: the float32 embedding is not read)
+            sum(m.qweight.nbytes + m.scales.nbytes for m in quantized)
+            if quantized
+            else sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        )
         for b in args.batches:
             prefill, times, last = decode_steps(runner, prompts[b], args.steps)
             launches, kernels = counts(runner, last) if device.type == "cuda" else (None, None)

@@ -59,12 +59,12 @@ def rows_cases(q: QuantLinear) -> list[int]:
     return [1, 3, q.kernel_rows, q.kernel_rows + 1, 2 * q.kernel_rows + 3]
 
 
-def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, q: QuantLinear, mode: str) -> torch.Tensor:
+def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, q: QuantLinear) -> torch.Tensor:
     """The kernel path's bound: bfloat16 activations and outputs (torch's), or int8 activations per group of GROUP
     (native); zero above kernel_rows (float32 throughout)."""
     if x.shape[0] > q.kernel_rows:
         return torch.zeros(())
-    if mode.endswith("native"):
+    if q.native_ops is not None:
         amax = x.abs().unflatten(-1, (-1, GROUP)).amax(-1, keepdim=True).expand(-1, -1, GROUP).reshape(x.shape)
         return (amax.double() / 254 * (1 + 1e-5)) @ wq.abs().t()
     return BF16 * (x.abs().double() @ wq.abs().t()) * (2 + BF16)
@@ -72,19 +72,22 @@ def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, q: QuantLinear, mode: str
 
 @pytest.mark.parametrize("onednn", [True, False])  # False: the [in, out] copy, where oneDNN is missing
 @pytest.mark.parametrize("mode", LAYERS)
-@pytest.mark.parametrize("inp", [128, 96])  # four groups, and three (an odd count: the native kernels' last chain)
+@pytest.mark.parametrize("inp", [128, 96, 100])  # 4 groups; 3 (the native kernels' odd chain); off the groups
 def test_every_path_matches_the_scheme_and_float32(mode, onednn, inp, monkeypatch):
+    if inp % GROUP and mode.startswith("int4"):
+        pytest.skip("int4 takes widths in whole groups")
     if not onednn:
         monkeypatch.setattr(quant, "onednn_pack", lambda weight: None)
     w, bias = weight(96, inp), torch.randn(96, generator=torch.Generator().manual_seed(2))
     q = layer(w, bias, mode)
+    assert (q.native_ops is not None) == (mode.endswith("native") and inp % GROUP == 0)  # (else torch's kernel)
     wq, step = scheme(w, mode)
     assert ((wq - w.double()).abs() <= step).all()
     for rows in rows_cases(q):
         x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
         y = q(x).double()
         slack = 1e-5 * (x.abs().double() @ wq.abs().t() + 1)  # float32 accumulation over 128 terms
-        rounding = kernel_rounding(x, wq, q, mode)
+        rounding = kernel_rounding(x, wq, q)
         to_scheme = (y - (x.double() @ wq.t() + bias.double())).abs()
         assert (to_scheme <= rounding + slack).all(), (rows, (to_scheme - rounding).max())
         to_float = (y - (x.double() @ w.double().t() + bias.double())).abs()
@@ -102,16 +105,29 @@ def test_leading_dimensions_are_kept(mode):
     torch.testing.assert_close(q(x[1:, :1]), q(x[1, :1]).view(1, 1, 96), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LAYERS)
 def test_many_rows_dequantize_nothing_per_call(mode):
     """Above kernel_rows the layer multiplies by the float32 weight it dequantized once, at load: a call allocates
     its output, nothing of the weight's size (the former path rebuilt the whole float32 weight on every call)."""
-    q = QuantLinear(weight(1024, 256), None, mode)
+    q = layer(weight(1024, 256), None, mode)
     x = torch.randn(q.kernel_rows + 1, 256)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         q(x)
     largest = max(abs(e.cpu_memory_usage) for e in prof.events())
     assert x.shape[0] * 1024 * 4 <= largest < 1024 * 256 * 4
+
+
+@pytest.mark.parametrize("mode", [pytest.param(f"{m}-native", marks=NATIVE) for m in MODES])
+def test_a_non_finite_activation_makes_its_row_nan_and_no_other(mode):
+    """A NaN or an infinity in one row's input: that row's outputs NaN (its group's scale is NaN), the other rows'
+    the same bits as without it."""
+    q, x = layer(weight(), None, mode), torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    clean = q(x)
+    for bad in (float("nan"), float("inf")):
+        poisoned = x.clone()
+        poisoned[1, 40] = bad
+        y = q(poisoned)
+        assert y[1].isnan().all() and torch.equal(y[[0, 2]], clean[[0, 2]])
 
 
 @pytest.mark.parametrize("mode", MODES)

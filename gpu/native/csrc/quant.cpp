@@ -42,19 +42,22 @@ inline float hsum8(__m256 v) {  // lanes i + i+4, then i + i+2, then i + i+1
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// One row's groups quantized: a (int8, in), d[g] (the scale), c[g] = d sum(a) of the group.
+// One row's groups quantized: a (int8, in), d[g] (the scale), c[g] = d sum(a) of the group. x / d in double (no
+// overflow for the tiniest groups); a group holding a NaN or an infinity gets a = 0 and d = NaN: its row's outputs NaN.
 void quantize_row(const float* x, int64_t in, int8_t* a, float* d, float* c) {
   for (int64_t g = 0; g < in / QG; ++g) {
     const float* xg = x + g * QG;
     float amax = 0.0f;
-    bool nan = false;  // (a NaN input makes its group's scale NaN: the outputs NaN, as torch's kernels give)
-    for (int64_t i = 0; i < QG; ++i) amax = std::max(amax, std::fabs(xg[i])), nan |= std::isnan(xg[i]);
-    const float scale = nan ? NAN : amax / 127.0f, inv = amax > 0.0f && !nan ? 127.0f / amax : 0.0f;
+    bool finite = true;
+    for (int64_t i = 0; i < QG; ++i) amax = std::max(amax, std::fabs(xg[i])), finite &= std::isfinite(xg[i]);
+    const double inv = finite && amax > 0.0f ? 127.0 / amax : 0.0;
     int32_t sum = 0;
     for (int64_t i = 0; i < QG; ++i) {
-      const int32_t q = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(xg[i] * inv))));
+      const double scaled = std::max(-127.0, std::min(127.0, std::nearbyint(xg[i] * inv)));
+      const int32_t q = finite ? static_cast<int32_t>(scaled) : 0;
       a[g * QG + i] = static_cast<int8_t>(q), sum += q;
     }
+    const float scale = finite ? amax / 127.0f : NAN;
     d[g] = scale, c[g] = scale * static_cast<float>(sum);
   }
 }

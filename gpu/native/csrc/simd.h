@@ -132,7 +132,7 @@ inline V16 exp16(V16 x) {
 }
 
 // 1 / (1 + e^-z) lane by lane, by exp16 of -|z| only (never overflows): e^-|z| / (1 + e^-|z|) where z < 0 (below
-// z = -87, ~1.2e-38 rather than ~0: exp16's floor).
+// z = -87, ~1.6e-38 rather than ~0: exp16's floor).
 inline V16 sigmoid16(V16 z) {
   const V16 t = exp16(neg_abs16(z)), one = set16(1.0f);
   return div16(select_ge0_16(z, one, t), add16(one, t));
