@@ -15,8 +15,9 @@ How many rows a call has picks the path (state x event, per call):
 | <= kernel_rows        | the quantized kernel on the quantized weight                                     |
 | more                  | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
 
-(kernel_rows: NATIVE_KERNEL_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's; the float32 GEMM is
-the native one too where the native kernels are, as a float32 model's.)
+(kernel_rows: NATIVE_KERNEL_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's, 0 for int8 widths off
+a multiple of 8, where torch's int8 kernel computes wrong sums or crashes; the float32 GEMM is the native one too
+where the native kernels are, as a float32 model's.)
 
 Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
 float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
@@ -60,6 +61,8 @@ class QuantLinear(nn.Module):
         self.mode, self.out_features, self.in_features = mode, *weight.shape
         self.native_ops = native_ops if self.in_features % GROUP == 0 else None  # (the native kernels' groups)
         self.kernel_rows = (KERNEL_ROWS if self.native_ops is None else NATIVE_KERNEL_ROWS)[mode]
+        if self.native_ops is None and mode == "int8" and self.in_features % 8:
+            self.kernel_rows = 0  # (torch's int8 kernel reads past widths off a multiple of 8: wrong sums, or a crash)
         self.bias = bias
         w = weight.detach().float()
         if mode == "int8":

@@ -56,7 +56,7 @@ def layer(w: torch.Tensor, bias: torch.Tensor | None, mode: str) -> QuantLinear:
 
 
 def rows_cases(q: QuantLinear) -> list[int]:
-    return [1, 3, q.kernel_rows, q.kernel_rows + 1, 2 * q.kernel_rows + 3]
+    return sorted({1, 3, q.kernel_rows, q.kernel_rows + 1, 2 * q.kernel_rows + 3} - {0})
 
 
 def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, q: QuantLinear) -> torch.Tensor:
@@ -72,7 +72,7 @@ def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, q: QuantLinear) -> torch.
 
 @pytest.mark.parametrize("onednn", [True, False])  # False: the [in, out] copy, where oneDNN is missing
 @pytest.mark.parametrize("mode", LAYERS)
-@pytest.mark.parametrize("inp", [128, 96, 100])  # 4 groups; 3 (the native kernels' odd chain); off the groups
+@pytest.mark.parametrize("inp", [128, 96, 100, 97])  # 4 groups; 3 (the native odd chain); off the groups; odd
 def test_every_path_matches_the_scheme_and_float32(mode, onednn, inp, monkeypatch):
     if inp % GROUP and mode.startswith("int4"):
         pytest.skip("int4 takes widths in whole groups")
@@ -87,7 +87,7 @@ def test_every_path_matches_the_scheme_and_float32(mode, onednn, inp, monkeypatc
         x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
         y = q(x).double()
         slack = 1e-5 * (x.abs().double() @ wq.abs().t() + 1)  # float32 accumulation over 128 terms
-        rounding = kernel_rounding(x, wq, q)
+        rounding = kernel_rounding(x, wq, q)  # (97: int8 dequantized at every row count, torch's kernel being wrong)
         to_scheme = (y - (x.double() @ wq.t() + bias.double())).abs()
         assert (to_scheme <= rounding + slack).all(), (rows, (to_scheme - rounding).max())
         to_float = (y - (x.double() @ w.double().t() + bias.double())).abs()
