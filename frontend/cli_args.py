@@ -61,7 +61,11 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")
     g.add_argument(
-        "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantization (CPU, float32)"
+        "--quantization",
+        choices=["int8", "int4", "bf16"],
+        default=None,
+        help="weight-only quantization (CPU, float32 activations): int8 per channel, int4 per group of 32, or each "
+        "weight rounded to bfloat16 (half the bytes; on the native kernels at every row count)",
     )
     g.add_argument(
         "--cpu-kernels",

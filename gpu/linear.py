@@ -77,15 +77,21 @@ class Linear(nn.Linear):
             return onednn_linear(x, self.packed, self.bias)
         return transposed_linear(x, self.weight_t, self.bias)
 
+    def make_invariant(self) -> None:
+        self.native_rows = sys.maxsize
+
 
 def make_invariant(model: nn.Module) -> None:
-    """Batch-invariant mode: every linear layer takes the native kernels at any number of rows, so a row's result is
-    the same bits in any step. ValueError where a layer cannot (not float32 on a CPU, quantized, not built)."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]  # (none left once quantized: gpu/quant.py)
+    """Batch-invariant mode: every linear layer takes the native kernels at any number of rows (a quantized layer its
+    quantized kernel, whose rows are computed alone too), so a row's result is the same bits in any step. ValueError
+    where a layer cannot (not float32 on a CPU, not built, a quantized width off the kernels' groups)."""
+    from gpu.quant import QuantLinear  # (it builds on this module)
+
+    layers = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
     if not layers or any(m.native is None for m in layers):
         raise ValueError(
-            "batch-invariant mode needs every linear layer on the native CPU kernels: float32 weights on a CPU, no "
-            "quantization, the kernels built (make setup)"
+            "batch-invariant mode needs every linear layer on the native CPU kernels: float32 weights on a CPU, the "
+            "kernels built (make setup), quantized input widths in multiples of 32"
         )
     for m in layers:
-        m.native_rows = sys.maxsize
+        m.make_invariant()

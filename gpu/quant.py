@@ -1,8 +1,12 @@
-"""Weight-only quantization of the linear layers on CPU (`--quantization int8|int4`): less memory to stream per
+"""Weight-only quantization of the linear layers on CPU (`--quantization int8|int4|bf16`): less memory to stream per
 decoded token, which is what a step of few rows waits on.
 
 - int8: symmetric, one scale per output channel.
 - int4: asymmetric, a scale and a zero point per group of GROUP input channels.
+- bf16: each weight rounded to bfloat16 (to nearest, ties to even), half float32's bytes. It has no kernel of its own:
+  the dense path below is the native float32 kernel streaming the bfloat16 panels (each weight widened exactly as it
+  is loaded), at every row count, so only the bfloat16 weight is kept (0.25x float32 serving's memory, which keeps
+  two float32 layouts); without the native kernels, the rounded weight in float32 on torch's GEMM.
 Few-row calls run the native kernels where built and the input width is a multiple of GROUP
 (gpu/native/csrc/quant.cpp: activations quantized to int8 per row and group, llama.cpp's Q8 / Q4 x Q8 schemes,
 integer dot products; int4 1.2-1.6x torch's at 1-8 rows), else torch's `_weight_int8pack_mm` and
@@ -15,9 +19,10 @@ How many rows a call has picks the path (state x event, per call):
 | <= kernel_rows        | the quantized kernel on the quantized weight                                     |
 | more                  | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
 
-(kernel_rows: NATIVE_KERNEL_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's, 0 for int8 widths off
-a multiple of 8, where torch's int8 kernel computes wrong sums or crashes; the float32 GEMM is the native one too
-where the native kernels are, as a float32 model's.)
+(kernel_rows: NATIVE_KERNEL_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's; -1, no call, not even
+of zero rows, for bf16 and for int8 widths off a multiple of 8, where torch's int8 kernel computes wrong sums or
+crashes; every row count in batch-invariant mode on the native kernels, whose rows are computed alone
+(`make_invariant`); the float32 GEMM is the native one too where the native kernels are, as a float32 model's.)
 
 Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
 float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
@@ -36,6 +41,7 @@ concurrency) still stream only the quantized weight.
 
 from __future__ import annotations
 
+import sys
 from typing import Literal
 
 import torch
@@ -43,29 +49,37 @@ from torch import nn
 
 from gpu.linear import onednn_linear, onednn_pack, transposed_linear
 
-Quantization = Literal["int8", "int4"]
+Quantization = Literal["int8", "int4", "bf16"]
 GROUP = 32  # input channels per scale / zero point (int4), per activation scale (the native kernels)
 # calls of up to this many rows use the quantized kernel: where it beat float32 (`bench_quant.py --part layers`);
 # torch's int4 kernel for AVX-512 did up to 16 rows, its AVX2 one (ATEN_CPU_CAPABILITY=avx2) up to 8
-KERNEL_ROWS: dict[str, int] = {"int8": 8, "int4": 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8}
+KERNEL_ROWS: dict[str, int] = {
+    "int8": 8,
+    "int4": 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8,
+    "bf16": -1,  # (no kernel of its own)
+}
 # the native kernels' (measured against float32's native kernel on SmolLM2's layers, AVX2 EPYC: int4 1.17x at 8 rows,
 # ~1.0x at 12; int8 1.26x at 16, ~1.07x at 24: docs/PERFORMANCE.md)
-NATIVE_KERNEL_ROWS: dict[str, int] = {"int8": 16, "int4": 8}
+NATIVE_KERNEL_ROWS: dict[str, int] = {"int8": 16, "int4": 8, "bf16": -1}
 
 
 class QuantLinear(nn.Module):
-    """A linear layer holding its quantized weight, and that weight dequantized once in one float32 layout."""
+    """A linear layer holding its quantized weight, and that weight dequantized once in one float32 layout (bf16: the
+    bfloat16 weight alone, in the native kernel's layout where built)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization, native_ops=None):
         super().__init__()
         self.mode, self.out_features, self.in_features = mode, *weight.shape
-        self.native_ops = native_ops if self.in_features % GROUP == 0 else None  # (the native kernels' groups)
+        grouped = mode == "bf16" or self.in_features % GROUP == 0  # (the native quantized kernels' groups)
+        self.native_ops = native_ops if grouped else None
         self.kernel_rows = (KERNEL_ROWS if self.native_ops is None else NATIVE_KERNEL_ROWS)[mode]
         if self.native_ops is None and mode == "int8" and self.in_features % 8:
-            self.kernel_rows = 0  # (torch's int8 kernel reads past widths off a multiple of 8: wrong sums, or a crash)
+            self.kernel_rows = -1  # (torch's int8 kernel reads past widths off a multiple of 8: wrong sums, or a crash)
         self.bias = bias
         w = weight.detach().float()
-        if mode == "int8":
+        if mode == "bf16":
+            dense = w.to(torch.bfloat16)
+        elif mode == "int8":
             scale = w.abs().amax(1).clamp(min=1e-12) / 127
             self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)
@@ -86,10 +100,11 @@ class QuantLinear(nn.Module):
                 self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
                 self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]
             dense = ((q - 8) * scale.float() + zero.float()).view(self.out_features, self.in_features)
-        # for calls of more than kernel_rows rows: the native float32 kernel's panels, else oneDNN's or [in, out]
+        # for calls of more than kernel_rows rows: the native float32 kernel's panels (bfloat16 ones for bf16), else
+        # oneDNN's or [in, out] in float32
         self.native = native_ops.pack(dense) if self.native_ops is not None else None
-        self.packed = onednn_pack(dense) if self.native is None else None
-        self.weight_t = dense.t().contiguous() if self.native is None and self.packed is None else None
+        self.packed = onednn_pack(dense.float()) if self.native is None else None
+        self.weight_t = dense.float().t().contiguous() if self.native is None and self.packed is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -103,6 +118,11 @@ class QuantLinear(nn.Module):
         else:
             y = transposed_linear(flat, self.weight_t, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def make_invariant(self) -> None:
+        """Every row count on the native kernels, each row computed alone (bf16 is already: its dense path)."""
+        if self.mode != "bf16":
+            self.kernel_rows = sys.maxsize
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T by the quantized kernel ([rows, in] float32 in, float32 out): the native ones (int8 activations)
@@ -118,7 +138,7 @@ class QuantLinear(nn.Module):
 
 def quantize_model(model: nn.Module, mode: Quantization, native_ops=None) -> None:
     """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place; their
-    few-row calls run the native kernels where `native_ops` are given (gpu/native)."""
+    few-row calls (bf16: all) run the native kernels where `native_ops` are given (gpu/native)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

@@ -88,7 +88,7 @@ def load_model(
     cpu_kernels: str | None = None,
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
-    int8 or int4 one, kept dequantized too for calls of many rows (gpu/quant.py); `attention`, the backend every
+    int8 or int4 one, kept dequantized too for calls of many rows, or a bfloat16 one (gpu/quant.py); `attention`, the backend every
     attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set goes to every layer;
     `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the native kernels where
     built (gpu/native), quantized layers' few-row calls too; "torch": torch's.

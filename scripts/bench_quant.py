@@ -1,6 +1,6 @@
 """Weight-only quantization against float32, measured in one run: served throughput, per-layer paths, quality.
 
-    python scripts/bench_quant.py [--part served layers quality] [--modes int8 int4] [--concurrency 1 8 16]
+    python scripts/bench_quant.py [--part served layers quality] [--modes int8 int4 bf16] [--concurrency 1 8 16]
                                   [--repeats 2] [--tokens 64] [--threads N] [--rows 1 8 16 64 256]
 
 served:  the real engine (AsyncLLM, engine threads as `sluice serve` sets them unless --threads), closed loop:
@@ -55,7 +55,7 @@ TEXT = (
     "today. Roman law shaped the legal systems of much of Europe, and Roman ideas about citizenship and government "
     "influenced the founders of modern republics."
 )
-KINDS = {"float32": None, "int8": "int8", "int4": "int4"}
+KINDS = {"float32": None, "int8": "int8", "int4": "int4", "bf16": "bf16"}
 
 
 def load() -> str:
@@ -125,7 +125,8 @@ def layers(model_dir: Path, args: argparse.Namespace) -> None:
         if kind == "float32":
             columns["float32"] = [(m.in_features, m) for m in mods]
         else:
-            columns[f"{kind} kernel"] = [(m.in_features, m.kernel) for m in mods]
+            if kind != "bf16":  # (bf16 has no kernel of its own)
+                columns[f"{kind} kernel"] = [(m.in_features, m.kernel) for m in mods]
             columns[kind] = [(m.in_features, m) for m in mods]
             kernel_rows[kind] = mods[0].kernel_rows
         del model
@@ -173,7 +174,7 @@ PARTS = {"served": served, "layers": layers, "quality": quality}
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", nargs="+", default=list(PARTS), choices=PARTS)
-    ap.add_argument("--modes", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    ap.add_argument("--modes", nargs="+", default=["int8", "int4", "bf16"], choices=["int8", "int4", "bf16"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 16])
     ap.add_argument("--repeats", type=int, default=2, help="served: runs of every weight kind, interleaved")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request (served, quality's timing)")

@@ -4,7 +4,7 @@ in the same run on the same device, model, batch and lengths.
 
     python scripts/bench_step.py [--model DIR] [--device cuda] [--dtype auto] [--batches 1 16 64] [--steps 32]
                                  [--prompt-len 128] [--no-hf] [--cpu-kernels torch|native] [--batch-invariant]
-                                 [--attention-backend torch|triton|native] [--quantization int8|int4] [--json FILE]
+                                 [--attention-backend torch|triton|native] [--quantization int8|int4|bf16] [--json FILE]
 
 For each batch B: B random prompts of --prompt-len tokens prefilled in one step, then --steps decode steps through
 `ModelRunner.execute` (greedy ids fed back; each step synchronised, wall time; median). Modes: "eager" (the dynamic
@@ -70,6 +70,14 @@ def counts(runner: ModelRunner, batch: BatchSpec) -> tuple[int, int]:
     return launches, sum(e.device_type == DeviceType.CUDA and e.name not in LAUNCH_CALLS for e in events)
 
 
+def streamed_bytes(m: QuantLinear) -> int:
+    """What a decode row reads of a quantized layer: its quantized weight and scales (bf16: the bfloat16 panels, or
+    the float32 weight without the native kernels)."""
+    if m.mode != "bf16":
+        return m.qweight.nbytes + m.scales.nbytes
+    return m.out_features * m.in_features * (2 if m.native is not None else 4)
+
+
 def decode_steps(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> tuple[float, list[float], BatchSpec]:
     """Prefill the prompts, then time `steps` greedy decode steps: the prefill's time and the steps' (s), and one
     more decode batch."""
@@ -128,7 +136,9 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", default=None, choices=["torch", "native"])
     ap.add_argument("--batch-invariant", action="store_true", help="the runner in batch-invariant mode")
     ap.add_argument("--attention-backend", default=None, choices=["torch", "triton", "native"])
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="CPU weight-only quantization")
+    ap.add_argument(
+        "--quantization", default=None, choices=["int8", "int4", "bf16"], help="CPU weight-only quantization"
+    )
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else resolve_model(None).path
@@ -148,7 +158,7 @@ def main() -> None:
         )  # fmt: skip
         quantized = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
         weights = (  # (a quantized model's decode reads its quantized layers: the float32 embedding is not read)
-            sum(m.qweight.nbytes + m.scales.nbytes for m in quantized)
+            sum(streamed_bytes(m) for m in quantized)
             if quantized
             else sum(p.numel() * p.element_size() for p in runner.model.parameters())
         )

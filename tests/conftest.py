@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the servers' modules are imported by the fixtures: other su
     from tests.fake_engine import FakeEngine
 
 API_KEY = "sk-test-key"
+pytest_plugins = ["tests.exit_guard"]  # (the run's end: what the tests left is ended, and a hang at exit cannot last)
 
 
 def _interpret_triton_without_cuda() -> None:

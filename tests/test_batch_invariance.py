@@ -127,12 +127,9 @@ def test_verification_rows_and_recomputed_prompts(runner, alone):
     assert torch.equal(d.logits[3][0], alone[3][STEPS])
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral"])  # (sliding windows, soft-caps, other head sizes)
-def test_other_families_in_any_batch_and_chunk(family_dir_of, family):
-    """Decode rows side by side and prompts in 12-token chunks (crossing the window) against each request alone."""
-    config = ModelConfig.from_path(family_dir_of(family))
-    runner = ModelRunner(config, device="cpu", dtype="float32", num_blocks=512, block_size=16, batch_invariant=True)
-    ids, alone = [4, 8, 12], {}
+def chunks_match_alone(runner: ModelRunner, ids: list[int]) -> bool:
+    """Decode rows side by side and prompts in 12-token chunks against each request alone."""
+    alone = {}
     for i in ids:
         d = Driver(runner)
         d.add(i)
@@ -144,7 +141,25 @@ def test_other_families_in_any_batch_and_chunk(family_dir_of, family):
     while any(d.reqs[i].num_computed < len(PROMPTS[i]) for i in ids):
         d.run({i: d.reqs[i].row(min(12, len(PROMPTS[i]) - d.reqs[i].num_computed) or None) for i in ids})
     d.decode(ids, 3)
-    assert all(same(d.logits[i], alone[i]) for i in ids)
+    return all(same(d.logits[i], alone[i]) for i in ids)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])  # (sliding windows, soft-caps, other head sizes)
+def test_other_families_in_any_batch_and_chunk(family_dir_of, family):
+    config = ModelConfig.from_path(family_dir_of(family))
+    runner = ModelRunner(config, device="cpu", dtype="float32", num_blocks=512, block_size=16, batch_invariant=True)
+    assert chunks_match_alone(runner, [4, 8, 12])  # (crossing the window)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+def test_quantized_models_in_any_batch_and_chunk(tiny_model_dir, mode):
+    """Every row count on the native quantized kernels (bf16: its dense one); the power check: the same comparison
+    with the mode off (the quantized kernels up to a few rows, the float32 GEMM above) finds differing logits."""
+    config = ModelConfig.from_path(tiny_model_dir)
+    args = dict(device="cpu", dtype="float32", num_blocks=512, block_size=16, quantization=mode)
+    assert chunks_match_alone(ModelRunner(config, **args, batch_invariant=True), [4, 8, 12, 15])
+    if mode != "bf16":  # (bf16's one path is the native kernel at any row count: invariant with the mode off too)
+        assert not chunks_match_alone(ModelRunner(config, **args), [4, 8, 12, 15])
 
 
 def test_the_flag_reaches_the_engine_config():
@@ -169,10 +184,8 @@ def test_the_padded_plan_is_not_invariant(runner, alone, monkeypatch):
 def test_a_model_the_mode_cannot_hold_is_refused(tiny_model_dir):
     config = ModelConfig.from_path(tiny_model_dir)
     with pytest.raises(ValueError, match="batch-invariant"):
-        ModelRunner(config, device="cpu", dtype="float32", num_blocks=64, quantization="int8", batch_invariant=True)
-    with pytest.raises(ValueError, match="batch-invariant"):
         ModelRunner(config, device="cpu", dtype="float32", num_blocks=64, cpu_kernels="torch", batch_invariant=True)
-    refusals = (dict(quantization="int4"), dict(device="cuda:0"), dict(attention_backend="triton"))
+    refusals = (dict(dtype="bfloat16"), dict(device="cuda:0"), dict(attention_backend="triton"))
     for refused in (*refusals, dict(attention_backend="torch"), dict(cpu_kernels="torch")):
         with pytest.raises(ValueError, match="batch-invariant"):
             EngineConfig(model=str(tiny_model_dir), batch_invariant=True, **refused)

@@ -38,7 +38,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # an HF-style directory (already converted when it was a .gguf)
     device: str = "auto"
     dtype: str = "auto"
-    quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
+    quantization: Literal["int8", "int4", "bf16"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
     # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/native: batch-invariant up to 64
     # rows; quantized layers' few-row calls too); None: native where built (torch's with a warning otherwise)
     cpu_kernels: Literal["native", "torch"] | None = None
@@ -121,16 +121,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if dp > 1 and nnodes > 1:
             raise ValueError("a data-parallel replica's gang runs on one node (nnodes 1)")
         if self.batch_invariant and (
-            self.quantization
-            or self.device.startswith("cuda")
+            self.device.startswith("cuda")
             or self.attention_backend not in (None, "native")
             or self.cpu_kernels == "torch"
             or self.dtype not in ("auto", "float32", "float")
             or tp > 1
         ):
             raise ValueError(
-                "batch-invariant mode runs float32 weights on a CPU with the native kernels and attention backend, on "
-                "one device (no --quantization)"
+                "batch-invariant mode runs float32 activations on a CPU with the native kernels and attention backend, "
+                "on one device"
             )
 
     @property

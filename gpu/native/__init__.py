@@ -3,8 +3,9 @@ AVX2 + FMA and AVX-512, into the environment; the one this CPU runs is loaded at
 not built, an older build than the sources, a CPU with neither ISA), callers get None and use torch's kernels, with
 one warning saying why.
 
-`ops()` is the op namespace (torch.ops.sluice_<isa>): `pack(weight) -> packed`, `linear(x, packed, out_features,
-bias) -> y`, `linear_out(x, packed, bias, y)` (gpu/native/csrc/linear.cpp says what they guarantee) and
+`ops()` is the op namespace (torch.ops.sluice_<isa>): `pack(weight) -> packed` (float32 or bfloat16 weights),
+`linear(x, packed, out_features, bias) -> y`, `linear_out(x, packed, bias, y)` (gpu/native/csrc/linear.cpp says what
+they guarantee) and
 `paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, softcap) -> out`
 (gpu/native/csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (gpu/native/csrc/reduce.cpp), and the decoder's small
 steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul` (gpu/native/csrc/fused.cpp; the kernel set of

@@ -1,9 +1,10 @@
-// Float32 linear layers for CPU, batch-invariant: y[r, o] = bias[o] + sum_i x[r, i] * w[o, i].
+// Linear layers for CPU, batch-invariant: y[r, o] = bias[o] + sum_i x[r, i] * w[o, i], x and y float32, the weight
+// float32 or bfloat16 (each widened exactly to float32 as it is loaded: half the bytes to stream, the same arithmetic).
 //
-// The weight is repacked once (pack) into panels of PANEL output columns, [ceil(out / PANEL)][in][PANEL] (the
-// last panel zero-padded), so that each input index reads PANEL consecutive weights: VECS vector loads that every
-// row of a tile multiplies by its broadcast x[r, i]. A single row (decode) walks GROUP panels at once instead: more
-// independent chains and weight streams in flight, which a memory-bound GEMV needs.
+// The weight is repacked once (pack, keeping its dtype) into panels of PANEL output columns, [ceil(out / PANEL)][in]
+// [PANEL] (the last panel zero-padded), so that each input index reads PANEL consecutive weights: VECS vector loads
+// that every row of a tile multiplies by its broadcast x[r, i]. A single row (decode) walks GROUP panels at once
+// instead: more independent chains and weight streams in flight, which a memory-bound GEMV needs.
 // Each output element is one fused multiply-add chain over i = 0, 1, ..., in - 1 from 0, then + bias: its rounding
 // depends on nothing but its own row and column (not on the other rows, the tile or group a row falls in, the
 // thread that runs its panel, nor the ISA: AVX2 and AVX-512 chains are the same IEEE fmas), which is what makes a
@@ -37,20 +38,46 @@ constexpr int TILE = 3, GROUP = 2;  // 16 registers: 12 accumulators in a tile, 
 
 constexpr int VECS = 4;
 constexpr int64_t PANEL = VECS * LANES;  // output columns per panel: four vectors
-constexpr int64_t KBLOCK = 4096 / PANEL;  // inputs per pass over a panel: 16 KB of its weights, in L1
+constexpr int64_t KBLOCK = 4096 / PANEL;  // inputs per pass over a panel: 16 KB of float32 weights, in L1
 
-at::Tensor pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: a float32 [out, in] weight");
-  auto w = weight.contiguous();
-  const int64_t out = w.size(0), in = w.size(1), panels = (out + PANEL - 1) / PANEL;
-  auto packed = at::zeros({panels, in, PANEL}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+// A bfloat16 tensor's elements as their bits
+inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); }
+inline uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<at::BFloat16>()); }
+
+// Where column c of a panel's input row lies: float32 in order; bfloat16 in pairs of vectors interleaved, so that
+// one load of 2 x LANES of them gives vector 2j (the low halves, column 2j * LANES + lane) and 2j + 1 (the high).
+inline int64_t slot(float*, int64_t c) { return c; }
+inline int64_t slot(uint16_t*, int64_t c) {
+  const int64_t pair = c / (2 * LANES), v = c / LANES % 2, lane = c % LANES;
+  return pair * 2 * LANES + 2 * lane + v;
+}
+
+// The weights of input row i, vector v (LANES columns from v * LANES) of a panel, as float32.
+inline Vec wload(const float* row, int v) { return vload(row + v * LANES); }
+inline Vec wload(const uint16_t* row, int v) {
+  return v % 2 ? vhigh16(row + v / 2 * 2 * LANES) : vlow16(row + v / 2 * 2 * LANES);
+}
+
+// The panels of a [out, in] weight; W is its element type (float, or a bfloat16's bits).
+template <typename W>
+void pack_panels(const W* src, W* dst, int64_t out, int64_t in, int64_t panels) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t c = 0; c < PANEL && p * PANEL + c < out; ++c)
-        for (int64_t i = 0; i < in; ++i) dst[(p * in + i) * PANEL + c] = src[(p * PANEL + c) * in + i];
+        for (int64_t i = 0; i < in; ++i) dst[(p * in + i) * PANEL + slot(dst, c)] = src[(p * PANEL + c) * in + i];
   });
+}
+
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "pack: a float32 or bfloat16 [out, in] weight");
+  auto w = weight.contiguous();
+  const int64_t out = w.size(0), in = w.size(1), panels = (out + PANEL - 1) / PANEL;
+  auto packed = at::zeros({panels, in, PANEL}, w.options());  // (a zero bfloat16 is zero bits)
+  if (w.scalar_type() == at::kFloat)
+    pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), out, in, panels);
+  else
+    pack_panels(bits(w), bits(packed), out, in, panels);
   return packed;
 }
 
@@ -70,8 +97,8 @@ inline void store(const Vec* acc, const float* bias, float* y, int64_t cols) {
 // in L1 while every row tile of the step passes over them; a float's store and load are exact, so the chain is the
 // one a single pass would compute. (Always loaded, and one-dimensional: GCC 12 mirrors a conditionally initialised
 // or two-dimensional accumulator array on the stack, a store per accumulator per input, half the kernel's speed.)
-template <int R>
-void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* sums) {
+template <int R, typename W>
+void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* sums) {
   Vec acc[R * VECS];  // (one dimension: GCC 12 mirrors a two-dimensional one on the stack)
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < VECS; ++v) acc[r * VECS + v] = vload(sums + r * PANEL + v * LANES);
@@ -79,7 +106,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k
     Vec xb[R];
     for (int r = 0; r < R; ++r) xb[r] = vbroadcast(x + r * ldx + i);
     for (int v = 0; v < VECS; ++v) {
-      const Vec w = vload(panel + i * PANEL + v * LANES);
+      const Vec w = wload(panel + i * PANEL, v);
       for (int r = 0; r < R; ++r) acc[r * VECS + v] = vfma(xb[r], w, acc[r * VECS + v]);
     }
   }
@@ -88,33 +115,27 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k
 }
 
 // One row times GROUP consecutive whole panels (the same chains as a tile's row): y gets GROUP * PANEL columns.
-void row_group(const float* x, const float* panels, int64_t in, const float* bias, float* y) {
+template <typename W>
+void row_group(const float* x, const W* panels, int64_t in, const float* bias, float* y) {
   Vec acc[GROUP][VECS];
   for (int g = 0; g < GROUP; ++g)
     for (int v = 0; v < VECS; ++v) acc[g][v] = vzero();
   for (int64_t i = 0; i < in; ++i) {
     const Vec xb = vbroadcast(x + i);
     for (int g = 0; g < GROUP; ++g)
-      for (int v = 0; v < VECS; ++v) acc[g][v] = vfma(xb, vload(panels + (g * in + i) * PANEL + v * LANES), acc[g][v]);
+      for (int v = 0; v < VECS; ++v) acc[g][v] = vfma(xb, wload(panels + (g * in + i) * PANEL, v), acc[g][v]);
   }
   for (int g = 0; g < GROUP; ++g) store(acc[g], bias ? bias + g * PANEL : nullptr, y + g * PANEL, PANEL);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
-constexpr TileFn TILES[7] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};  // (up to TILE)
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*);
+template <typename W>  // (up to TILE)
+constexpr TileFn<W> TILES[7] = {nullptr, tile<1, W>, tile<2, W>, tile<3, W>, tile<4, W>, tile<5, W>, tile<6, W>};
 
-void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "linear: float32 [rows, in] x");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous(),
-              "linear: a packed weight (pack) of x's width");
-  const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), panels = packed.size(0);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == rows && y.stride(1) == 1 && (out + PANEL - 1) / PANEL == panels, "linear: y");
-  TORCH_CHECK(!bias || (bias->numel() == out && bias->is_contiguous()), "linear: bias of out elements");
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldy = y.stride(0);
+template <typename W>
+void run(const float* xp, int64_t ldx, const W* wp, const float* bp, float* yp, int64_t ldy, int64_t rows, int64_t in,
+         int64_t out, int64_t panels) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {  // (an even share of the panels a thread)
     std::vector<float> sums(rows * PANEL);  // (the rows' partial sums of one panel)
     for (int64_t p = begin; p < end;) {
@@ -127,13 +148,32 @@ void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::option
       std::fill(sums.begin(), sums.end(), 0.0f);
       for (int64_t k0 = 0; k0 < in; k0 += KBLOCK)
         for (int64_t r = 0; r < rows; r += TILE)
-          TILES[std::min<int64_t>(TILE, rows - r)](xp + r * ldx, ldx, wp + p * in * PANEL, k0, std::min(in, k0 + KBLOCK),
-                                                   sums.data() + r * PANEL);
+          TILES<W>[std::min<int64_t>(TILE, rows - r)](xp + r * ldx, ldx, wp + p * in * PANEL, k0,
+                                                      std::min(in, k0 + KBLOCK), sums.data() + r * PANEL);
       for (int64_t r = 0; r < rows; ++r)
         finish(sums.data() + r * PANEL, bp ? bp + col : nullptr, yp + r * ldy + col, std::min(PANEL, out - col));
       ++p;
     }
   });
+}
+
+void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "linear: float32 [rows, in] x");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+              "linear: a packed weight (pack) of x's width");
+  const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), panels = packed.size(0);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == rows && y.stride(1) == 1 && y.scalar_type() == at::kFloat &&
+                  (out + PANEL - 1) / PANEL == panels,
+              "linear: y");
+  TORCH_CHECK(!bias || (bias->numel() == out && bias->is_contiguous() && bias->scalar_type() == at::kFloat),
+              "linear: float32 bias of out elements");
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  if (packed.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), bp, y.data_ptr<float>(), y.stride(0), rows, in,
+        out, panels);
+  else
+    run(x.data_ptr<float>(), x.stride(0), bits(packed), bp, y.data_ptr<float>(), y.stride(0), rows, in, out, panels);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,

@@ -2,7 +2,8 @@
 // it twice: -mavx2 -mfma, and -mavx512f/bw/dq/vl; -ffp-contract=off: no fma the source does not write).
 //
 // - Vec: the machine's widest float vector (8 or 16 lanes): the linear kernels, whose per-element results are single
-//   lanes' fma chains and so do not depend on the width.
+//   lanes' fma chains and so do not depend on the width; loaded from float32s or, widened exactly, from bfloat16s
+//   (2 x LANES of them a load: a float from the low or the high half of each 32 bits, by a shift or a mask).
 // - V16: sixteen float lanes on either ISA (one __m512, or two __m256 side by side), for kernels that reduce across
 //   lanes (attention's dot products and softmax): every operation, the reductions' trees and the exponential's
 //   polynomial included, is the same IEEE arithmetic lane by lane on both ISAs, so their results are the same bits.
@@ -22,6 +23,12 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vlow16(const uint16_t* p) {  // of 2 x LANES bfloat16s, those in the low halves of 32 bits, as floats
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
+}
+inline Vec vhigh16(const uint16_t* p) {  // ... and those in the high halves
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(-65536)));
+}
 
 struct V16 {
   __m512 v;
@@ -58,6 +65,13 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vlow16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 16));
+}
+inline Vec vhigh16(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi32(-65536)));
+}
 
 struct V16 {
   __m256 lo, hi;
