@@ -4,9 +4,11 @@ decoded token, which is what a step of few rows waits on.
 - int8: symmetric, one scale per output channel.
 - int4: asymmetric, a scale and a zero point per group of GROUP input channels.
 - bf16: each weight rounded to bfloat16 (to nearest, ties to even), half float32's bytes. It has no kernel of its own:
-  the dense path below is the native float32 kernel streaming the bfloat16 panels (each weight widened exactly as it
-  is loaded), at every row count, so only the bfloat16 weight is kept (0.25x float32 serving's memory, which keeps
-  two float32 layouts); without the native kernels, the rounded weight in float32 on torch's GEMM.
+  its dense path is the native float32 kernel streaming the bfloat16 panels (each weight widened exactly as it is
+  loaded), and above WIDEN_ROWS rows (long prefills: a GEMM's blocking wins there, 1.6x at 4096 rows) the panels
+  widened for the call into float32 [in, out] for x @ W^T: only the bfloat16 weight is kept (0.25x float32
+  serving's memory, which keeps two float32 layouts). Without the native kernels: the rounded weight in float32 on
+  torch's GEMM.
 Few-row calls run the native kernels where built and the input width is a multiple of GROUP
 (gpu/native/csrc/quant.cpp: activations quantized to int8 per row and group, llama.cpp's Q8 / Q4 x Q8 schemes,
 integer dot products; int4 1.2-1.6x torch's at 1-8 rows), else torch's `_weight_int8pack_mm` and
@@ -17,12 +19,15 @@ How many rows a call has picks the path (state x event, per call):
 | rows of the call      | path                                                                             |
 |-----------------------|----------------------------------------------------------------------------------|
 | <= kernel_rows        | the quantized kernel on the quantized weight                                     |
-| more                  | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
+| <= native_rows        | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
+| more (bf16, native)   | x @ W^T on the bfloat16 panels widened for the call (`unpack`)                    |
 
 (kernel_rows: NATIVE_KERNEL_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's; -1, no call, not even
 of zero rows, for bf16 and for int8 widths off a multiple of 8, where torch's int8 kernel computes wrong sums or
-crashes; every row count in batch-invariant mode on the native kernels, whose rows are computed alone
-(`make_invariant`); the float32 GEMM is the native one too where the native kernels are, as a float32 model's.)
+crashes; native_rows: WIDEN_ROWS for bf16 on the native kernels, whose GEMM is the native kernel on the bfloat16
+panels, else unbounded; both every row count in
+batch-invariant mode on the native kernels, whose rows are computed alone (`make_invariant`); the float32 GEMM is
+the native one too where the native kernels are, as a float32 model's.)
 
 Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
 float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
@@ -61,6 +66,7 @@ KERNEL_ROWS: dict[str, int] = {
 # the native kernels' (measured against float32's native kernel on SmolLM2's layers, AVX2 EPYC: int4 1.17x at 8 rows,
 # ~1.0x at 12; int8 1.26x at 16, ~1.07x at 24: docs/PERFORMANCE.md)
 NATIVE_KERNEL_ROWS: dict[str, int] = {"int8": 16, "int4": 8, "bf16": -1}
+WIDEN_ROWS = 512  # bf16: the most rows its native dense kernel takes (crossover with widening + GEMM: 256-1024 rows)
 
 
 class QuantLinear(nn.Module):
@@ -103,6 +109,7 @@ class QuantLinear(nn.Module):
         # for calls of more than kernel_rows rows: the native float32 kernel's panels (bfloat16 ones for bf16), else
         # oneDNN's or [in, out] in float32
         self.native = native_ops.pack(dense) if self.native_ops is not None else None
+        self.native_rows = WIDEN_ROWS if mode == "bf16" else sys.maxsize
         self.packed = onednn_pack(dense.float()) if self.native is None else None
         self.weight_t = dense.float().t().contiguous() if self.native is None and self.packed is None else None
 
@@ -111,8 +118,10 @@ class QuantLinear(nn.Module):
         if flat.shape[0] <= self.kernel_rows:
             y = self.kernel(flat)
             y = y if self.bias is None else y.add_(self.bias)
-        elif self.native is not None:
+        elif self.native is not None and flat.shape[0] <= self.native_rows:
             y = self.native_ops.linear(flat.contiguous(), self.native, self.out_features, self.bias)
+        elif self.native is not None:  # (bf16, many rows)
+            y = transposed_linear(flat, self.native_ops.unpack(self.native, self.out_features), self.bias)
         elif self.packed is not None:
             y = onednn_linear(flat, self.packed, self.bias)
         else:
@@ -120,9 +129,10 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def make_invariant(self) -> None:
-        """Every row count on the native kernels, each row computed alone (bf16 is already: its dense path)."""
+        """Every row count on the native kernels, each row computed alone (bf16: its dense one)."""
         if self.mode != "bf16":
             self.kernel_rows = sys.maxsize
+        self.native_rows = sys.maxsize
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T by the quantized kernel ([rows, in] float32 in, float32 out): the native ones (int8 activations)

@@ -3,8 +3,9 @@ references are computed here: each weight rounded to bfloat16 to nearest, ties t
 its bits (not torch's conversion, which the layer uses), then x @ W^T in float64. A row's float32 fma chain over the
 widened weights is within 1e-5 of that (relative to sum |x w|); the float32 weight's product differs from it by at
 most 2^-8 of sum |x w| (a rounding to 8 significant bits), and does differ. The native layer keeps nothing but the
-bfloat16 panels, and a row's result is the same bits in any batch: it is the float32 kernel's chain, on the same
-weights widened (compared with the native float32 kernel on them)."""
+bfloat16 panels; up to WIDEN_ROWS rows a row's result is the same bits in any batch (it is the float32 kernel's
+chain on the same weights widened: compared with the native float32 kernel on them), and above, the panels widen
+back to exactly the rounded weight for the GEMM."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gpu import native, quant
 from gpu.quant import QuantLinear
 
 NATIVE = pytest.mark.skipif(native.ops() is None, reason="the native kernels are not built for this CPU")
-ROWS = [1, 2, 3, 7, 64, 65, 200]  # (a decode row, the tiles' sizes and tails, many rows)
+ROWS = [1, 2, 3, 7, 64, 65, 200, quant.WIDEN_ROWS + 1]  # (a decode row, the tiles' sizes and tails, many rows)
 
 
 def bf16_round(w: torch.Tensor) -> torch.Tensor:
@@ -57,12 +58,13 @@ def test_every_row_count_matches_the_rounded_weight(native_ops, shape):
 @NATIVE
 def test_the_native_layer_keeps_only_the_bfloat16_panels_and_rows_alone():
     ops = native.ops()
-    w, bias, x = case(300, 576, 200, seed=1)
+    w, bias, x = case(300, 576, quant.WIDEN_ROWS, seed=1)
     q = QuantLinear(w, bias, "bf16", ops)
     held = [t for t in (q.native, q.packed, q.weight_t) if t is not None]
     assert [t.dtype for t in held] == [torch.bfloat16] and q.native.numel() * 2 < w.numel() * 2.2  # (panel padding)
     widened = ops.pack(w.to(torch.bfloat16).float())  # the float32 kernel on the same weights
-    for rows in ROWS:
+    assert torch.equal(ops.unpack(q.native, 300).double(), bf16_round(w).t())  # (what many rows multiply by)
+    for rows in (r for r in ROWS if r <= quant.WIDEN_ROWS):
         y = q(x[:rows])
         assert torch.equal(y, ops.linear(x[:rows].contiguous(), widened, 300, bias))
         assert torch.equal(y[:1], q(x[:1]))  # the first row: the same bits alone

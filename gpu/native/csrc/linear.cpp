@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -46,8 +47,8 @@ inline uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.muta
 
 // Where column c of a panel's input row lies: float32 in order; bfloat16 in pairs of vectors interleaved, so that
 // one load of 2 x LANES of them gives vector 2j (the low halves, column 2j * LANES + lane) and 2j + 1 (the high).
-inline int64_t slot(float*, int64_t c) { return c; }
-inline int64_t slot(uint16_t*, int64_t c) {
+inline int64_t slot(const float*, int64_t c) { return c; }
+inline int64_t slot(const uint16_t*, int64_t c) {
   const int64_t pair = c / (2 * LANES), v = c / LANES % 2, lane = c % LANES;
   return pair * 2 * LANES + 2 * lane + v;
 }
@@ -68,6 +69,24 @@ void pack_panels(const W* src, W* dst, int64_t out, int64_t in, int64_t panels) 
   });
 }
 
+// The packed weight widened back to float32 and laid out [in, out] (for x @ W^T by a GEMM of many rows).
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename W>
+void unpack_panels(const W* src, float* dst, int64_t out, int64_t in) {
+  at::parallel_for(0, in, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t o = 0; o < out; ++o)
+        dst[i * out + o] = widen(src[(o / PANEL * in + i) * PANEL + slot(src, o % PANEL)]);
+  });
+}
+
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
               "pack: a float32 or bfloat16 [out, in] weight");
@@ -79,6 +98,20 @@ at::Tensor pack(const at::Tensor& weight) {
   else
     pack_panels(bits(w), bits(packed), out, in, panels);
   return packed;
+}
+
+at::Tensor unpack(const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) &&
+                  (out_features + PANEL - 1) / PANEL == packed.size(0),
+              "unpack: a packed weight (pack) of out_features columns");
+  const int64_t in = packed.size(1);
+  auto w = at::empty({in, out_features}, packed.options().dtype(at::kFloat));
+  if (packed.scalar_type() == at::kFloat)
+    unpack_panels(packed.data_ptr<float>(), w.data_ptr<float>(), out_features, in);
+  else
+    unpack_panels(bits(packed), w.data_ptr<float>(), out_features, in);
+  return w;
 }
 
 // One row's sums of a panel (PANEL floats at sums) into y: `cols` valid columns, each plus its bias.
@@ -187,12 +220,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 
 TORCH_LIBRARY(SLUICE_NS, m) {
   m.def("pack(Tensor weight) -> Tensor");
+  m.def("unpack(Tensor packed, int out_features) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_out(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) y) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) {
   m.impl("pack", pack);
+  m.impl("unpack", unpack);
   m.impl("linear", linear);
   m.impl("linear_out", [](const at::Tensor& x, const at::Tensor& p, const c10::optional<at::Tensor>& b, at::Tensor y) {
     linear_out(x, p, b, y);
