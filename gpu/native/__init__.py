@@ -5,8 +5,8 @@ one warning saying why.
 
 `ops()` is the op namespace (torch.ops.sluice_<isa>): `pack(weight) -> packed` (float32 or bfloat16 weights),
 `unpack(packed, out_features) -> float32 [in, out]`, `linear(x, packed, out_features, bias) -> y`, `linear_out(x,
-packed, bias, y)` (gpu/native/csrc/linear.cpp says what they guarantee) and `paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, softcap) -> out`
-(gpu/native/csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (gpu/native/csrc/reduce.cpp), and the decoder's small
+packed, bias, y)` (gpu/native/csrc/linear.cpp says what they guarantee) and `paged_attention(q, k_cache, v_cache,
+query_start_loc, seq_lens, block_tables, scale, window, softcap) -> out` (gpu/native/csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (gpu/native/csrc/reduce.cpp), and the decoder's small
 steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul` (gpu/native/csrc/fused.cpp; the kernel set of
 gpu/native/kernels.py), and the quantized layers' `int4_linear`, `int8_linear` (gpu/native/csrc/quant.cpp).
 """
