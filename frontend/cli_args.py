@@ -65,7 +65,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["int8", "int4", "bf16"],
         default=None,
         help="weight-only quantization (CPU, float32 activations): int8 per channel, int4 per group of 32, or each "
-        "weight rounded to bfloat16 (half the bytes; on the native kernels at every row count)",
+        "weight rounded to bfloat16 (half the bytes, streamed by the native kernels)",
     )
     g.add_argument(
         "--cpu-kernels",

@@ -129,9 +129,10 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def make_invariant(self) -> None:
-        """Every row count on the native kernels, each row computed alone (bf16: its dense one)."""
+        """Every row count on the native kernels, each row computed alone: bf16's dense one; int8's and int4's
+        quantized ones (their dequantized panels, never read again, freed)."""
         if self.mode != "bf16":
-            self.kernel_rows = sys.maxsize
+            self.kernel_rows, self.native = sys.maxsize, None
         self.native_rows = sys.maxsize
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ the checkpoint's full shapes and the load reads only the shard's ranges.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from gpu.linear import Linear
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
 from gpu.quant import GROUP, Quantization, quantize_model
+
+log = logging.getLogger("sluice.weights")
 
 Load = tuple[Path, str, str, int | None]  # (file, tensor name, parameter, stacked row or None)
 
@@ -88,8 +91,9 @@ def load_model(
     cpu_kernels: str | None = None,
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
-    int8 or int4 one, kept dequantized too for calls of many rows, or a bfloat16 one (gpu/quant.py); `attention`, the backend every
-    attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set goes to every layer;
+    int8 or int4 one, kept dequantized too for calls of many rows, or a bfloat16 one (gpu/quant.py); `attention`,
+    the backend every attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set
+    goes to every layer;
     `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the native kernels where
     built (gpu/native), quantized layers' few-row calls too; "torch": torch's.
     Once loaded, q/k/v and gate/up weights are stacked into one each."""
@@ -127,6 +131,8 @@ def load_model(
     cpu = device.type == "cpu" and dtype == torch.float32
     ops = native.ops() if cpu and cpu_kernels != "torch" else None
     if quantization:
+        if quantization == "bf16" and ops is None:
+            log.warning("--quantization bf16 without the native kernels: rounded weights in float32, no gain in memory")
         quantize_model(model, quantization, ops)
         return model
     for module in model.modules():

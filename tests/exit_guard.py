@@ -5,10 +5,12 @@ A CI run printed its summary (every test passed) and then hung until the CI kill
 summary Python joins the non-daemon threads (the asyncio executors' too) and multiprocessing joins its children,
 after sending the daemonic ones SIGTERM, which an actor process answers by draining. Here, at unconfigure (after the
 summary):
-- child processes still alive are listed on stderr and SIGKILLed (their own children die with them: PDEATHSIG);
-- non-daemon threads still alive are listed with their stacks;
-- a daemon watchdog ends the process with the session's own exit status if exiting still takes EXIT_DEADLINE_S,
-  after dumping every thread's stack: a hang at exit shows what it was instead of costing the run.
+- a daemon watchdog is started first: it ends the process with the session's own exit status if exiting still takes
+  EXIT_DEADLINE_S, after dumping every thread's stack (a hang at exit shows what it was instead of costing the run);
+  past that, faulthandler's (status 1) covers the interpreter's last phase, where daemon threads no longer run;
+- child processes still alive are listed on stderr and SIGKILLed (an actor process's own children die with it:
+  PDEATHSIG);
+- non-daemon threads still alive are listed with their stacks.
 """
 
 from __future__ import annotations
@@ -26,12 +28,23 @@ EXIT_DEADLINE_S = 120.0
 _STATUS = pytest.StashKey[int]()
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    session.config.stash[_STATUS] = int(exitstatus)
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    session.config.stash[_STATUS] = int(session.exitstatus)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    err = sys.__stderr__
+    err, status = sys.__stderr__, config.stash.get(_STATUS, 1)
+
+    def expire() -> None:
+        print(f"exit_guard: still exiting after {EXIT_DEADLINE_S:.0f} s; every thread's stack:", file=err, flush=True)
+        faulthandler.dump_traceback(err, all_threads=True)
+        os._exit(status)
+
+    watchdog = threading.Timer(EXIT_DEADLINE_S, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    faulthandler.dump_traceback_later(2 * EXIT_DEADLINE_S, exit=True, file=err)
     children = multiprocessing.active_children()
     for child in children:
         print(f"exit_guard: killing {child.name} (pid {child.pid}), left running by the tests", file=err)
@@ -43,13 +56,3 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         if not t.daemon and t is not threading.main_thread():
             stack = "".join(traceback.format_stack(frames[t.ident])) if t.ident in frames else ""
             print(f"exit_guard: thread {t.name} still running, at:\n{stack}", file=err)
-    status = config.stash.get(_STATUS, 1)
-
-    def expire() -> None:
-        print(f"exit_guard: still exiting after {EXIT_DEADLINE_S:.0f} s; every thread's stack:", file=err, flush=True)
-        faulthandler.dump_traceback(err, all_threads=True)
-        os._exit(status)
-
-    watchdog = threading.Timer(EXIT_DEADLINE_S, expire)
-    watchdog.daemon = True
-    watchdog.start()

@@ -1,6 +1,6 @@
 """tests/exit_guard.py, on a run of its own: a child that ignores SIGTERM and a thread blocked forever, left by a
-passing test, would hang the interpreter's exit for ever; the guard kills the child, names the thread, and its
-watchdog ends the process with the session's status (0) after the deadline, every stack dumped."""
+passing test, would hang the interpreter's exit for ever; the guard kills the child (it is gone afterwards), names
+the thread, and its watchdog ends the process with the session's status (0) after the deadline, every stack dumped."""
 
 import subprocess
 import sys
@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 LEAKY = """
 import multiprocessing, signal, threading
+from pathlib import Path
 
 import tests.exit_guard
 
@@ -23,7 +24,9 @@ def stubborn():
 
 
 def test_leaves_a_child_and_a_thread():
-    multiprocessing.get_context("spawn").Process(target=stubborn, daemon=True, name="stubborn").start()
+    child = multiprocessing.get_context("spawn").Process(target=stubborn, daemon=True, name="stubborn")
+    child.start()
+    Path(__file__).with_name("child.pid").write_text(str(child.pid))
     threading.Thread(target=threading.Event().wait, name="blocked-forever").start()
 """
 
@@ -40,3 +43,5 @@ def test_a_run_that_leaves_work_behind_still_exits_with_its_status(tmp_path):
     assert "exit_guard: killing stubborn" in run.stderr
     assert "exit_guard: thread blocked-forever still running" in run.stderr
     assert "still exiting after 2 s" in run.stderr
+    pid = int((tmp_path / "child.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists()  # (killed and reaped: left alone, it would wait for ever)

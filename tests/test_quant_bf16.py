@@ -76,3 +76,15 @@ def test_without_the_native_kernels_the_float32_gemm_takes_the_rounded_weight(mo
     q = QuantLinear(w, bias, "bf16", None)
     assert q.native is None and q.weight_t.dtype == torch.float32
     torch.testing.assert_close(q(x).double(), x.double() @ bf16_round(w).t() + bias.double(), rtol=1e-5, atol=1e-5)
+
+
+@NATIVE
+def test_batch_invariant_mode_keeps_many_rows_on_the_native_kernel():
+    """Above WIDEN_ROWS a row's result depends on the GEMM around it; with make_invariant it is the row's alone.
+    The power check: without it, the same comparison differs."""
+    w, bias, x = case(300, 576, quant.WIDEN_ROWS + 1, seed=2)
+    q = QuantLinear(w, bias, "bf16", native.ops())
+    alone = q(x[:1])
+    assert not torch.equal(q(x)[:1], alone)
+    q.make_invariant()
+    assert torch.equal(q(x)[:1], alone)

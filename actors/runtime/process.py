@@ -3,7 +3,8 @@
 A child is spawned (never forked: torch and ZMQ do not survive fork) with a JSON config. It sets
 its process title `sluice:<process>`, asks the kernel to SIGKILL it when the launcher dies (and
 polls its parent as a second line), starts its actors on uvloop and tells the supervisor Ready.
-SIGTERM/SIGINT drain gracefully. Exit codes: 0 clean, 1 an actor failed, 3 the launcher died.
+SIGTERM/SIGINT drain gracefully; once its actors have ended it exits at once (os._exit: no wait for
+executor threads still running). Exit codes: 0 clean, 1 an actor failed, 3 the launcher died.
 """
 
 from __future__ import annotations
@@ -69,7 +70,11 @@ def child_main(config_json: bytes) -> None:
     )
     import uvloop
 
-    sys.exit(uvloop.run(_serve(config)))
+    code = uvloop.run(_serve(config))
+    logging.shutdown()  # (flushed: what follows skips the interpreter's finalization)
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)  # not sys.exit: that joins every non-daemon thread, and a device step or compile still running in
+    # an executor's thread (a hung fault, a slow grammar) would keep this process, and its launcher's join, alive
 
 
 async def _serve(config: ChildConfig) -> int:

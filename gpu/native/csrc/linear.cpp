@@ -18,7 +18,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -69,21 +68,12 @@ void pack_panels(const W* src, W* dst, int64_t out, int64_t in, int64_t panels) 
   });
 }
 
-// The packed weight widened back to float32 and laid out [in, out] (for x @ W^T by a GEMM of many rows).
-inline float widen(float w) { return w; }
-inline float widen(uint16_t w) {
-  const uint32_t bits = static_cast<uint32_t>(w) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-template <typename W>
-void unpack_panels(const W* src, float* dst, int64_t out, int64_t in) {
+// Bfloat16 panels widened back to float32 and laid out [in, out] (for x @ W^T by a GEMM of many rows).
+void unpack_panels(const uint16_t* src, float* dst, int64_t out, int64_t in) {
   at::parallel_for(0, in, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       for (int64_t o = 0; o < out; ++o)
-        dst[i * out + o] = widen(src[(o / PANEL * in + i) * PANEL + slot(src, o % PANEL)]);
+        dst[i * out + o] = bf16(src[(o / PANEL * in + i) * PANEL + slot(src, o % PANEL)]);
   });
 }
 
@@ -102,15 +92,10 @@ at::Tensor pack(const at::Tensor& weight) {
 
 at::Tensor unpack(const at::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.is_contiguous() &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) &&
-                  (out_features + PANEL - 1) / PANEL == packed.size(0),
-              "unpack: a packed weight (pack) of out_features columns");
-  const int64_t in = packed.size(1);
-  auto w = at::empty({in, out_features}, packed.options().dtype(at::kFloat));
-  if (packed.scalar_type() == at::kFloat)
-    unpack_panels(packed.data_ptr<float>(), w.data_ptr<float>(), out_features, in);
-  else
-    unpack_panels(bits(packed), w.data_ptr<float>(), out_features, in);
+                  packed.scalar_type() == at::kBFloat16 && (out_features + PANEL - 1) / PANEL == packed.size(0),
+              "unpack: a bfloat16 packed weight (pack) of out_features columns");
+  auto w = at::empty({packed.size(1), out_features}, packed.options().dtype(at::kFloat));
+  unpack_panels(bits(packed), w.data_ptr<float>(), out_features, packed.size(1));
   return w;
 }
 

@@ -17,8 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
+
+#include "simd.h"
 
 #ifndef SLUICE_NS
 #error "SLUICE_NS names the op namespace of this ISA's build"
@@ -26,15 +27,10 @@
 
 namespace {
 
+using simd::bf16;
+
 constexpr int64_t QG = 32;  // inputs per group
 constexpr int64_t RT = 4;  // rows per pass over a column's weights
-
-inline float bf16(uint16_t b) {
-  uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 inline float hsum8(__m256 v) {  // lanes i + i+4, then i + i+2, then i + i+1
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace {  // (internal linkage: V16 is another type in each ISA's library)
 namespace simd {
@@ -116,6 +117,14 @@ inline V16 select_ge0_16(V16 z, V16 a, V16 b) {
           _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(z.hi, zero, _CMP_GE_OQ))};
 }
 #endif
+
+// A bfloat16 (its bits) widened to float32: exact, the high half of the float.
+inline float bf16(uint16_t b) {
+  const uint32_t high = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &high, sizeof f);
+  return f;
+}
 
 // The sum of the 16 lanes by one tree on both ISAs: lane i + lane i+8, then i + i+4, i + i+2, i + i+1.
 inline float sum16(V16 a) {
