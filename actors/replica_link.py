@@ -76,6 +76,7 @@ class Door(Actor):
         self.remote = {k: Remote(k) for k in remote}
         self.client, self.address = client, address
         self.link, self.wire = Codec(REPLICA_TYPES), Codec()
+        self.ctx: zmq.asyncio.Context | None = None  # (made at on_start)
 
     def handlers(self):
         return {ActorUp: self.on_actor_up}
@@ -88,20 +89,25 @@ class Door(Actor):
                     self._tell_client(r, ActorDown, "its node has not joined")
 
     async def on_start(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.sock, self.auth = curve.server(self.ctx, curve.cluster_secret(), self.address)
+        ctx = zmq.asyncio.Context()
+        sock, auth = curve.server(ctx, curve.cluster_secret(), self.address)
+        self.ctx, self.sock, self.auth, self.monitor = ctx, sock, auth, curve.server_monitor(sock)
         self.sock.router_mandatory = True  # (a relay its node's connection cannot take fails: the replica is down)
         for r in self.remote.values():  # (down until their node joins)
             self._tell_client(r, ActorDown, "its node has not joined")
         log.info("waiting for the nodes of engine replicas %s at %s", sorted(self.remote), self.address)
-        self.spawn(curve.log_refusals(curve.server_monitor(self.sock)))
+        self.spawn(curve.log_refusals(self.monitor))
         self.spawn(self._listen())
         self.spawn(self._watch())
 
-    async def on_shutdown(self, reason: str) -> None:
-        self.sock.close(0)
-        self.auth.stop()
-        self.ctx.term()
+    def on_stop(self) -> None:
+        """Every socket closed, then the context ended (a context the collector finalizes may run its term() before
+        its sockets' close, and wait for them for ever: the test process hung so at its end)."""
+        if self.ctx is not None:
+            self.monitor.close(0)
+            self.sock.close(0)
+            self.auth.stop()
+            self.ctx.term()
 
     def forward(self, k: int, dst: str, msg: Msg) -> None:
         """A proxy's message for replica k's actor `dst` (dropped while k is down: its requests go on elsewhere)."""
@@ -219,8 +225,8 @@ class NodeLink(Actor):
         self.spawn(self._hello())
         self.spawn(self._listen())
 
-    async def on_shutdown(self, reason: str) -> None:
-        self.monitor.close(0)
+    def on_stop(self) -> None:
+        self.monitor.close(0)  # (as the door's)
         self.sock.close(0)
         self.ctx.term()
 

@@ -152,13 +152,15 @@ def test_tokenizing_releases_the_gil(ctx):
             ticks.append(time.perf_counter())
             time.sleep(0.001)
 
-    ticker = threading.Thread(target=tick)
+    ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     start = time.perf_counter()
-    ctx.tokenizer.encode(text)
-    took = time.perf_counter() - start
-    done.set()
-    ticker.join()
+    try:
+        ctx.tokenizer.encode(text)
+        took = time.perf_counter() - start
+    finally:
+        done.set()
+        ticker.join()
     during = [t for t in ticks if start <= t <= start + took]
     # a tokenizer holding the GIL lets the ticker run once at most (measured: 0 vs ~1 per ms)
     assert len(during) >= max(3, took / 0.001 / 10), (took, len(during))

@@ -66,6 +66,10 @@ class Actor:
     async def on_shutdown(self, reason: str) -> None:
         """Drain: stop admitting, finish or abort in-flight work. Then the actor stops."""
 
+    def on_stop(self) -> None:
+        """Release what the actor holds (sockets, contexts) once it has ended, however it ended (drained, stopped,
+        failed; after on_start, even one that failed): never left to the garbage collector."""
+
     # ------------------------------------------------------------ messaging
 
     def tell(self, dst: str, msg: Msg) -> None:
@@ -128,14 +132,17 @@ class Actor:
         self.router = router
         self.inbox = router.open_inbox(self.name)
         self._handlers = self.handlers()
-        async with asyncio.TaskGroup() as tasks:
-            self._tasks = tasks
-            await self.on_start()
-            self.started.set()
-            self.spawn(self._receive())
-            await self._stopped.wait()
-            for task in list(self._owned):
-                task.cancel()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                await self.on_start()
+                self.started.set()
+                self.spawn(self._receive())
+                await self._stopped.wait()
+                for task in list(self._owned):
+                    task.cancel()
+        finally:
+            self.on_stop()
 
     async def _receive(self) -> None:
         while True:
