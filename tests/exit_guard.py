@@ -1,10 +1,11 @@
 """The suite's end (a pytest plugin, loaded by conftest.py): what the tests left running is named and ended, and the
 process exits even if something still holds it.
 
-A CI run printed its summary (every test passed) and then hung until the CI killed it, 55 minutes later: after the
-summary Python joins the non-daemon threads (the asyncio executors' too) and multiprocessing joins its children,
-after sending the daemonic ones SIGTERM, which an actor process answers by draining. Here, at unconfigure (after the
-summary):
+A CI run printed its summary (every test passed) and then hung until the CI killed it, 55 minutes later. The cause
+found since: a stopped actor's ZMQ context left to the garbage collector, whose finalizer waits for sockets that are
+finalized after it (fixed: `Actor.on_stop`). What else may hold a process after the summary: the non-daemon threads
+Python joins (the asyncio executors' too), and the children multiprocessing joins, after sending the daemonic ones
+SIGTERM, which an actor process answers by draining. Here, at unconfigure (after the summary):
 - a daemon watchdog is started first: it ends the process with the session's own exit status if exiting still takes
   EXIT_DEADLINE_S, after dumping every thread's stack (a hang at exit shows what it was instead of costing the run);
   past that, faulthandler's (status 1) covers the interpreter's last phase, where daemon threads no longer run;
