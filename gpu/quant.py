@@ -25,9 +25,8 @@ How many rows a call has picks the path (state x event, per call):
 (kernel_rows: NATIVE_KERNEL_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's; -1, no call, not even
 of zero rows, for bf16 and for int8 widths off a multiple of 8, where torch's int8 kernel computes wrong sums or
 crashes; native_rows: WIDEN_ROWS for bf16 on the native kernels, whose GEMM is the native kernel on the bfloat16
-panels, else unbounded; both every row count in
-batch-invariant mode on the native kernels, whose rows are computed alone (`make_invariant`); the float32 GEMM is
-the native one too where the native kernels are, as a float32 model's.)
+panels, else unbounded; both every row count in batch-invariant mode on the native kernels, whose rows are computed
+alone (`make_invariant`); the float32 GEMM is the native one too where the native kernels are, as a float32 model's.)
 
 Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
 float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
@@ -149,7 +148,7 @@ class QuantLinear(nn.Module):
 
 def quantize_model(model: nn.Module, mode: Quantization, native_ops=None) -> None:
     """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place; their
-    few-row calls (bf16: all) run the native kernels where `native_ops` are given (gpu/native)."""
+    few-row calls (bf16: up to WIDEN_ROWS rows) run the native kernels where `native_ops` are given (gpu/native)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
