@@ -61,7 +61,7 @@ def test_the_native_layer_keeps_only_the_bfloat16_panels_and_rows_alone():
     w, bias, x = case(300, 576, quant.WIDEN_ROWS, seed=1)
     q = QuantLinear(w, bias, "bf16", ops)
     held = [t for t in (q.native, q.packed, q.weight_t) if t is not None]
-    assert [t.dtype for t in held] == [torch.bfloat16] and q.native.numel() * 2 < w.numel() * 2.2  # (panel padding)
+    assert [t.dtype for t in held] == [torch.bfloat16] and q.native.numel() < 1.1 * w.numel()  # (panel padding)
     widened = ops.pack(w.to(torch.bfloat16).float())  # the float32 kernel on the same weights
     assert torch.equal(ops.unpack(q.native, 300).double(), bf16_round(w).t())  # (what many rows multiply by)
     for rows in (r for r in ROWS if r <= quant.WIDEN_ROWS):

@@ -267,3 +267,23 @@ async def test_an_actor_drains_while_it_goes_on_handling_messages():
         tester.tell("drainer", Probe(seq=1))
         await asyncio.wait_for(drainer.done.wait(), 10)
     assert drainer.drained and [p.seq for p in drainer.probes] == [1]
+
+
+class Holder(Sender):
+    """Counts its `on_stop` calls."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.stops = 0
+
+    def on_stop(self) -> None:
+        self.stops += 1
+
+
+async def test_a_stopped_actor_releases_what_it_holds():
+    """`on_stop` runs once an actor has ended, stopped as a launcher stops its local actors, not drained: the replica
+    door closed its ZMQ context only on a drain, left it to the collector, and the process hung at its exit."""
+    holder = Holder("holder")
+    async with ActorSystem([], local=[holder]):
+        assert holder.stops == 0
+    assert holder.stops == 1
