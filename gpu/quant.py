@@ -105,6 +105,8 @@ class QuantLinear(nn.Module):
                 self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
                 self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]
             dense = ((q - 8) * scale.float() + zero.float()).view(self.out_features, self.in_features)
+        if self.native_ops is not None and mode != "bf16":  # (in the memory the native kernels stream weights from)
+            self.qweight, self.scales = native_ops.huge_copy(self.qweight), native_ops.huge_copy(self.scales)
         # for calls of more than kernel_rows rows: the native float32 kernel's panels (bfloat16 ones for bf16), else
         # oneDNN's or [in, out] in float32
         self.native = native_ops.pack(dense) if self.native_ops is not None else None

@@ -109,3 +109,20 @@ def test_quantized_rows_are_the_same_bits_in_any_batch_and_on_every_isa(mode):
     alone = torch.cat([layers[0].kernel(x[i : i + 1]) for i in range(9)])
     assert all(torch.equal(layers[0].kernel(x[:size]), alone[:size]) for size in range(1, 10))
     assert all(torch.equal(other.kernel(x), alone) for other in layers[1:])
+
+
+@pytest.mark.parametrize("isa", BUILT)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_streamed_weights_lie_in_huge_page_aligned_memory(isa, dtype):
+    """pack's panels and huge_copy's copies of at least 2 MB start on a 2 MB boundary (where transparent huge pages
+    can back them) and hold what they were given; smaller ones are ordinary tensors, still exact."""
+    ops, g = native.ops(isa), torch.Generator().manual_seed(5)
+    for rows, huge in [(1024, True), (7, False)]:
+        t = (torch.randn(rows, 576 * 4, generator=g) * 100).to(dtype)  # (1024 rows: 2.25 MB even as bytes)
+        copy = ops.huge_copy(t)
+        assert torch.equal(copy, t) and copy.dtype == dtype and copy.data_ptr() != t.data_ptr()
+        assert copy.data_ptr() % (2 << 20) == 0 or not huge
+        if dtype != torch.uint8:
+            packed = ops.pack(t)
+            assert packed.data_ptr() % (2 << 20) == 0 or not huge
+            assert torch.equal(ops.linear(torch.eye(576 * 4)[:3], packed, rows, None), t.float().T[:3])

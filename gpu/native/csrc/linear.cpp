@@ -11,13 +11,21 @@
 // row's logits identical in any batch. Threads split the panels evenly (a memory-bound GEMV is as slow as its
 // busiest thread).
 //
+// Weights the kernels stream (pack's panels, and what huge_copy copies: the quantized kernels' weights) lie in
+// memory aligned to 2 MB and advised for transparent huge pages where they span one: reading a step's weights once
+// then misses the TLB every 2 MB instead of every 4 KB (measured in docs/PERFORMANCE.md; advice only: where the
+// system's THP setting is "never" they are ordinary pages).
+//
 // Built twice by gpu/native/build.py, with -mavx2 -mfma (namespace sluice_avx2) and with -mavx512f (sluice_avx512);
 // gpu/native/__init__.py loads the one the CPU runs.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "simd.h"
@@ -39,6 +47,24 @@ constexpr int TILE = 3, GROUP = 2;  // 16 registers: 12 accumulators in a tile, 
 constexpr int VECS = 4;
 constexpr int64_t PANEL = VECS * LANES;  // output columns per panel: four vectors
 constexpr int64_t KBLOCK = 4096 / PANEL;  // inputs per pass over a panel: 16 KB of float32 weights, in L1
+
+constexpr size_t HUGE_PAGE = size_t(2) << 20;
+
+// An uninitialised CPU tensor, 2 MB-aligned and advised for huge pages if it is at least one huge page long.
+at::Tensor huge_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype);
+  const size_t bytes = c10::multiply_integers(sizes) * c10::elementSize(dtype);
+  if (bytes < HUGE_PAGE) return at::empty(sizes, options);
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, HUGE_PAGE, bytes) == 0, "out of memory: ", bytes, " bytes of weights");
+  madvise(p, bytes, MADV_HUGEPAGE);  // (before the first touch, so that the faults map huge pages; may fail: advice)
+  return at::from_blob(p, sizes, [](void* q) { std::free(q); }, options);
+}
+
+at::Tensor huge_copy(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "huge_copy: a CPU tensor");
+  return huge_empty(t.sizes(), t.scalar_type()).copy_(t);
+}
 
 // A bfloat16 tensor's elements as their bits
 inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); }
@@ -82,7 +108,7 @@ at::Tensor pack(const at::Tensor& weight) {
               "pack: a float32 or bfloat16 [out, in] weight");
   auto w = weight.contiguous();
   const int64_t out = w.size(0), in = w.size(1), panels = (out + PANEL - 1) / PANEL;
-  auto packed = at::zeros({panels, in, PANEL}, w.options());  // (a zero bfloat16 is zero bits)
+  auto packed = huge_empty({panels, in, PANEL}, w.scalar_type()).zero_();  // (a zero bfloat16 is zero bits)
   if (w.scalar_type() == at::kFloat)
     pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), out, in, panels);
   else
@@ -205,6 +231,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 
 TORCH_LIBRARY(SLUICE_NS, m) {
   m.def("pack(Tensor weight) -> Tensor");
+  m.def("huge_copy(Tensor t) -> Tensor");
   m.def("unpack(Tensor packed, int out_features) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_out(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) y) -> ()");
@@ -212,6 +239,7 @@ TORCH_LIBRARY(SLUICE_NS, m) {
 
 TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) {
   m.impl("pack", pack);
+  m.impl("huge_copy", huge_copy);
   m.impl("unpack", unpack);
   m.impl("linear", linear);
   m.impl("linear_out", [](const at::Tensor& x, const at::Tensor& p, const c10::optional<at::Tensor>& b, at::Tensor y) {
