@@ -23,6 +23,7 @@ from gpu.kv_cache import KVCache
 from gpu.layers.parallel import local_config
 from gpu.linear import make_invariant
 from gpu.memory import CudaMemory, DeviceMemory, log_plan, profile
+from gpu.native.decoder import native_loop
 from gpu.quant import Quantization
 from gpu.weights import load_model
 
@@ -112,6 +113,7 @@ class ModelRunner:
         self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention, kernels)
         if batch_invariant:
             make_invariant(self.model)
+        self.model.model.native_loop = native_loop(self.model, self.attention)
         mode = graph_mode(decode_graphs, self.device, self.attention, model_config.moe is not None)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self.kv_cache = None

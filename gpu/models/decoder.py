@@ -71,12 +71,15 @@ class DecoderModel(nn.Module):
             RotaryEmbedding(rotary_dim, theta, s, c.max_position_embeddings, c.max_model_len) for theta, s in ropes
         ]
         self.embed_scale = c.hidden_size**0.5 if family.scale_embeddings else None
+        self.native_loop = None  # the layer loop as one native call, for the steps it takes (gpu/native/decoder.py)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         ropes = [rotary(positions, x.dtype) for rotary in self.rotaries]
+        if self.native_loop is not None and self.native_loop.takes(x.shape[0], meta):
+            return self.native_loop(x, ropes, meta, kv_cache)
         residual = None
         for layer, kv in zip(self.layers, kv_cache.layers, strict=True):
             x, residual = layer(x, residual, ropes, meta, kv)

@@ -1,0 +1,139 @@
+// A decoder stack's layer loop as one native call (gpu/native/decoder.py builds it where a model qualifies): at a
+// decode step of SmolLM2-135M the Python between the ~8 ops of each of 30 layers cost 4-5 ms of a 15 ms (int4) to
+// 28 ms (float32) step. `Decoder` holds each layer's weights as the native ops take them and calls those same ops,
+// through the dispatcher, in the same order and on the same arguments as the Python loop (gpu/models/decoder.py
+// with the native backend's kernel set and linear layers: gpu/linear.py, gpu/quant.py), so its results are the same
+// bits (tests/test_native_decoder.py). One layer, with the stream residual + h:
+//
+//   x = rms_norm(h + residual) (the sum into residual; the first layer: residual = h)
+//   q, k, v = split(qkv(x)); rotate q, k and write k, v at the step's slots; a = attention(q) over the paged cache
+//   x = rms_norm(o(a) + residual); h = down(act(gate) * up) of gate_up(x)
+//
+// and at the end rms_norm(h + residual) with the final norm's weight. A linear layer runs its quantized kernel
+// (int4 or int8: the bias added after) for up to kernel_rows rows, else the float32 kernel on its panels (float32 or
+// bfloat16), bias inside: the path gpu/quant.py's QuantLinear and gpu/linear.py's Linear take at those rows (the
+// builder hands over no layer whose path would leave the native kernels at the rows a step may have).
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#ifndef SLUICE_NS
+#error "SLUICE_NS names the op namespace of this ISA's build"
+#endif
+#define SLUICE_STR2(x) #x
+#define SLUICE_STR(x) SLUICE_STR2(x)
+
+namespace {
+
+using OptT = c10::optional<at::Tensor>;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {  // this library's op `name`
+  const std::string full = std::string(SLUICE_STR(SLUICE_NS)) + "::" + name;
+  return c10::Dispatcher::singleton().findSchemaOrThrow(full.c_str(), "").typed<Sig>();
+}
+
+// The native ops' signatures (as registered: linear.cpp, quant.cpp, fused.cpp, attention.cpp)
+using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptT&);
+using QuantSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&);
+using NormSig = at::Tensor(const at::Tensor&, const OptT&, const at::Tensor&, double, double);
+using RopeSig = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
+                     at::Tensor, const at::Tensor&);
+using ActSig = at::Tensor(const at::Tensor&, int64_t);
+using AttendSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, double, int64_t, double);
+
+struct Linear {
+  int64_t kernel;  // -1: none; 0: int4_linear, 1: int8_linear (on qweight and scales)
+  int64_t kernel_rows;  // the most rows the quantized kernel takes
+  at::Tensor qweight, scales;
+  OptT panels;  // the float32 kernel's (pack), for more rows
+  int64_t out;
+  OptT bias;
+};
+
+struct Layer {
+  at::Tensor in_norm, post_norm;
+  int64_t q, k, v, head_dim;  // the qkv output's widths, and the heads' width
+  double scale;
+  int64_t window;  // 0: none
+  double softcap;  // 0: none
+  int64_t act, rope;  // act_and_mul's activation; which of the step's rotaries
+};
+
+struct Decoder : torch::CustomClassHolder {
+  std::vector<Linear> linears;  // four a layer: qkv, o, gate_up, down
+  std::vector<Layer> layers;
+  double eps = 0.0, offset = 0.0;
+  at::Tensor final_norm;
+  c10::TypedOperatorHandle<LinearSig> linear_ = op<LinearSig>("linear");
+  c10::TypedOperatorHandle<QuantSig> int4_ = op<QuantSig>("int4_linear"), int8_ = op<QuantSig>("int8_linear");
+  c10::TypedOperatorHandle<NormSig> norm_ = op<NormSig>("add_rms_norm");
+  c10::TypedOperatorHandle<RopeSig> rope_ = op<RopeSig>("rope_and_write_kv");
+  c10::TypedOperatorHandle<ActSig> act_ = op<ActSig>("act_and_mul");
+  c10::TypedOperatorHandle<AttendSig> attend_ = op<AttendSig>("paged_attention");
+
+  Decoder(at::Tensor final_norm, double eps, double offset) : eps(eps), offset(offset), final_norm(final_norm) {}
+
+  void add_linear(int64_t kernel, int64_t kernel_rows, OptT qweight, OptT scales, OptT panels, int64_t out,
+                  OptT bias) {
+    TORCH_CHECK(kernel < 0 || (qweight && scales), "Decoder.add_linear: a quantized kernel needs its weights");
+    TORCH_CHECK(kernel >= 0 || panels, "Decoder.add_linear: a dense layer needs its panels");
+    linears.push_back({kernel, kernel_rows, qweight.value_or(at::Tensor()), scales.value_or(at::Tensor()), panels,
+                       out, bias});
+  }
+
+  // A layer over the last four linears added (qkv, o, gate_up, down).
+  void add_layer(at::Tensor in_norm, at::Tensor post_norm, int64_t q, int64_t k, int64_t v, int64_t head_dim,
+                 double scale, int64_t window, double softcap, int64_t act, int64_t rope) {
+    TORCH_CHECK(linears.size() == 4 * (layers.size() + 1), "Decoder.add_layer: after its four linears");
+    layers.push_back({in_norm, post_norm, q, k, v, head_dim, scale, window, softcap, act, rope});
+  }
+
+  at::Tensor run(const Linear& l, const at::Tensor& x) const {
+    if (x.size(0) <= l.kernel_rows) {
+      auto y = (l.kernel == 0 ? int4_ : int8_).call(x.contiguous(), l.qweight, l.scales, c10::nullopt);
+      return l.bias ? y.add_(*l.bias) : y;
+    }
+    TORCH_CHECK(l.panels, "Decoder: a layer's quantized kernel does not take ", x.size(0), " rows");
+    return linear_.call(x.contiguous(), *l.panels, l.out, l.bias);
+  }
+
+  // The final normed hidden states of h (the embedded tokens [T, hidden]); k/v_caches: each layer's, cos/sin: each
+  // rotary's for the step's positions; slots, qsl, seq_lens, tables: the attention metadata (every row native).
+  at::Tensor forward(at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor slots,
+                     at::Tensor qsl, at::Tensor seq_lens, at::Tensor tables) {
+    TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+                "Decoder.forward: a K and a V cache a layer");
+    const int64_t n = h.size(0);
+    OptT residual;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& L = layers[i];
+      const Linear* lin = &linears[4 * i];
+      auto x = norm_.call(h, residual, L.in_norm, eps, offset);
+      if (!residual) residual = h;
+      auto qkv = run(lin[0], x);
+      auto q = qkv.narrow(1, 0, L.q).view({n, -1, L.head_dim});
+      auto k = qkv.narrow(1, L.q, L.k).view({n, -1, L.head_dim});
+      auto v = qkv.narrow(1, L.q + L.k, L.v).view({n, -1, L.head_dim});
+      rope_.call(q, k, v, cos.at(L.rope), sin.at(L.rope), k_caches[i], v_caches[i], slots);
+      auto a = attend_.call(q, k_caches[i], v_caches[i], qsl, seq_lens, tables, L.scale, L.window, L.softcap);
+      x = norm_.call(run(lin[1], a.flatten(1)), residual, L.post_norm, eps, offset);
+      h = run(lin[3], act_.call(run(lin[2], x), L.act));
+    }
+    return norm_.call(h, residual, final_norm, eps, offset);
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(SLUICE_NS, m) {
+  m.class_<Decoder>("Decoder")
+      .def(torch::init<at::Tensor, double, double>())
+      .def("add_linear", &Decoder::add_linear)
+      .def("add_layer", &Decoder::add_layer)
+      .def("forward", &Decoder::forward);
+}

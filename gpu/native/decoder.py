@@ -1,0 +1,82 @@
+"""The decoder's layer loop as one native call (gpu/native/csrc/decoder.cpp), for the steps it can take: the same
+native ops in the same order on the same arguments as the Python loop, so the same bits, without the Python
+between them (4-5 ms of a 15-28 ms batch-1 decode step of SmolLM2-135M on a 2-vCPU AMD EPYC: docs/PERFORMANCE.md).
+
+`native_loop(model, attention)` builds it at load where every layer is a plain one (Llama's shape: no sandwich
+norms, no q/k norms, a dense gated MLP, one device) on the native backend, each linear layer on the native kernels
+for up to `max_rows` rows; None elsewhere (the Python loop runs every step). A step goes to it (`takes`) when it has
+at most max_rows tokens and the native attention kernel takes every row (gpu/attention_native.py: rows of up to
+SHORT_ROW queries; every row in batch-invariant mode).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from gpu.attention import AttentionMetadata
+from gpu.attention_native import NativeAttention
+from gpu.kv_cache import KVCache
+from gpu.layers.attention import Attention
+from gpu.layers.mlp import GatedMLP
+from gpu.linear import Linear
+from gpu.native.kernels import ACT_IDS
+from gpu.quant import QuantLinear
+
+
+class NativeLoop:
+    def __init__(self, decoder, max_rows: int) -> None:
+        self.decoder, self.max_rows = decoder, max_rows
+
+    def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        return num_tokens <= self.max_rows and meta.native is not None and "tokens" not in meta.native
+
+    def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        n = meta.native
+        k, v = zip(*kv_cache.layers, strict=True)
+        cos, sin = zip(*ropes, strict=True)
+        return self.decoder.forward(
+            x, list(cos), list(sin), list(k), list(v), meta.slot_mapping, n["qsl"], n["seq_lens"], n["tables"]
+        )
+
+
+def native_loop(model, attention) -> NativeLoop | None:
+    """The loop of `model` (a CausalLM) as one native call, or None where a layer is not a plain one on the native
+    kernels."""
+    if not isinstance(attention, NativeAttention) or model.tp.size != 1:
+        return None
+    m = model.model
+    norms = [m.norm, *(n for layer in m.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+    if len({(n.eps, n.offset) for n in norms}) != 1:
+        return None
+    decoder = getattr(torch.classes, attention.ops.name).Decoder(m.norm.weight, m.norm.eps, m.norm.offset)
+    max_rows = sys.maxsize
+    for layer in m.layers:
+        a, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+        if layer.sandwich or not isinstance(a, Attention) or hasattr(a, "q_norm") or type(mlp) is not GatedMLP:
+            return None
+        for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            rows = add_linear(decoder, linear)
+            if rows is None:
+                return None
+            max_rows = min(max_rows, rows)
+        q, k, v = a.sizes
+        decoder.add_layer(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q, k, v, a.head_dim, a.scale,
+            a.window or 0, a.softcap or 0.0, ACT_IDS[mlp.act], layer.rope,
+        )  # fmt: skip
+    return NativeLoop(decoder, max_rows)
+
+
+def add_linear(decoder, linear) -> int | None:
+    """Hand `linear` to the decoder; the most rows it takes there (None: it is not on the native kernels)."""
+    if isinstance(linear, Linear) and linear.native is not None:
+        decoder.add_linear(-1, -1, None, None, linear.native, linear.out_features, linear.bias)
+        return linear.native_rows
+    if not isinstance(linear, QuantLinear) or linear.native_ops is None:
+        return None
+    kernel = {"int4": 0, "int8": 1}.get(linear.mode, -1)
+    quantized = (linear.qweight, linear.scales) if kernel >= 0 else (None, None)
+    decoder.add_linear(kernel, linear.kernel_rows, *quantized, linear.native, linear.out_features, linear.bias)
+    return linear.native_rows if linear.native is not None else linear.kernel_rows
