@@ -49,6 +49,7 @@ import sys
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu.linear import onednn_linear, onednn_pack, transposed_linear
@@ -98,9 +99,11 @@ class QuantLinear(nn.Module):
             q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32)
             zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
             scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
-            if self.native_ops is not None:  # byte j of a group: q[j] | q[j + 16] << 4; (scale, zero) [out, groups, 2]
-                self.qweight = (q[..., :16] | q[..., 16:] << 4).to(torch.uint8).view(self.out_features, -1)
-                self.scales = torch.cat([scale, zero], -1).contiguous()
+            if self.native_ops is not None:  # byte j of group pair p: q[2p][j] | q[2p + 1][j] << 4; [s; z - 8 s]
+                pairs = F.pad(q, (0, 0, 0, q.shape[1] % 2)).view(self.out_features, -1, 2, GROUP)
+                self.qweight = (pairs[:, :, 0] | pairs[:, :, 1] << 4).to(torch.uint8).view(self.out_features, -1)
+                s = scale.float().squeeze(-1)
+                self.scales = torch.stack([s, zero.float().squeeze(-1) - 8 * s], 1)  # [out, 2, groups] float32
             else:
                 self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
                 self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]

@@ -3,13 +3,16 @@
 // -127..127; products summed exactly in integers (maddubs: u8 x s8 pairs to int16, then pairs to int32), the
 // scales applied in float32.
 // - int4: w = (q - 8) s + z, q in 0..15, s and z bfloat16 per (column, group); a group's dot product is
-//   d (s sum(q a) + (z - 8 s) sum(a)). qweight [out, in / 2] bytes: group g of column o at o * in / 2 + 16 g,
-//   byte j = q[j] | q[j + 16] << 4; scales [out, in / 32, 2] bfloat16: (s, z).
+//   d (s sum(q a) + m sum(a)) with m = z - 8 s. qweight [out, pairs x 32] bytes, pairs = ceil(groups / 2): byte j of
+//   pair p of a column = q[2p][j] | q[2p + 1][j] << 4 (one 256-bit load, a mask and a shift give both groups' 32
+//   q's); scales [out, 2, groups] float32: s, then m (both exact from the bfloat16s: m rounds once, as it would here).
+//   The m terms are a row's dot product with the column's m's, eight groups a vector.
 // - int8: w = q s, q in -127..127, s bfloat16 per column; y = s (the sum over groups of d sum(q a)). qweight
 //   [out, in] int8 (torch's layout), scales [out] bfloat16.
 // The same 256-bit code in both ISAs' builds, each column's float sums in one fixed order (even and odd groups' in
-// turn, eight lanes each, then their sum and one tree), each row quantized alone: a row's result is the same bits
-// in any batch and on either build. Threads split the columns evenly.
+// turn, eight lanes each, then their sum and one tree; int4's m terms in eight lanes and a tree, added last), each
+// row quantized alone: a row's result is the same bits in any batch and on either build. Threads split the columns
+// evenly.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -58,38 +61,45 @@ void quantize_row(const float* x, int64_t in, int8_t* a, float* d, float* c) {
   }
 }
 
-// Group g of one column into R rows' accumulators (acc, mins: R each).
+// The dot of n floats at a and b (a column's m's, a row's c's): eight lanes, the tail masked, one tree.
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, mask), _mm256_maskload_ps(b + i, mask), acc);
+  }
+  return hsum8(acc);
+}
+
+// Group g's 32 q's of one column (q) into R rows' accumulators: s_g d_rg sum(q a_rg), in float.
 template <int R>
-inline void group(const uint8_t* w, const uint16_t* sz, int64_t g, int64_t groups, const int8_t* a, const float* d,
-                  const float* c, __m256* acc, float* mins) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
-  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-  const float s = bf16(sz[2 * g]), m = bf16(sz[2 * g + 1]) - 8.0f * s;  // (8 s exact: m rounds once)
+inline void group(__m256i q, float s, int64_t g, int64_t groups, const int8_t* a, const float* d, __m256* acc) {
   for (int r = 0; r < R; ++r) {
     const __m256i ar = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * groups * QG + g * QG));
     const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, ar), _mm256_set1_epi16(1));  // (<= 3810: exact)
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * d[r * groups + g]), acc[r]);
-    mins[r] = std::fma(m, c[r * groups + g], mins[r]);
   }
 }
 
 // R rows (quantized: a, d, c, each row `in` / `groups` apart) times column o: y[r * ldy] = the dot + bias. Even and
-// odd groups go to two accumulators a row (two fma chains; explicit, so that they stay in registers).
+// odd groups (a pair's low and high nibbles) go to two accumulators a row (two fma chains; explicit, so that they
+// stay in registers); then the m terms.
 template <int R>
-void column(const uint8_t* w, const uint16_t* sz, int64_t groups, const int8_t* a, const float* d, const float* c,
+void column(const uint8_t* w, const float* sm, int64_t groups, const int8_t* a, const float* d, const float* c,
             float bias, float* y, int64_t ldy) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 even[R], odd[R];
-  float even_mins[R], odd_mins[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps(), even_mins[r] = odd_mins[r] = 0.0f;
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    group<R>(w, sz, g, groups, a, d, c, even, even_mins);
-    group<R>(w, sz, g + 1, groups, a, d, c, odd, odd_mins);
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 2) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
+    group<R>(_mm256_and_si256(b, low), sm[g], g, groups, a, d, even);
+    if (g + 1 < groups) group<R>(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), sm[g + 1], g + 1, groups, a, d, odd);
   }
-  if (g < groups) group<R>(w, sz, g, groups, a, d, c, even, even_mins);
   for (int r = 0; r < R; ++r)
-    y[r * ldy] = (hsum8(_mm256_add_ps(even[r], odd[r])) + (even_mins[r] + odd_mins[r])) + bias;
+    y[r * ldy] = (hsum8(_mm256_add_ps(even[r], odd[r])) + dot(sm + groups, c + r * groups, groups)) + bias;
 }
 
 using ColumnFn = decltype(&column<1>);
@@ -128,17 +138,18 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const c10::optional<at::Tensor>& bias) {
   check_x("int4_linear", x);
   const int64_t in = x.size(1), out = qweight.size(0), groups = in / QG;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == in / 2 && qweight.scalar_type() == at::kByte &&
-                  qweight.is_contiguous(), "int4_linear: uint8 qweight [out, in / 2]");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == out && scales.size(1) == groups && scales.size(2) == 2 &&
-                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
-              "int4_linear: bf16 scales [out, in / 32, 2]");
+  const int64_t width = (groups + 1) / 2 * 32;  // a column's bytes: pairs of groups
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == width && qweight.scalar_type() == at::kByte &&
+                  qweight.is_contiguous(), "int4_linear: uint8 qweight [out, ceil(in / 64) x 32]");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == out && scales.size(1) == 2 && scales.size(2) == groups &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "int4_linear: float32 scales [out, 2, in / 32]");
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const float* sp = scales.data_ptr<float>();
   return quantized_linear("int4_linear", x, out, bias,
                           [&](int64_t o, int64_t tile, const int8_t* a, const float* d, const float* c, float b,
                               float* y, int64_t ldy) {
-                            COLUMNS[tile](wp + o * in / 2, sp + o * groups * 2, groups, a, d, c, b, y, ldy);
+                            COLUMNS[tile](wp + o * width, sp + o * groups * 2, groups, a, d, c, b, y, ldy);
                           });
 }
 
