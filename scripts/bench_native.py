@@ -4,7 +4,8 @@ layer of each shape (qkv, o, gate_up, down, the LM head: 31.9 M weights, 127 MB)
 
     python scripts/bench_native.py [--threads 1 2] [--rows 1 2 4 8 16 32 64 128 512]
 
-Prints each path's median time and the native kernels' weight-read rate; the ratio is torch's best over native's
+Prints each path's median time and the native kernels' weight-read rate, also as a share of the machine's read
+bandwidth (a plain read of as many bytes, measured first: `read_rate`); the ratio is torch's best over native's
 (above 1: native is faster).
 """
 
@@ -32,7 +33,8 @@ def main(args: argparse.Namespace) -> None:
     print(f"{native.cpu_isas()[-1]} build, {size / 1e6:.0f} MB of float32 weights")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        print(f"\n{threads} thread(s)")
+        floor = read_rate(ops, size, threads, args.repeats)
+        print(f"\n{threads} thread(s): a plain read of as many bytes {floor / 1e9:.1f} GB/s (native's % of it below)")
         for rows in args.rows:
             calls = [(p, w.shape[0], torch.randn(rows, w.shape[1])) for p, w in zip(packed, weights, strict=True)]
             paths = {
@@ -52,8 +54,22 @@ def main(args: argparse.Namespace) -> None:
             best = min(times["oneDNN"], times["x @ W^T"])
             cols = "  ".join(f"{name} {t * 1e3:7.2f} ms" for name, t in times.items())
             print(
-                f"  rows {rows:4d}: {cols}  native {size / times['native'] / 1e9:5.1f} GB/s  {best / times['native']:.2f}x"
+                f"  rows {rows:4d}: {cols}  native {size / times['native'] / 1e9:5.1f} GB/s"
+                f" ({size / times['native'] / floor:4.0%})  {best / times['native']:.2f}x"
             )
+
+
+def read_rate(ops, size: int, threads: int, repeats: int) -> float:
+    """The machine's read bandwidth, the floor a batch-1 GEMV can reach: bytes a second of the native row sum (one
+    stream a thread, sixteen float lanes) over `size` bytes in the memory the kernels stream weights from, best of
+    `repeats`."""
+    x = ops.huge_copy(torch.ones(threads, size // 4 // threads))
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        ops.row_sum(x)
+        samples.append(time.perf_counter() - start)
+    return x.nbytes / min(samples[1:])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""Sluice against vLLM's CPU build: the same random workload, the same client, one run, ratios printed.
+"""Sluice against vLLM's CPU build and llama.cpp: the same random workload, the same client, one run, ratios printed.
 
     python scripts/bench_peers.py [--vllm ~/peers/vllm/bin/vllm] [--concurrency 1 16] [--sluice-args "..."]
+                                  [--also "--quantization int4" ...] [--llama-cpp PYTHON --gguf F32.gguf Q4_1.gguf]
 
-Each server is started alone (the other is stopped: both would share these few cores), timed from launch to
-/health 200, warmed up, then measured at each concurrency with `frontend.bench_serve` (streaming completions,
-random prompts of --input-len words, --output-len tokens with ignore_eos, greedy). vLLM is served as
-../shared/notes/peers.md says (fp32, one core for the model, prefix caching off); without it Sluice runs alone.
+Each server is started alone (the others are stopped: they would share these few cores), timed from launch to
+ready (/health 200; llama.cpp's /v1/models), warmed up, then measured at each concurrency with
+`frontend.bench_serve` (streaming completions, random prompts of --input-len words, --output-len tokens with
+ignore_eos, greedy). vLLM is served as ../shared/notes/peers.md says (fp32, one core for the model, prefix caching
+off); llama.cpp by llama-cpp-python's server (`--llama-cpp`: a Python with `llama-cpp-python[server]`, built as
+peers.md says), one server per `--gguf` file on --llama-threads threads; peers that are not installed are skipped.
+`--also` adds Sluice servers with further flags (e.g. a quantized one beside llama.cpp's Q4_1).
 """
 
 from __future__ import annotations
@@ -49,17 +53,26 @@ def server_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--logs", default="/tmp", help="where the servers' logs go")
 
 
-def sluice_command(args) -> list[str]:
+def sluice_command(args, extra: str = "") -> list[str]:
     return [sys.executable, "-m", "frontend.cli", "serve", "--port", str(args.port), "--log-level", "WARNING",
-            *shlex.split(args.sluice_args)]  # fmt: skip
+            *shlex.split(args.sluice_args), *shlex.split(extra)]  # fmt: skip
 
 
-def commands(args, model_dir: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
-    servers = {"sluice": (sluice_command(args), {})}
+def commands(args, model_dir: Path) -> dict[str, tuple[list[str], dict[str, str], str]]:
+    """name -> (command, environment, the path that answers 200 once the server is ready)"""
+    servers = {"sluice": (sluice_command(args), {}, "/health")}
+    servers |= {f"sluice {extra}": (sluice_command(args, extra), {}, "/health") for extra in args.also}
     if vllm := vllm_command(args, model_dir, prefix_caching=False):
-        servers["vllm"] = vllm
+        servers["vllm"] = (*vllm, "/health")
     else:
         print(NO_VLLM.format(args.vllm))
+    python = Path(args.llama_cpp).expanduser()
+    for gguf in args.gguf if python.is_file() else []:
+        cmd = [str(python), "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(args.port),
+               "--n_threads", str(args.llama_threads), "--n_ctx", "2048", "--model_alias", "smollm2"]  # fmt: skip
+        servers[f"llama.cpp {Path(gguf).stem.rsplit('.', 1)[-1]}"] = (cmd, {}, "/v1/models")
+    if args.gguf and not python.is_file():
+        print(f"# no llama-cpp-python at {python}: llama.cpp skipped (see ../shared/notes/peers.md)")
     return servers
 
 
@@ -76,23 +89,23 @@ def vllm_command(args, model_dir: Path, prefix_caching: bool) -> tuple[list[str]
     return cmd, env
 
 
-def healthy(port: int) -> bool:
+def healthy(port: int, path: str = "/health") -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
             return resp.status == 200
     except OSError:
         return False
 
 
 @contextlib.contextmanager
-def serving(name: str, cmd: list[str], env: dict[str, str], args) -> Iterator[float]:
-    """Start a server alone, wait for /health 200 and yield its startup seconds; stop it (SIGINT, then SIGKILL)."""
+def serving(name: str, cmd: list[str], env: dict[str, str], args, health: str = "/health") -> Iterator[float]:
+    """Start a server alone, wait for `health` 200 and yield its startup seconds; stop it (SIGINT, then SIGKILL)."""
     log = open(Path(args.logs) / f"{name}.log", "w")  # noqa: SIM115 (closed below)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = start + args.startup_timeout
-        while not healthy(args.port):
+        while not healthy(args.port, health):
             if proc.poll() is not None or time.perf_counter() > deadline:
                 raise RuntimeError(f"{name} did not become healthy; see {log.name}")
             time.sleep(0.2)
@@ -107,9 +120,9 @@ def serving(name: str, cmd: list[str], env: dict[str, str], args) -> Iterator[fl
         log.close()
 
 
-def measure(name: str, cmd: list[str], env: dict[str, str], args) -> dict:
+def measure(name: str, cmd: list[str], env: dict[str, str], health: str, args) -> dict:
     """Start the server, time its startup, run the workload at each concurrency, stop it."""
-    with serving(name, cmd, env, args) as startup_s:
+    with serving(name.replace(" ", "-"), cmd, env, args, health) as startup_s:
         results = {"startup_s": startup_s}
         base = ["--base-url", f"http://127.0.0.1:{args.port}", "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--seed", "0"]  # fmt: skip
@@ -143,18 +156,29 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-per-slot", type=int, default=2, help="prompts = this x concurrency (at least 8)")
     ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--also", nargs="*", default=[], help="more Sluice servers: each one's extra flags, quoted")
+    ap.add_argument("--llama-cpp", default="~/peers/llama/bin/python", help="a Python with llama-cpp-python[server]")
+    ap.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama.cpp: one server each")
+    ap.add_argument("--llama-threads", type=int, default=1, help="llama.cpp's threads (its best here: 1, peers.md)")
     args = ap.parse_args()
     model_dir = default_model_dir()
     print(f"# bench_peers {machine()}: {model_dir.name} fp32, {args.input_len} in / {args.output_len} out, greedy")
-    results = {name: measure(name, cmd, env, args) for name, (cmd, env) in commands(args, model_dir).items()}
+    servers = commands(args, model_dir)
+    results = {name: measure(name, cmd, env, health, args) for name, (cmd, env, health) in servers.items()}
     names = list(results)
-    print("\n" + f"{'':24s}" + "".join(f"{n:>12s}" for n in names) + ("   sluice/vllm" if len(names) > 1 else ""))
-    print(f"{'startup to /health s':24s}" + "".join(f"{results[n]['startup_s']:12.1f}" for n in names))
+    print("\n" + f"{'':24s}" + "".join(f"{n:>22s}" for n in names))
+    print(f"{'startup to ready s':24s}" + "".join(f"{results[n]['startup_s']:22.1f}" for n in names))
     for c in args.concurrency:
         for label, key, stat, higher in METRICS:
             vals = [value(results[n][c], key, stat) for n in names]
-            ratio = f"{vals[0] / vals[1]:11.2f}x {'(higher is better)' if higher else ''}" if len(vals) > 1 else ""
-            print(f"{f'c={c} {label}':24s}" + "".join(f"{v:12.1f}" for v in vals) + "   " + ratio)
+            print(f"{f'c={c} {label}':24s}" + "".join(f"{v:22.1f}" for v in vals) + ("  (higher is better)" * higher))
+    print("\nratios, each Sluice server over each peer (output tok/s: higher is better; TPOT: lower is better)")
+    for s in (n for n in names if n.startswith("sluice")):
+        for peer in (n for n in names if not n.startswith("sluice")):
+            for c in args.concurrency:
+                (a, x), (b, y) = ((value(results[n][c], "output_throughput", None), value(results[n][c], "tpot_ms", "p50"))
+                                  for n in (s, peer))  # fmt: skip
+                print(f"{s} / {peer}, c={c}: output tok/s {a / b:.2f}x, median TPOT {x / y:.2f}x")
 
 
 if __name__ == "__main__":
