@@ -8,7 +8,9 @@ one warning saying why.
 packed, bias, y)` (gpu/native/csrc/linear.cpp says what they guarantee) and `paged_attention(q, k_cache, v_cache,
 query_start_loc, seq_lens, block_tables, scale, window, softcap) -> out` (gpu/native/csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (gpu/native/csrc/reduce.cpp), and the decoder's small
 steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul` (gpu/native/csrc/fused.cpp; the kernel set of
-gpu/native/kernels.py), and the quantized layers' `int4_linear`, `int8_linear` (gpu/native/csrc/quant.cpp).
+gpu/native/kernels.py), the quantized layers' `int4_linear`, `int8_linear` (gpu/native/csrc/quant.cpp), and
+`huge_copy(t)` (a copy in the memory the kernels stream weights from: linear.cpp). `torch.classes.sluice_<isa>.Decoder`
+is the layer loop as one call (gpu/native/csrc/decoder.cpp; built by gpu/native/decoder.py).
 """
 
 from __future__ import annotations
