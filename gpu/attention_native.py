@@ -69,12 +69,17 @@ class NativeAttention(TorchAttention):
             plans, uploaded = plans[1:], uploaded[1:]
         super().finish(meta, plans, uploaded)
 
+    @staticmethod
+    def takes_every_row(meta: AttentionMetadata) -> bool:
+        """Whether the native kernel takes every row of this step (its metadata is the step's own)."""
+        return meta.native is not None and "tokens" not in meta.native
+
     def __call__(self, q, kv, meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None):
         n = meta.native
         if n is None:  # no row of this step is short
             return paged_attention(q, kv, meta, scale, window, softcap)
         args = (scale, window or 0, softcap or 0.0)
-        if "tokens" not in n:  # every row
+        if self.takes_every_row(meta):
             return self.ops.paged_attention(q, *kv, n["qsl"], n["seq_lens"], n["tables"], *args)
         out = paged_attention(q, kv, meta, scale, window, softcap)  # (the long rows')
         out[n["tokens"]] = self.ops.paged_attention(q[n["tokens"]], *kv, n["qsl"], n["seq_lens"], n["tables"], *args)

@@ -83,7 +83,8 @@ class Linear(nn.Linear):
 
 def make_invariant(model: nn.Module) -> None:
     """Batch-invariant mode: every linear layer takes the native kernels at any number of rows (a quantized layer its
-    quantized kernel, whose rows are computed alone too), so a row's result is the same bits in any step. ValueError
+    quantized kernel, whose rows are computed alone too), so a row's result is the same bits in any step; before the
+    native layer loop is built (gpu/runner.py), which copies the row counts (gpu/native/decoder.py). ValueError
     where a layer cannot (not float32 on a CPU, not built, a quantized width off the kernels' groups)."""
     from gpu.quant import QuantLinear  # (it builds on this module)
 

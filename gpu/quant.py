@@ -37,8 +37,9 @@ float32, and above a few rows nothing that keeps only the quantized weight keeps
   (4 MiB dequantized at a time into a kept scratch tile, tried for this decision): still 1.3-2x float32 from 16
   to 256 rows, so prefill and concurrency 16 lost.
 So each layer also keeps its weight dequantized in one float32 layout (float32 serving keeps two): 4 bytes per
-weight on top of the quantized 1 (int8) or 0.5 (int4), ~0.6x float32's memory in all (SmolLM2's weights: int8
-750 MiB, int4 701 MiB, float32 1134 MiB; the former quantized-only layers: 237 and 252). Dequantized rather than
+weight on top of the quantized 1 (int8) or 0.5 (int4; its native kernel's scales 0.25 more), ~0.6x float32's memory
+in all (SmolLM2's weights: int8 750 MiB, int4 701 MiB, float32 1134 MiB, before the native int4 scales' 16 MiB
+more; the former quantized-only layers: 237 and 252). Dequantized rather than
 the original weight, so the model is the same at every batch size. Steps of few rows (decode at low
 concurrency) still stream only the quantized weight.
 """

@@ -148,6 +148,10 @@ def value(result: dict, key: str, stat: str | None) -> float:
     return result[key] if stat is None else result[key][stat]
 
 
+def tok_tpot(result: dict) -> tuple[float, float]:
+    return value(result, "output_throughput", None), value(result, "tpot_ms", "p50")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     server_arguments(ap)
@@ -159,7 +163,7 @@ def main() -> None:
     ap.add_argument("--also", nargs="*", default=[], help="more Sluice servers: each one's extra flags, quoted")
     ap.add_argument("--llama-cpp", default="~/peers/llama/bin/python", help="a Python with llama-cpp-python[server]")
     ap.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama.cpp: one server each")
-    ap.add_argument("--llama-threads", type=int, default=1, help="llama.cpp's threads (its best here: 1, peers.md)")
+    ap.add_argument("--llama-threads", type=int, default=1, help="llama.cpp's threads (try 1 and 2)")
     args = ap.parse_args()
     model_dir = default_model_dir()
     print(f"# bench_peers {machine()}: {model_dir.name} fp32, {args.input_len} in / {args.output_len} out, greedy")
@@ -176,8 +180,7 @@ def main() -> None:
     for s in (n for n in names if n.startswith("sluice")):
         for peer in (n for n in names if not n.startswith("sluice")):
             for c in args.concurrency:
-                (a, x), (b, y) = ((value(results[n][c], "output_throughput", None), value(results[n][c], "tpot_ms", "p50"))
-                                  for n in (s, peer))  # fmt: skip
+                (a, x), (b, y) = (tok_tpot(results[n][c]) for n in (s, peer))
                 print(f"{s} / {peer}, c={c}: output tok/s {a / b:.2f}x, median TPOT {x / y:.2f}x")
 
 

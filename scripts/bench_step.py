@@ -5,6 +5,7 @@ in the same run on the same device, model, batch and lengths.
     python scripts/bench_step.py [--model DIR] [--device cuda] [--dtype auto] [--batches 1 16 64] [--steps 32]
                                  [--prompt-len 128] [--no-hf] [--cpu-kernels torch|native] [--batch-invariant]
                                  [--attention-backend torch|triton|native] [--quantization int8|int4|bf16] [--json FILE]
+                                 [--python-loop]
 
 For each batch B: B random prompts of --prompt-len tokens prefilled in one step, then --steps decode steps through
 `ModelRunner.execute` (greedy ids fed back; each step synchronised, wall time; median). Modes: "eager" (the dynamic
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument(
         "--quantization", default=None, choices=["int8", "int4", "bf16"], help="CPU weight-only quantization"
     )
+    ap.add_argument("--python-loop", action="store_true", help="the Python layer loop, not the native one")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else resolve_model(None).path
@@ -156,6 +158,8 @@ def main() -> None:
             cpu_kernels=args.cpu_kernels, batch_invariant=args.batch_invariant,
             attention_backend=args.attention_backend, quantization=args.quantization,
         )  # fmt: skip
+        if args.python_loop:  # (gpu/native/decoder.py)
+            runner.model.model.native_loop = None
         quantized = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
         weights = (  # (a quantized model's decode reads its quantized layers: the float32 embedding is not read)
             sum(streamed_bytes(m) for m in quantized)

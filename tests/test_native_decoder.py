@@ -31,12 +31,13 @@ class Counted:
 
 
 def drive(runner: ModelRunner) -> list[torch.Tensor]:
-    """Each step's logits: two prompts in chunks beside a 20-token prefill, then decode steps of 3 rows, one of them
-    feeding 3 tokens at once (as a verification row), the fed tokens fixed (not sampled) so both runners see the same."""
+    """Each step's logits: prompts in chunks beside a 20-token prefill (three 8-token chunks: 24 rows, past the int8
+    kernel's 16), then decode steps of 4 rows, one of them feeding 3 tokens at once (as a verification row), the fed
+    tokens fixed (not sampled) so that both runners see the same."""
     pool = block_pool(1, 64)
-    reqs = [Request(pool, i, list(range(5 + i, 25 + 2 * i)), 16) for i in range(3)]
-    steps = [[reqs[0].row(5), reqs[1].row(), reqs[2].row(3)], [reqs[0].row(4), reqs[2].row(6)]]
-    steps.append([reqs[0].row(), reqs[2].row()])
+    reqs = [Request(pool, i, list(range(5 + i, 25 + 2 * i)), 16) for i in range(4)]
+    steps = [[reqs[0].row(5), reqs[1].row(), reqs[2].row(3)], [reqs[0].row(8), reqs[2].row(8), reqs[3].row(8)]]
+    steps.append([reqs[0].row(), reqs[2].row(), reqs[3].row()])
     out = [runner.execute(BatchSpec(step=i, rows=rows)) for i, rows in enumerate(steps)]
     for step in range(3, 9):
         for i, r in enumerate(reqs):
@@ -61,13 +62,17 @@ def both(model_dir, **kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor], i
 def test_the_loop_computes_the_python_loops_bits(tiny_model_dir, quantization, invariant):
     loop, python, steps = both(tiny_model_dir, quantization=quantization, batch_invariant=invariant)
     assert all(torch.equal(a, b) for a, b in zip(loop, python, strict=True))
-    # the first and third steps have rows of over 8 queries, for the torch attention path (not the loop), unless invariant
+    # the first and third steps have rows of over 8 queries (the torch attention path, not the loop) unless invariant
     assert steps == len(python) - 2 * (not invariant)
 
 
-@pytest.mark.parametrize("family", ["phi3", "qwen2", "mistral"])
-def test_families_it_takes(family_dir_of, family):
-    loop, python, steps = both(family_dir_of(family))
+@pytest.mark.parametrize(
+    "family, quantization", [("phi3", None), ("qwen2", None), ("qwen2", "int4"), ("mistral", None)]
+)
+def test_families_it_takes(family_dir_of, family, quantization):
+    """(Phi-3: fused projections, partial rotary; Qwen2: q/k/v biases, added after a quantized kernel too; Mistral:
+    sliding windows, another head size)"""
+    loop, python, steps = both(family_dir_of(family), quantization=quantization)
     assert all(torch.equal(a, b) for a, b in zip(loop, python, strict=True)) and steps == len(python) - 2
 
 

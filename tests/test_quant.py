@@ -72,7 +72,8 @@ def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, q: QuantLinear) -> torch.
 
 @pytest.mark.parametrize("onednn", [True, False])  # False: the [in, out] copy, where oneDNN is missing
 @pytest.mark.parametrize("mode", LAYERS)
-@pytest.mark.parametrize("inp", [128, 96, 100, 97])  # 4 groups; 3 (the native odd chain); off the groups; odd
+@pytest.mark.parametrize("inp", [128, 96, 288, 100, 97])  # 4 groups; 3 (odd: a pair's high half unused); 9 (the
+# native int4 m terms' full eight lanes and a tail); off the groups; odd
 def test_every_path_matches_the_scheme_and_float32(mode, onednn, inp, monkeypatch):
     if inp % GROUP and mode.startswith("int4"):
         pytest.skip("int4 takes widths in whole groups")

@@ -1,12 +1,13 @@
 """The decoder's layer loop as one native call (gpu/native/csrc/decoder.cpp), for the steps it can take: the same
 native ops in the same order on the same arguments as the Python loop, so the same bits, without the Python
-between them (4-5 ms of a 15-28 ms batch-1 decode step of SmolLM2-135M on a 2-vCPU AMD EPYC: docs/PERFORMANCE.md).
+between them (5-8 ms of a 15-33 ms batch-1 decode step of SmolLM2-135M on a 2-vCPU AMD EPYC: docs/PERFORMANCE.md).
 
-`native_loop(model, attention)` builds it at load where every layer is a plain one (Llama's shape: no sandwich
-norms, no q/k norms, a dense gated MLP, one device) on the native backend, each linear layer on the native kernels
-for up to `max_rows` rows; None elsewhere (the Python loop runs every step). A step goes to it (`takes`) when it has
-at most max_rows tokens and the native attention kernel takes every row (gpu/attention_native.py: rows of up to
-SHORT_ROW queries; every row in batch-invariant mode).
+`native_loop(model, attention)` builds it at load (after `make_invariant`, whose row counts it copies) where every
+layer is a plain one (Llama's shape: no sandwich norms, no q/k norms, a dense gated MLP, one device) on the native
+backend, each linear layer on the native kernels for up to `max_rows` rows; None elsewhere (the Python loop runs
+every step, as it does for a process worker, whose progress hooks live in the Python loop's layers). A step goes
+to it (`takes`) when it has at most max_rows tokens and the native attention kernel takes every row
+(gpu/attention_native.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class NativeLoop:
         self.decoder, self.max_rows = decoder, max_rows
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        return num_tokens <= self.max_rows and meta.native is not None and "tokens" not in meta.native
+        return num_tokens <= self.max_rows and NativeAttention.takes_every_row(meta)
 
     def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = meta.native

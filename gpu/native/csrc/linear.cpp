@@ -25,7 +25,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <cstdint>
 #include <vector>
 
 #include "simd.h"
@@ -50,15 +50,18 @@ constexpr int64_t KBLOCK = 4096 / PANEL;  // inputs per pass over a panel: 16 KB
 
 constexpr size_t HUGE_PAGE = size_t(2) << 20;
 
-// An uninitialised CPU tensor, 2 MB-aligned and advised for huge pages if it is at least one huge page long.
+// A CPU tensor of at least one huge page in a mapping of its own (fresh pages, never touched before the advice,
+// unmapped with the tensor), 2 MB-aligned and advised for huge pages; smaller ones are ordinary (uninitialised).
 at::Tensor huge_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   const auto options = at::TensorOptions().dtype(dtype);
   const size_t bytes = c10::multiply_integers(sizes) * c10::elementSize(dtype);
   if (bytes < HUGE_PAGE) return at::empty(sizes, options);
-  void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, HUGE_PAGE, bytes) == 0, "out of memory: ", bytes, " bytes of weights");
-  madvise(p, bytes, MADV_HUGEPAGE);  // (before the first touch, so that the faults map huge pages; may fail: advice)
-  return at::from_blob(p, sizes, [](void* q) { std::free(q); }, options);
+  const size_t mapped = bytes + HUGE_PAGE;  // (room to align the start)
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(base != MAP_FAILED, "out of memory: ", bytes, " bytes of weights");
+  auto* p = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(base) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1));
+  madvise(p, bytes, MADV_HUGEPAGE);  // (may fail: advice)
+  return at::from_blob(p, sizes, [base, mapped](void*) { munmap(base, mapped); }, options);
 }
 
 at::Tensor huge_copy(const at::Tensor& t) {

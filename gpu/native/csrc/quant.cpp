@@ -79,8 +79,8 @@ template <int R>
 inline void group(__m256i q, float s, int64_t g, int64_t groups, const int8_t* a, const float* d, __m256* acc) {
   for (int r = 0; r < R; ++r) {
     const __m256i ar = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * groups * QG + g * QG));
-    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, ar), _mm256_set1_epi16(1));  // (<= 3810: exact)
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * d[r * groups + g]), acc[r]);
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q, ar), _mm256_set1_epi16(1));  // (<= 3810: exact)
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(s * d[r * groups + g]), acc[r]);
   }
 }
 
