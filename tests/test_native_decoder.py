@@ -31,9 +31,9 @@ class Counted:
 
 
 def drive(runner: ModelRunner) -> list[torch.Tensor]:
-    """Each step's logits: prompts in chunks beside a 20-token prefill (three 8-token chunks: 24 rows, past the int8
-    kernel's 16), then decode steps of 4 rows, one of them feeding 3 tokens at once (as a verification row), the fed
-    tokens fixed (not sampled) so that both runners see the same."""
+    """Each step's logits: prompts in chunks beside a 21-token prefill (then three 8-token chunks: 24 rows, past the
+    int8 kernel's 16 outside batch-invariant mode), then decode steps of 4 rows, one of them feeding 3 tokens at once
+    on odd steps (as a verification row), the fed tokens fixed (not sampled) so that both runners see the same."""
     pool = block_pool(1, 64)
     reqs = [Request(pool, i, list(range(5 + i, 25 + 2 * i)), 16) for i in range(4)]
     steps = [[reqs[0].row(5), reqs[1].row(), reqs[2].row(3)], [reqs[0].row(8), reqs[2].row(8), reqs[3].row(8)]]
