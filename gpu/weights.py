@@ -93,9 +93,8 @@ def load_model(
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
     int8 or int4 one, kept dequantized too for calls of many rows, or a bfloat16 one (gpu/quant.py); `attention`,
     the backend every attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set
-    goes to every layer;
-    `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the native kernels where
-    built (gpu/native), quantized layers' few-row calls too; "torch": torch's.
+    goes to every layer; `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the
+    native kernels where built (gpu/native), quantized layers' few-row calls too; "torch": torch's.
     Once loaded, q/k/v and gate/up weights are stacked into one each."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
