@@ -104,6 +104,10 @@ class ClientActor(Actor):
     def stopped(self) -> bool:
         return self._stopped.is_set()
 
+    async def on_processes_exited(self, timeout_s: float) -> None:
+        """The Finished(abort, "shutdown") of each stream may still be in this inbox: handled before `stop`."""
+        await self.until(lambda: not self.streams.live, timeout_s)
+
     def stop(self) -> None:
         """The system stopped (also when it gave up restarting a process): no stream waits on."""
         self.fail_all("the system stopped")

@@ -43,6 +43,18 @@ class FailsOnceAtStart(Echo):
             os._exit(1)
 
 
+class LastWords(Echo):
+    """Its drain sends `count` Probes of `size` bytes to `target`, then it ends: its process exits at once."""
+
+    def __init__(self, count: int, size: int, target: str = "recorder"):
+        super().__init__(target)
+        self.count, self.size = count, size
+
+    async def on_shutdown(self, reason: str) -> None:
+        for seq in range(self.count):
+            self.tell(self.target, Probe(seq=seq, payload=bytes(self.size)))
+
+
 class Watcher(Echo):
     """Tells the recorder each ActorDown / ActorUp it hears (a Probe "watcher heard ActorDown:echo"). When the file
     `marker` exists (consumed), its start waits until a byte arrives on the FIFO `gate` (the test holds it open and

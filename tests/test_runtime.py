@@ -269,6 +269,19 @@ async def test_an_actor_drains_while_it_goes_on_handling_messages():
     assert drainer.drained and [p.seq for p in drainer.probes] == [1]
 
 
+async def test_what_a_process_sends_as_it_ends_arrives():
+    """A process exits once its actors have ended: what they sent last (ZMQ's I/O thread may still hold it then) goes
+    out first. It exited at once, and an actor's last words were lost: the detokenizer's Finished as it shut down."""
+    count, size = 400, 65536
+    last = ActorSpec(name="last", factory="tests.runtime_actors:LastWords", kwargs={"count": count, "size": size})
+    tester, recorder = Sender(), Recorder()
+    async with ActorSystem([ProcessSpec(name="lastproc", actors=[last])], local=[tester, recorder]) as system:
+        tester.tell("last", Shutdown(reason="shutdown"))
+        await asyncio.wait_for(system.exited["lastproc"].wait(), 30)
+        assert await recorder.until(lambda: len(recorder.probes) == count, timeout_s=30)
+        assert [(p.seq, len(p.payload)) for p in recorder.probes] == [(seq, size) for seq in range(count)]
+
+
 class Holder(Sender):
     """Counts its `on_stop` calls."""
 

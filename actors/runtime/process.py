@@ -3,8 +3,9 @@
 A child is spawned (never forked: torch and ZMQ do not survive fork) with a JSON config. It sets
 its process title `sluice:<process>`, asks the kernel to SIGKILL it when the launcher dies (and
 polls its parent as a second line), starts its actors on uvloop and tells the supervisor Ready.
-SIGTERM/SIGINT drain gracefully; once its actors have ended it exits at once (os._exit: no wait for
-executor threads still running). Exit codes: 0 clean, 1 an actor failed, 3 the launcher died.
+SIGTERM/SIGINT drain gracefully; once its actors have ended and what they sent has gone out (a peer that
+does not take it is given LINGER_MS) it exits at once (os._exit: no wait for executor threads still
+running). Exit codes: 0 clean, 1 an actor failed, 3 the launcher died.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import signal
 import sys
 
 import msgspec
+import zmq
 
 from actors.runtime.actor import Actor
 from actors.runtime.faults import FaultPlan
-from actors.runtime.router import Placement, Router
+from actors.runtime.router import LINGER_MS, Placement, Router
 from messages.names import SUPERVISOR
 from messages.wire import Ready
 
@@ -71,6 +73,8 @@ def child_main(config_json: bytes) -> None:
     import uvloop
 
     code = uvloop.run(_serve(config))
+    zmq.Context.instance().destroy(linger=LINGER_MS)  # what the actors sent last goes out (before os._exit, ZMQ's
+    # I/O thread may still hold it), waiting at most LINGER_MS for a peer that does not take it
     logging.shutdown()  # (flushed: what follows skips the interpreter's finalization)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)  # not sys.exit: that joins every non-daemon thread, and a device step or compile still running in

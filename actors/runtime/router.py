@@ -18,6 +18,7 @@ from messages.wire import Msg
 log = logging.getLogger("sluice.router")
 
 IPC_PATH_LIMIT = 107  # sun_path is 108 bytes including the NUL
+LINGER_MS = 1000  # how long a closed socket may hold what it was sent before it is dropped
 
 
 class Placement(msgspec.Struct, kw_only=True):
@@ -107,6 +108,6 @@ class Router:
         for inbox in self.inboxes.values():
             inbox.close()
         for sock in self._sockets.values():
-            sock.close(linger=200)
+            sock.close(linger=LINGER_MS)
         self._sockets.clear()
         self._links.clear()

@@ -27,7 +27,7 @@ import msgspec
 from actors.runtime.actor import Actor, AskTimeout
 from actors.runtime.faults import FaultPlan
 from actors.runtime.process import ChildConfig, ProcessSpec, child_main
-from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
+from actors.runtime.router import LINGER_MS, Placement, Router, make_rundir, remove_rundir
 from messages.names import SUPERVISOR, replica_of
 from messages.wire import ActorDown, ActorUp, Ping, Ready, Shutdown
 
@@ -157,7 +157,7 @@ class ActorSystem:
         child.start()
         self.children[proc] = child
         asyncio.get_running_loop().add_reader(child.sentinel, self._on_exit, proc, child, exited)
-        ready = asyncio.ensure_future(_all_set([self.supervisor.ready[a.name] for a in spec.actors]))
+        ready = asyncio.gather(*(self.supervisor.ready[a.name].wait() for a in spec.actors))
         died = asyncio.ensure_future(exited.wait())
         try:  # every actor Ready, or the child gone, or the deadline
             await asyncio.wait([ready, died], timeout=self.policy.ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -276,6 +276,8 @@ class ActorSystem:
                 child.kill()
             child.join(5)
             self.state[proc] = "stopped"
+        grace = min(deadline - asyncio.get_running_loop().time(), LINGER_MS / 1000)  # (for what they sent last)
+        await asyncio.gather(*(actor.on_processes_exited(grace) for actor in self.local))
         for actor in self.local:
             actor.stop()
         current = asyncio.current_task()
@@ -292,8 +294,3 @@ def _group(proc: str) -> object:
     """The restart group of a process: its engine replica's index, or its own name."""
     k = replica_of(proc)
     return proc if k is None else k
-
-
-async def _all_set(events: list[asyncio.Event]) -> None:
-    for event in events:
-        await event.wait()
