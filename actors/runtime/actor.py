@@ -67,9 +67,10 @@ class Actor:
         """Drain: stop admitting, finish or abort in-flight work. Then the actor stops."""
 
     async def on_processes_exited(self, timeout_s: float) -> None:
-        """A launcher's actor, as the system stops: every process has exited, and what they sent last may still be
-        on its way here; an actor that waits for it (the offline client: its streams' Finished) waits, at most
-        `timeout_s`, before it is stopped."""
+        """A launcher's actor, as the system stops: its processes have exited (or were killed past the deadline),
+        and what they sent last may still be on its way here; an actor that waits for it (the offline client: its
+        streams' Finished) waits, at most `timeout_s` (0 or less: only what is handled meanwhile), before it is
+        stopped."""
 
     def on_stop(self) -> None:
         """Release what the actor holds (sockets, contexts) once it has ended, however it ended (drained, stopped,

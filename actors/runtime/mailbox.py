@@ -29,6 +29,7 @@ from messages.wire import Msg
 log = logging.getLogger("sluice.mailbox")
 
 REARM_S = 1.0
+LINGER_MS = 1000  # how long a closed socket may hold what was sent on it, for a peer that does not take it
 
 
 class Inbox:
@@ -175,6 +176,6 @@ class Link:
 def push_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 0)  # never drop, never block (DESIGN: sends never block the loop)
-    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.connect(address)
     return sock

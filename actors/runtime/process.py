@@ -23,7 +23,8 @@ import zmq
 
 from actors.runtime.actor import Actor
 from actors.runtime.faults import FaultPlan
-from actors.runtime.router import LINGER_MS, Placement, Router
+from actors.runtime.mailbox import LINGER_MS
+from actors.runtime.router import Placement, Router
 from messages.names import SUPERVISOR
 from messages.wire import Ready
 
@@ -73,11 +74,15 @@ def child_main(config_json: bytes) -> None:
     import uvloop
 
     code = uvloop.run(_serve(config))
-    zmq.Context.instance().destroy(linger=LINGER_MS)  # what the actors sent last goes out (before os._exit, ZMQ's
-    # I/O thread may still hold it), waiting at most LINGER_MS for a peer that does not take it
-    logging.shutdown()  # (flushed: what follows skips the interpreter's finalization)
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)  # not sys.exit: that joins every non-daemon thread, and a device step or compile still running in
+    try:  # what the actors sent last goes out (ZMQ's I/O thread may still hold it): Router.close closed its sockets
+        zmq.Context.instance().destroy(linger=LINGER_MS)  # with this linger (for a peer that does not take it), and
+        # any other is closed so (a socket left open would hold `term` for ever)
+    finally:  # (a second Ctrl-C may interrupt the wait: the exit is the same)
+        logging.shutdown()  # (flushed: what follows skips the interpreter's finalization)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(
+            code
+        )  # not sys.exit: that joins every non-daemon thread, and a device step or compile still running in
     # an executor's thread (a hung fault, a slow grammar) would keep this process, and its launcher's join, alive
 
 

@@ -11,14 +11,13 @@ import msgspec
 import zmq
 
 from actors.runtime.faults import FaultInjector, FaultPlan
-from actors.runtime.mailbox import Inbox, Link, push_socket
+from actors.runtime.mailbox import LINGER_MS, Inbox, Link, push_socket
 from messages.codec import Codec
 from messages.wire import Msg
 
 log = logging.getLogger("sluice.router")
 
 IPC_PATH_LIMIT = 107  # sun_path is 108 bytes including the NUL
-LINGER_MS = 1000  # how long a closed socket may hold what it was sent before it is dropped
 
 
 class Placement(msgspec.Struct, kw_only=True):

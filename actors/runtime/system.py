@@ -26,8 +26,9 @@ import msgspec
 
 from actors.runtime.actor import Actor, AskTimeout
 from actors.runtime.faults import FaultPlan
+from actors.runtime.mailbox import LINGER_MS
 from actors.runtime.process import ChildConfig, ProcessSpec, child_main
-from actors.runtime.router import LINGER_MS, Placement, Router, make_rundir, remove_rundir
+from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
 from messages.names import SUPERVISOR, replica_of
 from messages.wire import ActorDown, ActorUp, Ping, Ready, Shutdown
 
@@ -142,13 +143,8 @@ class ActorSystem:
         spec = self.specs[proc]
         for a in spec.actors:
             self.supervisor.ready[a.name].clear()
-        config = ChildConfig(
-            process=spec,
-            placement=self.placement,
-            fault_plan=self.fault_plan,
-            parent_pid=os.getpid(),
-            log_level=self.log_level,
-        )
+        config = ChildConfig(process=spec, placement=self.placement, fault_plan=self.fault_plan, parent_pid=os.getpid(),
+                             log_level=self.log_level)  # fmt: skip
         child = multiprocessing.get_context("spawn").Process(
             target=child_main, args=(msgspec.json.encode(config),), name=f"sluice:{proc}", daemon=True
         )
@@ -157,7 +153,7 @@ class ActorSystem:
         child.start()
         self.children[proc] = child
         asyncio.get_running_loop().add_reader(child.sentinel, self._on_exit, proc, child, exited)
-        ready = asyncio.gather(*(self.supervisor.ready[a.name].wait() for a in spec.actors))
+        ready = asyncio.ensure_future(_all_set([self.supervisor.ready[a.name] for a in spec.actors]))
         died = asyncio.ensure_future(exited.wait())
         try:  # every actor Ready, or the child gone, or the deadline
             await asyncio.wait([ready, died], timeout=self.policy.ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -196,8 +192,8 @@ class ActorSystem:
             if (parked := self.parked.get(group)) is not None:  # (its replica sits out: restarted after)
                 await parked.wait()
                 fresh = True
-            if not fresh and not await self._within_budget(proc, group, restarts):
-                return
+            if self._stopping or not (fresh or await self._within_budget(proc, group, restarts)):
+                return  # (a stopping system restarts nothing)
             try:
                 await self._spawn(proc, restart=True)
                 break
@@ -277,7 +273,7 @@ class ActorSystem:
             child.join(5)
             self.state[proc] = "stopped"
         grace = min(deadline - asyncio.get_running_loop().time(), LINGER_MS / 1000)  # (for what they sent last)
-        await asyncio.gather(*(actor.on_processes_exited(grace) for actor in self.local))
+        await asyncio.gather(*(actor.on_processes_exited(grace) for actor in self.local), return_exceptions=True)
         for actor in self.local:
             actor.stop()
         current = asyncio.current_task()
@@ -294,3 +290,8 @@ def _group(proc: str) -> object:
     """The restart group of a process: its engine replica's index, or its own name."""
     k = replica_of(proc)
     return proc if k is None else k
+
+
+async def _all_set(events: list[asyncio.Event]) -> None:
+    for event in events:
+        await event.wait()
