@@ -74,16 +74,15 @@ def child_main(config_json: bytes) -> None:
     import uvloop
 
     code = uvloop.run(_serve(config))
-    try:  # what the actors sent last goes out (ZMQ's I/O thread may still hold it): Router.close closed its sockets
-        zmq.Context.instance().destroy(linger=LINGER_MS)  # with this linger (for a peer that does not take it), and
-        # any other is closed so (a socket left open would hold `term` for ever)
+    try:  # what the actors sent last goes out first (ZMQ's I/O thread may still hold it): Router.close gave its
+        # sockets a linger of LINGER_MS (for a peer that does not take it); a socket still open gets it here
+        zmq.Context.instance().destroy(linger=LINGER_MS)
     finally:  # (a second Ctrl-C may interrupt the wait: the exit is the same)
         logging.shutdown()  # (flushed: what follows skips the interpreter's finalization)
         sys.stdout.flush(), sys.stderr.flush()
-        os._exit(
-            code
-        )  # not sys.exit: that joins every non-daemon thread, and a device step or compile still running in
-    # an executor's thread (a hung fault, a slow grammar) would keep this process, and its launcher's join, alive
+        # not sys.exit: that joins every non-daemon thread, and a device step or compile still running in an
+        # executor's thread (a hung fault, a slow grammar) would keep this process, and its launcher's join, alive
+        os._exit(code)
 
 
 async def _serve(config: ChildConfig) -> int:
