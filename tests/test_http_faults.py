@@ -17,13 +17,6 @@ from messages.wire import ActorDown, ActorUp, Finished, TextDelta, TextOutputs
 STREAM = {"prompt": "hi", "max_tokens": 50, "stream": True}
 
 
-async def wait_for(cond, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 async def held_request(fake, i: int = 0) -> str:
     """The engine id of the i-th request the fake received in this test (no output while `hold` is on)."""
     return (await fake.engine.wait_added(i)).request_id
@@ -75,7 +68,9 @@ async def test_outputs_after_a_disconnect_are_stale_until_finished(fake):
         fake.engine.emit(rid, "w0", [100])
         assert b'"text":"w0"' in await resp.content.readuntil(b"\n\n")
         resp.close()
-    await wait_for(lambda: [(a.request_id, a.reason) for a in fake.engine.aborts] == [(rid, "client")])
+    assert await fake.engine.until(
+        lambda: [(a.request_id, a.reason) for a in fake.engine.aborts] == [(rid, "client")], 10
+    )
     fake.engine.emit(rid, " late", [101])  # the engine ran on before it saw the Abort
     fake.engine.emit(rid, " later", [102])
     await fake.wait_metrics({stale: before + 2, key("sluice:num_tombstones", actor="http"): 1})
@@ -89,7 +84,7 @@ async def test_an_unacknowledged_abort_is_resent_then_given_up(fake):
         request = asyncio.ensure_future(s.post("/v1/completions", json={"prompt": "hi"}))
         rid = await held_request(fake)
         request.cancel()  # a non-streaming client hangs up: the handler is cancelled
-    await wait_for(lambda: len(fake.engine.aborts) == 3)  # max_abort_tries, abort_timeout_s = 0.3
+    assert await fake.engine.until(lambda: len(fake.engine.aborts) == 3, 10)  # max_abort_tries, abort_timeout_s = 0.3
     assert {(a.request_id, a.reason) for a in fake.engine.aborts} == {(rid, "client")}
     await fake.wait_metrics({key("sluice:num_tombstones", actor="http"): 0})  # given up: nothing re-sends
     fake.engine.hold = False  # a later request on the same FIFO link: any Abort sent before it is in
@@ -202,13 +197,13 @@ async def test_engine_deaths_fail_no_request_and_one_live_at_every_detokenizer_d
         await die_and_return("detokenizer")
         await die_and_return("detokenizer")
         later = asyncio.ensure_future(s.post("/v1/completions", json=STREAM))
-        await wait_for(lambda: len(fake.engine.added) == 7)
+        assert await fake.engine.until(lambda: len(fake.engine.added) == 7, 10)
         survivor = fake.engine.added[6].request_id
         assert not poison.done()
         await die_and_return("detokenizer")
         resp = await poison
         assert resp.status == 503 and "after 2 restarts of the detokenizer" in (await resp.json())["error"]["message"]
-        await wait_for(lambda: len(fake.engine.added) == 8)
+        assert await fake.engine.until(lambda: len(fake.engine.added) == 8, 10)
         assert [a.request_id for a in fake.engine.added] == [rid] * 6 + [survivor] * 2
         fake.engine.finish(survivor, "length", text="w0", token_ids=[100])
         got = events(await (await later).read())
@@ -237,7 +232,7 @@ async def test_shutdown_aborts_in_flight_requests_and_waits_for_them(tiny_model_
     model = resolve_model(str(tiny_model_dir))
     server = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
     async with server, aiohttp.ClientSession(server.url) as s, s.post("/v1/completions", json=STREAM) as resp:
-        await wait_for(lambda: engine.live)
+        assert await engine.until(lambda: engine.live, 10)
         rid = next(iter(engine.live))
         engine.emit(rid, "w0", [100])
         stopping = asyncio.ensure_future(server.stop())

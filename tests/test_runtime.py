@@ -25,17 +25,11 @@ from messages.wire import (
     Probe,
     Shutdown,
 )
+from tests.cancel_harness import wait_for
 from tests.runtime_actors import Drainer, Recorder, Sender
 
 ECHO = ProcessSpec(name="echoproc", actors=[ActorSpec(name="echo", factory="tests.runtime_actors:Echo")])
 FAST = RestartPolicy(heartbeat_s=0.2, heartbeat_timeout_s=0.5, max_missed=2, max_restarts=2, window_s=60)
-
-
-async def wait_for(cond, timeout=20.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 def alive(pid: int) -> bool:
@@ -62,7 +56,7 @@ async def test_order_preserved_under_load():
     async with ActorSystem([ECHO], local=[tester, recorder]):
         for i in range(10_000):
             tester.tell("echo", Probe(seq=i))
-        await wait_for(lambda: len(recorder.probes) == 10_000)
+        assert await recorder.until(lambda: len(recorder.probes) == 10_000, 20)
         assert [p.seq for p in recorder.probes] == list(range(10_000))
 
 
@@ -75,7 +69,7 @@ async def test_bad_frames_counted_and_survived():
             sock.send(frame)
         sock.close(linger=1000)
         tester.tell("echo", Probe(seq=1))
-        await wait_for(lambda: len(recorder.probes) == 1)
+        assert await recorder.until(lambda: len(recorder.probes) == 1, 20)
         report = await tester.ask("echo", CheckIdle())
         assert report.details["bad_frames"] == 3
 
@@ -95,12 +89,12 @@ async def test_kill_restart_and_actor_events():
     async with ActorSystem([ECHO], local=[recorder], policy=FAST) as system:
         old = system.pids()["echoproc"]
         system.kill("echoproc")
-        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert await recorder.until(lambda: ("ActorUp", "echo") in recorder.events, 20)
         assert recorder.events[:2] == [("ActorDown", "echo"), ("ActorUp", "echo")]
         assert system.pids()["echoproc"] != old and not alive(old)
         recorder.probes.clear()
         recorder.tell("echo", Probe(seq=7))  # the new incarnation serves
-        await wait_for(lambda: len(recorder.probes) == 1)
+        assert await recorder.until(lambda: len(recorder.probes) == 1, 20)
 
 
 async def test_hung_actor_is_killed_and_restarted():
@@ -108,7 +102,7 @@ async def test_hung_actor_is_killed_and_restarted():
     async with ActorSystem([ECHO], local=[tester, recorder], policy=FAST) as system:
         old = system.pids()["echoproc"]
         tester.tell("echo", Probe(seq=0, payload=b"hang"))
-        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert await recorder.until(lambda: ("ActorUp", "echo") in recorder.events, 20)
         assert system.pids()["echoproc"] != old
 
 
@@ -120,7 +114,7 @@ async def test_restart_intensity_exceeded_stops_nonzero():
     try:
         pid = system.pids()["echoproc"]
         system.kill("echoproc")
-        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert await recorder.until(lambda: ("ActorUp", "echo") in recorder.events, 20)
         assert system.pids()["echoproc"] != pid
         system.kill("echoproc")
         await asyncio.wait_for(system.done.wait(), 20)
@@ -143,10 +137,10 @@ async def test_a_restart_that_dies_during_startup_is_tried_again(tmp_path):
     async with ActorSystem([spec], local=[recorder], policy=FAST) as system:
         marker.touch()
         system.kill("echoproc")
-        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert await recorder.until(lambda: ("ActorUp", "echo") in recorder.events, 20)
         assert not marker.exists() and not system.done.is_set() and len(system.restarts["echoproc"]) == 2
         recorder.tell("echo", Probe(seq=3))
-        await wait_for(lambda: len(recorder.probes) == 1)
+        assert await recorder.until(lambda: len(recorder.probes) == 1, 20)
 
 
 def heard(recorder: Recorder) -> list[bytes]:
@@ -183,19 +177,19 @@ async def test_a_restarted_actor_hears_who_is_down_now_not_what_died_while_it_st
         system.kill("watchproc")
         await wait_for(lambda: system.state.get("watchproc") == "starting")
         system.kill("echoproc")  # dies and comes back while the watcher starts
-        await wait_for(lambda: ("ActorUp", "echo") in recorder.events)
+        assert await recorder.until(lambda: ("ActorUp", "echo") in recorder.events, 20)
         os.write(gates["watcher"], b"x")
-        await wait_for(lambda: ("ActorUp", "watcher") in recorder.events)
+        assert await recorder.until(lambda: ("ActorUp", "watcher") in recorder.events, 20)
         recorder.tell("watcher", Probe(seq=1))  # every event it heard arrives before this
-        await wait_for(lambda: any(p.seq == 1 for p in recorder.probes))
+        assert await recorder.until(lambda: any(p.seq == 1 for p in recorder.probes), 20)
         assert heard(recorder) == []
         held_restart("echo")
         system.kill("watchproc")
         await wait_for(lambda: system.state.get("watchproc") == "starting")
         system.kill("echoproc")  # down (held) when the watcher is Ready: it is told so, then hears the ActorUp
-        await wait_for(lambda: recorder.events.count(("ActorUp", "watcher")) == 2)
+        assert await recorder.until(lambda: recorder.events.count(("ActorUp", "watcher")) == 2, 20)
         os.write(gates["echo"], b"x")
-        await wait_for(lambda: len(heard(recorder)) == 2)
+        assert await recorder.until(lambda: len(heard(recorder)) == 2, 20)
         assert heard(recorder) == [b"watcher heard ActorDown:echo", b"watcher heard ActorUp:echo"]
     for fd in gates.values():
         os.close(fd)
@@ -270,18 +264,20 @@ async def test_an_actor_drains_while_it_goes_on_handling_messages():
 
 
 class Listener(Recorder):
-    """A Recorder that handles each Probe a loop turn later (it lags behind its socket) and, as the system stops,
-    waits (5 s at most) until `count` Probes arrived."""
+    """A Recorder that handles no Probe until its processes have exited (they all lie in its inbox or socket then),
+    and then waits (5 s at most) until `count` Probes were handled."""
 
     def __init__(self, count: int) -> None:
         super().__init__()
         self.count = count
+        self.exited = asyncio.Event()
 
     async def on_probe(self, msg: Probe) -> None:
-        await asyncio.sleep(0)
+        await self.exited.wait()
         super().on_probe(msg)
 
     async def on_processes_exited(self, timeout_s: float) -> None:
+        self.exited.set()
         await self.until(lambda: len(self.probes) == self.count, 5)
 
 
