@@ -1,6 +1,7 @@
 """The native paged attention kernel (gpu/native/csrc/attention.cpp): each ISA's build against a float64 reference
 on awkward shapes (head dims off the vector width, odd block sizes, contexts across the softmax's chunks, grouped
-query heads, sliding windows, a soft-cap), with every cache slot no query may read poisoned with NaN; bitwise batch
+query heads, sliding windows, a soft-cap), with every cache slot no query may read poisoned with NaN, and a NaN or
+inf in a key that queries read spreading as in the reference (exactly to the heads that see it); bitwise batch
 invariance (a token's result alone as a decode row, in a prefill, a chunk or any batch) and across ISAs; refusals of
 metadata that would read outside the cache."""
 
@@ -109,6 +110,26 @@ def test_every_isa_computes_the_same_bits():
     case = Case([(1, 40), (6, 6), (3, 77)], heads=6, kv_heads=2, dim=40, block_size=16, seed=5)
     results = [case.run(isa, window=9, softcap=3.0) for isa in BUILT]
     assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+@pytest.mark.parametrize("isa", BUILT)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (3, 0.0), (0, 2.0)])
+def test_a_non_finite_key_spreads_as_in_the_reference(isa, bad, window, softcap):
+    """One element of one key (a decode row's, and one amid a prefill's) non-finite: exactly the query heads that see
+    it give NaN, as torch's softmax does for a NaN or +inf score (inf - inf; -inf weighs 0, a soft-cap caps +-inf);
+    the queries before it or past its window, and the other heads, keep their values. (Every slot no query may read
+    is NaN, as in every Case: it changes nothing.)"""
+    case = Case([(1, 17), (7, 50), (1, 40)], heads=4, kv_heads=2, dim=24, block_size=5, seed=7)
+    for r, j, h, d in ((0, 3, 1, 5), (1, 45, 0, 20)):  # (row 1's queries sit at positions 43 .. 49)
+        case.keys[r][j, h, d] = bad
+        case.k[case.tables[r, j // case.block_size], j % case.block_size, h, d] = bad
+    out, want = case.run(isa, window=window, softcap=softcap), case.reference(window=window, softcap=softcap)
+    nan = want.isnan()
+    assert nan.any() == (math.isnan(bad) or not softcap) and not nan.all()
+    assert torch.equal(out.isnan(), nan)
+    ok = want[~nan]
+    assert (out[~nan].double() - ok).abs().max() <= 1e-5 * ok.abs().max().clamp(min=1)
 
 
 def test_the_reference_check_fails_a_wrong_kernel():

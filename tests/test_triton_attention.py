@@ -2,8 +2,10 @@
 caches behind shuffled block tables: GQA 1/3/8, head_dim 24 and 64, contexts of 1 to 40 blocks with partial last
 blocks, decode steps (split-K past 256 keys), mixed steps (prefill, chunked prefill on cached blocks, decode), windows
 and soft-caps, fp32/fp16/bf16, block sizes 8 to 64. Outputs and the split-K scratch are poisoned with NaN first, so an
-unwritten element fails. In the Triton interpreter on CPU (small shapes); compiled, on CUDA, when there is one. And
-the kernels compile for an H100 (sm_90, through ptxas) on a machine without a GPU, which the interpreter cannot show."""
+unwritten element fails. Offsets past 2^31 elements: q and out far apart in a lazily allocated buffer, and the
+split-K scratch's index at a shape too large to run. In the Triton interpreter on CPU (small shapes); compiled, on
+CUDA, when there is one. And the kernels compile for an H100 (sm_90, through ptxas) on a machine without a GPU, which
+the interpreter cannot show."""
 
 from __future__ import annotations
 
@@ -15,9 +17,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from gpu.attention import AttentionMetadata, TorchAttention
-from gpu.kernels.triton_attention import INTERPRETED, MAX_SPLITS, PARTITION, paged_attention, split_plan
+from gpu.kernels.triton_attention import (
+    INTERPRETED,
+    MAX_SPLITS,
+    PARTITION,
+    _partial_offset,
+    paged_attention,
+    split_plan,
+)
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")  # (tests/conftest.py sets TRITON_INTERPRET without CUDA)
 # ‖out − ref64‖/‖ref64‖ allowed: fp16/bf16 round p (the softmax weights) and the output once each
@@ -155,6 +166,41 @@ def test_padding_rows_change_nothing():
     step.block_tables = np.insert(step.block_tables, [1, 3], 0, axis=0)
     step.query_start_loc = np.concatenate([[0], np.cumsum(step.query_lens)])
     assert torch.equal(step.triton(**step.poison()), expected)
+
+
+FAR = 1 << 30  # elements between two tokens' rows of q and out below: token 2's start 2^31 elements in
+
+
+@pytest.mark.parametrize("lens", [([3], [40]), ([1, 1, 1], [300, 17, 600])], ids=["one-pass", "split-k"])
+def test_offsets_past_2_31_elements(lens):
+    """q and out as views of one 8 GiB buffer (on a CPU lazily allocated: untouched pages cost no memory) with FAR
+    elements between tokens, starting 2^31 elements in: token 2's offsets pass 2^31, where int32 offsets would wrap
+    to the buffer's start. The outputs are the bits of contiguous q and out, in one pass and through the reduce."""
+    step = Step(*lens, heads=(4, 2), head_dim=24, dtype=torch.float16)
+    want = step.triton()
+    n = step.q[0].numel()
+    buf = torch.empty(2 * (1 << 31) + 2 * n, dtype=step.q.dtype, device=DEVICE)
+    q, out = (buf.as_strided(step.q.shape, (FAR, *step.q.stride()[1:]), (1 << 31) + i * n) for i in (0, 1))
+    step.q = q.copy_(step.q)
+    assert torch.equal(step.triton(out=out.fill_(torch.nan)), want)
+
+
+@triton.jit
+def _partial_offsets(out, tokens, num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    i = tl.arange(0, 4)
+    token = tl.load(tokens + i)  # int32, as the kernels' token indices
+    tl.store(out + i, _partial_offset(token, i, num_splits - 1 - i, num_splits, NUM_HEADS, HEAD_DIM))
+
+
+def test_split_k_scratch_offsets_are_int64():
+    """A decode step of 4,096 rows of 128 heads of 128 at 64 splits has a 4.4e9-element scratch (too large to run
+    here): the offsets both kernels index it by (_partial_offset) are exact past 2^31."""
+    heads, head_dim, splits = 128, 128, MAX_SPLITS
+    tokens = [0, 1000, 2016, 4095]
+    out = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    _partial_offsets[(1,)](out, torch.tensor(tokens, dtype=torch.int32, device=DEVICE), splits, heads, head_dim)
+    want = [((t * heads + i) * splits + splits - 1 - i) * (head_dim + 2) for i, t in enumerate(tokens)]
+    assert want[-1] > 1 << 32 and out.tolist() == want
 
 
 COMPILE = """

@@ -9,6 +9,7 @@ c = seq_len - query_len cached keys sees keys 0..c + i), and of those only the l
 query at position p iff p - window < j <= p); scores = softmax_scale * q.k, then cap * tanh(scores / cap) with a
 soft-cap; softmax in float32. Any D (masked up to a power of two), Hq a multiple of Hkv, fp16/bf16/fp32. Writes every
 element of `out` [T, Hq, D] (q's dtype) and returns it. Equals gpu/attention.py's torch path within rounding.
+Offsets scaled by a token (into q, out and the split-K scratch) are int64: no shape bound past 2^31 elements.
 
 Grid: (query tiles, Hkv, splits). A program takes BLOCK_Q consecutive queries of one row times the GROUP = Hq / Hkv
 query heads that share one KV head (BLOCK_M = BLOCK_Q * GROUP rows, at least 16 for tl.dot), so each key tile is
@@ -60,6 +61,13 @@ def _row_of_tile(query_start, tile, num_rows, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _partial_offset(token, head, split, num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Where partials[token, head, split] starts in the scratch [T, Hq, splits, D + 2]: in int64, as every offset
+    scaled by a token (T * Hq * splits * (D + 2), or T * stride_qt, passes 2^31 at long contexts and many rows)."""
+    return ((token.to(tl.int64) * NUM_HEADS + head) * num_splits + split) * (HEAD_DIM + 2)
+
+
+@triton.jit
 def _attention_kernel(
     out, q, k_cache, v_cache, block_tables, seq_lens, query_start, partials,
     scale, softcap, window, partition, num_rows, num_splits,
@@ -84,7 +92,7 @@ def _attention_kernel(
     head = kv_head * GROUP + offs_m % GROUP
     m_ok = (q_idx < q_len) & (offs_m < BLOCK_Q * GROUP)
     pos = ctx + q_idx
-    token = q_start + q_idx
+    token = (q_start + q_idx).to(tl.int64)  # (int64 offsets: see _partial_offset)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     md_ok = m_ok[:, None] & d_ok[None, :]
@@ -124,7 +132,7 @@ def _attention_kernel(
         m_i = m_new
 
     if SPLIT:  # partials[token, head, split] = [acc (D), max (log2 units), exp-sum]; an empty split: 0, -inf, 0
-        base = partials + ((token * NUM_HEADS + head) * num_splits + split) * (HEAD_DIM + 2)
+        base = partials + _partial_offset(token, head, split, num_splits, NUM_HEADS, HEAD_DIM)
         tl.store(base[:, None] + offs_d[None, :], acc, mask=md_ok)
         tl.store(base + HEAD_DIM, m_i, mask=m_ok)
         tl.store(base + HEAD_DIM + 1, l_i, mask=m_ok)
@@ -139,12 +147,12 @@ def _reduce_kernel(
     out, partials, stride_ot, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
-    token, head = tl.program_id(0), tl.program_id(1)
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     s_ok = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
-    base = partials + ((token * NUM_HEADS + head) * num_splits + offs_s) * (HEAD_DIM + 2)
+    base = partials + _partial_offset(token, head, offs_s, num_splits, NUM_HEADS, HEAD_DIM)
     m = tl.load(base + HEAD_DIM, mask=s_ok, other=float("-inf"))
     w = tl.exp2(m - tl.max(m, 0))  # an empty split weighs 0
     l_sum = tl.sum(tl.load(base + HEAD_DIM + 1, mask=s_ok, other=0.0) * w, 0)

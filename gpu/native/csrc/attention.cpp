@@ -11,7 +11,9 @@
 // per lane over D, then simd::sum16's tree) x scale (then softcap x tanh(s / softcap) where softcap > 0), an online
 // softmax over chunks of CHUNK keys at fixed absolute positions (multiples of CHUNK), the values summed in key
 // order. So a decode row, the same position in a prefill or a chunk, a verification row or a recomputed prompt give
-// the same bits alone or in any batch, on any thread count, with the AVX2 or the AVX-512 build.
+// the same bits alone or in any batch, on any thread count, with the AVX2 or the AVX-512 build. A NaN or +inf score
+// (a non-finite key) makes the heads that see it NaN, as torch's softmax does (simd::exp16 keeps NaN); a cache slot
+// no query may see is never read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -143,9 +143,10 @@ inline float max16(V16 a) {
 }
 
 // e^x lane by lane for x <= 0 (softmax's shifted scores; below -87 it returns 2^-126 x e^r, not 0): x = n ln2 + r,
-// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n.
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n. NaN stays NaN, as in
+// torch (the floor is max's first operand: maxps returns the second where either is NaN).
 inline V16 exp16(V16 x) {
-  x = max16(x, set16(-87.0f));
+  x = max16(set16(-87.0f), x);
   const V16 n = round16(mul16(x, set16(1.44269504088896341f)));
   V16 r = fma16(n, set16(-0.693359375f), x);  // ln2 in two parts: the first exact in float
   r = fma16(n, set16(2.12194440e-4f), r);
