@@ -3,7 +3,12 @@
 Torch path (CPU, and CUDA without flash-attn): rows are grouped into segments (decode rows, longer rows), each row's
 keys are gathered through its block table, and each segment is one padded `scaled_dot_product_attention` call with
 an explicit bottom-right causal mask (`is_causal=True` is top-left aligned, wrong when a query is shorter than its
-keys). On CUDA with flash-attn installed and blocks of a multiple of 256 tokens, its paged varlen kernel is used.
+keys). A row padded to the segment's longest reads its own last key's slot at each padding key, never a slot it does
+not hold (past its keys in its last block; block 0 in its table's padding, which may be another request's): masked
+weights are exact zeros, but 0 * NaN is NaN, so a non-finite value there would reach the row. (A key of the row's own
+that the mask hides from some of its queries, later in a prefill's chunk or past a window, is still read: a
+non-finite one reaches those queries of that request.) On CUDA with flash-attn installed and blocks of a multiple of
+256 tokens, its paged varlen kernel is used.
 
 `TorchAttention` is this path as an attention backend (gpu/attention_backend.py): the runner asks it for the step's
 segment plans (host arrays, uploaded with the step's), gives it the uploaded tensors to attach to the metadata, and
@@ -54,7 +59,7 @@ class Segment:
     q_gather: torch.Tensor | None  # [rows, max_q] token index of each padded query (padding repeats the last token)
     out_index: torch.Tensor | None  # [n] token index of each real query ...
     pad_index: torch.Tensor | None  # [n] ... and its flat padded position
-    kv_slots: torch.Tensor  # [rows, max_k] cache slot of each key (padding points at any slot: masked or unused)
+    kv_slots: torch.Tensor  # [rows, max_k] cache slot of each key (padding repeats the row's last key's: masked)
     mask: torch.Tensor | None  # [rows, 1, max_q, max_k] key j visible to query i iff j <= ctx_len + i
     ctx_lens: torch.Tensor  # [rows] keys before each row's first query
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, built on first use
@@ -123,6 +128,9 @@ def _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size)
     real = i < q[:, None]
     q_gather = query_start_loc[rows, None] + np.minimum(i, q[:, None] - 1)
     kv_slots = block_tables[rows][:, j // block_size] * block_size + j % block_size
+    # a row's padding keys (masked) read its last key's slot, never one it does not hold: past its keys in its last
+    # block, or block 0 where its table is padded, which may be another request's (a NaN there would reach the row)
+    np.copyto(kv_slots, kv_slots[np.arange(len(rows)), k - 1][:, None], where=j >= k[:, None])
     arrays = dict(kv_slots=kv_slots, ctx_lens=k - q)
     if max_q > 1 or len(rows) < len(query_lens):
         arrays.update(q_gather=q_gather, out_index=q_gather[real], pad_index=np.flatnonzero(real))
