@@ -20,6 +20,7 @@ from messages.wire import Abort
 LOST_AFTER_STEPS = 2  # a reorder displaces a message by one
 LOST_AFTER_S = 1.0
 RECENT = 2  # numbered messages name the requests of this many before them (a reorder displaces one by one)
+KEPT = LOST_AFTER_STEPS + RECENT  # the numbers of a gap StepNumbers tracks one by one (the rest: one for all)
 MAX_ATTEMPTS = 32  # a request whose copy is numbered this high (AddRequest.attempt) fails at its next loss (a loss
 # repairs every request that may have been in the lost message: a long request under steady loss collects many)
 CLIENT_COPIES, DETOK_COPIES = 1, 0  # the parity of the attempt numbers each party gives the copies it makes
@@ -171,7 +172,14 @@ class StepNumbers:
     """The message-level seq check on one link's numbered StepOutputs (step 0 starts an engine incarnation).
 
     `accept` is False for a duplicate. A skipped number is missing until it arrives late (reordered:
-    accepted) or `lost` declares it lost: LOST_AFTER_STEPS later steps came, or LOST_AFTER_S passed."""
+    accepted) or `lost` declares it lost: LOST_AFTER_STEPS later steps came, or LOST_AFTER_S passed.
+
+    A gap costs O(KEPT) whatever its size (a sender numbers its messages freely: one numbered 2**62 after 0 must not
+    make a receiver list 2**62 numbers). Only the last KEPT numbers of a gap can still arrive late or be named by a
+    later message's `recent`; those before are lost at the next `lost()` (LOST_AFTER_STEPS later numbers came), so
+    the first of them stands for all: it is never named, which makes `lost_suspects` repair every request not heard
+    from since, as the whole run of them would. One of those arriving late after all is taken as a duplicate: its
+    requests' next outputs show the loss as seq gaps (DESIGN I6), repaired as such."""
 
     def __init__(self):
         self.next: int | None = None
@@ -196,7 +204,10 @@ class StepNumbers:
             self.next = step + 1
         elif step >= self.next:
             now = time.monotonic()
-            for s in range(self.next, step):
+            tracked = range(max(self.next, step - KEPT), step)
+            if self.next < tracked.start:  # (the one standing for the gap's numbers before those tracked)
+                self.missing[self.next] = now
+            for s in tracked:
                 self.missing[s] = now
             self.next = step + 1
         elif self.missing.pop(step, None) is None:

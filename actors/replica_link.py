@@ -23,6 +23,8 @@ Door, per remote replica (messages/step.py's ReplicaHello, Welcome, Relay):
 | up                    | Relay to the client                         | delivered if it is output, stats or a report  |
 |                       |                                             | of this replica's (its index, its actors);    |
 |                       |                                             | anything else dropped, logged                 |
+| up                    | Relay of a TextOutputs numbered more than   | down, logged, counted: a protocol violation   |
+|                       | NUMBER_WINDOW past the highest one before   | (actors/replica_remote.py says why)           |
 | down                  | Relay                                       | dropped (an old epoch's)                      |
 | any                   | ActorUp of the client (it restarted)        | ActorDown of every replica down, again        |
 Epochs start at a random number, so a restarted front's are new to every node. The node adopts a Welcome's epoch; a
@@ -35,12 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 
 import zmq
 import zmq.asyncio
 
+from actors.replica_remote import NUMBER_WINDOW, Remote
 from actors.runtime import curve
 from actors.runtime.actor import Actor
 from messages.codec import BadFrame, Codec
@@ -55,19 +57,6 @@ LOCAL = (Ping, Shutdown, Reply)  # what a proxy's own runtime handles (never rel
 FROM_NODE = (TextOutputs, EngineStats, DetokStats)  # what a node may tell the client, of its replica (and reports)
 
 
-class Remote:
-    """What the door knows of one remote replica."""
-
-    def __init__(self, index: int) -> None:
-        self.names = replica(index)
-        self.peer: bytes | None = None  # its node's launcher
-        self.heard = 0.0
-        self.epoch = secrets.randbits(48)
-        self.sent = 0  # relays sent in this epoch
-        self.offered = False  # a Welcome of this epoch was sent since it was last down (a lost one is sent again)
-        self.up = False
-
-
 class Door(Actor):
     """The front's side of its remote replicas (module docstring's table)."""
 
@@ -77,6 +66,7 @@ class Door(Actor):
         self.client, self.address = client, address
         self.link, self.wire = Codec(REPLICA_TYPES), Codec()
         self.ctx: zmq.asyncio.Context | None = None  # (made at on_start)
+        self.violations = 0  # relays that broke the protocol (each took its replica down)
 
     def handlers(self):
         return {ActorUp: self.on_actor_up}
@@ -142,7 +132,7 @@ class Door(Actor):
         if r.up and hello.epoch != r.epoch:
             self._lost(r, "its node left the epoch (a missing relay, or a restart)")
         if not r.up and r.offered and hello.epoch == r.epoch:
-            r.up = True
+            r.up, r.number = True, None
             log.info("engine replica %d joined from its node (epoch %d)", r.names.index, r.epoch)
             self._tell_client(r, ActorUp)
         elif not r.up and not r.offered:  # (a node that was up before must adopt a new epoch: it forgets first)
@@ -159,6 +149,11 @@ class Door(Actor):
             return
         if r is None or relay.dst != self.client or not self._its_own(r, msg):
             log.warning("dropped a %s for %s from a node, not its replica's to send", type(msg).__name__, relay.dst)
+            return
+        if isinstance(msg, TextOutputs) and not r.numbered(msg.number):
+            self.violations += 1
+            self._lost(r, f"a protocol violation (TextOutputs number {msg.number}, more than {NUMBER_WINDOW} past "
+                          f"{r.number}; {self.violations} so far)")  # fmt: skip
             return
         self.router.send(self.name, relay.dst, msg)
 

@@ -17,6 +17,7 @@ import pytest
 
 from actors.engine.config import EngineConfig
 from actors.replica_link import STALE_S, Door
+from actors.replica_remote import NUMBER_WINDOW
 from actors.runtime.curve import SECRET_ENV
 from frontend.http_base import HttpConfig
 from frontend.launch import start_server
@@ -117,6 +118,14 @@ def relay(d: Door, peer: bytes, msg) -> None:
     d._on_relay(Relay(dst="http", frame=Codec().encode(msg)), peer)
 
 
+def joined(d: Door, peer: bytes = b"A") -> None:
+    """Replica 1 up in a new epoch: its node's hello, the Welcome it adopts, its hello in that epoch."""
+    r = d.remote[1]
+    d._on_hello(ReplicaHello(replica=1, epoch=0), peer)
+    d._on_hello(ReplicaHello(replica=1, epoch=r.epoch), peer)
+    assert r.up
+
+
 def test_the_door_admits_a_node_under_a_new_epoch_and_delivers_only_its_replicas_messages():
     d, r = door(), None
     d._on_hello(ReplicaHello(replica=1, epoch=0), b"A")
@@ -155,3 +164,24 @@ def test_a_node_that_left_the_epoch_is_down_until_it_adopts_a_new_one():
     assert [m.actor for _, m in d.router.delivered] == list(r.names.actors)
     d._on_hello(ReplicaHello(replica=1, epoch=first + 1), b"A")
     assert r.up
+
+
+def test_a_node_whose_outputs_jump_past_the_window_is_taken_out_of_rotation():
+    """One TextOutputs numbered far past the last (2**62: the front listed every number up to it, hung) is a protocol
+    violation: not delivered, the replica down (its requests go on elsewhere), counted; in a new epoch it serves
+    again, its numbering taken afresh. Within the window, gaps (losses) and a new detokenizer's 0 are delivered."""
+    d = door()
+    joined(d)
+    r = d.remote[1]
+    for n in (0, 1, 5, 5 + NUMBER_WINDOW, 0, 3):  # (a gap of NUMBER_WINDOW: a loss; 0: its detokenizer restarted)
+        relay(d, b"A", TextOutputs(step=0, deltas=[], number=n, replica=1))
+    assert [m.number for _, m in d.router.delivered if isinstance(m, TextOutputs)] == [0, 1, 5, 5 + NUMBER_WINDOW, 0, 3]
+    d.router.delivered.clear()
+    relay(d, b"A", TextOutputs(step=0, deltas=[], number=2**62, replica=1))
+    assert not r.up and d.violations == 1
+    assert [(type(m), m.actor) for _, m in d.router.delivered] == [(ActorDown, a) for a in r.names.actors]
+    assert "protocol violation" in d.router.delivered[0][1].reason
+    joined(d)
+    d.router.delivered.clear()
+    relay(d, b"A", TextOutputs(step=0, deltas=[], number=2**62 + 1, replica=1))  # (the client's link was reset)
+    assert r.up and [m.number for _, m in d.router.delivered] == [2**62 + 1]

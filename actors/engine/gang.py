@@ -1,7 +1,8 @@
 """A worker gang: the tensor-parallel ranks behind the one WorkerActor (`EngineConfig.tensor_parallel_size` > 1).
 
 The WorkerActor's process is rank 0, the leader: the scheduler's one link (ExecuteStep in, StepResult out), the
-sampler, the grammar masks. It makes the group's rendezvous (a file store in the runtime directory), spawns ranks
+sampler, the grammar masks. It makes the group's rendezvous (a file store in the runtime directory; across nodes a
+TCPStore on --master-addr, its values sealed with a key from the cluster secret: gpu/distributed/store.py), spawns ranks
 1..N-1 (`python -m actors.engine.gang`, each killed by the kernel when the leader dies), joins the group with them
 once each has said so in the store (gpu/distributed/group.py), and says it is Ready once each has loaded. A rank holds its shard of the model and of the KV cache (its heads; every rank the
 same block count). Each step, on every rank's device thread, in this order (actors/engine/executor.py):
@@ -42,6 +43,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.executor import KEEPALIVE, follow, make_runner
+from actors.runtime import curve
 from gpu.config import ModelConfig
 from gpu.distributed.group import TensorParallel, join, rendezvous
 from messages.step import SpawnRanks
@@ -77,6 +79,12 @@ def bind_device(config: EngineConfig, index: int) -> torch.device:
     return torch.device("cpu")
 
 
+def store_key() -> bytes:
+    """The cluster's key for a gang's store across nodes (gpu/distributed/group.py's rendezvous): from the cluster
+    secret in this process's environment, never from a command line or a spawn config."""
+    return curve.derive(curve.cluster_secret(), "gang-store")
+
+
 def spawn_rank(follower: FollowerConfig) -> subprocess.Popen:
     """A follower rank's process (call from a thread that outlives it: PDEATHSIG follows the spawning thread)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (finds this code as we do)
@@ -106,11 +114,11 @@ class Gang:
 
     def __init__(self, config: EngineConfig, num_blocks: int, log_level: str, rundir: str) -> None:
         self.config, self.size = config, config.tensor_parallel_size
-        per_node = self.size // config.nnodes
+        per_node, gang = self.size // config.nnodes, uuid.uuid4().hex
         if config.nnodes == 1:  # a new incarnation, a new store
-            self.store, url = rendezvous(f"file://{rundir}/gang-{uuid.uuid4().hex[:12]}", self.size, first=True)
+            self.store, url = rendezvous(f"file://{rundir}/gang-{gang[:12]}", self.size, first=True)
         else:
-            self.store, url = rendezvous(f"tcp://{config.master_addr}:0", self.size, first=True)
+            self.store, url = rendezvous(f"tcp://{config.master_addr}:0/{gang}", self.size, True, store_key())
         self.stopping = False
         self.tp: TensorParallel | None = None  # rank 0 of the group, once joined
         self.followers = {  # (spawned on the loop thread, which outlives them)
@@ -124,7 +132,7 @@ class Gang:
             from actors.engine.gang_nodes import Door
 
             self.door = Door(config, SpawnRanks(
-                gang=uuid.uuid4().hex, store=url, engine=msgspec.to_builtins(config), num_blocks=num_blocks,
+                gang=gang, store=url, engine=msgspec.to_builtins(config), num_blocks=num_blocks,
                 log_level=log_level,
             ))  # fmt: skip
 
@@ -195,7 +203,8 @@ def follower_main(config: FollowerConfig) -> None:
     engine = config.engine
     torch.set_num_threads(engine.threads())
     device = bind_device(engine, config.device_index)
-    store, _ = rendezvous(config.store, engine.tensor_parallel_size, first=False)
+    key = store_key() if engine.nnodes > 1 else b""
+    store, _ = rendezvous(config.store, engine.tensor_parallel_size, False, key)
     store.set(f"joining/{config.rank}", "")
     tp = join(config.rank, engine.tensor_parallel_size, store, device, timeout_s(engine))
     runner = make_runner(engine, ModelConfig.from_path(engine.model), config.num_blocks)

@@ -16,8 +16,10 @@ incarnation has an id; the messages are messages/step.py's NodeHello, SpawnRanks
 | kills the others                        | supervisor restarts it: a new gang, whose SpawnRanks follow the hello)|
 | refused handshake: exits with code 2    |                                                                       |
 
-The collectives themselves run over torch.distributed (gloo or NCCL), whose store and connections are neither
-authenticated nor encrypted: docs/OPERATIONS.md says what that means for the network between nodes.
+The collectives themselves run over torch.distributed (gloo or NCCL): its store listens on --master-addr only, its
+values sealed with a key from the cluster secret (the store's URL travels in SpawnRanks, over this link), but gloo's
+and NCCL's connections are neither authenticated nor encrypted: docs/OPERATIONS.md says what that means for the
+network between nodes.
 """
 
 from __future__ import annotations

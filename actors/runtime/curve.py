@@ -4,13 +4,16 @@ The secret comes from the environment (SLUICE_CLUSTER_SECRET; `--cluster-secret`
 appears in a child's command line or spawn config). Each end derives two key pairs from it (PBKDF2-HMAC-SHA256, a
 salt per role): the server's, which a client must know to complete a handshake with it, and the one client key the
 server accepts (its ZAP handler refuses any other, with a log line). Traffic is encrypted and authenticated: a peer
-without the secret neither reads nor sends one message. A client watches its handshakes (a socket monitor): three
-that fail in a row (a wrong secret at either end) raise `Refused`.
+without the secret neither reads nor sends one message. `derive` makes other keys from it (a gang's store's), never
+sending or storing the secret itself. A client watches its handshakes (a socket monitor): three that fail in a row
+(a wrong secret at either end) raise `Refused`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 import logging
 import os
 
@@ -39,11 +42,21 @@ def cluster_secret() -> str:
     return secret
 
 
+@functools.cache
+def _stretched(secret: str, role: str) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", secret.encode(), f"sluice-cluster-{role}".encode(), 100_000)
+
+
 def keypair(secret: str, role: str) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys of `role` ("server" or "client") for this cluster secret."""
-    seed = hashlib.pbkdf2_hmac("sha256", secret.encode(), f"sluice-cluster-{role}".encode(), 100_000)
-    private = z85.encode(seed)
+    private = z85.encode(_stretched(secret, role))
     return zmq.curve_public(private), private
+
+
+def derive(secret: str, label: str) -> bytes:
+    """A 32-byte key for `label` (e.g. a gang's store: gpu/distributed/store.py): HMAC-SHA256 under the secret
+    stretched as the key pairs' seeds are, so what it keys tells nothing of the secret and a guess costs a PBKDF2."""
+    return hmac.digest(_stretched(secret, "derived"), label.encode(), "sha256")
 
 
 class _OneClient:

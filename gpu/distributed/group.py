@@ -5,7 +5,8 @@ identity, every shard the whole tensor), so the one-device path runs the same bl
 `join(rank, size, store)` makes it rank `rank` of `size` in a torch.distributed group: gloo on CPU; on CUDA one
 group with NCCL for device tensors and gloo for host ones (the steps the first rank broadcasts: NCCL carries no host
 tensors). Every collective has the group's timeout: a peer that died fails the others' collective at once (its
-connections close), one that hangs within `timeout_s` — nothing waits forever.
+connections close), one that hangs within `timeout_s` — nothing waits forever. `rendezvous` makes the store the
+ranks meet at: a file on one node, a sealed TCPStore on the master's address across nodes (gpu/distributed/store.py).
 
 `current()` is this process's group; the layers read it when they are built (their shapes: gpu/layers/parallel.py)
 and call its collectives in their forward. The first rank (0) is the one that samples: the logits are gathered
@@ -21,6 +22,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from gpu.distributed.store import SealedStore, gang_key, interface_toward, listener
 
 
 @dataclass(frozen=True)
@@ -86,18 +89,42 @@ def shaped_as(tp: TensorParallel):
         _current = saved
 
 
-def rendezvous(url: str, size: int, first: bool) -> tuple[dist.Store, str]:
-    """The group's store, and its URL for the other ranks: "file://<path>" on one node (a file in the server's
-    private runtime directory: nothing listens; gloo's and NCCL's own sockets are bound to loopback), or
-    "tcp://<host>:<port>" across nodes (the first rank's TCPStore, port 0: a free one; it listens on every interface:
-    docs/OPERATIONS.md)."""
+def rendezvous(url: str, size: int, first: bool, key: bytes = b"") -> tuple[dist.Store, str]:
+    """The group's store, and its URL for the other ranks; the collectives bound to the interface it says.
+
+    "file://<path>" on one node: a file in the server's private runtime directory (nothing listens; gloo's and NCCL's
+    sockets bound to loopback). "tcp://<host>:<port>/<gang>" across nodes: the first rank's TCPStore listening on
+    <host> only (port 0: a free one), every value sealed under a key of this gang from `key` (the cluster's store key:
+    actors/runtime/curve.py's `derive`) and its keys under a prefix derived so too (never the secret itself); gloo and
+    NCCL bound to this node's interface toward <host> unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise
+    (gpu/distributed/store.py; docs/OPERATIONS.md)."""
     scheme, _, where = url.partition("://")
     if scheme == "file":
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+        _bind_collectives("lo", force=True)
         return dist.FileStore(where, size), url
-    host, _, port = where.rpartition(":")
-    store = dist.TCPStore(host, int(port), size, is_master=first, wait_for_workers=False)
-    return store, f"tcp://{host}:{store.port}"
+    if not key:
+        raise ValueError("a store across nodes is sealed with the cluster's key: none given")
+    address, _, gang = where.partition("/")
+    host, _, port = address.rpartition(":")
+    _bind_collectives(interface_toward(host), force=False)
+    if first:
+        sock = listener(host)
+        port = sock.getsockname()[1]  # (the store owns the socket from here)
+        tcp = dist.TCPStore(host, port, size, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
+        url = f"tcp://{host}:{port}/{gang}"
+    else:
+        tcp = dist.TCPStore(host, int(port), size, is_master=False)
+    prefix = gang_key(key, url, "prefix").hex()[:32]
+    return SealedStore(dist.PrefixStore(prefix, tcp), gang_key(key, url, "seal")), url
+
+
+def _bind_collectives(interface: str, force: bool) -> None:
+    """gloo's and NCCL's sockets on `interface` (NCCL's "=": that name exactly, not a prefix of others)."""
+    for variable, value in (("GLOO_SOCKET_IFNAME", interface), ("NCCL_SOCKET_IFNAME", f"={interface}")):
+        if force:
+            os.environ[variable] = value
+        else:
+            os.environ.setdefault(variable, value)
 
 
 def join(rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float) -> TensorParallel:
