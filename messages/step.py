@@ -127,7 +127,7 @@ class SpawnRanks(Msg, kw_only=True):
     """door -> headless node: (re)start this node's ranks in a new gang (its old ranks are killed first)."""
 
     gang: str
-    store: str  # the group's rendezvous (tcp://host:port: gpu/distributed/group.py)
+    store: str  # the group's rendezvous (tcp://host:port/<gang>: gpu/distributed/group.py)
     engine: dict  # the leader's EngineConfig (the node serves its own copy of the model: `model` is replaced)
     num_blocks: int  # KV blocks per rank
     log_level: str
