@@ -5,6 +5,7 @@ written from HF's rule, and greedy decoding (width 1)."""
 
 import math
 import random
+from fractions import Fraction
 from itertools import count
 
 import pytest
@@ -103,8 +104,8 @@ class Engine:
         assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
 
 
-def score(prompt, seq, cum, ended_by_token, lp):
-    return cum / (len(prompt) + len(seq) - ended_by_token) ** lp
+def score(cum, length, lp):  # vLLM's cum / length ** lp: exact for an integer lp (a Fraction: it never overflows)
+    return Fraction(cum) / Fraction(length) ** lp
 
 
 def exhaustive(prompt, max_tokens, lp, vocab=4):
@@ -116,9 +117,9 @@ def exhaustive(prompt, max_tokens, lp, vocab=4):
         for tok in range(vocab):
             seq, c = [*out, tok], cum + lps[tok]
             if tok == EOS:
-                found.append((score(prompt, seq, c, 1, lp), seq, "stop"))
+                found.append((score(c, len(prompt) + len(seq) - 1, lp), seq, "stop"))
             elif len(seq) == max_tokens:
-                found.append((score(prompt, seq, c, 0, lp), seq, "length"))
+                found.append((score(c, len(prompt) + len(seq), lp), seq, "length"))
             else:
                 walk(seq, c)
 
@@ -138,15 +139,15 @@ def reference(prompt, width, max_tokens, lp, es, vocab=4):
         beams = []
         for rank, (cum, seq) in enumerate(ranked):
             if seq[-1] == EOS and rank < width:
-                ended.append((score(prompt, seq, cum, 1, lp), seq, "stop"))
+                ended.append((score(cum, len(prompt) + len(seq) - 1, lp), seq, "stop"))
             elif seq[-1] != EOS and len(beams) < width:
                 beams.append((seq, cum))
         ended = sorted(ended, key=lambda h: -h[0])[:width]
         longest = len(prompt) + (max_tokens if es == "never" and lp > 0 else len(beams[0][0])) if beams else 1
-        if not beams or (len(ended) >= width and (es is True or ended[-1][0] >= beams[0][1] / longest**lp)):
+        if not beams or (len(ended) >= width and (es is True or ended[-1][0] >= score(beams[0][1], longest, lp))):
             break  # (done: the running beams do not compete)
         if len(beams[0][0]) == max_tokens:
-            ended += [(score(prompt, seq, cum, 0, lp), seq, "length") for seq, cum in beams]
+            ended += [(score(cum, len(prompt) + len(seq), lp), seq, "length") for seq, cum in beams]
             break
     return sorted(ended, key=lambda h: -h[0])[:width]
 

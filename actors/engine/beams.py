@@ -19,15 +19,17 @@
   and its partial last block is recomputed by the child (under block_size tokens); the parent's first child then
   continues it in place (its next row feeds the one new token).
 - Scores are vLLM's: cumulative logprob / length ** length_penalty, the length counting the prompt and the output
-  but not an ending token. The search ends when `width` hypotheses have ended and early_stopping says so (true: at
-  once; false: once no running beam can score better at its current length; "never": nor at its longest, with a
-  positive length_penalty), when no beam continues, or at max_tokens / max_model_len, where the running beams end
-  ("length") and compete too, unless the search was done (HF's finalize). The `width` best hypotheses are kept, best first; choice k gets the k-th (the last one
-  if fewer ended: only when stop token ids ended nearly every candidate).
+  but not an ending token, compared as `beam_score` keys (never overflowing, for any finite length_penalty: vLLM
+  does not bound it). The search ends when `width` hypotheses have ended and early_stopping says so (true: at once;
+  false: once no running beam can score better at its current length; "never": nor at its longest, with a positive
+  length_penalty), when no beam continues, or at max_tokens / max_model_len, where the running beams end ("length")
+  and compete too, unless the search was done (HF's finalize). The `width` best hypotheses are kept, best first;
+  choice k gets the k-th (the last one if fewer ended: only when stop token ids ended nearly every candidate).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -40,10 +42,27 @@ from messages.sampling_params import BeamSearch
 from messages.wire import FinishReason, TokenLogprobs
 
 Ending = tuple[FinishReason, int | None]  # why a token ends a beam: ("stop", the stop token id or None for EOS)
+Score = tuple[int, float]  # beam_score's: greater is better
+# vLLM's formula stays in float range for every length of a search when |length_penalty| x log(its longest length)
+# is at most this: the scale is within e^+-575 (1e+-250), and a sum of float32 logprobs over it a normal float.
+EXACT_LOG_SCALE = 575.0
+
+
+def beam_score(cum_logprob: float, length: int, length_penalty: float, longest: int) -> Score:
+    """vLLM's score, cum_logprob / length ** length_penalty, as a sort key that never overflows: (0, the score) when
+    that formula stays in float range at every length up to the search's `longest` (exactly vLLM's order), else
+    (sign, sign x log|score|), log|score| = log|cum_logprob| - length_penalty x log(length): the same order, where
+    the formula would overflow (OverflowError) or underflow to a division by zero."""
+    if abs(length_penalty) * math.log(longest) <= EXACT_LOG_SCALE:
+        return 0, cum_logprob / length**length_penalty
+    if cum_logprob == 0:
+        return 0, 0.0
+    sign = 1 if cum_logprob > 0 else -1  # (a logprob sum is <= 0: -1)
+    return sign, sign * (math.log(abs(cum_logprob)) - length_penalty * math.log(length))
 
 
 class Hypothesis(NamedTuple):
-    score: float
+    score: Score
     token_ids: list[int]
     finish_reason: FinishReason
     stop_reason: int | None
@@ -108,40 +127,39 @@ class BeamGroup:
         """One search step: the next beams as (parent, token, cumulative logprob), best first; none when the search
         is over (`ended` holds the answer). `max_output`: the output's longest (max_tokens, max_model_len)."""
         w, length = self.spec.width, len(self.live[0].output_token_ids) + 1  # (the beams advance in lockstep)
+        longest = num_prompt + max_output
         ranked = [(b.cum_logprob + lp, tok, b) for b in self.live for tok, lp in b.candidates]
         ranked.sort(key=lambda c: -c[0])  # (stable: ties keep beam, then candidate order)
         children = []
         for rank, (cum, tok, beam) in enumerate(ranked):
             if (end := ending(tok)) is not None:
                 if rank < w:
-                    self._end(
-                        Hypothesis(self._score(cum, num_prompt + length - 1), [*beam.output_token_ids, tok], *end)
-                    )
+                    score = self._score(cum, num_prompt + length - 1, longest)
+                    self._end(Hypothesis(score, [*beam.output_token_ids, tok], *end))
             elif len(children) < w:
                 children.append((beam, tok, cum))
-        if not children or self._done(children[0][2], num_prompt + length, num_prompt + max_output):
+        if not children or self._done(children[0][2], num_prompt + length, longest):
             return []
         if length >= max_output:  # (HF's finalize: the running beams compete, unless the search was done)
             for beam, tok, cum in children:
                 hyp = [*beam.output_token_ids, tok]
-                self._end(Hypothesis(self._score(cum, num_prompt + length), hyp, "length", None))
+                self._end(Hypothesis(self._score(cum, num_prompt + length, longest), hyp, "length", None))
             return []
         return children
 
-    def _score(self, cum_logprob: float, length: int) -> float:
-        return cum_logprob / length**self.spec.length_penalty
+    def _score(self, cum_logprob: float, length: int, longest: int) -> Score:
+        return beam_score(cum_logprob, length, self.spec.length_penalty, longest)
 
     def _end(self, hyp: Hypothesis) -> None:
-        self.ended = sorted([*self.ended, hyp], key=lambda h: -h.score)[: self.spec.width]
+        self.ended = sorted([*self.ended, hyp], key=lambda h: h.score, reverse=True)[: self.spec.width]  # (stable)
 
     def _done(self, best_cum: float, length: int, longest: int) -> bool:
         """Whether no running beam can do better than the `width` ended ones (HF's BeamHypotheses.is_done)."""
         stop, lp = self.spec.early_stopping, self.spec.length_penalty
         if len(self.ended) < self.spec.width:
             return False
-        return (
-            stop is True or self.ended[-1].score >= best_cum / (longest if stop == "never" and lp > 0 else length) ** lp
-        )
+        at = longest if stop == "never" and lp > 0 else length  # (the best a running beam can reach)
+        return stop is True or self.ended[-1].score >= self._score(best_cum, at, longest)
 
 
 def search_key(member: EngineRequest) -> bytes:
@@ -189,6 +207,7 @@ def regroup(group: EngineRequest, children: list[tuple[Beam, int, float]], block
             live.append(parent)
             continue
         child = Beam(group, [*parent.output_token_ids, tok], cum, slot=beams.spare_slots.pop())
+        beams.live.append(child)  # (the group's at once: if anything fails from here, it is freed with the group)
         blocks.fork(child, parent, parent.num_computed_tokens // blocks.block_size)
         live.append(child)
     for parent, (tok, cum) in keep.items():

@@ -1,10 +1,11 @@
 """RequestLedger: the scheduler's requests and their lifecycle, WAITING -> RUNNING <-> PREEMPTED -> FINISHED or
 ABORTED, and when what each holds is freed: a finished or aborted request leaves the queues at once, its KV blocks
 and slot (and its grammar matcher) once no in-flight step references it (DESIGN I5); an aborted one is then
-reported by `drain_aborted()`, the moment its AbortAck may be sent. Which token ends a request (`_ends`: stop
-conditions), and whom a request short of KV blocks preempts (`_make_room`: the youngest, never the oldest running
-request: the scheduler's progress argument rests on it). The Scheduler (actors/engine/scheduler.py) plans steps over
-it.
+reported by `drain_aborted()`, the moment its AbortAck may be sent. Admission (`_admit`: the head of the queue into
+a step), which token ends a request (`_ends`: stop conditions; `_append_tokens`: a step's tokens up to it), and whom
+a request short of KV blocks preempts (`_make_room`: the youngest, never the oldest running request: the
+scheduler's progress argument rests on it). The Scheduler (actors/engine/scheduler.py) plans steps over it; a
+request that raises while planned or post-processed fails alone (actors/engine/isolation.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import Callable, Iterable
 
 from actors.engine.beams import Ending, Hypothesis, new_group, regroup, search_key
 from actors.engine.block_manager import BlockManager
+from actors.engine.logprobs import take_prompt_logprobs
 from actors.engine.request import EngineRequest, RequestStatus
+from gpu.batch import BatchSpec
 from messages.sampling_params import SamplingParams
 from messages.wire import AbortReason, FinishReason, RequestOutput
 
@@ -73,19 +76,6 @@ class RequestLedger:
         freed, self.aborted_freed = self.aborted_freed, []
         return freed
 
-    def fail(self, req: EngineRequest, error: str) -> list[RequestOutput]:
-        """End a request that has no step in flight with finish_reason "error" (a poison request; a beam group: each
-        of its members)."""
-        req.error = error
-        self._finish(req, "error")
-        ended = [req] if req.beams is None else self._end_members(req)
-        self._settle(req)
-        return [
-            RequestOutput(request_id=r.request_id, seq=r.next_seq, new_token_ids=[], finish_reason="error", error=error,
-                          attempt=r.attempt)
-            for r in ended
-        ]  # fmt: skip
-
     def forget_device_state(self) -> None:
         """The worker lost its KV cache and relay (call once every step in flight is dropped): every running request is
         preempted (it recomputes its prompt and the tokens it emitted) and the prefix cache is emptied."""
@@ -112,6 +102,24 @@ class RequestLedger:
         elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens + req.overhang >= self.max_model_len:
             self._finish(req, "length")
         return req.is_finished
+
+    def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
+        """Append a step's tokens up to the first that ends the request (or that its grammar refuses, which fails
+        it); the rest are discarded."""
+        seq, first = req.next_seq, req.next_seq == req.first_seq
+        for token in tokens:
+            req.output_token_ids.append(token)
+            if self._ends(req, token):
+                break
+        new = req.output_token_ids[seq:]
+        self.generation_tokens_total += len(new)
+        self.num_discarded_samples += len(tokens) - len(new)
+        return RequestOutput(
+            request_id=req.request_id, seq=seq, new_token_ids=new, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, prompt_logprobs=take_prompt_logprobs(req) if first else None, error=req.error,
+            num_cached_tokens=req.num_cached_tokens if first else None, attempt=req.attempt,
+            timings=req.timings(first, req.finish_reason is not None),
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- beam search (actors/engine/beams.py)
 
@@ -180,6 +188,32 @@ class RequestLedger:
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
 
+    def _admit(self, batch: BatchSpec, req: EngineRequest, budget: int, chunk: int) -> int | None:
+        """Admit the head of the queue into the step: the tokens its rows feed (None: it waits, and stays)."""
+        hits = self.block_manager.prefix_hits(req)  # each sequence's cached prefix (counted as computed)
+        plan = self._plan(req, budget, chunk)
+        blocked = req.num_inflight_steps or len(self.free_slots) < req.num_slots or not any(n for _, n in plan)
+        if blocked or not self.block_manager.can_allocate([(n, h) for (_, n), h in zip(plan, hits, strict=True)]):
+            for seq in req.sequences:
+                seq.num_computed_tokens = 0
+            return None
+        self.waiting.popleft()
+        if req.status is RequestStatus.WAITING:
+            self.prompt_tokens_total += req.num_prompt_tokens
+            req.num_cached_tokens = min(req.sequences[0].num_computed_tokens, req.num_prompt_tokens)
+            self.block_manager.queries += req.num_prompt_tokens
+            self.block_manager.hits += req.num_cached_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)  # (at once: a failure from here on finds it where its status says)
+        for seq, blocks in zip(req.sequences, hits, strict=True):  # every hit out of the free queue first: a
+            seq.slot = self.free_slots.pop()  # new block taken from it could be another sequence's hit
+            self.block_manager.allocate(seq, 0, blocks)
+        if req.beams is not None:  # (the slots its beams may take)
+            req.beams.spare_slots = [self.free_slots.pop() for _ in range(req.num_slots - len(hits))]
+        self.block_manager.grow(plan)
+        self._add_rows(batch, req, plan)
+        return sum(n for _, n in plan)
+
     def _make_room(self, req: EngineRequest, plan: list) -> bool:
         """Preempt the youngest running requests until `req` may grow by its plan (its sequences' tokens); whether
         it may grow now. The oldest running request is never preempted for blocks: alone, it waits instead (what it lacks is
@@ -215,6 +249,8 @@ class RequestLedger:
         """Free what a request no longer needs once no in-flight step references it (I5)."""
         if req.num_inflight_steps or req.status is RequestStatus.RUNNING:
             return
+        if self.requests.get(req.request_id) is not req:
+            return  # (freed already)
         for seq in req.sequences:
             if seq.slot >= 0:
                 self.free_slots.append(seq.slot)

@@ -17,6 +17,8 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
   and is not re-admitted until its in-flight sample is known, so it resumes from prompt + output
   and produces exactly the tokens it would have produced without preemption.
 - Speculative decoding: actors/engine/lookahead.py; beam search: actors/engine/beams.py.
+- Each request's planning and each of its results are `isolated`: what one raises fails that request alone (its
+  rows of the step taken back; its terminal output in `failed`, or in the step's outputs: actors/engine/isolation.py).
 - A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot. A request in
   `isolate_after` failed steps (a suspected poison: the worker died in them) runs in steps of its own.
 Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
@@ -43,16 +45,16 @@ from collections.abc import Callable, Iterable
 from actors.engine.beams import beam_plan
 from actors.engine.block_manager import BlockManager
 from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
+from actors.engine.isolation import RequestIsolation
 from actors.engine.lifecycle import RequestLedger
-from actors.engine.logprobs import take_prompt_logprobs
 from actors.engine.lookahead import Lookahead
 from actors.engine.metrics import SpecStats
-from actors.engine.request import EngineRequest, RequestStatus
+from actors.engine.request import EngineRequest
 from gpu.batch import BatchSpec, ScheduledRow
 from messages.wire import RequestOutput, TokenLogprobs
 
 
-class Scheduler(Lookahead, RequestLedger):
+class Scheduler(Lookahead, RequestIsolation, RequestLedger):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -84,6 +86,7 @@ class Scheduler(Lookahead, RequestLedger):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec = SpecStats()
+        self.failed: list[RequestOutput] = []  # terminal outputs of requests whose planning failed (drain_failed)
 
     # ---------------------------------------------------------------- requests
 
@@ -122,48 +125,35 @@ class Scheduler(Lookahead, RequestLedger):
             i += 1
             if self._waits(req) or suspect not in (None, req):
                 continue
-            plan = self._plan(req, budget, chunk)
-            short = short or not self.block_manager.may_grow(plan)
-            if not self._make_room(req, plan):
-                break
-            self.block_manager.grow(plan)
-            planned.append((req, plan))
-            budget -= sum(n for _, n in plan)
+            with self.isolated(req, self.failed, planning=True):  # (each request's planning fails it alone)
+                self.inject("scheduler.schedule", req)
+                plan = self._plan(req, budget, chunk)
+                short = short or not self.block_manager.may_grow(plan)
+                if not self._make_room(req, plan):
+                    break
+                self.block_manager.grow(plan)
+                planned.append((req, plan))
+                budget -= sum(n for _, n in plan)
+            if req.is_finished:  # (it failed: it left the running list)
+                i -= 1
         for req, plan in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
-            if row_drafts := self._lookahead(req, plan, budget, drafts or {}):
-                plan = [(seq, n + len(row_drafts)) for seq, n in plan]  # (each sequence feeds them)
-                self.block_manager.append_slots(req, plan[0][1])  # (the companion's grow with its row)
-                budget -= len(row_drafts) * len(plan)
-            self._add_rows(batch, req, plan, row_drafts)
+            with self.isolated(req, self.failed, planning=True):
+                if row_drafts := self._lookahead(req, plan, budget, drafts or {}):
+                    plan = [(seq, n + len(row_drafts)) for seq, n in plan]  # (each sequence feeds them)
+                    self.block_manager.append_slots(req, plan[0][1])  # (the companion's grow with its row)
+                    budget -= len(row_drafts) * len(plan)
+                self._add_rows(batch, req, plan, row_drafts)
         # Admit FIFO, not in a step short of blocks.
         while self.waiting and budget > 0 and self.free_slots and not short and suspect is None:
             req = self.waiting[0]
             if self._suspect(req) and batch.rows:
                 break
-            hits = self.block_manager.prefix_hits(req)  # each sequence's cached prefix (counted as computed)
-            plan = self._plan(req, budget, chunk)
-            blocked = req.num_inflight_steps or len(self.free_slots) < req.num_slots or not any(n for _, n in plan)
-            if blocked or not self.block_manager.can_allocate([(n, h) for (_, n), h in zip(plan, hits, strict=True)]):
-                for seq in req.sequences:
-                    seq.num_computed_tokens = 0
-                break  # strict FIFO: the head waits for its in-flight sample, for slots, budget or free blocks
-            self.waiting.popleft()
-            if req.status is RequestStatus.WAITING:
-                self.prompt_tokens_total += req.num_prompt_tokens
-                req.num_cached_tokens = min(req.sequences[0].num_computed_tokens, req.num_prompt_tokens)
-                self.block_manager.queries += req.num_prompt_tokens
-                self.block_manager.hits += req.num_cached_tokens
-            req.status = RequestStatus.RUNNING
-            for seq, blocks in zip(req.sequences, hits, strict=True):  # every hit out of the free queue first: a
-                seq.slot = self.free_slots.pop()  # new block taken from it could be another sequence's hit
-                self.block_manager.allocate(seq, 0, blocks)
-            if req.beams is not None:  # (the slots its beams may take)
-                req.beams.spare_slots = [self.free_slots.pop() for _ in range(req.num_slots - len(hits))]
-            self.block_manager.grow(plan)
-            self.running.append(req)
-            self._add_rows(batch, req, plan)
-            budget -= sum(n for _, n in plan)
-            suspect = req if self._suspect(req) else None
+            with self.isolated(req, self.failed, planning=True):
+                self.inject("scheduler.schedule", req)
+                if (fed := self._admit(batch, req, budget, chunk)) is None:
+                    break  # strict FIFO: the head waits for its in-flight sample, for slots, budget or free blocks
+                budget -= fed
+                suspect = req if self._suspect(req) else None
         if batch.rows:
             self.in_flight.append(batch.step)
             self.next_step += 1
@@ -195,19 +185,12 @@ class Scheduler(Lookahead, RequestLedger):
                 n = next(emitted)
                 tokens, at, pos = sampled[pos : pos + n], pos, pos + row.num_samples
                 req.num_pending_tokens -= 1
-                req.failed_steps = 0  # it sampled: no longer a suspect
-                if row.draft_token_ids:
-                    self._verified(req, len(row.draft_token_ids), n - 1)
-                if req.is_finished:
-                    self.num_discarded_samples += len(tokens)
-                elif req.beams is not None:
-                    req.beams.sampled(row.slot, logprobs, at)
-                    searches[req] = None
-                else:
-                    outputs.append(self._append_tokens(req, tokens))
+                with self.isolated(req, outputs):  # (each request's results fail it alone)
+                    self._apply(req, row, tokens, logprobs, at, outputs, searches)
             self._settle(req)
         for req in searches:
-            outputs += self._search_step(req)
+            with self.isolated(req, outputs):
+                outputs += self._search_step(req)
         return outputs
 
     def drop(self, batch: BatchSpec) -> list[EngineRequest]:
@@ -226,6 +209,22 @@ class Scheduler(Lookahead, RequestLedger):
         return reqs
 
     # ---------------------------------------------------------------- internals
+
+    def _apply(self, req: EngineRequest, row, tokens: list[int], lists, at: int, outputs: list, searches: dict) -> None:
+        """A sampling row's results: the `tokens` it emits, sampled from position `at` of the step's logprob `lists`
+        (a beam's candidates); a plain request's output appended last (RequestIsolation)."""
+        req.failed_steps = 0  # it sampled: no longer a suspect
+        if row.draft_token_ids:
+            self._verified(req, len(row.draft_token_ids), len(tokens) - 1)
+        if req.is_finished:
+            self.num_discarded_samples += len(tokens)
+            return
+        self.inject("scheduler.update", req)
+        if req.beams is not None:
+            req.beams.sampled(row.slot, lists, at)
+            searches[req] = None
+        else:
+            outputs.append(self._append_tokens(req, tokens))
 
     def _ends_in_flight(self, req: EngineRequest) -> bool:
         """Whether the request's pending samples certainly end it: another row would be junk."""
@@ -275,24 +274,6 @@ class Scheduler(Lookahead, RequestLedger):
         req.num_pending_tokens += sample
         req.num_inflight_steps += 1
         return row
-
-    def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
-        """Append a step's tokens up to the first that ends the request (or that its grammar refuses, which fails
-        it); the rest are discarded."""
-        seq, first = req.next_seq, req.next_seq == req.first_seq
-        for token in tokens:
-            req.output_token_ids.append(token)
-            if self._ends(req, token):
-                break
-        new = req.output_token_ids[seq:]
-        self.generation_tokens_total += len(new)
-        self.num_discarded_samples += len(tokens) - len(new)
-        return RequestOutput(
-            request_id=req.request_id, seq=seq, new_token_ids=new, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, prompt_logprobs=take_prompt_logprobs(req) if first else None, error=req.error,
-            num_cached_tokens=req.num_cached_tokens if first else None, attempt=req.attempt,
-            timings=req.timings(first, req.finish_reason is not None),
-        )  # fmt: skip
 
     def _suspect(self, req: EngineRequest) -> bool:
         return req.failed_steps >= self.isolate_after

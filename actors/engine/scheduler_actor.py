@@ -12,7 +12,9 @@ The request intake (AddRequest, Abort, ActorDown: the cases of each) is actors/e
 every live request (reason "shutdown"), sends the acks, then stops the actor.
 Every AbortAck is sent after the StepOutputs of the step that last touched the request (one FIFO link).
 Every executed step sends one StepOutputs (possibly without entries), numbered by `step`, and so does
-the engine each time it goes idle: the detokenizer tells duplicates and lost messages by those numbers.
+the engine each time it goes idle: the detokenizer tells duplicates and lost messages by those numbers
+(actors/engine/step_outputs.py). A request whose planning or results raise fails alone, the engine goes on
+(actors/engine/isolation.py); the fault plan's raise rules reach the scheduler as its `fault` hook.
 What the intake knows of the last 65536 ids is in its ledger (IntakeLedger).
 
 Test hooks: with `EngineConfig.step_gate`, a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
@@ -41,12 +43,12 @@ from actors.engine.flight_record import FlightRecord
 from actors.engine.grammar import warm
 from actors.engine.grammar_masks import StepMasks
 from actors.engine.intake import IntakeLedger, RequestIntake
-from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logprobs
 from actors.engine.metrics import engine_stats, idle_details, log_speculation
 from actors.engine.recovery import WorkerRecovery
 from actors.engine.request import EngineRequest, RequestStatus
 from actors.engine.scheduler import Scheduler
 from actors.engine.speculative import make_proposer
+from actors.engine.step_outputs import StepReports
 from actors.engine.worker import Worker
 from actors.engine.worker_link import DIED, InlineWorker, ProcessWorker, WorkerLost, execute_step
 from actors.protocol import SentNames, StepGate
@@ -64,7 +66,6 @@ from messages.wire import (
     CheckIdle,
     IdleReport,
     Probe,
-    StepOutputs,
 )
 
 log = logging.getLogger("sluice.engine")
@@ -76,7 +77,7 @@ def needs_history(req: EngineRequest) -> bool:
     return req.beams is not None or reads_output(req.params, len(req.output_token_ids))
 
 
-class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
+class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
     name = SCHEDULER
 
     def __init__(self, config: dict):
@@ -141,6 +142,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             isolate_after=self.config.max_step_failures - 1,  # (a single death is seldom a poison: a kill, OOM)
         )
+        self.sched.fault = self.router.faults and self.router.faults.check  # (a fault plan's raise rules)
         self.flight.arm()  # (copies of blamed requests can come from now on)
         log.info(
             "engine ready: %s, %d KV blocks of %d, max_model_len %d",
@@ -196,6 +198,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             if len(inflight) < depth and not (inflight and self._must_sync()):
                 drafts = await self._propose() if self.proposer and not inflight else None
                 batch = self.sched.schedule(drafts)
+                self._send_failed()
                 if batch.rows:
                     if self.config.stats_to:
                         self._note_scheduled(batch)
@@ -236,22 +239,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
             return None
         return await asyncio.get_running_loop().run_in_executor(self._device, self.proposer.propose, candidates)
 
-    def _idle_marker(self) -> None:
-        """An empty StepOutputs with a step number of its own, sent as the engine goes idle: a lost
-        last step shows as a gap at the detokenizer even when no other step follows."""
-        step, self.sched.next_step = self.sched.next_step, self.sched.next_step + 1
-        self._no_outputs(step)
-        if self.freed:  # the worker forgets the requests that just ended: a step without rows, not waited for
-            msg, _ = execute_step(BatchSpec(step=step), {}, self.epoch, self.seq, self.freed)
-            self.seq, self.freed = self.seq + 1, []
-            self.link.submit(msg)
-
-    def _no_outputs(self, step: int) -> None:
-        """An empty StepOutputs numbered `step`: the detokenizer sees no gap in the step numbers."""
-        self.tell(
-            self.config.replica.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, []))
-        )
-
     def _arrives_as(self, rid: str) -> list[str]:
         """The ids a request's copies arrive under: a beam group's are its members' (its rows carry its own)."""
         req = self.sched.requests.get(rid)
@@ -259,24 +246,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, Actor):
 
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)
-
-    async def _postprocess(self, batch: BatchSpec, result: StepResult) -> None:
-        if result.prompt_logprobs is not None:
-            collect_prompt_logprobs(batch, result.prompt_logprobs, self.sched.requests)
-        lp = result.logprobs
-        want = wanted_logprobs(batch, self.sched.requests) if lp is not None else {}  # before update() ends any
-        outputs = self.sched.update(batch, result.sampled, result.num_emitted, lp)
-        for out in outputs:
-            if out.error:  # (a grammar matcher that failed)
-                log.error("[%s] failed: %s", out.request_id, out.error)
-            if out.request_id in want:
-                start, n = want[out.request_id]
-                out.logprobs = entries(lp, start, start + len(out.new_token_ids), n)
-        if self._record:  # before the send: a kill -9 between the two must not leave a sent token unrecorded
-            self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
-        recent = self.names.stamp(batch.step, [out.request_id for out in outputs])
-        self.tell(self.config.replica.detokenizer, StepOutputs(step=batch.step, outputs=outputs, recent=recent))
-        self._send_acks()
 
     def _note_scheduled(self, batch: BatchSpec) -> None:
         """For /metrics: the step's tokens, and the queue time of each request first scheduled."""
