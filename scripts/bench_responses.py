@@ -22,7 +22,7 @@ import openai
 from actors.engine.config import EngineConfig
 from frontend.http_base import HttpConfig
 from frontend.launch import resolve_model, start_server
-from frontend.responses_api.store import ResponseStore, Stored
+from frontend.responses_api.store import ResponseStore
 
 CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers of Europe."}]
 
@@ -80,11 +80,11 @@ async def store_cost(db: Path, writes: int) -> None:
                      "text": "word " * 200}]}]  # fmt: skip
     start = time.perf_counter()
     for i in range(writes):
-        await store.put(f"resp_{i}", Stored(response | {"id": f"resp_{i}"}, conversation))
+        await store.put(f"resp_{i}", response | {"id": f"resp_{i}"}, conversation)
     write = (time.perf_counter() - start) / writes
     start = time.perf_counter()
     for i in range(writes // 2, writes):
-        assert await store.get(f"resp_{i}") is not None
+        assert await store.conversation(f"resp_{i}", with_output=True) is not None
     read = (time.perf_counter() - start) / (writes - writes // 2)
     await store.close()
     print(f"\nstore: {write * 1e6:.0f} us per write (a ~3 KB response, evicting past {writes // 2} rows), "

@@ -10,7 +10,10 @@
                                              input (limit 1..100, order asc|desc, after)
 
 A foreground client that goes away aborts its run, as on chat; a background run goes on until it ends or is
-cancelled, whoever reads it. Unknown ids are 404s in OpenAI's error shape.
+cancelled, whoever reads it. Unknown ids are 404s in OpenAI's error shape. At most --max-background-responses
+background runs live at once (a 429 past it; the gauge sluice:num_background_responses). The store opens in the
+background (store.py): while it cannot be used, a call that needs it (a stored create, previous_response_id, a
+read of an ended response) is a 503 naming its path and error; store: false runs and live runs need none of it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from aiohttp import web
 
 from frontend.body import RequestError
 from frontend.http_base import REQUEST_ID, error_response, json_response
-from frontend.responses_api.request import decode_responses, responses_call
+from frontend.responses_api.request import ResponsesCall, decode_responses, responses_call
 from frontend.responses_api.runs import ResponseRun, drive
 from frontend.responses_api.store import ResponseStore
 from frontend.responses_api.writer import ResponseWriter
@@ -34,12 +37,21 @@ MAX_ITEMS_PAGE = 100
 
 
 class ResponsesEndpoint:
-    def __init__(self, actor, store: ResponseStore):
-        self.actor = actor  # the HttpActor: its table, context, body parsing and owned tasks
-        self.store = store
+    def __init__(self, actor):
+        self.actor = actor  # the HttpActor: its config, table, context, metrics, body parsing and owned tasks
+        c = actor.config
+        self.store = ResponseStore(c.responses_path, c.responses_max_stored, c.responses_max_age_s,
+                                   c.responses_max_store_bytes, c.responses_max_bytes_per_response,
+                                   own_dir=c.responses_db is None)  # fmt: skip
         self.runs: dict[str, ResponseRun] = {}  # runs not yet ended (and stored)
+        actor.metrics.num_background_responses = self.num_background
 
-    def add_routes(self, app: web.Application) -> None:
+    def num_background(self) -> int:
+        return sum(run.call.background for run in self.runs.values())
+
+    def serve(self, app: web.Application) -> None:
+        """The routes, and the store opened in the background."""
+        self.actor.spawn(self.store.open())
         app.router.add_post("/v1/responses", self.create)
         app.router.add_get("/v1/responses/{id}", self.retrieve)
         app.router.add_delete("/v1/responses/{id}", self.delete)
@@ -53,9 +65,11 @@ class ResponsesEndpoint:
         actor.check_available()
         request[REQUEST_ID] = rid = f"resp_{uuid.uuid4().hex}"  # (OpenAI's shape of a response id)
         body = await actor.parse_body(request, decode_responses, rid)
+        if body.store is not False:
+            await self.store.ready()
         history = await self._history(body.previous_response_id)
         large = bool(history) or actor.large(request)  # (a stored conversation may be long: rendered off the loop)
-        call = await actor.off_loop(large, responses_call, body, actor.ctx, rid, history)
+        call = await actor.off_loop(large, self._call, body, rid, history)
         parsed = call.parsed
         if parsed.grammar_param is not None:
             try:
@@ -63,6 +77,10 @@ class ResponsesEndpoint:
             except RequestError as e:
                 raise call.names.error(e) from e
         actor.check_available()
+        if call.background and (n := self.num_background()) >= actor.config.max_background_responses:
+            raise RequestError(429, f"{n} background responses are running, the most this server runs at once "
+                               "(--max-background-responses); retry later", "background", type="rate_limit_error",
+                               code="too_many_background_responses")  # fmt: skip
         req = actor.table.add(parsed, actor.name)
         run = self.runs[rid] = ResponseRun(call, req, ResponseWriter(call, actor.ctx.tokenizer))
         actor.spawn(self._drive(run))
@@ -98,19 +116,23 @@ class ResponsesEndpoint:
             del self.runs[run.id]
             self.actor.moved()
 
+    def _call(self, body, rid: str, history: list[dict]) -> ResponsesCall:
+        """The call (responses_call), refused when what it would store alone is over a stored row's budget."""
+        call = responses_call(body, self.actor.ctx, rid, history)
+        if call.store:
+            self.store.check_size({**call.echo(), "input": call.input, "previous_response_id": call.history})
+        return call
+
     async def _history(self, previous: str | None) -> list[dict]:
-        """The conversation previous_response_id continues: its items and its output."""
+        """The conversation previous_response_id continues: its items and its output (within a row's budget)."""
         if previous is None:
             return []
         if previous in self.runs:
             raise RequestError(400, f"previous response {previous!r} has not ended", "previous_response_id")
-        stored = await self.store.get(previous)
-        if stored is None:
+        history = await self.store.conversation(previous, with_output=True)
+        if history is None:
             raise RequestError(404, f"previous response {previous!r} not found", "previous_response_id")
-        if stored.size > self.actor.config.max_body_bytes:  # (truncation lets a chain outgrow the context)
-            raise RequestError(400, "previous response's conversation is longer than a request body may be",
-                               "previous_response_id")  # fmt: skip
-        return stored.conversation + stored.response["output"]
+        return history
 
     # ------------------------------------------------------------ retrieve, delete, cancel, input items
 
@@ -123,11 +145,14 @@ class ResponsesEndpoint:
                 return json_response(run.writer.response())
             _background(run.call.background, "streamed")
             return await self._sse(request, run.events(after))
-        stored = await self._stored(rid)
         if not stream:
-            return json_response(stored.response)
-        _background(stored.events is not None, "streamed")
-        return await self._sse(request, _replay(stored.events, after))
+            return _raw(_found(await self.store.response(rid), rid)[0])
+        background, events = _found(await self.store.events(rid), rid)
+        _background(background, "streamed")
+        if events is None:
+            raise RequestError(400, f"the stream events of {rid!r} were not stored (over its row's budget: "
+                               "--responses-max-bytes-per-response)", "stream")  # fmt: skip
+        return await self._sse(request, _replay(events, after))
 
     async def delete(self, request: web.Request) -> web.Response:
         rid = request[REQUEST_ID] = request.match_info["id"]
@@ -143,9 +168,9 @@ class ResponsesEndpoint:
     async def cancel(self, request: web.Request) -> web.Response:
         rid = request[REQUEST_ID] = request.match_info["id"]
         if (run := self.runs.get(rid)) is None:
-            stored = await self._stored(rid)
-            _background(stored.response.get("background"), "cancelled")
-            return json_response(stored.response)  # (it has ended: as it is)
+            response, background = _found(await self.store.response(rid), rid)
+            _background(background, "cancelled")
+            return _raw(response)  # (it has ended: as it is)
         _background(run.call.background, "cancelled")
         self._cancel(run)
         await run.ended.wait()  # (its choices ended as they were tombstoned: only the store's write is left)
@@ -166,7 +191,7 @@ class ResponsesEndpoint:
         if request.query.get("include"):
             raise RequestError(400, "include is not supported", "include")
         run = self.runs.get(rid)
-        items = run.conversation if run is not None else (await self._stored(rid)).conversation
+        items = run.conversation if run is not None else _found(await self.store.conversation(rid), rid)
         items = items[::-1] if order == "desc" else items
         if (after := request.query.get("after")) is not None:
             at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
@@ -178,11 +203,6 @@ class ResponsesEndpoint:
             "object": "list", "data": page, "has_more": len(items) > limit,
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
         })  # fmt: skip
-
-    async def _stored(self, rid: str):
-        if (stored := await self.store.get(rid)) is None:
-            raise _not_found(rid)
-        return stored
 
     async def _sse(self, request: web.Request, chunks) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -203,6 +223,17 @@ async def _replay(events: list[bytes], after: int):
 def _background(background: bool, what: str) -> None:
     if not background:
         raise RequestError(400, f"only background responses can be {what}", "background")
+
+
+def _found(stored, rid: str):
+    if stored is None:
+        raise _not_found(rid)
+    return stored
+
+
+def _raw(response: bytes) -> web.Response:
+    """A stored Response: its JSON as stored."""
+    return web.Response(body=response, content_type="application/json")
 
 
 def _not_found(rid: str) -> RequestError:

@@ -1,8 +1,11 @@
 """Responses input items -> chat messages, function tools -> chat tools: what the chat template renders.
 
 `input` is a string (one user message) or a list of items, each checked here (a 400 names `input[i]...`) and kept
-as an item of the conversation (`type` made explicit, an `id` added where it has none, string content as one text
-part), which is what `input_items` lists and `previous_response_id` carries on:
+as an item of the conversation with only the keys below (`type` made explicit, an `id` added where it has none, a
+`status` kept when it is one of the API's, string content as one text part, a part's own keys only), which is what
+`input_items` lists and `previous_response_id` carries on. Nothing else an item holds is kept: what is stored is
+what is rendered, or what the API lists (a response's own output items are kept so too for its continuation,
+without their logprobs: `continued`). `id` and `call_id` are strings of at most MAX_ID characters.
 
   item                                                  chat message
   {"type": "message"?, "role", "content"}               {"role", "content"}: user, system, developer (-> system)
@@ -11,7 +14,8 @@ part), which is what `input_items` lists and `previous_response_id` carries on:
   {"type": "function_call", "call_id", "name",          a tool call of an assistant message: consecutive calls
    "arguments"}                                         join the assistant message just before them, if any
   {"type": "function_call_output", "call_id", "output"} {"role": "tool", "tool_call_id", "content"}
-  {"type": "reasoning", ...}                            none: templates drop earlier turns' reasoning (as chat)
+  {"type": "reasoning", ...}                            none: templates drop earlier turns' reasoning (as chat);
+                                                        kept as {"type", "id", "summary": []}, its text dropped
 
 Images, files, audio, hosted tools' calls and item references are refused, naming the field.
 """
@@ -25,6 +29,8 @@ from frontend.body import RequestError
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _PARTS = {"assistant": ("output_text", "refusal")}  # a role's text parts (other roles: input_text)
 _PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+STATUSES = ("in_progress", "completed", "incomplete")
+MAX_ID = 256  # characters of an item's id or call_id
 
 
 def new_id(kind: str) -> str:
@@ -40,29 +46,36 @@ def input_items(value) -> list[dict]:
     return [_item(item, f"input[{i}]") for i, item in enumerate(value)]
 
 
+def continued(output: list[dict]) -> list[dict]:
+    """A response's output items as its continuation carries them on: as input items are kept (no logprobs)."""
+    return [_item(item, f"output[{i}]") for i, item in enumerate(output)]
+
+
 def _item(item, field: str) -> dict:
     if not isinstance(item, dict):
         raise RequestError(400, f"{field} must be an object", field)
     kind = item.get("type", "message")
+    if not isinstance(kind, str) or kind not in _PREFIX:
+        raise RequestError(
+            400, f"{field}.type {kind!r} is not supported: message, function_call, function_call_output or reasoning",
+            f"{field}.type",
+        )  # fmt: skip
+    kept = {"type": kind, "id": _id(item, field, "id", new_id(kind))}
+    if (status := item.get("status")) in STATUSES:
+        kept["status"] = status
     if kind == "message":
-        return _message(item, field)
+        return kept | _message(item, field)
     if kind == "function_call":
-        _strings(item, field, "call_id", "name", "arguments")
-        return {"id": new_id(kind), **item, "type": kind}
+        _strings(item, field, "name", "arguments")
+        return kept | {"call_id": _id(item, field, "call_id"), "name": item["name"], "arguments": item["arguments"]}
     if kind == "function_call_output":
-        _strings(item, field, "call_id")
         output = item.get("output")
         if isinstance(output, list):
-            output = _text(output, f"{field}.output", ("input_text",))
+            output = _join(_parts(output, f"{field}.output", ("input_text",)))
         elif not isinstance(output, str):
             raise RequestError(400, f"{field}.output must be a string or a list of input_text parts", f"{field}.output")
-        return {"id": new_id(kind), **item, "type": kind, "output": output}
-    if kind == "reasoning":
-        return {"id": new_id(kind), **item, "type": kind}
-    raise RequestError(
-        400, f"{field}.type {kind!r} is not supported: message, function_call, function_call_output or reasoning",
-        f"{field}.type",
-    )  # fmt: skip
+        return kept | {"call_id": _id(item, field, "call_id"), "output": output}
+    return kept | {"summary": []}  # reasoning: never rendered
 
 
 def _message(item: dict, field: str) -> dict:
@@ -73,19 +86,19 @@ def _message(item: dict, field: str) -> dict:
     if isinstance(content, str):
         content = _text_parts(content, "output_text" if role == "assistant" else "input_text")
     else:
-        _text(content, f"{field}.content", _PARTS.get(role, ("input_text",)))
-    return {"id": new_id("message"), **item, "type": "message", "content": content}
+        content = _parts(content, f"{field}.content", _PARTS.get(role, ("input_text",)))
+    return {"role": role, "content": content}
 
 
 def _text_parts(text: str, kind: str = "input_text") -> list[dict]:
     return [{"type": kind, "text": text} | ({"annotations": []} if kind == "output_text" else {})]
 
 
-def _text(parts, field: str, kinds: tuple[str, ...]) -> str:
-    """The text of a list of text parts of `kinds` (a 400 naming the part otherwise)."""
+def _parts(parts, field: str, kinds: tuple[str, ...]) -> list[dict]:
+    """A list of text parts of `kinds`, each with its own keys only (a 400 naming the part otherwise)."""
     if not isinstance(parts, list):
         raise RequestError(400, f"{field} must be a string or a list of content parts", field)
-    texts = []
+    kept = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         key = "refusal" if kind == "refusal" else "text"
@@ -94,8 +107,20 @@ def _text(parts, field: str, kinds: tuple[str, ...]) -> str:
                 400, f"{field}[{j}] must be a {' or '.join(kinds)} part (images, files and audio are not supported)",
                 f"{field}[{j}]",
             )  # fmt: skip
-        texts.append(part[key])
-    return "\n".join(texts)
+        kept.append({"type": kind, key: part[key]} if kind != "output_text" else _text_parts(part[key], kind)[0])
+    return kept
+
+
+def _join(parts: list[dict]) -> str:
+    """The text of kept parts."""
+    return "\n".join(part["refusal"] if part["type"] == "refusal" else part["text"] for part in parts)
+
+
+def _id(item: dict, field: str, key: str, default: str | None = None) -> str:
+    value = item.get(key, default)
+    if not isinstance(value, str) or len(value) > MAX_ID:
+        raise RequestError(400, f"{field}.{key} must be a string of at most {MAX_ID} characters", f"{field}.{key}")
+    return value
 
 
 def _strings(item: dict, field: str, *keys: str) -> None:
@@ -113,8 +138,7 @@ def chat_messages(items: list[dict]) -> tuple[list[dict], list[int]]:
         kind = item["type"]
         if kind == "message":
             role = item["role"]
-            parts = _PARTS.get(role, ("input_text",))
-            messages.append({"role": ROLES[role], "content": _text(item["content"], "content", parts)})
+            messages.append({"role": ROLES[role], "content": _join(item["content"])})
             starts.append(i)
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",

@@ -22,6 +22,7 @@ from frontend.responses_api.fields import NOT_HONOURED_IN_RESPONSES, OUTPUT_LOGP
 from frontend.responses_api.items import chat_messages, chat_tool_choice, chat_tools, input_items
 
 MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
+_FORMAT_KEYS = ("type", "name", "schema", "strict", "description")  # text.format's
 _RENAMES = [
     (re.compile(r"^max_completion_tokens$|^max_tokens$"), "max_output_tokens"),
     (re.compile(r"^n$"), "input"),  # (check_total without max tokens: the prompt is what is too long)
@@ -49,9 +50,10 @@ class ResponsesCall:
         return self.request.store is not False
 
     def echo(self) -> dict:
-        """The request's fields a Response object repeats."""
+        """The request's fields a Response object repeats (tools and text.format with their own keys only)."""
         r = self.request
         fmt = (r.text.format if r.text is not None else None) or {"type": "text"}
+        fmt = {k: v for k, v in fmt.items() if k in _FORMAT_KEYS}
         p = self.parsed.prompts[0].params
         return {
             "background": self.background,
@@ -68,7 +70,7 @@ class ResponsesCall:
             "temperature": p.temperature,
             "text": {"format": fmt},
             "tool_choice": r.tool_choice if r.tool_choice is not None else ("auto" if r.tools else "none"),
-            "tools": r.tools or [],
+            "tools": [{"type": "function", **tool["function"]} for tool in chat_tools(r.tools) or []],
             "top_logprobs": r.top_logprobs,
             "top_p": p.top_p,
             "truncation": "disabled",
@@ -141,8 +143,7 @@ def _response_format(fmt: dict) -> dict:
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
-        keys = ("name", "schema", "strict", "description")
-        return {"type": kind, "json_schema": {k: fmt[k] for k in keys if k in fmt}}
+        return {"type": kind, "json_schema": {k: fmt[k] for k in _FORMAT_KEYS[1:] if k in fmt}}
     raise RequestError(400, "text.format.type must be text, json_object or json_schema", "text.format.type")
 
 

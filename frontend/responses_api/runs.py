@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 
 from frontend.request_state import HttpRequest
 from frontend.responses_api.request import ResponsesCall
-from frontend.responses_api.store import ResponseStore, Stored
+from frontend.responses_api.store import ResponseStore
 from frontend.responses_api.writer import ResponseWriter
 
 log = logging.getLogger("sluice.http")
@@ -93,7 +93,7 @@ async def drive(run: ResponseRun, store: ResponseStore) -> None:
     try:
         if run.keep:
             events = writer.events if run.call.background else None
-            await store.put(run.id, Stored(writer.response(), run.conversation, events))
+            await store.put(run.id, writer.response(), run.conversation, events)
     except Exception:
         log.exception("[%s] the response could not be stored", run.id)
     finally:

@@ -1,10 +1,22 @@
 """Ended responses in SQLite (the standard library's), so a conversation outlives the server.
 
-One row per response, written once, when it has ended (a transaction: never half-written), with what the API
-reads back: the Response object (`GET /v1/responses/{id}`), its conversation (the previous response's items, then
-its own input: `input_items`, and with its output what `previous_response_id` continues) and, for background runs,
-its stream events (resumed with `starting_after`, after a restart too). WAL mode: readers never wait for the
-writer. Bounded: past `max_stored` rows the oldest go, and rows older than `max_age_s`, at each write.
+One row per response, written once, when it has ended (a transaction: never half-written), each part that a call
+reads in a column of its own (frontend/responses_api/db.py): `GET /v1/responses/{id}` answers the stored Response's
+bytes as they are, input_items and previous_response_id decode only the conversation (and the output items a
+continuation carries on), a resumed stream only the events. WAL mode: readers never wait for the writer.
+
+Bounded, and what is stored is only what is rendered or what the API returns (items.py keeps an item's own keys):
+- a row at most `max_row_bytes` (--responses-max-bytes-per-response): a request whose stored part alone would be
+  more is refused at creation (`check_size`: a 400 naming its largest field); a response whose output takes its
+  row over is stored without its stream events (a background run's events cannot be replayed once it has ended),
+  and if it is over even so, not at all (logged);
+- the store: at most `max_stored` rows and `max_bytes` bytes (--responses-max-store-bytes), none older than
+  `max_age_s`: the oldest go at each write.
+
+Opened lazily: `open()` (the HTTP actor's, in the background) tries once and never raises; every later call tries
+again while it is not open (at most every `retry_s`), so a store that could not be opened (a read-only or full disk,
+a file that is not SQLite, a lock) serves once the cause is gone. Until then each call raises a 503 naming the
+store's path and error: only the Responses calls that need the store fail, chat and completions never touch it.
 
 Every call runs on the store's one thread (SQLite connections are not shared across threads), never on the event
 loop: a write costs a few hundred microseconds to milliseconds (docs/PERFORMANCE.md).
@@ -13,95 +25,148 @@ loop: a write costs a few hundred microseconds to milliseconds (docs/PERFORMANCE
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS responses (
-    id TEXT PRIMARY KEY,
-    created_at REAL NOT NULL,
-    response BLOB NOT NULL,      -- the Response object, JSON
-    conversation BLOB NOT NULL,  -- the items before its output, JSON
-    events BLOB                  -- a background run's stream events, msgpack list of SSE bytes
-);
-CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
-"""
+from frontend.body import RequestError
+from frontend.responses_api import db
+from frontend.responses_api.items import continued
 
+log = logging.getLogger("sluice.http")
 
-@dataclass
-class Stored:
-    response: dict
-    conversation: list[dict]
-    events: list[bytes] | None = None
-    size: int = 0  # bytes of the stored conversation (as read)
+MAX_ROW_BYTES = 8 << 20  # --responses-max-bytes-per-response's default
+MAX_STORE_BYTES = 1 << 30  # --responses-max-store-bytes's
+_json = msgspec.json.Encoder().encode
+_FIELDS = {"text": "text.format"}  # a Response key -> the request's field it echoes, where they differ
 
 
 class ResponseStore:
-    def __init__(self, path: Path, max_stored: int, max_age_s: float):
+    def __init__(
+        self,
+        path: Path,
+        max_stored: int = 10_000,
+        max_age_s: float = 30 * 86400.0,
+        max_bytes: int = MAX_STORE_BYTES,
+        max_row_bytes: int = MAX_ROW_BYTES,
+        own_dir: bool = False,
+        retry_s: float = 1.0,
+    ):
+        """`own_dir`: the directory is Sluice's own (the default location): made 0700 (db.py)."""
         self.path = path
-        self.max_stored = max_stored
-        self.max_age_s = max_age_s
+        self.max_stored, self.max_age_s, self.max_bytes = max_stored, max_age_s, max_bytes
+        self.max_row_bytes = min(max_row_bytes, max_bytes)
+        self.own_dir, self.retry_s = own_dir, retry_s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sluice-responses-db")
         self._db: sqlite3.Connection | None = None
+        self._opening = asyncio.Lock()  # one try at a time; the calls that waited see its outcome
+        self._retry_at = 0.0  # (time.monotonic) the next try
+        self.error: str | None = None  # why it cannot be used (None: open, or not tried yet)
 
     async def open(self) -> None:
-        await self._run(self._open)
+        """Try to open the store now; never raises (a later call tries again)."""
+        try:
+            await self.ready()
+        except RequestError:
+            pass
+
+    async def ready(self) -> None:
+        """Open, or a 503 naming the store's path and error."""
+        if self._db is None:
+            async with self._opening:
+                if self._db is None and time.monotonic() >= self._retry_at:
+                    await self._try_open()
+            if self._db is None:
+                raise RequestError(503, f"the Responses store {self.path} cannot be used: {self.error}",
+                                   code="responses_store_unavailable")  # fmt: skip
+
+    async def _try_open(self) -> None:
+        try:
+            self._db = await self._run(db.connect, self.path, self.own_dir)
+        except Exception as e:  # (an OSError or sqlite3.Error mostly: whatever it is, the HTTP actor goes on)
+            self._retry_at = time.monotonic() + self.retry_s
+            if str(e) != self.error:
+                log.error("the Responses store %s cannot be used: %s (the Responses API answers 503 until it can; "
+                          "retried on later calls)", self.path, e)  # fmt: skip
+            self.error = str(e)
+            return
+        if self.error is not None:
+            log.info("the Responses store %s is open", self.path)
+        self.error = None
 
     async def close(self) -> None:
-        await self._run(self._db.close)
+        async with self._opening:
+            if self._db is not None:
+                await self._run(self._db.close)
+            self._db, self._retry_at, self.error = None, float("inf"), "the server is shutting down"
         self._thread.shutdown(wait=False)
 
-    async def put(self, id: str, stored: Stored) -> None:
-        await self._run(self._put, id, stored)
+    def check_size(self, parts: dict[str, object]) -> None:
+        """A 400 naming the largest of a request's `parts` (the Response's keys, "input", "previous_response_id")
+        when they alone would take its row over `max_row_bytes`. Encodes them: off the event loop for large ones."""
+        sizes = {_FIELDS.get(key, key): len(_json(value)) for key, value in parts.items()}
+        if (total := sum(sizes.values())) > self.max_row_bytes:
+            field = max(sizes, key=sizes.__getitem__)
+            raise RequestError(400, f"{field}: the response would store {total} bytes ({field}: {sizes[field]}), "
+                               f"more than a stored response may hold ({self.max_row_bytes} bytes: "
+                               "--responses-max-bytes-per-response); store: false is not stored", field)  # fmt: skip
 
-    async def get(self, id: str) -> Stored | None:
-        return await self._run(self._get, id)
+    async def put(self, id: str, response: dict, conversation: list[dict], events: list[bytes] | None = None) -> bool:
+        """Store an ended response (its output items carried on as `continued`); False: over its row's budget."""
+        return await self._call(self._put, id, response, conversation, events)
+
+    async def response(self, id: str) -> tuple[bytes, bool] | None:
+        """(the Response's JSON, whether it ran in the background), or None."""
+        row = await self._call(self._select, id, "response", "background")
+        return None if row is None else (row[0], bool(row[1]))
+
+    async def conversation(self, id: str, with_output: bool = False) -> list[dict] | None:
+        """Its input items (`with_output`: then its output items, as a continuation carries them on), or None."""
+        row = await self._call(self._select, id, "conversation", *(["output"] if with_output else []))
+        return None if row is None else [item for blob in row for item in msgspec.json.decode(blob)]
+
+    async def events(self, id: str) -> tuple[bool, list[bytes] | None] | None:
+        """(whether it ran in the background, its stream events if they were kept), or None."""
+        row = await self._call(self._select, id, "background", "events")
+        if row is None:
+            return None
+        return bool(row[0]), (msgspec.msgpack.decode(row[1], type=list[bytes]) if row[1] is not None else None)
 
     async def delete(self, id: str) -> bool:
-        return await self._run(self._delete, id)
+        return await self._call(lambda: db.delete(self._db, id))
+
+    async def _call(self, fn, *args):
+        await self.ready()
+        try:
+            return await self._run(fn, *args)
+        except (OSError, sqlite3.Error) as e:  # (a full disk, a file changed under it: this call fails alone)
+            raise RequestError(503, f"the Responses store {self.path} failed: {e}",
+                               code="responses_store_unavailable") from e  # fmt: skip
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     # ------------------------------------------------------------ on the store's thread
 
-    def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # (WAL: a commit survives a crash of the process)
-        self._db.executescript(_SCHEMA)
-
-    def _put(self, id: str, s: Stored) -> None:
+    def _put(self, id: str, response: dict, conversation: list[dict], events: list[bytes] | None) -> bool:
+        blobs = [_json(response), _json(conversation), _json(continued(response["output"]))]
+        packed = msgspec.msgpack.encode(events) if events is not None else None
+        size = sum(map(len, blobs))
+        budget = f"its budget of {self.max_row_bytes} bytes (--responses-max-bytes-per-response)"
+        if packed is not None and size + len(packed) > self.max_row_bytes:
+            log.warning("[%s] stored without its %d bytes of stream events (over %s)", id, len(packed), budget)
+            packed = None
+        if size > self.max_row_bytes:
+            log.error("[%s] not stored: its %d bytes are over %s", id, size, budget)
+            return False
         now = time.time()
-        events = msgspec.msgpack.encode(s.events) if s.events is not None else None
-        row = (id, now, msgspec.json.encode(s.response), msgspec.json.encode(s.conversation), events)
-        with self._db:  # one transaction: the row and the eviction it makes room by
-            self._db.execute("BEGIN")
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)", row)
-            self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.max_age_s,))
-            self._db.execute(
-                "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC LIMIT -1 "
-                "OFFSET ?)",
-                (self.max_stored,),
-            )
+        bounds = {"oldest": now - self.max_age_s, "max_stored": self.max_stored, "max_bytes": self.max_bytes}
+        db.insert(self._db, id, now, (*blobs, packed), bool(response.get("background")), bounds)
+        return True
 
-    def _get(self, id: str) -> Stored | None:
-        row = self._db.execute(
-            "SELECT response, conversation, events FROM responses WHERE id = ? AND created_at >= ?",
-            (id, time.time() - self.max_age_s),
-        ).fetchone()
-        if row is None:
-            return None
-        events = msgspec.msgpack.decode(row[2], type=list[bytes]) if row[2] is not None else None
-        return Stored(msgspec.json.decode(row[0]), msgspec.json.decode(row[1]), events, len(row[1]))
-
-    def _delete(self, id: str) -> bool:
-        with self._db:
-            self._db.execute("BEGIN")
-            return self._db.execute("DELETE FROM responses WHERE id = ?", (id,)).rowcount > 0
+    def _select(self, id: str, *columns: str) -> tuple | None:
+        return db.select(self._db, id, time.time() - self.max_age_s, *columns)
