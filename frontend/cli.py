@@ -7,35 +7,33 @@ Heavy modules are imported inside the commands: every actor process re-imports t
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 
 from actors.engine.config import EngineConfig
-from frontend.cli_args import Help, engine_arguments, limit_arguments, metrics_prefix, positive_float, positive_int
-from frontend.cli_engine import engine_config
+from frontend import cli_generate
+from frontend.cli_args import (
+    Help,
+    byte_size,
+    engine_arguments,
+    limit_arguments,
+    metrics_prefix,
+    positive_float,
+    positive_int,
+)
+from frontend.cli_engine import (
+    EXIT_FAILED,
+    EXIT_OK,
+    check_memory_of,
+    engine_config,
+    fault_plan_of,
+    restart_policy,
+    setup,
+)
 from frontend.reasoning import REASONING_PARSERS
 from frontend.tools import TOOL_CALL_PARSERS
 from messages.sampling_params import RequestLimits
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def _fault_plan(args: argparse.Namespace):
-    from actors.runtime import FaultPlan
-
-    return FaultPlan.parse(args.fault_plan) if args.fault_plan else FaultPlan.from_env()
-
-
-def _setup(args: argparse.Namespace, default_level: str):
-    """Logging, then the model (converted on first use) or a clear error."""
-    from frontend.launch import resolve_model
-
-    args.log_level = args.log_level or default_level
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s [launcher] %(name)s: %(message)s")
-    return resolve_model(args.model)
-
 
 # ---------------------------------------------------------------- serve
 
@@ -45,7 +43,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from frontend.http_base import HttpConfig
 
-    model = _setup(args, "INFO")
+    model = setup(args, "INFO")
     if args.headless or args.node_rank:
         return _headless(args, engine_config(args, str(model.path)))
     http = HttpConfig(
@@ -64,10 +62,13 @@ def serve(args: argparse.Namespace) -> int:
         responses_db=args.responses_db,
         responses_max_stored=args.responses_max_stored,
         responses_max_age_s=args.responses_max_age_hours * 3600,
+        responses_max_bytes_per_response=args.responses_max_bytes_per_response,
+        responses_max_store_bytes=args.responses_max_store_bytes,
+        max_background_responses=args.max_background_responses,
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
-    return uvloop.run(_serve(engine_config(args, str(model.path)), http, _fault_plan(args), args.log_level))
+    return uvloop.run(_serve(engine_config(args, str(model.path)), http, fault_plan_of(args), args))
 
 
 def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
@@ -80,11 +81,13 @@ def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
     if not args.headless:
         raise SystemExit(f"--node-rank {args.node_rank}: only node 0 serves; the others run with --headless")
     try:
-        check_gang(resolve_model(engine.model), engine)
+        model = resolve_model(engine.model)
+        check_gang(model, engine)
+        check_memory_of(args, model, engine)
         if args.data_parallel_rank is not None:
             from frontend.launch import serve_node
 
-            return uvloop.run(serve_node(engine, args.log_level))
+            return uvloop.run(serve_node(engine, args.log_level, restart_policy(args)))
         from actors.engine.gang_nodes import HeadlessNode
 
         node = HeadlessNode(engine, args.node_rank)
@@ -102,13 +105,14 @@ def _chat_template(path: str | None) -> str | None:
         raise SystemExit(f"--chat-template: {e}") from e
 
 
-async def _serve(engine: EngineConfig, http, fault_plan, log_level: str) -> int:
+async def _serve(engine: EngineConfig, http, fault_plan, args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
     from frontend.launch import start_server
 
-    server = await start_server(engine, http, fault_plan=fault_plan, log_level=log_level)
+    policy, check = restart_policy(args), not args.skip_memory_check
+    server = await start_server(engine, http, fault_plan, policy, args.log_level, memory_check=check)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -121,59 +125,6 @@ async def _serve(engine: EngineConfig, http, fault_plan, log_level: str) -> int:
     if server.exit_code:
         print("sluice serve: the supervisor gave up (too many restarts); see the log above", file=sys.stderr)
     return server.exit_code
-
-
-# ---------------------------------------------------------------- generate
-
-
-def generate(args: argparse.Namespace) -> int:
-    import uvloop
-
-    from messages.sampling_params import ParamError, SamplingParams
-
-    model = _setup(args, "WARNING")
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop or [],
-        ignore_eos=args.ignore_eos,
-        repetition_penalty=args.repetition_penalty,
-    )
-    try:
-        params.verify(model.vocab_size)
-    except ParamError as e:
-        print(f"sluice generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    engine = engine_config(args, str(model.path))
-    if engine.local_replicas < engine.data_parallel_size:
-        raise SystemExit("sluice generate runs every replica itself: --data-parallel-size-local is for a server")
-    from frontend.launch import check_gang
-
-    check_gang(model, engine)
-    return uvloop.run(_generate(engine, args.prompt, params, args.chat, _fault_plan(args), args.log_level))
-
-
-async def _generate(engine: EngineConfig, prompt: str, params, chat: bool, fault_plan, log_level: str) -> int:
-    from frontend.offline import AsyncLLM
-    from messages.wire import Finished
-
-    async with AsyncLLM(engine, fault_plan=fault_plan, log_level=log_level) as llm:  # (one prompt: replica 0)
-        tokens = prompt
-        if chat:
-            text = llm.tokenizer.render_chat([{"role": "user", "content": prompt}])
-            tokens = llm.tokenizer.encode(text, add_special_tokens=False)
-        async for out in llm.stream(tokens, params):
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-            if isinstance(out, Finished) and out.finish_reason == "error":
-                print(f"\nsluice generate: {out.error}", file=sys.stderr)
-                return EXIT_FAILED
-    print()
-    return EXIT_OK
 
 
 # ---------------------------------------------------------------- the parser
@@ -203,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--metrics-prefix", type=metrics_prefix, default="sluice:", help="of /metrics series (vllm:…)")
     g.add_argument("--disable-log-stats", action="store_true", help="no throughput line in the log every 10 s")
+    g.add_argument(
+        "--exit-on-engine-failure",
+        action="store_true",
+        help="past a process's restart intensity (3 deaths in 60 s), stop the server with exit code 1, for an "
+        "orchestrator to restart (default: restart it after an exponential back-off, 1 s doubling to 60 s, the HTTP "
+        "front answering 503 meanwhile: docs/OPERATIONS.md, 'Reliability')",
+    )
     g = p.add_argument_group("responses API (/v1/responses)")
     g.add_argument("--responses-db", metavar="FILE", help="the stored responses' SQLite database (default: "
                    "responses.sqlite3 in the cache directory, $SLUICE_CACHE_DIR or ~/.cache/sluice)")  # fmt: skip
@@ -210,6 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--responses-max-stored", type=positive_int, default=10_000, help="stored responses kept (oldest go)"
     )
     g.add_argument("--responses-max-age-hours", type=positive_float, default=720.0, help="... and for how long")
+    g.add_argument(
+        "--responses-max-bytes-per-response",
+        type=byte_size,
+        default="8M",  # (responses_api/store.py MAX_ROW_BYTES)
+        metavar="BYTES",
+        help="a stored response's size at most (8M, 1G, ...): a request whose input alone is more is a 400",
+    )
+    g.add_argument(
+        "--responses-max-store-bytes",
+        type=byte_size,
+        default="1G",  # (MAX_STORE_BYTES)
+        metavar="BYTES",
+        help="the stored responses' size at most (the oldest go)",
+    )
+    g.add_argument("--max-background-responses", type=positive_int, default=128,
+                   help="background responses running at once (a 429 past it)")  # fmt: skip
     g = p.add_argument_group("structured outputs and tools")
     g.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the model's own")
     g.add_argument(
@@ -231,26 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     limit_arguments(p)
     p.set_defaults(func=serve)
 
-    p = commands.add_parser(
-        "generate",
-        help="generate text offline and stream it to stdout",
-        description="Generate text offline.",
-        formatter_class=defaults,
-    )
-    engine_arguments(p)
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
-    s.add_argument("--top-k", type=int, default=0, help="0 = off")
-    s.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    s.add_argument("--seed", type=int, default=None, help="for reproducible sampling")
-    s.add_argument("--stop", action="append", help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
-    p.set_defaults(func=generate)
+    cli_generate.add_parser(commands)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser(

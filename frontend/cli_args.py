@@ -199,6 +199,12 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="logprobs of the model's distribution (raw) or of the one sampled from, after penalties, temperature "
         "and truncation (processed); prompt logprobs are always raw",
     )
+    parser.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even if the model's weights and KV cache, as estimated before loading, exceed the host's "
+        "available memory (MemAvailable; CPU only: docs/OPERATIONS.md, 'Memory')",
+    )
     parser.add_argument("--fault-plan", metavar="FILE", help="fault injection plan, JSON (or $SLUICE_FAULT_PLAN)")
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -252,6 +258,14 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def byte_size(text: str) -> int:
+    """A positive size in bytes, with an optional binary K, M or G suffix: 65536, 8M, 1G."""
+    m = re.fullmatch(r"(\d+)([KMG]?)(?:i?B)?", text.strip(), re.IGNORECASE)
+    if m is None or int(m[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (65536, 8M, 1G)")
+    return int(m[1]) << (10 * " KMG".index(m[2].upper() or " "))
 
 
 def positive_int(text: str) -> int:

@@ -1,12 +1,47 @@
 """The engine's configuration from `sluice serve` / `sluice generate` flags (frontend/cli_args.py): the flags that
-depend on each other are checked here, with a message naming them (SystemExit)."""
+depend on each other are checked here, with a message naming them (SystemExit); and what both commands set up from
+their flags: logging and the model, the fault plan, the supervisor's restart policy, the memory check."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from actors.engine.config import EngineConfig
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def setup(args: argparse.Namespace, default_level: str):
+    """Logging, then the model (converted on first use) or a clear error."""
+    from frontend.launch import resolve_model
+
+    args.log_level = args.log_level or default_level
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s [launcher] %(name)s: %(message)s")
+    return resolve_model(args.model)
+
+
+def fault_plan_of(args: argparse.Namespace):
+    from actors.runtime import FaultPlan
+
+    return FaultPlan.parse(args.fault_plan) if args.fault_plan else FaultPlan.from_env()
+
+
+def restart_policy(args: argparse.Namespace, give_up: bool = False):
+    """The supervisor's: past a process's restart intensity it backs off, or with --exit-on-engine-failure (`give_up`:
+    `generate`'s, whose caller waits at a terminal) the command stops with exit code 1."""
+    from actors.runtime import RestartPolicy
+
+    return RestartPolicy(exit_past_intensity=give_up or args.exit_on_engine_failure)
+
+
+def check_memory_of(args: argparse.Namespace, model, engine: EngineConfig):
+    """What the engine needs of this host's memory; refused (ModelLoadError) if it cannot fit, unless
+    --skip-memory-check (frontend/memory_check.py)."""
+    from frontend.memory_check import check_memory, memory_need
+
+    return (memory_need if args.skip_memory_check else check_memory)(model, engine)
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:

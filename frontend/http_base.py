@@ -1,6 +1,7 @@
 """What every HTTP call passes through: the server's configuration, the API key check, a JSON content type on POSTs,
 errors turned into OpenAI error bodies (and logged with the request id: 5xx as errors, a 5xx is a bug or a dead actor,
-never the client's fault), and a count of every response by endpoint and status."""
+never the client's fault; a 503 the client should retry carries Retry-After: `Unavailable`), and a count of every
+response by endpoint and status."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from aiohttp import web
 from actors.routing import Policy
 from frontend.metrics import SERVER, Metrics
 from frontend.protocol import RequestError
+from frontend.responses_api.store import MAX_ROW_BYTES, MAX_STORE_BYTES
 from messages.sampling_params import RequestLimits
 
 log = logging.getLogger("sluice.http")
@@ -47,6 +49,9 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     responses_db: str | None = None  # the Responses API's store, SQLite (default: responses.sqlite3 in the cache)
     responses_max_stored: int = 10_000  # stored responses kept at most (the oldest go first)
     responses_max_age_s: float = 30 * 86400.0  # ... and for at most this long (OpenAI's 30 days)
+    responses_max_bytes_per_response: int = MAX_ROW_BYTES  # a stored response's row at most (responses_api/store.py)
+    responses_max_store_bytes: int = MAX_STORE_BYTES  # the store's rows at most (the oldest go first)
+    max_background_responses: int = 128  # background responses live at once (a 429 past it)
 
     @property
     def responses_path(self) -> Path:
@@ -75,8 +80,19 @@ def json_response(body: dict, status: int = 200) -> web.Response:
     return web.Response(body=_encode(body), status=status, content_type="application/json")
 
 
+class Unavailable(RequestError):
+    """A 503 the client should retry (the server loads its model, an engine replica restarts): with `Retry-After`."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(503, message)
+        self.retry_after_s = retry_after_s
+
+
 def error_response(e: RequestError) -> web.Response:
-    return json_response(e.body(), e.status)
+    resp = json_response(e.body(), e.status)
+    if isinstance(e, Unavailable):
+        resp.headers["Retry-After"] = str(e.retry_after_s)
+    return resp
 
 
 def middleware(config: HttpConfig, metrics: Metrics):

@@ -2,9 +2,10 @@
 replicas on other nodes); or a headless node's engine replica (`serve_node`).
 
 Everything that can fail fast does so before any process starts: the model is resolved (the
-bundled default is converted on first use, a .gguf is converted into the cache) and checked, and a
-fixed port is test-bound. Port 0 is resolved to a free port here, so a restarted HTTP process
-binds the same one.
+bundled default is converted on first use, a .gguf is converted into the cache) and checked, it must fit in the
+host's memory (frontend/memory_check.py), and a fixed port is test-bound. Port 0 is resolved to a free port here, so
+a restarted HTTP process binds the same one. The processes start together: the HTTP front listens while the engine
+replicas load (503 until each is ready: frontend/readiness.py), and `start()` returns once the server serves.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from actors.runtime import (
 )
 from actors.runtime.actor import Actor
 from frontend.http_base import HttpConfig
+from frontend.memory_check import MemoryNeed, check_memory, explain, memory_need
 from gpu.config import ModelConfig, ModelLoadError
 from gpu.convert import ConversionError, default_model_dir
 from gpu.runner import resolve_device
@@ -98,7 +100,10 @@ def check_gang(model: ModelConfig, engine: EngineConfig) -> list[str] | None:
     return None if dp == 1 else [",".join(devices[k * per_replica : (k + 1) * per_replica]) for k in range(dp)]
 
 
-def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]:
+def build_processes(
+    engine: EngineConfig, http: HttpConfig, memory_check: bool = True
+) -> tuple[list[ProcessSpec], MemoryNeed]:
+    """The processes, and what they need of this host's memory (checked unless not `memory_check`)."""
     model = resolve_model(engine.model)
     devices = check_gang(model, engine)
     engine = msgspec.structs.replace(engine, model=str(model.path))
@@ -110,7 +115,8 @@ def build_processes(engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]
                 f"the draft model's vocabulary ({draft.vocab_size}) is not the model's ({model.vocab_size})"
             )
         engine = msgspec.structs.replace(engine, speculative=msgspec.structs.replace(spec, model=str(draft.path)))
-    return [http_process(model, engine, http), *engine_processes(engine, HTTP, devices)]
+    need = (check_memory if memory_check else memory_need)(model, engine)
+    return [http_process(model, engine, http), *engine_processes(engine, HTTP, devices)], need
 
 
 def remote_replicas(engine: EngineConfig) -> list[Actor]:
@@ -124,18 +130,24 @@ def remote_replicas(engine: EngineConfig) -> list[Actor]:
 
 class Server(ActorSystem):
     """A supervised actor graph with an HTTP actor; `start()` returns once every actor has started
-    (the model is loaded, the web server listens)."""
+    (the model is loaded, the web server listens and serves). `memory`: what the engine needs, to explain an engine
+    killed while it starts."""
 
-    def __init__(self, processes: list[ProcessSpec], http: HttpConfig, **kwargs):
+    def __init__(self, processes: list[ProcessSpec], http: HttpConfig, memory: MemoryNeed | None = None, **kwargs):
         super().__init__(processes, **kwargs)
-        self.http = http
+        self.http, self.memory = http, memory
 
     @property
     def url(self) -> str:
         return self.http.url
 
     async def start(self) -> None:
-        await super().start()
+        try:
+            await super().start()
+        except StartupError as e:
+            if (explained := explain(e, self.memory)) is e:
+                raise
+            raise explained from e
         deadline = time.monotonic() + self.policy.ready_timeout_s
         await asyncio.gather(*(self._started(a.name, deadline) for p in self.specs.values() for a in p.actors))
 
@@ -157,22 +169,25 @@ async def start_server(
     fault_plan: FaultPlan | None = None,
     policy: RestartPolicy | None = None,
     log_level: str = "INFO",
+    memory_check: bool = True,
 ) -> Server:
     """Start the whole graph; `await server.stop()` (or `async with`) shuts it down."""
     http = pick_port(http)
-    server = Server(build_processes(engine, http), http, local=remote_replicas(engine), fault_plan=fault_plan,
-                    policy=policy, log_level=log_level)  # fmt: skip
+    processes, need = build_processes(engine, http, memory_check)
+    server = Server(processes, http, need, local=remote_replicas(engine), fault_plan=fault_plan, policy=policy,
+                    log_level=log_level)  # fmt: skip
     await server.start()
     return server
 
 
-async def serve_node(config: EngineConfig, log_level: str = "INFO") -> int:
+async def serve_node(config: EngineConfig, log_level: str = "INFO", policy: RestartPolicy | None = None) -> int:
     """A headless node's launcher of replica config.data_parallel_rank, until SIGTERM/SIGINT (0), its supervisor
-    gives up (1) or the front refuses its handshakes (EXIT_REFUSED: found while the replica loads)."""
+    gives up (1: only with `policy.exit_past_intensity`) or the front refuses its handshakes (EXIT_REFUSED: found
+    while the replica loads)."""
     address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
     link = NodeLink(HTTP, config.data_parallel_rank, address)
     engine = msgspec.structs.replace(config, stats_to=[HTTP])
-    system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], log_level=log_level)
+    system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], policy=policy, log_level=log_level)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -107,6 +107,9 @@ class Metrics:
         )
         self.protocol = ProtocolCounts()  # the HTTP actor's (its RequestTable counts in it)
         self.num_tombstones: Callable[[], int] = lambda: 0
+        # per replica: (engine, restarts of its processes, the back-off its next restart waits): frontend/readiness.py
+        self.restarts: Callable[[], list[tuple[int, int, float]]] = lambda: []
+        self.num_background_responses: Callable[[], int] = lambda: 0  # (the Responses endpoint's)
         self.engine: dict[int, EngineStats] = {}  # by replica: the latest report (none: all zero)
         self.detok: dict[int, DetokStats] = {}
         r.register(_Snapshots(self))
@@ -198,6 +201,11 @@ class _Snapshots:
         per_pos = [((k, pos), count) for k, e in engines for pos, count in enumerate(e.spec_accepted_per_pos)]
         by_pos = "Draft tokens accepted, by position."
         yield self.family(counter, "spec_decode_num_accepted_tokens_per_pos", by_pos, ["position"], per_pos)
+        restarts = m.restarts()
+        doc = "Restarts of the engine replica's processes (the supervisor's count)."
+        yield self.family(counter, "engine_restarts", doc, rows=[((k,), n) for k, n, _ in restarts])
+        doc = "Seconds until the engine replica's next restart (past its restart intensity; else 0)."
+        yield self.family(gauge, "engine_restart_backoff_seconds", doc, rows=[((k,), s) for k, _, s in restarts])
         serving = [((r.index,), int(r.serves)) for r in m.replicas.all]
         yield self.family(gauge, "dp_engine_serving", "1 while the engine replica is routed to, 0 while down.",
                           rows=serving)  # fmt: skip
@@ -222,6 +230,8 @@ class _Snapshots:
         yield self.family(counter, "request_resumes", why, ["actor", "cause"], resumes)
         tombstones = [((SERVER, HTTP), m.num_tombstones()), *(((k, DETOKENIZER), d.num_tombstones) for k, d in detoks)]
         yield self.family(gauge, "num_tombstones", "Requests aborted, awaiting Finished.", ["actor"], tombstones)
+        background = [((SERVER,), m.num_background_responses())]
+        yield self.family(gauge, "num_background_responses", "Background responses not yet ended.", rows=background)
 
 
 ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [  # (name, doc, value), one row per engine

@@ -58,7 +58,9 @@ class AsyncLLM:
         log_level: str = "WARNING",
         dp_routing: Policy = "cache_aware",
     ):
-        """`dp_routing`: which replica a request goes to, with config.data_parallel_size > 1 (actors/routing.py)."""
+        """`dp_routing`: which replica a request goes to, with config.data_parallel_size > 1 (actors/routing.py).
+        Without a `policy`, an engine past its restart intensity stops the system (its caller awaits its streams: a
+        library does not wait out a back-off as a server does)."""
         if config.local_replicas < config.data_parallel_size:
             raise ValueError("the offline API runs every replica itself (replicas on other nodes join a server)")
         self.config = config
@@ -68,7 +70,7 @@ class AsyncLLM:
             engine_processes(config, CLIENT),
             local=[self.client],
             fault_plan=fault_plan,
-            policy=policy,
+            policy=policy or RestartPolicy(exit_past_intensity=True),
             log_level=log_level,
         )
         self._ids = itertools.count()

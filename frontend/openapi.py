@@ -43,7 +43,7 @@ ENDPOINTS = [
     ("post", "/tokenize", "vLLM's /tokenize: a prompt or a chat to token ids", TokenizeRequest, False),
     ("post", "/detokenize", "vLLM's /detokenize: token ids to text", DetokenizeRequest, False),
     ("get", "/version", "The server's version", None, False),
-    ("get", "/health", "200 while every process of the request path and the worker are up, else 503", None, False),
+    ("get", "/health", "200 once every replica has loaded, while the path is up; else 503", None, False),
     ("get", "/metrics", "Prometheus metrics (vLLM's names, under --metrics-prefix)", None, False),
     ("get", "/openapi.json", "This description", None, False),
 ]

@@ -4,7 +4,8 @@ Handlers parse and tokenize (in the default executor for large bodies), register
 the RequestTable (which sends one AddRequest per choice to the scheduler) and then wait on the
 request's `wake` event: the actor's message handlers only buffer outputs and set it, so no engine
 message ever waits for a client. A client that goes away (a failed write, or the handler cancelled
-on disconnect: `handler_cancellation=True`) tombstones its request and aborts it in the engine.
+on disconnect: `handler_cancellation=True`) tombstones its request and aborts it in the engine. Until every engine
+replica has loaded, and while none can take requests, they get a 503 with Retry-After (frontend/readiness.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_respo
 from frontend.metrics import CONTENT_TYPE, Metrics
 from frontend.openapi import openapi
 from frontend.protocol import RequestError, ServingContext, new_request_id, parse_chat, parse_completion
+from frontend.readiness import Readiness
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
 from frontend.responses_api.endpoint import ResponsesEndpoint
-from frontend.responses_api.store import ResponseStore
 from frontend.structured import compile_check
 from frontend.throughput_log import ThroughputLog
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
@@ -78,6 +79,7 @@ class HttpActor(Actor):
         routing = Replicas(replicas, c.dp_routing, block_size)
         self.metrics = Metrics(c.metrics_prefix, self.names[0], routing)  # (vLLM's model_name: the first name)
         self.table = RequestTable(self.tell, self.metrics, c.abort_timeout_s, c.max_abort_tries, c.max_resumes)
+        self.readiness = Readiness(self.table, c.url, self.names)  # (503 until every replica is ready: its docstring)
         self.admitting = True
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
@@ -109,10 +111,8 @@ class HttpActor(Actor):
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
-        self.responses = ResponsesEndpoint(self, ResponseStore(c.responses_path, c.responses_max_stored,
-                                                               c.responses_max_age_s))  # fmt: skip
-        await self.responses.store.open()
-        self.responses.add_routes(app)
+        self.responses = ResponsesEndpoint(self)
+        self.responses.serve(app)  # (its store opens in the background: one that cannot costs only its routes)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_post("/tokenize", self.tokenize)
@@ -124,7 +124,7 @@ class HttpActor(Actor):
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.config.host, self.config.port).start()
-        log.info("serving %s at %s", ", ".join(names), self.config.url)
+        log.info("listening at %s: 503 until every engine replica has loaded its model", self.config.url)
         self.spawn(self._housekeeping())
 
     # ------------------------------------------------------------ actor messages
@@ -140,10 +140,12 @@ class HttpActor(Actor):
             self.metrics.forget(msg.actor)
             log.error("%s is down (%s): its requests go on on the replicas that serve (%d live)", msg.actor,
                       msg.reason, len(self.table.live))  # fmt: skip
+        self.readiness.on_down(msg)  # (past its restart intensity, with no replica to go to, they fail)
 
     def on_actor_up(self, msg: ActorUp) -> None:
         if self.table.on_up(msg.actor):
             log.info("%s is back: its engine replica serves", msg.actor)
+        self.readiness.on_up(msg.actor)
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = self.table.idle_details
@@ -177,17 +179,16 @@ class HttpActor(Actor):
 
     # ------------------------------------------------------------ HTTP
 
-    def check_available(self) -> None:
+    def check_available(self, health: bool = False) -> None:
+        """503 if no request can be taken now (`health`: or no replica serves); Retry-After: frontend/readiness.py."""
         if not self.admitting:
             raise RequestError(503, "the server is shutting down")
-        if not self.table.replicas.taking():
-            raise RequestError(503, f"the {' and '.join(self.table.replicas.down())} is down; retry later")
+        if (refusal := self.readiness.refusal(health)) is not None:
+            raise refusal
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while an engine replica serves (every actor of it up)."""
-        self.check_available()
-        if not self.table.replicas.serving():
-            raise RequestError(503, f"the {' and '.join(self.table.replicas.down())} is down (restarting); retry later")
+        """200 once every engine replica has loaded its model, while one serves (every actor of it up)."""
+        self.check_available(health=True)
         return web.Response()
 
     async def models(self, request: web.Request) -> web.Response:

@@ -12,6 +12,9 @@ with the LM head and float32 logits of every row. It runs on a scratch KV cache 
 real one is allocated. Not profiled (left to the margin of 1 - utilization): the sampler's temporaries, prompt
 logprobs' logits, a draft model's own activations and graphs. `DeviceMemory` is where the numbers come from: CUDA's,
 or a fake in the tests.
+
+`served_weight_bytes` is a floor of what a model's weights hold as they are served, from its config alone (a meta
+model): what the launcher checks against the host's memory before any process starts (frontend/memory_check.py).
 """
 
 from __future__ import annotations
@@ -90,12 +93,38 @@ class MemoryPlan:
         return budget // self.per_block
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+def _meta_model(config: ModelConfig) -> torch.nn.Module:
     from gpu.models import REGISTRY
 
     with torch.device("meta"):
-        model = REGISTRY[config.architecture](config)
-    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        return REGISTRY[config.architecture](config)
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    return sum(p.numel() for p in _meta_model(config).parameters()) * dtype.itemsize
+
+
+# bytes of a linear layer's weight served on CPU in float32, by --quantization: two float32 layouts (gpu/linear.py
+# `pack`); the quantized weight and one float32 layout (gpu/quant.py; int4: torch's bfloat16 scales); bf16's weight alone
+CPU_LINEAR_BYTES = {None: 8.0, "int8": 5.0, "int4": 4.625, "bf16": 2.0}
+
+
+def served_weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None, device: str) -> int:
+    """A floor of the bytes the weights hold as gpu/weights.py's `load_model` serves them: every weight in `dtype`
+    while it loads (quantized ones too: float32 first); once loaded on CPU in float32, each linear layer's weight
+    CPU_LINEAR_BYTES[quantization] bytes a weight (a tied LM head's on top of the embedding's table) and the rest 4.
+    The larger of the two. (SmolLM2-135M: 1134 MiB float32, 750 int8, 701 int4, 365 bf16: docs/PERFORMANCE.md's.)"""
+    from gpu.linear import Linear
+
+    model = _meta_model(config)
+    model.tie_weights()
+    total = sum(p.numel() for p in model.parameters())  # (a tied LM head is the embedding: counted once)
+    loading = total * dtype.itemsize
+    if device != "cpu" or dtype != torch.float32:
+        return loading
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    own = linear - (model.lm_head.weight.numel() if config.tie_word_embeddings else 0)
+    return max(loading, int(4 * (total - own) + CPU_LINEAR_BYTES[quantization] * linear))
 
 
 def profile(

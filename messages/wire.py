@@ -62,15 +62,17 @@ class Pong(Reply, kw_only=True):
 
 
 class ActorDown(Msg, kw_only=True):
-    """supervisor -> the actors that are up: `actor` died (its process exited or hung); a restarted actor hears it
-    once Ready of every actor down at that moment."""
+    """supervisor -> the actors that are up: `actor` died (its process exited, hung, or died restarting); a restarted
+    actor hears it once Ready of every actor down at that moment."""
 
     actor: str
     reason: str = ""
+    retry_in_s: float = 0.0  # when the supervisor restarts it: 0 at once; past its restart intensity, its back-off
+    restarts: int = 0  # the restarts of its group (its engine replica's processes, or its own) so far, this one's too
 
 
 class ActorUp(Msg, kw_only=True):
-    """supervisor -> all actors: `actor` was restarted and is Ready again."""
+    """supervisor -> all actors: `actor` is Ready again; ActorUp(SUPERVISOR): the start has ended (runtime/system.py)."""
 
     actor: str
 

@@ -14,6 +14,7 @@ triton early (torch._dynamo, through transformers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 from dataclasses import dataclass, field
@@ -199,22 +200,32 @@ async def server(tiny_model_dir, responses_db):
     await srv.stop()
 
 
-@pytest.fixture(scope="session")
-async def fake_server(tiny_model_dir, responses_db):
+@contextlib.asynccontextmanager
+async def fake_server_of(model_dir: Path, **http):
+    """The HTTP process alone over a FakeEngine in the test process (`fake_server`'s), with HttpConfig's `http`."""
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import Server, http_process, pick_port, resolve_model
     from tests.fake_engine import FakeEngine
 
-    model = resolve_model(str(tiny_model_dir))
-    http = pick_port(HttpConfig(port=0, api_key=API_KEY, abort_timeout_s=0.3, max_abort_tries=3, body_timeout_s=2.0,
-                                responses_db=responses_db))  # fmt: skip
+    model = resolve_model(str(model_dir))
+    config = HttpConfig(**{"port": 0, "api_key": API_KEY, "abort_timeout_s": 0.3, "max_abort_tries": 3,
+                           "body_timeout_s": 2.0, **http})  # fmt: skip
+    config = pick_port(config)
     engine = FakeEngine()
-    srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
+    srv = Server([http_process(model, EngineConfig(model=str(model.path)), config)], config, local=[engine])
     await srv.start()
-    yield (handle := ServerHandle(srv, tiny_model_dir, API_KEY, engine))
-    await handle.close_clients()
-    await srv.stop()
+    try:
+        yield (handle := ServerHandle(srv, model_dir, API_KEY, engine))
+        await handle.close_clients()
+    finally:
+        await srv.stop()
+
+
+@pytest.fixture(scope="session")
+async def fake_server(tiny_model_dir, responses_db):
+    async with fake_server_of(tiny_model_dir, responses_db=responses_db) as handle:
+        yield handle
 
 
 @pytest.fixture

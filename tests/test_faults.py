@@ -106,8 +106,8 @@ async def test_child_processes_apply_the_plan():
     async with ActorSystem([ECHO], local=[tester, recorder], fault_plan=plan):
         for i in range(10):
             tester.tell("echo", Probe(seq=i))
-        report = await tester.ask("echo", CheckIdle())  # FIFO: the probes were handled before this
-        assert report.details["handled"] == 11 and recorder.probes == []
+        report = await tester.ask("echo", CheckIdle())  # FIFO (one link from the launcher): all handled before this
+        assert report.details["handled"] == 12 and recorder.probes == []  # the start's ActorUp, 10 probes, the ask
 
 
 def test_plan_parses_from_json_and_rejects_unknown_fields(tmp_path):

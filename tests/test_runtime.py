@@ -106,9 +106,11 @@ async def test_hung_actor_is_killed_and_restarted():
         assert system.pids()["echoproc"] != old
 
 
-async def test_restart_intensity_exceeded_stops_nonzero():
+async def test_restart_intensity_exceeded_stops_nonzero_with_exit_past_intensity():
+    """The old behaviour, kept behind `exit_past_intensity` (--exit-on-engine-failure): tests/test_supervision_backoff.py
+    has the default's back-off."""
     recorder = Recorder()
-    policy = RestartPolicy(heartbeat_s=60, max_restarts=1, window_s=60)
+    policy = RestartPolicy(heartbeat_s=60, max_restarts=1, window_s=60, exit_past_intensity=True)
     system = ActorSystem([ECHO], local=[recorder], policy=policy)
     await system.start()
     try:

@@ -1,13 +1,16 @@
 """The launcher: spawns actor processes from a placement, supervises them, tears them down.
 
 Supervision (Erlang-style, one_for_one): a child is dead when its process sentinel fires, hung when it misses
-`max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor broadcasts ActorDown for each of its actors,
-restarts the process unless `max_restarts` restarts of its group (an engine replica's processes, or the process
-alone) already happened within `window_s`, and broadcasts ActorUp once the new incarnation is Ready. A group past that
-intensity stops the whole system (exit code 1), unless it is an engine replica and another replica of this node
-serves: then the whole replica is parked (its other processes killed too, so its requests go on elsewhere) for
-`park_s`, and restarted with a fresh budget. Those broadcasts skip processes that are (re)starting: a restarted
-incarnation is told, once Ready, which actors are down at that moment.
+`max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor broadcasts ActorDown for each of its actors
+(with when it restarts them, and its group's restart count), restarts the process, and broadcasts ActorUp once the new
+incarnation is Ready; a restart that dies while it starts is announced and tried again the same way. Within the
+restart intensity of its group (an engine replica's processes, or the process alone: actors/runtime/backoff.py) it
+is restarted at once. Past it: an engine replica while another replica of this node serves is parked whole (its other
+processes killed too, so its requests go on elsewhere) for `park_s`, then restarted with a fresh budget; any other
+group is restarted after an exponential back-off (logged; the HTTP front stays up and answers 503 meanwhile), or,
+with `exit_past_intensity`, the whole system stops (exit code 1). Those broadcasts skip processes that are
+(re)starting: a restarted incarnation is told, once Ready, which actors are down at that moment, then (once the
+system has started) ActorUp(SUPERVISOR); every process hears ActorUp(SUPERVISOR) as the start ends.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import time
 
 import msgspec
 
-from actors.runtime.actor import Actor, AskTimeout
+from actors.runtime.actor import Actor
+from actors.runtime.backoff import RestartBudget, RestartPolicy
 from actors.runtime.faults import FaultPlan
 from actors.runtime.mailbox import LINGER_MS
 from actors.runtime.process import ChildConfig, ProcessSpec, child_main
 from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
+from actors.runtime.supervisor import Supervisor
 from messages.names import SUPERVISOR, replica_of
-from messages.wire import ActorDown, ActorUp, Ping, Ready, Shutdown
+from messages.wire import ActorDown, ActorUp, Shutdown
 
 log = logging.getLogger("sluice.supervisor")
 
@@ -38,52 +43,10 @@ LAUNCHER = "launcher"
 
 
 class StartupError(RuntimeError):
-    pass
-
-
-class RestartPolicy(msgspec.Struct, kw_only=True):
-    max_restarts: int = 3
-    window_s: float = 60.0
-    heartbeat_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    max_missed: int = 3
-    ready_timeout_s: float = 180.0
-    stop_timeout_s: float = 10.0
-    park_s: float = 30.0  # an engine replica past the restart intensity sits out this long (another one serving)
-
-
-class Supervisor(Actor):
-    name = SUPERVISOR
-
-    def __init__(self, system: ActorSystem):
-        super().__init__()
-        self.system = system
-        self.ready: dict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
-
-    def handlers(self):
-        return {Ready: self.on_ready}
-
-    def on_ready(self, msg: Ready) -> None:
-        log.info("%s ready (pid %d)", msg.actor, msg.pid)
-        self.ready[msg.actor].set()
-
-    async def heartbeat(self, proc: str, actor: str) -> None:
-        policy, missed = self.system.policy, 0
-        while True:
-            await asyncio.sleep(policy.heartbeat_s)
-            if self.system.state.get(proc) != "up":
-                missed = 0
-                continue
-            try:
-                await self.ask(actor, Ping(), timeout=policy.heartbeat_timeout_s)
-                missed = 0
-            except AskTimeout:
-                missed += 1
-                log.warning("%s missed heartbeat %d/%d", actor, missed, policy.max_missed)
-                if missed >= policy.max_missed and self.system.state.get(proc) == "up":
-                    log.error("%s is hung: killing process %s", actor, proc)
-                    self.system.kill(proc)
-                    missed = 0
+    def __init__(self, message: str, proc: str | None = None, exitcode: int | None = None):
+        """`proc`, `exitcode`: the process that exited while it started, and how (-N: killed by signal N)."""
+        super().__init__(message)
+        self.proc, self.exitcode = proc, exitcode
 
 
 class ActorSystem:
@@ -112,8 +75,10 @@ class ActorSystem:
         self.children: dict[str, multiprocessing.process.BaseProcess] = {}
         self.state: dict[str, str] = {}  # process -> starting | up | down | stopped
         self.exited: dict[str, asyncio.Event] = {}  # process -> set as its current child exits
-        self.restarts: dict[object, collections.deque[float]] = collections.defaultdict(collections.deque)  # by group
+        self.restarts: dict[object, RestartBudget] = collections.defaultdict(lambda: RestartBudget(self.policy))
+        self.retry_at: dict[str, float] = {}  # a dead process -> when it is restarted (time.monotonic)
         self.parked: dict[object, asyncio.Event] = {}  # engine replicas out of rotation -> set as they come back
+        self.started = False  # every process was Ready once
         self.exit_code = 0
         self.done = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -135,11 +100,13 @@ class ActorSystem:
         except BaseException:
             await self.stop()
             raise
+        self.started = True
+        self.broadcast(ActorUp(actor=SUPERVISOR), exclude=[a.name for a in self.local], only_up=True)
         for proc, spec in self.specs.items():
             for a in spec.actors:
                 self._tasks.append(asyncio.create_task(self.supervisor.heartbeat(proc, a.name)))
 
-    async def _spawn(self, proc: str, restart: bool = False) -> None:
+    async def _spawn(self, proc: str) -> None:
         spec = self.specs[proc]
         for a in spec.actors:
             self.supervisor.ready[a.name].clear()
@@ -161,14 +128,19 @@ class ActorSystem:
             ready.cancel()
             died.cancel()
         if exited.is_set():
-            raise StartupError(f"process {proc} exited with code {child.exitcode} during startup")
+            code = child.exitcode
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            raise StartupError(f"process {proc} {how} during startup", proc, code)
         if not all(self.supervisor.ready[a.name].is_set() for a in spec.actors):
             raise StartupError(f"process {proc} not ready within {self.policy.ready_timeout_s}s")
         self.state[proc] = "up"
-        if restart:  # it heard nothing while it started: which actors are down now (their ActorUp follows)
-            down = [a.name for p, other in self.specs.items() if self.state.get(p) != "up" for a in other.actors]
-            for actor, gone in itertools.product(spec.actors, down):
-                self.router.send(SUPERVISOR, actor.name, ActorDown(actor=gone, reason="down as this one started"))
+        self.retry_at.pop(proc, None)
+        # it heard nothing while it started: which actors are being restarted now (their ActorUp follows), then, if
+        # the start has ended, that it has heard of every one down
+        now, down = time.monotonic(), [p for p in self.retry_at if self.state.get(p) != "up"]
+        news = [self._down(a.name, "down as this one started", p, now) for p in down for a in self.specs[p].actors]
+        for actor, msg in itertools.product(spec.actors, [*news, *[ActorUp(actor=SUPERVISOR)] * self.started]):
+            self.router.send(SUPERVISOR, actor.name, msg)
 
     def _on_exit(self, proc: str, child, exited: asyncio.Event) -> None:
         asyncio.get_running_loop().remove_reader(child.sentinel)
@@ -184,49 +156,68 @@ class ActorSystem:
         dead = [a.name for a in self.specs[proc].actors]
         for actor in dead:
             self.router.forget(actor)
-            self.broadcast(ActorDown(actor=actor, reason=f"process {proc} exited"), exclude=dead, only_up=True)
-        group = _group(proc)
-        restarts = self.restarts[group]
-        fresh = False  # restarted with its replica after a park: not counted (the replica gets its whole budget)
-        while True:  # a restart that dies during its startup is tried again, within the same bound
-            if (parked := self.parked.get(group)) is not None:  # (its replica sits out: restarted after)
+        group, reason = _group(proc), f"process {proc} exited"
+        while not self._stopping:  # (a stopping system restarts nothing)
+            if (parked := self.parked.get(group)) is not None:  # its replica sits out: restarted with it, not counted
+                self._announce(proc, dead, reason)
                 await parked.wait()
-                fresh = True
-            if self._stopping or not (fresh or await self._within_budget(proc, group, restarts)):
-                return  # (a stopping system restarts nothing)
-            try:
-                await self._spawn(proc, restart=True)
+            elif not await self._wait_budget(proc, dead, reason, group):
+                return
+            if self._stopping:
+                return
+            try:  # a restart that dies during its startup is announced and tried again, within the same budget
+                await self._spawn(proc)
                 break
             except StartupError as e:
                 log.error("restart of %s failed: %s", proc, e)
-                fresh = False
-        for actor in dead:
+                reason = f"its restart failed: {e}"
+        for actor in dead if not self._stopping else ():
             self.broadcast(ActorUp(actor=actor), exclude=[], only_up=True)
 
-    async def _within_budget(self, proc: str, group: object, restarts: collections.deque[float]) -> bool:
-        """Count a restart of `proc`; past the intensity, park its replica while another serves (then True: it is
-        restarted after, with a fresh budget) or stop the system (False)."""
-        now = time.monotonic()
-        while restarts and now - restarts[0] > self.policy.window_s:
-            restarts.popleft()
-        if len(restarts) < self.policy.max_restarts:
-            restarts.append(now)
-            return True
-        intensity = f"{len(restarts)} restarts in {self.policy.window_s}s"
-        if not self._serving_besides(group):
+    async def _wait_budget(self, proc: str, dead: list[str], reason: str, group: object) -> bool:
+        """Count a restart of `proc`, announce it and wait for it: at once within the intensity; past it, park its
+        replica while another serves (restarted after with a fresh budget), else back off, or stop (False)."""
+        budget, now = self.restarts[group], time.monotonic()
+        wait = budget.next_wait(now)
+        intensity = f"more than {self.policy.max_restarts} restarts in {self.policy.window_s:g} s"
+        park = bool(wait) and self._serving_besides(group)
+        if wait and not park and self.policy.exit_past_intensity:
             log.error("restart intensity of %s exceeded (%s): stopping", proc, intensity)
+            self._announce(proc, dead, reason)
             self.exit_code = 1
             await self.stop()
             return False
-        log.error("engine replica %s keeps dying (%s): out of rotation for %ss", group, intensity, self.policy.park_s)
-        self.parked[group] = asyncio.Event()
-        for other in self.specs:
+        if park:
+            wait = self.policy.park_s
+            log.error("engine replica %s keeps dying (%s): out of rotation for %g s", group, intensity, wait)
+            self.parked[group] = asyncio.Event()
+        elif wait:
+            log.error("%s keeps dying (%s; %d restarts in all): restarting it in %g s", proc, intensity, budget.total,
+                      wait)  # fmt: skip
+        for p in self.specs if park else [proc]:
+            if _group(p) == group:
+                self.retry_at[p] = now + wait
+        self._announce(proc, dead, reason)
+        for other in self.specs if park else ():
             if other != proc and _group(other) == group:
                 self.kill(other)  # (the replica sits out whole: its requests go on elsewhere)
-        await asyncio.sleep(self.policy.park_s)  # (cancelled only by stop: nothing is restarted then)
-        self.parked.pop(group).set()
-        restarts.clear()
+        if wait:
+            await asyncio.sleep(wait)  # (cancelled only by stop: nothing is restarted then)
+        if park:
+            self.parked.pop(group).set()
+            budget.clear()
         return True
+
+    def _announce(self, proc: str, dead: list[str], reason: str) -> None:
+        now = time.monotonic()
+        for actor in dead:
+            self.broadcast(self._down(actor, reason, proc, now), exclude=dead, only_up=True)
+
+    def _down(self, actor: str, reason: str, proc: str, now: float) -> ActorDown:
+        """`actor` (of `proc`) is down: in how long it is restarted, and how often its group was."""
+        budget = self.restarts.get(_group(proc))
+        wait = round(max(0.0, self.retry_at.get(proc, now) - now), 3)  # (ms: the back-off as planned)
+        return ActorDown(actor=actor, reason=reason, retry_in_s=wait, restarts=0 if budget is None else budget.total)
 
     def _serving_besides(self, group: object) -> bool:
         """Whether `group` is a replica and another one (of this node) has every process up."""

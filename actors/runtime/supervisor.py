@@ -1,0 +1,54 @@
+"""The launcher's Supervisor actor: what actors/runtime/system.py's ActorSystem hears and asks of its children. It
+records each actor's Ready (the system's `_spawn` waits on them) and pings every actor of a process that is up each
+`heartbeat_s`; an actor that misses `max_missed` answers in a row is hung: its process is SIGKILLed (then restarted as
+any death is)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import TYPE_CHECKING
+
+from actors.runtime.actor import Actor, AskTimeout
+from messages.names import SUPERVISOR
+from messages.wire import Ping, Ready
+
+if TYPE_CHECKING:
+    from actors.runtime.system import ActorSystem
+
+log = logging.getLogger("sluice.supervisor")
+
+
+class Supervisor(Actor):
+    name = SUPERVISOR
+
+    def __init__(self, system: ActorSystem):
+        super().__init__()
+        self.system = system
+        self.ready: dict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
+
+    def handlers(self):
+        return {Ready: self.on_ready}
+
+    def on_ready(self, msg: Ready) -> None:
+        log.info("%s ready (pid %d)", msg.actor, msg.pid)
+        self.ready[msg.actor].set()
+
+    async def heartbeat(self, proc: str, actor: str) -> None:
+        policy, missed = self.system.policy, 0
+        while True:
+            await asyncio.sleep(policy.heartbeat_s)
+            if self.system.state.get(proc) != "up":
+                missed = 0
+                continue
+            try:
+                await self.ask(actor, Ping(), timeout=policy.heartbeat_timeout_s)
+                missed = 0
+            except AskTimeout:
+                missed += 1
+                log.warning("%s missed heartbeat %d/%d", actor, missed, policy.max_missed)
+                if missed >= policy.max_missed and self.system.state.get(proc) == "up":
+                    log.error("%s is hung: killing process %s", actor, proc)
+                    self.system.kill(proc)
+                    missed = 0

@@ -1,0 +1,124 @@
+"""The engine's memory on this host, before any process starts: a model that cannot fit is refused (the kernel's OOM
+killer would SIGKILL the engine while it loads: "process engine was killed by SIGKILL during startup"), and an engine
+killed so while it starts is explained with the same figures and what to try.
+
+On CPU this node's engine processes hold the weights as served (gpu/memory.py `served_weight_bytes`, a floor) and the
+KV cache (--kv-cache-memory-gb, default 1 GiB, or --num-kv-blocks blocks: actors/engine/executor.py), for each local
+replica, and under tensor parallelism this node's ranks' shares. That is refused when it is more than the kernel's
+MemAvailable (/proc/meminfo), unless --skip-memory-check. On CUDA the weights and the cache live on the device (sized
+by --gpu-memory-utilization there): nothing is refused, an engine killed while it starts is still explained.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.executor import draft_configs, num_kv_blocks
+from actors.runtime import StartupError
+from gpu.config import ModelConfig, ModelLoadError
+from gpu.distributed.group import TensorParallel
+from gpu.kv_cache import bytes_per_block
+from gpu.layers.parallel import local_config
+from gpu.memory import served_weight_bytes
+from gpu.runner import resolve_dtype
+from messages.names import replica_of
+
+GIB = 1 << 30
+# what else to try, and how the weights are then served (the KV cache as it is)
+OPTIONS = [("--quantization int4", "float32", "int4"), ("--quantization int8", "float32", "int8"),
+           ("--quantization bf16", "float32", "bf16"), ("--dtype bfloat16", "bfloat16", None)]  # fmt: skip
+
+
+def mem_available() -> int | None:
+    """The kernel's estimate of the memory available to a new process, in bytes (None: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    kb = fields.get("MemAvailable", "").split()
+    return int(kb[0]) * 1024 if kb else None
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    model: ModelConfig
+    engine: EngineConfig
+    device: str  # where the weights and the KV cache live: cpu, or cuda
+    weights: int  # bytes, every engine process of this node's together (a floor)
+    kv_cache: int | None  # ... (None: on CUDA, what --gpu-memory-utilization leaves)
+    available: int | None  # MemAvailable when the server started (None: unknown)
+
+    @property
+    def total(self) -> int:
+        return self.weights + (self.kv_cache or 0)
+
+    def figures(self) -> str:
+        e = self.engine
+        served = str(resolve_dtype(e.dtype, torch.device(self.device))).removeprefix("torch.")
+        served += f", --quantization {e.quantization}" if e.quantization else ""
+        cache = "sized to the device" if self.kv_cache is None else f"{self.kv_cache / GIB:.1f} GiB"
+        where = "host memory" if self.device == "cpu" else f"{self.device} device memory"
+        avail = "unknown" if self.available is None else f"{self.available / GIB:.1f} GiB"
+        return (f"its weights take at least {self.weights / GIB:.1f} GiB of {where} ({served}), its KV cache {cache}; "
+                f"this host has {avail} available (MemAvailable in /proc/meminfo)")  # fmt: skip
+
+    def advice(self) -> str:
+        if self.device != "cpu":
+            return "try a smaller --max-model-len or --gpu-memory-utilization, or free the host's memory"
+        e = self.engine
+        options = [f"{flag} ({weights(self.model, e, dtype, q) / GIB:.1f} GiB of weights)" for flag, dtype, q in OPTIONS
+                   if (q or dtype) not in (e.quantization, e.dtype)]  # fmt: skip
+        return f"try {', '.join(options)}, or a smaller --kv-cache-memory-gb / --num-kv-blocks"
+
+
+def device_type(engine: EngineConfig) -> str:
+    """The engine's device type, as gpu/runner.py's resolve_device picks it (without initializing CUDA here)."""
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    return auto if engine.device == "auto" else torch.device(engine.device).type
+
+
+def weights(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: str | None) -> int:
+    """This node's engine processes' weights, as `dtype` and `quantization` serve them (the draft model's too)."""
+    device = device_type(engine)
+    served = resolve_dtype(dtype, torch.device(device))
+    one = sum(served_weight_bytes(m, served, quantization, device) for m in (model, *draft_configs(engine)))
+    return one * engine.local_replicas // engine.nnodes  # (a gang across nodes: this node's ranks' shares)
+
+
+def memory_need(model: ModelConfig, engine: EngineConfig) -> MemoryNeed:
+    device, kv = device_type(engine), None
+    if device == "cpu":  # (the KV cache's blocks: num_kv_blocks', of a rank's heads under tensor parallelism)
+        dtype, tp = resolve_dtype(engine.dtype, torch.device(device)), engine.tensor_parallel_size
+        rank = local_config(model, TensorParallel(0, tp))
+        per_block = sum(bytes_per_block(m, engine.block_size, dtype) for m in (rank, *draft_configs(engine)))
+        kv = num_kv_blocks(engine, model) * per_block * tp // engine.nnodes * engine.local_replicas
+    return MemoryNeed(model, engine, device, weights(model, engine, engine.dtype, engine.quantization), kv,
+                      mem_available())  # fmt: skip
+
+
+def check_memory(model: ModelConfig, engine: EngineConfig) -> MemoryNeed:
+    """The need of `engine` serving `model` on this node; ModelLoadError if it cannot fit in MemAvailable."""
+    need = memory_need(model, engine)
+    if need.device == "cpu" and need.available is not None and need.total > need.available:
+        raise ModelLoadError(
+            f"{model.name} cannot fit in this host's memory: {need.figures()}; {need.advice()}; or "
+            "--skip-memory-check to try anyway"
+        )
+    return need
+
+
+def explain(error: StartupError, need: MemoryNeed | None) -> StartupError:
+    """An engine-side process SIGKILLed while it started: most likely out of memory, with the figures."""
+    if need is None or error.exitcode != -signal.SIGKILL or error.proc is None or replica_of(error.proc) is None:
+        return error
+    return StartupError(
+        f"{error}: most likely out of memory (the kernel's OOM killer: `dmesg` says): {need.figures()}; "
+        f"{need.advice()}",
+        error.proc,
+        error.exitcode,
+    )

@@ -1,0 +1,71 @@
+"""The engine's memory before it loads (frontend/memory_check.py, gpu/memory.py `served_weight_bytes`): the estimate
+is a floor of what the loaded model's tensors hold, in every CPU serving format; a model that cannot fit in the
+host's MemAvailable is refused before any process starts, with the figures and what to try, unless
+--skip-memory-check. (The explanation of an engine SIGKILLed while it starts: tests/test_readiness.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine.config import EngineConfig
+from frontend import memory_check
+from frontend.cli import build_parser, main
+from frontend.cli_engine import check_memory_of
+from frontend.launch import resolve_model
+from gpu.config import ModelLoadError
+from gpu.memory import served_weight_bytes
+from gpu.weights import load_model
+
+GIB = 1 << 30
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Every tensor the model's modules hold (parameters, buffers, the layouts kept beside them), each storage once."""
+    seen, total = set(), 0
+    for m in model.modules():
+        own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        for t in own + [v for v in vars(m).values() if isinstance(v, torch.Tensor)]:
+            try:
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # (an opaque layout: oneDNN's)
+                key, size = id(t), t.numel() * t.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
+    return total
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
+def test_the_estimate_is_a_floor_of_what_the_loaded_weights_hold(tiny_model_dir, quantization):
+    config = resolve_model(str(tiny_model_dir))
+    estimate = served_weight_bytes(config, torch.float32, quantization, "cpu")
+    held = held_bytes(load_model(config, torch.device("cpu"), torch.float32, quantization))
+    assert estimate <= held <= 1.05 * estimate, (estimate, held)
+
+
+def test_replicas_hold_their_own_weights_and_cache(tiny_model_dir):
+    config = resolve_model(str(tiny_model_dir))
+    one = memory_check.memory_need(config, EngineConfig(model=str(config.path), device="cpu", kv_cache_memory_gb=0.25))
+    two = memory_check.memory_need(
+        config, EngineConfig(model=str(config.path), device="cpu", kv_cache_memory_gb=0.25, data_parallel_size=2)
+    )
+    assert one.weights == served_weight_bytes(config, torch.float32, None, "cpu")
+    assert 0.24 * GIB < one.kv_cache <= 0.25 * GIB  # (whole blocks of the budget)
+    assert (two.weights, two.kv_cache) == (2 * one.weights, 2 * one.kv_cache)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_any_process_starts(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(memory_check, "mem_available", lambda: 64 << 20)  # 64 MiB left on this host
+    config = resolve_model(str(tiny_model_dir))
+    engine = EngineConfig(model=str(config.path), device="cpu", kv_cache_memory_gb=0.5)
+    with pytest.raises(ModelLoadError, match="cannot fit"):
+        check_memory_of(build_parser().parse_args(["serve", str(tiny_model_dir)]), config, engine)
+    args = build_parser().parse_args(["serve", str(tiny_model_dir), "--skip-memory-check"])
+    assert check_memory_of(args, config, engine).total > 64 << 20  # (told to try anyway: not refused)
+    argv = ["serve", str(tiny_model_dir), "--port", "0", "--device", "cpu", "--kv-cache-memory-gb", "0.5"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "cannot fit in this host's memory" in err and "its KV cache 0.5 GiB" in err and "0.1 GiB available" in err
+    assert "--dtype bfloat16 (" in err and "--skip-memory-check to try anyway" in err
