@@ -1,10 +1,10 @@
 """The Responses API's store and background runs, bounded, on the HTTP process over the fake engine (a server of this
 module's each: `broken`'s store path is a directory, `bounded` has small budgets): a store that cannot be opened
-costs only the Responses calls that need it (a 503 naming its path and error; chat, completions and store: false
-responses are served); a request whose stored part alone is over a row's budget is a 400 naming the field; what is
-never rendered is not stored (the SQLite file holds none of it); eviction keeps the rows' bytes (as SQLite counts
-them) within the store's budget; background runs past --max-background-responses are 429s, counted by the gauge
-sluice:num_background_responses."""
+costs only the Responses calls that need it (a 503 naming its path and error, with Retry-After; chat, completions
+and store: false responses are served); a request whose stored part alone is over a row's budget is a 400 naming
+the field; what is never rendered is not stored (the SQLite file holds none of it); eviction keeps the rows' bytes
+(as SQLite counts them) within the store's budget; background runs past --max-background-responses are 429s with
+Retry-After, counted by the gauge sluice:num_background_responses."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import sqlite3
 import openai
 import pytest
 
+from frontend.responses_api.endpoint import BACKGROUND_RETRY_S
 from tests.conftest import fake_server_of
 from tests.test_http_faults import held_request
 from tests.test_responses_background import _ended, until
@@ -57,6 +58,7 @@ async def test_an_unopenable_store_costs_only_the_responses_calls(broken):
             async with s.request(method, path, json=body) as resp:
                 error = (await resp.json())["error"]
             assert resp.status == 503 and db in error["message"] and "Is a directory" in error["message"], error
+            assert resp.headers["Retry-After"] == "1"  # (the store tries again at the next call a second on)
         for path, body in [
             ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "store": False}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
@@ -122,6 +124,7 @@ async def test_background_runs_are_capped_and_counted(bounded):
         with pytest.raises(openai.RateLimitError) as e:
             await client.responses.create(model="", input="hi", background=True, max_output_tokens=5)
         assert e.value.status_code == 429 and e.value.body["param"] == "background", e.value.body
+        assert e.value.response.headers["Retry-After"] == str(BACKGROUND_RETRY_S)
         assert e.value.body["type"] == "rate_limit_error" and "--max-background-responses" in e.value.body["message"]
         assert len(engine.added) == 2
         assert await server.metric("sluice:num_background_responses") == 2

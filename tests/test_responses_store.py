@@ -1,22 +1,26 @@
 """The Responses store alone (frontend/responses_api/store.py and db.py), checked against its SQLite file as SQLite
 reads it: a store that cannot be opened (a directory, a file that is not SQLite, a directory that is a file) never
-raises from `open`, answers each call with a 503 naming its path and error, and serves once the cause is gone; the
-database's directory ends 0700 and its files 0600 however they came to exist; eviction counts bytes; a row over its
-budget loses its events, then is not stored; a continuation reads its items without their logprobs; and a database
-of the first schema is migrated in place."""
+raises from `open`, answers each call with a 503 naming its path and error (with Retry-After, as a call that fails
+in SQLite), and serves once the cause is gone; eviction counts bytes; a row over its budget loses its events, then is
+not stored; a continuation reads its items without their logprobs; what a read decodes is decoded on the store's
+thread; and a database of the first schema is migrated row by row, cleaned as new rows are, its bad rows dropped.
+Its files: tests/test_responses_store_files.py."""
 
 from __future__ import annotations
 
 import contextlib
-import os
+import logging
 import sqlite3
 import stat
+import threading
 import time
 
 import msgspec
 import pytest
 
 from frontend.body import RequestError
+from frontend.http_base import Unavailable
+from frontend.responses_api import store as store_module
 from frontend.responses_api.store import ResponseStore
 
 FIRST_SCHEMA = """
@@ -35,6 +39,12 @@ def response(rid: str, text: str, background: bool = False) -> dict:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": [LOGPROB]}
     item = {"type": "message", "id": "msg_out", "status": "completed", "role": "assistant", "content": [part]}
     return {"id": rid, "object": "response", "status": "completed", "background": background, "output": [item]}
+
+
+def continued_output(text: str) -> dict:
+    """response(..., text)'s output item as a continuation carries it on: without its logprobs."""
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "message", "id": "msg_out", "status": "completed", "role": "assistant", "content": [part]}
 
 
 def row_bytes(path) -> dict[str, int]:
@@ -67,6 +77,7 @@ async def test_an_unusable_store_is_a_503_until_it_heals(tmp_path, breaks, error
         with pytest.raises(RequestError) as e:
             await call
         assert e.value.status == 503 and str(path) in e.value.message and error in e.value.message, e.value.message
+        assert isinstance(e.value, Unavailable) and e.value.retry_after_s == 1
     if path.is_dir():
         path.rmdir()
     elif not path.parent.is_dir():
@@ -76,37 +87,6 @@ async def test_an_unusable_store_is_a_503_until_it_heals(tmp_path, breaks, error
     assert await store.put("resp_x", response("resp_x", "hi"), [user("hi")])  # tried again: open
     assert msgspec.json.decode((await store.response("resp_x"))[0])["output"][0]["content"][0]["text"] == "hi"
     await store.close()
-
-
-async def test_the_files_end_private_however_they_came_to_exist(tmp_path):
-    chosen = tmp_path / "chosen"  # (a directory the operator chose, --responses-db: left as it is)
-    chosen.mkdir()
-    os.chmod(chosen, 0o755)
-    path = chosen / "responses.sqlite3"
-    files = (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm"))
-    with contextlib.closing(sqlite3.connect(path)) as other:  # (a WAL database open elsewhere: its -wal and -shm exist)
-        other.execute("PRAGMA journal_mode=WAL")
-        other.execute("CREATE TABLE t (x)")
-        for f in files:
-            os.chmod(f, 0o644)
-        store = ResponseStore(path, 10_000, 3600.0)
-        await store.open()
-        assert {f.name: mode(f) for f in (chosen, *files)} == {chosen.name: 0o755} | {f.name: 0o600 for f in files}
-        await store.close()
-        own = ResponseStore(path, own_dir=True)  # (Sluice's own directory, the default one: made 0700)
-        await own.open()
-        assert own.error is None and mode(chosen) == 0o700
-        await own.close()
-    made = tmp_path / "made"
-    umask = os.umask(0)  # (created under any umask: SQLite's own default mode is 0644 less the umask)
-    try:
-        fresh = ResponseStore(made / "r.sqlite3", 10_000, 3600.0)
-        await fresh.open()
-        created = {f.name: mode(f) for f in (made, *made.iterdir())}
-    finally:
-        os.umask(umask)
-    await fresh.close()
-    assert created == {"made": 0o700} | dict.fromkeys(("r.sqlite3", "r.sqlite3-wal", "r.sqlite3-shm"), 0o600)
 
 
 async def test_eviction_keeps_the_newest_within_the_byte_budget(tmp_path):
@@ -140,27 +120,73 @@ async def test_a_continuation_reads_the_items_without_their_logprobs(tmp_path):
     store = ResponseStore(tmp_path / "r.sqlite3")
     stored = response("resp_x", "hello")
     assert await store.put("resp_x", stored, [user("hi")])
-    part = {"type": "output_text", "text": "hello", "annotations": []}
-    output = {"type": "message", "id": "msg_out", "status": "completed", "role": "assistant", "content": [part]}
     assert await store.conversation("resp_x") == [user("hi")]
-    assert await store.conversation("resp_x", with_output=True) == [user("hi"), output]
+    assert await store.conversation("resp_x", with_output=True) == [user("hi"), continued_output("hello")]
     assert msgspec.json.decode((await store.response("resp_x"))[0]) == stored  # GET's: as it was, logprobs too
     await store.close()
 
 
-async def test_a_first_schema_database_is_migrated(tmp_path):
+async def test_a_call_failing_in_sqlite_is_a_503_to_retry(tmp_path):
     path = tmp_path / "r.sqlite3"
-    stored, conversation, events = response("resp_old", "hi", True), [user("hi")], [b"event: e\ndata: {}\n\n"]
-    blobs = (msgspec.json.encode(stored), msgspec.json.encode(conversation), msgspec.msgpack.encode(events))
+    store = ResponseStore(path)
+    assert await store.put("resp_x", response("resp_x", "hi"), [user("hi")])
+    with contextlib.closing(sqlite3.connect(path)) as other:  # (the file changed under the store)
+        other.execute("DROP TABLE responses")
+    with pytest.raises(Unavailable) as e:
+        await store.response("resp_x")
+    assert e.value.status == 503 and e.value.retry_after_s == 1 and "no such table" in e.value.message
+    await store.close()
+
+
+async def test_reads_decode_on_the_stores_thread(tmp_path, monkeypatch):
+    decoded = []  # (the thread of each decode)
+    for name in ("_decode_items", "_decode_events"):
+        real = getattr(store_module, name)
+        monkeypatch.setattr(
+            store_module, name, lambda blob, real=real: decoded.append(threading.current_thread()) or real(blob)
+        )
+    store = ResponseStore(tmp_path / "r.sqlite3")
+    events = [b"event: e\ndata: {}\n\n"]
+    assert await store.put("resp_x", response("resp_x", "hi", True), [user("hi")], events)
+    assert await store.conversation("resp_x", with_output=True) == [user("hi"), continued_output("hi")]
+    assert await store.events("resp_x") == (True, events)
+    assert len(decoded) == 3 and all(t.name.startswith("sluice-responses-db") for t in decoded), decoded
+    await store.close()
+
+
+async def test_a_first_schema_database_is_migrated_row_by_row(tmp_path, caplog):
+    path = tmp_path / "r.sqlite3"
+    stored, events = response("resp_old", "hi", True), [b"event: e\ndata: {}\n\n"]
+    extra = user("hi") | {"junk": "j" * 100}  # (kept verbatim by the first schema's server)
+    extra["content"][0]["x"] = "never rendered"
+    rows = {
+        "resp_old": (stored, [extra], msgspec.msgpack.encode(events)),
+        "resp_fg": (response("resp_fg", "yo"), [user("hey")], None),
+        "resp_not_a_list": (response("resp_not_a_list", "hi"), {"role": "user"}, None),
+        "resp_not_json": (b"{not json", [user("hi")], None),
+        "resp_no_output": ({"id": "resp_no_output", "object": "response"}, [user("hi")], None),
+        "resp_bad_item": (response("resp_bad_item", "hi"), [{"type": "input_image"}], None),
+        "resp_bad_events": (response("resp_bad_events", "hi", True), [user("hi")], b"\xc1"),
+    }
     with contextlib.closing(sqlite3.connect(path)) as old:
         old.executescript(FIRST_SCHEMA)
-        old.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?)", ("resp_old", time.time(), *blobs))
+        for rid, (resp, conversation, packed) in rows.items():
+            blobs = [b if isinstance(b, bytes) else msgspec.json.encode(b) for b in (resp, conversation)]
+            old.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?)", (rid, time.time(), *blobs, packed))
         old.commit()
     store = ResponseStore(path)
-    assert await store.response("resp_old") == (blobs[0], True)
+    with caplog.at_level(logging.WARNING, logger="sluice.http"):
+        assert await store.response("resp_old") == (msgspec.json.encode(stored), True)  # (GET's: as it was)
     assert await store.events("resp_old") == (True, events)
-    assert await store.conversation("resp_old", with_output=True) == conversation + stored["output"]
+    assert await store.conversation("resp_old", with_output=True) == [user("hi"), continued_output("hi")]
+    assert await store.conversation("resp_fg", with_output=True) == [user("hey"), continued_output("yo")]
+    assert await store.events("resp_fg") == (False, None)
+    dropped = {r.getMessage().split("response ")[1].split()[0] for r in caplog.records if "dropped" in r.getMessage()}
+    assert dropped == set(rows) - {"resp_old", "resp_fg"}, caplog.text
+    sizes = row_bytes(path)
+    assert set(sizes) == {"resp_old", "resp_fg"}
     with contextlib.closing(sqlite3.connect(path)) as c:
-        (counted,) = c.execute("SELECT bytes FROM responses").fetchone()
-    assert counted == row_bytes(path)["resp_old"]
+        counted = dict(c.execute("SELECT id, bytes FROM responses"))
+        (total,) = c.execute("SELECT total FROM store_bytes").fetchone()
+    assert counted == sizes and total == sum(sizes.values())
     await store.close()

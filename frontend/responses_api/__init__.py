@@ -6,6 +6,7 @@ request.py   a body -> a ResponsesCall (a chat ParsedRequest and what the respon
 writer.py    a run's output text -> output items and the API's semantic stream events
 store.py     ended responses in SQLite (WAL): retrieve, delete, input items, previous_response_id; bounded,
              opened lazily
-db.py        the store's SQLite side: files (private), schema, statements, eviction by rows, age and bytes
+db.py        the store's SQLite side: files (ours, private), schema, migration, statements, eviction by rows,
+             age and bytes
 endpoint.py  the routes, and runs (foreground, streamed, background) owned by the HTTP actor
 """

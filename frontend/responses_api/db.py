@@ -17,24 +17,37 @@ it needs:
 
 Eviction, in each write's transaction: rows older than the age bound, the oldest past the row bound, then the
 oldest until the rows' bytes are within the byte budget (their sum kept by triggers in `store_bytes`, so a write
-does not add them up). A database of the first schema (no `bytes` column) is migrated in place when it is opened.
+does not add them up). A database of the first schema (no `bytes` column) is migrated when it is opened, in one
+transaction, row by row through the store's `clean` (what a new row goes through: its items kept with their own
+keys, no logprobs in the output a continuation carries on, the row's budget); a row that cannot be cleaned (JSON
+that is not, a response without output, an item of no known type) is dropped with a log line naming it.
 
-Files: the database, its -wal and its -shm are made 0600 however they came to exist (the database is created
-0600, and SQLite creates -wal and -shm with its mode); the directory is created 0700, and made 0700 when it is
-Sluice's own (`own_dir`: the default, in the cache directory), left as it is when the operator chose it.
+Files: the database, its -wal and its -shm (and a -journal, if one is there) must be regular files this server's
+user owns (opened without following a symbolic link, checked with fstat) and are made 0600, or the store is refused
+(`Unsafe`: the Responses calls answer 503 naming the file and why, until the operator removes it or points
+--responses-db elsewhere): in a directory others can write (under /tmp), another user could otherwise create them
+first and read or change what is stored. They are checked before SQLite opens them and again once it has made its
+-wal and -shm (SQLite makes them with the database's mode). Files found open to other users (group or other bits:
+made before the store kept them private, and perhaps held open by another user since) are rebuilt into a fresh
+0600 file (VACUUM INTO, which reads the -wal too, renamed over the database; the old -wal and -shm deleted): whoever
+opened the old ones reads nothing stored after. The directory is created 0700, and made 0700 when it is Sluice's
+own (`own_dir`: the default, in the cache directory), left as it is when the operator chose it.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("sluice.http")
 
 WAL_LIMIT = 64 << 20  # bytes the -wal file is truncated to after a checkpoint
-_SCHEMA = """
+_TABLE = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     created_at REAL NOT NULL,
@@ -44,7 +57,8 @@ CREATE TABLE IF NOT EXISTS responses (
     output BLOB NOT NULL DEFAULT '[]',
     background INTEGER NOT NULL DEFAULT 0,
     bytes INTEGER NOT NULL DEFAULT 0
-);
+)"""
+_SCHEMA = f"""{_TABLE};
 DROP INDEX IF EXISTS responses_created;
 CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at, bytes);
 CREATE TABLE IF NOT EXISTS store_bytes (total INTEGER NOT NULL);
@@ -54,77 +68,144 @@ CREATE TRIGGER IF NOT EXISTS responses_added AFTER INSERT ON responses
 CREATE TRIGGER IF NOT EXISTS responses_removed AFTER DELETE ON responses
     BEGIN UPDATE store_bytes SET total = total - old.bytes; END;
 """
-_MIGRATE = """
-BEGIN;
-ALTER TABLE responses ADD COLUMN output BLOB NOT NULL DEFAULT '[]';
-ALTER TABLE responses ADD COLUMN background INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
-UPDATE responses SET output = CAST(json_extract(CAST(response AS TEXT), '$.output') AS BLOB),
-    background = coalesce(json_extract(CAST(response AS TEXT), '$.background'), 0);
-UPDATE responses SET bytes = length(response) + length(conversation) + length(output) + coalesce(length(events), 0);
-COMMIT;
-"""
+_ADD = (
+    "INSERT INTO responses (id, created_at, response, conversation, output, events, background, bytes) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
 _EVICT_OLD = "DELETE FROM responses WHERE created_at < ?"
 _EVICT_MANY = (
     "DELETE FROM responses WHERE rowid IN (SELECT rowid FROM responses ORDER BY created_at DESC LIMIT -1 OFFSET ?)"
 )
+Row = tuple[tuple, bool]  # (blobs: response, conversation, output, events or None; whether it ran in the background)
+Clean = Callable[[str, bytes, bytes, bytes | None], Row | None]  # a first schema's row -> its row, or None
 
 
-def connect(path: Path, own_dir: bool) -> sqlite3.Connection:
+class Unsafe(OSError):
+    """A store file that is not a regular file of ours, or cannot be made private: the store is refused."""
+
+
+def connect(path: Path, own_dir: bool, clean: Clean) -> sqlite3.Connection:
     """The store's database, opened (created, migrated) with private files; raises OSError or sqlite3.Error."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if own_dir:
-        _private(path.parent, 0o700)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # (a directory, a missing permission: the error says so)
-    try:
-        _private(fd, 0o600)
-    finally:
-        os.close(fd)
-    _private_journal(path)
+        try:
+            os.chmod(path.parent, 0o700)
+        except OSError as e:  # (its files are private even so)
+            log.warning("the Responses store: cannot make %s mode 700: %s", path.parent, e.strerror)
+    loose = [_own(path, create=True), *map(_own, _journals(path))]
+    if any(mode & 0o077 for mode in loose):
+        _rebuild(path, max(loose, key=lambda mode: mode & 0o077))
     db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
     try:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # (WAL: a commit survives a crash of the process)
         db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
-        columns = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
+        columns = {row[1] for row in db.execute("PRAGMA table_info(responses)")}  # (a read: -wal and -shm made)
+        for journal in _journals(path):
+            _own(journal)
         if columns and "bytes" not in columns:
-            db.executescript(_MIGRATE)
-            log.info("the responses store %s: migrated to its second schema", path)
+            _migrate(db, path, clean)
         db.executescript(_SCHEMA)
     except BaseException:
         db.close()
         raise
-    _private_journal(path)
     return db
 
 
-def _private_journal(path: Path) -> None:
-    for suffix in ("-wal", "-shm"):
-        journal = path.with_name(path.name + suffix)
-        if journal.exists():
-            _private(journal, 0o600)
+def _journals(path: Path) -> list[Path]:
+    """The files SQLite keeps beside the database (a -journal: while it changes to WAL, or one an older one left)."""
+    return [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm", "-journal")]
 
 
-def _private(target: Path | int, mode: int) -> None:
-    """chmod (a path, or an open file); one we do not own is left as it is, with a warning."""
+def _own(file: Path, create: bool = False) -> int:
+    """Refuse `file` (Unsafe) unless it is a regular file of ours; make it 0600. Its mode before (0: no such file,
+    unless `create`: then made 0600). Never follows a symbolic link; checks the file it opened (fstat)."""
     try:
-        os.chmod(target, mode)
+        fd = os.open(file, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        if create:
+            raise
+        return 0
     except OSError as e:
-        log.warning("the responses store: cannot make %s mode %o: %s", target, mode, e.strerror)
+        if e.errno != errno.ELOOP:
+            raise  # (a directory, a missing permission: the error says so)
+        raise Unsafe(
+            f"{file} is a symbolic link (the store follows none): remove it, or choose another --responses-db"
+        ) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unsafe(f"{file} is not a regular file: remove it, or choose another --responses-db")
+        if st.st_uid != os.geteuid():
+            raise Unsafe(f"{file} belongs to user id {st.st_uid}, not to this server's ({os.geteuid()}): that user "
+                         "could read or change the stored responses; remove it, or choose another --responses-db")  # fmt: skip
+        try:
+            os.fchmod(fd, 0o600)
+        except OSError as e:
+            raise Unsafe(f"{file} cannot be made mode 600: {e.strerror}") from e
+        return stat.S_IMODE(st.st_mode)
+    finally:
+        os.close(fd)
+
+
+def _rebuild(path: Path, mode: int) -> None:
+    """The database copied into a fresh 0600 file renamed over it (a new inode: an old open file reads nothing
+    written from now on), its -wal checkpointed into the copy, the old -wal and -shm deleted."""
+    fresh = path.with_name(path.name + ".rebuilt")
+    fresh.unlink(missing_ok=True)  # (one left by a rebuild that was cut short)
+    os.close(os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    try:
+        old = sqlite3.connect(path, isolation_level=None)
+        try:
+            old.execute("VACUUM INTO ?", (str(fresh),))
+        finally:
+            old.close()
+        os.replace(fresh, path)
+    except BaseException:
+        fresh.unlink(missing_ok=True)
+        raise
+    for journal in _journals(path):
+        journal.unlink(missing_ok=True)
+    log.warning("the Responses store %s: its files were open to other users (mode %o): rebuilt into a fresh 0600 "
+                "file, so that whoever opened them then reads nothing stored from now on", path, mode)  # fmt: skip
+
+
+def _migrate(db: sqlite3.Connection, path: Path, clean: Clean) -> None:
+    """The first schema's rows into the second, each through `clean`, in one transaction (module docstring)."""
+    kept = dropped = 0
+    with db:
+        db.execute("BEGIN")
+        db.execute("ALTER TABLE responses RENAME TO first_responses")
+        db.execute(_TABLE)
+        for id, created_at, *blobs in db.execute(
+            "SELECT id, created_at, response, conversation, events FROM first_responses"
+        ):
+            try:
+                row = clean(id, *blobs)
+            except Exception as e:  # (whatever an old row holds: that row alone is dropped)
+                row = None
+                log.warning("the Responses store %s: response %s dropped while migrating: %s", path, id, e)
+            if row is None:
+                dropped += 1
+                continue
+            _add(db, id, created_at, *row)
+            kept += 1
+        db.execute("DROP TABLE first_responses")
+    log.info("the Responses store %s: migrated to its second schema (%d responses kept, %d dropped)",
+             path, kept, dropped)  # fmt: skip
+
+
+def _add(db: sqlite3.Connection, id: str, created_at: float, blobs: tuple, background: bool) -> None:
+    db.execute(_ADD, (id, created_at, *blobs, int(background), sum(len(b) for b in blobs if b is not None)))
 
 
 def insert(db: sqlite3.Connection, id: str, now: float, blobs: tuple, background: bool, bounds: dict) -> None:
     """One row, and the eviction it makes room by, in one transaction. `blobs`: (response, conversation, output,
     events or None); `bounds`: {"oldest": created_at, "max_stored": rows, "max_bytes": bytes}."""
-    size = sum(len(b) for b in blobs if b is not None)
     with db:
         db.execute("BEGIN")
         db.execute("DELETE FROM responses WHERE id = ?", (id,))  # (INSERT OR REPLACE's delete fires no trigger)
-        db.execute(
-            "INSERT INTO responses (id, created_at, response, conversation, output, events, background, bytes) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (id, now, *blobs, int(background), size),
-        )
+        _add(db, id, now, blobs, background)
         db.execute(_EVICT_OLD, (bounds["oldest"],))
         db.execute(_EVICT_MANY, (bounds["max_stored"],))
         (excess,) = db.execute("SELECT total - ? FROM store_bytes", (bounds["max_bytes"],)).fetchone()

@@ -11,9 +11,10 @@
 
 A foreground client that goes away aborts its run, as on chat; a background run goes on until it ends or is
 cancelled, whoever reads it. Unknown ids are 404s in OpenAI's error shape. At most --max-background-responses
-background runs live at once (a 429 past it; the gauge sluice:num_background_responses). The store opens in the
-background (store.py): while it cannot be used, a call that needs it (a stored create, previous_response_id, a
-read of an ended response) is a 503 naming its path and error; store: false runs and live runs need none of it.
+background runs live at once (a 429 with Retry-After past it; the gauge sluice:num_background_responses). The store
+opens in the background (store.py): while it cannot be used, a call that needs it (a stored create,
+previous_response_id, a read of an ended response) is a 503 naming its path and error, with Retry-After; store:
+false runs and live runs need none of it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import uuid
 from aiohttp import web
 
 from frontend.body import RequestError
-from frontend.http_base import REQUEST_ID, error_response, json_response
+from frontend.http_base import REQUEST_ID, Unavailable, error_response, json_response
 from frontend.responses_api.request import ResponsesCall, decode_responses, responses_call
 from frontend.responses_api.runs import ResponseRun, drive
 from frontend.responses_api.store import ResponseStore
@@ -34,6 +35,7 @@ from frontend.structured import compile_check
 log = logging.getLogger("sluice.http")
 
 MAX_ITEMS_PAGE = 100
+BACKGROUND_RETRY_S = 5  # Retry-After of the 429 past --max-background-responses (a run ends in seconds to minutes)
 
 
 class ResponsesEndpoint:
@@ -78,9 +80,9 @@ class ResponsesEndpoint:
                 raise call.names.error(e) from e
         actor.check_available()
         if call.background and (n := self.num_background()) >= actor.config.max_background_responses:
-            raise RequestError(429, f"{n} background responses are running, the most this server runs at once "
-                               "(--max-background-responses); retry later", "background", type="rate_limit_error",
-                               code="too_many_background_responses")  # fmt: skip
+            raise Unavailable(f"{n} background responses are running, the most this server runs at once "
+                              "(--max-background-responses); retry later", BACKGROUND_RETRY_S, 429, param="background",
+                              type="rate_limit_error", code="too_many_background_responses")  # fmt: skip
         req = actor.table.add(parsed, actor.name)
         run = self.runs[rid] = ResponseRun(call, req, ResponseWriter(call, actor.ctx.tokenizer))
         actor.spawn(self._drive(run))

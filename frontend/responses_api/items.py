@@ -43,12 +43,17 @@ def input_items(value) -> list[dict]:
         return [{"type": "message", "id": new_id("message"), "role": "user", "content": _text_parts(value)}]
     if not isinstance(value, list) or not value:
         raise RequestError(400, "input must be a string or a non-empty list of items", "input")
-    return [_item(item, f"input[{i}]") for i, item in enumerate(value)]
+    return kept(value, "input")
 
 
 def continued(output: list[dict]) -> list[dict]:
     """A response's output items as its continuation carries them on: as input items are kept (no logprobs)."""
-    return [_item(item, f"output[{i}]") for i, item in enumerate(output)]
+    return kept(output, "output")
+
+
+def kept(items: list, field: str) -> list[dict]:
+    """Items checked and kept with their own keys only (module docstring); a 400 names `field[i]...`."""
+    return [_item(item, f"{field}[{i}]") for i, item in enumerate(items)]
 
 
 def _item(item, field: str) -> dict:

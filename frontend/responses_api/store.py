@@ -15,17 +15,21 @@ Bounded, and what is stored is only what is rendered or what the API returns (it
 
 Opened lazily: `open()` (the HTTP actor's, in the background) tries once and never raises; every later call tries
 again while it is not open (at most every `retry_s`), so a store that could not be opened (a read-only or full disk,
-a file that is not SQLite, a lock) serves once the cause is gone. Until then each call raises a 503 naming the
-store's path and error: only the Responses calls that need the store fail, chat and completions never touch it.
+a file that is not SQLite, a lock, a file that is not ours: db.py) serves once the cause is gone. Until then each
+call raises a 503 naming the store's path and error, with Retry-After (`Unavailable`): only the Responses calls that
+need the store fail, chat and completions never touch it.
 
 Every call runs on the store's one thread (SQLite connections are not shared across threads), never on the event
-loop: a write costs a few hundred microseconds to milliseconds (docs/PERFORMANCE.md).
+loop, and so does every decode of what it read (a conversation's JSON, a run's events: up to a row's budget, tens of
+milliseconds that would stall every stream of the process): a write costs a few hundred microseconds to
+milliseconds (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,14 +38,16 @@ from pathlib import Path
 import msgspec
 
 from frontend.body import RequestError
+from frontend.http_base import MAX_ROW_BYTES, MAX_STORE_BYTES, Unavailable
 from frontend.responses_api import db
-from frontend.responses_api.items import continued
+from frontend.responses_api.items import continued, kept
 
 log = logging.getLogger("sluice.http")
 
-MAX_ROW_BYTES = 8 << 20  # --responses-max-bytes-per-response's default
-MAX_STORE_BYTES = 1 << 30  # --responses-max-store-bytes's
 _json = msgspec.json.Encoder().encode
+_decode_items = msgspec.json.Decoder(list[dict]).decode
+_decode_events = msgspec.msgpack.Decoder(list[bytes]).decode
+_decode_response = msgspec.json.Decoder(dict).decode
 _FIELDS = {"text": "text.format"}  # a Response key -> the request's field it echoes, where they differ
 
 
@@ -81,12 +87,16 @@ class ResponseStore:
                 if self._db is None and time.monotonic() >= self._retry_at:
                     await self._try_open()
             if self._db is None:
-                raise RequestError(503, f"the Responses store {self.path} cannot be used: {self.error}",
-                                   code="responses_store_unavailable")  # fmt: skip
+                raise self._unavailable(f"cannot be used: {self.error}")
+
+    def _unavailable(self, why: str) -> Unavailable:
+        """A 503, retried after the store's next try (`retry_s`, at least a second)."""
+        return Unavailable(f"the Responses store {self.path} {why}", max(1, math.ceil(self.retry_s)),
+                           code="responses_store_unavailable")  # fmt: skip
 
     async def _try_open(self) -> None:
         try:
-            self._db = await self._run(db.connect, self.path, self.own_dir)
+            self._db = await self._run(db.connect, self.path, self.own_dir, self._migrated)
         except Exception as e:  # (an OSError or sqlite3.Error mostly: whatever it is, the HTTP actor goes on)
             self._retry_at = time.monotonic() + self.retry_s
             if str(e) != self.error:
@@ -126,15 +136,11 @@ class ResponseStore:
 
     async def conversation(self, id: str, with_output: bool = False) -> list[dict] | None:
         """Its input items (`with_output`: then its output items, as a continuation carries them on), or None."""
-        row = await self._call(self._select, id, "conversation", *(["output"] if with_output else []))
-        return None if row is None else [item for blob in row for item in msgspec.json.decode(blob)]
+        return await self._call(self._conversation, id, with_output)
 
     async def events(self, id: str) -> tuple[bool, list[bytes] | None] | None:
         """(whether it ran in the background, its stream events if they were kept), or None."""
-        row = await self._call(self._select, id, "background", "events")
-        if row is None:
-            return None
-        return bool(row[0]), (msgspec.msgpack.decode(row[1], type=list[bytes]) if row[1] is not None else None)
+        return await self._call(self._events, id)
 
     async def delete(self, id: str) -> bool:
         return await self._call(lambda: db.delete(self._db, id))
@@ -144,8 +150,7 @@ class ResponseStore:
         try:
             return await self._run(fn, *args)
         except (OSError, sqlite3.Error) as e:  # (a full disk, a file changed under it: this call fails alone)
-            raise RequestError(503, f"the Responses store {self.path} failed: {e}",
-                               code="responses_store_unavailable") from e  # fmt: skip
+            raise self._unavailable(f"failed: {e}") from e
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -153,6 +158,21 @@ class ResponseStore:
     # ------------------------------------------------------------ on the store's thread
 
     def _put(self, id: str, response: dict, conversation: list[dict], events: list[bytes] | None) -> bool:
+        row = self._row(id, response, conversation, events)
+        if row is None:
+            return False
+        now = time.time()
+        bounds = {"oldest": now - self.max_age_s, "max_stored": self.max_stored, "max_bytes": self.max_bytes}
+        db.insert(self._db, id, now, *row, bounds)
+        return True
+
+    def _migrated(self, id: str, response: bytes, conversation: bytes, events: bytes | None) -> db.Row | None:
+        """A row of the first schema cleaned as a new row is (db.py's migration); raises if it cannot be."""
+        items = kept(_decode_items(conversation), "conversation")
+        return self._row(id, _decode_response(response), items, None if events is None else _decode_events(events))
+
+    def _row(self, id: str, response: dict, conversation: list[dict], events: list[bytes] | None) -> db.Row | None:
+        """An ended response's row within its budget (module docstring); None: over it even without its events."""
         blobs = [_json(response), _json(conversation), _json(continued(response["output"]))]
         packed = msgspec.msgpack.encode(events) if events is not None else None
         size = sum(map(len, blobs))
@@ -162,11 +182,16 @@ class ResponseStore:
             packed = None
         if size > self.max_row_bytes:
             log.error("[%s] not stored: its %d bytes are over %s", id, size, budget)
-            return False
-        now = time.time()
-        bounds = {"oldest": now - self.max_age_s, "max_stored": self.max_stored, "max_bytes": self.max_bytes}
-        db.insert(self._db, id, now, (*blobs, packed), bool(response.get("background")), bounds)
-        return True
+            return None
+        return (*blobs, packed), bool(response.get("background"))
+
+    def _conversation(self, id: str, with_output: bool) -> list[dict] | None:
+        row = self._select(id, "conversation", *(["output"] if with_output else []))
+        return None if row is None else [item for blob in row for item in _decode_items(blob)]
+
+    def _events(self, id: str) -> tuple[bool, list[bytes] | None] | None:
+        row = self._select(id, "background", "events")
+        return None if row is None else (bool(row[0]), None if row[1] is None else _decode_events(row[1]))
 
     def _select(self, id: str, *columns: str) -> tuple | None:
         return db.select(self._db, id, time.time() - self.max_age_s, *columns)
