@@ -17,12 +17,16 @@ Policies, and the reason each choice is counted under (sluice:dp_routed_total{po
                                                                                 imbalance
                  no replica holds any anchor of it: the least loaded            no_hit
 A request's n choices (and its CFG companions, which the engine makes) are routed once, together: they share the
-prompt's blocks. A request resumed after its replica died is routed again, among the replicas that serve.
+prompt's blocks. A request resumed after its replica died is routed again, among the replicas that serve. With
+none serving, a replica whose only down actor is its worker still takes requests (they wait in its engine), unless
+the worker waits out a restart back-off (`restart_at`, told by the supervisor's ActorDown: frontend/readiness.py).
 """
 
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable
 from typing import Literal
 
 from actors.prefix_hash import anchors
@@ -42,6 +46,7 @@ class ReplicaLink:
         self.names: Replica = replica(index)
         self.link = StepNumbers()  # the numbering of its detokenizer's TextOutputs
         self.down: set[str] = set()  # its actors that are down
+        self.restart_at: dict[str, float] = {}  # ... past their restart intensity: when the supervisor restarts them
         self.generation = 0  # how many times it forgot its requests (a record sent before then is an orphan)
         self.stats: EngineStats | None = None  # its last report
         self.routed = 0  # requests routed to it since that report
@@ -60,6 +65,10 @@ class ReplicaLink:
     def forgot(self) -> bool:
         """An actor of its request path is down: it holds no request (those it held are re-submitted)."""
         return not self.down.isdisjoint(self.names.request_path)
+
+    def wait_s(self, now: float) -> float:
+        """Seconds left of the back-off its down actors wait out (0: none does, or it has ended)."""
+        return max([0.0, *(self.restart_at[a] - now for a in self.down if a in self.restart_at)])
 
     @property
     def load(self) -> int:
@@ -81,9 +90,11 @@ class ReplicaLink:
 
 
 class Replicas:
-    def __init__(self, size: int = 1, policy: Policy = "cache_aware", block_size: int = 16, load_gap: int = LOAD_GAP):
+    def __init__(self, size: int = 1, policy: Policy = "cache_aware", block_size: int = 16, load_gap: int = LOAD_GAP,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        """`clock`: the time of ReplicaLink.restart_at."""
         self.all = [ReplicaLink(k) for k in range(size)]
-        self.policy, self.block_size, self.load_gap = policy, block_size, load_gap
+        self.policy, self.block_size, self.load_gap, self.clock = policy, block_size, load_gap, clock
         self.routed: collections.Counter[tuple[str, str]] = collections.Counter()  # (policy, reason) -> requests
         self._next = 0  # round_robin's
 
@@ -103,8 +114,9 @@ class Replicas:
 
     def taking(self) -> list[ReplicaLink]:
         """Those a request may go to: the replicas that serve, or else those whose only down actor is the worker
-        (their requests wait in their engine until it is back)."""
-        return self.serving() or [r for r in self.all if not r.forgot]
+        (their requests wait in their engine until it is back), unless it waits out a back-off."""
+        now = self.clock()
+        return self.serving() or [r for r in self.all if not r.forgot and r.wait_s(now) <= 0]
 
     def down(self) -> list[str]:
         """The actors that are down, of every replica."""

@@ -83,11 +83,11 @@ def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
     try:
         model = resolve_model(engine.model)
         check_gang(model, engine)
-        check_memory_of(args, model, engine)
+        need = check_memory_of(args, model, engine)
         if args.data_parallel_rank is not None:
             from frontend.launch import serve_node
 
-            return uvloop.run(serve_node(engine, args.log_level, restart_policy(args)))
+            return uvloop.run(serve_node(engine, args.log_level, restart_policy(args), need))
         from actors.engine.gang_nodes import HeadlessNode
 
         node = HeadlessNode(engine, args.node_rank)

@@ -59,6 +59,10 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         raise SystemExit(f"--tensor-parallel-size {tp} is not a multiple of --nnodes {args.nnodes}")
     if args.data_parallel_size > 1 and args.nnodes > 1:
         raise SystemExit("--data-parallel-size: a replica's gang spans one node (--nnodes 1)")
+    if getattr(args, "exit_on_engine_failure", False) and args.headless and args.data_parallel_rank is None:
+        raise SystemExit(
+            "--exit-on-engine-failure: a gang's headless node (--node-rank) restarts nothing itself: give it to node 0"
+        )
     if args.data_parallel_rank is not None:
         if not args.headless:
             raise SystemExit("--data-parallel-rank: a replica of its own runs with --headless")

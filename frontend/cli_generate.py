@@ -4,6 +4,7 @@ process's restart intensity it stops with exit code 1 (its caller waits at a ter
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from actors.engine.config import EngineConfig
@@ -36,24 +37,22 @@ def generate(args: argparse.Namespace) -> int:
     engine = cli_engine.engine_config(args, str(model.path))
     if engine.local_replicas < engine.data_parallel_size:
         raise SystemExit("sluice generate runs every replica itself: --data-parallel-size-local is for a server")
-    from actors.runtime import StartupError
     from frontend.launch import check_gang
-    from frontend.memory_check import explain
 
     check_gang(model, engine)
     need = cli_engine.check_memory_of(args, model, engine)
-    try:
-        return uvloop.run(_generate(engine, args.prompt, params, args.chat, cli_engine.fault_plan_of(args), args))
-    except StartupError as e:
-        raise explain(e, need) from e
+    return uvloop.run(_generate(engine, args.prompt, params, args.chat, need, args))
 
 
-async def _generate(engine: EngineConfig, prompt: str, params, chat: bool, fault_plan, args) -> int:
+async def _generate(engine: EngineConfig, prompt: str, params, chat: bool, need, args) -> int:
+    from frontend.memory_check import explain
     from frontend.offline import AsyncLLM
     from messages.wire import Finished
 
     policy, log_level = cli_engine.restart_policy(args, give_up=True), args.log_level
-    async with AsyncLLM(engine, fault_plan=fault_plan, policy=policy, log_level=log_level) as llm:  # (replica 0)
+    llm = AsyncLLM(engine, fault_plan=cli_engine.fault_plan_of(args), policy=policy, log_level=log_level)
+    llm.system.explain = functools.partial(explain, need=need)  # (an engine killed as it starts or restarts: OOM?)
+    async with llm:  # (replica 0)
         tokens = prompt
         if chat:
             text = llm.tokenizer.render_chat([{"role": "user", "content": prompt}])

@@ -1,7 +1,7 @@
 """What every HTTP call passes through: the server's configuration, the API key check, a JSON content type on POSTs,
 errors turned into OpenAI error bodies (and logged with the request id: 5xx as errors, a 5xx is a bug or a dead actor,
-never the client's fault; a 503 the client should retry carries Retry-After: `Unavailable`), and a count of every
-response by endpoint and status."""
+never the client's fault; a 503 the client should retry, or a 429 past a limit, carries Retry-After: `Unavailable`),
+and a count of every response by endpoint and status."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from aiohttp import web
 from actors.routing import Policy
 from frontend.metrics import SERVER, Metrics
 from frontend.protocol import RequestError
-from frontend.responses_api.store import MAX_ROW_BYTES, MAX_STORE_BYTES
 from messages.sampling_params import RequestLimits
 
 log = logging.getLogger("sluice.http")
@@ -25,6 +24,8 @@ REQUEST_ID = web.RequestKey("sluice_request_id", str)  # set once the handler ha
 STREAM_ERROR = web.RequestKey("sluice_stream_error", RequestError)  # an error sent inside a 200 stream
 
 _encode = msgspec.json.Encoder().encode
+MAX_ROW_BYTES = 8 << 20  # a stored response's row at most (the Responses store's bound: responses_api/store.py)
+MAX_STORE_BYTES = 1 << 30  # the Responses store's rows at most
 
 
 class HttpConfig(msgspec.Struct, kw_only=True):
@@ -49,7 +50,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     responses_db: str | None = None  # the Responses API's store, SQLite (default: responses.sqlite3 in the cache)
     responses_max_stored: int = 10_000  # stored responses kept at most (the oldest go first)
     responses_max_age_s: float = 30 * 86400.0  # ... and for at most this long (OpenAI's 30 days)
-    responses_max_bytes_per_response: int = MAX_ROW_BYTES  # a stored response's row at most (responses_api/store.py)
+    responses_max_bytes_per_response: int = MAX_ROW_BYTES  # a stored response's row at most
     responses_max_store_bytes: int = MAX_STORE_BYTES  # the store's rows at most (the oldest go first)
     max_background_responses: int = 128  # background responses live at once (a 429 past it)
 
@@ -81,10 +82,11 @@ def json_response(body: dict, status: int = 200) -> web.Response:
 
 
 class Unavailable(RequestError):
-    """A 503 the client should retry (the server loads its model, an engine replica restarts): with `Retry-After`."""
+    """An error the client should retry, with `Retry-After`: a 503 (the server loads its model, an engine replica
+    restarts, the Responses store cannot be used) or a 429 (`status`: too many background responses)."""
 
-    def __init__(self, message: str, retry_after_s: int):
-        super().__init__(503, message)
+    def __init__(self, message: str, retry_after_s: int, status: int = 503, **fields):
+        super().__init__(status, message, **fields)  # (fields: RequestError's param, type, code)
         self.retry_after_s = retry_after_s
 
 

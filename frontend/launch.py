@@ -11,6 +11,7 @@ replicas load (503 until each is ready: frontend/readiness.py), and `start()` re
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -78,6 +79,7 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
         "vocab_size": model.vocab_size,
         "bos_token_id": model.bos_token_id,  # (the engine's: whether the model has a BOS to guide against)
         "replicas": engine.data_parallel_size,
+        "local_replicas": engine.local_replicas,  # (the others: down until their node joins)
         "block_size": engine.block_size,
     }
     return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
@@ -131,23 +133,18 @@ def remote_replicas(engine: EngineConfig) -> list[Actor]:
 class Server(ActorSystem):
     """A supervised actor graph with an HTTP actor; `start()` returns once every actor has started
     (the model is loaded, the web server listens and serves). `memory`: what the engine needs, to explain an engine
-    killed while it starts."""
+    killed while it starts or restarts."""
 
     def __init__(self, processes: list[ProcessSpec], http: HttpConfig, memory: MemoryNeed | None = None, **kwargs):
-        super().__init__(processes, **kwargs)
-        self.http, self.memory = http, memory
+        super().__init__(processes, explain=functools.partial(explain, need=memory), **kwargs)
+        self.http = http
 
     @property
     def url(self) -> str:
         return self.http.url
 
     async def start(self) -> None:
-        try:
-            await super().start()
-        except StartupError as e:
-            if (explained := explain(e, self.memory)) is e:
-                raise
-            raise explained from e
+        await super().start()
         deadline = time.monotonic() + self.policy.ready_timeout_s
         await asyncio.gather(*(self._started(a.name, deadline) for p in self.specs.values() for a in p.actors))
 
@@ -180,14 +177,17 @@ async def start_server(
     return server
 
 
-async def serve_node(config: EngineConfig, log_level: str = "INFO", policy: RestartPolicy | None = None) -> int:
+async def serve_node(
+    config: EngineConfig, log_level: str = "INFO", policy: RestartPolicy | None = None, memory: MemoryNeed | None = None
+) -> int:
     """A headless node's launcher of replica config.data_parallel_rank, until SIGTERM/SIGINT (0), its supervisor
     gives up (1: only with `policy.exit_past_intensity`) or the front refuses its handshakes (EXIT_REFUSED: found
-    while the replica loads)."""
+    while the replica loads). `memory`: as Server's."""
     address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
     link = NodeLink(HTTP, config.data_parallel_rank, address)
     engine = msgspec.structs.replace(config, stats_to=[HTTP])
-    system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], policy=policy, log_level=log_level)
+    system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], policy=policy, log_level=log_level,
+                         explain=functools.partial(explain, need=memory))  # fmt: skip
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -1,6 +1,7 @@
 """The engine's memory on this host, before any process starts: a model that cannot fit is refused (the kernel's OOM
 killer would SIGKILL the engine while it loads: "process engine was killed by SIGKILL during startup"), and an engine
-killed so while it starts is explained with the same figures and what to try.
+killed so while it starts or restarts is explained with the same figures and what to try (`explain`: the supervisor's
+hook, set by `sluice serve`, a replica's headless node and `sluice generate`).
 
 On CPU this node's engine processes hold the weights as served (gpu/memory.py `served_weight_bytes`, a floor) and the
 KV cache (--kv-cache-memory-gb, default 1 GiB, or --num-kv-blocks blocks: actors/engine/executor.py), for each local

@@ -65,9 +65,11 @@ class HttpActor(Actor):
         bos_token_id: int | None = None,
         replicas: int = 1,
         block_size: int = 16,
+        local_replicas: int | None = None,
     ):
         """The engine's facts: `max_model_len`, `vocab_size`, `bos_token_id` (whether the model has a BOS to guide
-        against), its `replicas` (--data-parallel-size) and their KV `block_size` (what the router hashes)."""
+        against), its `replicas` (--data-parallel-size; `local_replicas` of them on this node, None: all) and their KV
+        `block_size` (what the router hashes)."""
         super().__init__()
         self.config = msgspec.convert(http, HttpConfig)
         self.model = model
@@ -79,7 +81,7 @@ class HttpActor(Actor):
         routing = Replicas(replicas, c.dp_routing, block_size)
         self.metrics = Metrics(c.metrics_prefix, self.names[0], routing)  # (vLLM's model_name: the first name)
         self.table = RequestTable(self.tell, self.metrics, c.abort_timeout_s, c.max_abort_tries, c.max_resumes)
-        self.readiness = Readiness(self.table, c.url, self.names)  # (503 until every replica is ready: its docstring)
+        self.readiness = Readiness(self.table, c.url, self.names, local_replicas)  # (503 until every replica is ready)
         self.admitting = True
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
@@ -91,8 +93,8 @@ class HttpActor(Actor):
             Finished: self.table.on_finished,
             EngineStats: self.on_engine_stats,
             DetokStats: self.metrics.on_detok_stats,
-            ActorDown: self.on_actor_down,
-            ActorUp: self.on_actor_up,
+            ActorDown: self.readiness.on_down,
+            ActorUp: self.readiness.on_up,
             CheckIdle: self.on_check,
         }
 
@@ -132,20 +134,6 @@ class HttpActor(Actor):
     def on_engine_stats(self, msg: EngineStats) -> None:
         self.metrics.on_engine_stats(msg)
         self.table.replicas.on_stats(msg)
-
-    def on_actor_down(self, msg: ActorDown) -> None:
-        """A replica's scheduler or detokenizer: its requests go on elsewhere (or wait); its worker: they wait in its
-        engine. Either way it is out of rotation until it serves again."""
-        if self.table.on_down(msg.actor):
-            self.metrics.forget(msg.actor)
-            log.error("%s is down (%s): its requests go on on the replicas that serve (%d live)", msg.actor,
-                      msg.reason, len(self.table.live))  # fmt: skip
-        self.readiness.on_down(msg)  # (past its restart intensity, with no replica to go to, they fail)
-
-    def on_actor_up(self, msg: ActorUp) -> None:
-        if self.table.on_up(msg.actor):
-            log.info("%s is back: its engine replica serves", msg.actor)
-        self.readiness.on_up(msg.actor)
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = self.table.idle_details

@@ -14,6 +14,8 @@ import collections
 
 import msgspec
 
+from messages.names import replica_of
+
 
 class RestartPolicy(msgspec.Struct, kw_only=True):
     max_restarts: int = 3
@@ -57,3 +59,9 @@ class RestartBudget:
         """A whole budget again (a parked replica's, once it is back in rotation)."""
         self.times.clear()
         self.backoff = 0.0
+
+
+def group_of(proc: str) -> object:
+    """The restart group of a process: its engine replica's index, or its own name."""
+    k = replica_of(proc)
+    return proc if k is None else k

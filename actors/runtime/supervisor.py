@@ -1,7 +1,7 @@
 """The launcher's Supervisor actor: what actors/runtime/system.py's ActorSystem hears and asks of its children. It
-records each actor's Ready (the system's `_spawn` waits on them) and pings every actor of a process that is up each
-`heartbeat_s`; an actor that misses `max_missed` answers in a row is hung: its process is SIGKILLed (then restarted as
-any death is)."""
+records each actor's Ready from its process's current incarnation (the system's `_spawn` waits on them) and pings
+every actor of a process that is up each `heartbeat_s`; an actor that misses `max_missed` answers in a row is hung:
+its process is SIGKILLed (then restarted as any death is)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,19 @@ class Supervisor(Actor):
         return {Ready: self.on_ready}
 
     def on_ready(self, msg: Ready) -> None:
+        """Counted only from the current incarnation of the actor's process (a late Ready of one killed for missing
+        its deadline, still in flight, is not the next one's)."""
+        procs = self.system.placement.processes
+        child = next((self.system.children.get(p) for p, actors in procs.items() if msg.actor in actors), None)
+        if child is None or child.pid != msg.pid:
+            log.warning("a Ready of %s from pid %d, not its process's current one: ignored", msg.actor, msg.pid)
+            return
         log.info("%s ready (pid %d)", msg.actor, msg.pid)
         self.ready[msg.actor].set()
+
+    async def all_ready(self, actors: list[str]) -> None:
+        for actor in actors:
+            await self.ready[actor].wait()
 
     async def heartbeat(self, proc: str, actor: str) -> None:
         policy, missed = self.system.policy, 0

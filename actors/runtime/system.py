@@ -3,7 +3,8 @@
 Supervision (Erlang-style, one_for_one): a child is dead when its process sentinel fires, hung when it misses
 `max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor broadcasts ActorDown for each of its actors
 (with when it restarts them, and its group's restart count), restarts the process, and broadcasts ActorUp once the new
-incarnation is Ready; a restart that dies while it starts is announced and tried again the same way. Within the
+incarnation is Ready; a restart that fails (it dies while it starts, is not Ready within `ready_timeout_s`: then it
+is killed first, or cannot be forked) is announced and tried again the same way. Within the
 restart intensity of its group (an engine replica's processes, or the process alone: actors/runtime/backoff.py) it
 is restarted at once. Past it: an engine replica while another replica of this node serves is parked whole (its other
 processes killed too, so its requests go on elsewhere) for `park_s`, then restarted with a fresh budget; any other
@@ -24,17 +25,18 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from actors.runtime.actor import Actor
-from actors.runtime.backoff import RestartBudget, RestartPolicy
+from actors.runtime.backoff import RestartBudget, RestartPolicy, group_of
 from actors.runtime.faults import FaultPlan
 from actors.runtime.mailbox import LINGER_MS
 from actors.runtime.process import ChildConfig, ProcessSpec, child_main
 from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
 from actors.runtime.supervisor import Supervisor
-from messages.names import SUPERVISOR, replica_of
+from messages.names import SUPERVISOR
 from messages.wire import ActorDown, ActorUp, Shutdown
 
 log = logging.getLogger("sluice.supervisor")
@@ -60,8 +62,10 @@ class ActorSystem:
         policy: RestartPolicy | None = None,
         log_level: str = "INFO",
         endpoints: dict[str, str] | None = None,
-    ):
+        explain: Callable[[StartupError], StartupError] | None = None,  # a failed start (or restart) as the caller
+    ):  # tells it (the front adds the memory's figures: frontend/memory_check.py)
         self.specs = {p.name: p for p in processes}
+        self.explain = explain or (lambda e: e)
         self.policy = policy or RestartPolicy()
         self.fault_plan = fault_plan
         self.log_level = log_level
@@ -116,23 +120,29 @@ class ActorSystem:
             target=child_main, args=(msgspec.json.encode(config),), name=f"sluice:{proc}", daemon=True
         )
         self.state[proc] = "starting"
+        try:
+            child.start()
+        except OSError as e:  # (a fork refused: ENOMEM, EAGAIN under memory pressure)
+            raise StartupError(f"process {proc} could not be started: {e}", proc) from e
         exited = self.exited[proc] = asyncio.Event()
-        child.start()
         self.children[proc] = child
         asyncio.get_running_loop().add_reader(child.sentinel, self._on_exit, proc, child, exited)
-        ready = asyncio.ensure_future(_all_set([self.supervisor.ready[a.name] for a in spec.actors]))
+        ready = asyncio.ensure_future(self.supervisor.all_ready([a.name for a in spec.actors]))
         died = asyncio.ensure_future(exited.wait())
+        timeout = self.policy.ready_timeout_s
         try:  # every actor Ready, or the child gone, or the deadline
-            await asyncio.wait([ready, died], timeout=self.policy.ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([ready, died], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ready.cancel()
             died.cancel()
         if exited.is_set():
             code = child.exitcode
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            raise StartupError(f"process {proc} {how} during startup", proc, code)
+            raise self.explain(StartupError(f"process {proc} {how_it_exited(code)} during startup", proc, code))
         if not all(self.supervisor.ready[a.name].is_set() for a in spec.actors):
-            raise StartupError(f"process {proc} not ready within {self.policy.ready_timeout_s}s")
+            self.kill(proc)  # (left running, it would hold its memory beside the next incarnation)
+            with contextlib.suppress(TimeoutError):  # (one stuck in the kernel, unkillable, is not waited for ever)
+                await asyncio.wait_for(exited.wait(), self.policy.stop_timeout_s)
+            raise StartupError(f"process {proc} not ready within {timeout:g} s (killed)", proc)
         self.state[proc] = "up"
         self.retry_at.pop(proc, None)
         # it heard nothing while it started: which actors are being restarted now (their ActorUp follows), then, if
@@ -156,7 +166,7 @@ class ActorSystem:
         dead = [a.name for a in self.specs[proc].actors]
         for actor in dead:
             self.router.forget(actor)
-        group, reason = _group(proc), f"process {proc} exited"
+        group, reason = group_of(proc), f"process {proc} exited"
         while not self._stopping:  # (a stopping system restarts nothing)
             if (parked := self.parked.get(group)) is not None:  # its replica sits out: restarted with it, not counted
                 self._announce(proc, dead, reason)
@@ -168,8 +178,8 @@ class ActorSystem:
             try:  # a restart that dies during its startup is announced and tried again, within the same budget
                 await self._spawn(proc)
                 break
-            except StartupError as e:
-                log.error("restart of %s failed: %s", proc, e)
+            except Exception as e:  # (whatever failed, the process is not up: never a recovery that ends silently)
+                log.error("restart of %s failed: %s", proc, e, exc_info=not isinstance(e, StartupError))
                 reason = f"its restart failed: {e}"
         for actor in dead if not self._stopping else ():
             self.broadcast(ActorUp(actor=actor), exclude=[], only_up=True)
@@ -195,11 +205,11 @@ class ActorSystem:
             log.error("%s keeps dying (%s; %d restarts in all): restarting it in %g s", proc, intensity, budget.total,
                       wait)  # fmt: skip
         for p in self.specs if park else [proc]:
-            if _group(p) == group:
+            if group_of(p) == group:
                 self.retry_at[p] = now + wait
         self._announce(proc, dead, reason)
         for other in self.specs if park else ():
-            if other != proc and _group(other) == group:
+            if other != proc and group_of(other) == group:
                 self.kill(other)  # (the replica sits out whole: its requests go on elsewhere)
         if wait:
             await asyncio.sleep(wait)  # (cancelled only by stop: nothing is restarted then)
@@ -215,14 +225,14 @@ class ActorSystem:
 
     def _down(self, actor: str, reason: str, proc: str, now: float) -> ActorDown:
         """`actor` (of `proc`) is down: in how long it is restarted, and how often its group was."""
-        budget = self.restarts.get(_group(proc))
+        budget = self.restarts.get(group_of(proc))
         wait = round(max(0.0, self.retry_at.get(proc, now) - now), 3)  # (ms: the back-off as planned)
         return ActorDown(actor=actor, reason=reason, retry_in_s=wait, restarts=0 if budget is None else budget.total)
 
     def _serving_besides(self, group: object) -> bool:
         """Whether `group` is a replica and another one (of this node) has every process up."""
-        others = {_group(p) for p in self.specs if isinstance(_group(p), int)} - {group}
-        up = {k for k in others if all(self.state.get(p) == "up" for p in self.specs if _group(p) == k)}
+        others = {group_of(p) for p in self.specs if isinstance(group_of(p), int)} - {group}
+        up = {k for k in others if all(self.state.get(p) == "up" for p in self.specs if group_of(p) == k)}
         return isinstance(group, int) and bool(up)
 
     def broadcast(self, msg, exclude: list[str], only_up: bool = False) -> None:
@@ -277,12 +287,11 @@ class ActorSystem:
         self.done.set()
 
 
-def _group(proc: str) -> object:
-    """The restart group of a process: its engine replica's index, or its own name."""
-    k = replica_of(proc)
-    return proc if k is None else k
-
-
-async def _all_set(events: list[asyncio.Event]) -> None:
-    for event in events:
-        await event.wait()
+def how_it_exited(code: int) -> str:
+    """How a child exited, from its exit code (-N: killed by signal N, a real-time one, which has no name, included)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
