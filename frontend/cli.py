@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--responses-max-bytes-per-response",
         type=byte_size,
-        default="8M",  # (responses_api/store.py MAX_ROW_BYTES)
+        default="8M",  # (http_base.py MAX_ROW_BYTES)
         metavar="BYTES",
         help="a stored response's size at most (8M, 1G, ...): a request whose input alone is more is a 400",
     )
