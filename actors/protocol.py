@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -140,15 +141,36 @@ class Ledger(Generic[S]):
         return {"live": len(self.live), "tombstones": len(self.tombstones)}
 
 
-def lost_suspects(link: StepNumbers, lost: list[int], records: Iterable[tuple[str, Heard]]) -> list[str]:
+def lost_suspects(link: StepNumbers, lost: Lost, records: Iterable[tuple[str, Heard]]) -> list[str]:
     """The requests that may have had output in the messages `link.lost()` just declared `lost`: those a later
     message named (its `recent`), or, when one was not named (more than RECENT lost in a row, or none came after
     it), every request not heard from since. `records` is read only then (nothing is built per message)."""
-    named = [link.named.pop(n, None) for n in lost]
+    named = [link.named.pop(run.start, None) for run in lost.runs]
     if any(ids is None for ids in named):
-        return [rid for rid, r in records if r.heard < max(lost)]
+        return [rid for rid, r in records if r.heard < lost.runs[-1].stop - 1]
     names = {rid for ids in named for rid in ids}
     return [rid for rid, _ in records if rid in names]
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The numbers `StepNumbers.lost` declared lost, as runs of consecutive numbers (ascending): len() is how many
+    numbers (a gap of 10**6 counts 10**6; at most sys.maxsize, len()'s bound, which only a sender numbering falsely
+    passes), str() the runs ("1..999996, 999998")."""
+
+    runs: tuple[range, ...] = ()
+
+    def __len__(self) -> int:
+        return min(sum(run.stop - run.start for run in self.runs), sys.maxsize)
+
+    def __str__(self) -> str:
+        merged: list[list[int]] = []  # (adjacent runs shown as one)
+        for run in self.runs:
+            if merged and merged[-1][1] == run.start:
+                merged[-1][1] = run.stop
+            else:
+                merged.append([run.start, run.stop])
+        return ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in merged)
 
 
 class SentNames:
@@ -172,18 +194,19 @@ class StepNumbers:
     """The message-level seq check on one link's numbered StepOutputs (step 0 starts an engine incarnation).
 
     `accept` is False for a duplicate. A skipped number is missing until it arrives late (reordered:
-    accepted) or `lost` declares it lost: LOST_AFTER_STEPS later steps came, or LOST_AFTER_S passed.
+    accepted) or `lost` declares it lost: LOST_AFTER_STEPS later steps came, or LOST_AFTER_S passed. One arriving
+    after that is taken as a duplicate (its requests were repaired: their next outputs show any seq gap, DESIGN I6).
 
     A gap costs O(KEPT) whatever its size (a sender numbers its messages freely: one numbered 2**62 after 0 must not
-    make a receiver list 2**62 numbers). Only the last KEPT numbers of a gap can still arrive late or be named by a
-    later message's `recent`; those before are lost at the next `lost()` (LOST_AFTER_STEPS later numbers came), so
-    the first of them stands for all: it is never named, which makes `lost_suspects` repair every request not heard
-    from since, as the whole run of them would. One of those arriving late after all is taken as a duplicate: its
-    requests' next outputs show the loss as seq gaps (DESIGN I6), repaired as such."""
+    make a receiver list 2**62 numbers). Only the last KEPT numbers of a gap can still be named by a later message's
+    `recent`: each is an entry of its own; the run before them is one entry (its first number, its end), lost at the
+    next `lost()` (LOST_AFTER_STEPS later numbers came) and never named, which makes `lost_suspects` repair every
+    request not heard from since, as the whole run of them would. `lost()` reports the runs: their true count and
+    ranges."""
 
     def __init__(self):
         self.next: int | None = None
-        self.missing: dict[int, float] = {}  # step -> when it was found missing
+        self.missing: dict[int, tuple[float, int]] = {}  # first number of a missing run -> (when found, its end)
         self.named: dict[int, list[str]] = {}  # missing step -> the request ids a later message says it held
 
     @property
@@ -203,28 +226,35 @@ class StepNumbers:
             self.named.clear()
             self.next = step + 1
         elif step >= self.next:
-            now = time.monotonic()
-            tracked = range(max(self.next, step - KEPT), step)
-            if self.next < tracked.start:  # (the one standing for the gap's numbers before those tracked)
-                self.missing[self.next] = now
-            for s in tracked:
-                self.missing[s] = now
+            now, tracked = time.monotonic(), max(self.next, step - KEPT)
+            if self.next < tracked:  # (the run of the gap's numbers before those tracked: one entry)
+                self.missing[self.next] = (now, tracked)
+            for s in range(tracked, step):
+                self.missing[s] = (now, s + 1)
             self.next = step + 1
-        elif self.missing.pop(step, None) is None:
+        elif (first := self._run_of(step)) is None:
             return False  # a duplicate
-        else:  # a late (reordered) message
+        else:  # a late (reordered) message: out of its run
             self.named.pop(step, None)
+            when, end = self.missing.pop(first)
+            for a, b in ((first, step), (step + 1, end)):
+                if a < b:
+                    self.missing[a] = (when, b)
         for number, ids in recent:
-            if number in self.missing:
+            if self.missing.get(number, (0, None))[1] == number + 1:  # (a run of one: a run longer is never named)
                 self.named[number] = ids
         return True
 
-    def lost(self) -> list[int]:
+    def _run_of(self, step: int) -> int | None:
+        """The first number of the missing run that holds `step` (None: none does)."""
+        if step in self.missing:
+            return step
+        return next((first for first, (_, end) in self.missing.items() if first < step < end), None)
+
+    def lost(self) -> Lost:
         now = time.monotonic()
-        gone = [s for s, t in self.missing.items() if self.last - s >= LOST_AFTER_STEPS or now - t >= LOST_AFTER_S]
-        for s in gone:
-            del self.missing[s]
-        return gone
+        gone = [s for s, (t, _) in self.missing.items() if self.last - s >= LOST_AFTER_STEPS or now - t >= LOST_AFTER_S]
+        return Lost(tuple(range(s, self.missing.pop(s)[1]) for s in sorted(gone)))
 
 
 class StepGate:

@@ -13,6 +13,7 @@ Door, per remote replica (messages/step.py's ReplicaHello, Welcome, Relay):
 | state                 | event                                       | action                                        |
 |-----------------------|---------------------------------------------|-----------------------------------------------|
 | any                   | hello from a second launcher of the replica | ignored while the first is heard (logged)     |
+| down, barred          | hello                                       | ignored (no Welcome) until its quarantine ends|
 | down, none offered    | hello                                       | epoch + 1 (offered); Welcome(epoch)           |
 | down, offered         | hello in another epoch                      | Welcome(epoch) again                          |
 | down, offered         | hello in the offered epoch                  | up: ActorUp of its actors to the client       |
@@ -23,10 +24,12 @@ Door, per remote replica (messages/step.py's ReplicaHello, Welcome, Relay):
 | up                    | Relay to the client                         | delivered if it is output, stats or a report  |
 |                       |                                             | of this replica's (its index, its actors);    |
 |                       |                                             | anything else dropped, logged                 |
-| up                    | Relay of a TextOutputs numbered more than   | down, logged, counted: a protocol violation   |
-|                       | NUMBER_WINDOW past the highest one before   | (actors/replica_remote.py says why)           |
+| up                    | Relay of a TextOutputs numbered more than   | down, logged, counted, barred: a protocol     |
+|                       | NUMBER_WINDOW past the highest one before   | violation (actors/replica_remote.py: why, and |
+|                       |                                             | the quarantine, growing with each)            |
 | down                  | Relay                                       | dropped (an old epoch's)                      |
-| any                   | ActorUp of the client (it restarted)        | ActorDown of every replica down, again        |
+| any                   | ActorUp of the client (it restarted)        | ActorDown of every replica down, ActorUp of   |
+|                       |                                             | every one up, again (it starts them down)     |
 Epochs start at a random number, so a restarted front's are new to every node. The node adopts a Welcome's epoch; a
 new one first ends every request the front sent before: its replica is told the client died (ActorDown(http): the
 detokenizer aborts them) and came back. It leaves the epoch (back to 0) when a relay is missing (the door numbers
@@ -66,17 +69,22 @@ class Door(Actor):
         self.client, self.address = client, address
         self.link, self.wire = Codec(REPLICA_TYPES), Codec()
         self.ctx: zmq.asyncio.Context | None = None  # (made at on_start)
-        self.violations = 0  # relays that broke the protocol (each took its replica down)
+
+    @property
+    def violations(self) -> int:
+        """Relays that broke the protocol (each took its replica down). Not on /metrics: no message of the door's
+        reaches the HTTP actor's; logged with each violation."""
+        return sum(r.violations for r in self.remote.values())
 
     def handlers(self):
         return {ActorUp: self.on_actor_up}
 
     def on_actor_up(self, msg: ActorUp) -> None:
-        """The client restarted: it is told again which remote replicas are down."""
+        """The client restarted: it is told again which remote replicas are down and which are up (a new incarnation
+        holds them down until it hears)."""
         if msg.actor == self.client:
             for r in self.remote.values():
-                if not r.up:
-                    self._tell_client(r, ActorDown, "its node has not joined")
+                self._tell_client(r, ActorUp if r.up else ActorDown, "its node has not joined")
 
     async def on_start(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -131,6 +139,8 @@ class Door(Actor):
         r.peer, r.heard = peer, now
         if r.up and hello.epoch != r.epoch:
             self._lost(r, "its node left the epoch (a missing relay, or a restart)")
+        if not r.up and not r.offered and now < r.barred_until:
+            return  # (a violation's quarantine)
         if not r.up and r.offered and hello.epoch == r.epoch:
             r.up, r.number = True, None
             log.info("engine replica %d joined from its node (epoch %d)", r.names.index, r.epoch)
@@ -151,9 +161,9 @@ class Door(Actor):
             log.warning("dropped a %s for %s from a node, not its replica's to send", type(msg).__name__, relay.dst)
             return
         if isinstance(msg, TextOutputs) and not r.numbered(msg.number):
-            self.violations += 1
+            barred = r.violated(time.monotonic())
             self._lost(r, f"a protocol violation (TextOutputs number {msg.number}, more than {NUMBER_WINDOW} past "
-                          f"{r.number}; {self.violations} so far)")  # fmt: skip
+                          f"{r.number}; {r.violations} so far: no new epoch for {barred:.0f} s)")  # fmt: skip
             return
         self.router.send(self.name, relay.dst, msg)
 

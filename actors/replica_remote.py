@@ -4,12 +4,15 @@ the epoch it is offered or serves in, the relays sent to it, and how its detoken
 A node's detokenizer numbers its TextOutputs to the client consecutively (from 0 per incarnation), and the client lists
 the numbers skipped as missing until found or lost (actors/protocol.py's StepNumbers). While the replica is up,
 honest numbers skip only what was lost on the way: what one reconnection of its link drops (the node's queue: at
-most ZMQ's high-water mark, 1000 messages), or what the node did not send while it missed the door's Welcome (at most
-the HELLO_S after its STALE_S without one: then it leaves the epoch, the door takes it down, and the client numbers
-its link afresh). NUMBER_WINDOW is twice both at a thousand steps a second: a number further ahead of the highest one
-before is no loss but a node that numbers falsely (one numbered 2**62 made the client list every number up to it), a
-protocol violation: the door takes the replica out of rotation (its requests go on elsewhere) until its node adopts a
-new epoch, and counts it.
+most ZMQ's high-water mark, 1000 messages), or what the node sent while it missed the door's Welcome (at most the
+HELLO_S after its STALE_S without one, 6 s: then it leaves the epoch, the door takes it down, and the client numbers
+its link afresh). A number further than NUMBER_WINDOW ahead of the highest one before is no loss but a node that
+numbers falsely (one numbered 2**62 made the client list every number up to it), a protocol violation: the door
+takes the replica out of rotation (its requests go on elsewhere), counts it, and offers its node no new epoch for
+QUARANTINE_S, doubling with each violation of that replica up to 64 times that (a node that keeps numbering falsely
+does not flap in and out of rotation). A gap costs the client O(KEPT) whatever its size (StepNumbers), so the window
+need not be tight: 2**20 is a thousand times the high-water mark, and 6 s of messages at 170,000 a second (one per
+engine step: a fast GPU's decode steps a few thousand a second), so no honest outage trips it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import secrets
 
 from messages.names import replica
 
-NUMBER_WINDOW = 4096
+NUMBER_WINDOW = 2**20
+QUARANTINE_S = 5.0
 
 
 class Remote:
@@ -33,6 +37,8 @@ class Remote:
         self.offered = False  # a Welcome of this epoch was sent since it was last down (a lost one is sent again)
         self.up = False
         self.number: int | None = None  # the highest TextOutputs.number it relayed since it came up
+        self.violations = 0  # its protocol violations (each took it down)
+        self.barred_until = 0.0  # (time.monotonic) no new epoch is offered it before: a violation's quarantine
 
     def numbered(self, number: int) -> bool:
         """Whether its next TextOutputs may be numbered `number`: not more than NUMBER_WINDOW past the highest one
@@ -43,3 +49,11 @@ class Remote:
             return False
         self.number = number if self.number is None or not number else max(self.number, number)
         return True
+
+    def violated(self, now: float) -> float:
+        """A protocol violation at `now`: counted, and no new epoch for QUARANTINE_S doubling with each, at most 64
+        times that. Returns how long."""
+        self.violations += 1
+        barred = QUARANTINE_S * 2 ** min(self.violations - 1, 6)
+        self.barred_until = now + barred
+        return barred

@@ -111,10 +111,11 @@ def plan_segments(
     block_size: int,
     only: np.ndarray | None = None,
 ) -> list[SegmentPlan]:
-    """Decode rows (one query) and longer rows go in separate segments, so decodes are not padded to a prefill.
+    """Decode rows (one query) and longer rows go in separate segments, so decodes are not padded to a prefill. A row
+    with no keys (nor queries: a padded batch's) is in none: it has nothing to attend, and no last key to pad with.
     only: the rows to plan (a mask; default every row: the native backend takes the others)."""
-    decode = query_lens == 1
-    only = np.ones_like(decode) if only is None else only
+    decode, keyed = query_lens == 1, seq_lens > 0
+    only = keyed if only is None else only & keyed
     groups = (np.flatnonzero(decode & only), np.flatnonzero(~decode & only))
     return [
         _plan(rows, query_lens, seq_lens, query_start_loc, block_tables, block_size) for rows in groups if rows.size

@@ -14,13 +14,14 @@ import time
 
 import pytest
 
+from actors import replica_link
 from actors.detokenizer.actor import DetokenizerActor
 from actors.protocol import KEPT, StepNumbers, lost_suspects
 from actors.replica_remote import NUMBER_WINDOW
 from messages.sampling_params import SamplingParams
 from messages.wire import ActorDown, AddRequest, Finished, RequestOutput, StepOutputs, TextDelta, TextOutputs
 from tests.http_table_harness import make_table, parsed
-from tests.test_replica_nodes import door, joined, relay
+from tests.test_replica_nodes import Clock, door, joined, relay
 from tests.tiny_model import make_tiny_model_dir
 
 HUGE = (2**31, 2**62, 2**63 - 1)
@@ -36,6 +37,7 @@ def a_number(rng: random.Random, last: int) -> int:
 
 
 def a_recent(rng: random.Random, last: int, ids: list[str]) -> list[tuple[int, list[str]]]:
+    """What a sender may put in a message's `recent`: none to 400 entries, each any number naming any of `ids`."""
     length = rng.choice([0, 1, 2, 2, 3, 400])
     entries = [(rng.choice([last - 1, last - 2, a_number(rng, last)]), rng.sample(ids, rng.randint(0, len(ids))))
                for _ in range(min(length, 4))]  # fmt: skip
@@ -50,11 +52,14 @@ def test_a_jump_of_any_size_tracks_a_bounded_set_and_repairs_as_a_long_loss():
     assert len(link.missing) <= BOUND and link.last == 10**6
     lost = link.lost()
     records = {"a": _heard(0), "b": _heard(0), "c": _heard(10**6)}  # (c was in the jumping message)
-    assert 0 < len(lost) <= BOUND and sorted(lost_suspects(link, lost, records.items())) == ["a", "b"]
+    assert str(lost) == "1..999998" and len(lost) == 10**6 - 2 and len(lost.runs) <= BOUND  # (999999: one behind)
+    assert sorted(lost_suspects(link, lost, records.items())) == ["a", "b"]
     assert link.accept(2**62) and len(link.missing) <= 2 * BOUND and link.accept(2**62 + 1)
 
 
 class _heard:
+    """A request's record as lost_suspects reads it (Heard): the number of the last message it was heard in."""
+
     def __init__(self, heard: int):
         self.heard = heard
 
@@ -74,6 +79,7 @@ def test_step_numbers_stay_bounded_whatever_a_sender_numbers(seed):
 
 
 def _delta(rng: random.Random, rids: list[str]) -> TextDelta:
+    """A TextDelta for any of `rids` with any seq, attempt and number of tokens."""
     seq = rng.choice([0, 1, 2, 3, -1, *HUGE])
     ids = [rng.randrange(50)] * rng.choice([0, 1, 3])
     return TextDelta(request_id=rng.choice(rids), seq=seq, text="x" * len(ids), token_ids=ids,
@@ -81,6 +87,7 @@ def _delta(rng: random.Random, rids: list[str]) -> TextDelta:
 
 
 def _finished(rng: random.Random, rids: list[str]) -> Finished:
+    """A Finished for any of `rids`: any reason, any count of output tokens (huge and negative too), any attempt."""
     return Finished(request_id=rng.choice(rids), finish_reason=rng.choice(["stop", "length", "abort", "error"]),
                     num_output_tokens=rng.choice([0, 1, 5, -1, *HUGE]), token_ids=[1] * rng.choice([0, 2]),
                     attempt=rng.choice([0, 1, 2, 2**40]))  # fmt: skip
@@ -112,6 +119,7 @@ def test_the_client_ledger_takes_anything_a_replica_sends(seed, caplog):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    """A tiny model's directory: the detokenizer's tokenizer."""
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-fuzz") / "model"))
 
 
@@ -139,15 +147,30 @@ def test_the_detokenizer_takes_any_numbering_of_steps(model, seed, caplog):
             detok.on_actor_down(ActorDown(actor=detok.scheduler))
 
 
+def test_the_detokenizer_counts_and_logs_a_long_loss_whole(model, caplog):
+    """Steps 0 and 10**6: the loss of 1 .. 999998 counts 999998 lost steps (not the 5 entries that stand for them)
+    and is logged as that range (999999, one behind the last, is not lost yet)."""
+    caplog.set_level(logging.ERROR, "sluice")
+    detok = DetokenizerActor(model, client="http")
+    detok.tell = lambda dst, msg: None
+    for step in (0, 10**6):
+        detok.on_step(StepOutputs(step=step, outputs=[]))
+    assert detok.lost_steps == 10**6 - 2
+    assert "engine steps 1..999998 lost" in caplog.text
+
+
 @pytest.mark.parametrize("seed", range(2))
-def test_the_door_takes_a_node_that_numbers_falsely_out_of_rotation(seed, caplog):
+def test_the_door_takes_a_node_that_numbers_falsely_out_of_rotation(seed, caplog, monkeypatch):
     """Any numbering from a node's detokenizer: what runs at most NUMBER_WINDOW past the highest one before is
-    delivered; a number further ahead takes the replica down (not delivered, counted) until it joins a new epoch."""
+    delivered; a number further ahead takes the replica down (not delivered, counted) until, its quarantine over, it
+    joins a new epoch."""
     caplog.set_level(logging.CRITICAL, "sluice")
+    monkeypatch.setattr(replica_link, "time", clock := Clock())
     rng, d = random.Random(seed), door()
     r, violations = d.remote[1], 0
     for _ in range(1000):
         if not r.up:
+            clock.now = r.barred_until
             joined(d)
         before = r.number
         number = a_number(rng, before or 0)

@@ -15,9 +15,10 @@ import sys
 
 import pytest
 
+from actors import replica_link
 from actors.engine.config import EngineConfig
 from actors.replica_link import STALE_S, Door
-from actors.replica_remote import NUMBER_WINDOW
+from actors.replica_remote import NUMBER_WINDOW, QUARANTINE_S
 from actors.runtime.curve import SECRET_ENV
 from frontend.http_base import HttpConfig
 from frontend.launch import start_server
@@ -108,6 +109,23 @@ class FakeRouter:
         self.delivered.append((dst, msg))
 
 
+class Clock:
+    """actors.replica_link's time (its monotonic clock), moved by the test."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    """actors.replica_link on a Clock of the test's (monotonic only: for the Door's tests, not NodeLink's)."""
+    monkeypatch.setattr(replica_link, "time", clock := Clock())
+    return clock
+
+
 def door() -> Door:
     d = Door([1], "http", "tcp://127.0.0.1:0")
     d.sock, d.router = FakeSocket(), FakeRouter()
@@ -166,22 +184,32 @@ def test_a_node_that_left_the_epoch_is_down_until_it_adopts_a_new_one():
     assert r.up
 
 
-def test_a_node_whose_outputs_jump_past_the_window_is_taken_out_of_rotation():
+def test_a_node_whose_outputs_jump_past_the_window_is_taken_out_of_rotation(clock):
     """One TextOutputs numbered far past the last (2**62: the front listed every number up to it, hung) is a protocol
-    violation: not delivered, the replica down (its requests go on elsewhere), counted; in a new epoch it serves
-    again, its numbering taken afresh. Within the window, gaps (losses) and a new detokenizer's 0 are delivered."""
+    violation: not delivered, the replica down (its requests go on elsewhere), counted, and its node offered no new
+    epoch for QUARANTINE_S (its hellos unanswered), twice that after a second; then it serves again, its numbering
+    taken afresh. Within the window, gaps (losses) and a new detokenizer's 0 are delivered."""
     d = door()
     joined(d)
     r = d.remote[1]
-    for n in (0, 1, 5, 5 + NUMBER_WINDOW, 0, 3):  # (a gap of NUMBER_WINDOW: a loss; 0: its detokenizer restarted)
+    numbers = [0, 1, 5, 10_005, 10_005 + NUMBER_WINDOW, 0, 3]  # (10,000 skipped: 2 s lost at 5,000 steps a second;
+    for n in numbers:  # a gap of NUMBER_WINDOW: a loss; 0: its detokenizer restarted)
         relay(d, b"A", TextOutputs(step=0, deltas=[], number=n, replica=1))
-    assert [m.number for _, m in d.router.delivered if isinstance(m, TextOutputs)] == [0, 1, 5, 5 + NUMBER_WINDOW, 0, 3]
-    d.router.delivered.clear()
-    relay(d, b"A", TextOutputs(step=0, deltas=[], number=2**62, replica=1))
-    assert not r.up and d.violations == 1
-    assert [(type(m), m.actor) for _, m in d.router.delivered] == [(ActorDown, a) for a in r.names.actors]
-    assert "protocol violation" in d.router.delivered[0][1].reason
-    joined(d)
-    d.router.delivered.clear()
-    relay(d, b"A", TextOutputs(step=0, deltas=[], number=2**62 + 1, replica=1))  # (the client's link was reset)
-    assert r.up and [m.number for _, m in d.router.delivered] == [2**62 + 1]
+    assert [m.number for _, m in d.router.delivered if isinstance(m, TextOutputs)] == numbers
+    for violation in (1, 2):
+        d.router.delivered.clear()
+        jump = 2 ** (61 + violation)  # (2**62 after 3, then 2**63 after 2**62 + 1)
+        relay(d, b"A", TextOutputs(step=0, deltas=[], number=jump, replica=1))
+        assert not r.up and d.violations == violation
+        assert [(type(m), m.actor) for _, m in d.router.delivered] == [(ActorDown, a) for a in r.names.actors]
+        assert "protocol violation" in d.router.delivered[0][1].reason
+        assert f"no new epoch for {QUARANTINE_S * violation:.0f} s" in d.router.delivered[0][1].reason
+        welcomes = len(d.sock.sent)
+        for _ in range(violation):
+            d._on_hello(ReplicaHello(replica=1, epoch=0), b"A")
+            assert not r.up and len(d.sock.sent) == welcomes, "barred: no Welcome"
+            clock.now += QUARANTINE_S
+        joined(d)
+        d.router.delivered.clear()
+        relay(d, b"A", TextOutputs(step=0, deltas=[], number=jump + 1, replica=1))  # (the client's link was reset)
+        assert r.up and [m.number for _, m in d.router.delivered] == [jump + 1]

@@ -54,6 +54,7 @@ def rounded(case: Case, dtype: torch.dtype) -> Case:
 
 
 def check(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """NaN exactly where the reference has NaN; elsewhere within TOL[dtype] of it, relative to its largest magnitude."""
     nan = want.isnan()
     assert torch.equal(out.isnan(), nan)
     ok = want[~nan]

@@ -44,6 +44,7 @@ def cluster_secret() -> str:
 
 @functools.cache
 def _stretched(secret: str, role: str) -> bytes:
+    """32 bytes of `secret` for `role` (PBKDF2-HMAC-SHA256, 100,000 rounds: slow to guess, not strong if it is weak)."""
     return hashlib.pbkdf2_hmac("sha256", secret.encode(), f"sluice-cluster-{role}".encode(), 100_000)
 
 

@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gpu.distributed.store import SealedStore, gang_key, interface_toward, listener
+from gpu.distributed.store import SealedStore, gang_key, interface_toward, listener, master_address
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ def rendezvous(url: str, size: int, first: bool, key: bytes = b"") -> tuple[dist
 
     "file://<path>" on one node: a file in the server's private runtime directory (nothing listens; gloo's and NCCL's
     sockets bound to loopback). "tcp://<host>:<port>/<gang>" across nodes: the first rank's TCPStore listening on
-    <host> only (port 0: a free one), every value sealed under a key of this gang from `key` (the cluster's store key:
+    <host> only (port 0: a free one; a name resolved once, there, and the URL given the others numeric: a name that
+    resolves to loopback is refused), every value sealed under a key of this gang from `key` (the cluster's store key:
     actors/runtime/curve.py's `derive`) and its keys under a prefix derived so too (never the secret itself); gloo and
     NCCL bound to this node's interface toward <host> unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise
     (gpu/distributed/store.py; docs/OPERATIONS.md)."""
@@ -106,16 +107,29 @@ def rendezvous(url: str, size: int, first: bool, key: bytes = b"") -> tuple[dist
         raise ValueError("a store across nodes is sealed with the cluster's key: none given")
     address, _, gang = where.partition("/")
     host, _, port = address.rpartition(":")
+    host = master_address(host) if first else host
     _bind_collectives(interface_toward(host), force=False)
     if first:
-        sock = listener(host)
-        port = sock.getsockname()[1]  # (the store owns the socket from here)
-        tcp = dist.TCPStore(host, port, size, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
+        tcp, port = _master(host, size)
         url = f"tcp://{host}:{port}/{gang}"
     else:
         tcp = dist.TCPStore(host, int(port), size, is_master=False)
     prefix = gang_key(key, url, "prefix").hex()[:32]
     return SealedStore(dist.PrefixStore(prefix, tcp), gang_key(key, url, "seal")), url
+
+
+def _master(host: str, size: int) -> tuple[dist.TCPStore, int]:
+    """The store's server on a socket listening on `host` only, and its port."""
+    sock = listener(host)
+    port = sock.getsockname()[1]
+    try:
+        tcp = dist.TCPStore(host, port, size, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno())
+    except TypeError:  # (its arguments refused before it took the socket)
+        sock.close()
+        raise
+    finally:
+        sock.detach()  # (the store owns the socket: it closes it, also when it fails once it took it)
+    return tcp, port
 
 
 def _bind_collectives(interface: str, force: bool) -> None:

@@ -9,8 +9,13 @@ encrypted (HMAC-SHA256 in counter mode under a fresh nonce) and authenticated (H
 nonce and the ciphertext) under keys the ranks derive from the cluster secret and the gang's URL. A client without the
 secret still connects, sees the keys' names and their sizes, and can delete or overwrite them; it reads no value, and
 a value it writes (or copies from another key, or another gang) is refused when a rank reads or waits for it: the
-rendezvous fails, naming the key, instead of taking an intruder's address. gloo's and NCCL's own connections are not
-covered: docs/OPERATIONS.md ("What is protected, and what is not").
+rendezvous fails, naming the key, instead of taking an intruder's address; a flag it forges (`check`: ProcessGroupNCCL
+polls "exception_dump" and "remote_error" in the store) reads as absent. `add` counters are not sealed (the server
+adds): a client without the secret can forge them (no rendezvous key of ours is one). gloo's and NCCL's own
+connections are not covered: docs/OPERATIONS.md ("What is protected, and what is not").
+
+The store listens on the master's address, resolved once by the first rank (`master_address`: a name resolving to a
+loopback address is refused; the numeric address goes in the URL the other ranks are given).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ NONCE, TAG = 16, 32
 
 
 class SealedStore(dist.Store):
-    """`inner` with every value sealed under `key` (module docstring). `add` counters pass unsealed (a counter is no
-    secret; none of the rendezvous's keys is one)."""
+    """`inner` with every value sealed under `key` (module docstring). `add` counters pass unsealed and unauthenticated
+    (a counter is no secret, and one without the key can forge it; none of the rendezvous's keys is one)."""
 
     def __init__(self, inner: dist.Store, key: bytes):
         super().__init__()
@@ -37,12 +42,14 @@ class SealedStore(dist.Store):
         self.cipher, self.mac = (hmac.digest(key, label, "sha256") for label in (b"encrypt", b"authenticate"))
 
     def set(self, key: str, value: bytes | str) -> None:
+        """`value` sealed under a fresh nonce: nonce, tag, ciphertext."""
         value = value.encode() if isinstance(value, str) else bytes(value)
         nonce = os.urandom(NONCE)
         body = self._xor(nonce, value)
         self.inner.set(key, nonce + self._tag(key, nonce + body) + body)
 
     def get(self, key: str) -> bytes:
+        """`key`'s value (waits for it, as the inner store's get), authenticated: ValueError naming a forged one."""
         sealed = self.inner.get(key)
         nonce, tag, body = sealed[:NONCE], sealed[NONCE : NONCE + TAG], sealed[NONCE + TAG :]
         if len(sealed) < NONCE + TAG or not hmac.compare_digest(tag, self._tag(key, nonce + body)):
@@ -57,22 +64,36 @@ class SealedStore(dist.Store):
             self.get(key)
 
     def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
+        """Whether every key is there with a value sealed under this key: one a client without the secret wrote (or
+        copied) counts as absent, so it cannot raise ProcessGroupNCCL's flags (a dump, an abort)."""
+        if not self.inner.check(keys):
+            return False
+        try:
+            for key in keys:
+                self.get(key)
+        except ValueError:
+            return False
+        return True
 
     def add(self, key: str, amount: int) -> int:
+        """The inner store's counter (unsealed: anyone reaching the store can forge it)."""
         return self.inner.add(key, amount)
 
     def delete_key(self, key: str) -> bool:
+        """Whether `key` was there (and is no more)."""
         return self.inner.delete_key(key)
 
     def num_keys(self) -> int:
+        """How many keys the server holds (every gang's and a stranger's alike: no secret)."""
         return self.inner.num_keys()
 
     def _tag(self, key: str, sealed: bytes) -> bytes:
+        """The MAC of `sealed` (nonce and ciphertext) bound to the key's name: a value moved to another key fails."""
         name = key.encode()
         return hmac.digest(self.mac, len(name).to_bytes(4, "big") + name + sealed, "sha256")
 
     def _xor(self, nonce: bytes, data: bytes) -> bytes:
+        """`data` XOR the key stream of `nonce` (HMAC-SHA256 of nonce and counter): encrypts and decrypts."""
         blocks = range(-(-len(data) // 32))
         stream = b"".join(hmac.digest(self.cipher, nonce + i.to_bytes(8, "big"), "sha256") for i in blocks)
         return bytes(a ^ b for a, b in zip(data, stream, strict=False))
@@ -81,6 +102,27 @@ class SealedStore(dist.Store):
 def gang_key(key: bytes, url: str, purpose: str) -> bytes:
     """A key of one gang (its rendezvous `url`, which names it) for `purpose`, from the cluster's store key."""
     return hmac.digest(key, f"{purpose} {url}".encode(), hashlib.sha256)
+
+
+def master_address(host: str) -> str:
+    """`host`'s numeric address, resolved once (the first of getaddrinfo's answers): the store listens there and the
+    other ranks are given it, never a name each might resolve to another of its addresses. A name that resolves to
+    a loopback address (Debian's /etc/hosts maps a node's own name to 127.0.1.1) is refused: no other node could
+    reach it. A loopback address given as such (127.0.0.1: every "node" on one host) is taken."""
+    address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][4][0]
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback and not _numeric(host):
+        raise ValueError(f"--master-addr {host!r} resolves to {address}, a loopback address: the other nodes cannot "
+                         "reach the gang's store there; give the address (or a name of it) that they reach")  # fmt: skip
+    return address
+
+
+def _numeric(host: str) -> bool:
+    """Whether `host` is an IP address as written (not a name)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def listener(host: str) -> socket.socket:
@@ -107,7 +149,7 @@ def interface_toward(host: str) -> str:
 
 
 class _IfAddrs(ctypes.Structure):
-    pass
+    """struct ifaddrs (getifaddrs(3)): one address of one interface, linked to the next."""
 
 
 _IfAddrs._fields_ = [
