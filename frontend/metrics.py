@@ -107,7 +107,7 @@ class Metrics:
         )
         self.protocol = ProtocolCounts()  # the HTTP actor's (its RequestTable counts in it)
         self.num_tombstones: Callable[[], int] = lambda: 0
-        # per replica: (engine, restarts of its processes, the back-off its next restart waits): frontend/readiness.py
+        # per replica: (engine, restarts of its processes, the seconds left of its back-off): frontend/readiness.py
         self.restarts: Callable[[], list[tuple[int, int, float]]] = lambda: []
         self.num_background_responses: Callable[[], int] = lambda: 0  # (the Responses endpoint's)
         self.engine: dict[int, EngineStats] = {}  # by replica: the latest report (none: all zero)
@@ -204,7 +204,7 @@ class _Snapshots:
         restarts = m.restarts()
         doc = "Restarts of the engine replica's processes (the supervisor's count)."
         yield self.family(counter, "engine_restarts", doc, rows=[((k,), n) for k, n, _ in restarts])
-        doc = "Seconds until the engine replica's next restart (past its restart intensity; else 0)."
+        doc = "Seconds left of the engine replica's restart back-off (past its restart intensity; else 0)."
         yield self.family(gauge, "engine_restart_backoff_seconds", doc, rows=[((k,), s) for k, _, s in restarts])
         serving = [((r.index,), int(r.serves)) for r in m.replicas.all]
         yield self.family(gauge, "dp_engine_serving", "1 while the engine replica is routed to, 0 while down.",

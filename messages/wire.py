@@ -180,7 +180,7 @@ class RequestOutput(msgspec.Struct, array_like=True, kw_only=True):
 class StepOutputs(Msg, kw_only=True):
     """scheduler -> detokenizer: everything one engine step produced (one message per step)."""
 
-    step: int  # numbered from 0 per engine incarnation (-1: unnumbered)
+    step: int  # numbered from 0 per engine incarnation (the engine numbers every one; -1: unnumbered)
     outputs: list[RequestOutput]
     recent: list[tuple[int, list[str]]] = []  # the request ids of the numbered ones before (actors.protocol.SentNames)
 

@@ -1,10 +1,15 @@
 """A request that raises while the scheduler plans or post-processes it fails alone (actors/engine/isolation.py):
 it ends with exactly one error output after the tokens it reported, every other request outputs what an unbatched
 run does (tests.scheduler_harness's oracle), nothing it held is left (blocks, slots, in-flight counts), and no
-cached block it registered without computing is handed out (the harness reads every row's context back from KV)."""
+cached block it registered without computing is handed out (the harness reads every row's context back from KV).
+What is not one request's fault (MemoryError, RecursionError, a failure that leaves the shared ledgers corrupt)
+propagates: the engine process dies and restarts clean."""
+
+import logging
 
 import pytest
 
+from actors.engine.isolation import INTERNAL_ERROR
 from actors.runtime.faults import FaultInjector, FaultPlan, FaultRule, InjectedFault
 from tests.scheduler_harness import Harness, expected, prompts
 from tests.test_beam_search import Engine
@@ -20,6 +25,7 @@ class Failing(Harness):
         for out in self.sched.drain_failed():
             assert out.request_id not in self.finish and out.seq == len(self.tokens[out.request_id])
             self.finish[out.request_id] = (out.finish_reason, out.stop_reason)
+        assert self.sched.ledger_error() is None  # (a failure handled alone leaves every ledger consistent)
         return batch
 
 
@@ -166,3 +172,101 @@ def test_a_request_that_fails_as_it_is_admitted_leaves_nothing_held(monkeypatch)
     reqs = workload(h)
     h.run()
     assert_alone(h, reqs, "r3")
+
+
+@pytest.mark.parametrize("at", ["_finish", "_settle"])
+def test_a_search_that_raises_as_it_ends_its_members_ends_every_member(monkeypatch, at):
+    """The group ends, then raises while it ends its second member (before or after that one finished): every member
+    still gets one error output and is freed (the engine reports idle: Engine.run)."""
+    eng = Engine(vocab=12)
+    real, raised = getattr(eng.sched, at), []
+
+    def failing(req, *args):
+        if req.request_id == "g0/1" and not raised:
+            raised.append(req)
+            raise InjectedFault(at)
+        return real(req, *args)
+
+    monkeypatch.setattr(eng.sched, at, failing)
+    rids = eng.search([1, 2, 0, 1], n=3, width=3, max_tokens=4, ignore_eos=True)
+    eng.run()
+    assert raised and [eng.answers[r] for r in rids] == [([], "error")] * 3
+
+
+def test_the_client_is_told_the_request_id_and_the_log_the_exception(monkeypatch, caplog):
+    """The exception's text (which may name other requests) goes to the log with its traceback, not to the client."""
+    h = Failing(max_model_len=MAX_MODEL_LEN)
+    h.sched.fault = raising("scheduler.update", "r1")
+    update, errors = h.sched.update, {}
+
+    def recording(*args):
+        outputs = update(*args)
+        errors.update((o.request_id, o.error) for o in outputs if o.error)
+        return outputs
+
+    monkeypatch.setattr(h.sched, "update", recording)
+    workload(h, n=2)
+    with caplog.at_level(logging.ERROR, "sluice.engine"):
+        h.run()
+    assert errors == {"r1": INTERNAL_ERROR}
+    (record,) = [r for r in caplog.records if r.message.startswith("[r1]")]
+    assert record.exc_info[0] is InjectedFault and "InjectedFault" in caplog.text
+
+
+@pytest.mark.parametrize("error", [MemoryError, RecursionError])
+def test_what_is_not_one_requests_fault_propagates(error):
+    h = Failing(max_model_len=MAX_MODEL_LEN)
+
+    def fault(site, rid):
+        if rid == "r1":
+            raise error()
+
+    h.sched.fault = fault
+    workload(h, n=3)
+    with pytest.raises(error):
+        h.run()
+
+
+def corrupt(h: Harness, how: str) -> None:
+    s = h.sched
+    if how == "refcount":
+        s.block_manager.ref_counts[s.requests["r0"].block_table[0]] += 1
+    elif how == "free queue":
+        s.block_manager.free_queue[s.requests["r0"].block_table[0]] = None
+    elif how == "slot":
+        s.free_slots.append(s.requests["r0"].slot)
+    else:  # a request dropped from its queue (a preemption that failed half-way)
+        s.running.remove(s.requests["r0"])
+
+
+@pytest.mark.parametrize("how", ["refcount", "free queue", "slot", "queue"])
+def test_a_failure_that_leaves_a_shared_ledger_corrupt_propagates(monkeypatch, how):
+    """r2 raises after it broke what every request shares: carrying on could mix KV between requests, so the
+    scheduler raises (the engine process dies and restarts clean) instead of failing r2 alone."""
+    h = Failing(max_model_len=MAX_MODEL_LEN)
+    workload(h)
+    h.step()
+    plan = h.sched._plan
+
+    def corrupting(req, budget, chunk):
+        if req.request_id == "r2":
+            corrupt(h, how)
+            raise InjectedFault("after it broke a shared ledger")
+        return plan(req, budget, chunk)
+
+    monkeypatch.setattr(h.sched, "_plan", corrupting)
+    with pytest.raises(RuntimeError, match="ledgers are corrupt after request r2 failed") as caught:
+        h.step()
+    assert isinstance(caught.value.__cause__, InjectedFault)
+
+
+def test_the_schedule_hook_counts_the_steps_a_request_is_planned_in():
+    """A queue head blocked (a CFG pair short of slots behind a running request) is not planned: the raise rule's
+    skip counts only the steps its rows are planned in (its admission, then one), so it fails at its third."""
+    h = Failing(max_num_seqs=2, max_model_len=MAX_MODEL_LEN)
+    h.sched.fault = raising("scheduler.schedule", "guided", skip=2)
+    reqs = workload(h, n=1)
+    h.add("guided", [7, 8, 9], negative=[1, 2], max_tokens=8, ignore_eos=True)
+    h.run()
+    assert_alone(h, reqs, "guided")
+    assert h.finish["guided"] == ("error", None) and len(h.tokens["guided"]) == 2

@@ -20,7 +20,8 @@
   continues it in place (its next row feeds the one new token).
 - Scores are vLLM's: cumulative logprob / length ** length_penalty, the length counting the prompt and the output
   but not an ending token, compared as `beam_score` keys (never overflowing, for any finite length_penalty: vLLM
-  does not bound it). The search ends when `width` hypotheses have ended and early_stopping says so (true: at once;
+  does not bound it; past |length_penalty| x ln(longest) = 575 they are log magnitudes, which rank as vLLM's finite
+  values do, but for near-ties within float rounding, up to where vLLM's own formula fails: `beam_score`). The search ends when `width` hypotheses have ended and early_stopping says so (true: at once;
   false: once no running beam can score better at its current length; "never": nor at its longest, with a positive
   length_penalty), when no beam continues, or at max_tokens / max_model_len, where the running beams end ("length")
   and compete too, unless the search was done (HF's finalize). The `width` best hypotheses are kept, best first;
@@ -43,16 +44,20 @@ from messages.wire import FinishReason, TokenLogprobs
 
 Ending = tuple[FinishReason, int | None]  # why a token ends a beam: ("stop", the stop token id or None for EOS)
 Score = tuple[int, float]  # beam_score's: greater is better
-# vLLM's formula stays in float range for every length of a search when |length_penalty| x log(its longest length)
-# is at most this: the scale is within e^+-575 (1e+-250), and a sum of float32 logprobs over it a normal float.
+# Up to this |length_penalty| x log(a search's longest length) the formula is evaluated as vLLM does: the scale is
+# within e^+-575 (1e+-250), so it and a sum of float32 logprobs over it stay normal floats at every length. vLLM's
+# own evaluation stays finite a little further (length ** length_penalty overflows past ~709, raising OverflowError,
+# for a positive penalty; underflows to a division by zero past ~744 for a negative one); between 575 and there the
+# log form ranks the same scores alike, differing from vLLM's only where two are equal within float rounding.
 EXACT_LOG_SCALE = 575.0
 
 
 def beam_score(cum_logprob: float, length: int, length_penalty: float, longest: int) -> Score:
     """vLLM's score, cum_logprob / length ** length_penalty, as a sort key that never overflows: (0, the score) when
-    that formula stays in float range at every length up to the search's `longest` (exactly vLLM's order), else
-    (sign, sign x log|score|), log|score| = log|cum_logprob| - length_penalty x log(length): the same order, where
-    the formula would overflow (OverflowError) or underflow to a division by zero."""
+    |length_penalty| x log(the search's `longest`) <= EXACT_LOG_SCALE (exactly vLLM's values and order), else
+    (sign, sign x log|score|), log|score| = log|cum_logprob| - length_penalty x log(length): the same order as the
+    exact scores (vLLM's where its formula is still finite, but for near-ties within float rounding), also where
+    that formula would overflow (OverflowError) or underflow to a division by zero."""
     if abs(length_penalty) * math.log(longest) <= EXACT_LOG_SCALE:
         return 0, cum_logprob / length**length_penalty
     if cum_logprob == 0:

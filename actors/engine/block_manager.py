@@ -21,12 +21,14 @@ Prefix caching (on unless `enable_caching=False`):
 - Reference counts: each sequence whose table holds a block counts once. A block whose count drops to 0 goes to
   the free queue (oldest first), keeping its hash: it is evictable but still a hit until allocation takes it.
   A sequence's blocks are queued last block first, so its tail is evicted before its head.
-- Idle invariant: no block referenced; every block free, cached or not.
+- Idle invariant: no block referenced; every block free, cached or not. `ledger_error` checks the counts against
+  every block table (the scheduler, after a request failed alone: actors/engine/isolation.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from actors.engine.request import Companion, EngineRequest
 from actors.prefix_hash import ANCHOR_BYTES, extend, is_anchor
@@ -109,6 +111,19 @@ class BlockManager:
         self.cached.clear()
         self.anchors.clear()
         self.block_hash = [None] * self.num_blocks
+
+    def ledger_error(self, tables: Iterable[list[int]]) -> str | None:
+        """What is inconsistent, given every sequence's block table (O(blocks); after a failure, never per step):
+        each block's reference count is the number of tables holding it, and it is in the free queue iff none does."""
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for block in table:
+                counts[block] += 1
+        if counts != self.ref_counts:
+            return "a block's reference count is not the number of block tables holding it"
+        if len(self.free_queue) != counts.count(0) or any(counts[block] for block in self.free_queue):
+            return "the free queue is not the unreferenced blocks"
+        return None
 
     # ---------------------------------------------------------------- growth and release
 

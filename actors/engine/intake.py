@@ -42,7 +42,7 @@ from actors.engine.guidance import guidance_error
 from actors.engine.request import EngineRequest
 from actors.protocol import CLIENT_COPIES, DETOK_COPIES, RecentIds, next_attempt
 from messages.sampling_params import ParamError
-from messages.wire import Abort, AbortAck, AbortReason, ActorDown, AddRequest, ErrorKind, RequestOutput, StepOutputs
+from messages.wire import Abort, AbortAck, AbortReason, ActorDown, AddRequest, ErrorKind, RequestOutput
 
 log = logging.getLogger("sluice.engine")
 
@@ -166,7 +166,8 @@ class RequestIntake:
             error_param=param,
             attempt=msg.attempt,
         )
-        self.tell(self.config.replica.detokenizer, StepOutputs(step=-1, outputs=[out]))
+        self.sched.hold_failed([out])  # (for the next numbered StepOutputs: an idle loop wakes to send it)
+        self._work.set()
 
     async def _compile(self, msg: AddRequest) -> None:
         """A constrained request's matcher, compiled off the loop; then it joins the queue (unless aborted)."""

@@ -197,14 +197,15 @@ class RequestLedger:
             for seq in req.sequences:
                 seq.num_computed_tokens = 0
             return None
-        self.waiting.popleft()
+        self.inject("scheduler.schedule", req)
         if req.status is RequestStatus.WAITING:
             self.prompt_tokens_total += req.num_prompt_tokens
             req.num_cached_tokens = min(req.sequences[0].num_computed_tokens, req.num_prompt_tokens)
             self.block_manager.queries += req.num_prompt_tokens
             self.block_manager.hits += req.num_cached_tokens
+        self.waiting.popleft()  # (with the next two: a failure anywhere finds it where its status says)
         req.status = RequestStatus.RUNNING
-        self.running.append(req)  # (at once: a failure from here on finds it where its status says)
+        self.running.append(req)
         for seq, blocks in zip(req.sequences, hits, strict=True):  # every hit out of the free queue first: a
             seq.slot = self.free_slots.pop()  # new block taken from it could be another sequence's hit
             self.block_manager.allocate(seq, 0, blocks)

@@ -2,7 +2,8 @@
 
 The worker's process died (ActorDown), or a step will never report (worker_link.WorkerLost: a lost, reordered or
 late StepResult, a gap, a step that raised there, a step that hung: the worker is restarted): every step in flight
-is dropped (an empty StepOutputs keeps its step number, so the detokenizer sees no gap), every running request is
+is dropped (an empty StepOutputs keeps its step number, so the detokenizer sees no gap; the first carries the terminal
+outputs held, a poison request's among them: actors/engine/step_outputs.py), every running request is
 preempted and recomputes on a fresh worker state (a new epoch: every request is new to the worker again) once the
 worker is up, and the prefix cache is forgotten. Clients see a pause, never an error, unless a request is blamed
 for `max_step_failures` steps that killed the worker, raised or hung there (a poison request): that one fails alone
@@ -17,7 +18,7 @@ import time
 
 from actors.engine.request import EngineRequest
 from actors.engine.worker_link import ProcessWorker, WorkerLost
-from messages.wire import ActorDown, StepOutputs
+from messages.wire import ActorDown
 
 log = logging.getLogger("sluice.engine")
 
@@ -33,7 +34,7 @@ class WorkerRecovery:
         hit: dict[str, EngineRequest] = {}
         for batch, *_ in inflight:
             hit.update((req.request_id, req) for req in self.sched.drop(batch))
-            self._no_outputs(batch.step)
+        dropped = [batch.step for batch, *_ in inflight]
         inflight.clear()
         self.sched.forget_device_state()
         self.epoch, self.seq, self.freed = time.monotonic_ns(), 0, []
@@ -45,7 +46,9 @@ class WorkerRecovery:
             if req.failed_steps >= self.config.max_step_failures and not req.is_finished:
                 error = f"the worker failed {req.failed_steps} steps of this request ({reason})"
                 log.error("[%s] %s", req.request_id, error)
-                self.tell(self.config.replica.detokenizer, StepOutputs(step=-1, outputs=self.sched.fail(req, error)))
+                self.sched.hold_failed(self.sched.fail(req, error))
+        for step in dropped:  # (the first carries the failures held: actors/engine/step_outputs.py)
+            self._report(step, [])
         self._send_acks()
         t0 = time.monotonic()
         await self.link.ready()

@@ -17,8 +17,9 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
   and is not re-admitted until its in-flight sample is known, so it resumes from prompt + output
   and produces exactly the tokens it would have produced without preemption.
 - Speculative decoding: actors/engine/lookahead.py; beam search: actors/engine/beams.py.
-- Each request's planning and each of its results are `isolated`: what one raises fails that request alone (its
-  rows of the step taken back; its terminal output in `failed`, or in the step's outputs: actors/engine/isolation.py).
+- Each request's planning and each of its results run in a `try` that hands what it raises to `_failed`, with the
+  request's `snapshot` as it began: that request fails alone (its rows of the step taken back; its terminal output in
+  `failed`, or in the step's outputs: actors/engine/isolation.py).
 - A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot. A request in
   `isolate_after` failed steps (a suspected poison: the worker died in them) runs in steps of its own.
 Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
@@ -45,7 +46,7 @@ from collections.abc import Callable, Iterable
 from actors.engine.beams import beam_plan
 from actors.engine.block_manager import BlockManager
 from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
-from actors.engine.isolation import RequestIsolation
+from actors.engine.isolation import RequestIsolation, snapshot
 from actors.engine.lifecycle import RequestLedger
 from actors.engine.lookahead import Lookahead
 from actors.engine.metrics import SpecStats
@@ -86,7 +87,7 @@ class Scheduler(Lookahead, RequestIsolation, RequestLedger):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec = SpecStats()
-        self.failed: list[RequestOutput] = []  # terminal outputs of requests whose planning failed (drain_failed)
+        self.failed: list[RequestOutput] = []  # terminal outputs for the next numbered StepOutputs (drain_failed)
 
     # ---------------------------------------------------------------- requests
 
@@ -125,35 +126,43 @@ class Scheduler(Lookahead, RequestIsolation, RequestLedger):
             i += 1
             if self._waits(req) or suspect not in (None, req):
                 continue
-            with self.isolated(req, self.failed, planning=True):  # (each request's planning fails it alone)
-                self.inject("scheduler.schedule", req)
+            before = snapshot(req)
+            try:  # (each request's planning fails it alone)
                 plan = self._plan(req, budget, chunk)
                 short = short or not self.block_manager.may_grow(plan)
                 if not self._make_room(req, plan):
                     break
+                self.inject("scheduler.schedule", req)
                 self.block_manager.grow(plan)
-                planned.append((req, plan))
-                budget -= sum(n for _, n in plan)
-            if req.is_finished:  # (it failed: it left the running list)
-                i -= 1
-        for req, plan in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
-            with self.isolated(req, self.failed, planning=True):
+            except Exception as e:
+                self._failed(req, before, e, self.failed, planning=True)
+                i -= 1  # (it left the running list)
+                continue
+            planned.append((req, plan, before))
+            budget -= sum(n for _, n in plan)
+        for req, plan, before in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
+            try:
                 if row_drafts := self._lookahead(req, plan, budget, drafts or {}):
                     plan = [(seq, n + len(row_drafts)) for seq, n in plan]  # (each sequence feeds them)
                     self.block_manager.append_slots(req, plan[0][1])  # (the companion's grow with its row)
                     budget -= len(row_drafts) * len(plan)
                 self._add_rows(batch, req, plan, row_drafts)
+            except Exception as e:
+                self._failed(req, before, e, self.failed, planning=True)
         # Admit FIFO, not in a step short of blocks.
         while self.waiting and budget > 0 and self.free_slots and not short and suspect is None:
             req = self.waiting[0]
             if self._suspect(req) and batch.rows:
                 break
-            with self.isolated(req, self.failed, planning=True):
-                self.inject("scheduler.schedule", req)
+            before = snapshot(req)
+            try:
                 if (fed := self._admit(batch, req, budget, chunk)) is None:
                     break  # strict FIFO: the head waits for its in-flight sample, for slots, budget or free blocks
-                budget -= fed
-                suspect = req if self._suspect(req) else None
+            except Exception as e:
+                self._failed(req, before, e, self.failed, planning=True)
+                continue
+            budget -= fed
+            suspect = req if self._suspect(req) else None
         if batch.rows:
             self.in_flight.append(batch.step)
             self.next_step += 1
@@ -185,12 +194,18 @@ class Scheduler(Lookahead, RequestIsolation, RequestLedger):
                 n = next(emitted)
                 tokens, at, pos = sampled[pos : pos + n], pos, pos + row.num_samples
                 req.num_pending_tokens -= 1
-                with self.isolated(req, outputs):  # (each request's results fail it alone)
+                before = snapshot(req)
+                try:  # (each request's results fail it alone)
                     self._apply(req, row, tokens, logprobs, at, outputs, searches)
+                except Exception as e:
+                    self._failed(req, before, e, outputs)
             self._settle(req)
         for req in searches:
-            with self.isolated(req, outputs):
+            before = snapshot(req)
+            try:
                 outputs += self._search_step(req)
+            except Exception as e:
+                self._failed(req, before, e, outputs)
         return outputs
 
     def drop(self, batch: BatchSpec) -> list[EngineRequest]:

@@ -13,15 +13,17 @@ every live request (reason "shutdown"), sends the acks, then stops the actor.
 Every AbortAck is sent after the StepOutputs of the step that last touched the request (one FIFO link).
 Every executed step sends one StepOutputs (possibly without entries), numbered by `step`, and so does
 the engine each time it goes idle: the detokenizer tells duplicates and lost messages by those numbers
-(actors/engine/step_outputs.py). A request whose planning or results raise fails alone, the engine goes on
-(actors/engine/isolation.py); the fault plan's raise rules reach the scheduler as its `fault` hook.
+(actors/engine/step_outputs.py). No StepOutputs is unnumbered: a terminal output made outside a step's results (a
+failed planning, a refused request, a poison request) goes first in the next numbered one. A request whose planning
+or results raise fails alone, the engine goes on (actors/engine/isolation.py); the fault plan's raise rules reach the
+scheduler as its `fault` hook.
 What the intake knows of the last 65536 ids is in its ledger (IntakeLedger).
 
 Test hooks: with `EngineConfig.step_gate`, a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
 a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile.
-With `EngineConfig.record_outputs`, every StepOutputs' [request id, seq, token ids] entries are appended to that
-file as it is sent: what the client must receive whatever the links do to it (a resumed copy's overwrite the
-positions it regenerates).
+With `EngineConfig.record_outputs`, every StepOutputs' [request id, seq, token ids] entries (all of them: every
+StepOutputs is numbered and goes through StepReports._report) are appended to that file as it is sent: what the
+client must receive whatever the links do to it (a resumed copy's overwrite the positions it regenerates).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
             "silent_aborts": sum(r.status is RequestStatus.ABORTED and r.abort_reason is None
                                  for r in self.sched.requests.values()),
             "compiling": self.intake.count(compiling=True), "resuming": self.intake.count(compiling=False),
-            "pending_asks": self.pending_asks,
+            "pending_asks": self.pending_asks, "unreported": len(self.sched.failed),
             "gate_permits": self.gate.permits or 0, "held_steps": int(self.gate.holding),
             "worker_requests": held + len(self.freed),
         }  # fmt: skip
@@ -177,7 +179,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
         compiling = [rid for rid, held in self.intake.held.items() if held.compiling]
         for rid in [*compiling, *(r.request_id for r in (*self.sched.waiting, *self.sched.running))]:
             self.on_abort(Abort(request_id=rid, reason="shutdown"))
-        await self.until(lambda: not (self.sched.has_unfinished() or self.sched.in_flight), timeout_s=10)
+        await self.until(lambda: not (self.sched.has_unfinished() or self.sched.in_flight or self.sched.failed), 10)
         self._stepping.cancel()  # before the device goes: the loop would send it the idle marker's frees
         await asyncio.wait([self._stepping])
         self._device.shutdown(wait=False, cancel_futures=True)
@@ -198,7 +200,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
             if len(inflight) < depth and not (inflight and self._must_sync()):
                 drafts = await self._propose() if self.proposer and not inflight else None
                 batch = self.sched.schedule(drafts)
-                self._send_failed()
                 if batch.rows:
                     if self.config.stats_to:
                         self._note_scheduled(batch)

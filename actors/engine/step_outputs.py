@@ -1,8 +1,12 @@
 """StepReports: what the scheduler actor (actors/engine/scheduler_actor.py) sends the detokenizer, a mixin on its
-state: a step's StepOutputs once it is postprocessed (numbered by the step), an empty one with a number of its own
-as the engine goes idle (a lost last step shows as a gap), and the terminal outputs of the requests whose planning
-failed (unnumbered, at once: actors/engine/isolation.py). With `EngineConfig.record_outputs`, each step's entries
-are recorded before they are sent.
+state: a step's StepOutputs once it is postprocessed (numbered by the step), an empty one numbered as each step the
+worker lost (actors/engine/recovery.py), and one with a number of its own as the engine goes idle (a lost last step
+shows as a gap). Every StepOutputs is numbered: the terminal outputs of requests that ended outside a step's results
+(a failed planning: actors/engine/isolation.py; a request the intake refused: intake.py; a poison request recovery
+failed) are held by the scheduler (`hold_failed`) and go first in the next one, so a lost one shows as a gap too
+(DESIGN I6, I7: the detokenizer repairs the requests it named) and none waits longer than the step in flight, or
+than the loop takes to wake (the intake wakes it) and send the idle marker. FIFO holds: a failed request's samples
+in the step in flight are discarded. With `EngineConfig.record_outputs`, every entry is recorded before it is sent.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from actors.engine.logprobs import collect_prompt_logprobs, entries, wanted_logp
 from actors.engine.worker_link import execute_step
 from gpu.batch import BatchSpec
 from messages.step import StepResult
-from messages.wire import StepOutputs
+from messages.wire import RequestOutput, StepOutputs
 
 log = logging.getLogger("sluice.engine")
 
@@ -28,34 +32,28 @@ class StepReports:
         want = wanted_logprobs(batch, self.sched.requests) if lp is not None else {}  # before update() ends any
         outputs = self.sched.update(batch, result.sampled, result.num_emitted, lp)
         for out in outputs:
-            if out.error:  # (a grammar matcher that failed; a request that raised here: actors/engine/isolation.py)
+            if out.error:  # (a grammar matcher that failed; a request that raised: logged with its traceback too)
                 log.error("[%s] failed: %s", out.request_id, out.error)
             if out.request_id in want:
                 start, n = want[out.request_id]
                 out.logprobs = entries(lp, start, start + len(out.new_token_ids), n)
-        if self._record:  # before the send: a kill -9 between the two must not leave a sent token unrecorded
-            self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
-        recent = self.names.stamp(batch.step, [out.request_id for out in outputs])
-        self.tell(self.config.replica.detokenizer, StepOutputs(step=batch.step, outputs=outputs, recent=recent))
+        self._report(batch.step, outputs)
         self._send_acks()
 
-    def _send_failed(self) -> None:
-        """The terminal outputs of the requests whose planning just failed, sent at once (nothing of them follows)."""
-        if failed := self.sched.drain_failed():
-            self.tell(self.config.replica.detokenizer, StepOutputs(step=-1, outputs=failed))
+    def _report(self, step: int, outputs: list[RequestOutput]) -> None:
+        """The StepOutputs numbered `step`: the terminal outputs held (module docstring), then `outputs`."""
+        outputs = [*self.sched.drain_failed(), *outputs]
+        if self._record:  # before the send: a kill -9 between the two must not leave a sent token unrecorded
+            self._record.write(msgspec.json.encode([[o.request_id, o.seq, o.new_token_ids] for o in outputs]) + b"\n")
+        recent = self.names.stamp(step, [out.request_id for out in outputs])
+        self.tell(self.config.replica.detokenizer, StepOutputs(step=step, outputs=outputs, recent=recent))
 
     def _idle_marker(self) -> None:
-        """An empty StepOutputs with a step number of its own, sent as the engine goes idle: a lost
-        last step shows as a gap at the detokenizer even when no other step follows."""
+        """A StepOutputs with a step number of its own (empty but for the terminal outputs held), sent as the engine
+        goes idle: a lost last step shows as a gap at the detokenizer even when no other step follows."""
         step, self.sched.next_step = self.sched.next_step, self.sched.next_step + 1
-        self._no_outputs(step)
+        self._report(step, [])
         if self.freed:  # the worker forgets the requests that just ended: a step without rows, not waited for
             msg, _ = execute_step(BatchSpec(step=step), {}, self.epoch, self.seq, self.freed)
             self.seq, self.freed = self.seq + 1, []
             self.link.submit(msg)
-
-    def _no_outputs(self, step: int) -> None:
-        """An empty StepOutputs numbered `step`: the detokenizer sees no gap in the step numbers."""
-        self.tell(
-            self.config.replica.detokenizer, StepOutputs(step=step, outputs=[], recent=self.names.stamp(step, []))
-        )

@@ -12,8 +12,10 @@ on the link, or after delay_ms (default 50) if none comes; while the link is sta
 `raise` applies at a code site instead of a link: {"action": "raise", "site": "scheduler.update", "request":
 "poison-*", "skip": 3} raises InjectedFault there for the requests whose id matches `request` (fnmatch: the
 server suffixes the ids it is given), once `skip` of its matches have passed; each site draws from its own RNG.
-Sites: "scheduler.schedule" (a request's planning of a step) and "scheduler.update" (a sampling row's results):
-the engine fails that request alone (actors/engine/isolation.py). Links never apply raise rules.
+Sites: "scheduler.schedule" (each step a request's rows are planned into: a running request's once it has room, a
+waiting one's as it is admitted, never a blocked attempt) and "scheduler.update" (a sampling row's tokens applied to a
+request still running): the engine fails that request alone (actors/engine/isolation.py). Links never apply raise
+rules.
 """
 
 from __future__ import annotations
