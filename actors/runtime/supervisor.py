@@ -8,22 +8,33 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING
+import multiprocessing
+from typing import Protocol
 
 from actors.runtime.actor import Actor, AskTimeout
+from actors.runtime.backoff import RestartPolicy
+from actors.runtime.router import Placement
 from messages.names import SUPERVISOR
 from messages.wire import Ping, Ready
 
-if TYPE_CHECKING:
-    from actors.runtime.system import ActorSystem
-
 log = logging.getLogger("sluice.supervisor")
+
+
+class Supervised(Protocol):
+    """What the supervisor reads of its system (actors/runtime/system.py's ActorSystem, which imports this module)."""
+
+    placement: Placement
+    children: dict[str, multiprocessing.process.BaseProcess]  # process -> its current child
+    state: dict[str, str]  # process -> starting | up | down | stopped
+    policy: RestartPolicy
+
+    def kill(self, proc: str) -> None: ...
 
 
 class Supervisor(Actor):
     name = SUPERVISOR
 
-    def __init__(self, system: ActorSystem):
+    def __init__(self, system: Supervised):
         super().__init__()
         self.system = system
         self.ready: dict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
