@@ -259,7 +259,9 @@ class StepNumbers:
 
 class StepGate:
     """A test hook that makes protocol races deterministic (EngineConfig.step_gate): `set(k)` lets k more
-    steps through `wait()` (None: all). A step held there is executed and still in flight."""
+    steps through `wait()` (None: all). A step held there is executed and still in flight: what goes in its
+    StepOutputs waits with it, the terminal outputs of requests the engine refuses or fails meanwhile among them
+    (actors/engine/step_outputs.py)."""
 
     def __init__(self):
         self.permits: int | None = None

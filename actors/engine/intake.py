@@ -166,8 +166,8 @@ class RequestIntake:
             error_param=param,
             attempt=msg.attempt,
         )
-        self.sched.hold_failed([out])  # (for the next numbered StepOutputs: an idle loop wakes to send it)
-        self._work.set()
+        self.sched.hold_failed([out])
+        self._report_held()  # (now, unless a step in flight carries it: actors/engine/step_outputs.py)
 
     async def _compile(self, msg: AddRequest) -> None:
         """A constrained request's matcher, compiled off the loop; then it joins the queue (unless aborted)."""

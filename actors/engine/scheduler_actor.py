@@ -14,13 +14,15 @@ Every AbortAck is sent after the StepOutputs of the step that last touched the r
 Every executed step sends one StepOutputs (possibly without entries), numbered by `step`, and so does
 the engine each time it goes idle: the detokenizer tells duplicates and lost messages by those numbers
 (actors/engine/step_outputs.py). No StepOutputs is unnumbered: a terminal output made outside a step's results (a
-failed planning, a refused request, a poison request) goes first in the next numbered one. A request whose planning
+failed planning, a refused request, a poison request) goes first in the StepOutputs of the step in flight, or at once
+under a number of its own when none is (a worker restarting holds none back). A request whose planning
 or results raise fails alone, the engine goes on (actors/engine/isolation.py); the fault plan's raise rules reach the
 scheduler as its `fault` hook.
 What the intake knows of the last 65536 ids is in its ledger (IntakeLedger).
 
 Test hooks: with `EngineConfig.step_gate`, a Probe(seq=k) lets k more steps be postprocessed (k < 0: all);
-a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile.
+a step waits, executed and still in flight, until it may go on. Handlers keep running meanwhile; the terminal
+outputs held for that step's StepOutputs (a refusal meanwhile among them) wait with it.
 With `EngineConfig.record_outputs`, every StepOutputs' [request id, seq, token ids] entries (all of them: every
 StepOutputs is numbered and goes through StepReports._report) are appended to that file as it is sent: what the
 client must receive whatever the links do to it (a resumed copy's overwrite the positions it regenerates).

@@ -4,9 +4,12 @@ worker lost (actors/engine/recovery.py), and one with a number of its own as the
 shows as a gap). Every StepOutputs is numbered: the terminal outputs of requests that ended outside a step's results
 (a failed planning: actors/engine/isolation.py; a request the intake refused: intake.py; a poison request recovery
 failed) are held by the scheduler (`hold_failed`) and go first in the next one, so a lost one shows as a gap too
-(DESIGN I6, I7: the detokenizer repairs the requests it named) and none waits longer than the step in flight, or
-than the loop takes to wake (the intake wakes it) and send the idle marker. FIFO holds: a failed request's samples
-in the step in flight are discarded. With `EngineConfig.record_outputs`, every entry is recorded before it is sent.
+(DESIGN I6, I7: the detokenizer repairs the requests it named). They are held only while a numbered step is
+outstanding (`Scheduler.in_flight`: planned, its number taken, not yet postprocessed or dropped), and go with it:
+with none outstanding every number below `next_step` is reported, so they go at once under a number of their own
+(a refusal by `_report_held`: it waits for no worker restart or back-off; a planning failure in a step without rows
+by the idle marker, as nothing else runs then: Scheduler's progress). FIFO holds: a failed request's samples in the step in flight are discarded, a refused one never ran. With
+`EngineConfig.record_outputs`, every entry is recorded before it is sent.
 """
 
 from __future__ import annotations
@@ -48,12 +51,23 @@ class StepReports:
         recent = self.names.stamp(step, [out.request_id for out in outputs])
         self.tell(self.config.replica.detokenizer, StepOutputs(step=step, outputs=outputs, recent=recent))
 
+    def _report_held(self) -> None:
+        """The terminal outputs held, sent now under a number of their own if no numbered step is outstanding (else
+        they go first in its StepOutputs); nothing goes to the worker (it may be down)."""
+        if self.sched.failed and not self.sched.in_flight:
+            self._report(self._new_number(), [])
+
     def _idle_marker(self) -> None:
         """A StepOutputs with a step number of its own (empty but for the terminal outputs held), sent as the engine
         goes idle: a lost last step shows as a gap at the detokenizer even when no other step follows."""
-        step, self.sched.next_step = self.sched.next_step, self.sched.next_step + 1
+        step = self._new_number()
         self._report(step, [])
         if self.freed:  # the worker forgets the requests that just ended: a step without rows, not waited for
             msg, _ = execute_step(BatchSpec(step=step), {}, self.epoch, self.seq, self.freed)
             self.seq, self.freed = self.seq + 1, []
             self.link.submit(msg)
+
+    def _new_number(self) -> int:
+        """A StepOutputs number no step holds: every step planned takes its own (`Scheduler.schedule`)."""
+        step, self.sched.next_step = self.sched.next_step, self.sched.next_step + 1
+        return step
