@@ -1,12 +1,14 @@
 """The Responses store's files (frontend/responses_api/db.py), checked with the OS's own view of them (lstat, fstat,
-inodes): the database, its -wal and its -shm are regular files of this server's user, or the store is refused (a 503
-naming the file and why, the file left as it was) until the operator removes it; files that other users could open
-before the store kept them private are rebuilt into a fresh private inode, every row kept; and whatever way they
-came to exist, the files end 0600 and Sluice's own directory 0700."""
+inodes): the database, its -wal, its -shm and its .lock are regular files of this server's user, or the store is
+refused (a 503 naming the file and why, the file left as it was) until the operator removes it; files that other
+users could open before the store kept them private are rebuilt into a fresh private inode, every row kept (by a
+later try if one fails); a second server on the same file is refused until the first closes it; and whatever way
+they came to exist, the files end 0600 and Sluice's own directory 0700."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sqlite3
@@ -38,6 +40,11 @@ UNSAFE = {  # name -> (what a hostile user could have left there, the file it na
     "the database a symlink": (lambda p, elsewhere: p.symlink_to(elsewhere), "", "is a symbolic link"),
     "its -wal a symlink": (lambda p, elsewhere: journal(p, "-wal").symlink_to(elsewhere), "-wal", "is a symbolic link"),
     "its -shm a fifo": (lambda p, elsewhere: os.mkfifo(journal(p, "-shm")), "-shm", "is not a regular file"),
+    "its lock a symlink": (
+        lambda p, elsewhere: journal(p, ".lock").symlink_to(elsewhere),
+        ".lock",
+        "is a symbolic link",
+    ),
     "the database another user's": (lambda p, elsewhere: foreign(p), "", f"belongs to user id {OTHER_UID}"),
     "its -wal another user's": (
         lambda p, elsewhere: foreign(journal(p, "-wal")),
@@ -71,7 +78,10 @@ async def test_a_file_that_is_not_ours_refuses_the_store(tmp_path, plant, suffix
     await store.close()
 
 
-async def test_files_others_could_open_are_rebuilt_into_a_private_inode(tmp_path):
+PRIVATE = dict.fromkeys(("r.sqlite3", "r.sqlite3-wal", "r.sqlite3-shm", "r.sqlite3.lock"), 0o600)
+
+
+async def left_open(tmp_path):
     """What an older server left after a crash: the database and its -wal 0644, a row only in the -wal."""
     live, path = tmp_path / "live.sqlite3", tmp_path / "r.sqlite3"
     store = ResponseStore(live)
@@ -81,16 +91,34 @@ async def test_files_others_could_open_are_rebuilt_into_a_private_inode(tmp_path
         os.chmod(journal(path, suffix), 0o644)
     await store.close()
     assert b"kept" not in path.read_bytes() and b"kept" in journal(path, "-wal").read_bytes()  # (in the -wal alone)
+    return path
+
+
+@pytest.mark.parametrize("fails", [0, 1], ids=["at once", "after a rebuild that failed"])
+async def test_files_others_could_open_are_rebuilt_into_a_private_inode(tmp_path, monkeypatch, fails):
+    """Also when the first rebuild fails (a full disk) once it made the files 0600: a later try does it."""
+    path = await left_open(tmp_path)
     opened = {suffix: os.open(journal(path, suffix), os.O_RDONLY) for suffix in ("", "-wal")}  # (another user's)
+    replace = os.replace
+
+    def full(*args):  # (the rebuild's last step, failing once)
+        monkeypatch.setattr(os, "replace", replace)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
     try:
+        if fails:
+            monkeypatch.setattr(os, "replace", full)
+            failed = ResponseStore(path)
+            with pytest.raises(Unavailable, match="No space left on device"):
+                await failed.put("resp_new", response("resp_new", "new"), [user("hi")])
+            await failed.close()
+            assert mode(path) == 0o600 and os.fstat(opened[""]).st_nlink == 1  # (private, but the old inode still)
         rebuilt = ResponseStore(path)
         assert await rebuilt.put("resp_new", response("resp_new", "new"), [user("hi")])
         assert msgspec.json.decode((await rebuilt.response("resp_old"))[0])["output"][0]["content"][0]["text"] == "kept"
         for fd in opened.values():  # (the old inodes are no file's now: nothing stored from now on reaches them)
             assert os.fstat(fd).st_nlink == 0
-        assert {f.name: mode(f) for f in tmp_path.iterdir() if f.name.startswith("r.")} == {
-            f: 0o600 for f in ("r.sqlite3", "r.sqlite3-wal", "r.sqlite3-shm")
-        }
+        assert {f.name: mode(f) for f in tmp_path.iterdir() if f.name.startswith("r.")} == PRIVATE  # (no copy left)
         await rebuilt.close()
     finally:
         for fd in opened.values():
@@ -124,4 +152,23 @@ async def test_the_files_end_private_however_they_came_to_exist(tmp_path):
     finally:
         os.umask(umask)
     await fresh.close()
-    assert created == {"made": 0o700} | dict.fromkeys(("r.sqlite3", "r.sqlite3-wal", "r.sqlite3-shm"), 0o600)
+    assert created == {"made": 0o700} | PRIVATE
+
+
+async def test_a_second_server_on_the_same_file_is_refused_until_the_first_closes(tmp_path):
+    """It would rebuild files it finds open to others under the first one's feet (its -wal and -shm unlinked)."""
+    path = tmp_path / "r.sqlite3"
+    first, second = ResponseStore(path), ResponseStore(path, retry_s=0)
+    assert await first.put("resp_a", response("resp_a", "a"), [user("hi")])
+    os.chmod(path, 0o644)
+    files = {suffix: os.stat(journal(path, suffix)).st_ino for suffix in ("", "-wal", "-shm")}
+    with pytest.raises(Unavailable) as e:
+        await second.response("resp_a")
+    assert e.value.status == 503 and e.value.retry_after_s == 1
+    assert f"{path} cannot be used: {path}.lock is in use by another server" in e.value.message, e.value.message
+    assert {suffix: os.stat(journal(path, suffix)).st_ino for suffix in files} == files
+    assert await first.put("resp_b", response("resp_b", "b"), [user("hi")])
+    await first.close()
+    assert (await second.response("resp_b"))[0] and (await second.response("resp_a"))[0]  # (rebuilt, every row kept)
+    assert mode(path) == 0o600 and os.stat(path).st_ino != files[""]
+    await second.close()

@@ -206,3 +206,26 @@ def test_a_store_that_fails_to_start_leaves_no_socket_listening():
     with pytest.raises(TypeError):
         rendezvous("tcp://127.0.0.1:0/gang-f", "two", True, KEY)  # (its arguments refused: it never took the socket)
     assert listening() == before
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["before it took the socket", "once it took and closed it"])
+def test_a_store_that_fails_with_any_error_leaves_no_socket_and_closes_nothing_twice(monkeypatch, taken):
+    """TCPStore failing with another error than TypeError, before it took the socket or (as torch 2.13 does, its
+    server closing the handle it opened) after taking and closing it, the number then reused by another file."""
+    reused = []
+
+    def failing(*args, master_listen_fd, **kwargs):
+        if taken:
+            os.close(master_listen_fd)
+            reused.append(os.open(os.devnull, os.O_RDONLY))  # (the lowest free number: the socket's)
+            assert reused == [master_listen_fd]
+        raise RuntimeError("The server socket has failed to listen on provided socket.")
+
+    monkeypatch.setattr(dist, "TCPStore", failing)
+    before = listening()
+    with pytest.raises(RuntimeError, match="failed to listen"):
+        rendezvous("tcp://127.0.0.1:0/gang-g", 2, True, KEY)
+    assert listening() == before
+    for fd in reused:  # (still open: not closed a second time on torch's behalf)
+        os.fstat(fd)
+        os.close(fd)

@@ -119,17 +119,32 @@ def rendezvous(url: str, size: int, first: bool, key: bytes = b"") -> tuple[dist
 
 
 def _master(host: str, size: int) -> tuple[dist.TCPStore, int]:
-    """The store's server on a socket listening on `host` only, and its port."""
+    """The store's server on a socket listening on `host` only, and its port. The store owns the socket once it has
+    it; torch 2.13 closes it itself when it fails after taking it (libuv's server closes the handle it opened on it; a
+    failure later destroys the server). So after any failure the socket is closed here only if its descriptor still
+    names it (never taken, or left): not twice, and never a file that reused the number."""
     sock = listener(host)
     port = sock.getsockname()[1]
+    ours = os.fstat(sock.fileno())
     try:
         tcp = dist.TCPStore(host, port, size, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno())
-    except TypeError:  # (its arguments refused before it took the socket)
-        sock.close()
+    except BaseException:
+        if _names(sock.fileno(), ours):
+            sock.close()
+        else:
+            sock.detach()
         raise
-    finally:
-        sock.detach()  # (the store owns the socket: it closes it, also when it fails once it took it)
+    sock.detach()  # (the store's now)
     return tcp, port
+
+
+def _names(fd: int, file: os.stat_result) -> bool:
+    """Whether `fd` is still open on `file`."""
+    try:
+        now = os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (file.st_dev, file.st_ino)
 
 
 def _bind_collectives(interface: str, force: bool) -> None:
