@@ -32,9 +32,9 @@ made before the store kept them private, and perhaps held open by another user s
 0600 file (VACUUM INTO a mkstemp file beside it, which reads the -wal too, renamed over the database; the old -wal
 and -shm deleted): whoever opened the old ones reads nothing stored after. That rebuild is decided from the modes
 found before any chmod and kept pending in the .lock file until it is done: one that fails (a full disk) is done by
-a later try. The .lock is held (flock) while the store is open, from before any rebuild or migration: a second
-server on the same file (unsupported: it would rebuild under the first one's feet) is refused, "in use by another
-server", until the first closes it. The directory is created 0700, and made 0700 when it is Sluice's own
+a later try. The .lock is flocked while the store is open: shared, and exclusive from before a rebuild or migration
+until it is done, which only a store alone on the file does (another server's open files are never replaced under
+it: its rebuild waits, pending, for a later open alone). The directory is created 0700, and made 0700 when it is Sluice's own
 (`own_dir`: the default, in the cache directory), left as it is when the operator chose it.
 """
 
@@ -111,11 +111,11 @@ def connect(path: Path, own_dir: bool, clean: Clean) -> Locked:
             os.chmod(path.parent, 0o700)
         except OSError as e:  # (its files are private even so)
             log.warning("the Responses store: cannot make %s mode 700: %s", path.parent, e.strerror)
-    lock = _lock(path)
+    lock, alone = _lock(path)
     try:
         for file in (path, *_journals(path)):
             _own(file, lock, create=file == path)
-        if mode := _pending(lock):
+        if (mode := _pending(lock)) and alone:  # (else pending, for an open alone)
             _rebuild(path, mode, lock)
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, factory=Locked)
     except BaseException:
@@ -132,6 +132,7 @@ def connect(path: Path, own_dir: bool, clean: Clean) -> Locked:
         if columns and "bytes" not in columns:
             _migrate(db, path, clean)
         db.executescript(_SCHEMA)
+        fcntl.flock(lock, fcntl.LOCK_SH)  # (others may open it now)
     except BaseException:
         db.close()
         raise
@@ -143,20 +144,22 @@ def _journals(path: Path) -> list[Path]:
     return [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm", "-journal")]
 
 
-def _lock(path: Path) -> int:
-    """`<db>.lock`, a file of ours made 0600 as the others are, locked (flock) for the store's lifetime: a second
-    server on the same file is refused until the first closes it (module docstring). Its descriptor."""
-    file = path.with_name(path.name + ".lock")
-    fd = _private(file, create=True)
+def _lock(path: Path) -> tuple[int, bool]:
+    """`<db>.lock`, a file of ours made 0600 as the others are, and flocked: exclusively if no other store has the
+    file open (then True: this one may rebuild and migrate it), else shared. Its descriptor."""
+    fd = _private(path.with_name(path.name + ".lock"), create=True)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd, True
+        except BlockingIOError:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (fails only while another rebuilds or migrates)
+            return fd, False
     except BaseException as e:
         os.close(fd)
         if isinstance(e, BlockingIOError):
-            raise OSError(f"{file} is in use by another server (it holds the lock): two servers need two "
-                          "--responses-db files") from None  # fmt: skip
+            raise OSError(f"{path}.lock is held by another server rebuilding or migrating the store") from None
         raise
-    return fd
 
 
 def _pending(lock: int) -> int:

@@ -15,7 +15,7 @@ Bounded, and what is stored is only what is rendered or what the API returns (it
 
 Opened lazily: `open()` (the HTTP actor's, in the background) tries once and never raises; every later call tries
 again while it is not open (at most every `retry_s`), so a store that could not be opened (a read-only or full disk,
-a file that is not SQLite, a file that is not ours, another server holding its .lock: db.py) serves once the cause
+a file that is not SQLite, a file that is not ours, another server rebuilding it: db.py) serves once the cause
 is gone. Until then each call raises a 503 naming the store's path and error, with Retry-After (`Unavailable`): only
 the Responses calls that need the store fail, chat and completions never touch it.
 
