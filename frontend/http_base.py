@@ -56,7 +56,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
 
     @property
     def responses_path(self) -> Path:
-        from gpu.convert import cache_dir
+        from gpu.loading.convert import cache_dir
 
         return Path(self.responses_db) if self.responses_db else cache_dir() / "responses.sqlite3"
 

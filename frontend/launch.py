@@ -37,10 +37,10 @@ from actors.runtime import (
 from actors.runtime.actor import Actor
 from frontend.http_base import HttpConfig
 from frontend.memory_check import MemoryNeed, check_memory, explain, memory_need
-from gpu.config import ModelConfig, ModelLoadError
-from gpu.convert import ConversionError, default_model_dir
-from gpu.runner import resolve_device
-from gpu.weights import check_checkpoint
+from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.loading.convert import ConversionError, default_model_dir
+from gpu.loading.weights import check_checkpoint
+from gpu.runner.model_runner import resolve_device
 from messages.names import HTTP, replica
 from messages.wire import Ping
 

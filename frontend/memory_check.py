@@ -3,7 +3,7 @@ killer would SIGKILL the engine while it loads: "process engine was killed by SI
 killed so while it starts or restarts is explained with the same figures and what to try (`explain`: the supervisor's
 hook, set by `sluice serve`, a replica's headless node and `sluice generate`).
 
-On CPU this node's engine processes hold the weights as served (gpu/memory.py `served_weight_bytes`, a floor) and the
+On CPU this node's engine processes hold the weights as served (gpu/runner/memory.py `served_weight_bytes`, a floor) and the
 KV cache (--kv-cache-memory-gb, default 1 GiB, or --num-kv-blocks blocks: actors/engine/executor.py), for each local
 replica, and under tensor parallelism this node's ranks' shares. That is refused when it is more than the kernel's
 MemAvailable (/proc/meminfo), unless --skip-memory-check. On CUDA the weights and the cache live on the device (sized
@@ -20,12 +20,12 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.executor import draft_configs, num_kv_blocks
 from actors.runtime import StartupError
-from gpu.config import ModelConfig, ModelLoadError
+from gpu.attention.kv_cache import bytes_per_block
 from gpu.distributed.group import TensorParallel
-from gpu.kv_cache import bytes_per_block
 from gpu.layers.parallel import local_config
-from gpu.memory import served_weight_bytes
-from gpu.runner import resolve_dtype
+from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.runner.memory import served_weight_bytes
+from gpu.runner.model_runner import resolve_dtype
 from messages.names import replica_of
 
 GIB = 1 << 30
@@ -78,7 +78,7 @@ class MemoryNeed:
 
 
 def device_type(engine: EngineConfig) -> str:
-    """The engine's device type, as gpu/runner.py's resolve_device picks it (without initializing CUDA here)."""
+    """The engine's device type, as gpu/runner/model_runner.py's resolve_device picks it (without initializing CUDA here)."""
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     return auto if engine.device == "auto" else torch.device(engine.device).type
 

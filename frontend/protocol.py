@@ -19,6 +19,7 @@ import msgspec
 
 from frontend.body import RequestError, decode_body, json_field, token_ids
 from frontend.budget import PromptInput, check_chars, check_total, fit, truncate, truncation
+from frontend.context import ServingContext
 from frontend.fields import (
     NOT_HONOURED_IN_CHAT,
     NOT_HONOURED_IN_COMPLETIONS,
@@ -30,25 +31,11 @@ from frontend.fields import (
 from frontend.guidance import negative_prompt_ids
 from frontend.reasoning import Reasoning, after_reasoning, request_reasoning
 from frontend.structured import structured_output
-from frontend.tokenizer import Tokenizer, chat_message
+from frontend.tokenizer import chat_message
 from frontend.tools import tool_grammar
-from messages.sampling_params import DEFAULT_LIMITS, ParamError, RequestLimits, SamplingParams, StructuredOutput
+from messages.sampling_params import ParamError, SamplingParams, StructuredOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-@dataclass(frozen=True)
-class ServingContext:
-    tokenizer: Tokenizer
-    model_names: list[str]  # the first one answers requests that name no model
-    max_model_len: int
-    vocab_size: int  # ids >= this are rejected: the model's vocabulary (embedding rows)
-    limits: RequestLimits = DEFAULT_LIMITS
-    model_dir: str | None = None  # where structured outputs find the tokenizer their grammars are compiled for
-    grammar_timeout_s: float = 10.0  # a structured output's spec must compile within this (frontend/structured.py)
-    tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
-    bos_token_id: int | None = None  # the model's (gpu.config.ModelConfig, as the engine's): CFG guides against it
-    reasoning_parser: str | None = None  # --reasoning-parser: chat outputs' reasoning split out (frontend/reasoning.py)
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ from aiohttp import web
 from actors.engine.grammar import warm
 from actors.routing import Replicas
 from actors.runtime import Actor
+from frontend.context import ServingContext
 from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_response, json_response, middleware
 from frontend.metrics import CONTENT_TYPE, Metrics
 from frontend.openapi import openapi
-from frontend.protocol import RequestError, ServingContext, new_request_id, parse_chat, parse_completion
+from frontend.protocol import RequestError, new_request_id, parse_chat, parse_completion
 from frontend.readiness import Readiness
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable

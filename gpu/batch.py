@@ -1,4 +1,4 @@
-"""The contract between the scheduler (actors/engine) and the model runner (gpu/runner.py).
+"""The contract between the scheduler (actors/engine) and the model runner (gpu/runner/model_runner.py).
 
 The scheduler describes a step in plain Python; the runner turns it into device tensors
 (`input_ids`, `positions`, `query_start_loc`, `seq_lens`, `slot_mapping`, `block_tables`,

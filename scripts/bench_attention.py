@@ -1,5 +1,5 @@
-"""Paged attention on CPU, float32: the native kernel (gpu/native/csrc/attention.cpp) against the torch path's
-padded segments (gpu/attention.py), one layer's call at SmolLM2-135M's shape (9 query heads over 3 KV heads of 64,
+"""Paged attention on CPU, float32: the native kernel (gpu/kernels/native/csrc/attention.cpp) against the torch path's
+padded segments (gpu/attention/torch_backend.py), one layer's call at SmolLM2-135M's shape (9 query heads over 3 KV heads of 64,
 blocks of 16), in the same run. The torch path is planned once per shape, as a step plans once for all its layers;
 only the call is timed.
 
@@ -17,8 +17,9 @@ import time
 import numpy as np
 import torch
 
-from gpu import native
-from gpu.attention import AttentionMetadata, TorchAttention
+from gpu.attention.metadata import AttentionMetadata
+from gpu.attention.torch_backend import TorchAttention
+from gpu.kernels import native
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 CASES = {  # label: rows of (queries, keys)

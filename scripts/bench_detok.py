@@ -21,7 +21,7 @@ from tokenizers.decoders import DecodeStream
 
 from actors.detokenizer.incremental import METHODS, IncrementalDetokenizer
 from actors.detokenizer.request_state import DetokRequestState
-from gpu.convert import DEFAULT_MODEL_NAME, cache_dir
+from gpu.loading.convert import DEFAULT_MODEL_NAME, cache_dir
 from messages.sampling_params import SamplingParams
 from messages.wire import AddRequest, RequestOutput
 

@@ -39,8 +39,8 @@ from actors.engine.scheduler import Scheduler
 from actors.engine.scheduler_actor import needs_history
 from frontend.offline import AsyncLLM
 from frontend.tokenizer import Tokenizer
-from gpu.config import ModelConfig
-from gpu.convert import default_model_dir
+from gpu.loading.config import ModelConfig
+from gpu.loading.convert import default_model_dir
 from gpu.sampling import SamplingRow
 from messages.sampling_params import SamplingParams
 

@@ -1,10 +1,11 @@
 """Stacked against separate projection weights on CPU (issue 30: the GPU path stacks q/k/v and gate/up into one GEMM
-each; this measured whether the CPU path should too: it does, docs/PERFORMANCE.md).
+each; this measured whether the CPU path should too: it does, docs/performance-history.md, "GPU step kernels (issue
+30): launches per step, stacked weights").
 
     python scripts/bench_layouts.py [--threads 2 1] [--rows 1 8 64 512] [--repeats 200]
 
 SmolLM2-135M's shapes (hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1536), float32, through
-gpu/linear.py's packed Linear as the model runs them: q, k, v as three Linears against one stacked qkv Linear and
+gpu/layers/linear.py's packed Linear as the model runs them: q, k, v as three Linears against one stacked qkv Linear and
 its split; gate and up as two Linears with silu(gate) * up against one gate_up Linear with the torch kernel set's
 act_and_mul. Calls alternate (separate, stacked) so both see the same machine load; the median time of each over
 --repeats and the ratio stacked / separate (below 1: stacking is faster).
@@ -22,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu.layers.kernels import ACTIVATIONS, TORCH_KERNELS
+from gpu.kernels.reference import ACTIVATIONS, TORCH_KERNELS
+from gpu.layers.linear import Linear
 from gpu.layers.mlp import stack_linears
-from gpu.linear import Linear
 
 HIDDEN, Q, KV, INTER = 576, 9 * 64, 3 * 64, 1536
 

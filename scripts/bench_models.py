@@ -82,7 +82,7 @@ def build_big(tmp: Path) -> None:
     import torch
     import transformers
 
-    from gpu.convert import default_model_dir
+    from gpu.loading.convert import default_model_dir
     from tests.tiny_model import TOKENIZER_FILES
 
     torch.manual_seed(0)
@@ -101,9 +101,9 @@ def child(kind: str, dtype_name: str, path: str) -> None:
     dtype = getattr(torch, dtype_name)
     pack = [0.0]
     if kind == "sluice":
-        from gpu.config import ModelConfig
-        from gpu.linear import Linear
-        from gpu.weights import load_model
+        from gpu.layers.linear import Linear
+        from gpu.loading.config import ModelConfig
+        from gpu.loading.weights import load_model
 
         original = Linear.pack
 
@@ -182,8 +182,8 @@ class Steps:
         import torch
 
         from gpu.batch import BatchSpec, ScheduledRow
-        from gpu.config import ModelConfig
-        from gpu.runner import ModelRunner
+        from gpu.loading.config import ModelConfig
+        from gpu.runner.model_runner import ModelRunner
 
         per_row = CONTEXT // BLOCK + 1
         self.runner = ModelRunner(

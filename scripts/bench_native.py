@@ -1,5 +1,5 @@
-"""The native CPU linear kernels (gpu/native) against torch's two float32 paths (oneDNN's packed weight, and
-`x @ W^T` from the [in, out] copy: gpu/linear.py), on SmolLM2-135M's layer shapes, in the same run: one pass over a
+"""The native CPU linear kernels (gpu/kernels/native) against torch's two float32 paths (oneDNN's packed weight, and
+`x @ W^T` from the [in, out] copy: gpu/layers/linear.py), on SmolLM2-135M's layer shapes, in the same run: one pass over a
 layer of each shape (qkv, o, gate_up, down, the LM head: 31.9 M weights, 127 MB) per row count.
 
     python scripts/bench_native.py [--threads 1 2] [--rows 1 2 4 8 16 32 64 128 512]
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from gpu import native
-from gpu.linear import onednn_linear, onednn_pack, transposed_linear
+from gpu.kernels import native
+from gpu.layers.linear import onednn_linear, onednn_pack, transposed_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frontend import bench_serve
-from gpu.convert import default_model_dir
+from gpu.loading.convert import default_model_dir
 
 METRICS = (  # (label, result key, stat, higher is better)
     ("output tok/s", "output_throughput", None, True),

@@ -29,7 +29,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frontend.bench_serve import first_model, random_prompts, sse_data
-from gpu.convert import default_model_dir
+from gpu.loading.convert import default_model_dir
 from scripts.bench_peers import NO_VLLM, machine, server_arguments, serving, sluice_command, vllm_command
 
 ROWS = (  # (label, result key)

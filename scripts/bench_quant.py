@@ -10,7 +10,7 @@ served:  the real engine (AsyncLLM, engine threads as `sluice serve` sets them u
          the ratio is against float32 from the same run. The load average is printed beside every row.
 layers:  the real model's linear layers in model order (30 x q k v o gate up down, then the LM head), each called
          on `rows` rows, swept 3 times (the first discarded), so weights come from memory as in a step: ms per
-         sweep for float32 (gpu/linear.py), and for each mode its quantized kernel and its forward (gpu/quant.py:
+         sweep for float32 (gpu/layers/linear.py), and for each mode its quantized kernel and its forward (gpu/layers/quant.py:
          the kernel up to each layer's kernel_rows, the float32 GEMM on the dequantized weight above). One torch
          thread unless --threads, timed in this process's CPU time, which other processes' load inflates far less
          than wall time (with more threads CPU time counts their spinning too: compare on a quiet machine).
@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
-from gpu.config import ModelConfig
-from gpu.convert import default_model_dir
-from gpu.linear import Linear
-from gpu.quant import QuantLinear
-from gpu.weights import load_model
+from gpu.layers.linear import Linear
+from gpu.layers.quant import QuantLinear
+from gpu.loading.config import ModelConfig
+from gpu.loading.convert import default_model_dir
+from gpu.loading.weights import load_model
 from messages.sampling_params import SamplingParams
 
 TEXT = (

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frontend.launch import resolve_model
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.config import ModelConfig
-from gpu.quant import QuantLinear
-from gpu.runner import ModelRunner, resolve_dtype
+from gpu.layers.quant import QuantLinear
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner, resolve_dtype
 
 BLOCK = 16
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
@@ -158,7 +158,7 @@ def main() -> None:
             cpu_kernels=args.cpu_kernels, batch_invariant=args.batch_invariant,
             attention_backend=args.attention_backend, quantization=args.quantization,
         )  # fmt: skip
-        if args.python_loop:  # (gpu/native/decoder.py)
+        if args.python_loop:  # (gpu/runner/native_loop.py)
             runner.model.model.native_loop = None
         quantized = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
         weights = (  # (a quantized model's decode reads its quantized layers: the float32 embedding is not read)

@@ -24,7 +24,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.grammar import Grammars
 from frontend.launch import resolve_model
 from frontend.offline import AsyncLLM
-from gpu.config import ModelConfig
+from gpu.loading.config import ModelConfig
 from messages.sampling_params import SamplingParams, StructuredOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

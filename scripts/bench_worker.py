@@ -31,8 +31,8 @@ from actors.engine.worker_link import execute_step
 from frontend.offline import AsyncLLM
 from frontend.tokenizer import Tokenizer
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.config import ModelConfig
-from gpu.convert import default_model_dir
+from gpu.loading.config import ModelConfig
+from gpu.loading.convert import default_model_dir
 from gpu.sampling import SamplingRow
 from messages.codec import Codec
 from messages.sampling_params import SamplingParams

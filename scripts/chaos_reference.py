@@ -15,13 +15,13 @@ every x free to move by up to a tolerance t:
 |         | 2 t / T * total of a boundary of the kept set's CDF (id order: DESIGN section 5)             |
 
 t = TOL times the row's largest |x| (at least 1), times |1 - s| + s for a guided row. It bounds the batch numerics
-(4.8e-7 at most on the tiny model: docs/PERFORMANCE.md, "Seeded draws and batch numerics") and the difference of the
-engine's logits and HF's (fp32: on the tiny model this reference at 1e-7 allows exactly the token the engine drew at
-each of the 5,505 positions of the test's fault-free run); at TOL = 1e-5 about 0.2 % of the seeded draws there allow
-two tokens. `Reference.explain` checks a diverged stream from the first token it differs at: there both the
-fault-free run's token and the stream's must be allowed (a near-tie), and every later token of the stream must be
-one the reference allows after the stream's own prefix. Supported: what the chaos workload sends (temperature,
-top_k, seed, guidance_scale; no top-p, min-p, penalties or constraints).
+(4.8e-7 at most on the tiny model: docs/performance-history.md, "Seeded draws and batch numerics") and the difference of
+the engine's logits and HF's (fp32: on the tiny model this reference at 1e-7 allows exactly the token the engine drew at
+each of the 5,505 positions of the test's fault-free run); at TOL = 1e-5 about 0.2 % of the seeded draws there allow two
+tokens. `Reference.explain` checks a diverged stream from the first token it differs at: there both the fault-free run's
+token and the stream's must be allowed (a near-tie), and every later token of the stream must be one the reference
+allows after the stream's own prefix. Supported: what the chaos workload sends (temperature, top_k, seed,
+guidance_scale; no top-p, min-p, penalties or constraints).
 """
 
 from __future__ import annotations

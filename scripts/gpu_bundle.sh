@@ -7,7 +7,7 @@
 # Run here, in the repo root, with pip reaching an index and the model converted once (`make model`).
 set -e
 mkdir -p .gpu/wheels .gpu/smollm2
-MODEL=$(.venv/bin/python -c "from gpu.convert import default_model_dir; print(default_model_dir())")
+MODEL=$(.venv/bin/python -c "from gpu.loading.convert import default_model_dir; print(default_model_dir())")
 cp "$MODEL"/config.json "$MODEL"/generation_config.json "$MODEL"/tokenizer.json "$MODEL"/tokenizer_config.json \
   "$MODEL"/chat_template.jinja .gpu/smollm2/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -180,7 +180,7 @@ def prepare_model(bundle: Path) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gpu.convert import DEFAULT_MODEL_NAME, cache_dir
+    from gpu.loading.convert import DEFAULT_MODEL_NAME, cache_dir
 
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if out.is_dir():

@@ -7,7 +7,7 @@ import functools
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from gpu.convert import DEFAULT_MODEL_NAME, cache_dir
+from gpu.loading.convert import DEFAULT_MODEL_NAME, cache_dir
 
 EMOJI_CJK = "Hi 🤗🚀 there: 中文测试，世界 done 👍🏽✨ end"
 
@@ -19,7 +19,7 @@ def _load_smollm2() -> Tokenizer | None:
 
 
 def smollm2() -> Tokenizer:
-    """The real byte-level BPE tokenizer (made by `python -m gpu.convert`, i.e. `make model`)."""
+    """The real byte-level BPE tokenizer (made by `python -m gpu.loading.convert`, i.e. `make model`)."""
     tok = _load_smollm2()
     if tok is None:
         pytest.skip("SmolLM2 tokenizer not converted yet (run `make model`)")

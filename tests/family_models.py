@@ -12,7 +12,7 @@ import transformers
 
 from gpu.batch import BatchSpec
 from gpu.distributed.group import current
-from gpu.runner import ModelRunner
+from gpu.runner.model_runner import ModelRunner
 from tests.tiny_model import Request, save_with_tokenizer
 
 WINDOW = 8  # tokens: shorter than the prompts and the decodes

@@ -1,4 +1,4 @@
-"""The attention backend choice (gpu/attention_backend.py): the whole model on the triton backend (the Triton
+"""The attention backend choice (gpu/attention/backend.py): the whole model on the triton backend (the Triton
 interpreter on CPU), and on the native one (short rows native, prefills torch's, or every row native), gives the torch backend's greedy tokens and logits through prefill, chunked prefill next to other
 rows' decodes, decode past the sliding window (Gemma 2: windows and soft-caps; Llama: neither), a prefix-cache hit and
 a recompute; the default per device; the flag from the CLI to the runner; choosing the torch backend imports no
@@ -15,12 +15,13 @@ import torch
 
 from frontend.cli import build_parser
 from frontend.cli_engine import engine_config
-from gpu import native
-from gpu.attention import TorchAttention
-from gpu.attention_backend import TritonAttention, choose_attention_backend
-from gpu.attention_native import NativeAttention
-from gpu.config import ModelConfig
-from gpu.runner import ModelRunner
+from gpu.attention.backend import choose_attention_backend
+from gpu.attention.native_backend import NativeAttention
+from gpu.attention.torch_backend import TorchAttention
+from gpu.attention.triton_backend import TritonAttention
+from gpu.kernels import native
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner
 from tests.family_models import run_greedy
 from tests.tiny_model import Request, block_pool
 
@@ -105,7 +106,7 @@ def test_choosing_the_torch_backend_imports_no_triton():
     """Triton is imported once the triton backend is chosen, not before (torch may import it later, at model load:
     its meta-device init goes through torch._dynamo)."""
     code = (
-        "import sys, torch; from gpu.attention_backend import choose_attention_backend;"
+        "import sys, torch; from gpu.attention.backend import choose_attention_backend;"
         "choose_attention_backend(None, torch.device('cpu'), torch.float32, 16); print('triton' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""Batch-invariant mode (`--batch-invariant`, gpu/linear.py make_invariant, gpu/attention_native.py): a
+"""Batch-invariant mode (`--batch-invariant`, gpu/layers/linear.py make_invariant, gpu/attention/native_backend.py): a
 request's logits are the same bits alone and in any batch, beside prefills, as chunks of a prefill, as a speculative
 verification row and as a recomputed prompt. The reference is the request run alone, step by step, on the same
 runner; the power check is the torch path's plan (decode rows padded to the longest), under which the same
@@ -10,10 +10,10 @@ import torch
 
 from actors.engine.config import EngineConfig, SpeculativeConfig
 from frontend.offline import AsyncLLM
-from gpu import native
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.config import ModelConfig
-from gpu.runner import ModelRunner
+from gpu.kernels import native
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner
 from messages.sampling_params import SamplingParams as SP
 from tests.tiny_model import Request, block_pool
 

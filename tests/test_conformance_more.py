@@ -12,7 +12,8 @@ import json
 import openai
 import pytest
 
-from frontend.protocol import ServingContext, parse_chat
+from frontend.context import ServingContext
+from frontend.protocol import parse_chat
 from frontend.tokenize import tokenize
 from frontend.tokenizer import Tokenizer
 from tests.test_conformance import CHAT, CONTROL, api_fixture  # noqa: F401  (the `api` fixture)

@@ -1,4 +1,4 @@
-"""gpu.convert: the converted model cache is idempotent and atomic; bad GGUF paths fail with a clear error."""
+"""gpu.loading.convert: the converted model cache is idempotent and atomic; bad GGUF paths fail with a clear error."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from gpu import convert
-from gpu.config import ModelConfig, ModelLoadError
-from gpu.convert import ConversionError, convert_gguf, default_model_dir, ensure_converted
+from gpu.loading import convert
+from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.loading.convert import ConversionError, convert_gguf, default_model_dir, ensure_converted
 
 
 def test_second_call_returns_the_cache_without_rewriting(monkeypatch):
@@ -28,7 +28,8 @@ def test_second_call_returns_the_cache_without_rewriting(monkeypatch):
 
 
 def test_cli_prints_the_cached_path():
-    out = subprocess.run([sys.executable, "-m", "gpu.convert"], capture_output=True, text=True, check=True).stdout
+    argv = [sys.executable, "-m", "gpu.loading.convert"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(default_model_dir())
 
 

@@ -27,7 +27,7 @@ from actors.engine.speculative import NgramProposer
 from actors.engine.worker import Worker
 from actors.engine.worker_link import execute_step
 from frontend.offline import AsyncLLM
-from gpu.config import ModelConfig
+from gpu.loading.config import ModelConfig
 from messages.sampling_params import SamplingParams as SP
 
 pytestmark = pytest.mark.cuda

@@ -186,6 +186,7 @@ async def test_debug_relay_checks_hold_in_async_mode(model_dir):
 
 
 def test_engine_threads_default_to_every_core_this_process_may_use():
-    """Measured fastest on 2 cores with the HTTP and detokenizer processes busy (docs/PERFORMANCE.md)."""
+    """Measured fastest on 2 cores with the HTTP and detokenizer processes busy (docs/performance-history.md,
+    "Engine speed against vLLM's CPU build (issue 13, first pass)")."""
     assert EngineConfig(model="m").threads() == len(os.sched_getaffinity(0))
     assert EngineConfig(model="m", engine_threads=3).threads() == 3

@@ -11,10 +11,11 @@ import json
 import pytest
 
 from actors.engine.config import EngineConfig
+from frontend.context import ServingContext
 from frontend.http_base import HttpConfig
 from frontend.launch import http_process, resolve_model
 from frontend.offline import AsyncLLM
-from frontend.protocol import RequestError, ServingContext, parse_completion
+from frontend.protocol import RequestError, parse_completion
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import SamplingParams
 from tests.cancel_harness import engine_config, model_dir, start  # noqa: F401 (fixtures)

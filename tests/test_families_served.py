@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from actors.engine.config import EngineConfig
 from frontend.http_base import HttpConfig
 from frontend.launch import start_server
-from gpu.config import ModelLoadError
+from gpu.loading.config import ModelLoadError
 from tests.conftest import ServerHandle
 from tests.family_models import FAMILIES
 

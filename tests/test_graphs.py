@@ -1,4 +1,4 @@
-"""Decode steps on static buffers (gpu/graphs.py), checked on CPU where no graph is captured: the same buffers and
+"""Decode steps on static buffers (gpu/runner/graphs.py), checked on CPU where no graph is captured: the same buffers and
 padding run eagerly (served to 600 tokens: the triton backend's decode steps split keys into 3 partitions) and give
 the dynamic path's tokens and logits, and write no KV outside the scratch block, as
 rows come and go (a smaller step after a larger one leaves stale entries in the buffers: the padding must cover
@@ -12,12 +12,12 @@ import torch
 
 from frontend.cli import build_parser
 from frontend.cli_engine import engine_config
-from gpu.attention import TorchAttention
+from gpu.attention.torch_backend import TorchAttention
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.config import ModelConfig
-from gpu.convert import default_model_dir
-from gpu.graphs import capture_sizes
-from gpu.runner import ModelRunner, graph_mode
+from gpu.loading.config import ModelConfig
+from gpu.loading.convert import default_model_dir
+from gpu.runner.graphs import capture_sizes
+from gpu.runner.model_runner import ModelRunner, graph_mode
 from tests.tiny_model import Request, block_pool
 
 NUM_BLOCKS = 48

@@ -19,9 +19,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.config import ModelConfig
-from gpu.kernels import triton_fused
-from gpu.runner import ModelRunner
+from gpu.kernels.triton import fused as triton_fused
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

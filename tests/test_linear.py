@@ -1,4 +1,4 @@
-"""gpu/linear.py: every CPU layout (one row and prefill from the [in, out] copy, 2-32 rows from the oneDNN-packed
+"""gpu/layers/linear.py: every CPU layout (one row and prefill from the [in, out] copy, 2-32 rows from the oneDNN-packed
 one) computes F.linear of the loaded weight, and packing keeps two copies of the weight, not three (a weight
 shared with a tied embedding keeps its own storage)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.linear import Linear
+from gpu.layers.linear import Linear
 
 
 def loaded(bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:

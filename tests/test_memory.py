@@ -1,4 +1,4 @@
-"""The KV cache sized to the device (gpu/memory.py, `--gpu-memory-utilization`): the arithmetic against a fake
+"""The KV cache sized to the device (gpu/runner/memory.py, `--gpu-memory-utilization`): the arithmetic against a fake
 device-memory report, the runner sizing its cache through a profiled worst-case step (on CPU, the fake standing in
 for CUDA's numbers), the engine's choice of who sizes, the flag. On CUDA (marked): the cache fits the budget."""
 
@@ -13,10 +13,10 @@ from actors.engine import executor
 from actors.engine.config import EngineConfig
 from frontend.cli import build_parser
 from frontend.cli_engine import engine_config
-from gpu.config import ModelConfig
-from gpu.kv_cache import bytes_per_block
-from gpu.memory import MemoryPlan
-from gpu.runner import ModelRunner
+from gpu.attention.kv_cache import bytes_per_block
+from gpu.loading.config import ModelConfig
+from gpu.runner.memory import MemoryPlan
+from gpu.runner.model_runner import ModelRunner
 
 GIB = 1 << 30
 

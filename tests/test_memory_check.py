@@ -1,4 +1,4 @@
-"""The engine's memory before it loads (frontend/memory_check.py, gpu/memory.py `served_weight_bytes`): the estimate
+"""The engine's memory before it loads (frontend/memory_check.py, gpu/runner/memory.py `served_weight_bytes`): the estimate
 is a floor of what the loaded model's tensors hold, in every CPU serving format; a model that cannot fit in the
 host's MemAvailable is refused before any process starts, with the figures and what to try, unless
 --skip-memory-check. (The explanation of an engine SIGKILLed while it starts: tests/test_readiness.py.)"""
@@ -13,9 +13,9 @@ from frontend import memory_check
 from frontend.cli import build_parser, main
 from frontend.cli_engine import check_memory_of
 from frontend.launch import resolve_model
-from gpu.config import ModelLoadError
-from gpu.memory import served_weight_bytes
-from gpu.weights import load_model
+from gpu.loading.config import ModelLoadError
+from gpu.loading.weights import load_model
+from gpu.runner.memory import served_weight_bytes
 
 GIB = 1 << 30
 

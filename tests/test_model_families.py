@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu.config import ModelConfig
-from gpu.runner import ModelRunner
-from gpu.weights import check_checkpoint
+from gpu.loading.config import ModelConfig
+from gpu.loading.weights import check_checkpoint
+from gpu.runner.model_runner import ModelRunner
 from tests.family_models import FAMILIES, WINDOW, make_family_dir, run_greedy
 from tests.tiny_model import TOKENIZER_FILES, Request, block_pool
 

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
 from gpu.batch import BatchSpec
-from gpu.config import ModelConfig
-from gpu.convert import default_model_dir
-from gpu.runner import ModelRunner
+from gpu.loading.config import ModelConfig
+from gpu.loading.convert import default_model_dir
+from gpu.runner.model_runner import ModelRunner
 from messages.sampling_params import SamplingParams
 from tests.tiny_model import Request, block_pool
 

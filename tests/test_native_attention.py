@@ -1,4 +1,4 @@
-"""The native paged attention kernel (gpu/native/csrc/attention.cpp): each ISA's build against a float64 reference
+"""The native paged attention kernel (gpu/kernels/native/csrc/attention.cpp): each ISA's build against a float64 reference
 on awkward shapes (head dims off the vector width, odd block sizes, contexts across the softmax's chunks, grouped
 query heads, sliding windows, a soft-cap), with every cache slot no query may read poisoned with NaN, and a NaN or
 inf in a key that queries read spreading as in the reference (exactly to the heads that see it); bitwise batch
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from gpu import native
+from gpu.kernels import native
 
 BUILT = [isa for isa in native.cpu_isas() if native.ops(isa) is not None]
 pytestmark = pytest.mark.skipif(not BUILT, reason="no native CPU kernels built for this CPU (make setup builds them)")

@@ -1,4 +1,4 @@
-"""The layer loop as one native call (gpu/native/decoder.py): a runner with it and one without it (the Python loop)
+"""The layer loop as one native call (gpu/runner/native_loop.py): a runner with it and one without it (the Python loop)
 give the same logits bit for bit through prefill chunks, decode batches and multi-token rows, float32, bf16, int8
 and int4, with batch-invariant mode and without, and for the families whose layers it takes (fused projections,
 biases, partial rotary, sliding windows, other head sizes); the steps it takes are counted (it is not a test of
@@ -7,10 +7,10 @@ the Python loop against itself); families with layers it does not take, and othe
 import pytest
 import torch
 
-from gpu import native
 from gpu.batch import BatchSpec
-from gpu.config import ModelConfig
-from gpu.runner import ModelRunner
+from gpu.kernels import native
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner
 from tests.tiny_model import Request, block_pool
 
 pytestmark = pytest.mark.skipif(native.ops() is None, reason="no native CPU kernels built (make setup builds them)")

@@ -1,4 +1,4 @@
-"""The native kernel set's small steps (gpu/native/csrc/fused.cpp) on each ISA's build: residual add + RMSNorm,
+"""The native kernel set's small steps (gpu/kernels/native/csrc/fused.cpp) on each ISA's build: residual add + RMSNorm,
 rotary + KV-cache write and act-and-mul against float64 references written from HF's formulas, on awkward shapes
 (tails past sixteen lanes, strided views of a fused projection, partial rotary); the cache slots not written keep
 their NaN poison; a row's result is the same bits alone and in any batch, and on either ISA's build."""
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from gpu import native
-from gpu.native.kernels import NativeKernels
+from gpu.kernels import native
+from gpu.kernels.native.kernels import NativeKernels
 
 BUILT = [isa for isa in native.cpu_isas() if native.ops(isa) is not None]
 pytestmark = pytest.mark.skipif(not BUILT, reason="no native CPU kernels built for this CPU (make setup builds them)")

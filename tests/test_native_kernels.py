@@ -1,4 +1,4 @@
-"""The native CPU kernels (gpu/native): each ISA's build against a float64 reference on awkward shapes (sizes off
+"""The native CPU kernels (gpu/kernels/native): each ISA's build against a float64 reference on awkward shapes (sizes off
 the panel and tile widths), into outputs poisoned first; bitwise batch invariance (a row's result alone, in any
 batch, in any tile position) and agreement across ISAs; the torch fallback when the extension is absent."""
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from gpu import native
+from gpu.kernels import native
 
 BUILT = [isa for isa in native.cpu_isas() if native.ops(isa) is not None]  # (built, and not older than the sources)
 pytestmark = pytest.mark.skipif(not BUILT, reason="no native CPU kernels built for this CPU (make setup builds them)")
@@ -79,9 +79,9 @@ def test_a_model_on_the_native_kernels_computes_what_it_does_on_torchs(tiny_mode
     """`--cpu-kernels native`: every float32 linear layer runs on them (prefill chunks and decode rows), and the
     logits are torch's within float32 rounding."""
     from gpu.batch import BatchSpec
-    from gpu.config import ModelConfig
-    from gpu.linear import Linear
-    from gpu.runner import ModelRunner
+    from gpu.layers.linear import Linear
+    from gpu.loading.config import ModelConfig
+    from gpu.runner.model_runner import ModelRunner
     from tests.tiny_model import Request, block_pool
 
     logits = {}
@@ -99,9 +99,9 @@ def test_a_model_on_the_native_kernels_computes_what_it_does_on_torchs(tiny_mode
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_rows_are_the_same_bits_in_any_batch_and_on_every_isa(mode):
-    """The int8 and int4 kernels (gpu/native/csrc/quant.cpp: rows quantized alone, four rows a pass over a column):
+    """The int8 and int4 kernels (gpu/kernels/native/csrc/quant.cpp: rows quantized alone, four rows a pass over a column):
     each of 9 rows alone and in the first 1..9 rows is the same bits, on every built ISA."""
-    from gpu.quant import QuantLinear
+    from gpu.layers.quant import QuantLinear
 
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(100, 96, generator=g), torch.randn(9, 96, generator=g) * 3

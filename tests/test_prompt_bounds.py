@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from frontend.body import MAX_JSON_DEPTH
-from frontend.protocol import RequestError, ServingContext, parse_chat, parse_completion
+from frontend.context import ServingContext
+from frontend.protocol import RequestError, parse_chat, parse_completion
 from frontend.tokenize import detokenize, tokenize
 from frontend.tokenizer import Tokenizer
 from tests.test_tokenizer import write_tiny_model_dir

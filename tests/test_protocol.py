@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from frontend.protocol import ParsedRequest, RequestError, ServingContext, parse_chat, parse_completion
+from frontend.context import ServingContext
+from frontend.protocol import ParsedRequest, RequestError, parse_chat, parse_completion
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import RequestLimits, SamplingParams
 from tests.test_tokenizer import write_tiny_model_dir

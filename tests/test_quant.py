@@ -1,4 +1,4 @@
-"""Weight-only quantization (gpu/quant.py). Every path (the quantized kernel for few rows; above kernel_rows the
+"""Weight-only quantization (gpu/layers/quant.py). Every path (the quantized kernel for few rows; above kernel_rows the
 float32 GEMM on the weight dequantized at load, oneDNN's or the [in, out] copy) is checked against references
 computed here, never the code's own dequantization:
 - float32: y = x @ W^T of the original weight, within the worst case of the quantization error (each weight off by
@@ -20,10 +20,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from actors.engine.config import EngineConfig
 from frontend.offline import AsyncLLM
-from gpu import native, quant
-from gpu.config import ModelConfig
-from gpu.quant import GROUP, QuantLinear
-from gpu.runner import ModelRunner
+from gpu.kernels import native
+from gpu.layers import quant
+from gpu.layers.quant import GROUP, QuantLinear
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner
 from messages.sampling_params import SamplingParams
 
 MODES = ["int8", "int4"]  # (served: on the native kernels where built)

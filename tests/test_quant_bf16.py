@@ -1,4 +1,4 @@
-"""`--quantization bf16` (gpu/quant.py; the native kernel's bfloat16 panels, gpu/native/csrc/linear.cpp). The
+"""`--quantization bf16` (gpu/layers/quant.py; the native kernel's bfloat16 panels, gpu/kernels/native/csrc/linear.cpp). The
 references are computed here: each weight rounded to bfloat16 to nearest, ties to even, by integer arithmetic on
 its bits (not torch's conversion, which the layer uses), then x @ W^T in float64. A row's float32 fma chain over the
 widened weights is within 1e-5 of that (relative to sum |x w|); the float32 weight's product differs from it by at
@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import native, quant
-from gpu.quant import QuantLinear
+from gpu.kernels import native
+from gpu.layers import quant
+from gpu.layers.quant import QuantLinear
 
 NATIVE = pytest.mark.skipif(native.ops() is None, reason="the native kernels are not built for this CPU")
 ROWS = [1, 2, 3, 7, 64, 65, 200, quant.WIDEN_ROWS + 1]  # (a decode row, the tiles' sizes and tails, many rows)

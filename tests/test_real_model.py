@@ -15,7 +15,7 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from gpu.convert import default_model_dir
+    from gpu.loading.convert import default_model_dir
 
     return default_model_dir()
 

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from actors.engine.grammar import grammars
-from frontend.protocol import RequestError, ServingContext, parse_chat
+from frontend.context import ServingContext
+from frontend.protocol import RequestError, parse_chat
 from frontend.reasoning import Phase, Reasoning, ReasoningParser, after_reasoning, start_phase
 from frontend.tokenize import tokenize
 from frontend.tokenizer import Tokenizer

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from frontend.body import decode_body
+from frontend.context import ServingContext
 from frontend.fields import CompletionRequest
-from frontend.protocol import RequestError, ServingContext, parse_chat, parse_completion
+from frontend.protocol import RequestError, parse_chat, parse_completion
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import RequestLimits
 from tests.test_tokenizer import write_tiny_model_dir

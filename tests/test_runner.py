@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from gpu.attention.kv_cache import bytes_per_block, num_blocks_for_memory
 from gpu.batch import PLACEHOLDER, BatchSpec, ScheduledRow
-from gpu.config import ModelConfig, ModelLoadError
-from gpu.kv_cache import bytes_per_block, num_blocks_for_memory
-from gpu.runner import ModelRunner
+from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.runner.model_runner import ModelRunner
 from tests.tiny_model import TOKENIZER_FILES, Request, block_pool, make_tiny_model_dir
 
 ATOL = 1e-4

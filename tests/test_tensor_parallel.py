@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from frontend.launch import resolve_model
-from gpu.config import ModelConfig, ModelLoadError
 from gpu.distributed.group import TensorParallel, join, leave, rendezvous
 from gpu.layers.parallel import Heads, heads, local_config
-from gpu.runner import ModelRunner
-from gpu.weights import check_checkpoint
+from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.loading.weights import check_checkpoint
+from gpu.runner.model_runner import ModelRunner
 from tests.family_models import make_family_dir, run_greedy
 from tests.tiny_model import Request, block_pool
 

@@ -64,7 +64,7 @@ async def one_rank(model_dir):  # noqa: F811
 
 @pytest.mark.parametrize("variant", ["async", "static", "ngram"])
 async def test_two_ranks_give_one_ranks_tokens(model_dir, one_rank, variant):  # noqa: F811
-    """ "static": decode steps on the CUDA graphs' static buffers (gpu/graphs.py, run eagerly here)."""
+    """ "static": decode steps on the CUDA graphs' static buffers (gpu/runner/graphs.py, run eagerly here)."""
     speculative = variant == "ngram"
     reference = (await run(model_dir, 1, speculative))[0] if speculative else one_rank
     outs, stats = await run(model_dir, 2, speculative, static_decode=variant == "static")

@@ -1,4 +1,4 @@
-"""The torch attention path (gpu/attention.py: padded segments, the reference backend) reads no slot its row does not
+"""The torch attention path (gpu/attention/torch_backend.py: padded segments, the reference backend) reads no slot its row does not
 hold: with every slot no row holds poisoned with NaN (the padding of each row's last block, the blocks nobody in the
 step holds) and block 0, where a shorter row's block table points past its blocks, holding another row's keys or a
 request's outside the step, each row of a mixed prefill + decode step is a float64 reference's over its own keys
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.attention import AttentionMetadata, TorchAttention
+from gpu.attention.metadata import AttentionMetadata
+from gpu.attention.torch_backend import TorchAttention
 from tests.test_native_attention import Case
 
 ROWS = [(1, 9), (5, 50), (1, 17), (3, 3), (1, 40), (4, 4)]  # (queries, keys): decodes and (chunked) prefills

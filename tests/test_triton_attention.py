@@ -1,4 +1,4 @@
-"""gpu/kernels/triton_attention.py against the torch path (gpu/attention.py) and a float64 reference, on random
+"""gpu/kernels/triton/attention.py against the torch path (gpu/attention/torch_backend.py) and a float64 reference, on random
 caches behind shuffled block tables: GQA 1/3/8, head_dim 24 and 64, contexts of 1 to 40 blocks with partial last
 blocks, decode steps (split-K past 256 keys), mixed steps (prefill, chunked prefill on cached blocks, decode), windows
 and soft-caps, fp32/fp16/bf16, block sizes 8 to 64. Outputs and the split-K scratch are poisoned with NaN first, so an
@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.attention import AttentionMetadata, TorchAttention
-from gpu.kernels.triton_attention import (
+from gpu.attention.metadata import AttentionMetadata
+from gpu.attention.torch_backend import TorchAttention
+from gpu.kernels.triton.attention import (
     INTERPRETED,
     MAX_SPLITS,
     PARTITION,
@@ -216,7 +217,7 @@ COMPILE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gpu.kernels import triton_attention as ta
+from gpu.kernels.triton import attention as ta
 
 TYPES = dict(out="*bf16", q="*bf16", k_cache="*bf16", v_cache="*bf16", partials="*fp32", block_tables="*i64",
              seq_lens="*i64", query_start="*i64", scale="fp32", softcap="fp32")  # any other argument: an int

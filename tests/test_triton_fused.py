@@ -1,4 +1,4 @@
-"""gpu/kernels/triton_fused.py in the Triton interpreter (CPU): each kernel against its torch step (TorchKernels,
+"""gpu/kernels/triton/fused.py in the Triton interpreter (CPU): each kernel against its torch step (TorchKernels,
 what the torch backend runs) and a float64 one, outputs and caches poisoned with NaN first so an unwritten element fails.
 The interpreter is on where there is no CUDA GPU (tests/conftest.py, before any kernel is decorated); on a GPU the
 kernels are compiled and these CPU-tensor checks are skipped: the model-level tests run them there (test_graphs,
@@ -14,8 +14,8 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from gpu.kernels.triton_fused import act_and_mul, fused_add_rms_norm, rope_and_write_kv
-from gpu.layers.kernels import TORCH_KERNELS, apply_rope
+from gpu.kernels.reference import TORCH_KERNELS, apply_rope
+from gpu.kernels.triton.fused import act_and_mul, fused_add_rms_norm, rope_and_write_kv
 from gpu.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

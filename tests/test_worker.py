@@ -16,7 +16,7 @@ from actors.engine.worker import Worker
 from actors.engine.worker_link import ProcessWorker, WorkerLost
 from actors.runtime import Actor
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.config import ModelConfig
+from gpu.loading.config import ModelConfig
 from messages.codec import Codec
 from messages.sampling_params import SamplingParams
 from messages.step import ExecuteStep, GrammarMasks, StepHung, StepProgress, StepResult, WorkerRequest

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import gpu.runner
+import gpu.runner.model_runner
 from actors.engine.config import EngineConfig, SpeculativeConfig
 from actors.engine.executor import StepExecutor, num_kv_blocks
 from actors.engine.speculative import make_proposer
-from gpu.config import ModelConfig
-from gpu.runner import ModelRunner, resolve_device
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner, resolve_device
 from tests.tiny_model import make_tiny_model_dir
 
 
@@ -53,7 +53,7 @@ def test_a_runner_binds_its_thread_before_it_makes_anything_on_the_device(two_gp
         raise Loaded
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("bind", torch.device(device))))
-    monkeypatch.setattr(gpu.runner, "load_model", load_model)
+    monkeypatch.setattr(gpu.runner.model_runner, "load_model", load_model)
     with pytest.raises(Loaded):
         ModelRunner(ModelConfig.from_path(tiny_dirs[0]), device="cuda:1", dtype="float32")
     assert calls == [("bind", torch.device("cuda", 1)), ("load", torch.device("cuda", 1))]

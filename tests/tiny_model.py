@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from gpu.batch import ScheduledRow
-from gpu.convert import default_model_dir
+from gpu.loading.convert import default_model_dir
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),

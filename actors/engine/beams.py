@@ -108,6 +108,8 @@ class Beam:
 
 @dataclass(eq=False)
 class BeamGroup:
+    """A group's search (its request's `beams`: actors/engine/request.py's Beams)."""
+
     spec: BeamSearch
     live: list[Beam] = field(default_factory=list)
     members: dict[int, EngineRequest] = field(default_factory=dict)  # rank -> the choice it answers

@@ -38,16 +38,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # an HF-style directory (already converted when it was a .gguf)
     device: str = "auto"
     dtype: str = "auto"
-    quantization: Literal["int8", "int4", "bf16"] | None = None  # weight-only, CPU float32 (gpu/quant.py)
-    # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/native: batch-invariant up to 64
+    quantization: Literal["int8", "int4", "bf16"] | None = None  # weight-only, CPU float32 (gpu/layers/quant.py)
+    # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/kernels/native: batch-invariant up to 64
     # rows; quantized layers' few-row calls too); None: native where built (torch's with a warning otherwise)
     cpu_kernels: Literal["native", "torch"] | None = None
     # a row's logits the same bits in any step: alone, in any batch, chunked, verified, recomputed (CPU: the native
     # kernels at every row count, native attention for every row; docs/OPERATIONS.md)
     batch_invariant: bool = False
-    # paged attention (gpu/attention_backend.py); None: triton on CUDA, native on CPU for float32 (where built)
+    # paged attention (gpu/attention/backend.py); None: triton on CUDA, native on CPU for float32 (where built)
     attention_backend: Literal["torch", "triton", "native"] | None = None
-    enforce_eager: bool = False  # no CUDA graphs: every step runs the dynamic path (gpu/graphs.py)
+    enforce_eager: bool = False  # no CUDA graphs: every step runs the dynamic path (gpu/runner/graphs.py)
     static_decode: bool = False  # tests, debugging: decode steps on the graphs' static buffers, run without graphs
     max_num_seqs: int = 64
     max_model_len: int = 2048
@@ -56,7 +56,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16
     # KV blocks per cache: the target's and, with a draft model, the draft's (its blocks pair one-for-one with the
     # target's). None: as many as fit in kv_cache_memory_gb, which holds every KV cache, where given; else, on CUDA
-    # with the worker inline, in gpu_memory_utilization of the device (profiled: gpu/memory.py), elsewhere in 1 GiB
+    # with the worker inline, in gpu_memory_utilization of the device (profiled: gpu/runner/memory.py), elsewhere in 1 GiB
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9  # vLLM's: the fraction of the device's memory the engine may use
@@ -73,8 +73,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     step_gate: bool = False  # tests: Probe(seq=k) to the scheduler lets k more steps finish (k < 0: all)
     record_outputs: str | None = None  # tests: a file each step's sent tokens are appended to (JSON lines)
     # Where the worker (model runner + sampler, actors/engine/worker.py) runs: "inline", in the engine process on
-    # its device thread (the default: no hop, no extra process on small machines; docs/PERFORMANCE.md), or
-    # "process", its own supervised process (a crash in the forward costs a pause, not the engine)
+    # its device thread (the default: no hop, no extra process on small machines; docs/performance-history.md, "The
+    # worker link (session 9)"), or "process", its own supervised process (a crash in the forward costs a pause, not
+    # the engine)
     worker: Literal["inline", "process"] = "inline"
     # a step of the process worker neither answered nor progressed for this long is given up: hung (its heartbeats,
     # every step_timeout_s / 5, came but showed no progress: blamed, the process restarted) or lost (nothing came:
@@ -144,9 +145,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def threads(self) -> int:
         """Torch threads for the engine (per rank of a gang): every core this process may run on (a gang's ranks
-        and the data-parallel replicas divide them). Measured on 2 cores with the HTTP and
-        detokenizer processes busy (docs/PERFORMANCE.md): 2 threads against 1 gave 69.6 vs 40.9 output tok/s at
-        concurrency 16 and 12.6 vs 11.4 at 1; more threads than cores once cut decode 5x, so never more."""
+        and the data-parallel replicas divide them). Measured on 2 cores with the HTTP and detokenizer processes
+        busy (docs/performance-history.md, "Engine speed against vLLM's CPU build (issue 13, first pass)"): 2 threads
+        against 1 gave 69.6 vs 40.9 output tok/s at concurrency 16 and 12.6 vs 11.4 at 1; more threads than cores
+        once cut decode 5x, so never more."""
         if self.engine_threads:
             return self.engine_threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -156,5 +158,5 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         return max(1, cores // ranks)
 
     def decode_graphs(self) -> Literal["eager", "off"] | None:
-        """The runner's decode-step mode (gpu/graphs.py): None lets it capture where it can."""
+        """The runner's decode-step mode (gpu/runner/graphs.py): None lets it capture where it can."""
         return "off" if self.enforce_eager else "eager" if self.static_decode else None

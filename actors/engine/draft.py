@@ -20,8 +20,8 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.request import EngineRequest
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.config import ModelConfig
-from gpu.runner import ModelRunner
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner
 from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
 from gpu.sampling.spec import row_uniforms
 from gpu.sampling.topk_topp import invert_cdf

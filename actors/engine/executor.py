@@ -16,13 +16,13 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.grammar_masks import WorkerMasks
-from gpu import native
+from gpu.attention.kv_cache import num_blocks_for_memory
 from gpu.batch import BatchSpec
-from gpu.config import ModelConfig
 from gpu.distributed.group import TensorParallel, current
-from gpu.kv_cache import num_blocks_for_memory
+from gpu.kernels import native
 from gpu.layers.parallel import local_config
-from gpu.runner import ModelRunner, resolve_device, resolve_dtype
+from gpu.loading.config import ModelConfig
+from gpu.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow, to_device
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
 from messages.wire import TokenLogprobs
@@ -101,7 +101,7 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
     """Blocks per KV cache: `num_kv_blocks`; else as many as fit in `kv_cache_memory_gb` (default 1 GiB) with every
     cache counted: the target's and a draft model's (actors/engine/draft.py: as many blocks, paired one-for-one);
     under tensor parallelism the budget is each rank's, for its share of the heads (as vLLM's, per device); None where that is not given on CUDA with the worker inline: the runner sizes the cache to
-    `gpu_memory_utilization` of the device (gpu/memory.py). (A process worker is restarted with the count its
+    `gpu_memory_utilization` of the device (gpu/runner/memory.py). (A process worker is restarted with the count its
     scheduler holds: it is fixed before either starts.)"""
     if config.num_kv_blocks:
         return config.num_kv_blocks

@@ -43,23 +43,15 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.executor import KEEPALIVE, follow, make_runner
+from actors.engine.gang_nodes import Door
+from actors.engine.gang_ranks import FollowerConfig, first_exit, spawn_rank
 from actors.runtime import curve
-from gpu.config import ModelConfig
 from gpu.distributed.group import TensorParallel, join, rendezvous
+from gpu.loading.config import ModelConfig
 from messages.step import SpawnRanks
 
 log = logging.getLogger("sluice.gang")
 GANG_EXIT = 4  # the leader's exit code when its gang broke
-
-
-class FollowerConfig(msgspec.Struct, kw_only=True):
-    engine: EngineConfig
-    rank: int
-    device_index: int  # its device among its node's (CUDA)
-    store: str  # the group's rendezvous (gpu/distributed/group.py)
-    num_blocks: int
-    parent_pid: int  # the process that spawned it (the leader, or a headless node's launcher): it dies with it
-    log_level: str
 
 
 def timeout_s(config: EngineConfig) -> float:
@@ -85,29 +77,6 @@ def store_key() -> bytes:
     return curve.derive(curve.cluster_secret(), "gang-store")
 
 
-def spawn_rank(follower: FollowerConfig) -> subprocess.Popen:
-    """A follower rank's process (call from a thread that outlives it: PDEATHSIG follows the spawning thread)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (finds this code as we do)
-    return subprocess.Popen(
-        [sys.executable, "-m", "actors.engine.gang", msgspec.json.encode(follower).decode()], env=env
-    )
-
-
-async def first_exit(ranks: dict[int, subprocess.Popen]) -> tuple[int, int | None]:
-    """Until one of the ranks' processes exits: its rank and exit code (negative: the signal that killed it)."""
-    loop, exited = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
-    fds = {os.pidfd_open(p.pid): rank for rank, p in ranks.items()}
-    try:
-        for fd, rank in fds.items():
-            loop.add_reader(fd, lambda r=rank: exited.done() or exited.set_result(r))
-        rank = await exited
-        return rank, ranks[rank].poll()
-    finally:
-        for fd in fds:
-            loop.remove_reader(fd)
-            os.close(fd)
-
-
 class Gang:
     """The leader's side: its node's followers, the other nodes' through the door (actors/engine/gang_nodes.py), and
     the group (built on the loop thread; `join` on the device thread, which runs every collective)."""
@@ -129,8 +98,6 @@ class Gang:
         log.info("gang of %d ranks: this node's followers %s", self.size, {r: p.pid for r, p in self.followers.items()})
         self.door = None
         if config.nnodes > 1:
-            from actors.engine.gang_nodes import Door
-
             self.door = Door(config, SpawnRanks(
                 gang=gang, store=url, engine=msgspec.to_builtins(config), num_blocks=num_blocks,
                 log_level=log_level,

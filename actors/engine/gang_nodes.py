@@ -37,7 +37,7 @@ import zmq
 import zmq.asyncio
 
 from actors.engine.config import EngineConfig
-from actors.engine.gang import FollowerConfig, first_exit, spawn_rank
+from actors.engine.gang_ranks import FollowerConfig, first_exit, spawn_rank
 from actors.runtime import curve
 from messages.codec import BadFrame, Codec
 from messages.step import NODE_TYPES, NodeHello, RankExited, SpawnRanks

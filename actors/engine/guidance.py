@@ -20,7 +20,7 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.request import EngineRequest
 from gpu.batch import ScheduledRow
-from gpu.config import ModelConfig
+from gpu.loading.config import ModelConfig
 from messages.sampling_params import ParamError, SamplingParams
 
 

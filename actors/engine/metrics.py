@@ -1,5 +1,5 @@
-"""The engine's counters: EngineStats for /metrics, and speculative decoding's acceptance (vLLM's
-spec_decode counters and its periodic log line)."""
+"""The engine's counters: EngineStats for /metrics, read off the scheduler, and speculative decoding's periodic log
+line (vLLM's; its counters are actors/engine/spec_stats.py's, below the scheduler, which keeps them)."""
 
 from __future__ import annotations
 
@@ -7,41 +7,15 @@ import asyncio
 import copy
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from actors.engine.spec_stats import SpecStats
 from messages.wire import EngineStats
 
 if TYPE_CHECKING:
     from actors.engine.scheduler import Scheduler
 
 log = logging.getLogger("sluice.engine")
-
-
-@dataclass
-class SpecStats:
-    """vLLM's spec_decode counters: rows that verified drafts, draft tokens, accepted ones (and per position)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
-
-    def observe(self, num_drafts: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += accepted
-        self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
-        for i in range(accepted):
-            self.accepted_per_pos[i] += 1
-
-    def since(self, last: SpecStats) -> str | None:
-        """Acceptance rate and mean accepted length since `last` (None: no drafts since)."""
-        drafts, accepted = self.num_drafts - last.num_drafts, self.num_accepted_tokens - last.num_accepted_tokens
-        if not drafts:
-            return None
-        rate = accepted / (self.num_draft_tokens - last.num_draft_tokens)
-        return f"{drafts} drafts, acceptance rate {100 * rate:.1f}%, mean accepted length {1 + accepted / drafts:.2f}"
 
 
 def idle_details(sched: Scheduler) -> dict[str, int]:

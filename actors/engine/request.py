@@ -12,6 +12,9 @@ the request re-prefills prompt + output (recompute) and continues exactly where 
 A guided request (classifier-free guidance) owns a `Companion`: its unconditional sequence, the negative prompt
 followed by the request's own output and pending tokens, with its own KV blocks and slot (actors/engine/guidance.py
 schedules the pair).
+
+A beam search's group holds its search as a `Beams`: what a request reads of actors/engine/beams.py's BeamGroup.
+beams.py builds on this module; of the engine, this one imports only actors/engine/grammar.py.
 """
 
 from __future__ import annotations
@@ -19,15 +22,19 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from actors.engine.grammar import Matcher
 from gpu.batch import PLACEHOLDER
-from messages.sampling_params import SamplingParams
+from messages.sampling_params import BeamSearch, SamplingParams
 from messages.wire import AbortReason, AddRequest, FinishReason, TokenLogprobs
 
-if TYPE_CHECKING:
-    from actors.engine.beams import BeamGroup
+
+class Beams(Protocol):
+    """What a request reads of its beam search's group (actors/engine/beams.py's BeamGroup)."""
+
+    spec: BeamSearch  # its width: the slots the group holds
+    live: list  # its running beams: each a sequence with its own KV blocks and slot
 
 
 class RequestStatus(enum.Enum):
@@ -67,7 +74,7 @@ class EngineRequest:
     first_token_at: float = 0.0  # when its first output here was appended
     worker_outputs: int = -1  # output tokens the worker holds of it (ExecuteStep deltas); -1: it is new there
     failed_steps: int = 0  # steps of it that never reported (the worker died or lost them): a poison request's count
-    beams: BeamGroup | None = None  # a beam search's group: its live beams are its sequences (actors/engine/beams.py)
+    beams: Beams | None = None  # a beam search's group: its live beams are its sequences (actors/engine/beams.py)
     search: EngineRequest | None = None  # a beam search's choice: the group that answers it (it holds nothing)
 
     @property

@@ -49,8 +49,8 @@ from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
 from actors.engine.isolation import RequestIsolation, snapshot
 from actors.engine.lifecycle import RequestLedger
 from actors.engine.lookahead import Lookahead
-from actors.engine.metrics import SpecStats
 from actors.engine.request import EngineRequest
+from actors.engine.spec_stats import SpecStats
 from gpu.batch import BatchSpec, ScheduledRow
 from messages.wire import RequestOutput, TokenLogprobs
 

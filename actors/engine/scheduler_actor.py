@@ -58,7 +58,7 @@ from actors.engine.worker_link import DIED, InlineWorker, ProcessWorker, WorkerL
 from actors.protocol import SentNames, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
-from gpu.config import ModelConfig
+from gpu.loading.config import ModelConfig
 from gpu.sampling import reads_output
 from messages.names import SCHEDULER
 from messages.step import FillMasks, StepProgress, StepResult

@@ -15,7 +15,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from actors.engine.config import EngineConfig, SpeculativeConfig
 from actors.engine.draft import DraftProposer
 from actors.engine.request import EngineRequest
-from gpu.config import ModelConfig
+from gpu.loading.config import ModelConfig
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

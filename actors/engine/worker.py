@@ -16,7 +16,7 @@ of a tensor-parallel gang whose followers were in the step exits instead (actors
 Progress (a process worker's, for its heartbeats: messages/step.py StepProgress): `progress` counts what the
 device thread did (a step begun, every few decoder layers of the forward: forward pre-hooks, at most 8 a forward,
 a step done); `beat()` says which step it is in and whether it waits for the scheduler instead. The hooks run in
-the model's Python layer loop, so a process worker's runner does not take the native one (gpu/native/decoder.py).
+the model's Python layer loop, so a process worker's runner does not take the native one (gpu/runner/native_loop.py).
 
 Test hooks, when a row of a step feeds the token: `EngineConfig.crash_token` makes the worker's process exit
 (code 7); `slow_token` sleeps step_timeout_s in each hooked layer, in quarters, each a progress tick (a slow step);
@@ -38,7 +38,7 @@ from actors.engine.executor import StepExecutor, StepTensors
 from actors.engine.gang import GANG_EXIT
 from actors.engine.grammar_masks import WorkerMasks
 from gpu.batch import BatchSpec
-from gpu.config import ModelConfig
+from gpu.loading.config import ModelConfig
 from gpu.sampling import SamplingRow
 from messages.step import ExecuteStep, FillMasks, GrammarMasks, StepFailure, StepProgress, StepResult, WorkerRequest
 
@@ -72,7 +72,7 @@ class Worker:
         self.progress, self.running, self._slow = 0, None, False  # device thread only (read by beat())
         if config.worker == "process":  # (the decoder layers: the model's first ModuleList)
             model = self.executor.runner.model
-            model.model.native_loop = None  # (hooks run in the Python loop's layers: gpu/native/decoder.py runs none)
+            model.model.native_loop = None  # (hooks run in the Python loop's layers: the native loop runs none)
             layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
             for layer in layers[:: max(1, -(-len(layers) // 8))]:
                 layer.register_forward_pre_hook(self._layer)

@@ -30,7 +30,7 @@ from actors.engine.executor import num_kv_blocks
 from actors.engine.gang import Gang
 from actors.engine.worker import Launched, Worker
 from actors.runtime import Actor
-from gpu.config import ModelConfig
+from gpu.loading.config import ModelConfig
 from messages.step import ExecuteStep, FillMasks, StepHung
 from messages.wire import CheckIdle, IdleReport
 

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 
 from frontend.body import RequestError, decode_body
+from frontend.context import ServingContext
 from frontend.fields import ChatCompletionRequest, SamplingExtras
-from frontend.protocol import ParsedRequest, ServingContext, chat_request
+from frontend.protocol import ParsedRequest, chat_request
 from frontend.responses_api.fields import NOT_HONOURED_IN_RESPONSES, OUTPUT_LOGPROBS, ResponsesRequest
 from frontend.responses_api.items import chat_messages, chat_tool_choice, chat_tools, input_items
 

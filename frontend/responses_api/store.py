@@ -22,7 +22,7 @@ the Responses calls that need the store fail, chat and completions never touch i
 Every call runs on the store's one thread (SQLite connections are not shared across threads), never on the event
 loop, and so does every decode of what it read (a conversation's JSON, a run's events: up to a row's budget, tens of
 milliseconds that would stall every stream of the process): a write costs a few hundred microseconds to
-milliseconds (docs/PERFORMANCE.md).
+milliseconds (docs/PERFORMANCE.md, "Robustness costs (issue 48)").
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Self-attention over the paged KV cache, with every family's quirks as parameters: q/k/v and o biases, per-head
 q/k RMSNorm before rotary (Qwen3, Gemma 3), a sliding window, a logit soft-cap and a query scale (Gemma). The
-attention over the cache is `attend`, the backend the runner chose at load (gpu/attention_backend.py; the torch path
-until then); rotary and the cache write are one step of the layer's kernel set (gpu/layers/kernels.py).
+attention over the cache is `attend`, the backend the runner chose at load (gpu/attention/backend.py; the torch path
+until then); rotary and the cache write are one step of the layer's kernel set (gpu/kernels/reference.py).
 
 q, k and v are three weights in most checkpoints, one `qkv_proj` with [q; k; v] rows in Phi-3's
-(`FusedQKVAttention`); `fuse()` stacks them at load (gpu/weights.py): one GEMM. Under tensor parallelism a rank
+(`FusedQKVAttention`); `fuse()` stacks them at load (gpu/loading/weights.py): one GEMM. Under tensor parallelism a rank
 holds its query heads and their KV heads (gpu/layers/parallel.py) and all-reduces o_proj's output."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu.attention import AttentionMetadata, paged_attention
+from gpu.attention.metadata import AttentionMetadata
+from gpu.attention.torch_backend import paged_attention
 from gpu.distributed.group import current
-from gpu.layers.kernels import TORCH_KERNELS
+from gpu.kernels.reference import TORCH_KERNELS
+from gpu.layers.linear import Linear
 from gpu.layers.mlp import stack_linears
 from gpu.layers.norm import RMSNorm
 from gpu.layers.parallel import column, heads, row
-from gpu.linear import Linear
 
 
 class Attention(nn.Module):

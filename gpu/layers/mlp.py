@@ -1,7 +1,7 @@
 """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), as the config's hidden_act says.
 
 gate and up are two weights in most checkpoints, one [2 * intermediate, hidden] `gate_up_proj` in Phi-3's; `fuse()`
-stacks them at load (gpu/weights.py), so the model runs one GEMM and one act-and-mul step of its kernel set. Under
+stacks them at load (gpu/loading/weights.py), so the model runs one GEMM and one act-and-mul step of its kernel set. Under
 tensor parallelism a rank holds a slice of the intermediate dim (gpu/layers/parallel.py) and all-reduces down's
 output."""
 
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from gpu.distributed.group import current
-from gpu.layers.kernels import TORCH_KERNELS
+from gpu.kernels.reference import TORCH_KERNELS
+from gpu.layers.linear import Linear
 from gpu.layers.parallel import column, row, split
-from gpu.linear import Linear
 
 
 class GatedMLP(nn.Module):

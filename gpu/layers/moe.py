@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.distributed.group import current
-from gpu.layers.kernels import ACTIVATIONS
+from gpu.kernels.reference import ACTIVATIONS
+from gpu.layers.linear import Linear
 from gpu.layers.parallel import Shard, shard, split
-from gpu.linear import Linear
 
 # a checkpoint's per-expert tensor: "experts.<e>.<its projection>.weight", in either family's names
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")

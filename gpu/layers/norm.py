@@ -1,6 +1,6 @@
 """RMSNorm, optionally added to the residual stream first (vLLM's fused_add_rms_norm): `norm(x)` returns the normed
 x; `norm.add(x, residual)` returns (normed sum, sum), the sum being the new residual (residual None: (norm(x), x)). Computed by the layer's kernel set
-(gpu/layers/kernels.py, where the families' two rounding orders are written out); `offset` 1 scales by (1 + w)
+(gpu/kernels/reference.py, where the families' two rounding orders are written out); `offset` 1 scales by (1 + w)
 (Gemma), 0 by w (Llama)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu.layers.kernels import TORCH_KERNELS
+from gpu.kernels.reference import TORCH_KERNELS
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ family file never sees the world size. At size 1 every shard is the whole tensor
 | norms, router, rotary         | replicated                                  |                                      |
 
 Shares need not be equal (9 heads over 2 ranks), only each rank's non-empty: the first ranks take the larger ones.
-A module keeps its parameters' shards in `module.shards` (parameter name -> Shard); the loader (gpu/weights.py)
+A module keeps its parameters' shards in `module.shards` (parameter name -> Shard); the loader (gpu/loading/weights.py)
 reads only those ranges of a tensor from safetensors.
 """
 

@@ -1,4 +1,6 @@
-"""The architecture registry: config.json's `architectures` -> the family's model class (gpu/models/<family>.py)."""
+"""The architecture registry: config.json's `architectures` -> the family's model class (gpu/models/<family>.py), on
+top of the families (decoder.py: what they share). Imports gpu/layers and below (rank 4); nothing below imports it:
+gpu/loading and the runner's memory plan do."""
 
 from gpu.models.decoder import CausalLM
 from gpu.models.gemma2 import Gemma2ForCausalLM

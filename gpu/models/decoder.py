@@ -1,7 +1,7 @@
 """The decoder-only causal LM every family is built from (Llama's shape), over a flat token batch.
 
 Tokens of all rows are concatenated ([num_tokens, hidden]); rows only meet in attention, through the paged KV cache
-and the AttentionMetadata. Module names mirror the HF checkpoints, so weights load by name (gpu/weights.py; a family
+and the AttentionMetadata. Module names mirror the HF checkpoints, so weights load by name (gpu/loading/weights.py; a family
 maps names that differ in `checkpoint_name`). A family subclasses `CausalLM` and says only what differs:
 
 | class attribute   | Llama          | what it changes                                                          |
@@ -13,7 +13,7 @@ maps names that differ in `checkpoint_name`). A family subclasses `CausalLM` and
 | mlp_name          | "mlp"          | the MLP's module name ("block_sparse_moe": Mixtral)                      |
 | tie_default       | False          | True: embeddings tied unless config.json says otherwise (Gemma)          |
 and `make_mlp(c, layer)` (a dense or MoE MLP per layer), `quirks(raw)` (the config fields the family reads:
-gpu/config.py), `layer_types(raw)` (which layers slide when config.json has no `layer_types`).
+gpu/loading/config.py), `layer_types(raw)` (which layers slide when config.json has no `layer_types`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu.attention import AttentionMetadata
+from gpu.attention.kv_cache import KVCache
+from gpu.attention.metadata import AttentionMetadata
 from gpu.distributed.group import current
-from gpu.kv_cache import KVCache
 from gpu.layers.attention import Attention
+from gpu.layers.linear import Linear
 from gpu.layers.mlp import GatedMLP
 from gpu.layers.moe import SparseMoE, expert_weight
 from gpu.layers.norm import RMSNorm
 from gpu.layers.parallel import VocabParallelEmbedding, column, vocab_range
 from gpu.layers.rotary import RotaryEmbedding
-from gpu.linear import Linear
 
 
 class DecoderLayer(nn.Module):
@@ -71,7 +71,7 @@ class DecoderModel(nn.Module):
             RotaryEmbedding(rotary_dim, theta, s, c.max_position_embeddings, c.max_model_len) for theta, s in ropes
         ]
         self.embed_scale = c.hidden_size**0.5 if family.scale_embeddings else None
-        self.native_loop = None  # the layer loop as one native call, for the steps it takes (gpu/native/decoder.py)
+        self.native_loop = None  # the layer loop as one native call, for the steps it takes (gpu/runner/native_loop.py)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

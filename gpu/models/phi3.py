@@ -1,5 +1,5 @@
 """Phi-3 / Phi-3.5: q, k and v in one `qkv_proj` weight and gate and up in one `gate_up_proj`, kept fused (one
-matmul each); partial rotary (`partial_rotary_factor`) and longrope read by gpu/config.py for any family."""
+matmul each); partial rotary (`partial_rotary_factor`) and longrope read by gpu/loading/config.py for any family."""
 
 from gpu.layers.attention import FusedQKVAttention
 from gpu.layers.mlp import GatedMLP

@@ -27,13 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import topk_topp
 from .metadata import SamplingMetadata
 from .threshold import NEG_INF_KEY
+from .topk_topp import MIN_P, TOP_K, TOP_P, T, U
 
 # @triton.jit reads module globals only as constexprs: the columns of `cols` (topk_topp), and the 1 - top_p below
 # which the top-p search starts from the top-k threshold instead of the mass bound (whose slack shrinks with it)
-_T, _TOP_K, _TOP_P, _MIN_P, _U = (tl.constexpr(getattr(topk_topp, c)) for c in ("T", "TOP_K", "TOP_P", "MIN_P", "U"))
+_T, _TOP_K, _TOP_P, _MIN_P, _U = (tl.constexpr(c) for c in (T, TOP_K, TOP_P, MIN_P, U))
 _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)
 _TOP_P_SLACK = tl.constexpr(1e-6)
 _LOWEST = tl.constexpr(-3.4028234663852886e38)  # the lowest finite float32: x >= it is x > -inf

@@ -1,7 +1,7 @@
 """Fused Triton kernels for the decoder's small steps: rotary + KV-cache write, residual add + RMSNorm, act-and-mul,
-and `TritonKernels`, the kernel set they make (gpu/layers/kernels.py).
+and `TritonKernels`, the kernel set they make (gpu/kernels/reference.py).
 
-Each wrapper equals the torch step of gpu/layers/kernels.py (TorchKernels), with that step's rounding order in
+Each wrapper equals the torch step of gpu/kernels/reference.py (TorchKernels), with that step's rounding order in
 bf16/fp16: math in float32, rounded to the model's dtype exactly where the torch step rounds. All tensors on one device; the last dim of every tensor contiguous; other strides are read.
 
 Interpreter rule: `@triton.jit` reads TRITON_INTERPRET when this module is imported, so a CPU run (tests,
@@ -178,7 +178,7 @@ def _act_and_mul_kernel(x, out, stride_x, stride_o, d, ACT: tl.constexpr, BLOCK:
 def act_and_mul(x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """act(x[:, :d]) * x[:, d:] for a fused gate_up output x [N, 2d] (rows may be strided): out [N, d], x's dtype.
 
-    act: a key of gpu/layers/kernels.py ACTIVATIONS (silu; gelu_tanh = gelu_pytorch_tanh). out: where the result
+    act: a key of gpu/kernels/reference.py ACTIVATIONS (silu; gelu_tanh = gelu_pytorch_tanh). out: where the result
     goes, else a new tensor. One launch, grid (N, cdiv(d, 1024)). Equals TorchKernels.act_and_mul, its rounding order.
     """
     n, d = x.shape[0], x.shape[-1] // 2
@@ -192,7 +192,7 @@ def act_and_mul(x: torch.Tensor, act: str, out: torch.Tensor | None = None) -> t
 
 
 class TritonKernels:
-    """The triton backend's kernel set (gpu/layers/kernels.py): one launch per step."""
+    """The triton backend's kernel set (gpu/kernels/reference.py): one launch per step."""
 
     @staticmethod
     def rms_norm(x, residual, weight, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:

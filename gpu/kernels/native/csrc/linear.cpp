@@ -16,8 +16,8 @@
 // then misses the TLB every 2 MB instead of every 4 KB (measured in docs/PERFORMANCE.md; advice only: where the
 // system's THP setting is "never" they are ordinary pages).
 //
-// Built twice by gpu/native/build.py, with -mavx2 -mfma (namespace sluice_avx2) and with -mavx512f (sluice_avx512);
-// gpu/native/__init__.py loads the one the CPU runs.
+// Built twice by gpu/kernels/native/build.py, with -mavx2 -mfma (namespace sluice_avx2) and with -mavx512f (sluice_avx512);
+// gpu/kernels/native/__init__.py loads the one the CPU runs.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

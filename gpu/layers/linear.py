@@ -11,12 +11,12 @@ Measured on this class of machine (AMD EPYC AVX2, fp32, 1 thread, SmolLM2's shap
 So `pack()` keeps the [in, out] copy and the oneDNN one, and the parameter becomes a view of the former (no third
 copy; a weight shared with the embedding keeps its own storage, see `keep_weight`). Elsewhere (CUDA, other dtypes)
 nothing changes.
-With the native kernels (gpu/native: the default where built; `--cpu-kernels torch` turns them off) the oneDNN copy
-gives way to theirs: up to NATIVE_ROWS rows (decode, verification, small prefill chunks; every row count in
+With the native kernels (gpu/kernels/native: the default where built; `--cpu-kernels torch` turns them off) the oneDNN
+copy gives way to theirs: up to NATIVE_ROWS rows (decode, verification, small prefill chunks; every row count in
 batch-invariant mode: `make_invariant`) every row's result is the same bits whatever the batch around it, at 1.07-1.3x
-torch's best speed (AMD EPYC, AVX2: docs/PERFORMANCE.md); more rows take the [in, out] copy. gpu/quant.py keeps its
-dequantized weights in one of these layouts through the same functions (`onednn_pack`, `onednn_linear`,
-`transposed_linear`).
+torch's best speed (AMD EPYC, AVX2: docs/performance-history.md, "Native paged attention, and the native kernels by
+default (issue 36, third part)"); more rows take the [in, out] copy. gpu/layers/quant.py keeps its dequantized weights
+in one of these layouts through the same functions (`onednn_pack`, `onednn_linear`, `transposed_linear`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tenso
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's layout, for PACKED_ROWS
     weight_t: torch.Tensor | None = None  # [in, out] contiguous, for the other batch sizes
-    native_ops = None  # the native kernels (gpu/native) ...
+    native_ops = None  # the native kernels (gpu/kernels/native) ...
     native: torch.Tensor | None = None  # ... and the weight in their layout, for up to native_rows rows
     native_rows = NATIVE_ROWS  # (every row count in batch-invariant mode: make_invariant)
 
@@ -79,20 +79,3 @@ class Linear(nn.Linear):
 
     def make_invariant(self) -> None:
         self.native_rows = sys.maxsize
-
-
-def make_invariant(model: nn.Module) -> None:
-    """Batch-invariant mode: every linear layer takes the native kernels at any number of rows (a quantized layer its
-    quantized kernel, whose rows are computed alone too), so a row's result is the same bits in any step; before the
-    native layer loop is built (gpu/runner.py), which copies the row counts (gpu/native/decoder.py). ValueError
-    where a layer cannot (not float32 on a CPU, not built, a quantized width off the kernels' groups)."""
-    from gpu.quant import QuantLinear  # (it builds on this module)
-
-    layers = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
-    if not layers or any(m.native is None for m in layers):
-        raise ValueError(
-            "batch-invariant mode needs every linear layer on the native CPU kernels: float32 weights on a CPU, the "
-            "kernels built (make setup), quantized input widths in multiples of 32"
-        )
-    for m in layers:
-        m.make_invariant()

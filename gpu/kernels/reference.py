@@ -1,5 +1,5 @@
-"""The decoder's small steps as a kernel set, chosen with the attention backend (gpu/attention_backend.py) and handed
-to every layer at load (gpu/weights.py): each layer calls `self.kernels.<step>` and never asks which set it has.
+"""The decoder's small steps as a kernel set, chosen with the attention backend (gpu/attention/backend.py) and handed
+to every layer at load (gpu/loading/weights.py): each layer calls `self.kernels.<step>` and never asks which set it has.
 
 | step                                        | TorchKernels (this module: the reference)     | TritonKernels | NativeKernels |
 |---------------------------------------------|-----------------------------------------------|---------------|---------------|
@@ -7,8 +7,8 @@ to every layer at load (gpu/weights.py): each layer calls `self.kernels.<step>` 
 | rope_and_write_kv(q, k, v, cos, sin, kv, s) | apply_rope on q and k, write_kv                | one kernel    | one op        |
 | act_and_mul(x, act)                         | act(gate) * up of a fused gate_up output       | one kernel    | one op        |
 
-Each Triton kernel equals its torch step here, with its rounding order in bf16/fp16 (gpu/kernels/triton_fused.py);
-the native set (gpu/native/kernels.py: CPU, float32, the native attention backend's) equals it up to float32
+Each Triton kernel equals its torch step here, with its rounding order in bf16/fp16 (gpu/kernels/triton/fused.py);
+the native set (gpu/kernels/native/kernels.py: CPU, float32, the native attention backend's) equals it up to float32
 rounding, each row alone in a fixed order.
 
 RMSNorm, as HF transformers computes it for each family: Llama style (offset 0) normalised in float32, cast back,
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from gpu.kv_cache import write_kv
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -67,3 +65,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return torch.cat((apply_rope(x[..., :d], cos, sin), x[..., d:]), -1)
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     return torch.addcmul(x * cos, swapped, sin)
+
+
+def write_kv(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
+    """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots."""
+    k_cache, v_cache = kv
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)

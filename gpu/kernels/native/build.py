@@ -1,9 +1,9 @@
-"""Build the native CPU kernels (gpu/native/csrc) with the machine's C++ compiler and ninja, through torch's
+"""Build the native CPU kernels (gpu/kernels/native/csrc) with the machine's C++ compiler and ninja, through torch's
 cpp_extension: one library per ISA, side by side, never `-march=native` (a binary for this CPU could crash on
 another): AVX2 + FMA, and AVX-512. `make setup` runs it; a machine without a compiler gets a clear message and the
-torch fallback (gpu/native/__init__.py). Idempotent: ninja rebuilds only what changed.
+torch fallback (gpu/kernels/native/__init__.py). Idempotent: ninja rebuilds only what changed.
 
-    python -m gpu.native.build
+    python -m gpu.kernels.native.build
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu.native import BUILD_DIR, BUILT, ISAS, SOURCES, library_path
+from gpu.kernels.native import BUILD_DIR, BUILT, ISAS, SOURCES, library_path
 
 log = logging.getLogger("sluice.native")
 
@@ -67,7 +67,7 @@ def _build_in_child(isa: str) -> None:
     exits with an error, and an older library left in place must not pass for it)."""
     import subprocess
 
-    code = f"from gpu.native.build import build; build({isa!r})"
+    code = f"from gpu.kernels.native.build import build; build({isa!r})"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if done.returncode > 0 or not library_path(isa).exists():
         errors = [line for line in done.stderr.splitlines() if "error" in line.lower()] or done.stderr.splitlines()

@@ -1,4 +1,4 @@
-// The vector types the kernels are written in, for the ISA this library is built for (gpu/native/build.py builds
+// The vector types the kernels are written in, for the ISA this library is built for (gpu/kernels/native/build.py builds
 // it twice: -mavx2 -mfma, and -mavx512f/bw/dq/vl; -ffp-contract=off: no fma the source does not write).
 //
 // - Vec: the machine's widest float vector (8 or 16 lanes): the linear kernels, whose per-element results are single

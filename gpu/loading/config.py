@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.layers.kernels import ACTIVATIONS
+from gpu.kernels.reference import ACTIVATIONS
 from gpu.layers.moe import MoESpec
 from gpu.layers.rotary import ROPE_TYPES, RotaryEmbedding
 
@@ -42,7 +42,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     max_model_len: int = 2048  # max_position_embeddings, or less where served shorter (`served`)
-    hidden_act: str = "silu"  # a key of gpu/layers/kernels.py's ACTIVATIONS
+    hidden_act: str = "silu"  # a key of gpu/kernels/reference.py's ACTIVATIONS
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for full attention
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotary rotates (Phi-3)
     local_rope: tuple[float, dict] | None = None  # (theta, scaling) of the sliding layers' own rotary (Gemma 3)
@@ -67,7 +67,7 @@ class ModelConfig:
     def from_path(cls, path: str | Path) -> ModelConfig:
         path = Path(path).expanduser()
         if path.suffix == ".gguf":
-            from gpu.convert import ConversionError, ensure_converted
+            from gpu.loading.convert import ConversionError, ensure_converted
 
             try:
                 path = ensure_converted(path)

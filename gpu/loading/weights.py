@@ -18,16 +18,16 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gpu import native
-from gpu.attention_backend import AttentionBackend
-from gpu.config import ModelConfig, ModelLoadError, weight_files
+from gpu.attention.backend import AttentionBackend
 from gpu.distributed.group import TensorParallel, shaped_as
+from gpu.kernels import native
 from gpu.layers.attention import Attention
+from gpu.layers.linear import Linear
 from gpu.layers.parallel import Shard
-from gpu.linear import Linear
+from gpu.layers.quant import GROUP, Quantization, quantize_model
+from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
-from gpu.quant import GROUP, Quantization, quantize_model
 
 log = logging.getLogger("sluice.weights")
 
@@ -91,10 +91,10 @@ def load_model(
     cpu_kernels: str | None = None,
 ) -> CausalLM:
     """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
-    int8 or int4 one, kept dequantized too for calls of many rows, or a bfloat16 one (gpu/quant.py); `attention`,
-    the backend every attention layer calls (gpu/attention_backend.py; the torch path when None), whose kernel set
+    int8 or int4 one, kept dequantized too for calls of many rows, or a bfloat16 one (gpu/layers/quant.py); `attention`,
+    the backend every attention layer calls (gpu/attention/backend.py; the torch path when None), whose kernel set
     goes to every layer; `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the
-    native kernels where built (gpu/native), quantized layers' few-row calls too; "torch": torch's.
+    native kernels where built (gpu/kernels/native), quantized layers' few-row calls too; "torch": torch's.
     Once loaded, q/k/v and gate/up weights are stacked into one each."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")

@@ -1,13 +1,15 @@
-"""The decoder's layer loop as one native call (gpu/native/csrc/decoder.cpp), for the steps it can take: the same
-native ops in the same order on the same arguments as the Python loop, so the same bits, without the Python
-between them (5-8 ms of a 15-33 ms batch-1 decode step of SmolLM2-135M on a 2-vCPU AMD EPYC: docs/PERFORMANCE.md).
+"""The decoder's layer loop as one native call (gpu/kernels/native/csrc/decoder.cpp), for the steps it can take: the
+same native ops in the same order on the same arguments as the Python loop, so the same bits, without the Python between
+them (5-8 ms of a 15-33 ms batch-1 decode step of SmolLM2-135M on a 2-vCPU AMD EPYC: docs/performance-history.md,
+"The layer loop as one native call, ..." (issue 36, sixth part); the step times with and without it:
+docs/PERFORMANCE.md, "Native kernels and quantized formats").
 
 `native_loop(model, attention)` builds it at load (after `make_invariant`, whose row counts it copies) where every
 layer is a plain one (Llama's shape: no sandwich norms, no q/k norms, a dense gated MLP, one device) on the native
 backend, each linear layer on the native kernels for up to `max_rows` rows; None elsewhere (the Python loop runs
 every step, as it does for a process worker, whose progress hooks live in the Python loop's layers). A step goes
 to it (`takes`) when it has at most max_rows tokens and the native attention kernel takes every row
-(gpu/attention_native.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode).
+(gpu/attention/native_backend.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import sys
 
 import torch
 
-from gpu.attention import AttentionMetadata
-from gpu.attention_native import NativeAttention
-from gpu.kv_cache import KVCache
+from gpu.attention.kv_cache import KVCache
+from gpu.attention.metadata import AttentionMetadata
+from gpu.attention.native_backend import NativeAttention
+from gpu.kernels.native.kernels import ACT_IDS
 from gpu.layers.attention import Attention
+from gpu.layers.linear import Linear
 from gpu.layers.mlp import GatedMLP
-from gpu.linear import Linear
-from gpu.native.kernels import ACT_IDS
-from gpu.quant import QuantLinear
+from gpu.layers.quant import QuantLinear
 
 
 class NativeLoop:

@@ -8,7 +8,7 @@ query_start_loc[r + 1] - 1, the last of its seq_lens[r] positions (bottom-right 
 c = seq_len - query_len cached keys sees keys 0..c + i), and of those only the last `window` (key j visible to the
 query at position p iff p - window < j <= p); scores = softmax_scale * q.k, then cap * tanh(scores / cap) with a
 soft-cap; softmax in float32. Any D (masked up to a power of two), Hq a multiple of Hkv, fp16/bf16/fp32. Writes every
-element of `out` [T, Hq, D] (q's dtype) and returns it. Equals gpu/attention.py's torch path within rounding.
+element of `out` [T, Hq, D] (q's dtype) and returns it. Equals gpu/attention/torch_backend.py's torch path within rounding.
 Offsets scaled by a token (into q, out and the split-K scratch) are int64: no shape bound past 2^31 elements.
 
 Grid: (query tiles, Hkv, splits). A program takes BLOCK_Q consecutive queries of one row times the GROUP = Hq / Hkv
@@ -26,7 +26,7 @@ PARTITION * MAX_SPLITS keys (past that the partition doubles); a row of at most 
 one-pass kernel. A decode row in a mixed step takes the one-pass kernel (its rounding differs in the last bits).
 
 `@triton.jit` reads TRITON_INTERPRET when it decorates: a CPU run sets TRITON_INTERPRET=1 before triton is first
-imported (triton.language's own helpers are decorated then): gpu/attention_backend.py, tests/conftest.py.
+imported (triton.language's own helpers are decorated then): gpu/attention/backend.py, tests/conftest.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ backend: the torch backend's host-side segment plans change shape from step to s
 and padding without graphs (CPU: how the tests check padding and buffer reuse; debugging on CUDA); "off" is the
 dynamic path (`--enforce-eager`, or no graphs to be had: CPU, the torch backend, an MoE model, whose expert
 routing reads counts back to the host). Attention in a decode step, static or not, is planned for the longest
-servable row (max_seq_len = max_model_len, gpu/runner.py: the triton kernel's split-K layout is the same in a
+servable row (max_seq_len = max_model_len, gpu/runner/model_runner.py: the triton kernel's split-K layout is the same in a
 graph and out of one, and never depends on the batch; empty partitions weigh nothing). Mixed, prefill and
 speculative steps and those above the largest size run dynamically. The sampler runs after the graph, eagerly: its
 row sets change with each step's parameters.
@@ -24,16 +24,14 @@ row sets change with each step's parameters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from tqdm import tqdm
 
-from gpu.attention import AttentionMetadata
+from gpu.attention.metadata import AttentionMetadata
 from gpu.batch import BatchSpec, ScheduledRow
-
-if TYPE_CHECKING:
-    from gpu.runner import ModelRunner
+from gpu.runner.view import RunnerView
 
 GraphMode = Literal["capture", "eager", "off"]
 BUFFERS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
@@ -52,7 +50,7 @@ def is_decode_step(batch: BatchSpec) -> bool:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, capture: bool) -> None:
+    def __init__(self, runner: RunnerView, capture: bool) -> None:
         self.runner = runner
         self.sizes = capture_sizes(min(runner.max_num_seqs, runner.max_num_batched_tokens))
         self.scratch_block = runner.kv_cache.num_blocks - 1

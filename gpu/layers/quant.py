@@ -10,7 +10,7 @@ decoded token, which is what a step of few rows waits on.
   serving's bytes per weight, which keeps two float32 layouts; SmolLM2 with its float32 embedding: 365 MiB against
   1,134). Without the native kernels: the rounded weight in float32 on torch's GEMM.
 Few-row calls run the native kernels where built and the input width is a multiple of GROUP
-(gpu/native/csrc/quant.cpp: activations quantized to int8 per row and group, llama.cpp's Q8 / Q4 x Q8 schemes,
+(gpu/kernels/native/csrc/quant.cpp: activations quantized to int8 per row and group, llama.cpp's Q8 / Q4 x Q8 schemes,
 integer dot products; int4 1.2-1.6x torch's at 1-8 rows), else torch's `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` (bfloat16 activations).
 
@@ -28,8 +28,9 @@ crashes; native_rows: WIDEN_ROWS for bf16 on the native kernels, whose GEMM is t
 panels, else unbounded; both every row count in batch-invariant mode on the native kernels, whose rows are computed
 alone (`make_invariant`); the float32 GEMM is the native one too where the native kernels are, as a float32 model's.)
 
-Decision (`scripts/bench_quant.py`; figures in docs/PERFORMANCE.md): quantized serving must never be slower than
-float32, and above a few rows nothing that keeps only the quantized weight keeps that promise with torch's CPU ops.
+Decision (`scripts/bench_quant.py`; figures in docs/performance-history.md, "Engine speed against vLLM's CPU build
+(issue 13, first pass)"): quantized serving must never be slower than float32, and above a few rows nothing that keeps
+only the quantized weight keeps that promise with torch's CPU ops.
 - The kernels re-read and re-convert the weight for every block of 4 rows: they grow linearly with rows and lose to
   float32's pre-packed GEMM past kernel_rows.
 - Dequantizing per call costs a pass over the weight plus the GEMM's own packing of the result. Whole (the former
@@ -53,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.linear import onednn_linear, onednn_pack, transposed_linear
+from gpu.layers.linear import Linear, onednn_linear, onednn_pack, transposed_linear
 
 Quantization = Literal["int8", "int4", "bf16"]
 GROUP = 32  # input channels per scale / zero point (int4), per activation scale (the native kernels)
@@ -65,7 +66,7 @@ KERNEL_ROWS: dict[str, int] = {
     "bf16": -1,  # (no kernel of its own)
 }
 # the native kernels' (measured against float32's native kernel on SmolLM2's layers, AVX2 EPYC: int4 1.17x at 8 rows,
-# ~1.0x at 12; int8 1.26x at 16, ~1.07x at 24: docs/PERFORMANCE.md)
+# ~1.0x at 12; int8 1.26x at 16, ~1.07x at 24: docs/performance-history.md, issue 36's fourth part)
 NATIVE_KERNEL_ROWS: dict[str, int] = {"int8": 16, "int4": 8, "bf16": -1}
 WIDEN_ROWS = 512  # bf16: the most rows its native dense kernel takes (crossover with widening + GEMM: 256-1024 rows)
 
@@ -154,8 +155,23 @@ class QuantLinear(nn.Module):
 
 def quantize_model(model: nn.Module, mode: Quantization, native_ops=None) -> None:
     """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place; their
-    few-row calls (bf16: up to WIDEN_ROWS rows) run the native kernels where `native_ops` are given (gpu/native)."""
+    few-row calls (bf16: up to WIDEN_ROWS rows) run the native kernels where `native_ops` are given (gpu/kernels/native)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, QuantLinear(child.weight, child.bias, mode, native_ops))
+
+
+def make_invariant(model: nn.Module) -> None:
+    """Batch-invariant mode: every linear layer takes the native kernels at any number of rows (a quantized layer its
+    quantized kernel, whose rows are computed alone too), so a row's result is the same bits in any step; before the
+    native layer loop is built (gpu/runner/model_runner.py), which copies the row counts
+    (gpu/runner/native_loop.py). ValueError where a layer cannot (not float32 on a CPU, not built, a quantized width off the kernels' groups)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
+    if not layers or any(m.native is None for m in layers):
+        raise ValueError(
+            "batch-invariant mode needs every linear layer on the native CPU kernels: float32 weights on a CPU, the "
+            "kernels built (make setup), quantized input widths in multiples of 32"
+        )
+    for m in layers:
+        m.make_invariant()
