@@ -3,11 +3,11 @@ killer would SIGKILL the engine while it loads: "process engine was killed by SI
 killed so while it starts or restarts is explained with the same figures and what to try (`explain`: the supervisor's
 hook, set by `sluice serve`, a replica's headless node and `sluice generate`).
 
-On CPU this node's engine processes hold the weights as served (gpu/runner/memory.py `served_weight_bytes`, a floor) and the
-KV cache (--kv-cache-memory-gb, default 1 GiB, or --num-kv-blocks blocks: actors/engine/executor.py), for each local
+On CPU this node's engine processes hold the weights as served (gpu/runner/memory.py `served_weight_bytes`, a floor) and
+the KV cache (--kv-cache-memory-gb, default 1 GiB, or --num-kv-blocks blocks: actors/engine/executor.py), for each local
 replica, and under tensor parallelism this node's ranks' shares. That is refused when it is more than the kernel's
-MemAvailable (/proc/meminfo), unless --skip-memory-check. On CUDA the weights and the cache live on the device (sized
-by --gpu-memory-utilization there): nothing is refused, an engine killed while it starts is still explained.
+MemAvailable (/proc/meminfo), unless --skip-memory-check. On CUDA the weights and the cache live on the device (sized by
+--gpu-memory-utilization there): nothing is refused, an engine killed while it starts is still explained.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ class MemoryNeed:
 
 
 def device_type(engine: EngineConfig) -> str:
-    """The engine's device type, as gpu/runner/model_runner.py's resolve_device picks it (without initializing CUDA here)."""
+    """The engine's device type, as gpu/runner/model_runner.py's resolve_device picks it (without initializing CUDA
+    here)."""
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     return auto if engine.device == "auto" else torch.device(engine.device).type
 

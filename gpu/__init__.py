@@ -13,5 +13,6 @@ device). One concept per package; imports run only downward, in this order (test
 | 6    | runner/                        | the step: inputs, forward, graphs, memory plan                 |
 
 A package imports its own modules and those of lower ranks only; sampling/ stands beside the model stack and imports
-nothing of it. Nothing here imports actors/ or frontend/; messages/ (the wire types) is below everything.
+nothing of it. Nothing here imports actors/ or frontend/. messages/ (the wire types) sits between rank 0 and the
+rest: it imports batch.py alone of gpu/, and sampling/ reads its SamplingParams.
 """

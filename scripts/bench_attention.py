@@ -1,7 +1,7 @@
 """Paged attention on CPU, float32: the native kernel (gpu/kernels/native/csrc/attention.cpp) against the torch path's
-padded segments (gpu/attention/torch_backend.py), one layer's call at SmolLM2-135M's shape (9 query heads over 3 KV heads of 64,
-blocks of 16), in the same run. The torch path is planned once per shape, as a step plans once for all its layers;
-only the call is timed.
+padded segments (gpu/attention/torch_backend.py), one layer's call at SmolLM2-135M's shape (9 query heads over 3 KV
+heads of 64, blocks of 16), in the same run. The torch path is planned once per shape, as a step plans once for all its
+layers; only the call is timed.
 
     python scripts/bench_attention.py [--threads 2]
 

@@ -1,6 +1,6 @@
 """The native CPU linear kernels (gpu/kernels/native) against torch's two float32 paths (oneDNN's packed weight, and
-`x @ W^T` from the [in, out] copy: gpu/layers/linear.py), on SmolLM2-135M's layer shapes, in the same run: one pass over a
-layer of each shape (qkv, o, gate_up, down, the LM head: 31.9 M weights, 127 MB) per row count.
+`x @ W^T` from the [in, out] copy: gpu/layers/linear.py), on SmolLM2-135M's layer shapes, in the same run: one pass over
+a layer of each shape (qkv, o, gate_up, down, the LM head: 31.9 M weights, 127 MB) per row count.
 
     python scripts/bench_native.py [--threads 1 2] [--rows 1 2 4 8 16 32 64 128 512]
 

@@ -10,10 +10,11 @@ served:  the real engine (AsyncLLM, engine threads as `sluice serve` sets them u
          the ratio is against float32 from the same run. The load average is printed beside every row.
 layers:  the real model's linear layers in model order (30 x q k v o gate up down, then the LM head), each called
          on `rows` rows, swept 3 times (the first discarded), so weights come from memory as in a step: ms per
-         sweep for float32 (gpu/layers/linear.py), and for each mode its quantized kernel and its forward (gpu/layers/quant.py:
-         the kernel up to each layer's kernel_rows, the float32 GEMM on the dequantized weight above). One torch
-         thread unless --threads, timed in this process's CPU time, which other processes' load inflates far less
-         than wall time (with more threads CPU time counts their spinning too: compare on a quiet machine).
+         sweep for float32 (gpu/layers/linear.py), and for each mode its quantized kernel and its forward
+         (gpu/layers/quant.py: the kernel up to each layer's kernel_rows, the float32 GEMM on the dequantized weight
+         above). One torch thread unless --threads, timed in this process's CPU time, which other processes' load
+         inflates far less than wall time (with more threads CPU time counts their spinning too: compare on a quiet
+         machine).
 quality: one ~300-token English text fed as a prompt with prompt_logprobs, so every position's next-token
          distribution is scored teacher-forced: mean and p99 |logprob difference| of the text's actual tokens
          against float32, how often the top-1 (greedy) token agrees, and batch-1 decode ms per output token

@@ -1,4 +1,5 @@
-"""Decode steps on static buffers (gpu/runner/graphs.py), checked on CPU where no graph is captured: the same buffers and
+"""Decode steps on static buffers (gpu/runner/graphs.py), checked on CPU where no graph is captured: the same buffers
+and
 padding run eagerly (served to 600 tokens: the triton backend's decode steps split keys into 3 partitions) and give
 the dynamic path's tokens and logits, and write no KV outside the scratch block, as
 rows come and go (a smaller step after a larger one leaves stale entries in the buffers: the padding must cover

@@ -1,4 +1,5 @@
-"""The engine's memory before it loads (frontend/memory_check.py, gpu/runner/memory.py `served_weight_bytes`): the estimate
+"""The engine's memory before it loads (frontend/memory_check.py, gpu/runner/memory.py `served_weight_bytes`): the
+estimate
 is a floor of what the loaded model's tensors hold, in every CPU serving format; a model that cannot fit in the
 host's MemAvailable is refused before any process starts, with the figures and what to try, unless
 --skip-memory-check. (The explanation of an engine SIGKILLed while it starts: tests/test_readiness.py.)"""

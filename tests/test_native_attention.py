@@ -1,4 +1,5 @@
-"""The native paged attention kernel (gpu/kernels/native/csrc/attention.cpp): each ISA's build against a float64 reference
+"""The native paged attention kernel (gpu/kernels/native/csrc/attention.cpp): each ISA's build against a float64
+reference
 on awkward shapes (head dims off the vector width, odd block sizes, contexts across the softmax's chunks, grouped
 query heads, sliding windows, a soft-cap), with every cache slot no query may read poisoned with NaN, and a NaN or
 inf in a key that queries read spreading as in the reference (exactly to the heads that see it); bitwise batch

@@ -1,4 +1,5 @@
-"""The native CPU kernels (gpu/kernels/native): each ISA's build against a float64 reference on awkward shapes (sizes off
+"""The native CPU kernels (gpu/kernels/native): each ISA's build against a float64 reference on awkward shapes (sizes
+off
 the panel and tile widths), into outputs poisoned first; bitwise batch invariance (a row's result alone, in any
 batch, in any tile position) and agreement across ISAs; the torch fallback when the extension is absent."""
 
@@ -99,7 +100,8 @@ def test_a_model_on_the_native_kernels_computes_what_it_does_on_torchs(tiny_mode
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_rows_are_the_same_bits_in_any_batch_and_on_every_isa(mode):
-    """The int8 and int4 kernels (gpu/kernels/native/csrc/quant.cpp: rows quantized alone, four rows a pass over a column):
+    """The int8 and int4 kernels (gpu/kernels/native/csrc/quant.cpp: rows quantized alone, four rows a pass over a
+    column):
     each of 9 rows alone and in the first 1..9 rows is the same bits, on every built ISA."""
     from gpu.layers.quant import QuantLinear
 

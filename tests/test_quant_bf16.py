@@ -1,4 +1,5 @@
-"""`--quantization bf16` (gpu/layers/quant.py; the native kernel's bfloat16 panels, gpu/kernels/native/csrc/linear.cpp). The
+"""`--quantization bf16` (gpu/layers/quant.py; the native kernel's bfloat16 panels, gpu/kernels/native/csrc/linear.cpp).
+The
 references are computed here: each weight rounded to bfloat16 to nearest, ties to even, by integer arithmetic on
 its bits (not torch's conversion, which the layer uses), then x @ W^T in float64. A row's float32 fma chain over the
 widened weights is within 1e-5 of that (relative to sum |x w|); the float32 weight's product differs from it by at

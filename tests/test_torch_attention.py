@@ -1,4 +1,5 @@
-"""The torch attention path (gpu/attention/torch_backend.py: padded segments, the reference backend) reads no slot its row does not
+"""The torch attention path (gpu/attention/torch_backend.py: padded segments, the reference backend) reads no slot its
+row does not
 hold: with every slot no row holds poisoned with NaN (the padding of each row's last block, the blocks nobody in the
 step holds) and block 0, where a shorter row's block table points past its blocks, holding another row's keys or a
 request's outside the step, each row of a mixed prefill + decode step is a float64 reference's over its own keys

@@ -1,4 +1,5 @@
-"""gpu/kernels/triton/attention.py against the torch path (gpu/attention/torch_backend.py) and a float64 reference, on random
+"""gpu/kernels/triton/attention.py against the torch path (gpu/attention/torch_backend.py) and a float64 reference, on
+random
 caches behind shuffled block tables: GQA 1/3/8, head_dim 24 and 64, contexts of 1 to 40 blocks with partial last
 blocks, decode steps (split-K past 256 keys), mixed steps (prefill, chunked prefill on cached blocks, decode), windows
 and soft-caps, fp32/fp16/bf16, block sizes 8 to 64. Outputs and the split-K scratch are poisoned with NaN first, so an

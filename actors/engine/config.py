@@ -39,8 +39,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     quantization: Literal["int8", "int4", "bf16"] | None = None  # weight-only, CPU float32 (gpu/layers/quant.py)
-    # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/kernels/native: batch-invariant up to 64
-    # rows; quantized layers' few-row calls too); None: native where built (torch's with a warning otherwise)
+    # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/kernels/native: batch-invariant up to
+    # 64 rows; quantized layers' few-row calls too); None: native where built (torch's with a warning otherwise)
     cpu_kernels: Literal["native", "torch"] | None = None
     # a row's logits the same bits in any step: alone, in any batch, chunked, verified, recomputed (CPU: the native
     # kernels at every row count, native attention for every row; docs/OPERATIONS.md)
@@ -55,8 +55,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int | None = 256  # ... but one prompt gets at most this in a step that decodes
     block_size: int = 16
     # KV blocks per cache: the target's and, with a draft model, the draft's (its blocks pair one-for-one with the
-    # target's). None: as many as fit in kv_cache_memory_gb, which holds every KV cache, where given; else, on CUDA
-    # with the worker inline, in gpu_memory_utilization of the device (profiled: gpu/runner/memory.py), elsewhere in 1 GiB
+    # target's). None: as many as fit in kv_cache_memory_gb, which holds every KV cache, where given; else, on CUDA with
+    # the worker inline, in gpu_memory_utilization of the device (profiled: gpu/runner/memory.py), elsewhere in 1 GiB
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9  # vLLM's: the fraction of the device's memory the engine may use

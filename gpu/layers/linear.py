@@ -55,9 +55,9 @@ class Linear(nn.Linear):
     native_rows = NATIVE_ROWS  # (every row count in batch-invariant mode: make_invariant)
 
     def pack(self, keep_weight: bool = False, native_ops=None) -> None:
-        """Lay the (loaded) weight out for CPU float32 matmuls (the native kernels' layout, given their ops). keep_weight:
-        the [out, in] storage is shared (a tied embedding reads it row by row) and must stay; otherwise the parameter
-        becomes a view of the [in, out] copy."""
+        """Lay the (loaded) weight out for CPU float32 matmuls (the native kernels' layout, given their ops).
+        keep_weight: the [out, in] storage is shared (a tied embedding reads it row by row) and must stay; otherwise the
+        parameter becomes a view of the [in, out] copy."""
         if not (self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
             return
         self.weight_t = self.weight.detach().t().contiguous()

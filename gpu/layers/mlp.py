@@ -1,8 +1,8 @@
 """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), as the config's hidden_act says.
 
 gate and up are two weights in most checkpoints, one [2 * intermediate, hidden] `gate_up_proj` in Phi-3's; `fuse()`
-stacks them at load (gpu/loading/weights.py), so the model runs one GEMM and one act-and-mul step of its kernel set. Under
-tensor parallelism a rank holds a slice of the intermediate dim (gpu/layers/parallel.py) and all-reduces down's
+stacks them at load (gpu/loading/weights.py), so the model runs one GEMM and one act-and-mul step of its kernel set.
+Under tensor parallelism a rank holds a slice of the intermediate dim (gpu/layers/parallel.py) and all-reduces down's
 output."""
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ class QuantLinear(nn.Module):
 
 def quantize_model(model: nn.Module, mode: Quantization, native_ops=None) -> None:
     """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place; their
-    few-row calls (bf16: up to WIDEN_ROWS rows) run the native kernels where `native_ops` are given (gpu/kernels/native)."""
+    few-row calls (bf16: up to WIDEN_ROWS rows) run the native kernels where `native_ops` are given
+    (gpu/kernels/native)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
@@ -165,8 +166,8 @@ def quantize_model(model: nn.Module, mode: Quantization, native_ops=None) -> Non
 def make_invariant(model: nn.Module) -> None:
     """Batch-invariant mode: every linear layer takes the native kernels at any number of rows (a quantized layer its
     quantized kernel, whose rows are computed alone too), so a row's result is the same bits in any step; before the
-    native layer loop is built (gpu/runner/model_runner.py), which copies the row counts
-    (gpu/runner/native_loop.py). ValueError where a layer cannot (not float32 on a CPU, not built, a quantized width off the kernels' groups)."""
+    native layer loop is built (gpu/runner/model_runner.py), which copies the row counts (gpu/runner/native_loop.py).
+    ValueError where a layer cannot (not float32 on a CPU, not built, a quantized width off the kernels' groups)."""
     layers = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
     if not layers or any(m.native is None for m in layers):
         raise ValueError(

@@ -40,7 +40,8 @@ class RotaryEmbedding:
         self.inv_freq = self.inv_freq.to(device)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and the sign-folded sin (-sin on the first half: see gpu/kernels/reference.py apply_rope), [num_tokens, 1, rotary_dim]."""
+        """cos and the sign-folded sin (-sin on the first half: see gpu/kernels/reference.py apply_rope),
+        [num_tokens, 1, rotary_dim]."""
         freqs = positions.float()[:, None] * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         if self.factor != 1.0:

@@ -1,7 +1,7 @@
 """The decoder-only causal LM every family is built from (Llama's shape), over a flat token batch.
 
-Tokens of all rows are concatenated ([num_tokens, hidden]); rows only meet in attention, through the paged KV cache
-and the AttentionMetadata. Module names mirror the HF checkpoints, so weights load by name (gpu/loading/weights.py; a family
+Tokens of all rows are concatenated ([num_tokens, hidden]); rows only meet in attention, through the paged KV cache and
+the AttentionMetadata. Module names mirror the HF checkpoints, so weights load by name (gpu/loading/weights.py; a family
 maps names that differ in `checkpoint_name`). A family subclasses `CausalLM` and says only what differs:
 
 | class attribute   | Llama          | what it changes                                                          |

@@ -10,16 +10,16 @@ forward reads at fixed addresses. The graph ends at the final norm's hidden stat
 the LM head runs eagerly on the first n rows, so the logits returned are the step's own tensor, pad rows cost no
 vocabulary-wide work, and no size keeps a logits buffer.
 
-Modes (ModelRunner's `decode_graphs`): "capture" records the forward for every size at startup, largest first in
-one memory pool, with a progress bar, and replays the graph of the step's size (CUDA with the triton
-backend: the torch backend's host-side segment plans change shape from step to step); "eager" runs the same buffers
-and padding without graphs (CPU: how the tests check padding and buffer reuse; debugging on CUDA); "off" is the
-dynamic path (`--enforce-eager`, or no graphs to be had: CPU, the torch backend, an MoE model, whose expert
-routing reads counts back to the host). Attention in a decode step, static or not, is planned for the longest
-servable row (max_seq_len = max_model_len, gpu/runner/model_runner.py: the triton kernel's split-K layout is the same in a
-graph and out of one, and never depends on the batch; empty partitions weigh nothing). Mixed, prefill and
-speculative steps and those above the largest size run dynamically. The sampler runs after the graph, eagerly: its
-row sets change with each step's parameters.
+Modes (ModelRunner's `decode_graphs`): "capture" records the forward for every size at startup, largest first in one
+memory pool, with a progress bar, and replays the graph of the step's size (CUDA with the triton backend: the torch
+backend's host-side segment plans change shape from step to step); "eager" runs the same buffers and padding without
+graphs (CPU: how the tests check padding and buffer reuse; debugging on CUDA); "off" is the dynamic path
+(`--enforce-eager`, or no graphs to be had: CPU, the torch backend, an MoE model, whose expert routing reads counts back
+to the host). Attention in a decode step, static or not, is planned for the longest servable row (max_seq_len =
+max_model_len, gpu/runner/model_runner.py: the triton kernel's split-K layout is the same in a graph and out of one, and
+never depends on the batch; empty partitions weigh nothing). Mixed, prefill and speculative steps and those above the
+largest size run dynamically. The sampler runs after the graph, eagerly: its row sets change with each step's
+parameters.
 """
 
 from __future__ import annotations

@@ -102,17 +102,19 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in _meta_model(config).parameters()) * dtype.itemsize
 
 
-# bytes of a linear layer's weight served on CPU in float32, by --quantization: two float32 layouts (gpu/layers/linear.py
-# `pack`); the quantized weight and one float32 layout (gpu/layers/quant.py; int4: torch's bfloat16 scales); bf16's weight alone
+# bytes of a linear layer's weight served on CPU in float32, by --quantization: two float32 layouts
+# (gpu/layers/linear.py `pack`); the quantized weight and one float32 layout (gpu/layers/quant.py; int4: torch's
+# bfloat16 scales); bf16's weight alone
 CPU_LINEAR_BYTES = {None: 8.0, "int8": 5.0, "int4": 4.625, "bf16": 2.0}
 
 
 def served_weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None, device: str) -> int:
-    """A floor of the bytes the weights hold as gpu/loading/weights.py's `load_model` serves them: every weight in `dtype`
-    while it loads (quantized ones too: float32 first); once loaded on CPU in float32, each linear layer's weight
-    CPU_LINEAR_BYTES[quantization] bytes a weight (a tied LM head's on top of the embedding's table) and the rest 4.
-    The larger of the two. (SmolLM2-135M: 1134 MiB float32 and 365 bf16, docs/PERFORMANCE.md, "Native kernels and
-    quantized formats"; 750 int8 and 701 int4, docs/performance-history.md, issue 13's first pass.)"""
+    """A floor of the bytes the weights hold as gpu/loading/weights.py's `load_model` serves them: every weight in
+    `dtype` while it loads (quantized ones too: float32 first); once loaded on CPU in float32, each linear layer's
+    weight CPU_LINEAR_BYTES[quantization] bytes a weight (a tied LM head's on top of the embedding's table) and the
+    rest 4. The larger of the two. (SmolLM2-135M: 1134 MiB float32 and 365 bf16, docs/PERFORMANCE.md, "Native kernels
+    and quantized formats"; 750 int8 and 701 int4, docs/performance-history.md, "Engine speed against vLLM's CPU build
+    (issue 13, first pass)".)"""
     from gpu.layers.linear import Linear
 
     model = _meta_model(config)

@@ -23,8 +23,8 @@ def log_softmax_into(
     x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, row_sum: Callable[[torch.Tensor], torch.Tensor] | None
 ) -> torch.Tensor:
     """log_softmax of x [n, V] written into out [n, Vp] (Vp: whole blocks, the padding -inf). row_sum: [n, V] ->
-    [n, 1], torch's sum where None (batch-invariant mode: gpu/kernels/native's row_sum; torch splits one row's sum over the
-    threads, several rows' not).
+    [n, 1], torch's sum where None (batch-invariant mode: gpu/kernels/native's row_sum; torch splits one row's sum over
+    the threads, several rows' not).
 
     out and scratch are reused buffers: a fresh B x V tensor per step costs page faults at large B x V.
     """

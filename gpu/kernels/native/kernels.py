@@ -1,6 +1,6 @@
 """The native kernel set (gpu/kernels/reference.py): the decoder's small steps as one native op each
-(gpu/kernels/native/csrc/fused.cpp), chosen with the native attention backend (CPU, float32). Each equals its torch step up
-to float32 rounding (the same formulas; torch's vectorised sums and exponentials round differently), and a row's
+(gpu/kernels/native/csrc/fused.cpp), chosen with the native attention backend (CPU, float32). Each equals its torch step
+up to float32 rounding (the same formulas; torch's vectorised sums and exponentials round differently), and a row's
 result never depends on the other rows of the step.
 """
 

@@ -8,8 +8,8 @@ query_start_loc[r + 1] - 1, the last of its seq_lens[r] positions (bottom-right 
 c = seq_len - query_len cached keys sees keys 0..c + i), and of those only the last `window` (key j visible to the
 query at position p iff p - window < j <= p); scores = softmax_scale * q.k, then cap * tanh(scores / cap) with a
 soft-cap; softmax in float32. Any D (masked up to a power of two), Hq a multiple of Hkv, fp16/bf16/fp32. Writes every
-element of `out` [T, Hq, D] (q's dtype) and returns it. Equals gpu/attention/torch_backend.py's torch path within rounding.
-Offsets scaled by a token (into q, out and the split-K scratch) are int64: no shape bound past 2^31 elements.
+element of `out` [T, Hq, D] (q's dtype) and returns it. Equals the torch path (gpu/attention/torch_backend.py) within
+rounding. Offsets scaled by a token (into q, out and the split-K scratch) are int64: no shape bound past 2^31 elements.
 
 Grid: (query tiles, Hkv, splits). A program takes BLOCK_Q consecutive queries of one row times the GROUP = Hq / Hkv
 query heads that share one KV head (BLOCK_M = BLOCK_Q * GROUP rows, at least 16 for tl.dot), so each key tile is
