@@ -2,7 +2,7 @@
 // batch-1 decode step of SmolLM2-135M the Python between the ~8 ops of each of 30 layers cost 5-8 ms of a 15 ms
 // (int4) to 33 ms (float32) step. `Decoder` holds each layer's weights as the native ops take them and calls those same ops,
 // through the dispatcher, in the same order and on the same arguments as the Python loop (gpu/models/decoder.py
-// with the native backend's kernel set and linear layers: gpu/linear.py, gpu/quant.py), so its results are the same
+// with the native backend's kernel set and linear layers: gpu/layers/linear.py, gpu/layers/quant.py), so its results are the same
 // bits (tests/test_native_decoder.py). One layer, with the stream residual + h:
 //
 //   x = rms_norm(h + residual) (the sum into residual; the first layer: residual = h)
@@ -11,7 +11,7 @@
 //
 // and at the end rms_norm(h + residual) with the final norm's weight. A linear layer runs its quantized kernel
 // (int4 or int8: the bias added after) for up to kernel_rows rows, else the float32 kernel on its panels (float32 or
-// bfloat16), bias inside: the path gpu/quant.py's QuantLinear and gpu/linear.py's Linear take at those rows (the
+// bfloat16), bias inside: the path gpu/layers/quant.py's QuantLinear and gpu/layers/linear.py's Linear take at those rows (the
 // builder hands over no layer whose path would leave the native kernels at the rows a step may have).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>

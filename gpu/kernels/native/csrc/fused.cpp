@@ -1,4 +1,4 @@
-// The decoder's small steps for CPU, float32, one op each (the native kernel set, gpu/layers/kernels.py): what
+// The decoder's small steps for CPU, float32, one op each (the native kernel set, gpu/kernels/reference.py): what
 // torch runs as five to ten ops of a few microseconds of dispatch each, over vectors of a few hundred floats.
 //
 // - add_rms_norm(x, residual?, weight, eps, offset): s = x + residual (written into residual), then

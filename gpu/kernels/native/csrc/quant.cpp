@@ -1,4 +1,4 @@
-// Quantized linear layers for CPU (`--quantization`, gpu/quant.py), llama.cpp's Q4 / Q8 x Q8 schemes: activations
+// Quantized linear layers for CPU (`--quantization`, gpu/layers/quant.py), llama.cpp's Q4 / Q8 x Q8 schemes: activations
 // quantized per row and group of 32 inputs on the fly, x ~ d a with d = max|x| / 127 and a = round(x / d) in
 // -127..127; products summed exactly in integers (maddubs: u8 x s8 pairs to int16, then pairs to int32), the
 // scales applied in float32.
