@@ -65,7 +65,9 @@ class AsyncLLM:
             raise ValueError("the offline API runs every replica itself (replicas on other nodes join a server)")
         self.config = config
         self.tokenizer = Tokenizer.from_model_dir(config.model)
-        self.client = ClientActor(replicas=Replicas(config.data_parallel_size, dp_routing, config.block_size))
+        replicas = Replicas(config.data_parallel_size, dp_routing, config.block_size)
+        self.client = ClientActor(replicas=replicas, abort_timeout_s=config.abort_timeout_s,
+                                  max_abort_tries=config.max_abort_tries)  # fmt: skip
         self.system = ActorSystem(
             engine_processes(config, CLIENT),
             local=[self.client],

@@ -61,9 +61,13 @@ class ClientActor(Actor):
 
     name = CLIENT
 
-    def __init__(self, max_resumes: int = 2, replicas: Replicas | None = None):
+    def __init__(self, max_resumes: int = 2, replicas: Replicas | None = None, abort_timeout_s: float = 5.0,
+                 max_abort_tries: int = 3):  # fmt: skip
+        """`abort_timeout_s`, `max_abort_tries`: I7 for its Aborts, as the engine's config says for the detokenizer's."""
         super().__init__()
-        self.streams = Streams(self.tell, log, max_resumes=max_resumes, replicas=replicas)
+        self.streams = Streams(self.tell, log, abort_timeout_s, max_abort_tries, max_resumes=max_resumes,
+                               replicas=replicas)  # fmt: skip
+        self.period_s = min(0.5, abort_timeout_s / 2)
         self.engine_stats: EngineStats | None = None  # the latest report of any replica
         self.detok_stats: DetokStats | None = None
 
@@ -93,7 +97,7 @@ class ClientActor(Actor):
     async def _housekeeping(self) -> None:
         """Find a TextOutputs lost on a quiet link; re-send Aborts that got no Finished (I7)."""
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(self.period_s)
             self.streams.expire(time.monotonic())
 
     def fail_all(self, error: str) -> None:

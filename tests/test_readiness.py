@@ -85,6 +85,14 @@ async def test_health_and_requests_are_503_with_retry_after_until_the_engine_has
     assert log.index("listening at") < log.index("serving tiny at")
 
 
+def engine_up(server: Server, dead: int | None = None) -> bool:
+    """The engine is up, not waiting out a back-off, and (`dead`: the pid of one killed) a new incarnation (until the
+    death is noticed the state still says up)."""
+    return (
+        server.state[ENGINE] == "up" and ENGINE not in server.retry_at and server.pids().get(ENGINE) not in (None, dead)
+    )
+
+
 async def events(resp: aiohttp.ClientResponse) -> list[dict]:
     return [json.loads(line[6:]) async for line in resp.content if line.startswith(b"data: {")]
 
@@ -98,8 +106,9 @@ async def test_past_the_restart_intensity_the_front_stays_up_and_serves_once_the
         gate.open()
     await start
     handle = ServerHandle(server, None)
+    pid = server.pids()[ENGINE]
     server.kill(ENGINE)  # within the intensity: restarted at once
-    await wait_for(lambda: server.state[ENGINE] == "up" and ENGINE not in server.retry_at, 60, "the engine back")
+    await wait_for(lambda: engine_up(server, pid), 60, "the engine back")
     await server.supervisor.ask(HTTP, Ping())  # (its ActorUp, sent before, has been handled)
     async with aiohttp.ClientSession(server.url) as s:
         body = {**BODY, "max_tokens": 400, "stream": True}
@@ -118,7 +127,7 @@ async def test_past_the_restart_intensity_the_front_stays_up_and_serves_once_the
         assert 0 <= await handle.metric("sluice:engine_restart_backoff_seconds") <= BACKOFF_S  # (the time left)
         assert not server.done.is_set()
         gate.open()
-        await wait_for(lambda: server.state[ENGINE] == "up" and ENGINE not in server.retry_at, 60, "the engine back")
+        await wait_for(lambda: engine_up(server), 60, "the engine back")
         await server.supervisor.ask(HTTP, Ping())
         async with s.get("/health") as resp:
             assert resp.status == 200
@@ -151,6 +160,7 @@ async def test_a_restarted_http_process_serves_once_told_the_start_has_ended(loa
     if not start.done():  # (this test alone)
         gate.open()
     await start
+    await wait_for(lambda: engine_up(server), 60, "the engine up")  # (a test before may have left it restarting)
     pid = server.pids()[HTTP]
     server.kill(HTTP)
     await wait_for(lambda: server.state[HTTP] == "up" and server.pids().get(HTTP) not in (None, pid), 60, "http back")

@@ -68,7 +68,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     stats_interval_s: float = 0.5
     stats_to: list[str] = []  # actors that receive EngineStats (the HTTP actor)
     debug_checks: bool = False  # fill the device relay buffer with -1 and assert every read slot was written
-    abort_timeout_s: float = 5.0  # the detokenizer re-sends an unanswered Abort after this (DESIGN I7)
+    abort_timeout_s: float = 5.0  # the detokenizer (and the offline client) re-send an unanswered Abort after this (I7)
     max_abort_tries: int = 3  # ... and drops the tombstone after this many tries
     step_gate: bool = False  # tests: Probe(seq=k) to the scheduler lets k more steps finish (k < 0: all)
     record_outputs: str | None = None  # tests: a file each step's sent tokens are appended to (JSON lines)
