@@ -1,7 +1,9 @@
 """The `sluice` command: serve, generate, bench serve.
 
 Heavy modules are imported inside the commands: every actor process re-imports the main module
-(multiprocessing spawn), so this file's top level must stay light.
+(multiprocessing's preparation of a child), so this file's top level must stay light. `serve` starts the fork server
+its processes start from first (actors/runtime/process.py), so that it imports their modules while the command
+imports its own and checks the model.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ from frontend.tools import TOOL_CALL_PARSERS
 from messages.sampling_params import RequestLimits
 
 # ---------------------------------------------------------------- serve
+
+# the modules of the actors `serve` runs (frontend/launch.py, actors/graph.py), imported once in the fork server
+SERVE_MODULES = (
+    "frontend.server",
+    "actors.engine.scheduler_actor",
+    "actors.engine.worker_actor",
+    "actors.detokenizer.actor",
+)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -226,10 +236,14 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from actors.runtime import StartupError
-    from gpu.loading.config import ModelLoadError
-
     args = build_parser().parse_args(argv)
+    if args.func is serve:
+        from actors.runtime.process import start_forkserver
+
+        start_forkserver(SERVE_MODULES)
+    from actors.runtime import StartupError
+    from gpu.loading.config import ModelLoadError  # (torch: after the fork server's start)
+
     try:
         return args.func(args)
     except (ModelLoadError, StartupError) as e:

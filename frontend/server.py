@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from actors.engine.grammar import warm
+from actors.engine.grammar import WARM_IDLE_S, warm
 from actors.routing import Replicas
 from actors.runtime import Actor
 from frontend.context import ServingContext
@@ -108,7 +108,6 @@ class HttpActor(Actor):
             tokenizer, names, self.max_model_len, self.vocab_size, c.limits, self.model, c.grammar_timeout_s,
             c.tool_call_parser, self.bos_token_id, c.reasoning_parser,
         )  # fmt: skip
-        warm(self.model, self.vocab_size, tuple(tokenizer.eos_token_ids))
         app = web.Application(
             client_max_size=self.config.max_body_bytes, middlewares=[middleware(self.config, self.metrics)]
         )
@@ -156,8 +155,14 @@ class HttpActor(Actor):
 
     async def _housekeeping(self) -> None:
         pulse = ThroughputLog(self.metrics, time.monotonic(), self.config.log_stats_interval_s)
+        warm_at = time.monotonic() + WARM_IDLE_S  # (the grammar compiler's, once serving and idle that long)
         while True:
             await asyncio.sleep(min(0.5, self.config.abort_timeout_s / 2))
+            if warm_at and (self.table.live or not self.readiness.started):
+                warm_at = time.monotonic() + WARM_IDLE_S
+            elif warm_at and time.monotonic() >= warm_at:
+                warm_at = 0.0
+                warm(self.model, self.vocab_size, tuple(self.ctx.tokenizer.eos_token_ids))
             self.table.expire(time.monotonic())
             self.moved()  # (a drain waits for the table to empty)
             try:

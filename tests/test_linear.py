@@ -1,6 +1,7 @@
 """gpu/layers/linear.py: every CPU layout (one row and prefill from the [in, out] copy, 2-32 rows from the oneDNN-packed
-one) computes F.linear of the loaded weight, and packing keeps two copies of the weight, not three (a weight
-shared with a tied embedding keeps its own storage)."""
+one; with the native kernels their panels up to NATIVE_ROWS rows and the [out, in] weight beyond) computes F.linear of
+the loaded weight, and packing keeps two copies of the weight, not three (a weight shared with a tied embedding keeps
+its own storage)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.layers.linear import Linear
+from gpu.kernels import native
+from gpu.layers.linear import NATIVE_ROWS, Linear
 
 
 def loaded(bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
@@ -36,3 +38,14 @@ def test_packing_leaves_no_third_copy_unless_the_weight_is_shared():
     tied.pack(keep_weight=True)
     assert tied.weight is shared and shared.is_contiguous()  # the embedding's row-major table stays
     assert tied.weight.untyped_storage().data_ptr() != tied.weight_t.untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(native.ops() is None, reason="no native CPU kernels built (make setup builds them)")
+@pytest.mark.parametrize("rows", [1, 7, NATIVE_ROWS, NATIVE_ROWS + 1, 200])
+def test_with_the_native_kernels_every_row_count_computes_the_loaded_linear_from_two_copies(rows):
+    layer, w, b = loaded(True)
+    layer.pack(native_ops=native.ops())
+    x = torch.randn(rows, 48)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert layer.weight_t is None and layer.packed is None  # the panels and the [out, in] weight alone
+    torch.testing.assert_close(layer.weight, w, atol=0, rtol=0)

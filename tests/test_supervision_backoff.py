@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
-from multiprocessing.context import SpawnProcess
+from multiprocessing.context import ForkServerProcess
 
 import msgspec
 import pytest
@@ -94,9 +94,9 @@ def test_exit_on_engine_failure_is_refused_on_a_gang_node_that_restarts_nothing(
 async def test_a_restart_that_cannot_start_is_tried_again(monkeypatch, caplog, failure):
     """A restart whose fork fails, or whose child dies of a signal with no name (SIGRTMIN + 6) as it starts, is a
     failed start (logged, tried again), not a recovery that ends silently with the process "starting" for ever."""
-    start, failed = SpawnProcess.start, []
+    start, failed = ForkServerProcess.start, []
 
-    def fails_once(child: SpawnProcess) -> None:
+    def fails_once(child: ForkServerProcess) -> None:
         if failed:
             return start(child)
         failed.append(child.name)
@@ -107,7 +107,7 @@ async def test_a_restart_that_cannot_start_is_tried_again(monkeypatch, caplog, f
 
     recorder = Recorder()
     async with ActorSystem([ECHO], local=[recorder], policy=PATIENT) as system:
-        monkeypatch.setattr(SpawnProcess, "start", fails_once)
+        monkeypatch.setattr(ForkServerProcess, "start", fails_once)
         system.kill("echoproc")
         assert await recorder.until(lambda: ("ActorUp", "echo") in recorder.events, 30)
         assert failed == ["sluice:echoproc"] and len(system.restarts["echoproc"]) == 2

@@ -9,7 +9,9 @@ request.
   a compile gets `timeout` seconds once it starts (longer: GrammarError, and it runs on, unused: xgrammar cannot
   be interrupted), and waits at most `timeout` to start (then it is taken off the queue: GrammarBusy, the
   server's state, not the spec's fault). The engine builds its matchers on the same threads (`run`). xgrammar
-  takes ~2.5 s to import: `warm()` builds the instance on a background thread at startup.
+  takes ~2.5 s to import: `warm()` builds the instance on a background thread once the process (the front, the
+  engine) has been idle WARM_IDLE_S after its start: at the start it took a core from the model's load, and its
+  import held the GIL from the first steps (a constrained request before then builds it, off the event loop).
 - `Matcher`: a constrained request's grammar state. The scheduler `accept()`s each token as it is emitted; the
   grammar ends the request once the matcher has accepted a stop token (EOS), ignore_eos notwithstanding. The
   engine `release()`s it when its request is freed (the Scheduler counts the matchers its requests hold: the idle
@@ -43,6 +45,7 @@ from messages.sampling_params import StructuredOutput
 if TYPE_CHECKING:  # the HTTP process's main module imports this (frontend/structured.py): torch stays out of it
     import torch
 
+WARM_IDLE_S = 2.0  # a process warms its Grammars once idle this long after its start (module docstring)
 KNOWN_SPECS = 4096  # valid specs remembered, by digest, as compiling in time or not (check() needs no thread)
 CACHE_BYTES = 256 << 20  # xgrammar's cache of compiled grammars, per process (least recently used evicted)
 

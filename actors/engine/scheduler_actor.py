@@ -44,7 +44,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.draft import DraftProposer
 from actors.engine.executor import num_kv_blocks
 from actors.engine.flight_record import FlightRecord
-from actors.engine.grammar import warm
+from actors.engine.grammar import WARM_IDLE_S, warm
 from actors.engine.grammar_masks import StepMasks
 from actors.engine.intake import IntakeLedger, RequestIntake
 from actors.engine.metrics import engine_stats, idle_details, log_speculation
@@ -102,6 +102,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
         self.freed: list[str] = []  # requests the worker holds that ended since the last ExecuteStep
         self.worker_resets = 0
         self._work = asyncio.Event()
+        self.warmed = False  # the grammar compiler's warm-up started (`_idle`)
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
         self._record = self.config.record_outputs and open(self.config.record_outputs, "ab", buffering=0)  # noqa: SIM115
 
@@ -135,7 +136,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
             worker.executor.draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
             self.link = InlineWorker(worker, self._device, worker.executor.device.type != "cpu")
         self.grammar_key = (self.config.model, self.model.vocab_size, tuple(self.model.eos_token_ids))
-        warm(*self.grammar_key)
         self.sched = Scheduler(
             BlockManager(blocks, self.config.block_size, self.config.enable_prefix_caching),
             max_num_seqs=self.config.max_num_seqs,
@@ -231,9 +231,22 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
                 self._work.clear()
                 if not self.sched.has_unfinished():
                     self._idle_marker()
-                    await self._work.wait()
+                    await self._idle()
             self.moved()
             await asyncio.sleep(0)  # handlers (aborts, new requests) run between steps
+
+    async def _idle(self) -> None:
+        """Wait for work; the first time the engine stays idle WARM_IDLE_S, it warms the grammar compiler (its import
+        held the GIL from a fresh engine's first steps for about a second: actors/engine/grammar.py)."""
+        if self.warmed:
+            await self._work.wait()
+            return
+        try:
+            await asyncio.wait_for(self._work.wait(), WARM_IDLE_S)
+        except TimeoutError:
+            self.warmed = True
+            warm(*self.grammar_key)
+            await self._work.wait()
 
     async def _propose(self) -> dict[str, list[int]] | None:
         """Drafts for the requests that may speculate, drafted on the device thread."""

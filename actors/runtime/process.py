@@ -1,11 +1,15 @@
 """Actor processes: what runs in a child, and how it dies.
 
-A child is spawned (never forked: torch and ZMQ do not survive fork) with a JSON config. It sets
-its process title `sluice:<process>`, asks the kernel to SIGKILL it when the launcher dies (and
-polls its parent as a second line), starts its actors on uvloop and tells the supervisor Ready.
-SIGTERM/SIGINT drain gracefully; once its actors have ended and what they sent has gone out (a peer that
-does not take it is given LINGER_MS) it exits at once (os._exit: no wait for executor threads still
-running). Exit codes: 0 clean, 1 an actor failed, 3 the launcher died.
+A child is forked from the launcher's fork server (multiprocessing's forkserver: a fresh interpreter, never the
+launcher itself, whose threads, event loop and ZMQ sockets would not survive a fork), which imported the actors'
+modules once (`start_forkserver`): a child, or a restart, starts without an interpreter and imports of its own
+(torch's alone take about a second). It gets a JSON config and the launcher's environment, stdout and stderr as
+they are when it starts (`Inherited`), as a spawned child would. It sets its process title `sluice:<process>`,
+exits at once when the launcher does (a thread watches the launcher's pidfd; the kernel SIGKILLs it if the process
+it was forked from dies first), starts its actors on uvloop and tells the supervisor Ready. SIGTERM/SIGINT drain
+gracefully; once its actors have ended and what they sent has gone out (a peer that does not take it is given
+LINGER_MS) it exits at once (os._exit: no wait for executor threads still running). Exit codes: 0 clean, 1 an actor
+failed, 3 the launcher died.
 """
 
 from __future__ import annotations
@@ -14,9 +18,15 @@ import asyncio
 import ctypes
 import importlib
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import select
 import signal
 import sys
+import threading
+import time
+from multiprocessing import reduction
 
 import msgspec
 import zmq
@@ -61,13 +71,42 @@ class ChildConfig(msgspec.Struct, kw_only=True):
     log_level: str = "INFO"
 
 
-def child_main(config_json: bytes) -> None:
-    """Entry point of every actor process (multiprocessing spawn target)."""
+class Inherited:
+    """What a spawned child inherits from the launcher as it starts, handed to a forked one (whose own are the fork
+    server's, as they were when that started): the environment, stdout and stderr (where the launcher's output goes
+    now, e.g. a test's capture)."""
+
+    def __init__(self, environ: dict[str, str] | None = None, fds: tuple = ()):
+        self.environ = dict(os.environ) if environ is None else environ
+        self.fds = fds
+
+    def __reduce__(self):  # (pickled as the child is launched: the fds travel with it)
+        return Inherited, (self.environ, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    def attach_stdio(self) -> None:
+        for target, fd in enumerate(self.fds, start=1):
+            received = fd.detach()
+            os.dup2(received, target)
+            os.close(received)
+
+
+def start_forkserver(preload: tuple[str, ...] = ()) -> None:
+    """Start the fork server every actor process is forked from, importing `preload` (the actors' modules) in it:
+    called early (`sluice serve` does, before its own imports and checks), it imports them meanwhile. Otherwise
+    the first process started starts it, preloading nothing. Its first start's preload holds."""
+    multiprocessing.set_forkserver_preload([__name__, *preload])
+    multiprocessing.forkserver.ensure_running()
+
+
+def child_main(config_json: bytes, inherited: Inherited) -> None:
+    """Entry point of every actor process (multiprocessing's target, forked from the fork server)."""
 
     config = msgspec.json.decode(config_json, type=ChildConfig)
-    os.environ.update(config.process.env)
+    inherited.attach_stdio()
+    set_title(f"sluice:{config.process.name}")  # (first: setproctitle finds the title's room from the environment)
+    os.environ.clear()
+    os.environ.update(inherited.environ | config.process.env)
     die_with_parent(config.parent_pid)
-    set_title(f"sluice:{config.process.name}")
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s %(levelname)s [{config.process.name}] %(name)s: %(message)s"
     )
@@ -91,7 +130,6 @@ async def _serve(config: ChildConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: [actor.drain("signal") for actor in actors])
-    watchdog = asyncio.ensure_future(_watch_parent(config.parent_pid))
     try:
         async with asyncio.TaskGroup() as tasks:
             for actor in actors:
@@ -105,24 +143,37 @@ async def _serve(config: ChildConfig) -> int:
         log.exception("actor failure in process %s", config.process.name)
         return EXIT_FAILED
     finally:
-        watchdog.cancel()
         router.close()
 
 
-async def _watch_parent(parent_pid: int) -> None:
-    while True:
-        await asyncio.sleep(0.5)
-        if os.getppid() != parent_pid:
-            log.error("launcher %d is gone; exiting", parent_pid)
-            os._exit(EXIT_ORPHANED)
-
-
 def die_with_parent(parent_pid: int) -> None:
+    """Exit when `parent_pid` (the launcher, or a gang's leader) does: SIGKILLed by the kernel when the process this
+    one was forked from dies (the launcher, or its fork server), and on a thread watching `parent_pid`."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(EXIT_ORPHANED)
+    threading.Thread(target=_watch, args=(parent_pid,), name="sluice-parent", daemon=True).start()
+
+
+def _watch(parent_pid: int) -> None:
+    """Exit once `parent_pid` has: its pidfd is readable then (polled where there are no pidfds)."""
+    try:
+        select.select([os.pidfd_open(parent_pid)], [], [])
+    except ProcessLookupError:  # (it died before this one could watch it)
+        pass
+    except (AttributeError, OSError):  # (no pidfd_open: not Linux 5.3+)
+        while _alive(parent_pid):
+            time.sleep(0.5)
+    log.error("launcher %d is gone; exiting", parent_pid)
+    os._exit(EXIT_ORPHANED)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def set_title(title: str) -> None:

@@ -1,4 +1,5 @@
-"""The launcher: spawns actor processes from a placement, supervises them, tears them down.
+"""The launcher: starts actor processes from a placement (forked from its fork server: process.py), supervises them,
+tears them down.
 
 Supervision (Erlang-style, one_for_one): a child is dead when its process sentinel fires, hung when it misses
 `max_missed` heartbeats (it is then SIGKILLed). On a death the supervisor broadcasts ActorDown for each of its actors
@@ -33,7 +34,7 @@ from actors.runtime.actor import Actor
 from actors.runtime.backoff import RestartBudget, RestartPolicy, group_of
 from actors.runtime.faults import FaultPlan
 from actors.runtime.mailbox import LINGER_MS
-from actors.runtime.process import ChildConfig, ProcessSpec, child_main
+from actors.runtime.process import ChildConfig, Inherited, ProcessSpec, child_main
 from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
 from actors.runtime.supervisor import Supervisor
 from messages.names import SUPERVISOR
@@ -116,8 +117,8 @@ class ActorSystem:
             self.supervisor.ready[a.name].clear()
         config = ChildConfig(process=spec, placement=self.placement, fault_plan=self.fault_plan, parent_pid=os.getpid(),
                              log_level=self.log_level)  # fmt: skip
-        child = multiprocessing.get_context("spawn").Process(
-            target=child_main, args=(msgspec.json.encode(config),), name=f"sluice:{proc}", daemon=True
+        child = multiprocessing.get_context("forkserver").Process(
+            target=child_main, args=(msgspec.json.encode(config), Inherited()), name=f"sluice:{proc}", daemon=True
         )
         self.state[proc] = "starting"
         try:

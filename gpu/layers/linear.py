@@ -11,11 +11,12 @@ Measured on this class of machine (AMD EPYC AVX2, fp32, 1 thread, SmolLM2's shap
 So `pack()` keeps the [in, out] copy and the oneDNN one, and the parameter becomes a view of the former (no third
 copy; a weight shared with the embedding keeps its own storage, see `keep_weight`). Elsewhere (CUDA, other dtypes)
 nothing changes.
-With the native kernels (gpu/kernels/native: the default where built; `--cpu-kernels torch` turns them off) the oneDNN
-copy gives way to theirs: up to NATIVE_ROWS rows (decode, verification, small prefill chunks; every row count in
+With the native kernels (gpu/kernels/native: the default where built; `--cpu-kernels torch` turns them off) the
+layer keeps the [out, in] weight and their panels: up to NATIVE_ROWS rows (decode, verification, small prefill chunks; every row count in
 batch-invariant mode: `make_invariant`) every row's result is the same bits whatever the batch around it, at 1.07-1.3x
 torch's best speed (AMD EPYC, AVX2: docs/performance-history.md, "Native paged attention, and the native kernels by
-default (issue 36, third part)"); more rows take the [in, out] copy. gpu/layers/quant.py keeps its dequantized weights
+default (issue 36, third part)"); more rows take F.linear of the [out, in] weight, as fast as `x @ W^T` from an
+[in, out] copy at 64-512 rows on an Intel Xeon (AVX-512) with torch 2.13, within 3% (the copy cost a start 0.3 s). gpu/layers/quant.py keeps its dequantized weights
 in one of these layouts through the same functions (`onednn_pack`, `onednn_linear`, `transposed_linear`).
 """
 
@@ -60,19 +61,19 @@ class Linear(nn.Linear):
         parameter becomes a view of the [in, out] copy."""
         if not (self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
             return
-        self.weight_t = self.weight.detach().t().contiguous()
-        if native_ops is not None:
+        if native_ops is not None:  # (more rows: F.linear of the [out, in] weight, which keeps its storage)
             self.native_ops, self.native = native_ops, native_ops.pack(self.weight.detach())
-        else:
-            self.packed = onednn_pack(self.weight)
+            return
+        self.weight_t = self.weight.detach().t().contiguous()
+        self.packed = onednn_pack(self.weight)
         if not keep_weight:
             self.weight.data = self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2 and x.shape[0] <= self.native_rows:
+            return self.native_ops.linear(x.contiguous(), self.native, self.out_features, self.bias)
         if self.weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        if self.native is not None and x.shape[0] <= self.native_rows:
-            return self.native_ops.linear(x.contiguous(), self.native, self.out_features, self.bias)
         if self.packed is not None and x.shape[0] in PACKED_ROWS:
             return onednn_linear(x, self.packed, self.bias)
         return transposed_linear(x, self.weight_t, self.bias)

@@ -120,6 +120,12 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(per, hidden)
         shard(self, weight=Shard(0, ((self.start, held),), vocab))
 
+    def reset_parameters(self) -> None:
+        """Skipped on meta (the loader's build: the checkpoint fills it), where `init.normal_` imports torch._dynamo:
+        a second of every start."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(ids)

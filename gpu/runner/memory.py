@@ -103,17 +103,19 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 # bytes of a linear layer's weight served on CPU in float32, by --quantization: two float32 layouts
-# (gpu/layers/linear.py `pack`); the quantized weight and one float32 layout (gpu/layers/quant.py; int4: torch's
-# bfloat16 scales); bf16's weight alone
+# (gpu/layers/linear.py `pack`: the [out, in] weight and the native panels, or two torch layouts); the quantized
+# weight and one float32 layout (gpu/layers/quant.py; int4: torch's bfloat16 scales); bf16's weight alone
 CPU_LINEAR_BYTES = {None: 8.0, "int8": 5.0, "int4": 4.625, "bf16": 2.0}
+TIED_SHARED_BYTES = {None: 4.0}  # ... of which a tied LM head's embedding table is (its [out, in] weight, native)
 
 
 def served_weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None, device: str) -> int:
     """A floor of the bytes the weights hold as gpu/loading/weights.py's `load_model` serves them: every weight in
     `dtype` while it loads (quantized ones too: float32 first); once loaded on CPU in float32, each linear layer's
-    weight CPU_LINEAR_BYTES[quantization] bytes a weight (a tied LM head's on top of the embedding's table) and the
-    rest 4. The larger of the two. (SmolLM2-135M: 1134 MiB float32 and 365 bf16, docs/PERFORMANCE.md, "Native kernels
-    and quantized formats"; 750 int8 and 701 int4, docs/performance-history.md, "Engine speed against vLLM's CPU build
+    weight CPU_LINEAR_BYTES[quantization] bytes a weight (a tied LM head's on top of the embedding's table, less what
+    it shares with it: TIED_SHARED_BYTES) and the rest 4. The larger of the two. (SmolLM2-135M: float32 1026 MiB,
+    1134 measured while the head kept an [in, out] copy too, and 365 bf16, docs/PERFORMANCE.md, "Native kernels and
+    quantized formats"; 750 int8 and 701 int4, docs/performance-history.md, "Engine speed against vLLM's CPU build
     (issue 13, first pass)".)"""
     from gpu.layers.linear import Linear
 
@@ -124,8 +126,9 @@ def served_weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: s
     if device != "cpu" or dtype != torch.float32:
         return loading
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
-    own = linear - (model.lm_head.weight.numel() if config.tie_word_embeddings else 0)
-    return max(loading, int(4 * (total - own) + CPU_LINEAR_BYTES[quantization] * linear))
+    head = model.lm_head.weight.numel() if config.tie_word_embeddings else 0
+    shared = TIED_SHARED_BYTES.get(quantization, 0.0) * head
+    return max(loading, int(4 * (total - linear + head) + CPU_LINEAR_BYTES[quantization] * linear - shared))
 
 
 def profile(

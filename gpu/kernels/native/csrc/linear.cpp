@@ -64,6 +64,12 @@ at::Tensor huge_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::from_blob(p, sizes, [base, mapped](void*) { munmap(base, mapped); }, options);
 }
 
+// huge_empty's tensor of zeros: a fresh mapping is the kernel's zero pages already (no pass to write them)
+at::Tensor huge_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const size_t bytes = c10::multiply_integers(sizes) * c10::elementSize(dtype);
+  return bytes < HUGE_PAGE ? at::zeros(sizes, at::TensorOptions().dtype(dtype)) : huge_empty(sizes, dtype);
+}
+
 at::Tensor huge_copy(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu(), "huge_copy: a CPU tensor");
   return huge_empty(t.sizes(), t.scalar_type()).copy_(t);
@@ -87,13 +93,17 @@ inline Vec wload(const uint16_t* row, int v) {
   return v % 2 ? vhigh16(row + v / 2 * 2 * LANES) : vlow16(row + v / 2 * 2 * LANES);
 }
 
-// The panels of a [out, in] weight; W is its element type (float, or a bfloat16's bits).
+// The panels of a [out, in] weight; W is its element type (float, or a bfloat16's bits). In blocks of STRIP inputs:
+// a cache line of each of the panel's rows in, STRIP whole panel rows (4 KB of float32) out.
 template <typename W>
 void pack_panels(const W* src, W* dst, int64_t out, int64_t in, int64_t panels) {
+  constexpr int64_t STRIP = 64 / sizeof(W);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t c = 0; c < PANEL && p * PANEL + c < out; ++c)
-        for (int64_t i = 0; i < in; ++i) dst[(p * in + i) * PANEL + slot(dst, c)] = src[(p * PANEL + c) * in + i];
+      for (int64_t i0 = 0; i0 < in; i0 += STRIP)
+        for (int64_t c = 0; c < PANEL && p * PANEL + c < out; ++c)
+          for (int64_t i = i0; i < std::min(in, i0 + STRIP); ++i)
+            dst[(p * in + i) * PANEL + slot(dst, c)] = src[(p * PANEL + c) * in + i];
   });
 }
 
@@ -111,7 +121,7 @@ at::Tensor pack(const at::Tensor& weight) {
               "pack: a float32 or bfloat16 [out, in] weight");
   auto w = weight.contiguous();
   const int64_t out = w.size(0), in = w.size(1), panels = (out + PANEL - 1) / PANEL;
-  auto packed = huge_empty({panels, in, PANEL}, w.scalar_type()).zero_();  // (a zero bfloat16 is zero bits)
+  auto packed = huge_zeros({panels, in, PANEL}, w.scalar_type());  // (the padding's; a zero bfloat16 is zero bits)
   if (w.scalar_type() == at::kFloat)
     pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), out, in, panels);
   else
