@@ -19,6 +19,7 @@ from messages.sampling_params import SamplingParams
 from messages.wire import CheckIdle, Finished, Probe
 from scripts.chaos_check import Outcome
 from tests.tiny_model import make_tiny_model_dir
+from tests.waits import eventually
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 LONG_PROMPT = list(range(1000, 1100))  # 100 tokens: four chunked-prefill steps at a 32-token budget
@@ -68,10 +69,7 @@ async def clean_llm(model_dir):
 
 
 async def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"{what} not reached in time"
-        await asyncio.sleep(0.005)
+    await eventually(cond, what, timeout, every=0.005)
 
 
 def gate(llm: AsyncLLM, steps: int | None) -> None:
@@ -86,26 +84,27 @@ async def scheduler_state(llm: AsyncLLM) -> dict[str, int]:
 async def wait_state(llm: AsyncLLM, timeout: float = 20.0, **expected: int) -> dict[str, int]:
     """Poll the scheduler until its state has every `expected` value (a barrier: the asks queue behind
     every message the client sent before, on the same FIFO link)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
+
+    async def reached() -> dict[str, int] | None:
         state = await scheduler_state(llm)
-        if all(state[k] == v for k, v in expected.items()):
-            return state
-        assert asyncio.get_running_loop().time() < deadline, f"scheduler never reached {expected}: {state}"
-        await asyncio.sleep(0.005)
+        return state if all(state[k] == v for k, v in expected.items()) else None
+
+    return await eventually(reached, f"the scheduler's {expected}", timeout, every=0.005)
 
 
 async def assert_idle(llm: AsyncLLM, timeout: float = 15.0) -> None:
     """The idle invariant: no per-request state anywhere, every KV block free, no pending asks."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        reports = await llm.idle_reports()
-        if not any(v for details in reports.values() for v in details.values()):
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            streams = {rid: (s.record.attempt, s.record.num_tokens) for rid, s in llm.client.streams.live.items()}
-            pytest.fail(f"not idle: {reports}; the client's streams (copy, tokens): {streams}")
-        await asyncio.sleep(0.02)
+    reports = {}
+
+    async def idle() -> bool:
+        reports.update(await llm.idle_reports())
+        return not any(v for details in reports.values() for v in details.values())
+
+    try:
+        await eventually(idle, "the idle invariant", timeout)
+    except AssertionError:
+        streams = {rid: (s.record.attempt, s.record.num_tokens) for rid, s in llm.client.streams.live.items()}
+        pytest.fail(f"not idle: {reports}; the client's streams (copy, tokens): {streams}")
 
 
 @dataclass

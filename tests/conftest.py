@@ -13,7 +13,6 @@ triton early (torch._dynamo, through transformers).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import os
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from tests.waits import eventually
 
 if TYPE_CHECKING:  # the servers' modules are imported by the fixtures: other suites need none of them
     import aiohttp
@@ -137,23 +138,23 @@ class ServerHandle:
 
     async def wait_per_engine(self, name: str, holds, timeout: float = 30.0) -> None:
         """Poll /metrics until `holds(per_engine(name))` (the replicas report every stats interval)."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not holds(got := await self.per_engine(name)):
-            assert asyncio.get_running_loop().time() < deadline, f"{name} never held: {got}"
-            await asyncio.sleep(0.05)
+
+        async def held() -> bool:
+            return holds(await self.per_engine(name))
+
+        await eventually(held, f"{name} per engine", timeout, every=0.05)
 
     async def metric(self, name: str, **labels) -> float:
         return (await self.metrics()).get((name, tuple(sorted(labels.items()))), 0.0)
 
     async def wait_metrics(self, expected: dict[tuple, float], timeout: float = 30.0) -> None:
         """Poll /metrics until every (name, labels) -> value in `expected` holds."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
+
+        async def reached() -> bool:
             got = await self.metrics()
-            if all(got.get(key, 0.0) == value for key, value in expected.items()):
-                return
-            assert asyncio.get_running_loop().time() < deadline, f"metrics never reached {expected}"
-            await asyncio.sleep(0.05)
+            return all(got.get(key, 0.0) == value for key, value in expected.items())
+
+        await eventually(reached, f"metrics {expected}", timeout, every=0.05)
 
 
 @pytest.fixture(scope="session")

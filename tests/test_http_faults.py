@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from messages.wire import ActorDown, ActorUp, Finished, TextDelta, TextOutputs
+from tests.waits import eventually
 
 STREAM = {"prompt": "hi", "max_tokens": 50, "stream": True}
 
@@ -211,13 +212,11 @@ async def test_engine_deaths_fail_no_request_and_one_live_at_every_detokenizer_d
 
 
 async def wait_for_status(session, path: str, status: int, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
+    async def answers() -> bool:
         async with session.get(path) as resp:
-            if resp.status == status:
-                return
-        assert asyncio.get_running_loop().time() < deadline, f"{path} never answered {status}"
-        await asyncio.sleep(0.05)
+            return resp.status == status
+
+    await eventually(answers, f"{path} answering {status}", timeout, every=0.05)
 
 
 async def test_shutdown_aborts_in_flight_requests_and_waits_for_them(tiny_model_dir):

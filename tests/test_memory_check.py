@@ -27,6 +27,8 @@ def held_bytes(model: torch.nn.Module) -> int:
     for m in model.modules():
         own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         for t in own + [v for v in vars(m).values() if isinstance(v, torch.Tensor)]:
+            if t.is_meta:  # (a shape alone: a weight held in another layout)
+                continue
             try:
                 storage = t.untyped_storage()
                 key, size = storage.data_ptr(), storage.nbytes()

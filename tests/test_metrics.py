@@ -12,6 +12,7 @@ from frontend.cli import build_parser
 from frontend.metrics import Metrics
 from messages.wire import DetokStats, EngineStats, Finished
 from tests.http_table_harness import make_table, parsed
+from tests.waits import eventually
 
 
 def series(metrics: dict, name: str, **labels) -> float:
@@ -25,10 +26,12 @@ async def test_queue_time_is_observed_for_each_engine_request(server):
     out = await server.client().completions.create(model=None, prompt="Hello", max_tokens=2, n=2)
     assert len(out.choices) == 2
     # n = 2: two engine requests, each observed once (earlier tests' requests may still be reported: at least)
-    deadline = asyncio.get_running_loop().time() + 30
-    while series(got := await server.metrics(), count) < series(before, count) + 2:
-        assert asyncio.get_running_loop().time() < deadline, "the queue-time histogram got no observations"
-        await asyncio.sleep(0.05)
+
+    async def observed() -> dict | None:
+        got = await server.metrics()
+        return got if series(got, count) >= series(before, count) + 2 else None
+
+    got = await eventually(observed, "the queue-time histogram's observations", every=0.05)
     assert series(got, total) >= series(before, total)
 
 
@@ -53,12 +56,12 @@ async def test_vllm_request_series_and_cache_config(server):
         assert delta(f"request_{name}_time_seconds_count") == 2, name
     assert delta("request_inference_time_seconds_sum") >= delta("request_decode_time_seconds_sum") >= 0
     assert delta("request_time_per_output_token_seconds_count") == 2  # (TPOT: decode time / 2 tokens after the first)
-    deadline = asyncio.get_running_loop().time() + 30  # the engine's step sizes arrive with its next EngineStats
-    while series(await server.metrics(), "sluice:iteration_tokens_total_count") <= series(
-        before, "sluice:iteration_tokens_total_count"
-    ):
-        assert asyncio.get_running_loop().time() < deadline, "no engine step observed"
-        await asyncio.sleep(0.05)
+    steps = "sluice:iteration_tokens_total_count"  # the engine's step sizes arrive with its next EngineStats
+
+    async def stepped() -> bool:
+        return series(await server.metrics(), steps) > series(before, steps)
+
+    await eventually(stepped, "an engine step on /metrics", every=0.05)
     config = {"block_size": "16", "enable_prefix_caching": "True", "num_gpu_blocks": "256"}
     assert series(got, "sluice:cache_config_info", **config) == 1
 
@@ -153,10 +156,10 @@ async def test_token_counters_count_each_token_once_as_vllm(server):
     counts the tokens it was given, not those the engine computed before the Abort reached it."""
 
     async def idle():
-        deadline = asyncio.get_running_loop().time() + 30
-        while any(v for d in (await server.idle()).values() for v in d.values()):
-            assert asyncio.get_running_loop().time() < deadline, "the server never went idle"
-            await asyncio.sleep(0.05)
+        async def quiet() -> bool:
+            return not any(v for d in (await server.idle()).values() for v in d.values())
+
+        await eventually(quiet, "the server idle", every=0.05)
 
     await idle()
     names = ["prompt_tokens_total", "generation_tokens_total", "iteration_tokens_total_sum",
@@ -182,9 +185,15 @@ async def test_token_counters_count_each_token_once_as_vllm(server):
     assert out.choices[0].finish_reason == "stop" and 0 < k < 10
     await idle()
     expected = [a + d for a, d in zip(before, [90 + 18, 100 + 10 + k, 190 + 19 + 9 + k, 100 + 10 + k], strict=True)]
-    deadline = asyncio.get_running_loop().time() + 30
-    while (got := [series(await server.metrics(), "sluice:" + n) for n in names]) != expected:
-        assert asyncio.get_running_loop().time() < deadline, dict(
-            zip(names, [g - b for g, b in zip(got, before, strict=True)], strict=True)
-        )
-        await asyncio.sleep(0.1)
+
+    rises: dict[str, float] = {}
+
+    async def counted() -> bool:
+        got = [series(await server.metrics(), "sluice:" + n) for n in names]
+        rises.update(zip(names, [g - b for g, b in zip(got, before, strict=True)], strict=True))
+        return got == expected
+
+    try:
+        await eventually(counted, "the counters' expected rises", every=0.1)
+    except AssertionError:
+        pytest.fail(f"the counters rose by {rises}")

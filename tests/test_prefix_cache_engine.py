@@ -14,6 +14,7 @@ from frontend.offline import AsyncLLM
 from messages.sampling_params import SamplingParams, StructuredOutput
 from tests.cancel_harness import abort_once_decoding, assert_idle, engine_config, model_dir  # noqa: F401 (fixtures)
 from tests.test_guidance import random_ids
+from tests.waits import eventually
 
 
 def conversations() -> list[list[int]]:
@@ -75,10 +76,11 @@ async def test_usage_metrics_and_prompt_logprobs_over_http(server):
     second = await client.completions.create(model=None, prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens < 288 <= second.usage.prompt_tokens_details.cached_tokens
     assert second.choices[0].text == first.choices[0].text
-    deadline = asyncio.get_running_loop().time() + 30
-    while not (await server.metric("sluice:prefix_cache_hits_total") >= before + 288):  # EngineStats every 0.5 s
-        assert asyncio.get_running_loop().time() < deadline, "the hits never reached /metrics"
-        await asyncio.sleep(0.1)
+
+    async def hits() -> bool:  # (EngineStats every 0.5 s)
+        return await server.metric("sluice:prefix_cache_hits_total") >= before + 288
+
+    await eventually(hits, "the hits on /metrics", every=0.1)
     assert await server.metric("sluice:prefix_cache_queries_total") >= 600
     third = await client.completions.create(
         model=None, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}

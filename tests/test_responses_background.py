@@ -12,15 +12,12 @@ import openai
 import pytest
 
 from tests.test_http_faults import held_request
+from tests.waits import eventually
 
 
 async def until(check, timeout: float = 10.0):
     """Poll the API (the only way a client sees a background run) until `check()` returns something truthy."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not (got := await check()):
-        assert asyncio.get_running_loop().time() < deadline, "never held"
-        await asyncio.sleep(0.02)
-    return got
+    return await eventually(check, "the background response's state", timeout)
 
 
 async def test_poll_resume_cancel(fake):

@@ -12,12 +12,13 @@ So `pack()` keeps the [in, out] copy and the oneDNN one, and the parameter becom
 copy; a weight shared with the embedding keeps its own storage, see `keep_weight`). Elsewhere (CUDA, other dtypes)
 nothing changes.
 With the native kernels (gpu/kernels/native: the default where built; `--cpu-kernels torch` turns them off) the
-layer keeps the [out, in] weight and their panels: up to NATIVE_ROWS rows (decode, verification, small prefill chunks; every row count in
-batch-invariant mode: `make_invariant`) every row's result is the same bits whatever the batch around it, at 1.07-1.3x
-torch's best speed (AMD EPYC, AVX2: docs/performance-history.md, "Native paged attention, and the native kernels by
-default (issue 36, third part)"); more rows take F.linear of the [out, in] weight, as fast as `x @ W^T` from an
-[in, out] copy at 64-512 rows on an Intel Xeon (AVX-512) with torch 2.13, within 3% (the copy cost a start 0.3 s). gpu/layers/quant.py keeps its dequantized weights
-in one of these layouts through the same functions (`onednn_pack`, `onednn_linear`, `transposed_linear`).
+layer holds its weight once, in their panels, at every row count: every row's result is the same bits whatever the
+batch around it (batch invariance by construction), at 1.07-1.3x torch's best speed for up to 64 rows (AMD EPYC, AVX2:
+docs/performance-history.md, "Native paged attention, and the native kernels by default (issue 36, third part)") and
+0.85-0.95x MKL's at 128-512 rows (Intel Xeon, AVX-512, 2 threads, SmolLM2's shapes, torch 2.13). The [out, in]
+parameter is then a meta tensor (its shape alone); a tied embedding reads its rows from the panels (`rows`).
+gpu/layers/quant.py keeps its dequantized weights in one of these layouts through the same functions (`onednn_pack`,
+`onednn_linear`, `transposed_linear`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_ROWS = range(2, 33)  # batch sizes that use the oneDNN-packed weight
-NATIVE_ROWS = 64  # the most rows the native kernels take
 
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -52,31 +52,37 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's layout, for PACKED_ROWS
     weight_t: torch.Tensor | None = None  # [in, out] contiguous, for the other batch sizes
     native_ops = None  # the native kernels (gpu/kernels/native) ...
-    native: torch.Tensor | None = None  # ... and the weight in their layout, for up to native_rows rows
-    native_rows = NATIVE_ROWS  # (every row count in batch-invariant mode: make_invariant)
+    native: torch.Tensor | None = None  # ... and the weight in their layout (its only copy), for every row count
+    native_rows = sys.maxsize  # (the native loop reads it: gpu/runner/native_loop.py)
 
     def pack(self, keep_weight: bool = False, native_ops=None) -> None:
-        """Lay the (loaded) weight out for CPU float32 matmuls (the native kernels' layout, given their ops).
-        keep_weight: the [out, in] storage is shared (a tied embedding reads it row by row) and must stay; otherwise the
-        parameter becomes a view of the [in, out] copy."""
+        """Lay the (loaded) weight out for CPU float32 matmuls: in the native kernels' panels alone, given their ops;
+        otherwise the two torch layouts, and keep_weight: the [out, in] storage is shared (a tied embedding reads it
+        row by row) and must stay, else the parameter becomes a view of the [in, out] copy."""
         if not (self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
             return
-        if native_ops is not None:  # (more rows: F.linear of the [out, in] weight, which keeps its storage)
+        if native_ops is not None:
             self.native_ops, self.native = native_ops, native_ops.pack(self.weight.detach())
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
             return
         self.weight_t = self.weight.detach().t().contiguous()
         self.packed = onednn_pack(self.weight)
         if not keep_weight:
             self.weight.data = self.weight_t.t()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, float32 (ids.shape + (in,)): a tied embedding's lookup."""
+        if self.native is not None:
+            return self.native_ops.panel_rows(self.native, ids, self.out_features)
+        return F.embedding(ids, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.dim() == 2 and x.shape[0] <= self.native_rows:
-            return self.native_ops.linear(x.contiguous(), self.native, self.out_features, self.bias)
+        if self.native is not None:
+            y = self.native_ops.linear(x.reshape(-1, self.in_features).contiguous(), self.native, self.out_features,
+                                       self.bias)  # fmt: skip
+            return y.view(*x.shape[:-1], self.out_features)
         if self.weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if self.packed is not None and x.shape[0] in PACKED_ROWS:
             return onednn_linear(x, self.packed, self.bias)
         return transposed_linear(x, self.weight_t, self.bias)
-
-    def make_invariant(self) -> None:
-        self.native_rows = sys.maxsize

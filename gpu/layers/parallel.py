@@ -126,10 +126,20 @@ class VocabParallelEmbedding(nn.Embedding):
         if not self.weight.is_meta:
             super().reset_parameters()
 
+    rows = None  # the tied LM head's `rows`, once its native panels hold the table's one copy (read_from)
+
+    def read_from(self, head) -> None:
+        """Look rows up in `head` (the tied LM head, gpu/layers/linear.py) and let go of the table."""
+        self.rows = head.rows  # (a bound method, not the module: head is not registered as a child)
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.rows is None else self.rows(ids)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(ids)
+            return self.lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self.lookup(local.masked_fill(outside, 0))
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))

@@ -150,7 +150,10 @@ def load_model(
             log.warning("--quantization bf16 without the native kernels: rounded weights in float32, no gain in memory")
         quantize_model(model, quantization, ops)
         return model
+    tied = config.tie_word_embeddings
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings, native_ops=ops)
+            module.pack(keep_weight=module is model.lm_head and tied, native_ops=ops)
+    if tied and model.lm_head.native is not None:  # (the panels are the table's one copy)
+        model.model.embed_tokens.read_from(model.lm_head)
     return model

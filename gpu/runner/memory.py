@@ -102,11 +102,11 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in _meta_model(config).parameters()) * dtype.itemsize
 
 
-# bytes of a linear layer's weight served on CPU in float32, by --quantization: two float32 layouts
-# (gpu/layers/linear.py `pack`: the [out, in] weight and the native panels, or two torch layouts); the quantized
-# weight and one float32 layout (gpu/layers/quant.py; int4: torch's bfloat16 scales); bf16's weight alone
-CPU_LINEAR_BYTES = {None: 8.0, "int8": 5.0, "int4": 4.625, "bf16": 2.0}
-TIED_SHARED_BYTES = {None: 4.0}  # ... of which a tied LM head's embedding table is (its [out, in] weight, native)
+# bytes of a linear layer's weight served on CPU in float32, by --quantization (floors): the native panels alone
+# (gpu/layers/linear.py `pack`; the torch path keeps two layouts: 8); the quantized weight and one float32 layout
+# (gpu/layers/quant.py; int4: torch's bfloat16 scales); bf16's weight alone
+CPU_LINEAR_BYTES = {None: 4.0, "int8": 5.0, "int4": 4.625, "bf16": 2.0}
+TIED_SHARED_BYTES = {None: 4.0}  # ... of which a tied LM head's embedding table is (the native panels are the table)
 
 
 def served_weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None, device: str) -> int:

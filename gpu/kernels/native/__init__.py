@@ -3,10 +3,10 @@ into the environment; the one this CPU runs is loaded at first use. Absent (no c
 than the sources, a CPU with neither ISA), callers get None and use torch's kernels, with one warning saying why.
 
 `ops()` is the op namespace (torch.ops.sluice_<isa>): `pack(weight) -> packed` (float32 or bfloat16 weights),
-`unpack(packed, out_features) -> float32 [in, out]`, `linear(x, packed, out_features, bias) -> y`, `linear_out(x,
-packed, bias, y)` (csrc/linear.cpp says what they guarantee) and `paged_attention(q, k_cache, v_cache,
-query_start_loc, seq_lens, block_tables, scale, window, softcap) -> out` (csrc/attention.cpp), `row_sum(x) -> [rows,
-1]` (csrc/reduce.cpp), and the decoder's small steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul`
+`unpack(packed, out_features) -> float32 [in, out]`, `panel_rows(packed, ids, out_features) -> float32 rows` (a tied
+embedding's lookup), `linear(x, packed, out_features, bias) -> y`, `linear_out(x, packed, bias, y)` (csrc/linear.cpp
+says what they guarantee) and `paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+window, softcap) -> out` (csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (csrc/reduce.cpp), and the decoder's small steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul`
 (csrc/fused.cpp; the kernel set of kernels.py), the quantized layers' `int4_linear`, `int8_linear` (csrc/quant.cpp),
 and `huge_copy(t)` (a copy in the memory the kernels stream weights from: linear.cpp).
 `torch.classes.sluice_<isa>.Decoder` is the layer loop as one call (csrc/decoder.cpp; built by

@@ -138,6 +138,42 @@ at::Tensor unpack(const at::Tensor& packed, int64_t out_features) {
   return w;
 }
 
+// Rows `ids` of the weight in `src`'s panels, widened to float32 (a tied embedding's lookup: its LM head's panels are
+// the table's one copy).
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) { return bf16(w); }
+
+template <typename W>
+void gather_rows(const W* src, const int64_t* ids, float* dst, int64_t n, int64_t in) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const W* panel = src + ids[r] / PANEL * in * PANEL;
+      const int64_t s = slot(src, ids[r] % PANEL);
+      for (int64_t i = 0; i < in; ++i) dst[r * in + i] = widen(panel[i * PANEL + s]);
+    }
+  });
+}
+
+at::Tensor panel_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.is_contiguous() &&
+                  (out_features + PANEL - 1) / PANEL == packed.size(0),
+              "panel_rows: a packed weight (pack) of out_features rows");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "panel_rows: int64 ids");
+  auto flat = ids.contiguous().view(-1);
+  const int64_t n = flat.numel(), in = packed.size(1);
+  const int64_t* ip = flat.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(ip, ip + n, [&](int64_t i) { return 0 <= i && i < out_features; }),
+              "panel_rows: an id outside 0 .. ", out_features - 1);
+  auto rows = at::empty({n, in}, packed.options().dtype(at::kFloat));
+  if (packed.scalar_type() == at::kFloat)
+    gather_rows(packed.data_ptr<float>(), ip, rows.data_ptr<float>(), n, in);
+  else
+    gather_rows(bits(packed), ip, rows.data_ptr<float>(), n, in);
+  auto shape = ids.sizes().vec();
+  shape.push_back(in);
+  return rows.view(shape);
+}
+
 // One row's sums of a panel (PANEL floats at sums) into y: `cols` valid columns, each plus its bias.
 inline void finish(const float* sums, const float* bias, float* y, int64_t cols) {
   for (int64_t c = 0; c < cols; ++c) y[c] = bias ? sums[c] + bias[c] : sums[c];
@@ -246,6 +282,7 @@ TORCH_LIBRARY(SLUICE_NS, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("huge_copy(Tensor t) -> Tensor");
   m.def("unpack(Tensor packed, int out_features) -> Tensor");
+  m.def("panel_rows(Tensor packed, Tensor ids, int out_features) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_out(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) y) -> ()");
 }
@@ -254,6 +291,7 @@ TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) {
   m.impl("pack", pack);
   m.impl("huge_copy", huge_copy);
   m.impl("unpack", unpack);
+  m.impl("panel_rows", panel_rows);
   m.impl("linear", linear);
   m.impl("linear_out", [](const at::Tensor& x, const at::Tensor& p, const c10::optional<at::Tensor>& b, at::Tensor y) {
     linear_out(x, p, b, y);
