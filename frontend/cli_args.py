@@ -58,14 +58,20 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "gets what a worst-case step, the weights and CUDA graphs leave (default 0.9; --num-kv-blocks or "
         "--kv-cache-memory-gb override)",
     )
-    g.add_argument("--dtype", default=_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16")
+    g.add_argument(
+        "--dtype",
+        default=_DEFAULTS.dtype,
+        help="auto, float32, bfloat16 or float16. On CPU it names the weights' format (activations, the KV cache and "
+        "every sum float32, on the native kernels): auto keeps a 16-bit checkpoint's 16 bits, else float32; on CUDA, "
+        "the model's dtype (auto: bfloat16)",
+    )
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu or cuda")
     g.add_argument(
         "--quantization",
-        choices=["int8", "int4", "bf16"],
+        type=_quantization,
         default=None,
-        help="weight-only quantization (CPU, float32 activations): int8 per channel, int4 per group of 32, or each "
-        "weight rounded to bfloat16 (half the bytes, streamed by the native kernels)",
+        metavar="{int8,int4}",
+        help="weight-only quantization (CPU, float32 activations): int8 per channel or int4 per group of 32",
     )
     g.add_argument(
         "--cpu-kernels",
@@ -207,6 +213,14 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fault-plan", metavar="FILE", help="fault injection plan, JSON (or $SLUICE_FAULT_PLAN)")
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _quantization(text: str) -> str:
+    if text == "bf16":
+        raise argparse.ArgumentTypeError("bf16 weights are --dtype bfloat16 now (activations stay float32 on CPU)")
+    if text not in ("int8", "int4"):  # (EngineConfig.quantization's)
+        raise argparse.ArgumentTypeError(f"{text!r}: int8 or int4")
+    return text
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

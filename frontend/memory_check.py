@@ -25,13 +25,13 @@ from gpu.distributed.group import TensorParallel
 from gpu.layers.parallel import local_config
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.runner.memory import served_weight_bytes
-from gpu.runner.model_runner import resolve_dtype
+from gpu.runner.model_runner import native_cpu_weights, resolve_dtypes
 from messages.names import replica_of
 
 GIB = 1 << 30
 # what else to try, and how the weights are then served (the KV cache as it is)
 OPTIONS = [("--quantization int4", "float32", "int4"), ("--quantization int8", "float32", "int8"),
-           ("--quantization bf16", "float32", "bf16"), ("--dtype bfloat16", "bfloat16", None)]  # fmt: skip
+           ("--dtype bfloat16", "bfloat16", None)]  # fmt: skip
 
 
 def mem_available() -> int | None:
@@ -60,7 +60,7 @@ class MemoryNeed:
 
     def figures(self) -> str:
         e = self.engine
-        served = str(resolve_dtype(e.dtype, torch.device(self.device))).removeprefix("torch.")
+        served = str(served_dtypes(self.model, e, e.dtype, e.quantization)[1]).removeprefix("torch.")
         served += f", --quantization {e.quantization}" if e.quantization else ""
         cache = "sized to the device" if self.kv_cache is None else f"{self.kv_cache / GIB:.1f} GiB"
         where = "host memory" if self.device == "cpu" else f"{self.device} device memory"
@@ -72,8 +72,8 @@ class MemoryNeed:
         if self.device != "cpu":
             return "try a smaller --max-model-len or --gpu-memory-utilization, or free the host's memory"
         e = self.engine
-        options = [f"{flag} ({weights(self.model, e, dtype, q) / GIB:.1f} GiB of weights)" for flag, dtype, q in OPTIONS
-                   if (q or dtype) not in (e.quantization, e.dtype)]  # fmt: skip
+        held = {flag: weights(self.model, e, dtype, q) for flag, dtype, q in OPTIONS}
+        options = [f"{flag} ({n / GIB:.1f} GiB of weights)" for flag, n in held.items() if n < self.weights]
         return f"try {', '.join(options)}, or a smaller --kv-cache-memory-gb / --num-kv-blocks"
 
 
@@ -84,18 +84,28 @@ def device_type(engine: EngineConfig) -> str:
     return auto if engine.device == "auto" else torch.device(engine.device).type
 
 
+def served_dtypes(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: str | None):
+    """(activations, weights) as the engine's runner resolves them (gpu/runner/model_runner.py)."""
+    device = torch.device(device_type(engine))
+    return resolve_dtypes(dtype, device, model.dtype, native_cpu_weights(device, engine.cpu_kernels, quantization))
+
+
 def weights(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: str | None) -> int:
     """This node's engine processes' weights, as `dtype` and `quantization` serve them (the draft model's too)."""
     device = device_type(engine)
-    served = resolve_dtype(dtype, torch.device(device))
-    one = sum(served_weight_bytes(m, served, quantization, device) for m in (model, *draft_configs(engine)))
-    return one * engine.local_replicas // engine.nnodes  # (a gang across nodes: this node's ranks' shares)
+
+    def one(m: ModelConfig) -> int:
+        activations, held = served_dtypes(m, engine, dtype, quantization)
+        return served_weight_bytes(m, activations, quantization, device, held)
+
+    total = sum(map(one, (model, *draft_configs(engine))))
+    return total * engine.local_replicas // engine.nnodes  # (a gang across nodes: this node's ranks' shares)
 
 
 def memory_need(model: ModelConfig, engine: EngineConfig) -> MemoryNeed:
     device, kv = device_type(engine), None
     if device == "cpu":  # (the KV cache's blocks: num_kv_blocks', of a rank's heads under tensor parallelism)
-        dtype, tp = resolve_dtype(engine.dtype, torch.device(device)), engine.tensor_parallel_size
+        dtype, tp = served_dtypes(model, engine, engine.dtype, engine.quantization)[0], engine.tensor_parallel_size
         rank = local_config(model, TensorParallel(0, tp))
         per_block = sum(bytes_per_block(m, engine.block_size, dtype) for m in (rank, *draft_configs(engine)))
         kv = num_kv_blocks(engine, model) * per_block * tp // engine.nnodes * engine.local_replicas

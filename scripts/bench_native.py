@@ -18,7 +18,7 @@ import time
 import torch
 
 from gpu.kernels import native
-from gpu.layers.linear import onednn_linear, onednn_pack, transposed_linear
+from gpu.layers.quant import onednn_linear, onednn_pack, transposed_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]
 

@@ -1,6 +1,6 @@
 """Weight-only quantization against float32, measured in one run: served throughput, per-layer paths, quality.
 
-    python scripts/bench_quant.py [--part served layers quality] [--modes int8 int4 bf16] [--concurrency 1 8 16]
+    python scripts/bench_quant.py [--part served layers quality] [--modes int8 int4 bfloat16] [--concurrency 1 8 16]
                                   [--repeats 2] [--tokens 64] [--threads N] [--rows 1 8 16 64 256]
 
 served:  the real engine (AsyncLLM, engine threads as `sluice serve` sets them unless --threads), closed loop:
@@ -56,16 +56,23 @@ TEXT = (
     "today. Roman law shaped the legal systems of much of Europe, and Roman ideas about citizenship and government "
     "influenced the founders of modern republics."
 )
-KINDS = {"float32": None, "int8": "int8", "int4": "int4", "bf16": "bf16"}
+# each kind's (--quantization, --dtype): bfloat16 is the 16-bit weights (float32 activations)
+KINDS = {"float32": (None, "float32"), "int8": ("int8", "float32"), "int4": ("int4", "float32"),
+         "bfloat16": (None, "bfloat16")}  # fmt: skip
+
+
+def engine_config(model_dir: Path, kind: str, **kw) -> EngineConfig:
+    quantization, dtype = KINDS[kind]
+    return EngineConfig(model=str(model_dir), quantization=quantization, dtype=dtype, **kw)
 
 
 def load() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
-async def serve_waves(model_dir: Path, mode: str | None, levels: list[int], tokens: int, threads: int | None) -> dict:
+async def serve_waves(model_dir: Path, mode: str, levels: list[int], tokens: int, threads: int | None) -> dict:
     """Output tok/s at each concurrency level, one engine for all of them."""
-    config = EngineConfig(model=str(model_dir), quantization=mode, engine_threads=threads)
+    config = engine_config(model_dir, mode, engine_threads=threads)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     async with AsyncLLM(config, log_level="WARNING") as llm:
         ids = llm.tokenizer.encode(TEXT)
@@ -91,7 +98,7 @@ def served(model_dir: Path, args: argparse.Namespace) -> None:
     for rep in range(args.repeats):
         for kind in kinds:
             before = load()
-            rates = asyncio.run(serve_waves(model_dir, KINDS[kind], args.concurrency, args.tokens, args.threads))
+            rates = asyncio.run(serve_waves(model_dir, kind, args.concurrency, args.tokens, args.threads))
             runs[kind].append(rates)
             cells = " ".join(f"c{c} {r:6.1f}" for c, r in rates.items())
             print(f"  repeat {rep + 1} {kind:8s} {cells}  (load {before} -> {load()})", flush=True)
@@ -121,15 +128,17 @@ def layers(model_dir: Path, args: argparse.Namespace) -> None:
     columns: dict[str, list] = {}
     kernel_rows: dict[str, int] = {}
     for kind in ["float32", *args.modes]:
-        model = load_model(config, torch.device("cpu"), torch.float32, KINDS[kind])
+        quantization, dtype = KINDS[kind]
+        weights = getattr(torch, dtype)
+        model = load_model(config, torch.device("cpu"), torch.float32, quantization, weight_dtype=weights)
         mods = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
         if kind == "float32":
             columns["float32"] = [(m.in_features, m) for m in mods]
         else:
-            if kind != "bf16":  # (bf16 has no kernel of its own)
+            if quantization:  # (16-bit weights have no kernel of their own: the dense one on their panels)
                 columns[f"{kind} kernel"] = [(m.in_features, m.kernel) for m in mods]
+                kernel_rows[kind] = mods[0].kernel_rows
             columns[kind] = [(m.in_features, m) for m in mods]
-            kernel_rows[kind] = mods[0].kernel_rows
         del model
     print(f"CPU ms per sweep of the {len(columns['float32'])} linear layers ({torch.get_num_threads()} threads); "
           f"forward: kernel up to {kernel_rows} rows")  # fmt: skip
@@ -139,8 +148,8 @@ def layers(model_dir: Path, args: argparse.Namespace) -> None:
         print(f"{rows:5d} " + " ".join(f"{ms:12.1f}" for ms in cells) + f"  {load()}", flush=True)
 
 
-async def score(model_dir: Path, mode: str | None, tokens: int) -> dict:
-    config = EngineConfig(model=str(model_dir), quantization=mode, engine_threads=1)
+async def score(model_dir: Path, mode: str, tokens: int) -> dict:
+    config = engine_config(model_dir, mode, engine_threads=1)
     async with AsyncLLM(config, log_level="WARNING") as llm:
         ids = llm.tokenizer.encode(TEXT)
         scored = await llm.generate_one(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
@@ -156,7 +165,7 @@ async def score(model_dir: Path, mode: str | None, tokens: int) -> dict:
 
 
 def quality(model_dir: Path, args: argparse.Namespace) -> None:
-    base = asyncio.run(score(model_dir, None, args.tokens))
+    base = asyncio.run(score(model_dir, "float32", args.tokens))
     print(f"{'weights':8s} {'ms/token':>9s} {'speed-up':>9s} {'mean |dlogprob|':>16s} {'p99':>7s} {'top-1 agree':>12s}")
     print(f"{'float32':8s} {base['ms']:9.1f} {1.0:8.2f}x {0:16.4f} {0:7.4f} {1:12.1%}")
     for mode in args.modes:
@@ -175,7 +184,7 @@ PARTS = {"served": served, "layers": layers, "quality": quality}
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", nargs="+", default=list(PARTS), choices=PARTS)
-    ap.add_argument("--modes", nargs="+", default=["int8", "int4", "bf16"], choices=["int8", "int4", "bf16"])
+    ap.add_argument("--modes", nargs="+", default=["int8", "int4", "bfloat16"], choices=[*KINDS][1:])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 16])
     ap.add_argument("--repeats", type=int, default=2, help="served: runs of every weight kind, interleaved")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request (served, quality's timing)")

@@ -35,7 +35,7 @@ from frontend.launch import resolve_model
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.layers.quant import QuantLinear
 from gpu.loading.config import ModelConfig
-from gpu.runner.model_runner import ModelRunner, resolve_dtype
+from gpu.runner.model_runner import ModelRunner
 
 BLOCK = 16
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
@@ -72,11 +72,8 @@ def counts(runner: ModelRunner, batch: BatchSpec) -> tuple[int, int]:
 
 
 def streamed_bytes(m: QuantLinear) -> int:
-    """What a decode row reads of a quantized layer: its quantized weight and scales (bf16: the bfloat16 panels, or
-    the float32 weight without the native kernels)."""
-    if m.mode != "bf16":
-        return m.qweight.nbytes + m.scales.nbytes
-    return m.out_features * m.in_features * (2 if m.native is not None else 4)
+    """What a decode row reads of a quantized layer: its quantized weight and scales."""
+    return m.qweight.nbytes + m.scales.nbytes
 
 
 def decode_steps(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> tuple[float, list[float], BatchSpec]:
@@ -137,9 +134,7 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", default=None, choices=["torch", "native"])
     ap.add_argument("--batch-invariant", action="store_true", help="the runner in batch-invariant mode")
     ap.add_argument("--attention-backend", default=None, choices=["torch", "triton", "native"])
-    ap.add_argument(
-        "--quantization", default=None, choices=["int8", "int4", "bf16"], help="CPU weight-only quantization"
-    )
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="CPU weight-only quantization")
     ap.add_argument("--python-loop", action="store_true", help="the Python layer loop, not the native one")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
@@ -158,6 +153,7 @@ def main() -> None:
             cpu_kernels=args.cpu_kernels, batch_invariant=args.batch_invariant,
             attention_backend=args.attention_backend, quantization=args.quantization,
         )  # fmt: skip
+        activations = runner.dtype  # (HF's reference runs in it)
         if args.python_loop:  # (gpu/runner/native_loop.py)
             runner.model.model.native_loop = None
         quantized = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
@@ -183,7 +179,7 @@ def main() -> None:
     floor_ms = weights / bandwidth * 1e3
     if not args.no_hf:
         for b in args.batches:
-            ms = hf_ms_per_token(model_dir, device, resolve_dtype(args.dtype, device), prompts[b], args.steps)
+            ms = hf_ms_per_token(model_dir, device, activations, prompts[b], args.steps)
             results.append(dict(mode="hf-static", batch=b, ms=ms, tok_s=b / ms * 1e3, launches=None, kernels=None))
             save(args.json, device, floor_ms, results)
     name = device_name(device)

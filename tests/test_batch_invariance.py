@@ -151,15 +151,23 @@ def test_other_families_in_any_batch_and_chunk(family_dir_of, family):
     assert chunks_match_alone(runner, [4, 8, 12])  # (crossing the window)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_models_in_any_batch_and_chunk(tiny_model_dir, mode):
-    """Every row count on the native quantized kernels (bf16: its dense one); the power check: the same comparison
-    with the mode off (the quantized kernels up to a few rows, the float32 GEMM above) finds differing logits."""
+    """Every row count on the native quantized kernels; the power check: the same comparison with the mode off (the
+    quantized kernels up to a few rows, the float32 GEMM above) finds differing logits."""
     config = ModelConfig.from_path(tiny_model_dir)
     args = dict(device="cpu", dtype="float32", num_blocks=512, block_size=16, quantization=mode)
     assert chunks_match_alone(ModelRunner(config, **args, batch_invariant=True), [4, 8, 12, 15])
-    if mode != "bf16":  # (bf16's path is the native kernel up to WIDEN_ROWS rows: invariant here with the mode off too)
-        assert not chunks_match_alone(ModelRunner(config, **args), [4, 8, 12, 15])
+    assert not chunks_match_alone(ModelRunner(config, **args), [4, 8, 12, 15])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_weights_in_any_batch_and_chunk(tiny_model_dir, dtype):
+    """The native kernels' 16-bit panels (float32 activations): a row's chain is its own at any row count."""
+    config = ModelConfig.from_path(tiny_model_dir)
+    runner = ModelRunner(config, device="cpu", dtype=dtype, num_blocks=512, block_size=16, batch_invariant=True)
+    assert runner.dtype == torch.float32 and runner.model.lm_head.native.dtype == getattr(torch, dtype)
+    assert chunks_match_alone(runner, [4, 8, 12, 15])
 
 
 def test_the_flag_reaches_the_engine_config():

@@ -98,7 +98,6 @@ def test_who_sizes_the_cache(tiny_model_dir, monkeypatch):
     one_gib = executor.num_kv_blocks(EngineConfig(model="m", device="cpu", kv_cache_memory_gb=1), model)
     assert executor.num_kv_blocks(EngineConfig(model="m", device="cpu"), model) == one_gib > 0  # CPU: 1 GiB
     monkeypatch.setattr(executor, "resolve_device", lambda device: torch.device("cuda", 0))
-    monkeypatch.setattr(executor, "resolve_dtype", lambda dtype, device: torch.bfloat16)
     assert executor.num_kv_blocks(EngineConfig(model="m"), model) is None  # the inline worker's runner profiles
     assert executor.num_kv_blocks(EngineConfig(model="m", num_kv_blocks=9), model) == 9
     assert executor.num_kv_blocks(EngineConfig(model="m", kv_cache_memory_gb=1), model) == 2 * one_gib  # bf16

@@ -40,11 +40,16 @@ def held_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
-def test_the_estimate_is_a_floor_of_what_the_loaded_weights_hold(tiny_model_dir, quantization):
+@pytest.mark.parametrize(
+    "weights, quantization",
+    [(torch.float32, None), (torch.float32, "int8"), (torch.float32, "int4"), (torch.bfloat16, None),
+     (torch.float16, None)],
+)  # fmt: skip
+def test_the_estimate_is_a_floor_of_what_the_loaded_weights_hold(tiny_model_dir, weights, quantization):
     config = resolve_model(str(tiny_model_dir))
-    estimate = served_weight_bytes(config, torch.float32, quantization, "cpu")
-    held = held_bytes(load_model(config, torch.device("cpu"), torch.float32, quantization))
+    estimate = served_weight_bytes(config, torch.float32, quantization, "cpu", weights)
+    cpu = torch.device("cpu")
+    held = held_bytes(load_model(config, cpu, torch.float32, quantization, weight_dtype=weights))
     assert estimate <= held <= 1.05 * estimate, (estimate, held)
 
 

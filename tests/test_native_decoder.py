@@ -1,5 +1,5 @@
 """The layer loop as one native call (gpu/runner/native_loop.py): a runner with it and one without it (the Python loop)
-give the same logits bit for bit through prefill chunks, decode batches and multi-token rows, float32, bf16, int8
+give the same logits bit for bit through prefill chunks, decode batches and multi-token rows, float32, bfloat16 and float16 weights, int8
 and int4, with batch-invariant mode and without, and for the families whose layers it takes (fused projections,
 biases, partial rotary, sliding windows, other head sizes); the steps it takes are counted (it is not a test of
 the Python loop against itself); families with layers it does not take, and other backends, keep the Python loop."""
@@ -49,7 +49,7 @@ def drive(runner: ModelRunner) -> list[torch.Tensor]:
 def both(model_dir, **kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """(logits with the native loop, logits without it, steps the loop ran)."""
     config = ModelConfig.from_path(model_dir)
-    args = dict(device="cpu", dtype="float32", num_blocks=64, block_size=16, **kwargs)
+    args = dict(device="cpu", dtype="float32", num_blocks=64, block_size=16) | kwargs
     with_loop, without = ModelRunner(config, **args), ModelRunner(config, **args)
     assert with_loop.model.model.native_loop is not None
     counted = with_loop.model.model.native_loop = Counted(with_loop.model.model.native_loop)
@@ -57,10 +57,13 @@ def both(model_dir, **kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor], i
     return drive(with_loop), drive(without), counted.steps
 
 
-@pytest.mark.parametrize("quantization", [None, "bf16", "int8", "int4"])
+@pytest.mark.parametrize(
+    "dtype, quantization",
+    [("float32", None), ("bfloat16", None), ("float16", None), ("float32", "int8"), ("float32", "int4")],
+)
 @pytest.mark.parametrize("invariant", [False, True])
-def test_the_loop_computes_the_python_loops_bits(tiny_model_dir, quantization, invariant):
-    loop, python, steps = both(tiny_model_dir, quantization=quantization, batch_invariant=invariant)
+def test_the_loop_computes_the_python_loops_bits(tiny_model_dir, dtype, quantization, invariant):
+    loop, python, steps = both(tiny_model_dir, dtype=dtype, quantization=quantization, batch_invariant=invariant)
     assert all(torch.equal(a, b) for a, b in zip(loop, python, strict=True))
     # the first and third steps have rows of over 8 queries (the torch attention path, not the loop) unless invariant
     assert steps == len(python) - 2 * (not invariant)

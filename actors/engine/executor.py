@@ -22,7 +22,7 @@ from gpu.distributed.group import TensorParallel, current
 from gpu.kernels import native
 from gpu.layers.parallel import local_config
 from gpu.loading.config import ModelConfig
-from gpu.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
+from gpu.runner.model_runner import ModelRunner, native_cpu_weights, resolve_device, resolve_dtypes
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow, to_device
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
 from messages.wire import TokenLogprobs
@@ -108,7 +108,8 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
     device = resolve_device(config.device)
     if device.type == "cuda" and config.worker == "inline" and config.kv_cache_memory_gb is None:
         return None
-    dtype = resolve_dtype(config.dtype, device)
+    native_weights = native_cpu_weights(device, config.cpu_kernels, config.quantization)
+    dtype = resolve_dtypes(config.dtype, device, model.dtype, native_weights)[0]  # (the KV cache's: activations')
     drafts = draft_configs(config)
     budget = int((1.0 if config.kv_cache_memory_gb is None else config.kv_cache_memory_gb) * (1 << 30))
     local = local_config(model, TensorParallel(0, config.tensor_parallel_size))  # (a rank's heads: its cache)

@@ -4,7 +4,8 @@ attention over the cache is `attend`, the backend the runner chose at load (gpu/
 until then); rotary and the cache write are one step of the layer's kernel set (gpu/kernels/reference.py).
 
 q, k and v are three weights in most checkpoints, one `qkv_proj` with [q; k; v] rows in Phi-3's
-(`FusedQKVAttention`); `fuse()` stacks them at load (gpu/loading/weights.py): one GEMM. Under tensor parallelism a rank
+(`FusedQKVAttention`); the layer holds one qkv_proj either way (the loader writes the three into its rows,
+gpu/loading/weights.py): one GEMM. Under tensor parallelism a rank
 holds its query heads and their KV heads (gpu/layers/parallel.py) and all-reduces o_proj's output."""
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from gpu.attention.torch_backend import paged_attention
 from gpu.distributed.group import current
 from gpu.kernels.reference import TORCH_KERNELS
 from gpu.layers.linear import Linear
-from gpu.layers.mlp import stack_linears
 from gpu.layers.norm import RMSNorm
-from gpu.layers.parallel import column, heads, row
+from gpu.layers.parallel import column, heads, row, stacked
 
 
 class Attention(nn.Module):
@@ -46,16 +46,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, norm_offset)
 
     def make_projections(self, c) -> None:
-        self.q_proj, self.k_proj, self.v_proj = (
-            column(Linear(c.hidden_size, n, bias=c.qkv_bias), [r], full)
-            for n, r, full in zip(self.sizes, self.ranges, self.full, strict=True)
-        )
-
-    def fuse(self) -> None:
-        """Stack the loaded q, k and v weights into one qkv_proj."""
-        if not hasattr(self, "qkv_proj"):
-            self.qkv_proj = stack_linears(self.q_proj, self.k_proj, self.v_proj)
-            del self.q_proj, self.k_proj, self.v_proj
+        parts = [([r], full) for r, full in zip(self.ranges, self.full, strict=True)]
+        self.qkv_proj = stacked(Linear(c.hidden_size, sum(self.sizes), bias=c.qkv_bias), parts)
 
     def forward(self, x, rope, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]

@@ -1,7 +1,8 @@
 """The gated MLP, down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), as the config's hidden_act says.
 
-gate and up are two weights in most checkpoints, one [2 * intermediate, hidden] `gate_up_proj` in Phi-3's; `fuse()`
-stacks them at load (gpu/loading/weights.py), so the model runs one GEMM and one act-and-mul step of its kernel set.
+gate and up are two weights in most checkpoints, one [2 * intermediate, hidden] `gate_up_proj` in Phi-3's; the MLP
+holds one gate_up_proj either way (the loader writes the two into its rows, gpu/loading/weights.py), so the model runs
+one GEMM and one act-and-mul step of its kernel set.
 Under tensor parallelism a rank holds a slice of the intermediate dim (gpu/layers/parallel.py) and all-reduces down's
 output."""
 
@@ -13,7 +14,7 @@ from torch import nn
 from gpu.distributed.group import current
 from gpu.kernels.reference import TORCH_KERNELS
 from gpu.layers.linear import Linear
-from gpu.layers.parallel import column, row, split
+from gpu.layers.parallel import column, row, split, stacked
 
 
 class GatedMLP(nn.Module):
@@ -27,27 +28,9 @@ class GatedMLP(nn.Module):
             ranges = [(start, n), (intermediate + start, n)]
             self.gate_up_proj = column(Linear(hidden, 2 * n, bias=bias), ranges, 2 * intermediate)
         else:
-            self.gate_proj = column(Linear(hidden, n, bias=bias), [(start, n)], intermediate)
-            self.up_proj = column(Linear(hidden, n, bias=bias), [(start, n)], intermediate)
+            self.gate_up_proj = stacked(Linear(hidden, 2 * n, bias=bias), [([(start, n)], intermediate)] * 2)
         self.down_proj = row(Linear(n, hidden, bias=bias), [(start, n)], intermediate, self.tp)
         self.act = act
 
-    def fuse(self) -> None:
-        """Stack the loaded gate and up weights into one gate_up_proj."""
-        if not hasattr(self, "gate_up_proj"):
-            self.gate_up_proj = stack_linears(self.gate_proj, self.up_proj)
-            del self.gate_proj, self.up_proj
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(self.kernels.act_and_mul(self.gate_up_proj(x), self.act)))
-
-
-def stack_linears(*linears: Linear) -> Linear:
-    """One Linear computing the given ones' outputs side by side (their loaded weights stacked by output row)."""
-    weight, bias = torch.cat([lin.weight for lin in linears]), linears[0].bias
-    with torch.device("meta"):
-        out = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    out.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        out.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
-    return out

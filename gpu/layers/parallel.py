@@ -14,8 +14,9 @@ family file never sees the world size. At size 1 every shard is the whole tensor
 | norms, router, rotary         | replicated                                  |                                      |
 
 Shares need not be equal (9 heads over 2 ranks), only each rank's non-empty: the first ranks take the larger ones.
-A module keeps its parameters' shards in `module.shards` (parameter name -> Shard); the loader (gpu/loading/weights.py)
-reads only those ranges of a tensor from safetensors.
+A module keeps its parameters' shards in `module.shards` (parameter name -> one Shard per checkpoint tensor stacked
+into it by rows: q, k and v into one qkv_proj, gate and up into gate_up_proj; `stacked`); the loader
+(gpu/loading/weights.py) reads only those ranges of each tensor, the parts one after the other.
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ class Shard:
     ranges: tuple[tuple[int, int], ...]
     full: int
 
-    def read(self, tensor) -> torch.Tensor:
-        """The ranges of a safetensors slice (or a tensor), concatenated along dim."""
-        lead = (slice(None),) * self.dim
-        return torch.cat([tensor[(*lead, slice(start, start + n))] for start, n in self.ranges], self.dim)
+    @property
+    def length(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ranges of a tensor, concatenated along dim (a view where there is one)."""
+        parts = [tensor.narrow(self.dim, start, n) for start, n in self.ranges] or [tensor.narrow(self.dim, 0, 0)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
 
 
 def split(n: int, what: str, tp: TensorParallel) -> tuple[int, int]:
@@ -86,15 +91,22 @@ def local_config(c, tp: TensorParallel):
     return replace(c, num_attention_heads=h.num_q, num_key_value_heads=h.num_kv)
 
 
-def shard(module: nn.Module, **shards: Shard) -> nn.Module:
-    module.shards = {**getattr(module, "shards", {}), **shards}
+def shard(module: nn.Module, **shards: Shard | tuple[Shard, ...]) -> nn.Module:
+    parts = {name: s if isinstance(s, tuple) else (s,) for name, s in shards.items()}
+    module.shards = {**getattr(module, "shards", {}), **parts}
     return module
+
+
+def stacked(module: nn.Module, parts: list[tuple[list[tuple[int, int]], int]]) -> nn.Module:
+    """A column-parallel linear whose weight (and bias) stacks several checkpoint tensors by rows: of each part's
+    tensor (ranges, full size), these output rows."""
+    rows = tuple(Shard(0, tuple(ranges), full) for ranges, full in parts)
+    return shard(module, weight=rows, **({"bias": rows} if getattr(module, "bias", None) is not None else {}))
 
 
 def column(module: nn.Module, ranges: list[tuple[int, int]], full: int) -> nn.Module:
     """A column-parallel linear: these output rows of the checkpoint's weight (and bias)."""
-    rows = Shard(0, tuple(ranges), full)
-    return shard(module, weight=rows, **({"bias": rows} if getattr(module, "bias", None) is not None else {}))
+    return stacked(module, [(ranges, full)])
 
 
 def row(module: nn.Module, ranges: list[tuple[int, int]], full: int, tp: TensorParallel) -> nn.Module:
@@ -127,14 +139,25 @@ class VocabParallelEmbedding(nn.Embedding):
             super().reset_parameters()
 
     rows = None  # the tied LM head's `rows`, once its native panels hold the table's one copy (read_from)
+    widen_to: torch.dtype | None = None  # the activations' dtype, where the table is held in a narrower one (hold_in)
 
     def read_from(self, head) -> None:
-        """Look rows up in `head` (the tied LM head, gpu/layers/linear.py) and let go of the table."""
+        """Look rows up in `head` (the tied LM head, gpu/layers/linear.py, in its native panels) and hold no table
+        (before the load: the loader writes the checkpoint's table into the head)."""
         self.rows = head.rows  # (a bound method, not the module: head is not registered as a child)
         self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+        self.placed = {"weight": None}  # (left on meta by the loader's materialize)
+
+    def hold_in(self, dtype: torch.dtype, activations: torch.dtype) -> None:
+        """Hold the table in `dtype` (a 16-bit checkpoint's, on CPU), its rows widened to `activations` as they are
+        looked up (before the load)."""
+        self.placed, self.widen_to = {"weight": dtype}, activations
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight) if self.rows is None else self.rows(ids)
+        if self.rows is not None:
+            return self.rows(ids)
+        x = F.embedding(ids, self.weight)
+        return x if self.widen_to is None else x.to(self.widen_to)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

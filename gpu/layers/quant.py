@@ -1,14 +1,9 @@
-"""Weight-only quantization of the linear layers on CPU (`--quantization int8|int4|bf16`): less memory to stream per
-decoded token, which is what a step of few rows waits on.
+"""Weight-only quantization of the linear layers on CPU (`--quantization int8|int4`): less memory to stream per
+decoded token, which is what a step of few rows waits on. (16-bit weights are `--dtype bfloat16` / `float16`: the
+native kernels' 16-bit panels, gpu/layers/linear.py.)
 
 - int8: symmetric, one scale per output channel.
 - int4: asymmetric, a scale and a zero point per group of GROUP input channels.
-- bf16: each weight rounded to bfloat16 (to nearest, ties to even), half float32's bytes. It has no kernel of its own:
-  its dense path is the native float32 kernel streaming the bfloat16 panels (each weight widened exactly as it is
-  loaded), and above WIDEN_ROWS rows (long prefills: a GEMM's blocking wins there, 1.6x at 4096 rows) the panels
-  widened for the call into float32 [in, out] for x @ W^T: only the bfloat16 weight is kept (a quarter of float32
-  serving's bytes per weight, which keeps two float32 layouts; SmolLM2 with its float32 embedding: 365 MiB against
-  1,134). Without the native kernels: the rounded weight in float32 on torch's GEMM.
 Few-row calls run the native kernels where built and the input width is a multiple of GROUP
 (gpu/kernels/native/csrc/quant.cpp: activations quantized to int8 per row and group, llama.cpp's Q8 / Q4 x Q8 schemes,
 integer dot products; int4 1.2-1.6x torch's at 1-8 rows), else torch's `_weight_int8pack_mm` and
@@ -19,14 +14,12 @@ How many rows a call has picks the path (state x event, per call):
 | rows of the call      | path                                                                             |
 |-----------------------|----------------------------------------------------------------------------------|
 | <= kernel_rows        | the quantized kernel on the quantized weight                                     |
-| <= native_rows        | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
-| more (bf16, native)   | x @ W^T on the bfloat16 panels widened for the call (`unpack`)                    |
+| more                  | the float32 GEMM (oneDNN's, else x @ W^T) on the weight dequantized once, at load |
 
 (kernel_rows: NATIVE_KERNEL_ROWS[mode] on the native kernels, KERNEL_ROWS[mode] on torch's; -1, no call, not even
-of zero rows, for bf16 and for int8 widths off a multiple of 8, where torch's int8 kernel computes wrong sums or
-crashes; native_rows: WIDEN_ROWS for bf16 on the native kernels, whose GEMM is the native kernel on the bfloat16
-panels, else unbounded; both every row count in batch-invariant mode on the native kernels, whose rows are computed
-alone (`make_invariant`); the float32 GEMM is the native one too where the native kernels are, as a float32 model's.)
+of zero rows, for int8 widths off a multiple of 8, where torch's int8 kernel computes wrong sums or crashes; every row
+count in batch-invariant mode on the native kernels, whose rows are computed alone (`make_invariant`); the float32
+GEMM is the native one where the native kernels are, as a float32 model's.)
 
 Decision (`scripts/bench_quant.py`; figures in docs/performance-history.md, "Engine speed against vLLM's CPU build
 (issue 13, first pass)"): quantized serving must never be slower than float32, and above a few rows nothing that keeps
@@ -54,40 +47,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.layers.linear import Linear, onednn_linear, onednn_pack, transposed_linear
+from gpu.layers.linear import Linear
 
-Quantization = Literal["int8", "int4", "bf16"]
+Quantization = Literal["int8", "int4"]
 GROUP = 32  # input channels per scale / zero point (int4), per activation scale (the native kernels)
 # calls of up to this many rows use the quantized kernel: where it beat float32 (`bench_quant.py --part layers`);
 # torch's int4 kernel for AVX-512 did up to 16 rows, its AVX2 one (ATEN_CPU_CAPABILITY=avx2) up to 8
-KERNEL_ROWS: dict[str, int] = {
-    "int8": 8,
-    "int4": 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8,
-    "bf16": -1,  # (no kernel of its own)
-}
+KERNEL_ROWS: dict[str, int] = {"int8": 8, "int4": 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8}
 # the native kernels' (measured against float32's native kernel on SmolLM2's layers, AVX2 EPYC: int4 1.17x at 8 rows,
 # ~1.0x at 12; int8 1.26x at 16, ~1.07x at 24: docs/performance-history.md, issue 36's fourth part)
-NATIVE_KERNEL_ROWS: dict[str, int] = {"int8": 16, "int4": 8, "bf16": -1}
-WIDEN_ROWS = 512  # bf16: the most rows its native dense kernel takes (crossover with widening + GEMM: 256-1024 rows)
+NATIVE_KERNEL_ROWS: dict[str, int] = {"int8": 16, "int4": 8}
+
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's layout of a float32 [out, in] weight for `onednn_linear` (None where oneDNN is missing)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if _MKLDNN else None
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias from the [in, out] contiguous copy."""
+    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 
 class QuantLinear(nn.Module):
-    """A linear layer holding its quantized weight, and that weight dequantized once in one float32 layout (bf16: the
-    bfloat16 weight alone, in the native kernel's layout where built)."""
+    """A linear layer holding its quantized weight, and that weight dequantized once in one float32 layout."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization, native_ops=None):
         super().__init__()
         self.mode, self.out_features, self.in_features = mode, *weight.shape
-        grouped = mode == "bf16" or self.in_features % GROUP == 0  # (the native quantized kernels' groups)
+        grouped = self.in_features % GROUP == 0  # (the native quantized kernels' groups)
         self.native_ops = native_ops if grouped else None
         self.kernel_rows = (KERNEL_ROWS if self.native_ops is None else NATIVE_KERNEL_ROWS)[mode]
         if self.native_ops is None and mode == "int8" and self.in_features % 8:
             self.kernel_rows = -1  # (torch's int8 kernel reads past widths off a multiple of 8: wrong sums, or a crash)
         self.bias = bias
         w = weight.detach().float()
-        if mode == "bf16":
-            dense = w.to(torch.bfloat16)
-        elif mode == "int8":
+        if mode == "int8":
             scale = w.abs().amax(1).clamp(min=1e-12) / 127
             self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)
@@ -110,12 +111,11 @@ class QuantLinear(nn.Module):
                 self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(self.out_features, -1), 1)
                 self.scales = torch.cat([scale, zero], -1).permute(1, 0, 2).contiguous()  # [groups, out, 2]
             dense = ((q - 8) * scale.float() + zero.float()).view(self.out_features, self.in_features)
-        if self.native_ops is not None and mode != "bf16":  # (in the memory the native kernels stream weights from)
+        if self.native_ops is not None:  # (in the memory the native kernels stream weights from)
             self.qweight, self.scales = native_ops.huge_copy(self.qweight), native_ops.huge_copy(self.scales)
-        # for calls of more than kernel_rows rows: the native float32 kernel's panels (bfloat16 ones for bf16), else
-        # oneDNN's or [in, out] in float32
+        # for calls of more than kernel_rows rows: the native float32 kernel's panels, else oneDNN's or [in, out]
         self.native = native_ops.pack(dense) if self.native_ops is not None else None
-        self.native_rows = WIDEN_ROWS if mode == "bf16" else sys.maxsize
+        self.native_rows = sys.maxsize
         self.packed = onednn_pack(dense.float()) if self.native is None else None
         self.weight_t = dense.float().t().contiguous() if self.native is None and self.packed is None else None
 
@@ -124,10 +124,8 @@ class QuantLinear(nn.Module):
         if flat.shape[0] <= self.kernel_rows:
             y = self.kernel(flat)
             y = y if self.bias is None else y.add_(self.bias)
-        elif self.native is not None and flat.shape[0] <= self.native_rows:
+        elif self.native is not None:
             y = self.native_ops.linear(flat.contiguous(), self.native, self.out_features, self.bias)
-        elif self.native is not None:  # (bf16, many rows)
-            y = transposed_linear(flat, self.native_ops.unpack(self.native, self.out_features), self.bias)
         elif self.packed is not None:
             y = onednn_linear(flat, self.packed, self.bias)
         else:
@@ -135,11 +133,9 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def make_invariant(self) -> None:
-        """Every row count on the native kernels, each row computed alone: bf16's dense one; int8's and int4's
-        quantized ones (their dequantized panels, never read again, freed)."""
-        if self.mode != "bf16":
-            self.kernel_rows, self.native = sys.maxsize, None
-        self.native_rows = sys.maxsize
+        """Every row count on the native quantized kernels, each row computed alone (the dequantized panels, never
+        read again, freed)."""
+        self.kernel_rows, self.native = sys.maxsize, None
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T by the quantized kernel ([rows, in] float32 in, float32 out): the native ones (int8 activations)
@@ -155,8 +151,7 @@ class QuantLinear(nn.Module):
 
 def quantize_model(model: nn.Module, mode: Quantization, native_ops=None) -> None:
     """Replace every Linear of `model` (the LM head too; a tied embedding keeps its float32 table) in place; their
-    few-row calls (bf16: up to WIDEN_ROWS rows) run the native kernels where `native_ops` are given
-    (gpu/kernels/native)."""
+    few-row calls run the native kernels where `native_ops` are given (gpu/kernels/native)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

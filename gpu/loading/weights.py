@@ -1,12 +1,17 @@
 """Build the model without initializing it and load its *.safetensors weights by name (sharded or not).
 
 The family's class comes from the registry (gpu/models/); a checkpoint tensor loads into the parameter its family's
-`checkpoint_name` names (per-expert MoE tensors into one row of a stacked parameter). `checkpoint_plan` matches
-every tensor to its destination from the files' headers alone, so `check_checkpoint` (run before any process
-starts) names a tensor the model lacks, one of the wrong shape, or one the checkpoint lacks, without reading a
-weight. Files are memory-mapped and copied tensor by tensor into the model's dtype: a load never holds a second copy
-of the model. Under tensor parallelism each parameter holds its rank's shard (gpu/layers/parallel.py): the plan checks
-the checkpoint's full shapes and the load reads only the shard's ranges.
+`checkpoint_name` names (per-expert MoE tensors into one row of a stacked parameter; q/k/v and gate/up into the rows
+of one stacked projection). `checkpoint_plan` matches every tensor to its destination from the files' headers alone,
+so `check_checkpoint` (run before any process starts) names a tensor the model lacks, one of the wrong shape, or one
+the checkpoint lacks, without reading a weight.
+
+Every weight is held once, in the format it is served in: the model is built on meta and each parameter allocated
+in its final layout (a CPU linear layer's native panels, in the weight dtype; the rest in the model's dtype); the
+files are memory-mapped (gpu/loading/mapped.py) and each tensor copied straight into its destination, converted
+there, then its pages released: the load's peak is what it serves plus one tensor in flight. Under tensor parallelism
+each parameter holds its rank's shard (gpu/layers/parallel.py): the plan checks the checkpoint's full shapes and the
+load reads only the shard's ranges.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from gpu.attention.backend import AttentionBackend
@@ -26,12 +30,13 @@ from gpu.layers.linear import Linear
 from gpu.layers.parallel import Shard
 from gpu.layers.quant import GROUP, Quantization, quantize_model
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
+from gpu.loading.mapped import MappedFile
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
 
 log = logging.getLogger("sluice.weights")
 
-Load = tuple[Path, str, str, int | None]  # (file, tensor name, parameter, stacked row or None)
+Load = tuple[Path, str, str, int | None, int]  # (file, tensor, parameter, expert's row or None, stacked part)
 
 
 def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1, quantization: Quantization | None = None):
@@ -51,31 +56,41 @@ def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1, quantiz
     checkpoint_plan(config, dict(model.named_parameters()), shards_of(model))
 
 
-def shards_of(model: torch.nn.Module) -> dict[str, Shard]:
-    """Parameter name -> its shard, for the sharded ones (module.shards)."""
+def shards_of(model: torch.nn.Module) -> dict[str, tuple[Shard, ...]]:
+    """Parameter name -> its shards (one per checkpoint tensor stacked into it), for the sharded ones."""
     found = ((prefix, getattr(m, "shards", {})) for prefix, m in model.named_modules())
     return {f"{prefix}.{name}".lstrip("."): s for prefix, shards in found for name, s in shards.items()}
 
 
-def checkpoint_plan(config: ModelConfig, params: dict[str, torch.Tensor], shards: dict[str, Shard]) -> list[Load]:
+def checkpoint_plan(
+    config: ModelConfig, params: dict[str, torch.Tensor], shards: dict[str, tuple[Shard, ...]]
+) -> list[Load]:
     family, plan, loaded = REGISTRY[config.architecture], [], set()
     for file in weight_files(config.path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
-                    continue
-                target, row = family.checkpoint_name(name)
-                if target not in params:
-                    raise ModelLoadError(f"{file}: unexpected weight {name} for {config.architecture}")
-                expected, shape = list(params[target].shape[row is not None :]), tuple(f.get_slice(name).get_shape())
-                if target in shards:  # (the checkpoint holds every rank's)
-                    expected[shards[target].dim] = shards[target].full
-                if shape != tuple(expected):
-                    raise ModelLoadError(f"{file}: {name} has shape {shape}, expected {tuple(expected)}")
-                plan.append((file, name, target, row))
-                loaded.add((target, row))
-    rows = {(name, i) for name, p in params.items() for i in (range(p.shape[0]) if ".experts." in name else [None])}
-    missing = sorted(f"{n}[{i}]" if i is not None else n for n, i in rows - loaded)
+        f = MappedFile(file)
+        for name in f.header:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+                continue
+            target, row, part = family.checkpoint_name(name)
+            parts = shards.get(target, (None,))
+            if target not in params or part >= len(parts):
+                raise ModelLoadError(f"{file}: unexpected weight {name} for {config.architecture}")
+            expected, shape = list(params[target].shape[row is not None :]), f.shape(name)
+            if parts[part] is not None:  # (the checkpoint holds every rank's)
+                expected[parts[part].dim] = parts[part].full
+            if shape != tuple(expected):
+                raise ModelLoadError(f"{file}: {name} has shape {shape}, expected {tuple(expected)}")
+            plan.append((file, name, target, row, part))
+            loaded.add((target, row, part))
+    rows = {
+        (name, i, part)
+        for name, p in params.items()
+        for i in (range(p.shape[0]) if ".experts." in name else [None])
+        for part in range(len(shards.get(name, (None,))))
+    }
+    missing = sorted(
+        n + (f"[{i}]" if i is not None else "") + (f" (part {k})" if k else "") for n, i, k in rows - loaded
+    )
     if missing:
         raise ModelLoadError(f"{config.path}: weights missing from the checkpoint: {', '.join(missing[:8])}")
     return plan
@@ -83,12 +98,17 @@ def checkpoint_plan(config: ModelConfig, params: dict[str, torch.Tensor], shards
 
 def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """`model.to(dtype).to_empty(device)` of a model built on meta, without to_empty's import of sympy (0.4 s of a
-    start): each parameter (floating point ones in `dtype`) and buffer as uninitialised memory on `device`."""
+    start): each parameter (floating point ones in `dtype`) and buffer as uninitialised memory on `device`; but a
+    parameter its module has `placed` is left on meta (None: held elsewhere, a linear layer's native panels) or
+    allocated in the dtype named there."""
     made: dict[int, torch.nn.Parameter] = {}  # (a parameter two modules share stays one)
     for module in model.modules():
+        placed = getattr(module, "placed", {})
         for name, p in module.named_parameters(recurse=False):
+            if name in placed and placed[name] is None:
+                continue
             if id(p) not in made:
-                kind = dtype if p.is_floating_point() else p.dtype
+                kind = placed.get(name) or (dtype if p.is_floating_point() else p.dtype)
                 made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=kind, device=device), requires_grad=False)
             setattr(module, name, made[id(p)])
         for name, b in module.named_buffers(recurse=False):
@@ -104,20 +124,38 @@ def load_model(
     quantization: Quantization | None = None,
     attention: AttentionBackend | None = None,
     cpu_kernels: str | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> CausalLM:
-    """The model with its weights; `quantization` (CPU, float32 only) replaces every linear layer's weight by an
-    int8 or int4 one, kept dequantized too for calls of many rows, or a bfloat16 one (gpu/layers/quant.py); `attention`,
-    the backend every attention layer calls (gpu/attention/backend.py; the torch path when None), whose kernel set
-    goes to every layer; `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers use the
-    native kernels where built (gpu/kernels/native), quantized layers' few-row calls too; "torch": torch's.
-    Once loaded, q/k/v and gate/up weights are stacked into one each."""
+    """The model with its weights, activations in `dtype`; `quantization` (CPU, float32 only) replaces every linear
+    layer's weight by an int8 or int4 one, kept dequantized too for calls of many rows (gpu/layers/quant.py);
+    `attention`, the backend every attention layer calls (gpu/attention/backend.py; the torch path when None), whose
+    kernel set goes to every layer; `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers
+    hold their weights in the native kernels' panels where built (gpu/kernels/native), in `weight_dtype` (float32,
+    bfloat16 or float16; default `dtype`; the embedding table too), quantized layers' few-row calls run them too;
+    "torch": torch's."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
+    cpu = device.type == "cpu" and dtype == torch.float32
+    ops = native.ops() if cpu and cpu_kernels != "torch" else None
+    weights = weight_dtype or dtype
+    panels = ops is not None and not quantization
+    if weights != dtype and not panels:
+        raise ValueError(f"{weights} weights with {dtype} activations need the native CPU kernels (make setup)")
     with torch.device("meta"):
         model = REGISTRY[config.architecture](config)
-    materialize(model, dtype, device)
     model.requires_grad_(False).eval()
-    model.tie_weights()
+    tied = config.tie_word_embeddings
+    if panels:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.hold_panels(ops, weights)
+        if tied:
+            model.model.embed_tokens.read_from(model.lm_head)
+        elif weights != dtype:
+            model.model.embed_tokens.hold_in(weights, dtype)
+    materialize(model, dtype, device)
+    if not panels:
+        model.tie_weights()
     if attention is not None:
         for module in model.modules():
             if hasattr(module, "kernels"):
@@ -126,34 +164,35 @@ def load_model(
                 module.attend = attention
     for rotary in model.model.rotaries:  # computed, not weights: built on the host
         rotary.to(device)
-    params = dict(model.named_parameters())  # a tied lm_head is not listed: it is embed_tokens
+    params = dict(model.named_parameters())  # (a tied lm_head shares embed_tokens' parameter: listed once)
+    layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Linear) and m.native is not None}
+    if panels and tied:  # (the checkpoint's table goes into the head's panels, the embedding's one copy)
+        params.pop("lm_head.weight")
+        layers["model.embed_tokens.weight"] = layers.pop("lm_head.weight")
     shards = shards_of(model)
-    plan = checkpoint_plan(config, params, shards)
-    files = {file: safe_open(file, framework="pt", device="cpu") for file, *_ in plan}
-    for file, name, target, row in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(files) < 2):
-        param = params[target] if row is None else params[target][row]
-        shard = shards.get(target)
-        if shard is None:
-            param.copy_(files[file].get_tensor(name))
-            continue
-        part = shard.read(files[file].get_slice(name)) if shard.ranges else param.narrow(shard.dim, 0, 0)
-        if part.shape[shard.dim] < param.shape[shard.dim]:  # padding, or a bias another rank adds
-            param.zero_()
-        param.narrow(shard.dim, 0, part.shape[shard.dim]).copy_(part)
-    for module in list(model.modules()):  # q/k/v and gate/up stacked: one GEMM each (scripts/bench_layouts.py)
-        if hasattr(module, "fuse"):
-            module.fuse()
-    cpu = device.type == "cpu" and dtype == torch.float32
-    ops = native.ops() if cpu and cpu_kernels != "torch" else None
+    plan, files = checkpoint_plan(config, params, shards), {}
+    for file, name, target, row, part in tqdm(
+        plan, desc=f"Loading {config.name}", unit="tensor", disable=len(plan) < 500
+    ):
+        f = files.get(file) or files.setdefault(file, MappedFile(file))
+        parts, tensor = shards.get(target), f.tensor(name)
+        data = tensor if parts is None else parts[part].read(tensor)
+        offset = 0 if parts is None else sum(s.length for s in parts[:part])  # (parts stack along dim 0)
+        if target in layers:
+            layers[target].load_rows(data, offset)
+        else:
+            _write(params[target] if row is None else params[target][row], data, parts, part, offset)
+        f.release(name)
     if quantization:
-        if quantization == "bf16" and ops is None:
-            log.warning("--quantization bf16 without the native kernels: rounded weights in float32, no gain in memory")
         quantize_model(model, quantization, ops)
-        return model
-    tied = config.tie_word_embeddings
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack(keep_weight=module is model.lm_head and tied, native_ops=ops)
-    if tied and model.lm_head.native is not None:  # (the panels are the table's one copy)
-        model.model.embed_tokens.read_from(model.lm_head)
     return model
+
+
+def _write(param: torch.Tensor, data: torch.Tensor, parts: tuple[Shard, ...] | None, part: int, offset: int) -> None:
+    """Copy a checkpoint tensor's (shard) into its part of `param`; after the last part, the rest zero (a padded
+    vocabulary share, a bias another rank adds)."""
+    dim = 0 if parts is None else parts[part].dim
+    param.narrow(dim, offset, data.shape[dim]).copy_(data)
+    end = offset + data.shape[dim]
+    if (parts is None or part == len(parts) - 1) and end < param.shape[dim]:
+        param.narrow(dim, end, param.shape[dim] - end).zero_()

@@ -18,6 +18,8 @@ gpu/loading/config.py), `layer_types(raw)` (which layers slide when config.json 
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -31,6 +33,11 @@ from gpu.layers.moe import SparseMoE, expert_weight
 from gpu.layers.norm import RMSNorm
 from gpu.layers.parallel import VocabParallelEmbedding, column, vocab_range
 from gpu.layers.rotary import RotaryEmbedding
+
+# a checkpoint's q/k/v or gate/up tensor, held in the rows of one stacked projection (gpu/layers/attention.py, mlp.py)
+_STACKED = re.compile(r"(.*\.)(q|k|v|gate|up)_proj\.(weight|bias)$")
+_STACKS = {"q": ("qkv_proj", 0), "k": ("qkv_proj", 1), "v": ("qkv_proj", 2), "gate": ("gate_up_proj", 0),
+           "up": ("gate_up_proj", 1)}  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
@@ -112,9 +119,17 @@ class CausalLM(nn.Module):
         return [kind] * raw["num_hidden_layers"]
 
     @staticmethod
-    def checkpoint_name(name: str) -> tuple[str, int | None]:
-        """The parameter (and, for a stacked one, the index) a checkpoint's tensor loads into."""
-        return expert_weight(name) or (name, None)
+    def checkpoint_name(name: str) -> tuple[str, int | None, int]:
+        """The parameter a checkpoint's tensor loads into, the index of an expert's in a stacked one (else None) and
+        which of the tensors stacked by rows into it (q, k, v; gate, up) it is (else 0)."""
+        expert = expert_weight(name)
+        if expert:
+            return *expert, 0
+        m = _STACKED.match(name)
+        if m is None:
+            return name, None, 0
+        stack, part = _STACKS[m[2]]
+        return f"{m[1]}{stack}.{m[3]}", None, part
 
     def __init__(self, config) -> None:
         super().__init__()

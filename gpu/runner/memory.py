@@ -102,33 +102,33 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in _meta_model(config).parameters()) * dtype.itemsize
 
 
-# bytes of a linear layer's weight served on CPU in float32, by --quantization (floors): the native panels alone
-# (gpu/layers/linear.py `pack`; the torch path keeps two layouts: 8); the quantized weight and one float32 layout
-# (gpu/layers/quant.py; int4: torch's bfloat16 scales); bf16's weight alone
-CPU_LINEAR_BYTES = {None: 4.0, "int8": 5.0, "int4": 4.625, "bf16": 2.0}
-TIED_SHARED_BYTES = {None: 4.0}  # ... of which a tied LM head's embedding table is (the native panels are the table)
+# bytes of a linear layer's weight served on CPU by --quantization (floors): the quantized weight and one float32
+# layout (gpu/layers/quant.py; int4: torch's bfloat16 scales)
+CPU_LINEAR_BYTES = {"int8": 5.0, "int4": 4.625}
 
 
-def served_weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None, device: str) -> int:
-    """A floor of the bytes the weights hold as gpu/loading/weights.py's `load_model` serves them: every weight in
-    `dtype` while it loads (quantized ones too: float32 first); once loaded on CPU in float32, each linear layer's
-    weight CPU_LINEAR_BYTES[quantization] bytes a weight (a tied LM head's on top of the embedding's table, less what
-    it shares with it: TIED_SHARED_BYTES) and the rest 4. The larger of the two. (SmolLM2-135M: float32 1026 MiB,
-    1134 measured while the head kept an [in, out] copy too, and 365 bf16, docs/PERFORMANCE.md, "Native kernels and
-    quantized formats"; 750 int8 and 701 int4, docs/performance-history.md, "Engine speed against vLLM's CPU build
-    (issue 13, first pass)".)"""
+def served_weight_bytes(
+    config: ModelConfig, dtype: torch.dtype, quantization: str | None, device: str, weights: torch.dtype | None = None
+) -> int:
+    """A floor of the bytes the weights hold as gpu/loading/weights.py's `load_model` serves them, activations in
+    `dtype`: each linear layer's weight and the embedding table in `weights` (default `dtype`: the native panels' on
+    CPU; a tied LM head's panels are the table, counted once), the rest in `dtype`. Quantized (CPU, float32): every
+    weight in float32 while it loads, then each linear layer's weight CPU_LINEAR_BYTES[quantization] bytes a weight
+    beside the embedding's float32 table (a tied LM head's too); the larger of the two. (SmolLM2-135M: float32 513 MiB,
+    bfloat16 257; 750 int8 and 701 int4, docs/performance-history.md, "Engine speed against vLLM's CPU build (issue 13,
+    first pass)".)"""
     from gpu.layers.linear import Linear
 
     model = _meta_model(config)
     model.tie_weights()
     total = sum(p.numel() for p in model.parameters())  # (a tied LM head is the embedding: counted once)
-    loading = total * dtype.itemsize
-    if device != "cpu" or dtype != torch.float32:
-        return loading
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
-    head = model.lm_head.weight.numel() if config.tie_word_embeddings else 0
-    shared = TIED_SHARED_BYTES.get(quantization, 0.0) * head
-    return max(loading, int(4 * (total - linear + head) + CPU_LINEAR_BYTES[quantization] * linear - shared))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))  # (the head's included)
+    table = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
+    rest = total - linear - table  # norms, biases, experts, the router
+    if quantization and device == "cpu":
+        head = model.lm_head.weight.numel() if config.tie_word_embeddings else 0
+        return max(4 * total, int(CPU_LINEAR_BYTES[quantization] * linear + 4 * (rest + table + head)))
+    return (weights or dtype).itemsize * (linear + table) + dtype.itemsize * rest
 
 
 def profile(

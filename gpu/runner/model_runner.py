@@ -19,6 +19,7 @@ from gpu.attention.metadata import AttentionMetadata
 from gpu.attention.torch_backend import TorchAttention
 from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.distributed.group import current
+from gpu.kernels import native
 from gpu.layers.parallel import local_config
 from gpu.layers.quant import Quantization, make_invariant
 from gpu.loading.config import ModelConfig
@@ -39,14 +40,30 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto" is float32 on CPU (no fast bf16 compute there) and bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"unsupported dtype {dtype!r}")
-    return resolved
+def resolve_dtypes(
+    dtype: str | torch.dtype, device: torch.device, checkpoint: torch.dtype, native_weights: bool
+) -> tuple[torch.dtype, torch.dtype]:
+    """(activations, weights) for `--dtype`. On CUDA both are `dtype` ("auto": bfloat16). On CPU with the native
+    kernels (`native_weights`: `native_cpu_weights`) activations, the KV cache and every sum are float32 and `dtype`
+    names the weights' format: "auto" keeps a bfloat16 or float16 checkpoint's 16 bits (half float32's memory and
+    bytes streamed a token), else float32. On torch's CPU kernels both are `dtype` ("auto": float32)."""
+    named = None
+    if dtype != "auto":
+        named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+        if not isinstance(named, torch.dtype) or not named.is_floating_point:
+            raise ValueError(f"unsupported dtype {dtype!r}")
+    if device.type != "cpu":
+        return (named or torch.bfloat16,) * 2
+    if native_weights:
+        sixteen = checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.float32
+        return torch.float32, named or sixteen
+    return (named or torch.float32,) * 2
+
+
+def native_cpu_weights(device: torch.device, cpu_kernels: str | None, quantization: Quantization | None) -> bool:
+    """Whether the linear layers hold their weights in the native kernels' panels (any float dtype, activations
+    float32): on CPU, unless --cpu-kernels torch or --quantization, where the kernels are built."""
+    return device.type == "cpu" and cpu_kernels != "torch" and not quantization and native.usable()
 
 
 class ModelRunner:
@@ -76,7 +93,8 @@ class ModelRunner:
         self.config = model_config
         self.kv_config = local_config(model_config, current())  # the heads this rank holds (tensor parallelism)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        native_weights = native_cpu_weights(self.device, "native" if batch_invariant else cpu_kernels, quantization)
+        self.dtype, weight_dtype = resolve_dtypes(dtype, self.device, model_config.dtype, native_weights)
         if self.device.type == "cuda":
             # Bind the calling thread (the runner is built on the device thread that runs its steps) before anything
             # is made on the device: the current device is per thread, and each step's pinned copies and the event
@@ -110,7 +128,9 @@ class ModelRunner:
             memory.reset_peak()
             free_at_start = memory.info()[0]
         kernels = "native" if batch_invariant else cpu_kernels
-        self.model = load_model(model_config, self.device, self.dtype, quantization, self.attention, kernels)
+        self.model = load_model(
+            model_config, self.device, self.dtype, quantization, self.attention, kernels, weight_dtype
+        )
         if batch_invariant:
             make_invariant(self.model)
         self.model.model.native_loop = native_loop(self.model, self.attention)

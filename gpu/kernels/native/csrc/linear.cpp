@@ -1,33 +1,33 @@
 // Linear layers for CPU, batch-invariant: y[r, o] = bias[o] + sum_i x[r, i] * w[o, i], x and y float32, the weight
-// float32 or bfloat16 (each widened exactly to float32 as it is loaded: half the bytes to stream, the same arithmetic).
+// float32, bfloat16 or float16 (each widened exactly to float32 as it is loaded: half the bytes to stream, the same
+// arithmetic).
 //
-// The weight is repacked once (pack, keeping its dtype) into panels of PANEL output columns, [ceil(out / PANEL)][in]
-// [PANEL] (the last panel zero-padded), so that each input index reads PANEL consecutive weights: VECS vector loads
-// that every row of a tile multiplies by its broadcast x[r, i]. A single row (decode) walks GROUP panels at once
-// instead: more independent chains and weight streams in flight, which a memory-bound GEMV needs.
+// The weight is held once, in panels of PANEL output columns, [ceil(out / PANEL)][in][PANEL] in its own dtype
+// (`panels`: zeros, so the last panel's padding is; `pack_into` writes rows of it from a [rows, in] source, at a row
+// offset: the loader fills a stacked q/k/v or gate/up weight tensor by tensor), so that each input index reads PANEL
+// consecutive weights: VECS vector loads that every row of a tile multiplies by its broadcast x[r, i]. A single row
+// (decode) walks GROUP panels at once instead: more independent chains and weight streams in flight, which a
+// memory-bound GEMV needs.
 // Each output element is one fused multiply-add chain over i = 0, 1, ..., in - 1 from 0, then + bias: its rounding
 // depends on nothing but its own row and column (not on the other rows, the tile or group a row falls in, the
 // thread that runs its panel, nor the ISA: AVX2 and AVX-512 chains are the same IEEE fmas), which is what makes a
 // row's logits identical in any batch. Threads split the panels evenly (a memory-bound GEMV is as slow as its
 // busiest thread).
 //
-// Weights the kernels stream (pack's panels, and what huge_copy copies: the quantized kernels' weights) lie in
-// memory aligned to 2 MB and advised for transparent huge pages where they span one: reading a step's weights once
-// then misses the TLB every 2 MB instead of every 4 KB (measured in docs/PERFORMANCE.md; advice only: where the
-// system's THP setting is "never" they are ordinary pages).
+// Panels, and what huge_copy copies (the quantized kernels' weights), lie in huge-page memory (huge.h).
 //
-// Built twice by gpu/kernels/native/build.py, with -mavx2 -mfma (namespace sluice_avx2) and with -mavx512f (sluice_avx512);
-// gpu/kernels/native/__init__.py loads the one the CPU runs.
+// Built twice by gpu/kernels/native/build.py, with -mavx2 -mfma -mf16c (namespace sluice_avx2) and with -mavx512f
+// (sluice_avx512); gpu/kernels/native/__init__.py loads the one the CPU runs.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "huge.h"
 #include "simd.h"
 
 #ifndef SLUICE_NS
@@ -48,40 +48,27 @@ constexpr int VECS = 4;
 constexpr int64_t PANEL = VECS * LANES;  // output columns per panel: four vectors
 constexpr int64_t KBLOCK = 4096 / PANEL;  // inputs per pass over a panel: 16 KB of float32 weights, in L1
 
-constexpr size_t HUGE_PAGE = size_t(2) << 20;
-
-// A CPU tensor of at least one huge page in a mapping of its own (fresh pages, never touched before the advice,
-// unmapped with the tensor), 2 MB-aligned and advised for huge pages; smaller ones are ordinary (uninitialised).
-at::Tensor huge_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
-  const auto options = at::TensorOptions().dtype(dtype);
-  const size_t bytes = c10::multiply_integers(sizes) * c10::elementSize(dtype);
-  if (bytes < HUGE_PAGE) return at::empty(sizes, options);
-  const size_t mapped = bytes + HUGE_PAGE;  // (room to align the start)
-  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(base != MAP_FAILED, "out of memory: ", bytes, " bytes of weights");
-  auto* p = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(base) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1));
-  madvise(p, bytes, MADV_HUGEPAGE);  // (may fail: advice)
-  return at::from_blob(p, sizes, [base, mapped](void*) { munmap(base, mapped); }, options);
-}
-
-// huge_empty's tensor of zeros: a fresh mapping is the kernel's zero pages already (no pass to write them)
-at::Tensor huge_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
-  const size_t bytes = c10::multiply_integers(sizes) * c10::elementSize(dtype);
-  return bytes < HUGE_PAGE ? at::zeros(sizes, at::TensorOptions().dtype(dtype)) : huge_empty(sizes, dtype);
-}
-
 at::Tensor huge_copy(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu(), "huge_copy: a CPU tensor");
   return huge_empty(t.sizes(), t.scalar_type()).copy_(t);
 }
 
-// A bfloat16 tensor's elements as their bits
-inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); }
-inline uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<at::BFloat16>()); }
+// f with a weight tensor's elements, typed: float, a bfloat16's bits (uint16_t), or c10::Half.
+template <typename T, typename F>
+void with_weights(T& t, F&& f) {
+  const auto kind = t.scalar_type();
+  TORCH_CHECK(kind == at::kFloat || kind == at::kBFloat16 || kind == at::kHalf, "a float32, bfloat16 or float16 weight");
+  void* p = const_cast<void*>(t.const_data_ptr());
+  if (kind == at::kFloat) return f(static_cast<float*>(p));
+  if (kind == at::kBFloat16) return f(static_cast<uint16_t*>(p));
+  f(static_cast<c10::Half*>(p));
+}
 
-// Where column c of a panel's input row lies: float32 in order; bfloat16 in pairs of vectors interleaved, so that
-// one load of 2 x LANES of them gives vector 2j (the low halves, column 2j * LANES + lane) and 2j + 1 (the high).
+// Where column c of a panel's input row lies: float32 and float16 in order; bfloat16 in pairs of vectors interleaved,
+// so that one load of 2 x LANES of them gives vector 2j (the low halves, column 2j * LANES + lane) and 2j + 1 (the
+// high).
 inline int64_t slot(const float*, int64_t c) { return c; }
+inline int64_t slot(const c10::Half*, int64_t c) { return c; }
 inline int64_t slot(const uint16_t*, int64_t c) {
   const int64_t pair = c / (2 * LANES), v = c / LANES % 2, lane = c % LANES;
   return pair * 2 * LANES + 2 * lane + v;
@@ -89,60 +76,57 @@ inline int64_t slot(const uint16_t*, int64_t c) {
 
 // The weights of input row i, vector v (LANES columns from v * LANES) of a panel, as float32.
 inline Vec wload(const float* row, int v) { return vload(row + v * LANES); }
+inline Vec wload(const c10::Half* row, int v) { return vhalf(reinterpret_cast<const uint16_t*>(row) + v * LANES); }
 inline Vec wload(const uint16_t* row, int v) {
   return v % 2 ? vhigh16(row + v / 2 * 2 * LANES) : vlow16(row + v / 2 * 2 * LANES);
 }
 
-// The panels of a [out, in] weight; W is its element type (float, or a bfloat16's bits). In blocks of STRIP inputs:
-// a cache line of each of the panel's rows in, STRIP whole panel rows (4 KB of float32) out.
+inline float widen(float w) { return w; }
+inline float widen(c10::Half w) { return static_cast<float>(w); }
+inline float widen(uint16_t w) { return bf16(w); }
+
+at::Tensor panels(int64_t out, int64_t in, at::ScalarType dtype) {
+  TORCH_CHECK(out > 0 && in > 0, "panels: a weight of at least one row and column");
+  return huge_zeros({(out + PANEL - 1) / PANEL, in, PANEL}, dtype);
+}
+
+// Rows offset .. offset + n - 1 of the panels' weight from src [n, in] (W its element type), panel by panel, in
+// blocks of STRIP inputs: a cache line of each of the panel's rows in, STRIP whole panel rows (4 KB of float32) out.
 template <typename W>
-void pack_panels(const W* src, W* dst, int64_t out, int64_t in, int64_t panels) {
+void pack_rows(const W* src, int64_t ld, W* dst, int64_t offset, int64_t n, int64_t in) {
   constexpr int64_t STRIP = 64 / sizeof(W);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
+  at::parallel_for(offset / PANEL, (offset + n - 1) / PANEL + 1, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t c0 = std::max<int64_t>(0, offset - p * PANEL), c1 = std::min(PANEL, offset + n - p * PANEL);
       for (int64_t i0 = 0; i0 < in; i0 += STRIP)
-        for (int64_t c = 0; c < PANEL && p * PANEL + c < out; ++c)
+        for (int64_t c = c0; c < c1; ++c)
           for (int64_t i = i0; i < std::min(in, i0 + STRIP); ++i)
-            dst[(p * in + i) * PANEL + slot(dst, c)] = src[(p * PANEL + c) * in + i];
+            dst[(p * in + i) * PANEL + slot(dst, c)] = src[(p * PANEL + c - offset) * ld + i];
+    }
   });
 }
 
-// Bfloat16 panels widened back to float32 and laid out [in, out] (for x @ W^T by a GEMM of many rows).
-void unpack_panels(const uint16_t* src, float* dst, int64_t out, int64_t in) {
-  at::parallel_for(0, in, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t o = 0; o < out; ++o)
-        dst[i * out + o] = bf16(src[(o / PANEL * in + i) * PANEL + slot(src, o % PANEL)]);
+void pack_into(at::Tensor& packed, const at::Tensor& src, int64_t offset) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.is_contiguous(), "pack_into: panels (panels)");
+  TORCH_CHECK(src.dim() == 2 && src.size(1) == packed.size(1) && src.stride(1) == 1 && src.size(0) > 0 &&
+                  src.scalar_type() == packed.scalar_type(),
+              "pack_into: a [rows, in] source of the panels' width and dtype, rows contiguous");
+  TORCH_CHECK(0 <= offset && offset + src.size(0) <= packed.size(0) * PANEL, "pack_into: rows past the panels");
+  with_weights(packed, [&](auto* dst) {
+    using W = std::remove_pointer_t<decltype(dst)>;
+    pack_rows(static_cast<const W*>(src.const_data_ptr()), src.stride(0), dst, offset, src.size(0), src.size(1));
   });
 }
 
 at::Tensor pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
-              "pack: a float32 or bfloat16 [out, in] weight");
-  auto w = weight.contiguous();
-  const int64_t out = w.size(0), in = w.size(1), panels = (out + PANEL - 1) / PANEL;
-  auto packed = huge_zeros({panels, in, PANEL}, w.scalar_type());  // (the padding's; a zero bfloat16 is zero bits)
-  if (w.scalar_type() == at::kFloat)
-    pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), out, in, panels);
-  else
-    pack_panels(bits(w), bits(packed), out, in, panels);
+  TORCH_CHECK(weight.dim() == 2, "pack: an [out, in] weight");
+  auto packed = panels(weight.size(0), weight.size(1), weight.scalar_type());
+  pack_into(packed, weight.contiguous(), 0);
   return packed;
-}
-
-at::Tensor unpack(const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kBFloat16 && (out_features + PANEL - 1) / PANEL == packed.size(0),
-              "unpack: a bfloat16 packed weight (pack) of out_features columns");
-  auto w = at::empty({packed.size(1), out_features}, packed.options().dtype(at::kFloat));
-  unpack_panels(bits(packed), w.data_ptr<float>(), out_features, packed.size(1));
-  return w;
 }
 
 // Rows `ids` of the weight in `src`'s panels, widened to float32 (a tied embedding's lookup: its LM head's panels are
 // the table's one copy).
-inline float widen(float w) { return w; }
-inline float widen(uint16_t w) { return bf16(w); }
-
 template <typename W>
 void gather_rows(const W* src, const int64_t* ids, float* dst, int64_t n, int64_t in) {
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
@@ -165,10 +149,7 @@ at::Tensor panel_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t o
   TORCH_CHECK(std::all_of(ip, ip + n, [&](int64_t i) { return 0 <= i && i < out_features; }),
               "panel_rows: an id outside 0 .. ", out_features - 1);
   auto rows = at::empty({n, in}, packed.options().dtype(at::kFloat));
-  if (packed.scalar_type() == at::kFloat)
-    gather_rows(packed.data_ptr<float>(), ip, rows.data_ptr<float>(), n, in);
-  else
-    gather_rows(bits(packed), ip, rows.data_ptr<float>(), n, in);
+  with_weights(packed, [&](auto* w) { gather_rows(w, ip, rows.data_ptr<float>(), n, in); });
   auto shape = ids.sizes().vec();
   shape.push_back(in);
   return rows.view(shape);
@@ -252,21 +233,18 @@ void run(const float* xp, int64_t ldx, const W* wp, const float* bp, float* yp, 
 
 void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "linear: float32 [rows, in] x");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous() &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous(),
               "linear: a packed weight (pack) of x's width");
-  const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), panels = packed.size(0);
+  const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), count = packed.size(0);
   TORCH_CHECK(y.dim() == 2 && y.size(0) == rows && y.stride(1) == 1 && y.scalar_type() == at::kFloat &&
-                  (out + PANEL - 1) / PANEL == panels,
+                  (out + PANEL - 1) / PANEL == count,
               "linear: y");
   TORCH_CHECK(!bias || (bias->numel() == out && bias->is_contiguous() && bias->scalar_type() == at::kFloat),
               "linear: float32 bias of out elements");
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  if (packed.scalar_type() == at::kFloat)
-    run(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), bp, y.data_ptr<float>(), y.stride(0), rows, in,
-        out, panels);
-  else
-    run(x.data_ptr<float>(), x.stride(0), bits(packed), bp, y.data_ptr<float>(), y.stride(0), rows, in, out, panels);
+  with_weights(packed, [&](auto* w) {
+    run(x.data_ptr<float>(), x.stride(0), w, bp, y.data_ptr<float>(), y.stride(0), rows, in, out, count);
+  });
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
@@ -281,7 +259,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 TORCH_LIBRARY(SLUICE_NS, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("huge_copy(Tensor t) -> Tensor");
-  m.def("unpack(Tensor packed, int out_features) -> Tensor");
+  m.def("panels(int rows, int cols, ScalarType dtype) -> Tensor", &panels);  // (no tensor in: a catch-all kernel)
+  m.def("pack_into(Tensor(a!) packed, Tensor src, int offset) -> ()");
   m.def("panel_rows(Tensor packed, Tensor ids, int out_features) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_out(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) y) -> ()");
@@ -290,7 +269,7 @@ TORCH_LIBRARY(SLUICE_NS, m) {
 TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) {
   m.impl("pack", pack);
   m.impl("huge_copy", huge_copy);
-  m.impl("unpack", unpack);
+  m.impl("pack_into", [](at::Tensor packed, const at::Tensor& src, int64_t offset) { pack_into(packed, src, offset); });
   m.impl("panel_rows", panel_rows);
   m.impl("linear", linear);
   m.impl("linear_out", [](const at::Tensor& x, const at::Tensor& p, const c10::optional<at::Tensor>& b, at::Tensor y) {

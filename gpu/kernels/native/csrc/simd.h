@@ -1,9 +1,10 @@
 // The vector types the kernels are written in, for the ISA this library is built for (gpu/kernels/native/build.py builds
-// it twice: -mavx2 -mfma, and -mavx512f/bw/dq/vl; -ffp-contract=off: no fma the source does not write).
+// it twice: -mavx2 -mfma -mf16c, and -mavx512f/bw/dq/vl; -ffp-contract=off: no fma the source does not write).
 //
 // - Vec: the machine's widest float vector (8 or 16 lanes): the linear kernels, whose per-element results are single
 //   lanes' fma chains and so do not depend on the width; loaded from float32s or, widened exactly, from bfloat16s
-//   (2 x LANES of them a load: a float from the low or the high half of each 32 bits, by a shift or a mask).
+//   (2 x LANES of them a load: a float from the low or the high half of each 32 bits, by a shift or a mask) or
+//   float16s (F16C's vcvtph2ps).
 // - V16: sixteen float lanes on either ISA (one __m512, or two __m256 side by side), for kernels that reduce across
 //   lanes (attention's dot products and softmax): every operation, the reductions' trees and the exponential's
 //   polynomial included, is the same IEEE arithmetic lane by lane on both ISAs, so their results are the same bits.
@@ -29,6 +30,9 @@ inline Vec vlow16(const uint16_t* p) {  // of 2 x LANES bfloat16s, those in the 
 }
 inline Vec vhigh16(const uint16_t* p) {  // ... and those in the high halves
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(-65536)));
+}
+inline Vec vhalf(const uint16_t* p) {  // LANES float16s (their bits), widened exactly
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 struct V16 {
@@ -73,6 +77,7 @@ inline Vec vhigh16(const uint16_t* p) {
   return _mm256_castsi256_ps(
       _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi32(-65536)));
 }
+inline Vec vhalf(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 struct V16 {
   __m256 lo, hi;

@@ -1,0 +1,77 @@
+"""A safetensors file read in place: its header parsed here (8 bytes of length, then JSON: each tensor's dtype, shape
+and byte range), its data memory-mapped read-only, each tensor a zero-copy torch view of the mapping.
+
+The loader (gpu/loading/weights.py) copies a tensor into its destination, then `release`s it: the range's pages leave
+this process (`MADV_DONTNEED`; they stay in the page cache for the next start), so the load's resident memory grows by
+the destinations alone, never by the files (safetensors' `safe_open` keeps every page it read mapped until it closes:
+a bf16 checkpoint loaded that way peaks at its served bytes plus its own). A file that is not safetensors, or whose
+header does not fit it, raises ModelLoadError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+from gpu.loading.config import ModelLoadError
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+MAX_HEADER = 100 << 20  # (safetensors' own bound)
+
+
+class MappedFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            try:
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError as e:  # (an empty file)
+                raise ModelLoadError(f"{path}: not a safetensors file ({e})") from e
+        self.header = self._header()
+        self.data = 8 + struct.unpack_from("<Q", self.map)[0]
+
+    def _header(self) -> dict[str, dict]:
+        try:
+            (length,) = struct.unpack_from("<Q", self.map)
+            if not 0 < length <= min(MAX_HEADER, len(self.map) - 8):
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(self.map[8 : 8 + length])
+            header.pop("__metadata__", None)
+            end = len(self.map) - 8 - length
+            for name, t in header.items():
+                begin, stop = t["data_offsets"]
+                size = DTYPES[t["dtype"]].itemsize * int(torch.Size(t["shape"]).numel())
+                if not 0 <= begin <= stop <= end or stop - begin != size:
+                    raise ValueError(f"{name}'s bytes {begin}..{stop} do not fit its shape or the file")
+        except (struct.error, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{self.path}: not a safetensors file ({e})") from e
+        return header
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor as a read-only view of the mapping (the mapping lives as long as a view of it)."""
+        t = self.header[name]
+        begin, stop = (self.data + o for o in t["data_offsets"])
+        dtype = DTYPES[t["dtype"]]
+        if begin == stop:
+            return torch.empty(t["shape"], dtype=dtype)
+        with warnings.catch_warnings():  # (torch warns that the buffer is not writable: it is not written)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(memoryview(self.map)[begin:stop], dtype=dtype).view(t["shape"])
+
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process (whole pages inside its range; the file's pages stay cached)."""
+        begin, stop = (self.data + o for o in self.header[name]["data_offsets"])
+        first, last = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, stop // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
