@@ -2,7 +2,7 @@
 replicas on other nodes); or a headless node's engine replica (`serve_node`).
 
 Everything that can fail fast does so before any process starts: the model is resolved (the
-bundled default is converted on first use, a .gguf is converted into the cache) and checked, it must fit in the
+bundled default is converted on first use, a .gguf gets its card in the cache) and checked, it must fit in the
 host's memory (frontend/memory_check.py), and a fixed port is test-bound. Port 0 is resolved to a free port here, so
 a restarted HTTP process binds the same one. The processes start together: the HTTP front listens while the engine
 replicas load (503 until each is ready: frontend/readiness.py), and `start()` returns once the server serves.
@@ -49,7 +49,7 @@ EXIT_REFUSED = 2  # a headless replica's node refused by the front (as a gang's:
 
 
 def resolve_model(model: str | None) -> ModelConfig:
-    """The model to serve: a directory, a .gguf (converted once into the cache), or None for the
+    """The model to serve: a directory, a .gguf (served in place, its card made once in the cache), or None for the
     bundled SmolLM2. Raises ModelLoadError saying what is wrong."""
     try:
         config = ModelConfig.from_path(model or default_model_dir())
@@ -110,7 +110,7 @@ def build_processes(
     devices = check_gang(model, engine)
     engine = msgspec.structs.replace(engine, model=str(model.path))
     spec = engine.speculative
-    if spec is not None and spec.model is not None:  # a draft .gguf is converted here too, before anything starts
+    if spec is not None and spec.model is not None:  # a draft .gguf's card is made here too, before anything starts
         draft = resolve_model(spec.model)
         if draft.vocab_size != model.vocab_size:
             raise ModelLoadError(

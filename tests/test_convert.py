@@ -1,4 +1,5 @@
-"""gpu.loading.convert: the converted model cache is idempotent and atomic; bad GGUF paths fail with a clear error."""
+"""gpu.loading.convert: the bundled model's converted cache is idempotent; a missing GGUF fails with a clear error (a
+user's .gguf: tests/test_gguf_loading.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import sys
 import pytest
 
 from gpu.loading import convert
-from gpu.loading.config import ModelConfig, ModelLoadError
-from gpu.loading.convert import ConversionError, convert_gguf, default_model_dir, ensure_converted
+from gpu.loading.convert import ConversionError, convert_gguf, default_model_dir
 
 
 def test_second_call_returns_the_cache_without_rewriting(monkeypatch):
@@ -36,14 +36,3 @@ def test_cli_prints_the_cached_path():
 def test_missing_gguf_is_a_clear_error(tmp_path):
     with pytest.raises(ConversionError, match=r"GGUF file not found: .*missing\.gguf"):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
-    with pytest.raises(ModelLoadError, match=r"GGUF file not found: .*missing\.gguf"):
-        ModelConfig.from_path(tmp_path / "missing.gguf")
-
-
-def test_broken_gguf_leaves_no_partial_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
-    bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"not a gguf file at all")
-    with pytest.raises(ConversionError, match=r"broken\.gguf.*not a GGUF file"):
-        ensure_converted(bad)
-    assert list((tmp_path / "cache" / "models").iterdir()) == []

@@ -35,7 +35,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
-    model: str  # an HF-style directory (already converted when it was a .gguf)
+    model: str  # an HF-style directory (a .gguf's card: gpu/loading/gguf_card.py)
     device: str = "auto"
     dtype: str = "auto"
     quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU float32 (gpu/layers/quant.py)

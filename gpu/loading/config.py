@@ -1,5 +1,5 @@
-"""Model configuration, parsed from an HF-style directory (or a .gguf converted into one): the fields every family
-shares here, a family's own through its class's `quirks` (gpu/models/).
+"""Model configuration, parsed from an HF-style directory (or a .gguf's card, gpu/loading/gguf_card.py): the fields
+every family shares here, a family's own through its class's `quirks` (gpu/models/).
 
 `ModelConfig.from_path` validates the directory up front, so a broken model fails with a `ModelLoadError` that
 names what is missing before any process starts.
@@ -16,10 +16,8 @@ import torch
 from gpu.kernels.reference import ACTIVATIONS
 from gpu.layers.moe import MoESpec
 from gpu.layers.rotary import ROPE_TYPES, RotaryEmbedding
-
-
-class ModelLoadError(Exception):
-    """The model directory cannot be served; the message says exactly what is missing or unsupported."""
+from gpu.loading.errors import ModelLoadError
+from gpu.loading.gguf_card import gguf_card
 
 
 @dataclass(frozen=True)
@@ -66,13 +64,8 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
         path = Path(path).expanduser()
-        if path.suffix == ".gguf":
-            from gpu.loading.convert import ConversionError, ensure_converted
-
-            try:
-                path = ensure_converted(path)
-            except ConversionError as e:
-                raise ModelLoadError(str(e)) from e
+        if path.suffix == ".gguf":  # (its card: the files besides the weights, which stay in the GGUF)
+            path = gguf_card(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory not found: {path}")
         raw = _read_json(path / "config.json", required=True)
@@ -153,7 +146,14 @@ class ModelConfig:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a model directory, sharded (model.safetensors.index.json) or not."""
+    """The weight files of a model directory: safetensors, sharded (model.safetensors.index.json) or not, or the GGUF
+    files its card names (gguf.json: gpu/loading/gguf_card.py)."""
+    card = _read_json(path / "gguf.json", required=False)
+    if card is not None:
+        files = [Path(f) for f in card.get("files", [])]
+        if not files or not all(f.is_file() for f in files):
+            raise ModelLoadError(f"{path}: the GGUF files of this card are missing: {card.get('files')}")
+        return files
     index = _read_json(path / "model.safetensors.index.json", required=False)
     if index is not None:
         files = sorted({path / name for name in index.get("weight_map", {}).values()})

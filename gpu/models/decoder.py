@@ -131,6 +131,15 @@ class CausalLM(nn.Module):
         stack, part = _STACKS[m[2]]
         return f"{m[1]}{stack}.{m[3]}", None, part
 
+    @staticmethod
+    def checkpoint_names(param: str, parts: int) -> list[str]:
+        """The checkpoint's names of the tensors that load into `param` (of `parts` stacked ones): checkpoint_name's
+        inverse, for the files whose names are the loader's to choose (GGUF: gpu/loading/gguf_file.py)."""
+        module, _, leaf = param.rpartition(".")
+        parent, _, stack = module.rpartition(".")
+        names = [f"{parent}.{n}_proj.{leaf}" for n, (s, _) in _STACKS.items() if s == stack]
+        return names if parts > 1 and len(names) == parts else [param]
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config

@@ -1,0 +1,112 @@
+"""A GGUF file's card: a small HF-style directory in the cache holding what the engine and the front read besides the
+weights (config.json, tokenizer files, chat template, generation_config.json) and `gguf.json`, the GGUF files whose
+tensors the loader maps in place (gpu/loading/gguf_file.py): no weight is converted or copied.
+
+The card is made once per file (its name carries the file's size and mtime: a changed file gets a new card) by
+transformers' GGUF readers (the architecture's hyper-parameters, the tokenizer from `tokenizer.ggml.*`, the chat
+template; the tokenizer built once per vocabulary, `gguf/tokenizers/<digest of tokenizer.*>`), written into a
+temporary sibling and renamed into place (the card exists if and only if it is complete).
+config.json's `dtype` is the weights' float type where every matrix is one (F16, BF16), else float32. A split model
+(`NAME-00001-of-0000N.gguf`) is named by its first file; the card lists every part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from gpu.loading.convert import cache_dir
+from gpu.loading.errors import ModelLoadError
+
+SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+FLOAT_TYPES = {"F16": "float16", "BF16": "bfloat16"}
+
+
+def parts_of(path: Path) -> list[Path]:
+    """The files of a model: a split model's every part (from its first), else the file alone."""
+    m = SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    if m[2] != "00001":
+        raise ModelLoadError(f"{path}: name a split model by its first part ({m[1]}-00001-of-{m[3]}.gguf)")
+    parts = [path.with_name(f"{m[1]}-{i:05d}-of-{m[3]}.gguf") for i in range(1, int(m[3]) + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelLoadError(f"{path}: parts of the split model are missing: {', '.join(missing)}")
+    return parts
+
+
+def gguf_card(path: str | Path) -> Path:
+    """The card directory of a .gguf, made on first use."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    parts = parts_of(path)
+    stat = path.stat()
+    card = cache_dir() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if card.is_dir():
+        return card
+    (card.parent / "tokenizers").mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{card.name}.tmp-", dir=card.parent))
+    try:
+        _write(path, parts, tmp)
+        try:
+            tmp.rename(card)
+        except OSError:
+            if not card.is_dir():  # (else a concurrent start won the race: keep its card)
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return card
+
+
+def _write(path: Path, parts: list[Path], out: Path) -> None:
+    from gpu.loading.gguf_file import GGUFFile
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+
+    first = GGUFFile(path)  # (a file that is not GGUF is refused here, by name)
+    kinds = {first.header[n][0].name for n in first.header if len(first.shape(n)) == 2}
+    for part in parts[1:]:
+        more = GGUFFile(part, meta=first.meta)
+        kinds |= {more.header[n][0].name for n in more.header if len(more.shape(n)) == 2}
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizers = cache_dir() / "gguf" / "tokenizers" / _tokenizer_key(first.meta)
+        if not tokenizers.is_dir():  # (one build per vocabulary: a model's quantizations share it)
+            scratch = Path(tempfile.mkdtemp(prefix=f".{tokenizers.name}.tmp-", dir=tokenizers.parent))
+            try:
+                AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(scratch)
+                scratch.rename(tokenizers)
+            except OSError:
+                if not tokenizers.is_dir():  # (else a concurrent start built it first)
+                    raise
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    except Exception as e:  # (transformers' readers name what they cannot take)
+        raise ModelLoadError(f"{path}: cannot read its architecture or tokenizer: {e}") from e
+    config.architectures = [CAUSAL_LMS.get(config.model_type, config.model_type)]  # (a GGUF names none)
+    config.dtype = FLOAT_TYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    shutil.copytree(tokenizers, out, dirs_exist_ok=True)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    (out / "gguf.json").write_text(json.dumps({"files": [str(p) for p in parts]}))
+    out.chmod(0o755)
+
+
+def _tokenizer_key(meta: dict) -> str:
+    """A digest of the tokenizer's metadata (tokenizer.*): equal for files that share a vocabulary."""
+    digest = hashlib.sha256()
+    for key in sorted(k for k in meta if k.startswith("tokenizer.")):
+        value = meta[key]
+        digest.update(key.encode() + (value.tobytes() if hasattr(value, "tobytes") else repr(value).encode()))
+    return digest.hexdigest()[:32]

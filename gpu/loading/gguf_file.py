@@ -1,0 +1,161 @@
+"""A GGUF file read in place (llama.cpp's format, version 2 or 3): the header and metadata parsed here (gguf-py's
+GGUFReader parses every field through numpy records: seconds for a large vocabulary), the data memory-mapped
+read-only, each tensor a zero-copy view of the mapping, its pages released once copied (as gpu/loading/mapped.py's
+safetensors file: the same interface).
+
+Names: the file's (`blk.0.attn_q.weight`) are given the checkpoint names the model loads (`model.layers.0.self_attn.
+q_proj.weight`) through gguf-py's tensor-name map of the architecture: of the names it lists for a tensor, the one in
+`wanted` (the HF names the family's checkpoints have). Values: F32, F16 and BF16 tensors are views in their dtype;
+any other type gguf-py dequantizes (`gguf.quants.dequantize`, float32) tensor by tensor as it is read, until the block
+formats have kernels of their own. llama.cpp's converter permuted the rows of llama's q and k (rotary pairs
+interleaved); they are put back in HF's order on read, as transformers does (a row permutation: exact).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import warnings
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from gpu.loading.errors import ModelLoadError
+
+NATIVE = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
+          gguf.GGMLQuantizationType.BF16: torch.bfloat16}  # fmt: skip
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+PERMUTED = {"llama": ("q_proj", "k_proj")}  # the converter's rotary permutation of q and k rows
+
+
+class GGUFFile:
+    def __init__(self, path: Path, wanted: set[str] | None = None, meta: dict | None = None) -> None:
+        """`meta`: the first file's metadata, for the later files of a split model (theirs holds split.* only)."""
+        self.path = path
+        with open(path, "rb") as f:
+            try:
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: not a GGUF file ({e})") from e
+        try:
+            self.meta, infos, self.data = self._parse()
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: not a GGUF file ({e})") from e
+        self.meta = {**(meta or {}), **self.meta}
+        self.arch = self.meta.get("general.architecture", "")
+        names = _checkpoint_names(self.arch, int(self.meta.get(f"{self.arch}.block_count", 0)), wanted)
+        self.header = {names.get(name, name): info for name, info in infos.items()}
+
+    def _parse(self) -> tuple[dict, dict, int]:
+        m, pos = self.map, 0
+        if m[:4] != b"GGUF":
+            raise ValueError("no GGUF magic")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+        pos, meta = 24, {}
+        for _ in range(n_kv):
+            key, pos = _string(m, pos)
+            (kind,), pos = struct.unpack_from("<I", m, pos), pos + 4
+            meta[key], pos = _value(m, pos, kind)
+        infos = {}
+        for _ in range(n_tensors):
+            name, pos = _string(m, pos)
+            (dims,), pos = struct.unpack_from("<I", m, pos), pos + 4
+            shape, pos = (
+                struct.unpack_from(f"<{dims}Q", m, pos)[::-1],
+                pos + 8 * dims,
+            )  # (ggml's order is innermost first)
+            kind, offset = struct.unpack_from("<IQ", m, pos)
+            pos += 12
+            infos[name] = (gguf.GGMLQuantizationType(kind), tuple(int(n) for n in shape), offset)
+        align = int(meta.get("general.alignment", 32))
+        return meta, infos, -(-pos // align) * align
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.header[name][1]
+
+    def _range(self, name: str) -> tuple[int, int]:
+        kind, shape, offset = self.header[name]
+        elems, size = gguf.GGML_QUANT_SIZES[kind]
+        count = int(np.prod(shape, dtype=np.int64))
+        begin = self.data + offset
+        if count % elems or begin + count // elems * size > len(self.map):
+            raise ModelLoadError(f"{self.path}: {name}'s {kind.name} data do not fit its shape or the file")
+        return begin, begin + count // elems * size
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor in HF's layout: a view of the mapping (F32/F16/BF16), else dequantized to float32."""
+        kind, shape, _ = self.header[name]
+        begin, stop = self._range(name)
+        with warnings.catch_warnings():  # (torch warns that the buffer is not writable: it is not written)
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(memoryview(self.map)[begin:stop], dtype=NATIVE.get(kind, torch.uint8))
+        if kind in NATIVE:
+            t = raw.view(shape)
+        else:
+            t = torch.from_numpy(
+                gguf.quants.dequantize(
+                    raw.numpy().reshape(
+                        -1, shape[-1] // gguf.GGML_QUANT_SIZES[kind][0] * gguf.GGML_QUANT_SIZES[kind][1]
+                    ),
+                    kind,
+                )
+            ).view(shape)
+        return self._unpermute(name, t)
+
+    def _unpermute(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        which = next((p for p in PERMUTED.get(self.arch, ()) if name.endswith(f"{p}.weight")), None)
+        if which is None:
+            return t
+        key = "attention.head_count" if which == "q_proj" else "attention.head_count_kv"
+        heads = int(self.meta[f"{self.arch}.{key}"])
+        rows = t.shape[0]
+        return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    def release(self, name: str) -> None:
+        begin, stop = self._range(name)
+        first, last = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, stop // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _string(m: mmap.mmap, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", m, pos)
+    return m[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+
+
+def _value(m: mmap.mmap, pos: int, kind: int):
+    if kind == STRING:
+        return _string(m, pos)
+    if kind == ARRAY:
+        inner, n = struct.unpack_from("<IQ", m, pos)
+        pos += 12
+        if inner in SCALARS:  # (numbers in bulk)
+            size = struct.calcsize(SCALARS[inner])
+            return np.frombuffer(m, dtype=np.dtype(SCALARS[inner]), count=n, offset=pos), pos + n * size
+        items = []
+        for _ in range(n):
+            item, pos = _value(m, pos, inner)
+            items.append(item)
+        return items, pos
+    if kind not in SCALARS:
+        raise ValueError(f"metadata value of type {kind}")
+    return struct.unpack_from(SCALARS[kind], m, pos)[0], pos + struct.calcsize(SCALARS[kind])
+
+
+def _checkpoint_names(arch: str, blocks: int, wanted: set[str] | None) -> dict[str, str]:
+    """GGUF tensor name -> the checkpoint name in `wanted` that gguf-py's map gives it (none: kept as is)."""
+    kinds = {name: kind for kind, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in kinds or not wanted:
+        return {}
+    table = gguf.get_tensor_name_map(kinds[arch], blocks)
+    names = {}
+    for hf, (_, name) in table.mapping.items():
+        for suffix in (".weight", ".bias"):
+            if hf + suffix in wanted:
+                names.setdefault(name + suffix, hf + suffix)
+    return names

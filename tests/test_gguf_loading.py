@@ -1,0 +1,113 @@
+"""A .gguf served in place (gpu/loading/gguf_card.py, gguf_file.py): tiny Llama and Qwen2 checkpoints written to GGUF
+as llama.cpp's converter writes them (tests/gguf_writer.py: q/k rows permuted for Llama) in F32, F16, BF16 and Q8_0,
+served from the file, against HF transformers' own forward of the same weights (the HF checkpoint with each matrix
+replaced by the GGUF's value: rounded to F16/BF16, or gguf-py's dequantization of the Q8_0 blocks): every position's
+top-5 log-probabilities within TOL, greedy equal where HF's top two are apart. The card holds no weight and its
+tokenizer tokenizes as the checkpoint's; a split file loads the same bits as the whole; a file that is not GGUF is
+refused by name and leaves no card behind."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.loading.convert import cache_dir
+from gpu.runner.model_runner import ModelRunner
+from tests.family_models import make_family_dir, run_greedy
+from tests.gguf_writer import write_gguf
+from tests.tiny_model import Request, block_pool
+
+T = gguf.GGMLQuantizationType
+TOL = 1e-3
+PROMPT = [1, 510, 2210, 77, 4915, 33, 99, 12, 40000, 7, 8, 9]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """Cards in a cache of this run's (the bundled model's directory shared: its tokenizer builds the checkpoints)."""
+    cache = tmp_path_factory.getbasetemp() / "gguf-cache"
+    if not cache.is_dir():
+        cache.mkdir()
+        (cache / "models").symlink_to(cache_dir() / "models")
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(cache))
+
+
+def as_served(model_dir, kind: T) -> torch.nn.Module:
+    """HF's model with every matrix as the GGUF holds it."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                a = p.numpy()
+                if kind == T.Q8_0:
+                    p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind)))
+                else:
+                    p.copy_(p.to({T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[kind]))
+    return hf
+
+
+def logits(path) -> torch.Tensor:
+    runner = ModelRunner(ModelConfig.from_path(path), device="cpu", dtype="auto", num_blocks=32, block_size=4)
+    req = Request(block_pool(1, 32), 0, list(PROMPT), 4)
+    return torch.stack(run_greedy(runner, [req], 4, 64)[0]), req.tokens
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """Tiny Llama and Qwen2 (biases; no sliding window: GGUF's qwen2 has no key for one)."""
+    made = tmp_path_factory.mktemp("sources")
+    return {"llama": make_family_dir(made / "llama", "llama"),
+            "qwen2": make_family_dir(made / "qwen2", "qwen2", use_sliding_window=False)}  # fmt: skip
+
+
+CASES = [("llama", T.F32), ("llama", T.F16), ("llama", T.BF16), ("llama", T.Q8_0), ("qwen2", T.F16)]
+
+
+@pytest.mark.parametrize("family, kind", CASES)
+def test_a_gguf_is_served_as_hf_computes_its_weights(checkpoints, tmp_path, family, kind):
+    source = checkpoints[family]
+    ours, tokens = logits(write_gguf(source, tmp_path / f"tiny-{kind.name}.gguf", kind, arch=family))
+    with torch.no_grad():
+        theirs = as_served(source, kind)(torch.tensor([tokens[:-1]])).logits[0, : len(ours)].log_softmax(-1)
+    mine = ours.log_softmax(-1)
+    for pos, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        for ref, other in ((b, a), (a, b)):
+            ids = ref.topk(5).indices
+            assert (ref[ids] - other[ids]).abs().max() < TOL, f"position {pos}: top-5 logprobs differ"
+        top2 = b.topk(2).values
+        assert top2[0] - top2[1] <= TOL or a.argmax() == b.argmax(), f"position {pos}: greedy differs"
+
+
+def test_the_card_holds_no_weight_and_tokenizes_as_the_checkpoint(checkpoints, tmp_path):
+    source = checkpoints["llama"]
+    config = ModelConfig.from_path(write_gguf(source, tmp_path / "tiny.gguf", T.F16))
+    assert config.dtype == torch.float16 and not list(config.path.glob("*.safetensors"))
+    text = "Hello, world! 12345 <|im_start|>user"
+    assert (
+        AutoTokenizer.from_pretrained(config.path)(text)["input_ids"]
+        == AutoTokenizer.from_pretrained(source)(text)["input_ids"]
+    )
+    assert ModelConfig.from_path(tmp_path / "tiny.gguf").path == config.path  # (made once)
+
+
+def test_a_split_file_loads_the_same_bits_as_the_whole(checkpoints, tmp_path):
+    source = checkpoints["llama"]
+    whole = logits(write_gguf(source, tmp_path / "whole.gguf", T.F16))[0]
+    first = write_gguf(source, tmp_path / "split.gguf", T.F16, split_max_tensors=7)
+    assert first.name.startswith("split-00001-of-") and first.is_file()
+    assert torch.equal(logits(first)[0], whole)
+    with pytest.raises(ModelLoadError, match="by its first part"):
+        ModelConfig.from_path(first.with_name(first.name.replace("-00001-", "-00002-")))
+
+
+def test_a_file_that_is_not_gguf_is_refused_and_leaves_no_card(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all" + bytes(64))
+    with pytest.raises(ModelLoadError, match=r"broken\.gguf.*not a GGUF file"):
+        ModelConfig.from_path(bad)
+    with pytest.raises(ModelLoadError, match=r"GGUF file not found: .*missing\.gguf"):
+        ModelConfig.from_path(tmp_path / "missing.gguf")
+    assert not list(cache_dir().glob("gguf/*broken*"))
