@@ -22,8 +22,16 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: Path, out: Path, kind: gguf.GGMLQuantizationType, arch: str = "llama", **split) -> Path:
-    """`split`: gguf-py's split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned)."""
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    kind: gguf.GGMLQuantizationType,
+    arch: str = "llama",
+    values: dict | None = None,
+    **split,
+) -> Path:
+    """`values`: filled with each matrix's value as the file holds it (float32, HF's name and row order); `split`:
+    gguf-py's split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned)."""
     config = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(out, arch, **split)
     w.add_name(f"tiny {arch}")
@@ -44,12 +52,16 @@ def write_gguf(model_dir: Path, out: Path, kind: gguf.GGMLQuantizationType, arch
     add_tokenizer(w, model_dir, config)
     kinds = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
     names = gguf.get_tensor_name_map(kinds[arch], config["num_hidden_layers"])
+    rng = np.random.default_rng(0)
     for hf, t in load_file(model_dir / "model.safetensors").items():
         base, _, suffix = hf.rpartition(".")
-        a = t.float().numpy()
-        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
-            a = permute(a, heads if base.endswith("q_proj") else kv)
-        add(w, f"{names.get_name(base)}.{suffix}", a, kind if a.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        as_kind = kind if t.dim() == 2 else gguf.GGMLQuantizationType.F32  # (norms and biases: F32)
+        data, held = stored(t.float().numpy(), as_kind, rng)
+        if values is not None and t.dim() == 2:
+            values[hf] = torch.from_numpy(held)
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):  # (rows: whole blocks)
+            data = permute(data, heads if base.endswith("q_proj") else kv)
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=as_kind if data.dtype == np.uint8 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -57,14 +69,25 @@ def write_gguf(model_dir: Path, out: Path, kind: gguf.GGMLQuantizationType, arch
     return out if not split else out.with_name(f"{out.stem}-00001-of-{len(w.tensors):05d}.gguf")
 
 
-def add(w: gguf.GGUFWriter, name: str, a: np.ndarray, kind: gguf.GGMLQuantizationType) -> None:
+def stored(a: np.ndarray, kind: gguf.GGMLQuantizationType, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(what the file stores for `a` as `kind`, the float32 value that holds): F32/F16 arrays; BF16's bits and
+    gguf-py's quantized blocks as [rows, row bytes] bytes; Q4_K and Q6_K, which gguf-py cannot quantize, random blocks
+    of finite small scales (not `a`'s values: the returned value is what the model then holds)."""
     if kind in FLOAT:
-        w.add_tensor(name, a.astype(FLOAT[kind]))
-    elif kind == gguf.GGMLQuantizationType.BF16:  # (its bits, rounded to nearest even by torch)
-        bits = torch.from_numpy(a).bfloat16().view(torch.int16).numpy().view(np.uint8)
-        w.add_tensor(name, bits.reshape(a.shape[0], -1), raw_dtype=kind)
-    else:  # (the blocks' bytes, [rows, row bytes]: gguf-py derives the shape)
-        w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        return a.astype(FLOAT[kind]), a.astype(FLOAT[kind]).astype(np.float32)
+    if kind == gguf.GGMLQuantizationType.BF16:  # (its bits, rounded to nearest even by torch)
+        b = torch.from_numpy(a).bfloat16()
+        return b.view(torch.int16).numpy().view(np.uint8).reshape(a.shape[0], -1), b.float().numpy()
+    if kind in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+        elems, size = gguf.GGML_QUANT_SIZES[kind]
+        blocks = rng.integers(0, 256, (a.shape[0], a.shape[1] // elems, size), dtype=np.uint8)
+        scales = slice(0, 4) if kind == gguf.GGMLQuantizationType.Q4_K else slice(208, 210)
+        d = rng.uniform(0.5, 1.5, (*blocks.shape[:2], (scales.stop - scales.start) // 2)).astype(np.float16)
+        blocks[..., scales] = (d * (2e-3 if kind == gguf.GGMLQuantizationType.Q4_K else 3e-4)).view(np.uint8)
+        blocks = blocks.reshape(a.shape[0], -1)
+    else:
+        blocks = gguf.quants.quantize(a, kind)
+    return blocks, gguf.quants.dequantize(blocks, kind).reshape(a.shape)
 
 
 def add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, config: dict) -> None:

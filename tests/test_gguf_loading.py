@@ -1,8 +1,9 @@
 """A .gguf served in place (gpu/loading/gguf_card.py, gguf_file.py): tiny Llama and Qwen2 checkpoints written to GGUF
 as llama.cpp's converter writes them (tests/gguf_writer.py: q/k rows permuted for Llama) in F32, F16, BF16 and Q8_0,
-served from the file, against HF transformers' own forward of the same weights (the HF checkpoint with each matrix
-replaced by the GGUF's value: rounded to F16/BF16, or gguf-py's dequantization of the Q8_0 blocks): every position's
-top-5 log-probabilities within TOL, greedy equal where HF's top two are apart. The card holds no weight and its
+and Q8_0, Q4_K and Q6_K (random blocks where gguf-py has no quantizer), served from the file, against HF transformers'
+own forward of the same weights (each matrix the GGUF's value: rounded to F16/BF16, or gguf-py's dequantization of
+the blocks; for the blocks each linear input quantized as llama.cpp's kernels quantize it, in this file): every
+position's top-5 log-probabilities within TOL, greedy equal where HF's top two are apart. The card holds no weight and its
 tokenizer tokenizes as the checkpoint's; a split file loads the same bits as the whole; a file that is not GGUF is
 refused by name and leaves no card behind."""
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gpu.layers.linear import BLOCK_FORMATS
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.loading.convert import cache_dir
 from gpu.runner.model_runner import ModelRunner
@@ -22,6 +24,10 @@ from tests.tiny_model import Request, block_pool
 
 T = gguf.GGMLQuantizationType
 TOL = 1e-3
+# block formats: both sides quantize each linear input to 8 bits, from inputs equal only to float32 rounding, so an
+# activation's rounding can flip between them (one step of its block's scale): up to 0.021 measured here; a wrong row,
+# part or permutation moves log-probabilities by whole units
+TOL_BLOCKS = 0.05
 PROMPT = [1, 510, 2210, 77, 4915, 33, 99, 12, 40000, 7, 8, 9]
 
 
@@ -35,17 +41,40 @@ def own_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(cache))
 
 
-def as_served(model_dir, kind: T) -> torch.nn.Module:
-    """HF's model with every matrix as the GGUF holds it."""
+def q8_0(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's quantize_row_q8_0 and back: per 32, d = amax / 127 (kept as f16), q = roundf(x / d)."""
+    b = x.reshape(-1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    v = b * torch.where(d > 0, 1 / d, 0)
+    q = v.sign() * (v.abs() + 0.5).floor()  # (roundf: half away from zero)
+    return (q * d.half().float()).view(x.shape)
+
+
+def q8_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's quantize_row_q8_K_ref and back: per 256, iscale = -127 / (the value of largest |x|), q =
+    nearest(iscale x) (half to even), d = 1 / iscale."""
+    b = x.reshape(-1, 256)
+    big = b.gather(-1, b.abs().argmax(-1, keepdim=True))
+    iscale = torch.where(big != 0, -127 / big, 0)
+    q = (iscale * b).round().clamp(max=127)
+    return (q * torch.where(iscale != 0, 1 / iscale, 0)).view(x.shape)
+
+
+def as_served(model_dir, kind: T, values: dict) -> torch.nn.Module:
+    """HF's model with every matrix the value the GGUF holds (`values`: tests/gguf_writer.py); for a block format,
+    every linear layer's input quantized to 8 bits as llama.cpp's kernels quantize it (Q8_0 for Q8_0, Q8_K for the
+    K-quants)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                a = p.numpy()
-                if kind == T.Q8_0:
-                    p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind)))
-                else:
-                    p.copy_(p.to({T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[kind]))
+        for name, p in hf.named_parameters():
+            p.copy_(values.get(name, p))
+        if hf.config.tie_word_embeddings:
+            hf.lm_head.weight.copy_(values["model.embed_tokens.weight"])
+    if kind in BLOCK_FORMATS:
+        scheme = q8_0 if kind == T.Q8_0 else q8_k
+        for m in hf.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_pre_hook(lambda _, args: (scheme(args[0]),))
     return hf
 
 
@@ -57,28 +86,33 @@ def logits(path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    """Tiny Llama and Qwen2 (biases; no sliding window: GGUF's qwen2 has no key for one)."""
-    made = tmp_path_factory.mktemp("sources")
-    return {"llama": make_family_dir(made / "llama", "llama"),
-            "qwen2": make_family_dir(made / "qwen2", "qwen2", use_sliding_window=False)}  # fmt: skip
+    """Tiny Llama (and one with tied embeddings: the LM head's blocks are the table) and Qwen2 (biases; no sliding
+    window: GGUF's qwen2 has no key for one), their widths multiples of 256 (the K-quants' blocks)."""
+    made, wide = tmp_path_factory.mktemp("sources"), dict(hidden_size=256, intermediate_size=512, head_dim=64)
+    return {"llama": make_family_dir(made / "llama", "llama", **wide),
+            "tied": make_family_dir(made / "tied", "llama", tie_word_embeddings=True, **wide),
+            "qwen2": make_family_dir(made / "qwen2", "qwen2", use_sliding_window=False, **wide)}  # fmt: skip
 
 
-CASES = [("llama", T.F32), ("llama", T.F16), ("llama", T.BF16), ("llama", T.Q8_0), ("qwen2", T.F16)]
+CASES = [("llama", T.F32), ("llama", T.F16), ("llama", T.BF16), ("llama", T.Q8_0), ("llama", T.Q4_K),
+         ("tied", T.Q6_K), ("qwen2", T.F16), ("qwen2", T.Q4_K)]  # fmt: skip
 
 
 @pytest.mark.parametrize("family, kind", CASES)
 def test_a_gguf_is_served_as_hf_computes_its_weights(checkpoints, tmp_path, family, kind):
-    source = checkpoints[family]
-    ours, tokens = logits(write_gguf(source, tmp_path / f"tiny-{kind.name}.gguf", kind, arch=family))
+    source, values = checkpoints[family], {}
+    arch = "llama" if family == "tied" else family
+    ours, tokens = logits(write_gguf(source, tmp_path / f"tiny-{kind.name}.gguf", kind, arch=arch, values=values))
     with torch.no_grad():
-        theirs = as_served(source, kind)(torch.tensor([tokens[:-1]])).logits[0, : len(ours)].log_softmax(-1)
-    mine = ours.log_softmax(-1)
+        hf = as_served(source, kind, values)
+        theirs = hf(torch.tensor([tokens[:-1]])).logits[0, : len(ours)].log_softmax(-1)
+    mine, tol = ours.log_softmax(-1), TOL_BLOCKS if kind in BLOCK_FORMATS else TOL
     for pos, (a, b) in enumerate(zip(mine, theirs, strict=True)):
         for ref, other in ((b, a), (a, b)):
             ids = ref.topk(5).indices
-            assert (ref[ids] - other[ids]).abs().max() < TOL, f"position {pos}: top-5 logprobs differ"
+            assert (ref[ids] - other[ids]).abs().max() < tol, f"position {pos}: top-5 logprobs differ"
         top2 = b.topk(2).values
-        assert top2[0] - top2[1] <= TOL or a.argmax() == b.argmax(), f"position {pos}: greedy differs"
+        assert top2[0] - top2[1] <= tol or a.argmax() == b.argmax(), f"position {pos}: greedy differs"
 
 
 def test_the_card_holds_no_weight_and_tokenizes_as_the_checkpoint(checkpoints, tmp_path):

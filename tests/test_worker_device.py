@@ -48,7 +48,7 @@ def test_a_runner_binds_its_thread_before_it_makes_anything_on_the_device(two_gp
     class Loaded(Exception):
         """(the stand-in stops the constructor at its first device allocation: the weights)"""
 
-    def load_model(config, device, dtype, quantization, attention, cpu_kernels):
+    def load_model(config, device, dtype, quantization, attention, cpu_kernels, weight_dtype):
         calls.append(("load", device))
         raise Loaded
 

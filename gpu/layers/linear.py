@@ -7,8 +7,10 @@ before the load, which writes the checkpoint's rows in with `load_rows`, several
 same bits whatever the batch around it (batch invariance by construction). Speed: 1.07-1.3x torch's best for up to 64
 rows (AMD EPYC, AVX2: docs/performance-history.md, "Native paged attention, and the native kernels by default (issue
 36, third part)") and 0.85-0.95x MKL's at 128-512 rows (Intel Xeon, AVX-512, 2 threads, SmolLM2's shapes, torch 2.13).
-The [out, in] parameter is then a meta tensor (its shape alone); a tied embedding reads its rows from the panels
-(`rows`). Elsewhere (CUDA, torch's kernels) the [out, in] parameter, in the model's dtype, on `F.linear`.
+A weight in one of GGUF's block formats (Q8_0, Q4_K, Q6_K) is held in the file's own bytes instead
+(`hold_blocks`: [out, row bytes], csrc/blocks.cpp: 8-bit activations, integer dot products, batch-invariant too).
+The [out, in] parameter is then a meta tensor (its shape alone); a tied embedding reads its rows from the panels or
+blocks (`rows`). Elsewhere (CUDA, torch's kernels) the [out, in] parameter, in the model's dtype, on `F.linear`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
+
+BLOCK_FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)  # (csrc/blocks.cpp)
 
 
 class Linear(nn.Linear):
     native_ops = None  # the native kernels (gpu/kernels/native) ...
     native: torch.Tensor | None = None  # ... and the weight in their layout (its only copy), for every row count
     native_rows = sys.maxsize  # (the native loop reads it: gpu/runner/native_loop.py)
+    blocks: torch.Tensor | None = None  # ... or the weight's rows of GGUF blocks (of format `kind`, ggml's type id)
+    kind = 0
 
     def hold_panels(self, native_ops, dtype: torch.dtype) -> None:
         """Hold the weight in the native panels, in `dtype` (zeros until `load_rows`); the parameter becomes its
@@ -32,21 +39,35 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
         self.placed = {"weight": None}  # (left on meta by the loader's materialize)
 
+    def hold_blocks(self, native_ops, kind: int, row_bytes: int) -> None:
+        """Hold the weight as rows of `kind` blocks, `row_bytes` each (uninitialised until `load_rows`)."""
+        self.native_ops, self.kind = native_ops, kind
+        self.blocks = native_ops.huge_empty([self.out_features, row_bytes], torch.uint8)
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+        self.placed = {"weight": None}
+
     def load_rows(self, rows: torch.Tensor, offset: int) -> None:
         """Write rows offset .. offset + len(rows) - 1 of the weight (a checkpoint tensor's [n, in], any float dtype:
-        converted to the one held)."""
-        if self.native is not None:
+        converted to the one held; for blocks, its [n, row bytes] blocks)."""
+        if self.blocks is not None:
+            self.blocks.narrow(0, offset, rows.shape[0]).copy_(rows)
+        elif self.native is not None:
             self.native_ops.pack_into(self.native, rows.to(self.native.dtype), offset)
         else:
             self.weight.narrow(0, offset, rows.shape[0]).copy_(rows)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weight in the panels, float32 (ids.shape + (in,)): a tied embedding's lookup."""
+        """Rows `ids` of the weight in the panels or blocks, float32 (ids.shape + (in,)): a tied embedding's lookup."""
+        if self.blocks is not None:
+            return self.native_ops.block_rows(self.blocks, ids, self.kind, self.in_features)
         return self.native_ops.panel_rows(self.native, ids, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is None:
+        if self.native is None and self.blocks is None:
             return F.linear(x, self.weight, self.bias)
-        y = self.native_ops.linear(x.reshape(-1, self.in_features).contiguous(), self.native, self.out_features,
-                                   self.bias)  # fmt: skip
+        flat = x.reshape(-1, self.in_features).contiguous()
+        if self.blocks is not None:
+            y = self.native_ops.block_linear(flat, self.blocks, self.kind, self.bias)
+        else:
+            y = self.native_ops.linear(flat, self.native, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -164,11 +164,11 @@ def make_invariant(model: nn.Module) -> None:
     native layer loop is built (gpu/runner/model_runner.py), which copies the row counts (gpu/runner/native_loop.py).
     ValueError where a layer cannot (not float32 on a CPU, not built, a quantized width off the kernels' groups)."""
     layers = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
-    if not layers or any(m.native is None for m in layers):
+    if not layers or any(m.native is None and getattr(m, "blocks", None) is None for m in layers):
         raise ValueError(
-            "batch-invariant mode needs every linear layer on the native CPU kernels: float32 weights on a CPU, the "
-            "kernels built (make setup), quantized input widths in multiples of 32"
+            "batch-invariant mode needs every linear layer on the native CPU kernels: float32 activations on a CPU, "
+            "the kernels built (make setup), quantized input widths in multiples of 32"
         )
     for m in layers:
-        if isinstance(m, QuantLinear):  # (a float32 layer's panels serve every row count already)
+        if isinstance(m, QuantLinear):  # (a layer's panels or blocks serve every row count already)
             m.make_invariant()

@@ -4,7 +4,7 @@ tensors the loader maps in place (gpu/loading/gguf_file.py): no weight is conver
 
 The card is made once per file (its name carries the file's size and mtime: a changed file gets a new card) by
 transformers' GGUF readers (the architecture's hyper-parameters, the tokenizer from `tokenizer.ggml.*`, the chat
-template; the tokenizer built once per vocabulary, `gguf/tokenizers/<digest of tokenizer.*>`), written into a
+template: read once per metadata, `gguf/readings/<digest>`, which a model's quantizations share), written into a
 temporary sibling and renamed into place (the card exists if and only if it is complete).
 config.json's `dtype` is the weights' float type where every matrix is one (F16, BF16), else float32. A split model
 (`NAME-00001-of-0000N.gguf`) is named by its first file; the card lists every part.
@@ -51,7 +51,7 @@ def gguf_card(path: str | Path) -> Path:
     card = cache_dir() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if card.is_dir():
         return card
-    (card.parent / "tokenizers").mkdir(parents=True, exist_ok=True)
+    (card.parent / "readings").mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{card.name}.tmp-", dir=card.parent))
     try:
         _write(path, parts, tmp)
@@ -68,45 +68,57 @@ def gguf_card(path: str | Path) -> Path:
 def _write(path: Path, parts: list[Path], out: Path) -> None:
     from gpu.loading.gguf_file import GGUFFile
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
-
     first = GGUFFile(path)  # (a file that is not GGUF is refused here, by name)
     kinds = {first.header[n][0].name for n in first.header if len(first.shape(n)) == 2}
     for part in parts[1:]:
         more = GGUFFile(part, meta=first.meta)
         kinds |= {more.header[n][0].name for n in more.header if len(more.shape(n)) == 2}
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        tokenizers = cache_dir() / "gguf" / "tokenizers" / _tokenizer_key(first.meta)
-        if not tokenizers.is_dir():  # (one build per vocabulary: a model's quantizations share it)
-            scratch = Path(tempfile.mkdtemp(prefix=f".{tokenizers.name}.tmp-", dir=tokenizers.parent))
-            try:
-                AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(scratch)
-                scratch.rename(tokenizers)
-            except OSError:
-                if not tokenizers.is_dir():  # (else a concurrent start built it first)
-                    raise
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-    except Exception as e:  # (transformers' readers name what they cannot take)
-        raise ModelLoadError(f"{path}: cannot read its architecture or tokenizer: {e}") from e
-    config.architectures = [CAUSAL_LMS.get(config.model_type, config.model_type)]  # (a GGUF names none)
-    config.dtype = FLOAT_TYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(out)
-    shutil.copytree(tokenizers, out, dirs_exist_ok=True)
-    GenerationConfig.from_model_config(config).save_pretrained(out)
+    reading = cache_dir() / "gguf" / "readings" / _digest(first.meta, list(first.header))
+    if not reading.is_dir():  # (one reading per metadata: a model's quantizations share it)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{reading.name}.tmp-", dir=reading.parent))
+        try:
+            _read(path, scratch)
+            scratch.rename(reading)
+        except OSError:
+            if not reading.is_dir():  # (else a concurrent start read it first)
+                raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(reading, out, dirs_exist_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    config["dtype"] = FLOAT_TYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "gguf.json").write_text(json.dumps({"files": [str(p) for p in parts]}))
     out.chmod(0o755)
 
 
-def _tokenizer_key(meta: dict) -> str:
-    """A digest of the tokenizer's metadata (tokenizer.*): equal for files that share a vocabulary."""
-    digest = hashlib.sha256()
-    for key in sorted(k for k in meta if k.startswith("tokenizer.")):
+def _read(path: Path, out: Path) -> None:
+    """transformers' reading of the file's metadata: config.json, generation_config.json, the tokenizer's files."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # (transformers' readers name what they cannot take)
+        raise ModelLoadError(f"{path}: cannot read its architecture or tokenizer: {e}") from e
+    config.architectures = [CAUSAL_LMS.get(config.model_type, config.model_type)]  # (a GGUF names none)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+FILE_KEYS = ("general.file_type", "general.quantization_version", "split.")  # (what differs between quantizations)
+
+
+def _digest(meta: dict, tensors: list[str]) -> str:
+    """A digest of the metadata but for FILE_KEYS, and of the tensors' names (transformers reads tied embeddings from
+    them): equal for the quantizations of one model."""
+    digest = hashlib.sha256("\n".join(tensors).encode())
+    for key in sorted(k for k in meta if not k.startswith(FILE_KEYS)):
         value = meta[key]
         digest.update(key.encode() + (value.tobytes() if hasattr(value, "tobytes") else repr(value).encode()))
     return digest.hexdigest()[:32]

@@ -87,25 +87,25 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: {name}'s {kind.name} data do not fit its shape or the file")
         return begin, begin + count // elems * size
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The tensor in HF's layout: a view of the mapping (F32/F16/BF16), else dequantized to float32."""
-        kind, shape, _ = self.header[name]
+    def kind(self, name: str) -> gguf.GGMLQuantizationType:
+        return self.header[name][0]
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as rows, [rows, row bytes] uint8 (a view of the mapping; q/k rows put back in order)."""
         begin, stop = self._range(name)
         with warnings.catch_warnings():  # (torch warns that the buffer is not writable: it is not written)
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(memoryview(self.map)[begin:stop], dtype=NATIVE.get(kind, torch.uint8))
+            raw = torch.frombuffer(memoryview(self.map)[begin:stop], dtype=torch.uint8)
+        shape = self.shape(name)
+        return self._unpermute(name, raw.view(int(np.prod(shape[:-1], dtype=np.int64)), -1))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor in HF's layout: a view of the mapping (F32/F16/BF16), else dequantized to float32."""
+        kind, shape, _ = self.header[name]
+        rows = self.raw(name)
         if kind in NATIVE:
-            t = raw.view(shape)
-        else:
-            t = torch.from_numpy(
-                gguf.quants.dequantize(
-                    raw.numpy().reshape(
-                        -1, shape[-1] // gguf.GGML_QUANT_SIZES[kind][0] * gguf.GGML_QUANT_SIZES[kind][1]
-                    ),
-                    kind,
-                )
-            ).view(shape)
-        return self._unpermute(name, t)
+            return rows.view(NATIVE[kind]).view(shape)
+        return torch.from_numpy(gguf.quants.dequantize(rows.numpy(), kind)).view(shape)
 
     def _unpermute(self, name: str, t: torch.Tensor) -> torch.Tensor:
         which = next((p for p in PERMUTED.get(self.arch, ()) if name.endswith(f"{p}.weight")), None)

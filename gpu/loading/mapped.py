@@ -58,6 +58,10 @@ class MappedFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
+    def kind(self, name: str) -> None:
+        """(a GGUF file's tensors have a block format: gpu/loading/gguf_file.py; these are plain)"""
+        return None
+
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor as a read-only view of the mapping (the mapping lives as long as a view of it)."""
         t = self.header[name]

@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from tqdm import tqdm
 
 from gpu.attention.backend import AttentionBackend
 from gpu.distributed.group import TensorParallel, shaped_as
 from gpu.kernels import native
 from gpu.layers.attention import Attention
-from gpu.layers.linear import Linear
+from gpu.layers.linear import BLOCK_FORMATS, Linear
 from gpu.layers.parallel import Shard
 from gpu.layers.quant import GROUP, Quantization, quantize_model
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
@@ -156,15 +157,9 @@ def load_model(
     with torch.device("meta"):
         model = REGISTRY[config.architecture](config)
     model.requires_grad_(False).eval()
-    tied = config.tie_word_embeddings
-    if panels:
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.hold_panels(ops, weights)
-        if tied:
-            model.model.embed_tokens.read_from(model.lm_head)
-        elif weights != dtype:
-            model.model.embed_tokens.hold_in(weights, dtype)
+    shards = shards_of(model)
+    plan = checkpoint_plan(config, dict(model.named_parameters()), shards)  # (on meta: names and shapes)
+    layers = hold_weights(model, plan, ops, weights, dtype) if panels else {}
     materialize(model, dtype, device)
     if not panels:
         model.tie_weights()
@@ -177,24 +172,58 @@ def load_model(
     for rotary in model.model.rotaries:  # computed, not weights: built on the host
         rotary.to(device)
     params = dict(model.named_parameters())  # (a tied lm_head shares embed_tokens' parameter: listed once)
-    layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Linear) and m.native is not None}
-    if panels and tied:  # (the checkpoint's table goes into the head's panels, the embedding's one copy)
-        params.pop("lm_head.weight")
-        layers["model.embed_tokens.weight"] = layers.pop("lm_head.weight")
-    shards = shards_of(model)
-    plan = checkpoint_plan(config, params, shards)
     for f, name, target, row, part in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(plan) < 500):
-        parts, tensor = shards.get(target), f.tensor(name)
-        data = tensor if parts is None else parts[part].read(tensor)
+        parts, layer = shards.get(target), layers.get(target)
         offset = 0 if parts is None else sum(s.length for s in parts[:part])  # (parts stack along dim 0)
-        if target in layers:
-            layers[target].load_rows(data, offset)
+        if layer is not None and layer.blocks is not None:  # (one rank: every shard is the whole tensor)
+            layer.load_rows(f.raw(name), offset)
+        elif layer is not None:
+            layer.load_rows(parts[part].read(f.tensor(name)), offset)
         else:
+            tensor = f.tensor(name)
+            data = tensor if parts is None else parts[part].read(tensor)
             _write(params[target] if row is None else params[target][row], data, parts, part, offset)
         f.release(name)
     if quantization:
         quantize_model(model, quantization, ops)
     return model
+
+
+def hold_weights(model: CausalLM, plan: list[Load], ops, weights: torch.dtype, dtype: torch.dtype) -> dict[str, Linear]:
+    """Lay each linear layer's weight out for the native kernels before the load: in its checkpoint tensors' block
+    format where they share one the kernels run (BLOCK_FORMATS; one rank holding the whole weight), else in panels of
+    `weights`; the embedding's table in a tied head's panels or blocks, in blocks of its own, or in `weights`. The
+    checkpoint parameter name -> the layer its tensors are written into."""
+    kinds: dict[str, set] = {}
+    for f, name, target, _, _ in plan:
+        kinds.setdefault(target, set()).add(f.kind(name))
+    whole, tied, embedding = model.tp.size == 1, model.config.tie_word_embeddings, model.model.embed_tokens
+    table = "model.embed_tokens.weight"
+
+    def hold(layer: Linear, target: str) -> Linear:
+        found = kinds.get(target, set())
+        kind = next(iter(found)) if len(found) == 1 else None
+        if whole and kind in BLOCK_FORMATS and layer.in_features % GGML_QUANT_SIZES[kind][0] == 0:
+            layer.hold_blocks(
+                ops, int(kind), layer.in_features // GGML_QUANT_SIZES[kind][0] * GGML_QUANT_SIZES[kind][1]
+            )
+        else:
+            layer.hold_panels(ops, weights)
+        return layer
+
+    linears = ((f"{n}.weight", m) for n, m in model.named_modules() if isinstance(m, Linear))
+    layers = {target: hold(m, target) for target, m in linears if not (tied and m is model.lm_head)}
+    if tied:  # (the checkpoint's table goes into the head, the embedding's one copy)
+        layers[table] = hold(model.lm_head, table)
+        embedding.read_from(model.lm_head)
+    elif next(iter(kinds.get(table, set())), None) in BLOCK_FORMATS and whole:
+        with torch.device("meta"):
+            rows = Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False)
+        layers[table] = hold(rows, table)
+        embedding.read_from(rows)
+    elif weights != dtype:
+        embedding.hold_in(weights, dtype)
+    return layers
 
 
 def _write(param: torch.Tensor, data: torch.Tensor, parts: tuple[Shard, ...] | None, part: int, offset: int) -> None:

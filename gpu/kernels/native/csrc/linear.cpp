@@ -259,6 +259,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 TORCH_LIBRARY(SLUICE_NS, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("huge_copy(Tensor t) -> Tensor");
+  m.def("huge_empty(int[] sizes, ScalarType dtype) -> Tensor", &huge_empty);  // (no tensor in: a catch-all kernel)
   m.def("panels(int rows, int cols, ScalarType dtype) -> Tensor", &panels);  // (no tensor in: a catch-all kernel)
   m.def("pack_into(Tensor(a!) packed, Tensor src, int offset) -> ()");
   m.def("panel_rows(Tensor packed, Tensor ids, int out_features) -> Tensor");

@@ -1,0 +1,95 @@
+"""The block formats' native kernels (gpu/kernels/native/csrc/blocks.cpp) on random valid blocks (random bytes, the f16
+scales forced finite): `block_rows` is gguf-py's `dequantize` bit for bit; `block_linear` is x @ W^T of those values
+within the activations' 8-bit rounding, bounded here from the scheme (per block, half a step of amax / 127 per
+element, times |w|; plus float32's 1e-5 of sum |x w|), and does round (the power check: a float32 product is closer
+than that bound allows the kernel to be, somewhere); a row's result is the same bits alone and in any batch; a NaN
+or infinite input makes its own row NaN and no other; both ISAs give the same bits where the CPU runs both."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gpu.kernels import native
+from gpu.layers.linear import BLOCK_FORMATS
+
+pytestmark = pytest.mark.skipif(native.ops() is None, reason="no native CPU kernels built (make setup builds them)")
+SCALES = {
+    gguf.GGMLQuantizationType.Q8_0: [0],
+    gguf.GGMLQuantizationType.Q4_K: [0, 2],
+    gguf.GGMLQuantizationType.Q6_K: [208],
+}  # fmt: skip  (the byte offsets of each block's f16 scales)
+
+
+def random_blocks(kind, out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    elems, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (out, inp // elems, size), dtype=np.uint8)
+    for offset in SCALES[kind]:
+        d = (rng.uniform(0.5, 1.5, (out, inp // elems)) * 1e-3).astype(np.float16)
+        b[:, :, offset : offset + 2] = d.view(np.uint8).reshape(out, -1, 2)
+    return torch.from_numpy(b.reshape(out, -1))
+
+
+def bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """|error| allowed per output: each activation within half a step (amax of its block / 127) of its value."""
+    x, w = x.double(), w.double()
+    step = x.view(x.shape[0], -1, block).abs().amax(-1, keepdim=True).expand(-1, -1, block).reshape(x.shape) / 127
+    return (step / 2 + 1e-5 * x.abs()) @ w.abs().t() * (1 + 1e-6) + 1e-6
+
+
+@pytest.mark.parametrize("kind", BLOCK_FORMATS)
+def test_the_values_are_gguf_pys(kind):
+    blocks = random_blocks(kind, 37, 512)
+    got = native.ops().block_rows(blocks, torch.arange(37).flip(0), int(kind), 512).numpy()
+    ref = gguf.quants.dequantize(blocks.numpy(), kind)[::-1]
+    assert np.array_equal(got.view(np.uint32), np.ascontiguousarray(ref).view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", BLOCK_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17])
+def test_the_product_is_within_the_activations_rounding(kind, rows):
+    blocks, inp = random_blocks(kind, 40, 768, seed=rows), 768
+    w = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), kind))
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(40)
+    y = native.ops().block_linear(x, blocks, int(kind), bias).double()
+    exact = x.double() @ w.double().t() + bias.double()
+    activation_block = 32 if kind == gguf.GGMLQuantizationType.Q8_0 else 256
+    assert ((y - exact).abs() <= bound(x, w, activation_block)).all()
+    assert (y - exact).abs().max() > 1e-4  # (the power check: the activations really are rounded)
+
+
+@pytest.mark.parametrize("kind", BLOCK_FORMATS)
+def test_a_row_is_the_same_bits_in_any_batch_and_nan_stays_in_its_row(kind):
+    blocks = random_blocks(kind, 70, 512, seed=3)
+    x = torch.randn(24, 512, generator=torch.Generator().manual_seed(5))
+    ops = native.ops()
+    alone = torch.cat([ops.block_linear(x[i : i + 1], blocks, int(kind), None) for i in range(24)])
+    for size in (2, 3, 5, 24):
+        batched = torch.cat([ops.block_linear(x[s : s + size], blocks, int(kind), None) for s in range(0, 24, size)])
+        assert torch.equal(batched, alone), size
+    for bad in (float("nan"), float("inf")):
+        poisoned = x.clone()
+        poisoned[7, 300] = bad
+        y = ops.block_linear(poisoned, blocks, int(kind), None)
+        assert y[7].isnan().all() and torch.equal(y[torch.arange(24) != 7], alone[torch.arange(24) != 7])
+
+
+@pytest.mark.skipif(len(native.cpu_isas()) < 2, reason="this CPU runs one ISA")
+@pytest.mark.parametrize("kind", BLOCK_FORMATS)
+def test_both_isas_give_the_same_bits(kind):
+    blocks = random_blocks(kind, 50, 512, seed=9)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(9))
+    results = [native.ops(isa).block_linear(x, blocks, int(kind), None) for isa in native.cpu_isas()]
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_widths_off_the_blocks_and_unknown_formats_are_refused():
+    ops = native.ops()
+    with pytest.raises(RuntimeError, match="a multiple of 32"):
+        ops.block_linear(torch.randn(1, 48), torch.zeros(4, 34, dtype=torch.uint8), 8, None)
+    with pytest.raises(RuntimeError, match="has no kernel"):
+        ops.block_linear(torch.randn(1, 256), torch.zeros(4, 84, dtype=torch.uint8), 10, None)  # (Q2_K)
