@@ -98,8 +98,9 @@ def healthy(port: int, path: str = "/health") -> bool:
 
 
 @contextlib.contextmanager
-def serving(name: str, cmd: list[str], env: dict[str, str], args, health: str = "/health") -> Iterator[float]:
-    """Start a server alone, wait for `health` 200 and yield its startup seconds; stop it (SIGINT, then SIGKILL)."""
+def serving(name: str, cmd: list[str], env: dict[str, str], args, health: str = "/health") -> Iterator[tuple]:
+    """Start a server alone, wait for `health` 200 and yield (its startup seconds, its pid); stop it (SIGINT, then
+    SIGKILL)."""
     log = open(Path(args.logs) / f"{name}.log", "w")  # noqa: SIM115 (closed below)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -109,7 +110,7 @@ def serving(name: str, cmd: list[str], env: dict[str, str], args, health: str = 
             if proc.poll() is not None or time.perf_counter() > deadline:
                 raise RuntimeError(f"{name} did not become healthy; see {log.name}")
             time.sleep(0.2)
-        yield time.perf_counter() - start
+        yield time.perf_counter() - start, proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -120,10 +121,29 @@ def serving(name: str, cmd: list[str], env: dict[str, str], args, health: str = 
         log.close()
 
 
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(resident bytes, the sum of each process's peak) over a process and its descendants, from /proc."""
+    rss = peak = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines())
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # (a process that ended meanwhile)
+            continue
+        rss += int(status.get("VmRSS", "0 kB").split()[0]) * 1024
+        peak += int(status.get("VmHWM", "0 kB").split()[0]) * 1024
+    return rss, peak
+
+
 def measure(name: str, cmd: list[str], env: dict[str, str], health: str, args) -> dict:
-    """Start the server, time its startup, run the workload at each concurrency, stop it."""
-    with serving(name.replace(" ", "-"), cmd, env, args, health) as startup_s:
+    """Start the server, time its startup and its processes' memory once ready, run the workload at each
+    concurrency, stop it."""
+    with serving(name.replace(" ", "-"), cmd, env, args, health) as (startup_s, pid):
         results = {"startup_s": startup_s}
+        results["rss_mib"], results["peak_mib"] = (n / (1 << 20) for n in tree_memory(pid))
         base = ["--base-url", f"http://127.0.0.1:{args.port}", "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--seed", "0"]  # fmt: skip
         for c in args.concurrency:
@@ -172,6 +192,8 @@ def main() -> None:
     names = list(results)
     print("\n" + f"{'':24s}" + "".join(f"{n:>22s}" for n in names))
     print(f"{'startup to ready s':24s}" + "".join(f"{results[n]['startup_s']:22.1f}" for n in names))
+    print(f"{'resident MiB, ready':24s}" + "".join(f"{results[n]['rss_mib']:22.0f}" for n in names))
+    print(f"{'peaks MiB (summed)':24s}" + "".join(f"{results[n]['peak_mib']:22.0f}" for n in names))
     for c in args.concurrency:
         for label, key, stat, higher in METRICS:
             vals = [value(results[n][c], key, stat) for n in names]

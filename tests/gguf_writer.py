@@ -12,9 +12,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
+
+from gpu.loading.config import weight_files
+from gpu.loading.mapped import MappedFile
 
 FLOAT = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
+RANDOM = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -28,10 +31,12 @@ def write_gguf(
     kind: gguf.GGMLQuantizationType,
     arch: str = "llama",
     values: dict | None = None,
+    kinds: dict | None = None,
     **split,
 ) -> Path:
-    """`values`: filled with each matrix's value as the file holds it (float32, HF's name and row order); `split`:
-    gguf-py's split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned)."""
+    """`values`: filled with each matrix's value as the file holds it (float32, HF's name and row order); `kinds`: a
+    projection's own type (by its module's name: {"v_proj": Q6_K}), else `kind`; `split`: gguf-py's
+    split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned)."""
     config = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(out, arch, **split)
     w.add_name(f"tiny {arch}")
@@ -50,18 +55,22 @@ def write_gguf(
     w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     w.add_vocab_size(config["vocab_size"])
     add_tokenizer(w, model_dir, config)
-    kinds = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
-    names = gguf.get_tensor_name_map(kinds[arch], config["num_hidden_layers"])
+    archs = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
+    names = gguf.get_tensor_name_map(archs[arch], config["num_hidden_layers"])
     rng = np.random.default_rng(0)
-    for hf, t in load_file(model_dir / "model.safetensors").items():
-        base, _, suffix = hf.rpartition(".")
-        as_kind = kind if t.dim() == 2 else gguf.GGMLQuantizationType.F32  # (norms and biases: F32)
-        data, held = stored(t.float().numpy(), as_kind, rng)
-        if values is not None and t.dim() == 2:
-            values[hf] = torch.from_numpy(held)
-        if arch == "llama" and base.endswith(("q_proj", "k_proj")):  # (rows: whole blocks)
-            data = permute(data, heads if base.endswith("q_proj") else kv)
-        w.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=as_kind if data.dtype == np.uint8 else None)
+    for f in map(MappedFile, weight_files(model_dir)):
+        for hf in f.header:
+            base, _, suffix = hf.rpartition(".")
+            two = len(f.shape(hf)) == 2
+            own = (kinds or {}).get(base.rpartition(".")[2], kind)
+            as_kind = own if two else gguf.GGMLQuantizationType.F32  # (norms and biases: F32)
+            data, held = stored(f.tensor(hf), as_kind, rng, values is not None)
+            if values is not None and two:
+                values[hf] = torch.from_numpy(held)
+            if arch == "llama" and base.endswith(("q_proj", "k_proj")):  # (rows: whole blocks)
+                data = permute(data, heads if base.endswith("q_proj") else kv)
+            raw = as_kind if data.dtype == np.uint8 else None
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -69,25 +78,28 @@ def write_gguf(
     return out if not split else out.with_name(f"{out.stem}-00001-of-{len(w.tensors):05d}.gguf")
 
 
-def stored(a: np.ndarray, kind: gguf.GGMLQuantizationType, rng) -> tuple[np.ndarray, np.ndarray]:
-    """(what the file stores for `a` as `kind`, the float32 value that holds): F32/F16 arrays; BF16's bits and
+def stored(
+    t: torch.Tensor, kind: gguf.GGMLQuantizationType, rng, value: bool = True
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(what the file stores for `t` as `kind`, the float32 value that holds): F32/F16 arrays; BF16's bits and
     gguf-py's quantized blocks as [rows, row bytes] bytes; Q4_K and Q6_K, which gguf-py cannot quantize, random blocks
-    of finite small scales (not `a`'s values: the returned value is what the model then holds)."""
+    of finite small scales (not `t`'s values, never read: the returned value is what the model then holds)."""
+    a = t.float().numpy() if kind not in RANDOM else np.empty(t.shape, np.float32)
     if kind in FLOAT:
         return a.astype(FLOAT[kind]), a.astype(FLOAT[kind]).astype(np.float32)
     if kind == gguf.GGMLQuantizationType.BF16:  # (its bits, rounded to nearest even by torch)
         b = torch.from_numpy(a).bfloat16()
         return b.view(torch.int16).numpy().view(np.uint8).reshape(a.shape[0], -1), b.float().numpy()
-    if kind in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+    if kind in RANDOM:
         elems, size = gguf.GGML_QUANT_SIZES[kind]
         blocks = rng.integers(0, 256, (a.shape[0], a.shape[1] // elems, size), dtype=np.uint8)
         scales = slice(0, 4) if kind == gguf.GGMLQuantizationType.Q4_K else slice(208, 210)
         d = rng.uniform(0.5, 1.5, (*blocks.shape[:2], (scales.stop - scales.start) // 2)).astype(np.float16)
-        blocks[..., scales] = (d * (2e-3 if kind == gguf.GGMLQuantizationType.Q4_K else 3e-4)).view(np.uint8)
+        blocks[..., scales] = (d * (2e-4 if kind == gguf.GGMLQuantizationType.Q4_K else 3e-5)).view(np.uint8)
         blocks = blocks.reshape(a.shape[0], -1)
     else:
         blocks = gguf.quants.quantize(a, kind)
-    return blocks, gguf.quants.dequantize(blocks, kind).reshape(a.shape)
+    return blocks, gguf.quants.dequantize(blocks, kind).reshape(a.shape) if value else None
 
 
 def add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, config: dict) -> None:

@@ -8,7 +8,8 @@ same bits whatever the batch around it (batch invariance by construction). Speed
 rows (AMD EPYC, AVX2: docs/performance-history.md, "Native paged attention, and the native kernels by default (issue
 36, third part)") and 0.85-0.95x MKL's at 128-512 rows (Intel Xeon, AVX-512, 2 threads, SmolLM2's shapes, torch 2.13).
 A weight in one of GGUF's block formats (Q8_0, Q4_K, Q6_K) is held in the file's own bytes instead
-(`hold_blocks`: [out, row bytes], csrc/blocks.cpp: 8-bit activations, integer dot products, batch-invariant too).
+(`hold_blocks`: [rows, row bytes] per stacked part, each part its own format; csrc/blocks.cpp: 8-bit activations,
+integer dot products, batch-invariant too).
 The [out, in] parameter is then a meta tensor (its shape alone); a tied embedding reads its rows from the panels or
 blocks (`rows`). Elsewhere (CUDA, torch's kernels) the [out, in] parameter, in the model's dtype, on `F.linear`.
 """
@@ -19,7 +20,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 BLOCK_FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)  # (csrc/blocks.cpp)
@@ -29,8 +30,8 @@ class Linear(nn.Linear):
     native_ops = None  # the native kernels (gpu/kernels/native) ...
     native: torch.Tensor | None = None  # ... and the weight in their layout (its only copy), for every row count
     native_rows = sys.maxsize  # (the native loop reads it: gpu/runner/native_loop.py)
-    blocks: torch.Tensor | None = None  # ... or the weight's rows of GGUF blocks (of format `kind`, ggml's type id)
-    kind = 0
+    # ... or its rows in GGUF blocks, per stacked part (first row, format: ggml's type id, [rows, row bytes])
+    blocks: list[tuple[int, int, torch.Tensor]] | None = None
 
     def hold_panels(self, native_ops, dtype: torch.dtype) -> None:
         """Hold the weight in the native panels, in `dtype` (zeros until `load_rows`); the parameter becomes its
@@ -39,10 +40,15 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
         self.placed = {"weight": None}  # (left on meta by the loader's materialize)
 
-    def hold_blocks(self, native_ops, kind: int, row_bytes: int) -> None:
-        """Hold the weight as rows of `kind` blocks, `row_bytes` each (uninitialised until `load_rows`)."""
-        self.native_ops, self.kind = native_ops, kind
-        self.blocks = native_ops.huge_empty([self.out_features, row_bytes], torch.uint8)
+    def hold_blocks(self, native_ops, parts: list[tuple[int, int]]) -> None:
+        """Hold the weight in GGUF blocks: `parts`, (rows, format) in row order, each in its own format (a Q4_K_M
+        file's q and k are Q4_K, its v Q6_K), uninitialised until `load_rows`."""
+        self.native_ops, self.blocks, offset = native_ops, [], 0
+        for rows, kind in parts:
+            elems, size = GGML_QUANT_SIZES[kind]
+            held = native_ops.huge_empty([rows, self.in_features // elems * size], torch.uint8)
+            self.blocks.append((offset, int(kind), held))
+            offset += rows
         self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
         self.placed = {"weight": None}
 
@@ -50,7 +56,7 @@ class Linear(nn.Linear):
         """Write rows offset .. offset + len(rows) - 1 of the weight (a checkpoint tensor's [n, in], any float dtype:
         converted to the one held; for blocks, its [n, row bytes] blocks)."""
         if self.blocks is not None:
-            self.blocks.narrow(0, offset, rows.shape[0]).copy_(rows)
+            next(held for first, _, held in self.blocks if first == offset).copy_(rows)
         elif self.native is not None:
             self.native_ops.pack_into(self.native, rows.to(self.native.dtype), offset)
         else:
@@ -58,8 +64,9 @@ class Linear(nn.Linear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in the panels or blocks, float32 (ids.shape + (in,)): a tied embedding's lookup."""
-        if self.blocks is not None:
-            return self.native_ops.block_rows(self.blocks, ids, self.kind, self.in_features)
+        if self.blocks is not None:  # (one part: an embedding's table)
+            _, kind, held = self.blocks[0]
+            return self.native_ops.block_rows(held, ids, kind, self.in_features)
         return self.native_ops.panel_rows(self.native, ids, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +74,10 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features).contiguous()
         if self.blocks is not None:
-            y = self.native_ops.block_linear(flat, self.blocks, self.kind, self.bias)
+            y = flat.new_empty(flat.shape[0], self.out_features)
+            for first, kind, held in self.blocks:  # (each part's columns of y)
+                bias = None if self.bias is None else self.bias[first : first + held.shape[0]]
+                self.native_ops.block_linear_out(flat, held, kind, bias, y.narrow(1, first, held.shape[0]))
         else:
             y = self.native_ops.linear(flat, self.native, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -191,24 +191,26 @@ def load_model(
 
 def hold_weights(model: CausalLM, plan: list[Load], ops, weights: torch.dtype, dtype: torch.dtype) -> dict[str, Linear]:
     """Lay each linear layer's weight out for the native kernels before the load: in its checkpoint tensors' block
-    format where they share one the kernels run (BLOCK_FORMATS; one rank holding the whole weight), else in panels of
-    `weights`; the embedding's table in a tied head's panels or blocks, in blocks of its own, or in `weights`. The
-    checkpoint parameter name -> the layer its tensors are written into."""
-    kinds: dict[str, set] = {}
-    for f, name, target, _, _ in plan:
-        kinds.setdefault(target, set()).add(f.kind(name))
+    formats where each has one the kernels run (BLOCK_FORMATS, part by part; one rank holding the whole weight), else
+    in panels of `weights`; the embedding's table in a tied head's panels or blocks, in blocks of its own, or in
+    `weights`. The checkpoint parameter name -> the layer its tensors are written into."""
+    kinds: dict[str, dict[int, object]] = {}
+    for f, name, target, _, part in plan:
+        kinds.setdefault(target, {})[part] = f.kind(name)
     whole, tied, embedding = model.tp.size == 1, model.config.tie_word_embeddings, model.model.embed_tokens
-    table = "model.embed_tokens.weight"
+    shards, table = shards_of(model), "model.embed_tokens.weight"
+
+    def blocks(layer: Linear, target: str) -> list[tuple[int, int]] | None:
+        """(rows, format) of each part, where every part has a block format the kernels run."""
+        found, parts = kinds.get(target, {}), shards.get(target)
+        rows = [s.length for s in parts] if parts and parts[0].dim == 0 else [layer.out_features]  # (stacked by rows)
+        ok = whole and len(found) == len(rows) and all(k in BLOCK_FORMATS for k in found.values())
+        ok = ok and all(layer.in_features % GGML_QUANT_SIZES[k][0] == 0 for k in found.values())
+        return [(n, found[i]) for i, n in enumerate(rows)] if ok else None
 
     def hold(layer: Linear, target: str) -> Linear:
-        found = kinds.get(target, set())
-        kind = next(iter(found)) if len(found) == 1 else None
-        if whole and kind in BLOCK_FORMATS and layer.in_features % GGML_QUANT_SIZES[kind][0] == 0:
-            layer.hold_blocks(
-                ops, int(kind), layer.in_features // GGML_QUANT_SIZES[kind][0] * GGML_QUANT_SIZES[kind][1]
-            )
-        else:
-            layer.hold_panels(ops, weights)
+        parts = blocks(layer, target)
+        layer.hold_blocks(ops, parts) if parts else layer.hold_panels(ops, weights)
         return layer
 
     linears = ((f"{n}.weight", m) for n, m in model.named_modules() if isinstance(m, Linear))
@@ -216,9 +218,10 @@ def hold_weights(model: CausalLM, plan: list[Load], ops, weights: torch.dtype, d
     if tied:  # (the checkpoint's table goes into the head, the embedding's one copy)
         layers[table] = hold(model.lm_head, table)
         embedding.read_from(model.lm_head)
-    elif next(iter(kinds.get(table, set())), None) in BLOCK_FORMATS and whole:
-        with torch.device("meta"):
-            rows = Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False)
+        return layers
+    with torch.device("meta"):
+        rows = Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False)
+    if blocks(rows, table):
         layers[table] = hold(rows, table)
         embedding.read_from(rows)
     elif weights != dtype:
