@@ -1,0 +1,92 @@
+// GGUF's block formats as the native kernels read them (blocks.cpp: the products; block_values.cpp: the values): the
+// formats' geometry, their scalar fields, Q4_K's scale unpacking, and the 256-bit integer helpers both ISA builds use.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+enum Kind : int64_t { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids (gguf.GGMLQuantizationType)
+
+struct Format {
+  int64_t elems, bytes;  // a weight block's
+  int64_t act_elems, act_bytes;  // an activation block's
+};
+
+Format format(int64_t kind) {
+  switch (kind) {
+    case Q8_0: return {32, 34, 32, 36};  // (activations: f32 d widened from its f16, 32 q)
+    case Q4_K: return {256, 144, 256, 292};  // (Q8_K: f32 d, 256 q, 16 int16 sums)
+    case Q6_K: return {256, 210, 256, 292};
+    default: TORCH_CHECK(false, "block format ", kind, " has no kernel (Q8_0, Q4_K and Q6_K do)");
+  }
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+inline float f32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+
+// ---- integer products: 32 u8 x 32 i8 -> 8 int32 lanes (exact: every pair sum fits maddubs' int16) ----
+
+inline __m256i loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i dot_u8(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
+
+inline float hsum(__m256 v) {  // ((0+4) + (2+6)) + ((1+5) + (3+7)): one tree
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+inline int hsum_i32(__m256i v) {
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (gguf-py's Q4_K.get_scale_min)
+inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63, m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K's eight 6-bit scales (the low 128 bits, as int16, in both lanes) and mins (`mins`), unpacked at once
+// (the same values as scale_min: llama.cpp's kmask shuffle of the 12 bytes)
+inline __m256i q4_k_scales(const uint8_t* s, __m128i& mins) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+  const uint32_t m_low = u[1] & 0x3f3f3f3f;
+  u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+  u[2] = m_low, u[0] &= 0x3f3f3f3f;
+  const __m256i both = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+  mins = _mm256_extracti128_si256(both, 1);
+  const __m128i sc = _mm256_castsi256_si128(both);
+  return _mm256_set_m128i(sc, sc);
+}
+
+// The sum over the 8 sub-blocks of min_j x (the activations' sum over sub-block j), exact
+inline int q4_k_mins(__m128i mins, const uint8_t* ab) {
+  const __m256i sums = loadu(ab + 260);  // (16 sums of 16)
+  const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+  const __m128i p = _mm_madd_epi16(mins, pairs);
+  const __m128i s2 = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));  // (a 128-bit hsum_i32)
+}
+
+}  // namespace
