@@ -177,12 +177,13 @@ def load_model(
         offset = 0 if parts is None else sum(s.length for s in parts[:part])  # (parts stack along dim 0)
         if layer is not None and layer.blocks is not None:  # (one rank: every shard is the whole tensor)
             layer.load_rows(f.raw(name), offset)
-        elif layer is not None:
-            layer.load_rows(parts[part].read(f.tensor(name)), offset)
         else:
             tensor = f.tensor(name)
             data = tensor if parts is None else parts[part].read(tensor)
-            _write(params[target] if row is None else params[target][row], data, parts, part, offset)
+            if layer is not None:
+                layer.load_rows(data, offset)
+            else:
+                _write(params[target] if row is None else params[target][row], data, parts, part, offset)
         f.release(name)
     if quantization:
         quantize_model(model, quantization, ops)
