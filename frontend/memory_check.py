@@ -74,7 +74,7 @@ class MemoryNeed:
         e = self.engine
         held = {flag: weights(self.model, e, dtype, q) for flag, dtype, q in OPTIONS}
         options = [f"{flag} ({n / GIB:.1f} GiB of weights)" for flag, n in held.items() if n < self.weights]
-        return f"try {', '.join(options)}, or a smaller --kv-cache-memory-gb / --num-kv-blocks"
+        return f"try {', '.join([*options, 'a smaller --kv-cache-memory-gb / --num-kv-blocks'])}"
 
 
 def device_type(engine: EngineConfig) -> str:

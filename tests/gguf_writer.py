@@ -32,11 +32,14 @@ def write_gguf(
     arch: str = "llama",
     values: dict | None = None,
     kinds: dict | None = None,
+    rope_freqs: torch.Tensor | None = None,
+    experts: int = 0,
     **split,
 ) -> Path:
     """`values`: filled with each matrix's value as the file holds it (float32, HF's name and row order); `kinds`: a
-    projection's own type (by its module's name: {"v_proj": Q6_K}), else `kind`; `split`: gguf-py's
-    split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned)."""
+        projection's own type (by its module's name: {"v_proj": Q6_K}), else `kind`; `split`: gguf-py's
+        split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned); `rope_freqs`: Llama 3.x's
+    rotary factors tensor; `experts`: an expert count in the metadata (of a dense model: a file to be refused)."""
     config = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(out, arch, **split)
     w.add_name(f"tiny {arch}")
@@ -55,6 +58,10 @@ def write_gguf(
     w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     w.add_vocab_size(config["vocab_size"])
     add_tokenizer(w, model_dir, config)
+    if experts:
+        w.add_expert_count(experts)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.numpy())
     archs = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
     names = gguf.get_tensor_name_map(archs[arch], config["num_hidden_layers"])
     rng = np.random.default_rng(0)

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gpu.layers.linear import BLOCK_FORMATS
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.loading.convert import cache_dir
+from gpu.loading.weights import check_checkpoint
 from gpu.runner.model_runner import ModelRunner
 from tests.family_models import make_family_dir, run_greedy
 from tests.gguf_writer import write_gguf
@@ -129,6 +130,20 @@ def test_the_card_holds_no_weight_and_tokenizes_as_the_checkpoint(checkpoints, t
     assert ModelConfig.from_path(tmp_path / "tiny.gguf").path == config.path  # (made once)
 
 
+def test_llama_3s_rotary_factors_divide_the_frequencies(checkpoints, tmp_path):
+    """rope_freqs.weight (llama.cpp's freq_factors): theta_i / factor_i, as HF's rotary with those frequencies."""
+    source, values = checkpoints["llama"], {}
+    factors = torch.linspace(1.0, 8.0, 32)  # (head_dim 64: 32 frequencies)
+    ours, tokens = logits(write_gguf(source, tmp_path / "rope.gguf", T.F32, values=values, rope_freqs=factors))
+    hf = as_served(source, T.F32, values)
+    hf.model.rotary_emb.inv_freq /= factors
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens[:-1]])).logits[0, : len(ours)].log_softmax(-1)
+    assert (ours.log_softmax(-1) - theirs).abs().max() < TOL
+    plain = logits(write_gguf(source, tmp_path / "plain.gguf", T.F32))[0]
+    assert (plain.log_softmax(-1) - theirs).abs().max() > 100 * TOL  # (the power check: the factors matter)
+
+
 def test_a_split_file_loads_the_same_bits_as_the_whole(checkpoints, tmp_path):
     source = checkpoints["llama"]
     whole = logits(write_gguf(source, tmp_path / "whole.gguf", T.F16))[0]
@@ -137,6 +152,18 @@ def test_a_split_file_loads_the_same_bits_as_the_whole(checkpoints, tmp_path):
     assert torch.equal(logits(first)[0], whole)
     with pytest.raises(ModelLoadError, match="by its first part"):
         ModelConfig.from_path(first.with_name(first.name.replace("-00001-", "-00002-")))
+
+
+def test_a_moved_file_gets_a_card_of_its_own_and_moe_files_are_refused(checkpoints, tmp_path):
+    (tmp_path / "a").mkdir()
+    first = write_gguf(checkpoints["llama"], tmp_path / "a" / "m.gguf", T.F16)
+    card = ModelConfig.from_path(first).path
+    moved = first.rename(tmp_path / "m.gguf")
+    assert ModelConfig.from_path(moved).path != card
+    logits(moved)  # (it loads: its card names the file where it now is)
+    moe = write_gguf(checkpoints["llama"], tmp_path / "moe.gguf", T.F16, experts=4)
+    with pytest.raises(ModelLoadError, match="mixture-of-experts GGUF is not served yet"):
+        check_checkpoint(ModelConfig.from_path(moe))
 
 
 def test_a_file_that_is_not_gguf_is_refused_and_leaves_no_card(tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gpu.kernels import native
 from gpu.layers.linear import Linear
@@ -96,13 +95,3 @@ def test_a_tied_embedding_reads_its_rows_from_the_heads_panels(dtype):
     assert torch.equal(layer.rows(ids), w.float()[ids])
     with pytest.raises(RuntimeError, match=r"outside 0 \.\. 79"):
         layer.rows(torch.tensor([80]))
-
-
-def test_without_the_native_kernels_the_parameter_is_the_weight():
-    w, bias, x = case(80, 48, 5)
-    layer = Linear(48, 80).requires_grad_(False)
-    layer.load_rows(w[:30], 0)
-    layer.load_rows(w[30:], 30)
-    layer.bias.copy_(bias)
-    assert torch.equal(layer.weight, w) and layer.native is None
-    torch.testing.assert_close(layer(x), F.linear(x, w, bias), atol=0, rtol=0)

@@ -53,14 +53,12 @@ class Linear(nn.Linear):
         self.placed = {"weight": None}
 
     def load_rows(self, rows: torch.Tensor, offset: int) -> None:
-        """Write rows offset .. offset + len(rows) - 1 of the weight (a checkpoint tensor's [n, in], any float dtype:
-        converted to the one held; for blocks, its [n, row bytes] blocks)."""
+        """Write rows offset .. offset + len(rows) - 1 of the held weight (a checkpoint tensor's [n, in], any float
+        dtype: converted to the panels'; for blocks, its [n, row bytes] blocks)."""
         if self.blocks is not None:
             next(held for first, _, held in self.blocks if first == offset).copy_(rows)
-        elif self.native is not None:
-            self.native_ops.pack_into(self.native, rows.to(self.native.dtype), offset)
         else:
-            self.weight.narrow(0, offset, rows.shape[0]).copy_(rows)
+            self.native_ops.pack_into(self.native, rows.to(self.native.dtype), offset)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in the panels or blocks, float32 (ids.shape + (in,)): a tied embedding's lookup."""

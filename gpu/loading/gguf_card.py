@@ -2,7 +2,8 @@
 weights (config.json, tokenizer files, chat template, generation_config.json) and `gguf.json`, the GGUF files whose
 tensors the loader maps in place (gpu/loading/gguf_file.py): no weight is converted or copied.
 
-The card is made once per file (its name carries the file's size and mtime: a changed file gets a new card) by
+The card is made once per file (its name carries the file's path, size and mtime: a changed or moved file gets a new
+card) by
 transformers' GGUF readers (the architecture's hyper-parameters, the tokenizer from `tokenizer.ggml.*`, the chat
 template: read once per metadata, `gguf/readings/<digest>`, which a model's quantizations share), written into a
 temporary sibling and renamed into place (the card exists if and only if it is complete).
@@ -48,7 +49,8 @@ def gguf_card(path: str | Path) -> Path:
         raise ModelLoadError(f"GGUF file not found: {path}")
     parts = parts_of(path)
     stat = path.stat()
-    card = cache_dir() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    where = hashlib.sha256(str(path).encode()).hexdigest()[:12]  # (a moved or another file of this name: another card)
+    card = cache_dir() / "gguf" / f"{path.stem}-{where}-{stat.st_size}-{stat.st_mtime_ns}"
     if card.is_dir():
         return card
     (card.parent / "readings").mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,12 @@ safetensors file: the same interface).
 Names: the file's (`blk.0.attn_q.weight`) are given the checkpoint names the model loads (`model.layers.0.self_attn.
 q_proj.weight`) through gguf-py's tensor-name map of the architecture: of the names it lists for a tensor, the one in
 `wanted` (the HF names the family's checkpoints have). Values: F32, F16 and BF16 tensors are views in their dtype;
-any other type gguf-py dequantizes (`gguf.quants.dequantize`, float32) tensor by tensor as it is read, until the block
-formats have kernels of their own. llama.cpp's converter permuted the rows of llama's q and k (rotary pairs
-interleaved); they are put back in HF's order on read, as transformers does (a row permutation: exact).
+`raw` gives a block format's bytes (held as they are: gpu/layers/linear.py's blocks), and `tensor` any other type
+dequantized by gguf-py (`gguf.quants.dequantize`, float32) tensor by tensor (a layer the block kernels cannot hold).
+llama.cpp's converter permuted the rows of llama's q and k (rotary pairs interleaved): they are put back in HF's
+order on read, as transformers does (a row permutation: exact); it stored Gemma's norms as 1 + w: read back as w
+(float32's rounding of the subtraction, as transformers'). `rope_freqs.weight` (Llama 3.x's rotary factors) is
+not a parameter: the loader divides the rotary frequencies by it, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ NATIVE = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationTyp
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 PERMUTED = {"llama": ("q_proj", "k_proj")}  # the converter's rotary permutation of q and k rows
+OFFSET_NORMS = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + w (the model's RMSNorm adds the 1 itself)
 
 
 class GGUFFile:
@@ -42,7 +46,7 @@ class GGUFFile:
                 raise ModelLoadError(f"{path}: not a GGUF file ({e})") from e
         try:
             self.meta, infos, self.data = self._parse()
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
+        except (struct.error, ValueError, UnicodeDecodeError, OverflowError) as e:
             raise ModelLoadError(f"{path}: not a GGUF file ({e})") from e
         self.meta = {**(meta or {}), **self.meta}
         self.arch = self.meta.get("general.architecture", "")
@@ -73,6 +77,8 @@ class GGUFFile:
             pos += 12
             infos[name] = (gguf.GGMLQuantizationType(kind), tuple(int(n) for n in shape), offset)
         align = int(meta.get("general.alignment", 32))
+        if align <= 0:
+            raise ValueError(f"general.alignment {align}")
         return meta, infos, -(-pos // align) * align
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -103,18 +109,23 @@ class GGUFFile:
         """The tensor in HF's layout: a view of the mapping (F32/F16/BF16), else dequantized to float32."""
         kind, shape, _ = self.header[name]
         rows = self.raw(name)
-        if kind in NATIVE:
-            return rows.view(NATIVE[kind]).view(shape)
-        return torch.from_numpy(gguf.quants.dequantize(rows.numpy(), kind)).view(shape)
+        t = rows.view(NATIVE[kind]) if kind in NATIVE else torch.from_numpy(gguf.quants.dequantize(rows.numpy(), kind))
+        if self.arch in OFFSET_NORMS and name.endswith("norm.weight"):  # (llama.cpp's converter stored 1 + w)
+            return t.view(shape) - 1
+        return t.view(shape)
 
     def _unpermute(self, name: str, t: torch.Tensor) -> torch.Tensor:
         which = next((p for p in PERMUTED.get(self.arch, ()) if name.endswith(f"{p}.weight")), None)
         if which is None:
             return t
-        key = "attention.head_count" if which == "q_proj" else "attention.head_count_kv"
-        heads = int(self.meta[f"{self.arch}.{key}"])
+        heads = int(self.meta.get(f"{self.arch}.attention.head_count", 1))
+        if which == "k_proj":  # (absent: as many KV heads as heads, llama.cpp's default)
+            heads = int(self.meta.get(f"{self.arch}.attention.head_count_kv", heads))
         rows = t.shape[0]
-        return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        if rows % (2 * heads):
+            raise ModelLoadError(f"{self.path}: {name} has {rows} rows, not pairs of rows for each of {heads} heads")
+        t = t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        return t
 
     def release(self, name: str) -> None:
         begin, stop = self._range(name)

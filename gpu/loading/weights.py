@@ -1,4 +1,4 @@
-"""Build the model without initializing it and load its *.safetensors weights by name (sharded or not).
+"""Build the model without initializing it and load its weights by name: *.safetensors (sharded or not), or a GGUF.
 
 The family's class comes from the registry (gpu/models/); a checkpoint tensor loads into the parameter its family's
 `checkpoint_name` names (per-expert MoE tensors into one row of a stacked parameter; q/k/v and gate/up into the rows
@@ -64,6 +64,9 @@ def shards_of(model: torch.nn.Module) -> dict[str, tuple[Shard, ...]]:
     return {f"{prefix}.{name}".lstrip("."): s for prefix, shards in found for name, s in shards.items()}
 
 
+ROPE_FREQS = "rope_freqs.weight"  # (a GGUF's Llama 3.x rotary factors: not a parameter)
+
+
 def open_weights(config: ModelConfig, wanted: set[str]) -> list[MappedFile | GGUFFile]:
     """The checkpoint's files read in place: safetensors, or a GGUF card's files (named as `wanted` names them)."""
     opened: list[MappedFile | GGUFFile] = []
@@ -72,6 +75,10 @@ def open_weights(config: ModelConfig, wanted: set[str]) -> list[MappedFile | GGU
             opened.append(MappedFile(file))
         else:  # (a split model's later parts take the first's metadata)
             opened.append(GGUFFile(file, wanted, opened[0].meta if opened else None))
+            if int(opened[-1].meta.get(f"{opened[-1].arch}.expert_count", 0)):
+                raise ModelLoadError(
+                    f"{file}: a mixture-of-experts GGUF is not served yet (its checkpoint directory is)"
+                )
     return opened
 
 
@@ -82,7 +89,11 @@ def checkpoint_plan(
     wanted = {n for name in params for n in family.checkpoint_names(name, len(shards.get(name, (None,))))}
     for f in open_weights(config, wanted):
         for name in f.header:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+            if (
+                name.endswith("rotary_emb.inv_freq")
+                or name == ROPE_FREQS
+                or (name == "lm_head.weight" and config.tie_word_embeddings)
+            ):
                 continue
             target, row, part = family.checkpoint_name(name)
             parts = shards.get(target, (None,))
@@ -185,6 +196,9 @@ def load_model(
             else:
                 _write(params[target] if row is None else params[target][row], data, parts, part, offset)
         f.release(name)
+    factors = [f.tensor(ROPE_FREQS) for f in {f for f, *_ in plan} if ROPE_FREQS in f.header]
+    for rotary in model.model.rotaries if factors else ():  # (theta_i / factor_i, llama.cpp's freq_factors)
+        rotary.inv_freq = rotary.inv_freq / factors[0].to(rotary.inv_freq)
     if quantization:
         quantize_model(model, quantization, ops)
     return model

@@ -27,7 +27,7 @@ import torch
 
 from gpu.attention.kv_cache import KVCache, bytes_per_block
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.loading.config import ModelConfig
+from gpu.loading.config import ModelConfig, weight_files
 from gpu.runner.view import RunnerView
 
 log = logging.getLogger("sluice.memory")
@@ -112,13 +112,17 @@ def served_weight_bytes(
 ) -> int:
     """A floor of the bytes the weights hold as gpu/loading/weights.py's `load_model` serves them, activations in
     `dtype`: each linear layer's weight and the embedding table in `weights` (default `dtype`: the native panels' on
-    CPU; a tied LM head's panels are the table, counted once), the rest in `dtype`. Quantized (CPU, float32): every
+    CPU; a tied LM head's panels are the table, counted once), the rest in `dtype`; a GGUF's on CPU from its tensor
+    table (block formats in their own bytes). Quantized (CPU, float32): every
     weight in float32 while it loads, then each linear layer's weight CPU_LINEAR_BYTES[quantization] bytes a weight
     beside the embedding's float32 table (a tied LM head's too); the larger of the two. (SmolLM2-135M: float32 513 MiB,
     bfloat16 257; 750 int8 and 701 int4, docs/performance-history.md, "Engine speed against vLLM's CPU build (issue 13,
     first pass)".)"""
     from gpu.layers.linear import Linear
 
+    files = weight_files(config.path)
+    if files[0].suffix == ".gguf" and device == "cpu" and not quantization:
+        return _gguf_bytes(files, dtype, weights or dtype)
     model = _meta_model(config)
     model.tie_weights()
     total = sum(p.numel() for p in model.parameters())  # (a tied LM head is the embedding: counted once)
@@ -129,6 +133,27 @@ def served_weight_bytes(
         head = model.lm_head.weight.numel() if config.tie_word_embeddings else 0
         return max(4 * total, int(CPU_LINEAR_BYTES[quantization] * linear + 4 * (rest + table + head)))
     return (weights or dtype).itemsize * (linear + table) + dtype.itemsize * rest
+
+
+def _gguf_bytes(files: list, dtype: torch.dtype, weights: torch.dtype) -> int:
+    """A GGUF's weights as the native kernels hold them, from its tensor table: a matrix in a block format they run
+    in its own bytes, another matrix in `weights`, the rest (norms, biases) in `dtype`."""
+    from gguf import GGML_QUANT_SIZES
+
+    from gpu.layers.linear import BLOCK_FORMATS
+    from gpu.loading.gguf_file import GGUFFile
+
+    total, meta = 0, None
+    for file in files:
+        f = GGUFFile(file, meta=meta)
+        meta = meta or f.meta
+        for kind, shape, _ in f.header.values():
+            n = int(torch.Size(shape).numel())
+            elems, size = GGML_QUANT_SIZES[kind]
+            total += (
+                n // elems * size if kind in BLOCK_FORMATS else n * (weights if len(shape) == 2 else dtype).itemsize
+            )
+    return total
 
 
 def profile(

@@ -63,7 +63,7 @@ def resolve_dtypes(
 def native_cpu_weights(device: torch.device, cpu_kernels: str | None, quantization: Quantization | None) -> bool:
     """Whether the linear layers hold their weights in the native kernels' panels (any float dtype, activations
     float32): on CPU, unless --cpu-kernels torch or --quantization, where the kernels are built."""
-    return device.type == "cpu" and cpu_kernels != "torch" and not quantization and native.usable()
+    return device.type == "cpu" and cpu_kernels != "torch" and not quantization and native.ops() is not None
 
 
 class ModelRunner:

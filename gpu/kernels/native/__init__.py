@@ -4,13 +4,14 @@ than the sources, a CPU with neither ISA), callers get None and use torch's kern
 
 `ops()` is the op namespace (torch.ops.sluice_<isa>): `panels(rows, cols, dtype) -> packed` (zeros; float32,
 bfloat16 or float16 weights), `pack_into(packed, src, offset)` (rows of it), `pack(weight) -> packed`,
-`panel_rows(packed, ids, out_features) -> float32 rows` (a tied embedding's lookup), `linear(x, packed, out_features, bias) -> y`, `linear_out(x, packed, bias, y)` (csrc/linear.cpp
+`panel_rows(packed, ids, out_features) -> float32 rows` (a tied embedding's lookup), `linear(x, packed,
+out_features, bias) -> y`, `linear_out(x, packed, bias, y)` (csrc/linear.cpp
 says what they guarantee) and `paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
 window, softcap) -> out` (csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (csrc/reduce.cpp), and the decoder's small steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul`
 (csrc/fused.cpp; the kernel set of kernels.py), the quantized layers' `int4_linear`, `int8_linear` (csrc/quant.cpp),
 `huge_copy(t)` and `huge_empty(sizes, dtype)` (the memory the kernels stream weights from: linear.cpp), and the
 block formats' `block_linear(x, blocks, kind, bias)`, `block_linear_out`, `block_rows(blocks, ids, kind, in)`
-(csrc/blocks.cpp).
+(csrc/blocks.cpp, block_values.cpp).
 `torch.classes.sluice_<isa>.Decoder` is the layer loop as one call (csrc/decoder.cpp; built by
 gpu/runner/native_loop.py).
 """
@@ -51,35 +52,19 @@ def cpu_isas() -> tuple[str, ...]:
     return tuple(isa for isa in ISAS if _NEEDS[isa] <= flags)
 
 
-def unusable(isa: str | None) -> str | None:
-    """Why the kernels for `isa` (None: no ISA this CPU runs) cannot be loaded, without loading them; None if they
-    can (as far as files tell)."""
-    if isa is None or isa not in cpu_isas():
-        return f"this CPU does not run {isa or 'AVX2 or AVX-512'}"
-    path = library_path(isa)
-    if not path.exists():
-        return f"{path} is not built (make setup builds it)"
-    if any(s.stat().st_mtime > path.stat().st_mtime for s in (*SOURCES, *CSRC.glob("*.h"))):
-        return f"{path} is older than its sources (make setup rebuilds it)"
-    return None
-
-
-def usable() -> bool:
-    """Whether `ops()` will load (the launcher's memory check asks, before any engine loads them)."""
-    runs = cpu_isas()
-    return unusable(runs[-1] if runs else None) is None
-
-
 @functools.cache
 def ops(isa: str | None = None):
     """The kernels for `isa` (default: the widest this CPU runs), loaded once; None where they cannot be (why is
     logged once)."""
     runs = cpu_isas()
     isa = isa or (runs[-1] if runs else None)
-    why = unusable(isa)
-    if why:
-        return _absent(why)
+    if isa is None or isa not in runs:
+        return _absent(f"this CPU does not run {isa or 'AVX2 or AVX-512'}")
     path = library_path(isa)
+    if not path.exists():
+        return _absent(f"{path} is not built (make setup builds it)")
+    if any(s.stat().st_mtime > path.stat().st_mtime for s in (*SOURCES, *CSRC.glob("*.h"))):
+        return _absent(f"{path} is older than its sources (make setup rebuilds it)")
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as e:  # (built for another torch, or cut short)
