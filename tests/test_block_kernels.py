@@ -3,7 +3,8 @@ scales forced finite): `block_rows` is gguf-py's `dequantize` bit for bit; `bloc
 within the activations' 8-bit rounding, bounded here from the scheme (per block, half a step of amax / 127 per
 element, times |w|; plus float32's 1e-5 of sum |x w|), and does round (the power check: a float32 product is closer
 than that bound allows the kernel to be, somewhere); a row's result is the same bits alone and in any batch; a NaN
-or infinite input makes its own row NaN and no other; both ISAs give the same bits where the CPU runs both."""
+or infinite input makes its own row NaN and no other; every output is written (into a NaN-filled buffer's columns,
+as a stacked layer's parts are) and nothing else; both ISAs give the same bits where the CPU runs both."""
 
 from __future__ import annotations
 
@@ -76,6 +77,16 @@ def test_a_row_is_the_same_bits_in_any_batch_and_nan_stays_in_its_row(kind):
         poisoned[7, 300] = bad
         y = ops.block_linear(poisoned, blocks, int(kind), None)
         assert y[7].isnan().all() and torch.equal(y[torch.arange(24) != 7], alone[torch.arange(24) != 7])
+
+
+@pytest.mark.parametrize("kind", BLOCK_FORMATS)
+def test_every_output_is_written_into_a_poisoned_buffer(kind):
+    """block_linear_out into columns of a NaN-filled y (a stacked layer's parts): each element written, none else."""
+    blocks, x = random_blocks(kind, 33, 512, seed=4), torch.randn(11, 512, generator=torch.Generator().manual_seed(4))
+    y = torch.full((11, 40), float("nan"))
+    native.ops().block_linear_out(x, blocks, int(kind), None, y.narrow(1, 5, 33))
+    assert not y[:, 5:38].isnan().any() and y[:, :5].isnan().all() and y[:, 38:].isnan().all()
+    assert torch.equal(y[:, 5:38], native.ops().block_linear(x, blocks, int(kind), None))
 
 
 @pytest.mark.skipif(len(native.cpu_isas()) < 2, reason="this CPU runs one ISA")
