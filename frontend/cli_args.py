@@ -70,8 +70,9 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         type=_quantization,
         default=None,
-        metavar="{int8,int4}",
-        help="weight-only quantization (CPU, float32 activations): int8 per channel or int4 per group of 32",
+        metavar="{int8,int4,q8_0}",
+        help="weight-only quantization (CPU, float32 activations): q8_0 (GGUF's Q8_0 blocks, 1.06 bytes a weight, "
+        "quantized at load), or int8 per channel / int4 per group of 32 (each keeping a float32 copy too)",
     )
     g.add_argument(
         "--cpu-kernels",
@@ -218,8 +219,8 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
 def _quantization(text: str) -> str:
     if text == "bf16":
         raise argparse.ArgumentTypeError("bf16 weights are --dtype bfloat16 now (activations stay float32 on CPU)")
-    if text not in ("int8", "int4"):  # (EngineConfig.quantization's)
-        raise argparse.ArgumentTypeError(f"{text!r}: int8 or int4")
+    if text not in ("int8", "int4", "q8_0"):  # (EngineConfig.quantization's)
+        raise argparse.ArgumentTypeError(f"{text!r}: int8, int4 or q8_0")
     return text
 
 

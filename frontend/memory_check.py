@@ -30,8 +30,8 @@ from messages.names import replica_of
 
 GIB = 1 << 30
 # what else to try, and how the weights are then served (the KV cache as it is)
-OPTIONS = [("--quantization int4", "float32", "int4"), ("--quantization int8", "float32", "int8"),
-           ("--dtype bfloat16", "bfloat16", None)]  # fmt: skip
+OPTIONS = [("--quantization q8_0", "float32", "q8_0"), ("--quantization int4", "float32", "int4"),
+           ("--quantization int8", "float32", "int8"), ("--dtype bfloat16", "bfloat16", None)]  # fmt: skip
 
 
 def mem_available() -> int | None:

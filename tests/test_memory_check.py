@@ -6,6 +6,8 @@ host's MemAvailable is refused before any process starts, with the figures and w
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -21,12 +23,23 @@ from gpu.runner.memory import served_weight_bytes
 GIB = 1 << 30
 
 
+def held(value) -> list[torch.Tensor]:
+    """The tensors in a module's attribute: a tensor, or the tensors in its lists of tuples (a layer's blocks)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in held(v)]
+    return []
+
+
 def held_bytes(model: torch.nn.Module) -> int:
-    """Every tensor the model's modules hold (parameters, buffers, the layouts kept beside them), each storage once."""
+    """Every tensor the model's modules hold (parameters, buffers, the layouts kept beside them, the blocks of a table
+    an embedding reads through), each storage once."""
     seen, total = set(), 0
-    for m in model.modules():
+    tables = [m.rows.__self__ for m in model.modules() if isinstance(getattr(m, "rows", None), types.MethodType)]
+    for m in [*model.modules(), *tables]:
         own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        for t in own + [v for v in vars(m).values() if isinstance(v, torch.Tensor)]:
+        for t in own + [t for v in vars(m).values() for t in held(v)]:
             if t.is_meta:  # (a shape alone: a weight held in another layout)
                 continue
             try:
@@ -42,8 +55,8 @@ def held_bytes(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize(
     "weights, quantization",
-    [(torch.float32, None), (torch.float32, "int8"), (torch.float32, "int4"), (torch.bfloat16, None),
-     (torch.float16, None)],
+    [(torch.float32, None), (torch.float32, "int8"), (torch.float32, "int4"), (torch.float32, "q8_0"),
+     (torch.bfloat16, None), (torch.float16, None)],
 )  # fmt: skip
 def test_the_estimate_is_a_floor_of_what_the_loaded_weights_hold(tiny_model_dir, weights, quantization):
     config = resolve_model(str(tiny_model_dir))

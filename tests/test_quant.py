@@ -132,14 +132,15 @@ def test_a_non_finite_activation_makes_its_row_nan_and_no_other(mode):
         assert y[1].isnan().all() and torch.equal(y[[0, 2]], clean[[0, 2]])
 
 
-@pytest.mark.parametrize("mode", [*MODES, "bfloat16"])  # (bfloat16: --dtype, the 16-bit weights)
+@pytest.mark.parametrize("mode", [*MODES, "bfloat16", pytest.param("q8_0", marks=NATIVE)])  # (bfloat16: --dtype)
 async def test_quantized_engine_serves_and_stays_close_to_float32(tiny_model_dir, mode):
     prompts = [[1, *range(200 + 9 * i, 212 + 9 * i)] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     outs = {}
     for q in (None, mode):
         config = EngineConfig(
-            model=str(tiny_model_dir), quantization=q if q in MODES else None, dtype=q if q == "bfloat16" else "auto",
+            model=str(tiny_model_dir), quantization=None if q in (None, "bfloat16") else q,
+            dtype=q if q == "bfloat16" else "auto",
             max_model_len=256, num_kv_blocks=64, engine_threads=1,
         )  # fmt: skip
         async with AsyncLLM(config, log_level="WARNING") as llm:

@@ -1,6 +1,7 @@
 """Weight-only quantization of the linear layers on CPU (`--quantization int8|int4`): less memory to stream per
 decoded token, which is what a step of few rows waits on. (16-bit weights are `--dtype bfloat16` / `float16`: the
-native kernels' 16-bit panels, gpu/layers/linear.py.)
+native kernels' 16-bit panels, gpu/layers/linear.py; `--quantization q8_0` is GGUF's Q8_0 blocks there, quantized at
+load, BLOCK_QUANTIZATIONS.)
 
 - int8: symmetric, one scale per output channel.
 - int4: asymmetric, a scale and a zero point per group of GROUP input channels.
@@ -49,7 +50,10 @@ from torch import nn
 
 from gpu.layers.linear import Linear
 
-Quantization = Literal["int8", "int4"]
+Quantization = Literal["int8", "int4", "q8_0"]
+# formats the linear layers hold as blocks (gpu/layers/linear.py), each weight quantized at load as gguf-py does:
+# no float32 copy (this module's QuantLinear is int8's and int4's)
+BLOCK_QUANTIZATIONS = {"q8_0": 8}
 GROUP = 32  # input channels per scale / zero point (int4), per activation scale (the native kernels)
 # calls of up to this many rows use the quantized kernel: where it beat float32 (`bench_quant.py --part layers`);
 # torch's int4 kernel for AVX-512 did up to 16 rows, its AVX2 one (ATEN_CPU_CAPABILITY=avx2) up to 8

@@ -104,7 +104,7 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 # bytes of a linear layer's weight served on CPU by --quantization (floors): the quantized weight and one float32
 # layout (gpu/layers/quant.py; int4: torch's bfloat16 scales)
-CPU_LINEAR_BYTES = {"int8": 5.0, "int4": 4.625}
+CPU_LINEAR_BYTES = {"int8": 5.0, "int4": 4.625}  # (q8_0: its blocks alone, 34 bytes a 32)
 
 
 def served_weight_bytes(
@@ -129,6 +129,8 @@ def served_weight_bytes(
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))  # (the head's included)
     table = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
     rest = total - linear - table  # norms, biases, experts, the router
+    if quantization == "q8_0":  # (blocks of 34 bytes a 32 weights, no float32 phase; a tied head is the table)
+        return int((linear + table) * 34 / 32) + dtype.itemsize * rest
     if quantization and device == "cpu":
         head = model.lm_head.weight.numel() if config.tie_word_embeddings else 0
         return max(4 * total, int(CPU_LINEAR_BYTES[quantization] * linear + 4 * (rest + table + head)))

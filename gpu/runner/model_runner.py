@@ -21,7 +21,7 @@ from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.distributed.group import current
 from gpu.kernels import native
 from gpu.layers.parallel import local_config
-from gpu.layers.quant import Quantization, make_invariant
+from gpu.layers.quant import BLOCK_QUANTIZATIONS, Quantization, make_invariant
 from gpu.loading.config import ModelConfig
 from gpu.loading.weights import load_model
 from gpu.runner.graphs import DecodeGraphs, GraphMode, capture_sizes
@@ -61,9 +61,10 @@ def resolve_dtypes(
 
 
 def native_cpu_weights(device: torch.device, cpu_kernels: str | None, quantization: Quantization | None) -> bool:
-    """Whether the linear layers hold their weights in the native kernels' panels (any float dtype, activations
-    float32): on CPU, unless --cpu-kernels torch or --quantization, where the kernels are built."""
-    return device.type == "cpu" and cpu_kernels != "torch" and not quantization and native.ops() is not None
+    """Whether the linear layers hold their weights in the native kernels' panels or blocks (activations float32): on
+    CPU, unless --cpu-kernels torch or --quantization int8|int4, where the kernels are built."""
+    held = quantization in (None, *BLOCK_QUANTIZATIONS)
+    return device.type == "cpu" and cpu_kernels != "torch" and held and native.ops() is not None
 
 
 class ModelRunner:
