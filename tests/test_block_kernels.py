@@ -17,11 +17,9 @@ from gpu.kernels import native
 from gpu.layers.linear import BLOCK_FORMATS
 
 pytestmark = pytest.mark.skipif(native.ops() is None, reason="no native CPU kernels built (make setup builds them)")
-SCALES = {
-    gguf.GGMLQuantizationType.Q8_0: [0],
-    gguf.GGMLQuantizationType.Q4_K: [0, 2],
-    gguf.GGMLQuantizationType.Q6_K: [208],
-}  # fmt: skip  (the byte offsets of each block's f16 scales)
+T = gguf.GGMLQuantizationType
+# the byte offsets of each block's f16 scales
+SCALES = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q6_K: [208]}
 
 
 def random_blocks(kind, out: int, inp: int, seed: int = 0) -> torch.Tensor:
@@ -58,7 +56,7 @@ def test_the_product_is_within_the_activations_rounding(kind, rows):
     bias = torch.randn(40)
     y = native.ops().block_linear(x, blocks, int(kind), bias).double()
     exact = x.double() @ w.double().t() + bias.double()
-    activation_block = 32 if kind == gguf.GGMLQuantizationType.Q8_0 else 256
+    activation_block = gguf.GGML_QUANT_SIZES[kind][0]  # (Q8_0's activations for the 32-element formats, Q8_K's)
     assert ((y - exact).abs() <= bound(x, w, activation_block)).all()
     assert (y - exact).abs().max() > 1e-4  # (the power check: the activations really are rounded)
 

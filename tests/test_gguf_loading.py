@@ -1,6 +1,6 @@
 """A .gguf served in place (gpu/loading/gguf_card.py, gguf_file.py): tiny Llama and Qwen2 checkpoints written to GGUF
 as llama.cpp's converter writes them (tests/gguf_writer.py: q/k rows permuted for Llama) in F32, F16, BF16 and Q8_0,
-and Q8_0, Q4_K and Q6_K (random blocks where gguf-py has no quantizer), served from the file, against HF transformers'
+and the block formats (random blocks where gguf-py has no quantizer), served from the file, against HF transformers'
 own forward of the same weights (each matrix the GGUF's value: rounded to F16/BF16, or gguf-py's dequantization of
 the blocks; for the blocks each linear input quantized as llama.cpp's kernels quantize it, in this file): every
 position's top-5 log-probabilities within TOL, greedy equal where HF's top two are apart. The card holds no weight and its
@@ -63,7 +63,7 @@ def q8_k(x: torch.Tensor) -> torch.Tensor:
 
 def as_served(model_dir, kind: T, values: dict) -> torch.nn.Module:
     """HF's model with every matrix the value the GGUF holds (`values`: tests/gguf_writer.py); for a block format,
-    every linear layer's input quantized to 8 bits as llama.cpp's kernels quantize it (Q8_0 for Q8_0, Q8_K for the
+    every linear layer's input quantized to 8 bits as llama.cpp's kernels quantize it (Q8_0 for the 32-element formats, Q8_K for the
     K-quants)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -72,7 +72,7 @@ def as_served(model_dir, kind: T, values: dict) -> torch.nn.Module:
         if hf.config.tie_word_embeddings:
             hf.lm_head.weight.copy_(values["model.embed_tokens.weight"])
     if kind in BLOCK_FORMATS:
-        scheme = q8_0 if kind == T.Q8_0 else q8_k
+        scheme = q8_0 if gguf.GGML_QUANT_SIZES[kind][0] == 32 else q8_k
         for m in hf.modules():
             if isinstance(m, torch.nn.Linear):
                 m.register_forward_pre_hook(lambda _, args: (scheme(args[0]),))
@@ -96,7 +96,8 @@ def checkpoints(tmp_path_factory) -> dict:
 
 
 CASES = [("llama", T.F32), ("llama", T.F16), ("llama", T.BF16), ("llama", T.Q8_0), ("llama", T.Q4_K),
-         ("tied", T.Q6_K), ("qwen2", T.F16), ("qwen2", T.Q4_K)]  # fmt: skip
+         ("tied", T.Q6_K), ("qwen2", T.F16), ("qwen2", T.Q4_K), ("llama", T.Q4_0), ("tied", T.Q4_1),
+         ("qwen2", T.Q5_0), ("llama", T.Q5_1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("family, kind", CASES)

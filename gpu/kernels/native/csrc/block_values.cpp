@@ -25,6 +25,18 @@ void dequantize_row(int64_t kind, const uint8_t* w, int64_t blocks, float* y) {
       const float d = half(w);
       for (int i = 0; i < 32; ++i) *y++ = static_cast<float>(static_cast<int8_t>(w[2 + i])) * d;
       w += 34;
+    } else if (kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q5_1) {
+      const bool min = kind == Q4_1 || kind == Q5_1, five = kind == Q5_0 || kind == Q5_1;
+      const float d = half(w), m = min ? half(w + 2) : 0.0f;
+      const uint8_t* qh = w + (min ? 4 : 2);
+      const uint8_t* qs = qh + (five ? 4 : 0);
+      uint32_t high = 0;
+      if (five) std::memcpy(&high, qh, 4);
+      for (int i = 0; i < 32; ++i) {
+        const int q = (i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4) | (five ? ((high >> i) & 1) << 4 : 0);
+        *y++ = min ? d * static_cast<float>(q) + m : d * static_cast<float>(q - (five ? 16 : 8));
+      }
+      w += format(kind).bytes;
     } else if (kind == Q4_K) {
       const float d = half(w), dmin = half(w + 2);
       for (int j = 0; j < 8; ++j) {

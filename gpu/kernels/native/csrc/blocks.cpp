@@ -5,8 +5,11 @@
 //
 // | format | block: elems / bytes, value                                  | activations                              |
 // |--------|--------------------------------------------------------------|------------------------------------------|
-// | Q8_0   | 32 / 34: d f16, q i8[32]; d q                                | Q8_0: d = amax / 127 (kept as f16),      |
-// |        |                                                              | q = roundf(x / d)                        |
+// | Q4_0   | 32 / 18: d f16, q u4[32]; d (q - 8)                          | Q8_0: d = amax / 127 (kept as f16),      |
+// | Q4_1   | 32 / 20: d, m f16, q u4[32]; d q + m                         | q = roundf(x / d), and the sum of q      |
+// | Q5_0   | 32 / 22: d f16, fifth bits u32, q u4[32]; d (q - 16)         | (the m's product)                        |
+// | Q5_1   | 32 / 24: d, m f16, fifth bits u32, q u4[32]; d q + m         |                                          |
+// | Q8_0   | 32 / 34: d f16, q i8[32]; d q                                |                                          |
 // | Q4_K   | 256 / 144: d, dmin f16, 6-bit sc, m x 8, q u4[256];          | Q8_K: d = 1 / (-127 / the value of the   |
 // |        | d sc q - dmin m                                              | largest |x|), q = nearest(x / d), sums   |
 // | Q6_K   | 256 / 210: ql u4, qh u2 [256], sc i8[16], d f16; d sc (q-32) | of 16 (the mins' and -32's products)     |
@@ -36,15 +39,19 @@ namespace {
 
 // ---- activations, one row: `in` floats into in / act_elems blocks at out ----
 
-void quantize_q8_0(const float* x, int64_t in, uint8_t* out) {
-  for (int64_t b = 0; b < in / 32; ++b, x += 32, out += 36) {
+void quantize_q8_0(const float* x, int64_t in, uint8_t* out) {  // (into 40 bytes a block: d, the sum of q, q)
+  for (int64_t b = 0; b < in / 32; ++b, x += 32, out += 40) {
     float amax = 0.0f;
     bool finite = true;
     for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[i])), finite &= std::isfinite(x[i]);
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;  // (q rounds half away from 0: roundf)
     const float dh = finite ? static_cast<float>(c10::Half(d)) : NAN;  // (llama.cpp keeps d as f16)
-    std::memcpy(out, &dh, 4);
-    for (int i = 0; i < 32; ++i) out[4 + i] = static_cast<uint8_t>(static_cast<int8_t>(finite ? std::round(x[i] * id) : 0));
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const auto q = static_cast<int8_t>(finite ? std::round(x[i] * id) : 0);
+      out[8 + i] = static_cast<uint8_t>(q), sum += q;
+    }
+    std::memcpy(out, &dh, 4), std::memcpy(out + 4, &sum, 4);
   }
 }
 
@@ -70,20 +77,57 @@ void quantize_q8_k(const float* x, int64_t in, uint8_t* out) {
 }
 
 // One weight row's blocks against R activation rows: each row's lane accumulators, then its sum into y[r].
-template <int R>
-void q8_0_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
+// The 32-element formats: each block's 32 values as 8-bit integers (signed: d q; unsigned: d q + m, whose m times the
+// activations' sum is a second chain), then one product with the activations' block.
+struct Q4_0f {
+  static constexpr int64_t bytes = 18;
+  static constexpr bool has_min = false;
+  static __m256i q(const uint8_t* w) { return _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8)); }
+};
+struct Q4_1f {
+  static constexpr int64_t bytes = 20;
+  static constexpr bool has_min = true;
+  static __m256i q(const uint8_t* w) { return nibbles(w + 4); }
+};
+struct Q5_0f {
+  static constexpr int64_t bytes = 22;
+  static constexpr bool has_min = false;
+  static __m256i q(const uint8_t* w) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2)), _mm256_set1_epi8(16));
+  }
+};
+struct Q5_1f {
+  static constexpr int64_t bytes = 24;
+  static constexpr bool has_min = true;
+  static __m256i q(const uint8_t* w) { return _mm256_or_si256(nibbles(w + 8), fifth_bits(w + 4)); }
+};
+struct Q8_0f {
+  static constexpr int64_t bytes = 34;
+  static constexpr bool has_min = false;
+  static __m256i q(const uint8_t* w) { return loadu(w + 2); }
+};
+
+// One weight row's blocks against R activation rows: each row's lane accumulators, then its sum into y[r].
+template <typename F, int R>
+void row32(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
   __m256 acc[R];
+  float mins[R] = {};
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, w += 34) {
-    const __m256i q = loadu(w + 2);
+  for (int64_t b = 0; b < blocks; ++b, w += F::bytes) {
+    const __m256i q = F::q(w);
     const float d = half(w);
     for (int r = 0; r < R; ++r) {
-      const uint8_t* ab = a[r] + b * 36;
-      const __m256 p = _mm256_cvtepi32_ps(dot_s8(q, loadu(ab + 4)));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * f32(ab)), p, acc[r]);
+      const uint8_t* ab = a[r] + b * 40;
+      const __m256i p = F::has_min ? dot_u8(q, loadu(ab + 8)) : dot_s8(q, loadu(ab + 8));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * f32(ab)), _mm256_cvtepi32_ps(p), acc[r]);
+      if (F::has_min) {
+        int32_t sum;
+        std::memcpy(&sum, ab + 4, 4);
+        mins[r] = std::fma(half(w + 2) * f32(ab), static_cast<float>(sum), mins[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + mins[r];
 }
 
 template <int R>
@@ -156,7 +200,11 @@ void q6_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* 
 
 template <int R>
 void row_dot(int64_t kind, const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
-  if (kind == Q8_0) return q8_0_row<R>(w, a, blocks, y);
+  if (kind == Q4_0) return row32<Q4_0f, R>(w, a, blocks, y);
+  if (kind == Q4_1) return row32<Q4_1f, R>(w, a, blocks, y);
+  if (kind == Q5_0) return row32<Q5_0f, R>(w, a, blocks, y);
+  if (kind == Q5_1) return row32<Q5_1f, R>(w, a, blocks, y);
+  if (kind == Q8_0) return row32<Q8_0f, R>(w, a, blocks, y);
   if (kind == Q4_K) return q4_k_row<R>(w, a, blocks, y);
   q6_k_row<R>(w, a, blocks, y);
 }
@@ -190,8 +238,8 @@ void block_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       uint8_t* dst = act.data() + r * nb * f.act_bytes;
-      kind == Q8_0 ? quantize_q8_0(x.data_ptr<float>() + r * x.stride(0), in, dst)
-                   : quantize_q8_k(x.data_ptr<float>() + r * x.stride(0), in, dst);
+      f.act_elems == 32 ? quantize_q8_0(x.data_ptr<float>() + r * x.stride(0), in, dst)
+                        : quantize_q8_k(x.data_ptr<float>() + r * x.stride(0), in, dst);
     }
   });
   const uint8_t* wp = blocks.data_ptr<uint8_t>();

@@ -1,5 +1,6 @@
 // GGUF's block formats as the native kernels read them (blocks.cpp: the products; block_values.cpp: the values): the
-// formats' geometry, their scalar fields, Q4_K's scale unpacking, and the 256-bit integer helpers both ISA builds use.
+// formats' geometry, their scalar fields, the 32-element formats' nibbles and fifth bits, Q4_K's scale unpacking, and
+// the 256-bit integer helpers both ISA builds use.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -10,7 +11,8 @@
 
 namespace {
 
-enum Kind : int64_t { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids (gguf.GGMLQuantizationType)
+// ggml's type ids (gguf.GGMLQuantizationType)
+enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
 struct Format {
   int64_t elems, bytes;  // a weight block's
@@ -19,10 +21,14 @@ struct Format {
 
 Format format(int64_t kind) {
   switch (kind) {
-    case Q8_0: return {32, 34, 32, 36};  // (activations: f32 d widened from its f16, 32 q)
+    case Q4_0: return {32, 18, 32, 40};  // (activations, Q8_0's: f32 d widened from its f16, int32 sum of q, 32 q)
+    case Q4_1: return {32, 20, 32, 40};
+    case Q5_0: return {32, 22, 32, 40};
+    case Q5_1: return {32, 24, 32, 40};
+    case Q8_0: return {32, 34, 32, 40};
     case Q4_K: return {256, 144, 256, 292};  // (Q8_K: f32 d, 256 q, 16 int16 sums)
     case Q6_K: return {256, 210, 256, 292};
-    default: TORCH_CHECK(false, "block format ", kind, " has no kernel (Q8_0, Q4_K and Q6_K do)");
+    default: TORCH_CHECK(false, "block format ", kind, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K do)");
   }
 }
 
@@ -54,6 +60,22 @@ inline int hsum_i32(__m256i v) {
   const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
   return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
+}
+
+// The 32 4-bit values of a 32-element block's 16 bytes: low nibbles elements 0..15, high nibbles 16..31
+inline __m256i nibbles(const uint8_t* qs) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(0xF));
+}
+
+// 0x10 at element j where bit j of the 32 at qh is set (Q5_0's and Q5_1's fifth bits; llama.cpp's bytes_from_bits_32)
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i which = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), which),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
 // Q4_K's 6-bit scale and min of sub-block j (gguf-py's Q4_K.get_scale_min)
