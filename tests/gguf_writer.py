@@ -66,7 +66,7 @@ def write_gguf(
     names = gguf.get_tensor_name_map(archs[arch], config["num_hidden_layers"])
     rng = np.random.default_rng(0)
     for f in map(MappedFile, weight_files(model_dir)):
-        for hf in f.header:
+        for hf in sorted(f.header, key=lambda name: name.startswith("lm_head")):  # (the head last, as llama.cpp's)
             base, _, suffix = hf.rpartition(".")
             two = len(f.shape(hf)) == 2
             own = (kinds or {}).get(base.rpartition(".")[2], kind)

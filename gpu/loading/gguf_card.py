@@ -71,11 +71,10 @@ def _write(path: Path, parts: list[Path], out: Path) -> None:
     from gpu.loading.gguf_file import GGUFFile
 
     first = GGUFFile(path)  # (a file that is not GGUF is refused here, by name)
-    kinds = {first.header[n][0].name for n in first.header if len(first.shape(n)) == 2}
-    for part in parts[1:]:
-        more = GGUFFile(part, meta=first.meta)
-        kinds |= {more.header[n][0].name for n in more.header if len(more.shape(n)) == 2}
-    reading = cache_dir() / "gguf" / "readings" / _digest(first.meta, list(first.header))
+    files = [first, *(GGUFFile(part, meta=first.meta) for part in parts[1:])]
+    kinds = {f.header[n][0].name for f in files for n in f.header if len(f.shape(n)) == 2}
+    head = any("output.weight" in f.header for f in files)  # (in any part: transformers looks in the first only)
+    reading = cache_dir() / "gguf" / "readings" / _digest(first.meta, head)
     if not reading.is_dir():  # (one reading per metadata: a model's quantizations share it)
         scratch = Path(tempfile.mkdtemp(prefix=f".{reading.name}.tmp-", dir=reading.parent))
         try:
@@ -89,6 +88,7 @@ def _write(path: Path, parts: list[Path], out: Path) -> None:
     shutil.copytree(reading, out, dirs_exist_ok=True)
     config = json.loads((out / "config.json").read_text())
     config["dtype"] = FLOAT_TYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
+    config["tie_word_embeddings"] = not head
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "gguf.json").write_text(json.dumps({"files": [str(p) for p in parts]}))
     out.chmod(0o755)
@@ -116,10 +116,10 @@ def _read(path: Path, out: Path) -> None:
 FILE_KEYS = ("general.file_type", "general.quantization_version", "split.")  # (what differs between quantizations)
 
 
-def _digest(meta: dict, tensors: list[str]) -> str:
-    """A digest of the metadata but for FILE_KEYS, and of the tensors' names (transformers reads tied embeddings from
-    them): equal for the quantizations of one model."""
-    digest = hashlib.sha256("\n".join(tensors).encode())
+def _digest(meta: dict, head: bool) -> str:
+    """A digest of the metadata but for FILE_KEYS, and of whether the file has an output head (transformers reads
+    tied embeddings from its absence): equal for the quantizations of one model."""
+    digest = hashlib.sha256(b"head" if head else b"tied")
     for key in sorted(k for k in meta if not k.startswith(FILE_KEYS)):
         value = meta[key]
         digest.update(key.encode() + (value.tobytes() if hasattr(value, "tobytes") else repr(value).encode()))
