@@ -87,7 +87,9 @@ def device_type(engine: EngineConfig) -> str:
 def served_dtypes(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: str | None):
     """(activations, weights) as the engine's runner resolves them (gpu/runner/model_runner.py)."""
     device = torch.device(device_type(engine))
-    return resolve_dtypes(dtype, device, model.dtype, native_cpu_weights(device, engine.cpu_kernels, quantization))
+    return resolve_dtypes(
+        dtype, device, model.dtype, native_cpu_weights(device, engine.cpu_kernels, quantization, load=False)
+    )
 
 
 def weights(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: str | None) -> int:

@@ -17,7 +17,7 @@ from gpu.loading.config import weight_files
 from gpu.loading.mapped import MappedFile
 
 FLOAT = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
-RANDOM = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
+RANDOM = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K)
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -89,7 +89,7 @@ def stored(
     t: torch.Tensor, kind: gguf.GGMLQuantizationType, rng, value: bool = True
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """(what the file stores for `t` as `kind`, the float32 value that holds): F32/F16 arrays; BF16's bits and
-    gguf-py's quantized blocks as [rows, row bytes] bytes; Q4_K and Q6_K, which gguf-py cannot quantize, random blocks
+    gguf-py's quantized blocks as [rows, row bytes] bytes; the K formats, which gguf-py cannot quantize, random blocks
     of finite small scales (not `t`'s values, never read: the returned value is what the model then holds)."""
     a = t.float().numpy() if kind not in RANDOM else np.empty(t.shape, np.float32)
     if kind in FLOAT:
@@ -100,9 +100,10 @@ def stored(
     if kind in RANDOM:
         elems, size = gguf.GGML_QUANT_SIZES[kind]
         blocks = rng.integers(0, 256, (a.shape[0], a.shape[1] // elems, size), dtype=np.uint8)
-        scales = slice(0, 4) if kind == gguf.GGMLQuantizationType.Q4_K else slice(208, 210)
+        six = kind == gguf.GGMLQuantizationType.Q6_K
+        scales = slice(208, 210) if six else slice(0, 4)
         d = rng.uniform(0.5, 1.5, (*blocks.shape[:2], (scales.stop - scales.start) // 2)).astype(np.float16)
-        blocks[..., scales] = (d * (2e-4 if kind == gguf.GGMLQuantizationType.Q4_K else 3e-5)).view(np.uint8)
+        blocks[..., scales] = (d * (3e-5 if six else 2e-4)).view(np.uint8)
         blocks = blocks.reshape(a.shape[0], -1)
     else:
         blocks = gguf.quants.quantize(a, kind)

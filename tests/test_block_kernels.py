@@ -19,7 +19,8 @@ from gpu.layers.linear import BLOCK_FORMATS
 pytestmark = pytest.mark.skipif(native.ops() is None, reason="no native CPU kernels built (make setup builds them)")
 T = gguf.GGMLQuantizationType
 # the byte offsets of each block's f16 scales
-SCALES = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q6_K: [208]}
+SCALES = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
+          T.Q6_K: [208]}  # fmt: skip
 
 
 def random_blocks(kind, out: int, inp: int, seed: int = 0) -> torch.Tensor:

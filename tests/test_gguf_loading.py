@@ -27,9 +27,10 @@ from tests.tiny_model import Request, block_pool
 T = gguf.GGMLQuantizationType
 TOL = 1e-3
 # block formats: both sides quantize each linear input to 8 bits, from inputs equal only to float32 rounding, so an
-# activation's rounding can flip between them (one step of its block's scale): up to 0.021 measured here; a wrong row,
-# part or permutation moves log-probabilities by whole units
-TOL_BLOCKS = 0.05
+# activation's rounding can flip between them (one step of its block's scale: amax / 127, times the weights it meets):
+# 0.021 on an AMD EPYC, 0.061 on an Intel Xeon (where MKL rounds HF's float32 differently: other flips), 0 elsewhere;
+# a wrong row, part or permutation moves log-probabilities by whole units
+TOL_BLOCKS = 0.15
 PROMPT = [1, 510, 2210, 77, 4915, 33, 99, 12, 40000, 7, 8, 9]
 
 
@@ -98,14 +99,14 @@ def checkpoints(tmp_path_factory) -> dict:
 
 # (F32: the rotary test's; Q4_0 and Q5_0's own paths: tests/test_block_kernels.py, as every format's)
 CASES = [("llama", T.F16), ("llama", T.BF16), ("llama", T.Q8_0), ("llama", T.Q4_K), ("tied", T.Q6_K),
-         ("qwen2", T.Q4_K), ("tied", T.Q4_1), ("llama", T.Q5_1)]  # fmt: skip
+         ("qwen2", T.Q5_K), ("tied", T.Q4_1), ("llama", T.Q5_1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("family, kind", CASES)
 def test_a_gguf_is_served_as_hf_computes_its_weights(checkpoints, tmp_path, family, kind):
     source, values = checkpoints[family], {}
     arch = "llama" if family == "tied" else family
-    mixed = {"v_proj": T.Q6_K, "down_proj": T.Q6_K} if kind == T.Q4_K else None  # (as Q4_K_M: v in its own format)
+    mixed = {"v_proj": T.Q6_K, "down_proj": T.Q6_K} if kind in (T.Q4_K, T.Q5_K) else None  # (as Q4_K_M, Q5_K_M)
     path = write_gguf(source, tmp_path / f"tiny-{kind.name}.gguf", kind, arch=arch, values=values, kinds=mixed)
     ours, tokens = logits(path)
     with torch.no_grad():

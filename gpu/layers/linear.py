@@ -7,8 +7,8 @@ before the load, which writes the checkpoint's rows in with `load_rows`, several
 same bits whatever the batch around it (batch invariance by construction). Speed: 1.07-1.3x torch's best for up to 64
 rows (AMD EPYC, AVX2: docs/performance-history.md, "Native paged attention, and the native kernels by default (issue
 36, third part)") and 0.85-0.95x MKL's at 128-512 rows (Intel Xeon, AVX-512, 2 threads, SmolLM2's shapes, torch 2.13).
-A weight in one of GGUF's block formats (BLOCK_FORMATS: Q4_0 ... Q8_0, Q4_K, Q6_K) is held in the file's own bytes instead
-(`hold_blocks`: [rows, row bytes] per stacked part, each part its own format; csrc/blocks.cpp: 8-bit activations,
+A weight in one of GGUF's block formats (BLOCK_FORMATS: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) is held in the file's own
+bytes instead (`hold_blocks`: [rows, row bytes] per stacked part, each part its own format; csrc/blocks.cpp: 8-bit activations,
 integer dot products, batch-invariant too).
 The [out, in] parameter is then a meta tensor (its shape alone); a tied embedding reads its rows from the panels or
 blocks (`rows`). Elsewhere (CUDA, torch's kernels) the [out, in] parameter, in the model's dtype, on `F.linear`.
@@ -24,7 +24,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 Q = GGMLQuantizationType
-BLOCK_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # (the native kernels': csrc/blocks.cpp)
+# (the native kernels': csrc/blocks.cpp)
+BLOCK_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 class Linear(nn.Linear):

@@ -60,11 +60,15 @@ def resolve_dtypes(
     return (named or torch.float32,) * 2
 
 
-def native_cpu_weights(device: torch.device, cpu_kernels: str | None, quantization: Quantization | None) -> bool:
+def native_cpu_weights(
+    device: torch.device, cpu_kernels: str | None, quantization: Quantization | None, load: bool = True
+) -> bool:
     """Whether the linear layers hold their weights in the native kernels' panels or blocks (activations float32): on
-    CPU, unless --cpu-kernels torch or --quantization int8|int4, where the kernels are built."""
+    CPU, unless --cpu-kernels torch or --quantization int8|int4, where the kernels are built (and, with `load`, load:
+    a process that only sizes a cache passes False and leaves the library unloaded)."""
     held = quantization in (None, *BLOCK_QUANTIZATIONS)
-    return device.type == "cpu" and cpu_kernels != "torch" and held and native.ops() is not None
+    built = native.ops() is not None if load else native.available()
+    return device.type == "cpu" and cpu_kernels != "torch" and held and built
 
 
 class ModelRunner:

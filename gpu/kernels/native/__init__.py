@@ -52,24 +52,40 @@ def cpu_isas() -> tuple[str, ...]:
     return tuple(isa for isa in ISAS if _NEEDS[isa] <= flags)
 
 
+def _unloadable(isa: str | None) -> str | None:
+    """Why `isa`'s library (None: the widest this CPU runs) cannot be loaded, short of loading it; None if it can."""
+    runs = cpu_isas()
+    isa = isa or (runs[-1] if runs else None)
+    if isa is None or isa not in runs:
+        return f"this CPU does not run {isa or 'AVX2 or AVX-512'}"
+    path = library_path(isa)
+    if not path.exists():
+        return f"{path} is not built (make setup builds it)"
+    if any(s.stat().st_mtime > path.stat().st_mtime for s in (*SOURCES, *CSRC.glob("*.h"))):
+        return f"{path} is older than its sources (make setup rebuilds it)"
+    return None
+
+
+def available() -> bool:
+    """Whether `ops()` would find a library to load, without loading it (a process that only sizes a cache, as the
+    scheduler does, reads this)."""
+    return _unloadable(None) is None
+
+
 @functools.cache
 def ops(isa: str | None = None):
     """The kernels for `isa` (default: the widest this CPU runs), loaded once; None where they cannot be (why is
     logged once)."""
+    why = _unloadable(isa)
+    if why is not None:
+        return _absent(why)
     runs = cpu_isas()
-    isa = isa or (runs[-1] if runs else None)
-    if isa is None or isa not in runs:
-        return _absent(f"this CPU does not run {isa or 'AVX2 or AVX-512'}")
-    path = library_path(isa)
-    if not path.exists():
-        return _absent(f"{path} is not built (make setup builds it)")
-    if any(s.stat().st_mtime > path.stat().st_mtime for s in (*SOURCES, *CSRC.glob("*.h"))):
-        return _absent(f"{path} is older than its sources (make setup rebuilds it)")
+    path = library_path(isa or runs[-1])
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as e:  # (built for another torch, or cut short)
         return _absent(f"{path} does not load ({e}); make setup rebuilds it")
-    return getattr(torch.ops, f"sluice_{isa}")
+    return getattr(torch.ops, f"sluice_{isa or runs[-1]}")
 
 
 def _absent(why: str) -> None:

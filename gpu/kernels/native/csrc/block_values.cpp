@@ -37,18 +37,20 @@ void dequantize_row(int64_t kind, const uint8_t* w, int64_t blocks, float* y) {
         *y++ = min ? d * static_cast<float>(q) + m : d * static_cast<float>(q - (five ? 16 : 8));
       }
       w += format(kind).bytes;
-    } else if (kind == Q4_K) {
+    } else if (kind == Q4_K || kind == Q5_K) {
+      const bool five = kind == Q5_K;
       const float d = half(w), dmin = half(w + 2);
       for (int j = 0; j < 8; ++j) {
         int sc, m;
         scale_min(w + 4, j, sc, m);
         const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(m);
         for (int i = 0; i < 32; ++i) {
-          const uint8_t byte = w[16 + 32 * (j / 2) + i];
-          *y++ = ds * static_cast<float>(j % 2 ? byte >> 4 : byte & 0xF) - dm;
+          const uint8_t byte = w[(five ? 48 : 16) + 32 * (j / 2) + i];
+          const int high = five ? ((w[16 + i] >> j) & 1) << 4 : 0;
+          *y++ = ds * static_cast<float>((j % 2 ? byte >> 4 : byte & 0xF) | high) - dm;
         }
       }
-      w += 144;
+      w += five ? 176 : 144;
     } else {
       const float d = half(w + 208);
       for (int e = 0; e < 256; ++e) {

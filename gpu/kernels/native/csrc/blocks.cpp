@@ -12,7 +12,8 @@
 // | Q8_0   | 32 / 34: d f16, q i8[32]; d q                                |                                          |
 // | Q4_K   | 256 / 144: d, dmin f16, 6-bit sc, m x 8, q u4[256];          | Q8_K: d = 1 / (-127 / the value of the   |
 // |        | d sc q - dmin m                                              | largest |x|), q = nearest(x / d), sums   |
-// | Q6_K   | 256 / 210: ql u4, qh u2 [256], sc i8[16], d f16; d sc (q-32) | of 16 (the mins' and -32's products)     |
+// | Q5_K   | 256 / 176: as Q4_K, with fifth bits u1[256] before the q     | of 16 (the mins' and -32's products)     |
+// | Q6_K   | 256 / 210: ql u4, qh u2 [256], sc i8[16], d f16; d sc (q-32) |                                          |
 //
 // y[r, o] = bias[o] + the sum over blocks of the products' exact integer sums (maddubs/madd, 32 lanes: the same
 // 256-bit integer code in both ISA builds) times the block's scales, in float32 lane chains of 8 summed by one tree
@@ -130,20 +131,25 @@ void row32(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) 
   for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + mins[r];
 }
 
-template <int R>
+template <bool Five, int R>  // (Q4_K; Five: Q5_K, whose fifth bits (bit j of byte l: element 32j + l) precede q)
 void q4_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
   __m256 acc[R];
   float mins[R] = {};
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0xF);
-  for (int64_t b = 0; b < blocks; ++b, w += 144) {
+  for (int64_t b = 0; b < blocks; ++b, w += Five ? 176 : 144) {
     __m128i mv;
     const __m256i scales = q4_k_scales(w + 4, mv);
     const float d = half(w), dmin = half(w + 2);
     __m256i q[8], sc[8];
     for (int c = 0; c < 4; ++c) {
-      const __m256i bytes = loadu(w + 16 + 32 * c);
+      const __m256i bytes = loadu(w + (Five ? 48 : 16) + 32 * c);
       q[2 * c] = _mm256_and_si256(bytes, low), q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    }
+    if (Five) {
+      const __m256i high = loadu(w + 16), one = _mm256_set1_epi8(1);
+      for (int j = 0; j < 8; ++j)
+        q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, j), one), 4));
     }
     for (int j = 0; j < 8; ++j) sc[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
     for (int r = 0; r < R; ++r) {
@@ -205,7 +211,8 @@ void row_dot(int64_t kind, const uint8_t* w, const uint8_t* const* a, int64_t bl
   if (kind == Q5_0) return row32<Q5_0f, R>(w, a, blocks, y);
   if (kind == Q5_1) return row32<Q5_1f, R>(w, a, blocks, y);
   if (kind == Q8_0) return row32<Q8_0f, R>(w, a, blocks, y);
-  if (kind == Q4_K) return q4_k_row<R>(w, a, blocks, y);
+  if (kind == Q4_K) return q4_k_row<false, R>(w, a, blocks, y);
+  if (kind == Q5_K) return q4_k_row<true, R>(w, a, blocks, y);
   q6_k_row<R>(w, a, blocks, y);
 }
 

@@ -12,7 +12,7 @@
 namespace {
 
 // ggml's type ids (gguf.GGMLQuantizationType)
-enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct Format {
   int64_t elems, bytes;  // a weight block's
@@ -27,8 +27,9 @@ Format format(int64_t kind) {
     case Q5_1: return {32, 24, 32, 40};
     case Q8_0: return {32, 34, 32, 40};
     case Q4_K: return {256, 144, 256, 292};  // (Q8_K: f32 d, 256 q, 16 int16 sums)
+    case Q5_K: return {256, 176, 256, 292};
     case Q6_K: return {256, 210, 256, 292};
-    default: TORCH_CHECK(false, "block format ", kind, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K do)");
+    default: TORCH_CHECK(false, "block format ", kind, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K do)");
   }
 }
 
@@ -78,7 +79,7 @@ inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
-// Q4_K's 6-bit scale and min of sub-block j (gguf-py's Q4_K.get_scale_min)
+// Q4_K's (and Q5_K's) 6-bit scale and min of sub-block j (gguf-py's Q4_K.get_scale_min)
 inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
   if (j < 4) {
     sc = s[j] & 63, m = s[j + 4] & 63;
