@@ -1,6 +1,6 @@
 """The layer loop as one native call (gpu/runner/native_loop.py): a runner with it and one without it (the Python loop)
-give the same logits bit for bit through prefill chunks, decode batches and multi-token rows, float32, bfloat16 and float16 weights, int8
-and int4, with batch-invariant mode and without, and for the families whose layers it takes (fused projections,
+give the same logits bit for bit through prefill chunks, decode batches and multi-token rows, float32, bfloat16 and float16 weights, int8,
+int4 and GGUF blocks (q8_0), with batch-invariant mode and without, and for the families whose layers it takes (fused projections,
 biases, partial rotary, sliding windows, other head sizes); the steps it takes are counted (it is not a test of
 the Python loop against itself); families with layers it does not take, and other backends, keep the Python loop."""
 
@@ -59,7 +59,14 @@ def both(model_dir, **kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor], i
 
 @pytest.mark.parametrize(
     "dtype, quantization",
-    [("float32", None), ("bfloat16", None), ("float16", None), ("float32", "int8"), ("float32", "int4")],
+    [
+        ("float32", None),
+        ("bfloat16", None),
+        ("float16", None),
+        ("float32", "int8"),
+        ("float32", "int4"),
+        ("float32", "q8_0"),
+    ],
 )
 @pytest.mark.parametrize("invariant", [False, True])
 def test_the_loop_computes_the_python_loops_bits(tiny_model_dir, dtype, quantization, invariant):
@@ -70,7 +77,7 @@ def test_the_loop_computes_the_python_loops_bits(tiny_model_dir, dtype, quantiza
 
 
 @pytest.mark.parametrize(
-    "family, quantization", [("phi3", None), ("qwen2", None), ("qwen2", "int4"), ("mistral", None)]
+    "family, quantization", [("phi3", None), ("qwen2", None), ("qwen2", "int4"), ("qwen2", "q8_0"), ("mistral", None)]
 )
 def test_families_it_takes(family_dir_of, family, quantization):
     """(Phi-3: fused projections, partial rotary; Qwen2: q/k/v biases, added after a quantized kernel too; Mistral:

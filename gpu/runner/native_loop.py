@@ -74,6 +74,10 @@ def native_loop(model, attention) -> NativeLoop | None:
 
 def add_linear(decoder, linear) -> int | None:
     """Hand `linear` to the decoder; the most rows it takes there (None: it is not on the native kernels)."""
+    if isinstance(linear, Linear) and linear.blocks is not None:
+        firsts, kinds, held = zip(*linear.blocks, strict=True)
+        decoder.add_blocks(list(firsts), list(kinds), list(held), linear.out_features, linear.bias)
+        return sys.maxsize
     if isinstance(linear, Linear) and linear.native is not None:
         decoder.add_linear(-1, -1, None, None, linear.native, linear.out_features, linear.bias)
         return linear.native_rows

@@ -11,8 +11,9 @@
 //
 // and at the end rms_norm(h + residual) with the final norm's weight. A linear layer runs its quantized kernel
 // (int4 or int8: the bias added after) for up to kernel_rows rows, else the float32 kernel on its panels (float32 or
-// bfloat16), bias inside: the path gpu/layers/quant.py's QuantLinear and gpu/layers/linear.py's Linear take at those rows (the
-// builder hands over no layer whose path would leave the native kernels at the rows a step may have).
+// bfloat16), bias inside; a layer held in GGUF blocks runs block_linear_out per stacked part into its columns (the
+// part's bias slice inside): the paths gpu/layers/quant.py's QuantLinear and gpu/layers/linear.py's Linear take at
+// those rows (the builder hands over no layer whose path would leave the native kernels at the rows a step may have).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -37,6 +38,7 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {  // this library's op `name
 
 // The native ops' signatures (as registered: linear.cpp, quant.cpp, fused.cpp, attention.cpp)
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptT&);
+using BlocksSig = void(const at::Tensor&, const at::Tensor&, int64_t, const OptT&, at::Tensor);
 using QuantSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&);
 using NormSig = at::Tensor(const at::Tensor&, const OptT&, const at::Tensor&, double, double);
 using RopeSig = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
@@ -52,6 +54,8 @@ struct Linear {
   OptT panels;  // the float32 kernel's (pack), for more rows
   int64_t out;
   OptT bias;
+  std::vector<int64_t> firsts, kinds;  // or GGUF blocks: each stacked part's first row and format ...
+  std::vector<at::Tensor> blocks;  // ... and its [rows, row bytes] (every row count)
 };
 
 struct Layer {
@@ -69,6 +73,7 @@ struct Decoder : torch::CustomClassHolder {
   double eps = 0.0, offset = 0.0;
   at::Tensor final_norm;
   c10::TypedOperatorHandle<LinearSig> linear_ = op<LinearSig>("linear");
+  c10::TypedOperatorHandle<BlocksSig> blocks_ = op<BlocksSig>("block_linear_out");
   c10::TypedOperatorHandle<QuantSig> int4_ = op<QuantSig>("int4_linear"), int8_ = op<QuantSig>("int8_linear");
   c10::TypedOperatorHandle<NormSig> norm_ = op<NormSig>("add_rms_norm");
   c10::TypedOperatorHandle<RopeSig> rope_ = op<RopeSig>("rope_and_write_kv");
@@ -85,6 +90,13 @@ struct Decoder : torch::CustomClassHolder {
                        out, bias});
   }
 
+  void add_blocks(std::vector<int64_t> firsts, std::vector<int64_t> kinds, std::vector<at::Tensor> blocks, int64_t out,
+                  OptT bias) {
+    TORCH_CHECK(!blocks.empty() && firsts.size() == blocks.size() && kinds.size() == blocks.size(),
+                "Decoder.add_blocks: a first row and a format for each part's blocks");
+    linears.push_back({-1, -1, at::Tensor(), at::Tensor(), c10::nullopt, out, bias, firsts, kinds, blocks});
+  }
+
   // A layer over the last four linears added (qkv, o, gate_up, down).
   void add_layer(at::Tensor in_norm, at::Tensor post_norm, int64_t q, int64_t k, int64_t v, int64_t head_dim,
                  double scale, int64_t window, double softcap, int64_t act, int64_t rope) {
@@ -93,6 +105,16 @@ struct Decoder : torch::CustomClassHolder {
   }
 
   at::Tensor run(const Linear& l, const at::Tensor& x) const {
+    if (!l.blocks.empty()) {
+      const auto flat = x.contiguous();
+      auto y = at::empty({flat.size(0), l.out}, flat.options());
+      for (size_t i = 0; i < l.blocks.size(); ++i) {
+        const int64_t rows = l.blocks[i].size(0);
+        const OptT bias = l.bias ? OptT(l.bias->narrow(0, l.firsts[i], rows)) : c10::nullopt;
+        blocks_.call(flat, l.blocks[i], l.kinds[i], bias, y.narrow(1, l.firsts[i], rows));
+      }
+      return y;
+    }
     if (x.size(0) <= l.kernel_rows) {
       auto y = (l.kernel == 0 ? int4_ : int8_).call(x.contiguous(), l.qweight, l.scales, c10::nullopt);
       return l.bias ? y.add_(*l.bias) : y;
@@ -134,6 +156,7 @@ TORCH_LIBRARY_FRAGMENT(SLUICE_NS, m) {
   m.class_<Decoder>("Decoder")
       .def(torch::init<at::Tensor, double, double>())
       .def("add_linear", &Decoder::add_linear)
+      .def("add_blocks", &Decoder::add_blocks)
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward);
 }
