@@ -70,18 +70,18 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         type=_quantization,
         default=None,
-        metavar="{int8,int4,q8_0}",
-        help="weight-only quantization (CPU, float32 activations): q8_0 (GGUF's Q8_0 blocks, 1.06 bytes a weight, "
-        "quantized at load), or int8 per channel / int4 per group of 32 (each keeping a float32 copy too)",
+        metavar="{q8_0,q4_0,q4_k}",
+        help="an HF checkpoint's linear layers quantized at load into GGUF's blocks and served as a GGUF's are (CPU, "
+        "float32 activations): q8_0 (1.06 bytes a weight), q4_0 or q4_k (0.56; q4_k's layers of widths off 256 in "
+        "Q5_0, as llama.cpp's)",
     )
     g.add_argument(
         "--cpu-kernels",
         choices=["native", "torch"],
         default=_DEFAULTS.cpu_kernels,
         help="CPU float32 linear layers: torch (oneDNN/MKL) or native (Sluice's AVX2/AVX-512 kernels, built by make "
-        "setup: a row's result is the same bits in any step of up to 64 rows), and --quantization's few-row calls "
-        "(native: int8 activations, llama.cpp's Q8 / Q4 x Q8; torch: bfloat16 activations) (default: native where "
-        "built, torch's with a warning otherwise)",
+        "setup: a row's result is the same bits in any step of up to 64 rows; --quantization needs them) (default: "
+        "native where built, torch's with a warning otherwise)",
     )
     g.add_argument(
         "--batch-invariant",
@@ -216,11 +216,15 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_k")  # (EngineConfig.quantization's: gpu/layers/quant.py's)
+RETIRED = {"int8": "q8_0", "int4": "q4_k or q4_0", "bf16": "--dtype bfloat16"}  # (former names: what replaced them)
+
+
 def _quantization(text: str) -> str:
-    if text == "bf16":
-        raise argparse.ArgumentTypeError("bf16 weights are --dtype bfloat16 now (activations stay float32 on CPU)")
-    if text not in ("int8", "int4", "q8_0"):  # (EngineConfig.quantization's)
-        raise argparse.ArgumentTypeError(f"{text!r}: int8, int4 or q8_0")
+    if text in RETIRED:
+        raise argparse.ArgumentTypeError(f"{text!r} is retired: use {RETIRED[text]} (the same memory or less)")
+    if text not in QUANTIZATIONS:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(QUANTIZATIONS)}")
     return text
 
 

@@ -86,11 +86,11 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
 
 
 def check_gang(model: ModelConfig, engine: EngineConfig) -> list[str] | None:
-    """Before any process starts: the model shards over the gang's ranks (quantized as asked), and a node has a
+    """Before any process starts: the model shards over the gang's ranks, and a node has a
     device for each of its ranks (of every replica). Returns each replica's CUDA_VISIBLE_DEVICES where replicas
     split the node's CUDA devices (None: they share the node)."""
-    if engine.tensor_parallel_size > 1 or engine.quantization == "int4":
-        check_checkpoint(model, engine.tensor_parallel_size, engine.quantization)
+    if engine.tensor_parallel_size > 1:
+        check_checkpoint(model, engine.tensor_parallel_size)
     per_replica = engine.tensor_parallel_size // engine.nnodes
     per_node, dp = per_replica * engine.local_replicas, engine.local_replicas
     if per_node == 1 or resolve_device(engine.device).type != "cuda":

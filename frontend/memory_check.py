@@ -30,8 +30,8 @@ from messages.names import replica_of
 
 GIB = 1 << 30
 # what else to try, and how the weights are then served (the KV cache as it is)
-OPTIONS = [("--quantization q8_0", "float32", "q8_0"), ("--quantization int4", "float32", "int4"),
-           ("--quantization int8", "float32", "int8"), ("--dtype bfloat16", "bfloat16", None)]  # fmt: skip
+OPTIONS = [("--quantization q4_k", "float32", "q4_k"), ("--quantization q8_0", "float32", "q8_0"),
+           ("--dtype bfloat16", "bfloat16", None)]  # fmt: skip
 
 
 def mem_available() -> int | None:
@@ -60,7 +60,7 @@ class MemoryNeed:
 
     def figures(self) -> str:
         e = self.engine
-        served = str(served_dtypes(self.model, e, e.dtype, e.quantization)[1]).removeprefix("torch.")
+        served = str(served_dtypes(self.model, e, e.dtype)[1]).removeprefix("torch.")
         served += f", --quantization {e.quantization}" if e.quantization else ""
         cache = "sized to the device" if self.kv_cache is None else f"{self.kv_cache / GIB:.1f} GiB"
         where = "host memory" if self.device == "cpu" else f"{self.device} device memory"
@@ -84,12 +84,10 @@ def device_type(engine: EngineConfig) -> str:
     return auto if engine.device == "auto" else torch.device(engine.device).type
 
 
-def served_dtypes(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: str | None):
+def served_dtypes(model: ModelConfig, engine: EngineConfig, dtype: str):
     """(activations, weights) as the engine's runner resolves them (gpu/runner/model_runner.py)."""
     device = torch.device(device_type(engine))
-    return resolve_dtypes(
-        dtype, device, model.dtype, native_cpu_weights(device, engine.cpu_kernels, quantization, load=False)
-    )
+    return resolve_dtypes(dtype, device, model.dtype, native_cpu_weights(device, engine.cpu_kernels, load=False))
 
 
 def weights(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: str | None) -> int:
@@ -97,7 +95,7 @@ def weights(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: 
     device = device_type(engine)
 
     def one(m: ModelConfig) -> int:
-        activations, held = served_dtypes(m, engine, dtype, quantization)
+        activations, held = served_dtypes(m, engine, dtype)
         return served_weight_bytes(m, activations, quantization, device, held)
 
     total = sum(map(one, (model, *draft_configs(engine))))
@@ -107,7 +105,7 @@ def weights(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: 
 def memory_need(model: ModelConfig, engine: EngineConfig) -> MemoryNeed:
     device, kv = device_type(engine), None
     if device == "cpu":  # (the KV cache's blocks: num_kv_blocks', of a rank's heads under tensor parallelism)
-        dtype, tp = served_dtypes(model, engine, engine.dtype, engine.quantization)[0], engine.tensor_parallel_size
+        dtype, tp = served_dtypes(model, engine, engine.dtype)[0], engine.tensor_parallel_size
         rank = local_config(model, TensorParallel(0, tp))
         per_block = sum(bytes_per_block(m, engine.block_size, dtype) for m in (rank, *draft_configs(engine)))
         kv = num_kv_blocks(engine, model) * per_block * tp // engine.nnodes * engine.local_replicas

@@ -1,5 +1,5 @@
 """The native CPU linear kernels (gpu/kernels/native) against torch's two float32 paths (oneDNN's packed weight, and
-`x @ W^T` from the [in, out] copy: gpu/layers/linear.py), on SmolLM2-135M's layer shapes, in the same run: one pass over
+`x @ W^T` from the [in, out] copy, the layouts Sluice held before its native kernels), on SmolLM2-135M's layer shapes, in the same run: one pass over
 a layer of each shape (qkv, o, gate_up, down, the LM head: 31.9 M weights, 127 MB) per row count.
 
     python scripts/bench_native.py [--threads 1 2] [--rows 1 2 4 8 16 32 64 128 512]
@@ -18,9 +18,22 @@ import time
 import torch
 
 from gpu.kernels import native
-from gpu.layers.quant import onednn_linear, onednn_pack, transposed_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's layout of a float32 [out, in] weight, for `onednn_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias from the [in, out] contiguous copy."""
+    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 
 def main(args: argparse.Namespace) -> None:

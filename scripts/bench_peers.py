@@ -2,13 +2,16 @@
 
     python scripts/bench_peers.py [--vllm ~/peers/vllm/bin/vllm] [--concurrency 1 16] [--sluice-args "..."]
                                   [--also "--quantization int4" ...] [--llama-cpp PYTHON --gguf F32.gguf Q4_1.gguf]
+                                  [--llama-server BIN --gguf FILE.gguf --llama-threads 1 2 --llama-slots 8]
 
 Each server is started alone (the others are stopped: they would share these few cores), timed from launch to
 ready (/health 200; llama.cpp's /v1/models), warmed up, then measured at each concurrency with
 `frontend.bench_serve` (streaming completions, random prompts of --input-len words, --output-len tokens with
 ignore_eos, greedy). vLLM is served as ../shared/notes/peers.md says (fp32, one core for the model, prefix caching
-off); llama.cpp by llama-cpp-python's server (`--llama-cpp`: a Python with `llama-cpp-python[server]`, built as
-peers.md says), one server per `--gguf` file on --llama-threads threads; peers that are not installed are skipped.
+off); llama.cpp by its own `llama-server` where `--llama-server` names one (built as peers.md says: the server CPU users
+run, with --llama-slots parallel slots), else by llama-cpp-python's server (`--llama-cpp`: a Python with
+`llama-cpp-python[server]`, one request at a time), one server per `--gguf` file and --llama-threads count; peers
+that are not installed are skipped. Sluice serves the bundled model unless --sluice-args names another (a GGUF path).
 `--also` adds Sluice servers with further flags (e.g. a quantized one beside llama.cpp's Q4_1).
 """
 
@@ -66,13 +69,20 @@ def commands(args, model_dir: Path) -> dict[str, tuple[list[str], dict[str, str]
         servers["vllm"] = (*vllm, "/health")
     else:
         print(NO_VLLM.format(args.vllm))
-    python = Path(args.llama_cpp).expanduser()
-    for gguf in args.gguf if python.is_file() else []:
-        cmd = [str(python), "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(args.port),
-               "--n_threads", str(args.llama_threads), "--n_ctx", "2048", "--model_alias", "smollm2"]  # fmt: skip
-        servers[f"llama.cpp {Path(gguf).stem.rsplit('.', 1)[-1]}"] = (cmd, {}, "/v1/models")
-    if args.gguf and not python.is_file():
-        print(f"# no llama-cpp-python at {python}: llama.cpp skipped (see ../shared/notes/peers.md)")
+    python, server = Path(args.llama_cpp).expanduser(), Path(args.llama_server or "/nonexistent").expanduser()
+    for gguf, threads in [(g, t) for g in args.gguf for t in args.llama_threads]:
+        common = ["--host", "127.0.0.1", "--port", str(args.port)]
+        if server.is_file():  # (a context of 2048 tokens a slot)
+            cmd = [str(server), "-m", gguf, *common, "-t", str(threads), "-np", str(args.llama_slots),
+                   "-c", str(2048 * args.llama_slots), "--alias", "smollm2"]  # fmt: skip
+        elif python.is_file():
+            cmd = [str(python), "-m", "llama_cpp.server", "--model", gguf, *common, "--n_threads", str(threads),
+                   "--n_ctx", "2048", "--model_alias", "smollm2"]  # fmt: skip
+        else:
+            print(f"# no llama-server or llama-cpp-python at {server}, {python}: llama.cpp skipped (peers.md)")
+            break
+        name = f"llama.cpp {Path(gguf).stem.rsplit('.', 1)[-1]} t{threads}"
+        servers[name] = (cmd, {}, "/health" if server.is_file() else "/v1/models")
     return servers
 
 
@@ -183,10 +193,13 @@ def main() -> None:
     ap.add_argument("--also", nargs="*", default=[], help="more Sluice servers: each one's extra flags, quoted")
     ap.add_argument("--llama-cpp", default="~/peers/llama/bin/python", help="a Python with llama-cpp-python[server]")
     ap.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama.cpp: one server each")
-    ap.add_argument("--llama-threads", type=int, default=1, help="llama.cpp's threads (try 1 and 2)")
+    ap.add_argument("--llama-server", help="llama.cpp's own llama-server binary (else llama-cpp-python's server)")
+    ap.add_argument("--llama-slots", type=int, default=8, help="llama-server's parallel slots (-np)")
+    ap.add_argument("--llama-threads", type=int, nargs="+", default=[1], help="llama.cpp's threads: one server each")
     args = ap.parse_args()
     model_dir = default_model_dir()
-    print(f"# bench_peers {machine()}: {model_dir.name} fp32, {args.input_len} in / {args.output_len} out, greedy")
+    served = args.sluice_args or f"{model_dir.name} fp32"
+    print(f"# bench_peers {machine()}: {served}, {args.input_len} in / {args.output_len} out, greedy")
     servers = commands(args, model_dir)
     results = {name: measure(name, cmd, env, health, args) for name, (cmd, env, health) in servers.items()}
     names = list(results)

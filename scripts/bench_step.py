@@ -4,7 +4,7 @@ in the same run on the same device, model, batch and lengths.
 
     python scripts/bench_step.py [--model DIR] [--device cuda] [--dtype auto] [--batches 1 16 64] [--steps 32]
                                  [--prompt-len 128] [--no-hf] [--cpu-kernels torch|native] [--batch-invariant]
-                                 [--attention-backend torch|triton|native] [--quantization int8|int4|bf16] [--json FILE]
+                                 [--attention-backend torch|triton|native] [--quantization q8_0|q4_0|q4_k] [--json FILE]
                                  [--python-loop]
 
 For each batch B: B random prompts of --prompt-len tokens prefilled in one step, then --steps decode steps through
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frontend.launch import resolve_model
 from gpu.batch import BatchSpec, ScheduledRow
-from gpu.layers.quant import QuantLinear
+from gpu.layers.linear import Linear
 from gpu.loading.config import ModelConfig
 from gpu.runner.model_runner import ModelRunner
 
@@ -71,9 +71,15 @@ def counts(runner: ModelRunner, batch: BatchSpec) -> tuple[int, int]:
     return launches, sum(e.device_type == DeviceType.CUDA and e.name not in LAUNCH_CALLS for e in events)
 
 
-def streamed_bytes(m: QuantLinear) -> int:
-    """What a decode row reads of a quantized layer: its quantized weight and scales."""
-    return m.qweight.nbytes + m.scales.nbytes
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """What a decode step reads at least: each linear layer's weight as held (blocks, panels or its parameter; the LM
+    head's included, the embedding's looked-up rows not)."""
+    held = (
+        [b for *_, b in m.blocks] if m.blocks is not None else [m.weight if m.native is None else m.native]
+        for m in model.modules()
+        if isinstance(m, Linear)
+    )
+    return sum(t.nbytes for ts in held for t in ts)
 
 
 def decode_steps(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> tuple[float, list[float], BatchSpec]:
@@ -134,7 +140,7 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", default=None, choices=["torch", "native"])
     ap.add_argument("--batch-invariant", action="store_true", help="the runner in batch-invariant mode")
     ap.add_argument("--attention-backend", default=None, choices=["torch", "triton", "native"])
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="CPU weight-only quantization")
+    ap.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_k"], help="CPU, at load")
     ap.add_argument("--python-loop", action="store_true", help="the Python layer loop, not the native one")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
@@ -156,12 +162,7 @@ def main() -> None:
         activations = runner.dtype  # (HF's reference runs in it)
         if args.python_loop:  # (gpu/runner/native_loop.py)
             runner.model.model.native_loop = None
-        quantized = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
-        weights = (  # (a quantized model's decode reads its quantized layers: the float32 embedding is not read)
-            sum(streamed_bytes(m) for m in quantized)
-            if quantized
-            else sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        )
+        weights = streamed_bytes(runner.model)
         for b in args.batches:
             prefill, times, last = decode_steps(runner, prompts[b], args.steps)
             launches, kernels = counts(runner, last) if device.type == "cuda" else (None, None)

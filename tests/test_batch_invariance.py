@@ -151,14 +151,12 @@ def test_other_families_in_any_batch_and_chunk(family_dir_of, family):
     assert chunks_match_alone(runner, [4, 8, 12])  # (crossing the window)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
 def test_quantized_models_in_any_batch_and_chunk(tiny_model_dir, mode):
-    """Every row count on the native quantized kernels; the power check: the same comparison with the mode off (the
-    quantized kernels up to a few rows, the float32 GEMM above) finds differing logits."""
+    """GGUF blocks (--quantization): each row's activations quantized alone, its chains its own, at any row count."""
     config = ModelConfig.from_path(tiny_model_dir)
     args = dict(device="cpu", dtype="float32", num_blocks=512, block_size=16, quantization=mode)
     assert chunks_match_alone(ModelRunner(config, **args, batch_invariant=True), [4, 8, 12, 15])
-    assert not chunks_match_alone(ModelRunner(config, **args), [4, 8, 12, 15])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

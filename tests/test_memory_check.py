@@ -55,7 +55,7 @@ def held_bytes(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize(
     "weights, quantization",
-    [(torch.float32, None), (torch.float32, "int8"), (torch.float32, "int4"), (torch.float32, "q8_0"),
+    [(torch.float32, None), (torch.float32, "q8_0"), (torch.float32, "q4_0"), (torch.float32, "q4_k"),
      (torch.bfloat16, None), (torch.float16, None)],
 )  # fmt: skip
 def test_the_estimate_is_a_floor_of_what_the_loaded_weights_hold(tiny_model_dir, weights, quantization):

@@ -98,21 +98,6 @@ def test_a_model_on_the_native_kernels_computes_what_it_does_on_torchs(tiny_mode
     assert torch.allclose(logits["native"], logits["torch"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_rows_are_the_same_bits_in_any_batch_and_on_every_isa(mode):
-    """The int8 and int4 kernels (gpu/kernels/native/csrc/quant.cpp: rows quantized alone, four rows a pass over a
-    column):
-    each of 9 rows alone and in the first 1..9 rows is the same bits, on every built ISA."""
-    from gpu.layers.quant import QuantLinear
-
-    g = torch.Generator().manual_seed(5)
-    w, x = torch.randn(100, 96, generator=g), torch.randn(9, 96, generator=g) * 3
-    layers = [QuantLinear(w, None, mode, native.ops(isa)) for isa in BUILT]
-    alone = torch.cat([layers[0].kernel(x[i : i + 1]) for i in range(9)])
-    assert all(torch.equal(layers[0].kernel(x[:size]), alone[:size]) for size in range(1, 10))
-    assert all(torch.equal(other.kernel(x), alone) for other in layers[1:])
-
-
 @pytest.mark.parametrize("isa", BUILT)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 def test_streamed_weights_lie_in_huge_page_aligned_memory(isa, dtype):

@@ -1,138 +1,56 @@
-"""Weight-only quantization (gpu/layers/quant.py). Every path (the quantized kernel for few rows; above kernel_rows the
-float32 GEMM on the weight dequantized at load, oneDNN's or the [in, out] copy) is checked against references
-computed here, never the code's own dequantization:
-- float32: y = x @ W^T of the original weight, within the worst case of the quantization error (each weight off by
-  at most one step: half a step of rounding, the rest from the scales kept in bfloat16) plus the kernel's bfloat16
-  rounding; loose, but it holds whatever the inputs;
-- the documented scheme, dequantized in this file in float64 (int8: round(w / s) * bf16(s), s = max|w| / 127 per
-  output channel; int4: per group of 32, (q - 8) * bf16(scale) + bf16(lo + 8 * scale), q = round((w - lo) / scale)),
-  within the path's own arithmetic: float32 GEMM above kernel_rows; bfloat16 activations and outputs (8
-  significant bits: a relative error of at most 2^-8 each) for torch's kernel; int8 activations per row and group
-  of 32 (each off by at most half a step, max|x| / 254 of its group) for the native kernels. Tight: a misplaced
-  nibble or a missing zero point is off by far more.
-A quantized engine serves end to end with greedy output close to the float32 one."""
+"""`--quantization q8_0 | q4_0 | q4_k` (gpu/layers/quant.py): an HF checkpoint's layers quantized at load into GGUF
+blocks (the blocks' values and kernels: tests/test_quantize_rows.py, tests/test_block_kernels.py). Here: each layer
+holds the format the table names (q4_k's widths off 256 in Q5_0), nothing else (no float32 copy: the parameter is
+its shape alone), the layer's output is x @ W^T of gguf-py's dequantization of those blocks
+within the activations' 8-bit rounding; an engine serves end to end with greedy output close to float32's; retired
+names and runs off the native kernels are refused, naming what to use (with --dtype bfloat16, layers whose width is
+not whole blocks keep bfloat16 panels)."""
 
 from __future__ import annotations
 
+import argparse
+
+import gguf
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from actors.engine.config import EngineConfig
+from frontend.cli_args import _quantization
 from frontend.offline import AsyncLLM
 from gpu.kernels import native
-from gpu.layers import quant
-from gpu.layers.quant import GROUP, QuantLinear
+from gpu.layers.linear import Linear
 from gpu.loading.config import ModelConfig
 from gpu.runner.model_runner import ModelRunner
 from messages.sampling_params import SamplingParams
+from tests.family_models import make_family_dir
 
-MODES = ["int8", "int4"]  # (served: on the native kernels where built)
+T = gguf.GGMLQuantizationType
 NATIVE = pytest.mark.skipif(native.ops() is None, reason="the native kernels are not built for this CPU")
-LAYERS = [*MODES, *(pytest.param(f"{m}-native", marks=NATIVE) for m in MODES)]  # layers: torch's kernels, and native
-BF16 = 2.0**-8  # bfloat16's relative rounding error bound
+MODES = ["q8_0", "q4_0", "q4_k"]
 
 
-def weight(out: int = 96, inp: int = 128) -> torch.Tensor:
-    return torch.randn(out, inp, generator=torch.Generator().manual_seed(0))
+@NATIVE
+@pytest.mark.parametrize("mode", MODES)
+def test_each_layer_holds_its_format_alone_and_computes_its_values(tmp_path, mode):
+    """(Qwen2: biases; down_proj's 288-wide input is off q4_k's 256: Q5_0 there)"""
+    source = make_family_dir(tmp_path, "qwen2", hidden_size=256, intermediate_size=288, head_dim=64)
+    runner = ModelRunner(ModelConfig.from_path(source), device="cpu", num_blocks=8, quantization=mode)
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    x = torch.randn(5, 288, generator=torch.Generator().manual_seed(1))
+    first = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K}[mode]
+    for m in layers:
+        want = T.Q5_0 if mode == "q4_k" and m.in_features % 256 else first
+        assert m.native is None and m.weight.is_meta and all(kind == want for _, kind, _ in m.blocks)
+        w = torch.cat([torch.from_numpy(gguf.quants.dequantize(b.numpy(), kind)) for _, kind, b in m.blocks])
+        xi = x[:, : m.in_features]
+        exact = xi.double() @ w.double().t() + (0 if m.bias is None else m.bias.double())
+        act = gguf.GGML_QUANT_SIZES[want][0]  # (the activations' blocks: Q8_0's 32, or Q8_K's 256)
+        step = xi.abs().view(5, -1, act).amax(-1).repeat_interleave(act, 1).double() / 127
+        assert ((m(xi).double() - exact).abs() <= (step / 2 + 1e-5 * xi.abs()) @ w.double().abs().t() + 1e-5).all()
+    assert {kind for m in layers for _, kind, _ in m.blocks} == ({T.Q4_K, T.Q5_0} if mode == "q4_k" else {first})
 
 
-def scheme(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the dequantized weight in float64, the step: the most any weight may be off by) of the documented scheme."""
-    if mode.startswith("int8"):
-        s = w.abs().amax(1, keepdim=True) / 127
-        q = (w / s).round().clamp(-127, 127)
-        return q.double() * s.bfloat16().double(), s.expand_as(w).double()
-    g = w.view(w.shape[0], -1, GROUP)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    s = (hi - lo) / 15
-    q = ((g - lo) / s).round().clamp(0, 15)
-    deq = (q.double() - 8) * s.bfloat16().double() + (lo + 8 * s).bfloat16().double()
-    return deq.view(w.shape), s.expand_as(g).reshape(w.shape).double()
-
-
-def layer(w: torch.Tensor, bias: torch.Tensor | None, mode: str) -> QuantLinear:
-    """mode "int8", "int4" (torch's kernels), "int8-native" or "int4-native"."""
-    return QuantLinear(w, bias, mode.removesuffix("-native"), native.ops() if mode.endswith("native") else None)
-
-
-def rows_cases(q: QuantLinear) -> list[int]:
-    return sorted(r for r in {1, 3, q.kernel_rows, q.kernel_rows + 1, 2 * q.kernel_rows + 3} if r > 0)
-
-
-def kernel_rounding(x: torch.Tensor, wq: torch.Tensor, q: QuantLinear) -> torch.Tensor:
-    """The kernel path's bound: bfloat16 activations and outputs (torch's), or int8 activations per group of GROUP
-    (native); zero above kernel_rows (float32 throughout)."""
-    if x.shape[0] > q.kernel_rows:
-        return torch.zeros(())
-    if q.native_ops is not None:
-        amax = x.abs().unflatten(-1, (-1, GROUP)).amax(-1, keepdim=True).expand(-1, -1, GROUP).reshape(x.shape)
-        return (amax.double() / 254 * (1 + 1e-5)) @ wq.abs().t()
-    return BF16 * (x.abs().double() @ wq.abs().t()) * (2 + BF16)
-
-
-@pytest.mark.parametrize("onednn", [True, False])  # False: the [in, out] copy, where oneDNN is missing
-@pytest.mark.parametrize("mode", LAYERS)
-@pytest.mark.parametrize("inp", [128, 96, 288, 100, 97])  # 4 groups; 3 (odd: a pair's high half unused); 9 (the
-# native int4 m terms' full eight lanes and a tail); off the groups; odd
-def test_every_path_matches_the_scheme_and_float32(mode, onednn, inp, monkeypatch):
-    if inp % GROUP and mode.startswith("int4"):
-        pytest.skip("int4 takes widths in whole groups")
-    if not onednn:
-        monkeypatch.setattr(quant, "onednn_pack", lambda weight: None)
-    w, bias = weight(96, inp), torch.randn(96, generator=torch.Generator().manual_seed(2))
-    q = layer(w, bias, mode)
-    assert (q.native_ops is not None) == (mode.endswith("native") and inp % GROUP == 0)  # (else torch's kernel)
-    wq, step = scheme(w, mode)
-    assert ((wq - w.double()).abs() <= step).all()
-    for rows in rows_cases(q):
-        x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
-        y = q(x).double()
-        slack = max(1e-5, inp * 2**-24) * (x.abs().double() @ wq.abs().t() + 1)  # float32 accumulation of inp terms
-        rounding = kernel_rounding(x, wq, q)  # (97: int8 dequantized at every row count, torch's kernel being wrong)
-        to_scheme = (y - (x.double() @ wq.t() + bias.double())).abs()
-        assert (to_scheme <= rounding + slack).all(), (rows, (to_scheme - rounding).max())
-        to_float = (y - (x.double() @ w.double().t() + bias.double())).abs()
-        worst = x.abs().double() @ step.t() + rounding + slack
-        assert (to_float <= worst).all(), rows
-        assert to_float.max() > 1e-3  # it is quantized
-
-
-@pytest.mark.parametrize("mode", LAYERS)
-def test_leading_dimensions_are_kept(mode):
-    q = layer(weight(), None, mode)
-    k = q.kernel_rows
-    x = torch.randn(2, k, 128, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(q(x), q(x.reshape(2 * k, 128)).view(2, k, 96), rtol=0, atol=0)
-    torch.testing.assert_close(q(x[1:, :1]), q(x[1, :1]).view(1, 1, 96), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("mode", LAYERS)
-def test_many_rows_dequantize_nothing_per_call(mode):
-    """Above kernel_rows the layer multiplies by the float32 weight it dequantized once, at load: a call allocates
-    its output, nothing of the weight's size (the former path rebuilt the whole float32 weight on every call)."""
-    q = layer(weight(1024, 256), None, mode)
-    x = torch.randn(q.kernel_rows + 1, 256)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        q(x)
-    largest = max(abs(e.cpu_memory_usage) for e in prof.events())
-    assert x.shape[0] * 1024 * 4 <= largest < 1024 * 256 * 4
-
-
-@pytest.mark.parametrize("mode", [pytest.param(f"{m}-native", marks=NATIVE) for m in MODES])
-def test_a_non_finite_activation_makes_its_row_nan_and_no_other(mode):
-    """A NaN or an infinity in one row's input: that row's outputs NaN (its group's scale is NaN), the other rows'
-    the same bits as without it."""
-    q, x = layer(weight(), None, mode), torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
-    clean = q(x)
-    for bad in (float("nan"), float("inf")):
-        poisoned = x.clone()
-        poisoned[1, 40] = bad
-        y = q(poisoned)
-        assert y[1].isnan().all() and torch.equal(y[[0, 2]], clean[[0, 2]])
-
-
-@pytest.mark.parametrize("mode", [*MODES, "bfloat16", pytest.param("q8_0", marks=NATIVE)])  # (bfloat16: --dtype)
+@pytest.mark.parametrize("mode", [*(pytest.param(m, marks=NATIVE) for m in MODES), "bfloat16"])  # (bf16: --dtype)
 async def test_quantized_engine_serves_and_stays_close_to_float32(tiny_model_dir, mode):
     prompts = [[1, *range(200 + 9 * i, 212 + 9 * i)] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -152,6 +70,15 @@ async def test_quantized_engine_serves_and_stays_close_to_float32(tiny_model_dir
     assert any(q.logprobs.sampled != f.logprobs.sampled for q, f in pairs)  # the weights really are quantized
 
 
-def test_quantization_is_refused_outside_cpu_float32(tiny_model_dir):
-    with pytest.raises(ValueError, match="CPU in float32 only"):
-        ModelRunner(ModelConfig.from_path(tiny_model_dir), device="cpu", dtype="bfloat16", quantization="int8")
+def test_quantization_is_refused_off_the_native_kernels(tiny_model_dir):
+    config = ModelConfig.from_path(tiny_model_dir)
+    with pytest.raises(ValueError, match="runs on the native CPU kernels"):
+        ModelRunner(config, device="cpu", num_blocks=8, quantization="q4_k", cpu_kernels="torch")
+
+
+@pytest.mark.parametrize("name, use", [("int8", "q8_0"), ("int4", "q4_k or q4_0"), ("bf16", "--dtype bfloat16")])
+def test_retired_names_say_what_replaced_them(name, use):
+    with pytest.raises(argparse.ArgumentTypeError, match=f"retired: use {use}"):
+        _quantization(name)
+    with pytest.raises(argparse.ArgumentTypeError, match="q8_0, q4_0, q4_k"):
+        _quantization("q4_k_m")

@@ -150,8 +150,7 @@ async def test_an_engine_sigkilled_while_it_starts_is_explained_as_out_of_memory
     text = str(e.value)
     assert "process engine was killed by SIGKILL during startup: most likely out of memory" in text
     assert re.search(r"weights take at least \d+\.\d GiB of host memory \(float32\), its KV cache \d+\.\d GiB", text)
-    assert "available (MemAvailable" in text and "--dtype bfloat16" in text
-    assert "--quantization int8" not in text  # (its dequantized copy: more bytes than float32's, never suggested)
+    assert "available (MemAvailable" in text and "--dtype bfloat16" in text and "--quantization q4_k" in text
 
 
 async def test_a_restarted_http_process_serves_once_told_the_start_has_ended(loading):

@@ -38,7 +38,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # an HF-style directory (a .gguf's card: gpu/loading/gguf_card.py)
     device: str = "auto"
     dtype: str = "auto"
-    quantization: Literal["int8", "int4", "q8_0"] | None = None  # weight-only, CPU float32 (gpu/layers/quant.py)
+    quantization: Literal["q8_0", "q4_0", "q4_k"] | None = None  # weight-only, CPU float32 (gpu/layers/quant.py)
     # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/kernels/native: batch-invariant up to
     # 64 rows; quantized layers' few-row calls too); None: native where built (torch's with a warning otherwise)
     cpu_kernels: Literal["native", "torch"] | None = None

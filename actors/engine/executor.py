@@ -108,7 +108,7 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
     device = resolve_device(config.device)
     if device.type == "cuda" and config.worker == "inline" and config.kv_cache_memory_gb is None:
         return None
-    native_weights = native_cpu_weights(device, config.cpu_kernels, config.quantization, load=False)
+    native_weights = native_cpu_weights(device, config.cpu_kernels, load=False)
     dtype = resolve_dtypes(config.dtype, device, model.dtype, native_weights)[0]  # (the KV cache's: activations')
     drafts = draft_configs(config)
     budget = int((1.0 if config.kv_cache_memory_gb is None else config.kv_cache_memory_gb) * (1 << 30))

@@ -16,8 +16,6 @@ blocks (`rows`). Elsewhere (CUDA, torch's kernels) the [out, in] parameter, in t
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -31,7 +29,6 @@ BLOCK_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 class Linear(nn.Linear):
     native_ops = None  # the native kernels (gpu/kernels/native) ...
     native: torch.Tensor | None = None  # ... and the weight in their layout (its only copy), for every row count
-    native_rows = sys.maxsize  # (the native loop reads it: gpu/runner/native_loop.py)
     # ... or its rows in GGUF blocks, per stacked part (first row, format: ggml's type id, [rows, row bytes])
     blocks: list[tuple[int, int, torch.Tensor]] | None = None
 

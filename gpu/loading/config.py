@@ -8,6 +8,7 @@ names what is missing before any process starts.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -52,10 +53,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32  # the checkpoint's dtype
+    gguf_name: str | None = None  # a GGUF's file name, less ".gguf" and a split's part (`path` is its card)
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return self.gguf_name or self.path.name
 
     def served(self, max_model_len: int) -> ModelConfig:
         """This config for a server capped at `max_model_len` (rotary scalings fixed by the served length read it)."""
@@ -64,14 +66,16 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
         path = Path(path).expanduser()
+        gguf_name = None
         if path.suffix == ".gguf":  # (its card: the files besides the weights, which stay in the GGUF)
-            path = gguf_card(path)
+            gguf_name, path = re.sub(r"-\d{5}-of-\d{5}$", "", path.stem), gguf_card(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory not found: {path}")
         raw = _read_json(path / "config.json", required=True)
         _require(path, "tokenizer.json")
         weight_files(path)  # raises when weights are missing
-        return cls.from_dict(path, raw, _read_json(path / "generation_config.json", required=False))
+        config = cls.from_dict(path, raw, _read_json(path / "generation_config.json", required=False))
+        return replace(config, gguf_name=gguf_name)
 
     @classmethod
     def from_dict(cls, path: Path, raw: dict, generation: dict | None = None) -> ModelConfig:

@@ -28,7 +28,7 @@ from gpu.kernels import native
 from gpu.layers.attention import Attention
 from gpu.layers.linear import BLOCK_FORMATS, Linear
 from gpu.layers.parallel import Shard
-from gpu.layers.quant import BLOCK_QUANTIZATIONS, GROUP, Quantization, quantize_model
+from gpu.layers.quant import BLOCK_QUANTIZATIONS, Quantization
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
 from gpu.loading.gguf_file import GGUFFile
 from gpu.loading.mapped import MappedFile
@@ -41,20 +41,15 @@ log = logging.getLogger("sluice.weights")
 Load = tuple["MappedFile | GGUFFile", str, str, int | None, int]
 
 
-def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1, quantization: Quantization | None = None):
+def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1):
     """Raise ModelLoadError unless every parameter has exactly one tensor of its shape in the checkpoint, and the
-    model shards over `tensor_parallel_size` ranks, each rank's layers quantizable."""
+    model shards over `tensor_parallel_size` ranks."""
     for rank in range(tensor_parallel_size):
         try:
             with shaped_as(TensorParallel(rank, tensor_parallel_size)), torch.device("meta"):
                 model = REGISTRY[config.architecture](config)
         except ValueError as e:  # (more ranks than heads, KV heads that do not spread over them)
             raise ModelLoadError(f"{config.name}: {e}") from e
-        if quantization == "int4":
-            odd = sorted({m.in_features for m in model.modules() if isinstance(m, Linear) and m.in_features % GROUP})
-            if odd:
-                raise ModelLoadError(f"{config.name}: --quantization int4 needs input widths in multiples of {GROUP};"
-                                     f" rank {rank} of {tensor_parallel_size} has {odd}")  # fmt: skip
     checkpoint_plan(config, dict(model.named_parameters()), shards_of(model))
 
 
@@ -150,21 +145,19 @@ def load_model(
     cpu_kernels: str | None = None,
     weight_dtype: torch.dtype | None = None,
 ) -> CausalLM:
-    """The model with its weights, activations in `dtype`; `quantization` (CPU, float32 only): q8_0 holds every linear
-    layer's weight (whole blocks wide) in Q8_0 blocks, quantized as it loads; int8 or int4 replace each by a quantized
-    one, kept dequantized too for calls of many rows (gpu/layers/quant.py);
+    """The model with its weights, activations in `dtype`; `quantization` (CPU, float32 only, the native kernels): each
+    linear layer's weight (whole blocks wide) in GGUF blocks, quantized as it loads (gpu/layers/quant.py);
     `attention`, the backend every attention layer calls (gpu/attention/backend.py; the torch path when None), whose
     kernel set goes to every layer; `cpu_kernels` "native" or None (the default): a CPU float32 model's linear layers
     hold their weights in the native kernels' panels where built (gpu/kernels/native), in `weight_dtype` (float32,
-    bfloat16 or float16; default `dtype`; the embedding table too), quantized layers' few-row calls run them too;
-    "torch": torch's."""
+    bfloat16 or float16; default `dtype`; the embedding table too); "torch": torch's."""
     if quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--quantization {quantization} runs on CPU in float32 only, not {device.type} {dtype}")
     cpu = device.type == "cpu" and dtype == torch.float32
     ops = native.ops() if cpu and cpu_kernels != "torch" else None
     weights = weight_dtype or dtype
-    panels = ops is not None and quantization in (None, *BLOCK_QUANTIZATIONS)
-    if quantization in BLOCK_QUANTIZATIONS and ops is None:
+    panels = ops is not None
+    if quantization and ops is None:
         raise ValueError(f"--quantization {quantization} runs on the native CPU kernels: make setup builds them")
     if weights != dtype and not panels:
         raise ValueError(f"{weights} weights with {dtype} activations need the native CPU kernels (make setup)")
@@ -173,7 +166,7 @@ def load_model(
     model.requires_grad_(False).eval()
     shards = shards_of(model)
     plan = checkpoint_plan(config, dict(model.named_parameters()), shards)  # (on meta: names and shapes)
-    into = BLOCK_QUANTIZATIONS.get(quantization)
+    into = BLOCK_QUANTIZATIONS.get(quantization, ())
     layers = hold_weights(model, plan, ops, weights, dtype, into) if panels else {}
     materialize(model, dtype, device)
     if not panels:
@@ -190,7 +183,7 @@ def load_model(
     for f, name, target, row, part in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(plan) < 500):
         parts, layer = shards.get(target), layers.get(target)
         offset = 0 if parts is None else sum(s.length for s in parts[:part])  # (parts stack along dim 0)
-        if layer is not None and layer.blocks is not None and into is None and f.kind(name) in BLOCK_FORMATS:
+        if layer is not None and layer.blocks is not None and not into and f.kind(name) in BLOCK_FORMATS:
             layer.load_rows(f.raw(name), offset)
         else:
             tensor = f.tensor(name)
@@ -203,16 +196,14 @@ def load_model(
     factors = [f.tensor(ROPE_FREQS) for f in {f for f, *_ in plan} if ROPE_FREQS in f.header]
     for rotary in model.model.rotaries if factors else ():  # (theta_i / factor_i, llama.cpp's freq_factors)
         rotary.inv_freq = rotary.inv_freq / factors[0].to(rotary.inv_freq)
-    if quantization and not panels:
-        quantize_model(model, quantization, ops)
     return model
 
 
 def hold_weights(
-    model: CausalLM, plan: list[Load], ops, weights: torch.dtype, dtype: torch.dtype, into: int | None = None
+    model: CausalLM, plan: list[Load], ops, weights: torch.dtype, dtype: torch.dtype, into: tuple[int, ...] = ()
 ) -> dict[str, Linear]:
-    """Lay each linear layer's weight out for the native kernels before the load: in block format `into` where its
-    width is whole blocks (quantized as it loads), else in its checkpoint tensors' block formats where each has one the
+    """Lay each linear layer's weight out for the native kernels before the load: in the first block format of `into`
+    whose blocks its width is whole of (quantized as it loads), else in its checkpoint tensors' block formats where each has one the
     kernels run (BLOCK_FORMATS, part by part; one rank holding the whole weight), else in panels of `weights`; the
     embedding's table in a tied head's panels or blocks, in blocks of its own, or in `weights`. The checkpoint
     parameter name -> the layer its tensors are written into."""
@@ -226,8 +217,9 @@ def hold_weights(
         """(rows, format) of each part, where every part has a block format the kernels run."""
         found, parts = kinds.get(target, {}), shards.get(target)
         rows = [s.length for s in parts] if parts and parts[0].dim == 0 else [layer.out_features]  # (stacked by rows)
-        if into is not None:  # (any rank: its shard of each tensor is quantized as it loads)
-            return [(n, into) for n in rows] if layer.in_features % GGML_QUANT_SIZES[into][0] == 0 else None
+        if into:  # (any rank: its shard of each tensor is quantized as it loads)
+            kind = next((k for k in into if layer.in_features % GGML_QUANT_SIZES[k][0] == 0), None)
+            return [(n, kind) for n in rows] if kind is not None else None
         ok = whole and len(found) == len(rows) and all(k in BLOCK_FORMATS for k in found.values())
         ok = ok and all(layer.in_features % GGML_QUANT_SIZES[k][0] == 0 for k in found.values())
         return [(n, found[i]) for i, n in enumerate(rows)] if ok else None

@@ -102,39 +102,37 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in _meta_model(config).parameters()) * dtype.itemsize
 
 
-# bytes of a linear layer's weight served on CPU by --quantization (floors): the quantized weight and one float32
-# layout (gpu/layers/quant.py; int4: torch's bfloat16 scales)
-CPU_LINEAR_BYTES = {"int8": 5.0, "int4": 4.625}  # (q8_0: its blocks alone, 34 bytes a 32)
-
-
 def served_weight_bytes(
     config: ModelConfig, dtype: torch.dtype, quantization: str | None, device: str, weights: torch.dtype | None = None
 ) -> int:
     """A floor of the bytes the weights hold as gpu/loading/weights.py's `load_model` serves them, activations in
     `dtype`: each linear layer's weight and the embedding table in `weights` (default `dtype`: the native panels' on
     CPU; a tied LM head's panels are the table, counted once), the rest in `dtype`; a GGUF's on CPU from its tensor
-    table (block formats in their own bytes). Quantized (CPU, float32): every
-    weight in float32 while it loads, then each linear layer's weight CPU_LINEAR_BYTES[quantization] bytes a weight
-    beside the embedding's float32 table (a tied LM head's too); the larger of the two. (SmolLM2-135M: float32 513 MiB,
-    bfloat16 257; 750 int8 and 701 int4, docs/performance-history.md, "Engine speed against vLLM's CPU build (issue 13,
-    first pass)".)"""
+    table (block formats in their own bytes); with `quantization` (CPU) each matrix in the first of its block formats
+    (gpu/layers/quant.py) whose blocks its input width is whole of, else in `weights`. Nothing is held twice, not
+    even while loading. (SmolLM2-135M: float32 513 MiB, bfloat16 257, q8_0 145.)"""
+    from gguf import GGML_QUANT_SIZES
+
     from gpu.layers.linear import Linear
+    from gpu.layers.quant import BLOCK_QUANTIZATIONS
 
     files = weight_files(config.path)
     if files[0].suffix == ".gguf" and device == "cpu" and not quantization:
         return _gguf_bytes(files, dtype, weights or dtype)
     model = _meta_model(config)
     model.tie_weights()
+    held = weights or dtype
+
+    def matrix(rows: int, cols: int) -> float:
+        kinds = [GGML_QUANT_SIZES[k] for k in BLOCK_QUANTIZATIONS.get(quantization, ())]
+        size = next((b / e for e, b in kinds if cols % e == 0), held.itemsize)
+        return rows * cols * size
+
     total = sum(p.numel() for p in model.parameters())  # (a tied LM head is the embedding: counted once)
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))  # (the head's included)
-    table = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
-    rest = total - linear - table  # norms, biases, experts, the router
-    if quantization == "q8_0":  # (blocks of 34 bytes a 32 weights, no float32 phase; a tied head is the table)
-        return int((linear + table) * 34 / 32) + dtype.itemsize * rest
-    if quantization and device == "cpu":
-        head = model.lm_head.weight.numel() if config.tie_word_embeddings else 0
-        return max(4 * total, int(CPU_LINEAR_BYTES[quantization] * linear + 4 * (rest + table + head)))
-    return (weights or dtype).itemsize * (linear + table) + dtype.itemsize * rest
+    linears = [m.weight for m in model.modules() if isinstance(m, Linear)]  # (the head's included)
+    table = [] if config.tie_word_embeddings else [model.model.embed_tokens.weight]
+    rest = total - sum(w.numel() for w in (*linears, *table))  # norms, biases, experts, the router
+    return int(sum(matrix(*w.shape) for w in (*linears, *table))) + dtype.itemsize * rest
 
 
 def _gguf_bytes(files: list, dtype: torch.dtype, weights: torch.dtype) -> int:

@@ -21,7 +21,7 @@ from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.distributed.group import current
 from gpu.kernels import native
 from gpu.layers.parallel import local_config
-from gpu.layers.quant import BLOCK_QUANTIZATIONS, Quantization, make_invariant
+from gpu.layers.quant import Quantization, check_invariant
 from gpu.loading.config import ModelConfig
 from gpu.loading.weights import load_model
 from gpu.runner.graphs import DecodeGraphs, GraphMode, capture_sizes
@@ -60,15 +60,12 @@ def resolve_dtypes(
     return (named or torch.float32,) * 2
 
 
-def native_cpu_weights(
-    device: torch.device, cpu_kernels: str | None, quantization: Quantization | None, load: bool = True
-) -> bool:
+def native_cpu_weights(device: torch.device, cpu_kernels: str | None, load: bool = True) -> bool:
     """Whether the linear layers hold their weights in the native kernels' panels or blocks (activations float32): on
-    CPU, unless --cpu-kernels torch or --quantization int8|int4, where the kernels are built (and, with `load`, load:
-    a process that only sizes a cache passes False and leaves the library unloaded)."""
-    held = quantization in (None, *BLOCK_QUANTIZATIONS)
+    CPU, unless --cpu-kernels torch, where the kernels are built (and, with `load`, load: a process that only sizes a
+    cache passes False and leaves the library unloaded). (--quantization needs them: gpu/loading/weights.py.)"""
     built = native.ops() is not None if load else native.available()
-    return device.type == "cpu" and cpu_kernels != "torch" and held and built
+    return device.type == "cpu" and cpu_kernels != "torch" and built
 
 
 class ModelRunner:
@@ -98,7 +95,7 @@ class ModelRunner:
         self.config = model_config
         self.kv_config = local_config(model_config, current())  # the heads this rank holds (tensor parallelism)
         self.device = resolve_device(device)
-        native_weights = native_cpu_weights(self.device, "native" if batch_invariant else cpu_kernels, quantization)
+        native_weights = native_cpu_weights(self.device, "native" if batch_invariant else cpu_kernels)
         self.dtype, weight_dtype = resolve_dtypes(dtype, self.device, model_config.dtype, native_weights)
         if self.device.type == "cuda":
             # Bind the calling thread (the runner is built on the device thread that runs its steps) before anything
@@ -137,7 +134,7 @@ class ModelRunner:
             model_config, self.device, self.dtype, quantization, self.attention, kernels, weight_dtype
         )
         if batch_invariant:
-            make_invariant(self.model)
+            check_invariant(self.model)
         self.model.model.native_loop = native_loop(self.model, self.attention)
         mode = graph_mode(decode_graphs, self.device, self.attention, model_config.moe is not None)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)

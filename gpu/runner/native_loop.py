@@ -4,17 +4,14 @@ them (5-8 ms of a 15-33 ms batch-1 decode step of SmolLM2-135M on a 2-vCPU AMD E
 "The layer loop as one native call, ..." (issue 36, sixth part); the step times with and without it:
 docs/PERFORMANCE.md, "Native kernels and quantized formats").
 
-`native_loop(model, attention)` builds it at load (after `make_invariant`, whose row counts it copies) where every
-layer is a plain one (Llama's shape: no sandwich norms, no q/k norms, a dense gated MLP, one device) on the native
-backend, each linear layer on the native kernels for up to `max_rows` rows; None elsewhere (the Python loop runs
-every step, as it does for a process worker, whose progress hooks live in the Python loop's layers). A step goes
-to it (`takes`) when it has at most max_rows tokens and the native attention kernel takes every row
-(gpu/attention/native_backend.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode).
+`native_loop(model, attention)` builds it at load where every layer is a plain one (Llama's shape: no sandwich norms,
+no q/k norms, a dense gated MLP, one device) on the native backend, each linear layer on the native kernels (panels
+or blocks: every row count); None elsewhere (the Python loop runs every step, as it does for a process worker, whose
+progress hooks live in the Python loop's layers). A step goes to it (`takes`) when the native attention kernel takes
+every row (gpu/attention/native_backend.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode).
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -25,15 +22,14 @@ from gpu.kernels.native.kernels import ACT_IDS
 from gpu.layers.attention import Attention
 from gpu.layers.linear import Linear
 from gpu.layers.mlp import GatedMLP
-from gpu.layers.quant import QuantLinear
 
 
 class NativeLoop:
-    def __init__(self, decoder, max_rows: int) -> None:
-        self.decoder, self.max_rows = decoder, max_rows
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        return num_tokens <= self.max_rows and NativeAttention.takes_every_row(meta)
+        return NativeAttention.takes_every_row(meta)
 
     def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = meta.native
@@ -54,36 +50,27 @@ def native_loop(model, attention) -> NativeLoop | None:
     if len({(n.eps, n.offset) for n in norms}) != 1:
         return None
     decoder = getattr(torch.classes, attention.ops.name).Decoder(m.norm.weight, m.norm.eps, m.norm.offset)
-    max_rows = sys.maxsize
     for layer in m.layers:
         a, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
         if layer.sandwich or not isinstance(a, Attention) or hasattr(a, "q_norm") or type(mlp) is not GatedMLP:
             return None
-        for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            rows = add_linear(decoder, linear)
-            if rows is None:
-                return None
-            max_rows = min(max_rows, rows)
+        if not all(add_linear(decoder, linear) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return None
         q, k, v = a.sizes
         decoder.add_layer(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q, k, v, a.head_dim, a.scale,
             a.window or 0, a.softcap or 0.0, ACT_IDS[mlp.act], layer.rope,
         )  # fmt: skip
-    return NativeLoop(decoder, max_rows)
+    return NativeLoop(decoder)
 
 
-def add_linear(decoder, linear) -> int | None:
-    """Hand `linear` to the decoder; the most rows it takes there (None: it is not on the native kernels)."""
-    if isinstance(linear, Linear) and linear.blocks is not None:
+def add_linear(decoder, linear) -> bool:
+    """Hand `linear` to the decoder (False: it is not on the native kernels)."""
+    if not isinstance(linear, Linear):
+        return False
+    if linear.blocks is not None:
         firsts, kinds, held = zip(*linear.blocks, strict=True)
         decoder.add_blocks(list(firsts), list(kinds), list(held), linear.out_features, linear.bias)
-        return sys.maxsize
-    if isinstance(linear, Linear) and linear.native is not None:
-        decoder.add_linear(-1, -1, None, None, linear.native, linear.out_features, linear.bias)
-        return linear.native_rows
-    if not isinstance(linear, QuantLinear) or linear.native_ops is None:
-        return None
-    kernel = {"int4": 0, "int8": 1}.get(linear.mode, -1)
-    quantized = (linear.qweight, linear.scales) if kernel >= 0 else (None, None)
-    decoder.add_linear(kernel, linear.kernel_rows, *quantized, linear.native, linear.out_features, linear.bias)
-    return linear.native_rows if linear.native is not None else linear.kernel_rows
+    elif linear.native is not None:
+        decoder.add_linear(linear.native, linear.out_features, linear.bias)
+    return linear.blocks is not None or linear.native is not None

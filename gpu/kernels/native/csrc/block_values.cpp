@@ -1,7 +1,6 @@
 // The block formats' values (blocks.h): rows `ids` of a weight dequantized to float32, as gguf-py's `dequantize`
 // computes them, bit for bit (each product one float32 rounding, in its order): a tied or quantized embedding's
-// lookup, and the tests' reference point; and the other way, float32 rows quantized into Q8_0 blocks as gguf-py's
-// `quantize` does (an HF checkpoint served with --quantization q8_0).
+// lookup, and the tests' reference point (the other way, values into blocks: quantize.cpp).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -85,41 +84,12 @@ at::Tensor block_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t k
   return rows.view(shape);
 }
 
-// ---- blocks from values: rows of float32 quantized as gguf-py's `quantize` (llama.cpp's quantize_row_*_ref) ----
-
-// Q8_0: d = amax / 127 (stored as f16), q = roundf(x * (1 / d)); a block with NaN or inf gets d = NaN (its q 0)
-void quantize_q8_0_row(const float* x, int64_t in, uint8_t* out) {
-  for (int64_t b = 0; b < in / 32; ++b, x += 32, out += 34) {
-    float amax = 0.0f;
-    bool finite = true;
-    for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[i])), finite &= std::isfinite(x[i]);
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    const uint16_t dh = c10::Half(finite ? d : NAN).x;
-    std::memcpy(out, &dh, 2);
-    for (int i = 0; i < 32; ++i) out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(finite ? std::round(x[i] * id) : 0));
-  }
-}
-
-at::Tensor quantize_rows(const at::Tensor& x, int64_t kind) {
-  TORCH_CHECK(kind == Q8_0, "quantize_rows: no quantizer for block format ", kind, " (Q8_0 has one)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0, "quantize_rows: float32 [rows, in], in a multiple of 32");
-  auto xc = x.contiguous();
-  auto out = at::empty({x.size(0), x.size(1) / 32 * 34}, x.options().dtype(at::kByte));
-  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_q8_0_row(xc.data_ptr<float>() + r * x.size(1), x.size(1), out.data_ptr<uint8_t>() + r * out.size(1));
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(SLUICE_NS, m) {
   m.def("block_rows(Tensor blocks, Tensor ids, int kind, int in_features) -> Tensor");
-  m.def("quantize_rows(Tensor x, int kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) {
   m.impl("block_rows", block_rows);
-  m.impl("quantize_rows", quantize_rows);
 }

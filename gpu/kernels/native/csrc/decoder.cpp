@@ -2,18 +2,16 @@
 // batch-1 decode step of SmolLM2-135M the Python between the ~8 ops of each of 30 layers cost 5-8 ms of a 15 ms
 // (int4) to 33 ms (float32) step. `Decoder` holds each layer's weights as the native ops take them and calls those same ops,
 // through the dispatcher, in the same order and on the same arguments as the Python loop (gpu/models/decoder.py
-// with the native backend's kernel set and linear layers: gpu/layers/linear.py, gpu/layers/quant.py), so its results are the same
+// with the native backend's kernel set and linear layers: gpu/layers/linear.py), so its results are the same
 // bits (tests/test_native_decoder.py). One layer, with the stream residual + h:
 //
 //   x = rms_norm(h + residual) (the sum into residual; the first layer: residual = h)
 //   q, k, v = split(qkv(x)); rotate q, k and write k, v at the step's slots; a = attention(q) over the paged cache
 //   x = rms_norm(o(a) + residual); h = down(act(gate) * up) of gate_up(x)
 //
-// and at the end rms_norm(h + residual) with the final norm's weight. A linear layer runs its quantized kernel
-// (int4 or int8: the bias added after) for up to kernel_rows rows, else the float32 kernel on its panels (float32 or
-// bfloat16), bias inside; a layer held in GGUF blocks runs block_linear_out per stacked part into its columns (the
-// part's bias slice inside): the paths gpu/layers/quant.py's QuantLinear and gpu/layers/linear.py's Linear take at
-// those rows (the builder hands over no layer whose path would leave the native kernels at the rows a step may have).
+// and at the end rms_norm(h + residual) with the final norm's weight. A linear layer runs the native kernel on its
+// panels (float32, bfloat16 or float16), bias inside, or, held in GGUF blocks, block_linear_out per stacked part into
+// its columns (the part's bias slice inside): the paths gpu/layers/linear.py's Linear takes, at any row count.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -36,10 +34,9 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {  // this library's op `name
   return c10::Dispatcher::singleton().findSchemaOrThrow(full.c_str(), "").typed<Sig>();
 }
 
-// The native ops' signatures (as registered: linear.cpp, quant.cpp, fused.cpp, attention.cpp)
+// The native ops' signatures (as registered: linear.cpp, blocks.cpp, fused.cpp, attention.cpp)
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptT&);
 using BlocksSig = void(const at::Tensor&, const at::Tensor&, int64_t, const OptT&, at::Tensor);
-using QuantSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&);
 using NormSig = at::Tensor(const at::Tensor&, const OptT&, const at::Tensor&, double, double);
 using RopeSig = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
                      at::Tensor, const at::Tensor&);
@@ -48,10 +45,7 @@ using AttendSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Ten
                              const at::Tensor&, const at::Tensor&, double, int64_t, double);
 
 struct Linear {
-  int64_t kernel;  // -1: none; 0: int4_linear, 1: int8_linear (on qweight and scales)
-  int64_t kernel_rows;  // the most rows the quantized kernel takes
-  at::Tensor qweight, scales;
-  OptT panels;  // the float32 kernel's (pack), for more rows
+  OptT panels;  // the native kernel's (pack) ...
   int64_t out;
   OptT bias;
   std::vector<int64_t> firsts, kinds;  // or GGUF blocks: each stacked part's first row and format ...
@@ -74,7 +68,6 @@ struct Decoder : torch::CustomClassHolder {
   at::Tensor final_norm;
   c10::TypedOperatorHandle<LinearSig> linear_ = op<LinearSig>("linear");
   c10::TypedOperatorHandle<BlocksSig> blocks_ = op<BlocksSig>("block_linear_out");
-  c10::TypedOperatorHandle<QuantSig> int4_ = op<QuantSig>("int4_linear"), int8_ = op<QuantSig>("int8_linear");
   c10::TypedOperatorHandle<NormSig> norm_ = op<NormSig>("add_rms_norm");
   c10::TypedOperatorHandle<RopeSig> rope_ = op<RopeSig>("rope_and_write_kv");
   c10::TypedOperatorHandle<ActSig> act_ = op<ActSig>("act_and_mul");
@@ -82,19 +75,13 @@ struct Decoder : torch::CustomClassHolder {
 
   Decoder(at::Tensor final_norm, double eps, double offset) : eps(eps), offset(offset), final_norm(final_norm) {}
 
-  void add_linear(int64_t kernel, int64_t kernel_rows, OptT qweight, OptT scales, OptT panels, int64_t out,
-                  OptT bias) {
-    TORCH_CHECK(kernel < 0 || (qweight && scales), "Decoder.add_linear: a quantized kernel needs its weights");
-    TORCH_CHECK(kernel >= 0 || panels, "Decoder.add_linear: a dense layer needs its panels");
-    linears.push_back({kernel, kernel_rows, qweight.value_or(at::Tensor()), scales.value_or(at::Tensor()), panels,
-                       out, bias});
-  }
+  void add_linear(at::Tensor panels, int64_t out, OptT bias) { linears.push_back({panels, out, bias, {}, {}, {}}); }
 
   void add_blocks(std::vector<int64_t> firsts, std::vector<int64_t> kinds, std::vector<at::Tensor> blocks, int64_t out,
                   OptT bias) {
     TORCH_CHECK(!blocks.empty() && firsts.size() == blocks.size() && kinds.size() == blocks.size(),
                 "Decoder.add_blocks: a first row and a format for each part's blocks");
-    linears.push_back({-1, -1, at::Tensor(), at::Tensor(), c10::nullopt, out, bias, firsts, kinds, blocks});
+    linears.push_back({c10::nullopt, out, bias, firsts, kinds, blocks});
   }
 
   // A layer over the last four linears added (qkv, o, gate_up, down).
@@ -115,11 +102,6 @@ struct Decoder : torch::CustomClassHolder {
       }
       return y;
     }
-    if (x.size(0) <= l.kernel_rows) {
-      auto y = (l.kernel == 0 ? int4_ : int8_).call(x.contiguous(), l.qweight, l.scales, c10::nullopt);
-      return l.bias ? y.add_(*l.bias) : y;
-    }
-    TORCH_CHECK(l.panels, "Decoder: a layer's quantized kernel does not take ", x.size(0), " rows");
     return linear_.call(x.contiguous(), *l.panels, l.out, l.bias);
   }
 
