@@ -72,7 +72,8 @@ class MemoryNeed:
         if self.device != "cpu":
             return "try a smaller --max-model-len or --gpu-memory-utilization, or free the host's memory"
         e = self.engine
-        held = {flag: weights(self.model, e, dtype, q) for flag, dtype, q in OPTIONS}
+        blocks = native_cpu_weights(torch.device("cpu"), e.cpu_kernels, load=False)  # (--quantization needs them)
+        held = {flag: weights(self.model, e, dtype, q) for flag, dtype, q in OPTIONS if blocks or q is None}
         options = [f"{flag} ({n / GIB:.1f} GiB of weights)" for flag, n in held.items() if n < self.weights]
         return f"try {', '.join([*options, 'a smaller --kv-cache-memory-gb / --num-kv-blocks'])}"
 

@@ -1,8 +1,8 @@
 """Sluice against vLLM's CPU build and llama.cpp: the same random workload, the same client, one run, ratios printed.
 
     python scripts/bench_peers.py [--vllm ~/peers/vllm/bin/vllm] [--concurrency 1 16] [--sluice-args "..."]
-                                  [--also "--quantization int4" ...] [--llama-cpp PYTHON --gguf F32.gguf Q4_1.gguf]
-                                  [--llama-server BIN --gguf FILE.gguf --llama-threads 1 2 --llama-slots 8]
+                                  [--also "--quantization q4_k" ...] [--llama-cpp PYTHON --gguf F32.gguf Q4_1.gguf]
+                                  [--llama-server BIN --gguf FILE.gguf --llama-threads 1 2 --llama-slots 8 --llama-args "..."]
 
 Each server is started alone (the others are stopped: they would share these few cores), timed from launch to
 ready (/health 200; llama.cpp's /v1/models), warmed up, then measured at each concurrency with
@@ -63,18 +63,20 @@ def sluice_command(args, extra: str = "") -> list[str]:
 
 def commands(args, model_dir: Path) -> dict[str, tuple[list[str], dict[str, str], str]]:
     """name -> (command, environment, the path that answers 200 once the server is ready)"""
-    servers = {"sluice": (sluice_command(args), {}, "/health")}
+    servers = {} if args.peers_only else {"sluice": (sluice_command(args), {}, "/health")}
     servers |= {f"sluice {extra}": (sluice_command(args, extra), {}, "/health") for extra in args.also}
     if vllm := vllm_command(args, model_dir, prefix_caching=False):
         servers["vllm"] = (*vllm, "/health")
     else:
         print(NO_VLLM.format(args.vllm))
     python, server = Path(args.llama_cpp).expanduser(), Path(args.llama_server or "/nonexistent").expanduser()
+    if args.llama_server and not server.is_file():
+        raise SystemExit(f"--llama-server {server}: no such file")
     for gguf, threads in [(g, t) for g in args.gguf for t in args.llama_threads]:
         common = ["--host", "127.0.0.1", "--port", str(args.port)]
         if server.is_file():  # (a context of 2048 tokens a slot)
             cmd = [str(server), "-m", gguf, *common, "-t", str(threads), "-np", str(args.llama_slots),
-                   "-c", str(2048 * args.llama_slots), "--alias", "smollm2"]  # fmt: skip
+                   "-c", str(2048 * args.llama_slots), "--alias", "smollm2", *shlex.split(args.llama_args)]  # fmt: skip
         elif python.is_file():
             cmd = [str(python), "-m", "llama_cpp.server", "--model", gguf, *common, "--n_threads", str(threads),
                    "--n_ctx", "2048", "--model_alias", "smollm2"]  # fmt: skip
@@ -122,7 +124,8 @@ def serving(name: str, cmd: list[str], env: dict[str, str], args, health: str = 
             time.sleep(0.2)
         yield time.perf_counter() - start, proc.pid
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # (one that died starting: its log says why)
+            os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -191,10 +194,12 @@ def main() -> None:
     ap.add_argument("--prompts-per-slot", type=int, default=2, help="prompts = this x concurrency (at least 8)")
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--also", nargs="*", default=[], help="more Sluice servers: each one's extra flags, quoted")
+    ap.add_argument("--peers-only", action="store_true", help="no Sluice server (but --also's): the peers alone")
     ap.add_argument("--llama-cpp", default="~/peers/llama/bin/python", help="a Python with llama-cpp-python[server]")
     ap.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama.cpp: one server each")
     ap.add_argument("--llama-server", help="llama.cpp's own llama-server binary (else llama-cpp-python's server)")
     ap.add_argument("--llama-slots", type=int, default=8, help="llama-server's parallel slots (-np)")
+    ap.add_argument("--llama-args", default="", help='extra llama-server flags, quoted (e.g. --llama-args=--no-repack)')
     ap.add_argument("--llama-threads", type=int, nargs="+", default=[1], help="llama.cpp's threads: one server each")
     args = ap.parse_args()
     model_dir = default_model_dir()

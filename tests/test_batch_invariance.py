@@ -1,4 +1,4 @@
-"""Batch-invariant mode (`--batch-invariant`, gpu/layers/linear.py make_invariant, gpu/attention/native_backend.py): a
+"""Batch-invariant mode (`--batch-invariant`, gpu/layers/quant.py check_invariant, gpu/attention/native_backend.py): a
 request's logits are the same bits alone and in any batch, beside prefills, as chunks of a prefill, as a speculative
 verification row and as a recomputed prompt. The reference is the request run alone, step by step, on the same
 runner; the power check is the torch path's plan (decode rows padded to the longest), under which the same
@@ -156,7 +156,9 @@ def test_quantized_models_in_any_batch_and_chunk(tiny_model_dir, mode):
     """GGUF blocks (--quantization): each row's activations quantized alone, its chains its own, at any row count."""
     config = ModelConfig.from_path(tiny_model_dir)
     args = dict(device="cpu", dtype="float32", num_blocks=512, block_size=16, quantization=mode)
-    assert chunks_match_alone(ModelRunner(config, **args, batch_invariant=True), [4, 8, 12, 15])
+    runner = ModelRunner(config, **args, batch_invariant=True)
+    assert runner.model.lm_head.blocks is not None  # (the layers hold blocks: what is compared)
+    assert chunks_match_alone(runner, [4, 8, 12, 15])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

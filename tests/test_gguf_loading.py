@@ -124,6 +124,7 @@ def test_a_gguf_is_served_as_hf_computes_its_weights(checkpoints, tmp_path, fami
 def test_the_card_holds_no_weight_and_tokenizes_as_the_checkpoint(checkpoints, tmp_path):
     source = checkpoints["llama"]
     config = ModelConfig.from_path(write_gguf(source, tmp_path / "tiny.gguf", T.F16))
+    assert config.name == ModelConfig.from_path(config.path).name == "tiny"  # (the engine's, from its card: the stem)
     assert config.dtype == torch.float16 and not list(config.path.glob("*.safetensors"))
     text = "Hello, world! 12345 <|im_start|>user"
     assert (
@@ -153,7 +154,7 @@ def test_a_split_file_loads_the_same_bits_as_the_whole(checkpoints, tmp_path):
     first = write_gguf(source, tmp_path / "split.gguf", T.F16, split_max_tensors=7)
     assert first.name.startswith("split-00001-of-") and first.is_file()
     assert "output.weight" not in GGUFFile(first).header  # (the untied head in a later part: found there)
-    assert torch.equal(logits(first)[0], whole)
+    assert torch.equal(logits(first)[0], whole) and ModelConfig.from_path(first).name == "split"
     with pytest.raises(ModelLoadError, match="by its first part"):
         ModelConfig.from_path(first.with_name(first.name.replace("-00001-", "-00002-")))
 

@@ -66,9 +66,12 @@ def test_every_isa_computes_the_same_bits():
 
 
 def test_an_absent_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    """(and `available`, which a scheduler asks without loading the library, agrees with what `ops` finds)"""
+    assert native.available() == (native.ops() is not None)
     monkeypatch.setattr(native, "BUILD_DIR", tmp_path)
     native.ops.cache_clear()
     try:
+        assert not native.available()
         with caplog.at_level(logging.WARNING, "sluice.native"):
             assert native.ops() is None
         assert "is not built (make setup builds it)" in caplog.text

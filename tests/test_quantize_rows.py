@@ -21,7 +21,7 @@ T = gguf.GGMLQuantizationType
 def rows(n: int, width: int, seed: int) -> torch.Tensor:
     x = torch.randn(n, width, generator=torch.Generator().manual_seed(seed)) * 3
     x[3, 5], x[4, :32] = 0.0, 0.0  # (a zero, and an all-zero block)
-    x[5, 40], x[5, 41] = 7.0, -7.0  # (the largest |x| twice, of both signs: Q4_0 takes the first)
+    x[5, 40], x[5, 41] = 50.0, -50.0  # (the largest |x| twice, of both signs: Q4_0 takes the first)
     return x
 
 

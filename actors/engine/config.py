@@ -39,8 +39,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     quantization: Literal["q8_0", "q4_0", "q4_k"] | None = None  # weight-only, CPU float32 (gpu/layers/quant.py)
-    # CPU float32 linear layers: torch's (oneDNN, MKL) or the native kernels (gpu/kernels/native: batch-invariant up to
-    # 64 rows; quantized layers' few-row calls too); None: native where built (torch's with a warning otherwise)
+    # CPU linear layers: torch's F.linear or the native kernels (gpu/kernels/native: batch-invariant; --quantization
+    # needs them); None: native where built (torch's with a warning otherwise)
     cpu_kernels: Literal["native", "torch"] | None = None
     # a row's logits the same bits in any step: alone, in any batch, chunked, verified, recomputed (CPU: the native
     # kernels at every row count, native attention for every row; docs/OPERATIONS.md)

@@ -54,7 +54,7 @@ class Linear(nn.Linear):
     def load_rows(self, rows: torch.Tensor, offset: int) -> None:
         """Write rows offset .. offset + len(rows) - 1 of the held weight (a checkpoint tensor's [n, in], any float
         dtype: converted to the panels'; for blocks, its [n, row bytes] blocks, or float rows quantized)."""
-        if self.blocks is not None:  # (float rows: quantized into the part's format, --quantization q8_0)
+        if self.blocks is not None:  # (float rows: quantized into the part's format, --quantization)
             _, kind, held = next(part for part in self.blocks if part[0] == offset)
             held.copy_(rows if rows.dtype == torch.uint8 else self.native_ops.quantize_rows(rows.float(), kind))
         else:

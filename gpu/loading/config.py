@@ -66,11 +66,12 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
         path = Path(path).expanduser()
-        gguf_name = None
         if path.suffix == ".gguf":  # (its card: the files besides the weights, which stay in the GGUF)
-            gguf_name, path = re.sub(r"-\d{5}-of-\d{5}$", "", path.stem), gguf_card(path)
+            path = gguf_card(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory not found: {path}")
+        card = _read_json(path / "gguf.json", required=False)  # (a card, as the engine processes are given it)
+        gguf_name = re.sub(r"-\d{5}-of-\d{5}$", "", Path(card["files"][0]).stem) if card else None
         raw = _read_json(path / "config.json", required=True)
         _require(path, "tokenizer.json")
         weight_files(path)  # raises when weights are missing

@@ -1,6 +1,6 @@
 // A decoder stack's layer loop as one native call (gpu/runner/native_loop.py builds it where a model qualifies): at a
 // batch-1 decode step of SmolLM2-135M the Python between the ~8 ops of each of 30 layers cost 5-8 ms of a 15 ms
-// (int4) to 33 ms (float32) step. `Decoder` holds each layer's weights as the native ops take them and calls those same ops,
+// (quantized) to 33 ms (float32) step. `Decoder` holds each layer's weights as the native ops take them and calls those same ops,
 // through the dispatcher, in the same order and on the same arguments as the Python loop (gpu/models/decoder.py
 // with the native backend's kernel set and linear layers: gpu/layers/linear.py), so its results are the same
 // bits (tests/test_native_decoder.py). One layer, with the stream residual + h:

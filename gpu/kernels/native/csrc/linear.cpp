@@ -14,7 +14,7 @@
 // row's logits identical in any batch. Threads split the panels evenly (a memory-bound GEMV is as slow as its
 // busiest thread).
 //
-// Panels, and what huge_copy copies (the quantized kernels' weights), lie in huge-page memory (huge.h).
+// Panels, and what huge_copy copies (a benchmark's blocks), lie in huge-page memory (huge.h).
 //
 // Built twice by gpu/kernels/native/build.py, with -mavx2 -mfma -mf16c (namespace sluice_avx2) and with -mavx512f
 // (sluice_avx512); gpu/kernels/native/__init__.py loads the one the CPU runs.

@@ -1,6 +1,7 @@
 // Float32 rows into GGUF blocks (blocks.h), as llama.cpp's reference quantizers (quantize_row_*_ref) compute them: an
 // HF checkpoint served with --quantization q8_0 | q4_0 | q4_k, each weight quantized as it loads. Q8_0, Q4_0 and Q5_0
-// (q4_k's format for widths off 256, as llama.cpp's) are gguf-py's `quantize` bit for bit; Q4_K (which gguf-py has no quantizer for) is llama.cpp's search:
+// (q4_k's format for widths off 256, as llama.cpp's) are gguf-py's `quantize` bit for bit; Q4_K (which gguf-py has
+// no quantizer for) is llama.cpp's search:
 //
 // | format | per block                                                                                        |
 // |--------|--------------------------------------------------------------------------------------------------|
@@ -97,7 +98,7 @@ float fit_scale_min(const float* x, const float* w, int n, int nmax, uint8_t* L,
       sum_l += w[i] * l, sum_l2 += w[i] * l * l, sum_xl += w[i] * l * x[i];
     }
     const float D = sum_w * sum_l2 - sum_l * sum_l;
-    if (D <= 0.0f) continue;
+    if (!(D > 0.0f)) continue;  // (NaN too)
     float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D, this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
     if (this_min > 0.0f) this_min = 0.0f, this_scale = sum_xl / sum_l2;
     float err = 0.0f;
@@ -128,8 +129,10 @@ void q4_k_block(const float* x, uint8_t* out) {
   const float inv_scale = max_scale > 0 ? 63.0f / max_scale : 0.0f, inv_min = max_min > 0 ? 63.0f / max_min : 0.0f;
   uint8_t* s = out + 4;
   for (int j = 0; j < 8; ++j) {
-    const int ls = std::min(63, static_cast<int>(std::nearbyint(inv_scale * scales[j])));
-    const int lm = std::min(63, static_cast<int>(std::nearbyint(inv_min * mins[j])));
+    const auto six = [](float v) {  // (as llama.cpp: the nearest integer as a byte, then at most 63)
+      return std::min(63, static_cast<int>(static_cast<uint8_t>(static_cast<int>(std::nearbyint(v)))));
+    };
+    const int ls = six(inv_scale * scales[j]), lm = six(inv_min * mins[j]);
     if (j < 4) {
       s[j] = ls, s[j + 4] = lm;
     } else {
