@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--gguf", nargs="*", default=[], help="GGUF files for llama.cpp: one server each")
     ap.add_argument("--llama-server", help="llama.cpp's own llama-server binary (else llama-cpp-python's server)")
     ap.add_argument("--llama-slots", type=int, default=8, help="llama-server's parallel slots (-np)")
-    ap.add_argument("--llama-args", default="", help='extra llama-server flags, quoted (e.g. --llama-args=--no-repack)')
+    ap.add_argument("--llama-args", default="", help="extra llama-server flags, quoted (e.g. --llama-args=--no-repack)")
     ap.add_argument("--llama-threads", type=int, nargs="+", default=[1], help="llama.cpp's threads: one server each")
     args = ap.parse_args()
     model_dir = default_model_dir()
