@@ -53,7 +53,7 @@ def layers(ops, fmt) -> list[tuple[torch.Tensor, int]]:
             continue
         elems, size = GGML_QUANT_SIZES[fmt]
         b = rng.integers(0, 256, (out, inp // elems, size), dtype=np.uint8)
-        for offset in {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 14: [208]}[int(fmt)]:
+        for offset in {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}[int(fmt)]:
             b[:, :, offset : offset + 2] = (
                 np.full((out, inp // elems), 1e-3, np.float16).view(np.uint8).reshape(out, -1, 2)
             )

@@ -15,12 +15,12 @@
 // | Q5_K   | 256 / 176: as Q4_K, with fifth bits u1[256] before the q     | of 16 (the mins' and -32's products)     |
 // | Q6_K   | 256 / 210: ql u4, qh u2 [256], sc i8[16], d f16; d sc (q-32) |                                          |
 //
-// y[r, o] = bias[o] + the sum over blocks of the products' exact integer sums (maddubs/madd, 32 lanes: the same
-// 256-bit integer code in both ISA builds) times the block's scales, in float32 lane chains of 8 summed by one tree
-// at the end: an element's rounding depends on nothing but its row and column (any batch, thread, tile, ISA: the same
-// bits). A NaN or infinite activation makes its block's scale NaN: its row's outputs are NaN (and only its row's).
-// Threads split the weight's rows; RT activation rows share each weight block's unpacking, WB weight rows stay in L2
-// while the row tiles pass.
+// y[r, o] = bias[o] + the sum over blocks of the products' exact integer sums (maddubs/madd: 8 int32 lanes, the
+// K-quants' (rows_k.h) on 512-bit vectors in the AVX-512 build, halves added: the same integers) times the block's
+// scales, in float32 lane chains of 8 summed by one tree at the end: an element's rounding depends on nothing but its
+// row and column (any batch, thread, tile, ISA: the same bits). A NaN or infinite activation makes its block's scale
+// NaN: its row's outputs are NaN (and only its row's). Threads split the weight's rows; RT activation rows (in L1)
+// share each weight block's unpacking, a megabyte of weight rows stays in L2 while the row tiles pass.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "rows_k.h"
 
 #ifndef SLUICE_NS
 #error "SLUICE_NS names the op namespace of this ISA's build"
@@ -57,7 +58,7 @@ void quantize_q8_0(const float* x, int64_t in, uint8_t* out) {  // (into 40 byte
 }
 
 void quantize_q8_k(const float* x, int64_t in, uint8_t* out) {
-  for (int64_t b = 0; b < in / 256; ++b, x += 256, out += 292) {
+  for (int64_t b = 0; b < in / 256; ++b, x += 256, out += Q8K_BYTES) {
     float amax = 0.0f, max = 0.0f;
     bool finite = true;
     for (int i = 0; i < 256; ++i) {
@@ -69,11 +70,13 @@ void quantize_q8_k(const float* x, int64_t in, uint8_t* out) {
     for (int i = 0; i < 256; ++i) q[i] = finite ? static_cast<int8_t>(std::fmin(127.0f, std::nearbyint(iscale * x[i]))) : 0;
     const float d = !finite ? NAN : amax != 0.0f ? 1.0f / iscale : 0.0f;
     std::memcpy(out, &d, 4);
+    int16_t sums[16 + 8];  // (of 16, then of 32)
     for (int g = 0; g < 16; ++g) {
-      int16_t s = 0;
-      for (int i = 0; i < 16; ++i) s += q[16 * g + i];
-      std::memcpy(out + 260 + 2 * g, &s, 2);
+      sums[g] = 0;
+      for (int i = 0; i < 16; ++i) sums[g] += q[16 * g + i];
     }
+    for (int g = 0; g < 8; ++g) sums[16 + g] = sums[2 * g] + sums[2 * g + 1];
+    std::memcpy(out + Q8K_SUMS16, sums, sizeof(sums));
   }
 }
 
@@ -131,79 +134,6 @@ void row32(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) 
   for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + mins[r];
 }
 
-template <bool Five, int R>  // (Q4_K; Five: Q5_K, whose fifth bits (bit j of byte l: element 32j + l) precede q)
-void q4_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
-  __m256 acc[R];
-  float mins[R] = {};
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0xF);
-  for (int64_t b = 0; b < blocks; ++b, w += Five ? 176 : 144) {
-    __m128i mv;
-    const __m256i scales = q4_k_scales(w + 4, mv);
-    const float d = half(w), dmin = half(w + 2);
-    __m256i q[8], sc[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m256i bytes = loadu(w + (Five ? 48 : 16) + 32 * c);
-      q[2 * c] = _mm256_and_si256(bytes, low), q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-    }
-    if (Five) {
-      const __m256i high = loadu(w + 16), one = _mm256_set1_epi8(1);
-      for (int j = 0; j < 8; ++j)
-        q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, j), one), 4));
-    }
-    for (int j = 0; j < 8; ++j) sc[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* ab = a[r] + b * 292;
-      __m256i sum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j)
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], loadu(ab + 4 + 32 * j)), sc[j]));
-      const float da = f32(ab);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(sum), acc[r]);
-      mins[r] = std::fma(dmin * da, static_cast<float>(q4_k_mins(mv, ab)), mins[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) - mins[r];
-}
-
-template <int R>
-void q6_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0xF), two = _mm256_set1_epi8(3);
-  __m256i pick[4];  // (scale 2k of the lane's 8 in the low lane, 2k + 1 in the high: a shuffle's mask)
-  for (int k = 0; k < 4; ++k)
-    pick[k] = _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>((4 * k + 1) << 8 | 4 * k)),
-                                _mm_set1_epi16(static_cast<int16_t>((4 * k + 3) << 8 | (4 * k + 2))));
-  for (int64_t b = 0; b < blocks; ++b, w += 210) {
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
-    const float d = half(w + 208);
-    __m256i q[8], scales[8];  // q of elements 32j .. 32j + 31 (0..63), and their two groups' scales as int16
-    for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = loadu(w + 64 * h), l1 = loadu(w + 64 * h + 32), hi = loadu(w + 128 + 32 * h);
-      const __m256i lows[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-      const __m128i half_scales = h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16);
-      const __m256i both = _mm256_set_m128i(half_scales, half_scales);  // (groups 8h .. 8h + 7)
-      for (int k = 0; k < 4; ++k) {
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * k), two);
-        q[4 * h + k] = _mm256_or_si256(lows[k], _mm256_slli_epi16(high, 4));
-        scales[4 * h + k] = _mm256_shuffle_epi8(both, pick[k]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* ab = a[r] + b * 292;
-      __m256i sum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j)
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], loadu(ab + 4 + 32 * j)), scales[j]));
-      const int offset = hsum_i32(_mm256_madd_epi16(sc16, loadu(ab + 260)));  // (q - 32): 32 x sum of sc x group sums
-      const __m256 total = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0)));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * f32(ab)), total, acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]);
-}
-
 template <int R>
 void row_dot(int64_t kind, const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
   if (kind == Q4_0) return row32<Q4_0f, R>(w, a, blocks, y);
@@ -223,7 +153,7 @@ constexpr int RT = 8;  // (32 vector registers)
 #else
 constexpr int RT = 4;
 #endif
-constexpr int64_t WB = 16;
+constexpr int64_t L2_WEIGHTS = 1 << 20;  // (bytes of weight rows a pass holds in L2 while the row tiles pass)
 using RowDot = void (*)(int64_t, const uint8_t*, const uint8_t* const*, int64_t, float*);
 constexpr RowDot ROWS[9] = {nullptr, row_dot<1>, row_dot<2>, row_dot<3>, row_dot<4>,
                             row_dot<5>, row_dot<6>, row_dot<7>, row_dot<8>};  // (up to RT)
@@ -254,13 +184,14 @@ void block_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
   at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t o0 = begin; o0 < end; o0 += WB)  // (WB weight rows stay in L2 while the row tiles pass)
+    const int64_t wb = std::max<int64_t>(1, L2_WEIGHTS / (nb * f.bytes));
+    for (int64_t o0 = begin; o0 < end; o0 += wb)  // (wb weight rows stay in L2, RT activation rows in L1)
       for (int64_t r = 0; r < rows; r += RT) {
         const uint8_t* a[RT];
         float s[RT];
         const int n = static_cast<int>(std::min<int64_t>(RT, rows - r));
         for (int i = 0; i < n; ++i) a[i] = act.data() + (r + i) * nb * f.act_bytes;
-        for (int64_t o = o0; o < std::min(end, o0 + WB); ++o) {
+        for (int64_t o = o0; o < std::min(end, o0 + wb); ++o) {
           ROWS[n](kind, wp + o * nb * f.bytes, a, nb, s);
           for (int i = 0; i < n; ++i) yp[(r + i) * ldy + o] = bp ? s[i] + bp[o] : s[i];
         }

@@ -14,6 +14,9 @@ namespace {
 // ggml's type ids (gguf.GGMLQuantizationType)
 enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
+// Q8_K, the K-quants' activations: f32 d, q i8[256], 16 int16 sums of 16 at Q8K_SUMS16, 8 of 32 at Q8K_SUMS32
+constexpr int64_t Q8K_SUMS16 = 260, Q8K_SUMS32 = 292, Q8K_BYTES = 308;
+
 struct Format {
   int64_t elems, bytes;  // a weight block's
   int64_t act_elems, act_bytes;  // an activation block's
@@ -26,9 +29,9 @@ Format format(int64_t kind) {
     case Q5_0: return {32, 22, 32, 40};
     case Q5_1: return {32, 24, 32, 40};
     case Q8_0: return {32, 34, 32, 40};
-    case Q4_K: return {256, 144, 256, 292};  // (Q8_K: f32 d, 256 q, 16 int16 sums)
-    case Q5_K: return {256, 176, 256, 292};
-    case Q6_K: return {256, 210, 256, 292};
+    case Q4_K: return {256, 144, 256, Q8K_BYTES};
+    case Q5_K: return {256, 176, 256, Q8K_BYTES};
+    case Q6_K: return {256, 210, 256, Q8K_BYTES};
     default: TORCH_CHECK(false, "block format ", kind, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K do)");
   }
 }
@@ -51,10 +54,13 @@ inline __m256i loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_c
 inline __m256i dot_u8(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
 inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
 
-inline float hsum(__m256 v) {  // ((0+4) + (2+6)) + ((1+5) + (3+7)): one tree
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+inline float hsum4(__m128 v) {  // (0+2) + (1+3)
+  const __m128 s2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+inline float hsum(__m256 v) {  // ((0+4) + (2+6)) + ((1+5) + (3+7)): one tree
+  return hsum4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 }
 
 inline int hsum_i32(__m256i v) {
@@ -103,13 +109,9 @@ inline __m256i q4_k_scales(const uint8_t* s, __m128i& mins) {
   return _mm256_set_m128i(sc, sc);
 }
 
-// The sum over the 8 sub-blocks of min_j x (the activations' sum over sub-block j), exact
-inline int q4_k_mins(__m128i mins, const uint8_t* ab) {
-  const __m256i sums = loadu(ab + 260);  // (16 sums of 16)
-  const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-  const __m128i p = _mm_madd_epi16(mins, pairs);
-  const __m128i s2 = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));  // (a 128-bit hsum_i32)
+// min_j x (the activations' sum over sub-block j), paired: 4 int32 lanes (2k, 2k + 1), exact, as floats
+inline __m128 q4_k_mins(__m128i mins, const uint8_t* ab) {
+  return _mm_cvtepi32_ps(_mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + Q8K_SUMS32))));
 }
 
 }  // namespace
