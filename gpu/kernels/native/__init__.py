@@ -30,7 +30,11 @@ BUILD_DIR = Path(sys.prefix) / "sluice-native"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))  # (compiled; the headers they include count for staleness too)
 ISAS = ("avx2", "avx512")  # what build.py builds, in preference order: the last this CPU runs is used
-_NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}}
+# (AVX-512 without VNNI, Skylake-SP's, runs the AVX2 build: the AVX-512 block kernels' products are VNNI's)
+_NEEDS = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma", "f16c"},
+}
 
 
 BUILT = BUILD_DIR / ".built"  # written once every ISA built (the Makefile's target: a failed build is tried again)

@@ -1,6 +1,6 @@
 """Build the native CPU kernels (gpu/kernels/native/csrc) with the machine's C++ compiler and ninja, through torch's
 cpp_extension: one library per ISA, side by side, never `-march=native` (a binary for this CPU could crash on
-another): AVX2 + FMA + F16C, and AVX-512. `make setup` runs it; a machine without a compiler gets a clear message and the
+another): AVX2 + FMA + F16C, and AVX-512 with VNNI. `make setup` runs it; a machine without a compiler gets a clear message and the
 torch fallback (gpu/kernels/native/__init__.py). Idempotent: ninja rebuilds only what changed.
 
     python -m gpu.kernels.native.build
@@ -22,7 +22,7 @@ log = logging.getLogger("sluice.native")
 BUILD_TIMEOUT_S = 900  # one ISA's library (~30 s on 2 cores)
 FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
 }
 
 

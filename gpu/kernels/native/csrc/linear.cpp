@@ -17,7 +17,7 @@
 // Panels, and what huge_copy copies (a benchmark's blocks), lie in huge-page memory (huge.h).
 //
 // Built twice by gpu/kernels/native/build.py, with -mavx2 -mfma -mf16c (namespace sluice_avx2) and with -mavx512f
-// (sluice_avx512); gpu/kernels/native/__init__.py loads the one the CPU runs.
+// and VNNI (sluice_avx512); gpu/kernels/native/__init__.py loads the one the CPU runs.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

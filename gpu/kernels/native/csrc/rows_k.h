@@ -12,11 +12,12 @@
 
 namespace {
 
-#if defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
 using Wide = __m512i;  // (two 32-element groups)
 inline Wide load_wide(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline Wide group_dot(Wide q, Wide a, Wide sc) { return _mm512_madd_epi16(_mm512_maddubs_epi16(q, a), sc); }
-inline Wide add_wide(Wide x, Wide y) { return _mm512_add_epi32(x, y); }
+inline Wide group_dot(Wide q, Wide a, Wide sc, Wide acc = _mm512_setzero_si512()) {  // (acc + sc x (q . a pairs))
+  return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, a), sc);
+}
 inline __m256i narrow(Wide v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 inline Wide both(const uint8_t* p) { return _mm512_broadcast_i64x4(loadu(p)); }  // (32 bytes in both halves)
 inline Wide halves(int16_t lo, int16_t hi) {  // (16-bit lanes: lo in the low half, hi in the high)
@@ -25,8 +26,9 @@ inline Wide halves(int16_t lo, int16_t hi) {  // (16-bit lanes: lo in the low ha
 #else
 using Wide = __m256i;
 inline Wide load_wide(const uint8_t* p) { return loadu(p); }
-inline Wide group_dot(Wide q, Wide a, Wide sc) { return _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), sc); }
-inline Wide add_wide(Wide x, Wide y) { return _mm256_add_epi32(x, y); }
+inline Wide group_dot(Wide q, Wide a, Wide sc, Wide acc = _mm256_setzero_si256()) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), sc));
+}
 inline __m256i narrow(Wide v) { return v; }
 #endif
 constexpr int WIDE = sizeof(Wide) == 64 ? 4 : 8;  // (vectors a block)
@@ -36,7 +38,7 @@ struct Unpacked {
   Wide q[WIDE], sc[WIDE];
   __m256i dot(const uint8_t* ab) const {  // (the activations' q at ab + 4)
     Wide s = group_dot(q[0], load_wide(ab + 4), sc[0]);
-    for (int v = 1; v < WIDE; ++v) s = add_wide(s, group_dot(q[v], load_wide(ab + 4 + sizeof(Wide) * v), sc[v]));
+    for (int v = 1; v < WIDE; ++v) s = group_dot(q[v], load_wide(ab + 4 + sizeof(Wide) * v), sc[v], s);
     return narrow(s);
   }
 };
@@ -46,7 +48,7 @@ Unpacked q4_k_unpack(const uint8_t* w, __m128i& mins) {
   const __m256i scales = q4_k_scales(w + 4, mins);
   const uint8_t* qs = w + (Five ? 48 : 16);
   Unpacked u;
-#if defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
   const Wide low = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1), nibble = halves(0, 4);
   const Wide all = _mm512_broadcast_i64x4(scales);
   for (int c = 0; c < 4; ++c) {  // (groups 2c and 2c + 1: chunk c's low and high nibbles)
@@ -97,7 +99,7 @@ void q4_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* 
 inline Unpacked q6_k_unpack(const uint8_t* w, __m256i& sc16) {
   sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));  // (16 groups of 16)
   Unpacked u;
-#if defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
   const Wide low = _mm512_set1_epi8(0xF), two = _mm512_set1_epi8(3), all = _mm512_castsi256_si512(sc16);
   for (int h = 0; h < 2; ++h) {  // (vector 2h: groups 32 x (4h, 4h + 1), low nibbles; 2h + 1: 4h + 2, 4h + 3, high)
     const Wide ql = _mm512_loadu_si512(w + 64 * h), hi = both(w + 128 + 32 * h);

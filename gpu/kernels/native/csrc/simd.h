@@ -1,5 +1,5 @@
 // The vector types the kernels are written in, for the ISA this library is built for (gpu/kernels/native/build.py builds
-// it twice: -mavx2 -mfma -mf16c, and -mavx512f/bw/dq/vl; -ffp-contract=off: no fma the source does not write).
+// it twice: -mavx2 -mfma -mf16c, and -mavx512f/bw/dq/vl/vnni; -ffp-contract=off: no fma the source does not write).
 //
 // - Vec: the machine's widest float vector (8 or 16 lanes): the linear kernels, whose per-element results are single
 //   lanes' fma chains and so do not depend on the width; loaded from float32s or, widened exactly, from bfloat16s
