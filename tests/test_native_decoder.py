@@ -22,8 +22,8 @@ class Counted:
     def __init__(self, loop) -> None:
         self.loop, self.steps = loop, 0
 
-    def takes(self, num_tokens, meta) -> bool:
-        return self.loop.takes(num_tokens, meta)
+    def takes(self, meta) -> bool:
+        return self.loop.takes(meta)
 
     def __call__(self, *args):
         self.steps += 1

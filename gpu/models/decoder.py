@@ -85,7 +85,7 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         ropes = [rotary(positions, x.dtype) for rotary in self.rotaries]
-        if self.native_loop is not None and self.native_loop.takes(x.shape[0], meta):
+        if self.native_loop is not None and self.native_loop.takes(meta):
             return self.native_loop(x, ropes, meta, kv_cache)
         residual = None
         for layer, kv in zip(self.layers, kv_cache.layers, strict=True):

@@ -28,7 +28,7 @@ class NativeLoop:
     def __init__(self, decoder) -> None:
         self.decoder = decoder
 
-    def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+    def takes(self, meta: AttentionMetadata) -> bool:
         return NativeAttention.takes_every_row(meta)
 
     def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
