@@ -1,11 +1,14 @@
 """Float32 rows into GGUF blocks (gpu/kernels/native/csrc/quantize.cpp: an HF checkpoint's `--quantization q8_0 |
-q4_0 | q4_k`): Q8_0, Q4_0 and Q5_0 (q4_k's format for widths off 256) are gguf-py's `quantize` bit for bit; Q4_K, which gguf-py cannot quantize, has each
-value the nearest of its sub-block's 16 levels (d sc q - dmin m) and a smaller error than Q4_0 at the same 4.5 bits
-a weight (its fitted scales and mins pay). (Measured once against llama.cpp's own quantize_row_*_ref, libggml-base
-through ctypes, 2,048 blocks each of normal and heavy-tailed rows: every byte equal, for all three; llama.cpp is not
-built where this suite runs.) A block with a NaN or an infinity dequantizes to NaN."""
+q4_0 | q4_k`): Q8_0, Q4_0 and Q5_0 (q4_k's format for widths off 256) are gguf-py's `quantize` bit for bit; Q4_K, which
+gguf-py cannot quantize, has each value the nearest of its sub-block's 16 levels (d sc q - dmin m) and a smaller error
+than Q4_0 at the same 4.5 bits a weight (its fitted scales and mins pay). All four are llama.cpp's own
+quantize_row_*_ref byte for byte on the rows saved in tests/golden (scripts/make_golden_blocks.py wrote them through
+ctypes from llama.cpp's libggml-base: llama.cpp is not built where this suite runs; measured once more widely, 2,048
+blocks each of normal and heavy-tailed rows: every byte equal). A block with a NaN or an infinity dequantizes to NaN."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -64,3 +67,11 @@ def test_formats_without_a_quantizer_and_widths_off_the_blocks_are_refused():
         native.ops().quantize_rows(torch.randn(2, 256), int(T.Q6_K))
     with pytest.raises(RuntimeError, match="a multiple of 256"):
         native.ops().quantize_rows(torch.randn(2, 288), int(T.Q4_K))
+
+
+@pytest.mark.parametrize("name, kind", [("q8_0", T.Q8_0), ("q4_0", T.Q4_0), ("q5_0", T.Q5_0), ("q4_K", T.Q4_K)])
+def test_the_blocks_are_llama_cpps_bytes(name, kind):
+    """Against llama.cpp's own quantize_row_*_ref output, saved once (scripts/make_golden_blocks.py): every byte."""
+    golden = np.load(Path(__file__).parent / "golden" / "llama_cpp_blocks.npz", allow_pickle=False)
+    ours = native.ops().quantize_rows(torch.from_numpy(golden["x"]), int(kind)).numpy()
+    assert np.array_equal(ours, golden[name]), f"llama.cpp {golden['version']}"
