@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import torch
 
+from gpu.layers.moe import expert_weight
 from gpu.loading.config import weight_files
 from gpu.loading.mapped import MappedFile
 
@@ -33,13 +34,14 @@ def write_gguf(
     values: dict | None = None,
     kinds: dict | None = None,
     rope_freqs: torch.Tensor | None = None,
-    experts: int = 0,
     **split,
 ) -> Path:
     """`values`: filled with each matrix's value as the file holds it (float32, HF's name and row order); `kinds`: a
         projection's own type (by its module's name: {"v_proj": Q6_K}), else `kind`; `split`: gguf-py's
         split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned); `rope_freqs`: Llama 3.x's
-    rotary factors tensor; `experts`: an expert count in the metadata (of a dense model: a file to be refused)."""
+    rotary factors tensor. A MoE model's experts are stacked per layer and projection (`ffn_{gate,up,down}_exps`,
+    [experts, out, in], of the kind `kinds["experts"]` or `kind`), its router kept F32 as llama.cpp's quantizer keeps
+    it."""
     config = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(out, arch, **split)
     w.add_name(f"tiny {arch}")
@@ -55,29 +57,41 @@ def write_gguf(
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    rope = config.get("rope_parameters") or {}  # (transformers 5 writes rope_theta in there)
+    w.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
     w.add_vocab_size(config["vocab_size"])
     add_tokenizer(w, model_dir, config)
+    experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.numpy())
     archs = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
     names = gguf.get_tensor_name_map(archs[arch], config["num_hidden_layers"])
-    rng = np.random.default_rng(0)
+    rng, stacks = np.random.default_rng(0), {}
     for f in map(MappedFile, weight_files(model_dir)):
         for hf in sorted(f.header, key=lambda name: name.startswith("lm_head")):  # (the head last, as llama.cpp's)
             base, _, suffix = hf.rpartition(".")
-            two = len(f.shape(hf)) == 2
-            own = (kinds or {}).get(base.rpartition(".")[2], kind)
-            as_kind = own if two else gguf.GGMLQuantizationType.F32  # (norms and biases: F32)
+            two, expert = len(f.shape(hf)) == 2, expert_weight(hf)
+            own = (kinds or {}).get("experts" if expert else base.rpartition(".")[2], kind)
+            router = base.endswith((".block_sparse_moe.gate", ".mlp.gate"))
+            as_kind = own if two and not router else gguf.GGMLQuantizationType.F32  # (norms and biases: F32)
             data, held = stored(f.tensor(hf), as_kind, rng, values is not None)
             if values is not None and two:
                 values[hf] = torch.from_numpy(held)
             if arch == "llama" and base.endswith(("q_proj", "k_proj")):  # (rows: whole blocks)
                 data = permute(data, heads if base.endswith("q_proj") else kv)
             raw = as_kind if data.dtype == np.uint8 else None
-            w.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=raw)
+            if expert:
+                stacks.setdefault(expert[0], ({}, raw))[0][expert[1]] = data
+            else:
+                w.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=raw)
+    for stacked, (each, raw) in stacks.items():  # (model.layers.<i>.<mlp>.experts.<gate|up|down>)
+        layer, proj = stacked.split(".")[2], stacked.rpartition(".")[2]
+        w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.stack([each[e] for e in sorted(each)]), raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,7 +1,7 @@
 """A sparse MoE block (Mixtral, Qwen3-MoE): a softmax router picks each token's top-k experts, their weights
 renormalised to sum to 1 where the config says (`norm_topk_prob`; Mixtral always), and each expert is a SwiGLU
 MLP. The experts' weights are stacked ([E, out, in]; the checkpoint's per-expert tensors are copied in at load,
-`expert_weight`), and the tokens are grouped by expert: one pass per expert that got any token, never a Python
+`expert_weight`; a GGUF's stacked tensors in blocks are held in their bytes on CPU, `hold_blocks`), and the tokens are grouped by expert: one pass per expert that got any token, never a Python
 loop over tokens. A token's k contributions are summed in expert order, whatever the batch around it. Under tensor
 parallelism each rank holds every expert's slice of the intermediate dim and all-reduces the block's output (the
 router is replicated)."""
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 from torch import nn
 
 from gpu.distributed.group import current
@@ -32,6 +33,11 @@ def expert_weight(name: str) -> tuple[str, int] | None:
 
 
 class Experts(nn.Module):
+    native_ops = None  # the native kernels, where the experts are held in GGUF blocks ...
+    blocks: dict[str, tuple[int, torch.Tensor]] | None = (
+        None  # ... per projection: (format, [experts x out, row bytes])
+    )
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         start, n = split(intermediate, "experts' intermediate size", current())
@@ -42,6 +48,43 @@ class Experts(nn.Module):
         shard(
             self, gate=Shard(0, part, intermediate), up=Shard(0, part, intermediate), down=Shard(1, part, intermediate)
         )
+
+    def hold_blocks(self, native_ops, kinds: dict[str, int]) -> None:
+        """Hold each projection in a GGUF file's blocks, `kinds` (projection -> format), uninitialised until
+        `load_rows`: every expert's rows one after another (the file's layout); the parameters become meta shapes."""
+        self.native_ops, self.blocks = native_ops, {}
+        for proj, kind in kinds.items():
+            p = getattr(self, proj)
+            elems, size = GGML_QUANT_SIZES[kind]
+            rows = native_ops.huge_empty([p.shape[0] * p.shape[1], p.shape[2] // elems * size], torch.uint8)
+            self.blocks[proj] = (int(kind), rows)
+            setattr(self, proj, nn.Parameter(torch.empty(p.shape, device="meta"), requires_grad=False))
+        self.placed = dict.fromkeys(kinds)  # (left on meta by the loader's materialize)
+
+    def project(self, proj: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x times expert `expert`'s weight of `proj` (gate, up or down)."""
+        weight = getattr(self, proj)
+        if self.blocks is None:
+            return F.linear(x, weight[expert])
+        kind, rows = self.blocks[proj]
+        out = weight.shape[1]
+        return self.native_ops.block_linear(x.contiguous(), rows[expert * out : (expert + 1) * out], kind, None)
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """One projection of held experts as the loader writes a layer (gpu/loading/weights.py): its blocks, and
+    `load_rows` of a GGUF's stacked tensor's [experts x out, row bytes]."""
+
+    experts: Experts
+    proj: str
+
+    @property
+    def blocks(self) -> tuple[int, torch.Tensor] | None:
+        return self.experts.blocks[self.proj]
+
+    def load_rows(self, rows: torch.Tensor, offset: int) -> None:
+        self.experts.blocks[self.proj][1].copy_(rows)
 
 
 class SparseMoE(nn.Module):
@@ -68,7 +111,7 @@ class SparseMoE(nn.Module):
             if group.numel():
                 token = group // self.top_k
                 h = x[token]
-                y = F.linear(self.act(F.linear(h, e.gate[expert])) * F.linear(h, e.up[expert]), e.down[expert])
+                y = e.project("down", expert, self.act(e.project("gate", expert, h)) * e.project("up", expert, h))
                 out.index_add_(0, token, y * weights[group, None])
         return self.tp.all_reduce(out)
 

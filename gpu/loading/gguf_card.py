@@ -7,7 +7,8 @@ card) by
 transformers' GGUF readers (the architecture's hyper-parameters, the tokenizer from `tokenizer.ggml.*`, the chat
 template: read once per metadata, `gguf/readings/<digest>`, which a model's quantizations share), written into a
 temporary sibling and renamed into place (the card exists if and only if it is complete).
-config.json's `dtype` is the weights' float type where every matrix is one (F16, BF16), else float32. A split model
+config.json's `dtype` is the weights' float type where every matrix is one (F16, BF16), else float32; a MoE file's
+expert fields are read from the metadata where transformers leaves them out (`_moe_fields`). A split model
 (`NAME-00001-of-0000N.gguf`) is named by its first file; the card lists every part.
 """
 
@@ -89,6 +90,7 @@ def _write(path: Path, parts: list[Path], out: Path) -> None:
     config = json.loads((out / "config.json").read_text())
     config["dtype"] = FLOAT_TYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
     config["tie_word_embeddings"] = not head
+    config |= _moe_fields(first.meta, first.arch)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "gguf.json").write_text(json.dumps({"files": [str(p) for p in parts]}))
     out.chmod(0o755)
@@ -111,6 +113,17 @@ def _read(path: Path, out: Path) -> None:
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def _moe_fields(meta: dict, arch: str) -> dict:
+    """What transformers' reading leaves out of a MoE file's config: llama.cpp writes Mixtral as `llama` with experts,
+    and Qwen3-MoE's experts' width is `expert_feed_forward_length`."""
+    experts, width = int(meta.get(f"{arch}.expert_count", 0)), meta.get(f"{arch}.expert_feed_forward_length")
+    if experts and arch == "llama":
+        used = int(meta.get(f"{arch}.expert_used_count", 0))
+        fields = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": experts}
+        return fields | {"num_experts_per_tok": used} | ({"intermediate_size": int(width)} if width else {})
+    return {"moe_intermediate_size": int(width)} if experts and arch == "qwen3moe" and width else {}
 
 
 FILE_KEYS = ("general.file_type", "general.quantization_version", "split.")  # (what differs between quantizations)

@@ -17,6 +17,7 @@ not a parameter: the loader divides the rotary frequencies by it, as llama.cpp d
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -32,7 +33,10 @@ NATIVE = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationTyp
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 PERMUTED = {"llama": ("q_proj", "k_proj")}  # the converter's rotary permutation of q and k rows
-OFFSET_NORMS = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + w (the model's RMSNorm adds the 1 itself)
+OFFSET_NORMS = ("gemma", "gemma2", "gemma3")
+_EXPERTS = re.compile(
+    r"model\.layers\.(\d+)\..*\.experts\.(gate|up|down)$"
+)  # (gpu/layers/moe.py's stacked weights)  # norms stored as 1 + w (the model's RMSNorm adds the 1 itself)
 
 
 class GGUFFile:
@@ -165,6 +169,10 @@ def _checkpoint_names(arch: str, blocks: int, wanted: set[str] | None) -> dict[s
         return {}
     table = gguf.get_tensor_name_map(kinds[arch], blocks)
     names = {}
+    for hf in wanted:  # (a MoE layer's experts, stacked in the file as in the model: [experts, out, in] each)
+        m = _EXPERTS.match(hf)
+        if m:
+            names[f"blk.{m[1]}.ffn_{m[2]}_exps.weight"] = hf
     for hf, (_, name) in table.mapping.items():
         for suffix in (".weight", ".bias"):
             if hf + suffix in wanted:

@@ -1,8 +1,8 @@
 """Build the model without initializing it and load its weights by name: *.safetensors (sharded or not), or a GGUF.
 
 The family's class comes from the registry (gpu/models/); a checkpoint tensor loads into the parameter its family's
-`checkpoint_name` names (per-expert MoE tensors into one row of a stacked parameter; q/k/v and gate/up into the rows
-of one stacked projection). `checkpoint_plan` matches every tensor to its destination from the files' headers alone,
+`checkpoint_name` names (per-expert MoE tensors into one row of a stacked parameter, a GGUF's stacked experts into the
+whole; q/k/v and gate/up into the rows of one stacked projection). `checkpoint_plan` matches every tensor to its destination from the files' headers alone,
 so `check_checkpoint` (run before any process starts) names a tensor the model lacks, one of the wrong shape, or one
 the checkpoint lacks, without reading a weight.
 
@@ -17,6 +17,7 @@ load reads only the shard's ranges.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -27,6 +28,7 @@ from gpu.distributed.group import TensorParallel, shaped_as
 from gpu.kernels import native
 from gpu.layers.attention import Attention
 from gpu.layers.linear import BLOCK_FORMATS, Linear
+from gpu.layers.moe import ExpertRows, Experts
 from gpu.layers.parallel import Shard
 from gpu.layers.quant import BLOCK_QUANTIZATIONS, Quantization
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
@@ -70,10 +72,6 @@ def open_weights(config: ModelConfig, wanted: set[str]) -> list[MappedFile | GGU
             opened.append(MappedFile(file))
         else:  # (a split model's later parts take the first's metadata)
             opened.append(GGUFFile(file, wanted, opened[0].meta if opened else None))
-            if int(opened[-1].meta.get(f"{opened[-1].arch}.expert_count", 0)):
-                raise ModelLoadError(
-                    f"{file}: a mixture-of-experts GGUF is not served yet (its checkpoint directory is)"
-                )
     return opened
 
 
@@ -91,7 +89,7 @@ def checkpoint_plan(
             ):
                 continue
             target, row, part = family.checkpoint_name(name)
-            parts = shards.get(target, (None,))
+            parts = parts_of(shards, target, row) or (None,)
             if target not in params or part >= len(parts):
                 raise ModelLoadError(f"{f.path}: unexpected weight {name} for {config.architecture}")
             expected, shape = list(params[target].shape[row is not None :]), f.shape(name)
@@ -104,7 +102,7 @@ def checkpoint_plan(
     rows = {
         (name, i, part)
         for name, p in params.items()
-        for i in (range(p.shape[0]) if ".experts." in name else [None])
+        for i in (range(p.shape[0]) if ".experts." in name and (name, None, 0) not in loaded else [None])
         for part in range(len(shards.get(name, (None,))))
     }
     missing = sorted(
@@ -181,7 +179,7 @@ def load_model(
         rotary.to(device)
     params = dict(model.named_parameters())  # (a tied lm_head shares embed_tokens' parameter: listed once)
     for f, name, target, row, part in tqdm(plan, desc=f"Loading {config.name}", unit="tensor", disable=len(plan) < 500):
-        parts, layer = shards.get(target), layers.get(target)
+        parts, layer = parts_of(shards, target, row), layers.get(target)
         offset = 0 if parts is None else sum(s.length for s in parts[:part])  # (parts stack along dim 0)
         if layer is not None and layer.blocks is not None and not into and f.kind(name) in BLOCK_FORMATS:
             layer.load_rows(f.raw(name), offset)
@@ -231,6 +229,12 @@ def hold_weights(
 
     linears = ((f"{n}.weight", m) for n, m in model.named_modules() if isinstance(m, Linear))
     layers = {target: hold(m, target) for target, m in linears if not (tied and m is model.lm_head)}
+    for name, experts in ((n, m) for n, m in model.named_modules() if isinstance(m, Experts)):
+        found = {p: kinds.get(f"{name}.{p}", {}).get(0) for p in ("gate", "up", "down")}
+        if whole and all(k in BLOCK_FORMATS and getattr(experts, p).shape[2] % GGML_QUANT_SIZES[k][0] == 0
+                         for p, k in found.items()):  # fmt: skip
+            experts.hold_blocks(ops, found)
+            layers |= {f"{name}.{p}": ExpertRows(experts, p) for p in found}
     if tied:  # (the checkpoint's table goes into the head, the embedding's one copy)
         layers[table] = hold(model.lm_head, table)
         embedding.read_from(model.lm_head)
@@ -243,6 +247,14 @@ def hold_weights(
     elif weights != dtype:
         embedding.hold_in(weights, dtype)
     return layers
+
+
+def parts_of(shards: dict[str, tuple[Shard, ...]], target: str, row: int | None) -> tuple[Shard, ...] | None:
+    """`target`'s parts; for a whole stack of experts (a GGUF's [experts, out, in]: no row) one dim further in."""
+    parts = shards.get(target)
+    if parts is None or row is not None or ".experts." not in target:
+        return parts
+    return tuple(replace(s, dim=s.dim + 1) for s in parts)
 
 
 def _write(param: torch.Tensor, data: torch.Tensor, parts: tuple[Shard, ...] | None, part: int, offset: int) -> None:
