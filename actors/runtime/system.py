@@ -208,7 +208,7 @@ class ActorSystem:
         for p in self.specs if park else [proc]:
             if group_of(p) == group:
                 self.retry_at[p] = now + wait
-        self._announce(proc, dead, reason)
+        self._announce(proc, dead, reason, now)  # (the wait as planned, however late this runs)
         for other in self.specs if park else ():
             if other != proc and group_of(other) == group:
                 self.kill(other)  # (the replica sits out whole: its requests go on elsewhere)
@@ -219,8 +219,9 @@ class ActorSystem:
             budget.clear()
         return True
 
-    def _announce(self, proc: str, dead: list[str], reason: str) -> None:
-        now = time.monotonic()
+    def _announce(self, proc: str, dead: list[str], reason: str, now: float | None = None) -> None:
+        """Broadcast that `dead` are down; `now` the moment their restart was planned at (else this one)."""
+        now = time.monotonic() if now is None else now
         for actor in dead:
             self.broadcast(self._down(actor, reason, proc, now), exclude=dead, only_up=True)
 
