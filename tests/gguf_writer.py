@@ -1,7 +1,7 @@
 """A GGUF file written from a tiny HF checkpoint by gguf-py's writer, as llama.cpp's converter writes it: the
 architecture's hyper-parameters, SmolLM2's BPE tokenizer (tokens, merges, special ids, chat template), the tensors
-under gguf-py's names with llama's q and k rows permuted for rotary as the converter does (`permute`), each in the type
-asked (F32, F16, BF16, or a block type quantized by gguf-py), norms and biases in F32. Test-only: the reference the
+under gguf-py's names with llama's q and k rows permuted for rotary as the converter does (`permute`) and Gemma's
+norms stored as 1 + w (its `Gemma2Model.modify_tensors`), each in the type asked (F32, F16, BF16, or a block type quantized by gguf-py), norms and biases in F32. Test-only: the reference the
 loader's reading must undo."""
 
 from __future__ import annotations
@@ -55,10 +55,19 @@ def write_gguf(
     w.add_head_count_kv(kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 1.0)))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}  # (transformers 5 writes rope_theta in there)
+    rope = rope.get("full_attention", rope)  # (Gemma 3's global layers'; llama.cpp's local base is 10000)
     w.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if arch.startswith("gemma"):
+        w.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
     w.add_vocab_size(config["vocab_size"])
     add_tokenizer(w, model_dir, config)
     experts = config.get("num_local_experts") or config.get("num_experts")
@@ -79,7 +88,9 @@ def write_gguf(
             own = (kinds or {}).get("experts" if expert else base.rpartition(".")[2], kind)
             router = base.endswith((".block_sparse_moe.gate", ".mlp.gate"))
             as_kind = own if two and not router else gguf.GGMLQuantizationType.F32  # (norms and biases: F32)
-            data, held = stored(f.tensor(hf), as_kind, rng, values is not None)
+            t = f.tensor(hf)
+            t = t + 1 if arch.startswith("gemma") and base.endswith("norm") else t  # (the converter's 1 + w)
+            data, held = stored(t, as_kind, rng, values is not None)
             if values is not None and two:
                 values[hf] = torch.from_numpy(held)
             if arch == "llama" and base.endswith(("q_proj", "k_proj")):  # (rows: whole blocks)

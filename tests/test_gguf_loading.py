@@ -88,17 +88,26 @@ def logits(path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    """Tiny Llama (and one with tied embeddings: the LM head's blocks are the table) and Qwen2 (biases; no sliding
-    window: GGUF's qwen2 has no key for one), their widths multiples of 256 (the K-quants' blocks)."""
+    """Tiny Llama (and one with tied embeddings: the LM head's blocks are the table), Qwen2 (biases) and Qwen3 (q/k
+    norms; no sliding window: GGUF's qwen2/3 have no key for one), Phi-3 (fused q/k/v and gate/up, half the dims
+    rotated), Gemma 2 (soft-caps, sandwich norms stored 1 + w, windows) and Gemma 3 (q/k norms, a linear-scaled global
+    rotary), their widths multiples of 256 (the K-quants' blocks)."""
     made, wide = tmp_path_factory.mktemp("sources"), dict(hidden_size=256, intermediate_size=512, head_dim=64)
     return {"llama": make_family_dir(made / "llama", "llama", **wide),
             "tied": make_family_dir(made / "tied", "llama", tie_word_embeddings=True, **wide),
-            "qwen2": make_family_dir(made / "qwen2", "qwen2", use_sliding_window=False, **wide)}  # fmt: skip
+            "qwen2": make_family_dir(made / "qwen2", "qwen2", use_sliding_window=False, **wide),
+            "qwen3": make_family_dir(made / "qwen3", "qwen3", use_sliding_window=False, **wide),
+            "phi3": make_family_dir(made / "phi3", "phi3", **wide),
+            # (the queries' scale and Gemma 3's pattern of five local layers to a global one: llama.cpp's, no key)
+            "gemma2": make_family_dir(made / "gemma2", "gemma2", query_pre_attn_scalar=64, **wide),
+            "gemma3": make_family_dir(made / "gemma3", "gemma3", query_pre_attn_scalar=64, num_hidden_layers=6,
+                                      layer_types=[*["sliding_attention"] * 5, "full_attention"], **wide)}  # fmt: skip
 
 
 # (F32: the rotary test's; Q4_0 and Q5_0's own paths: tests/test_block_kernels.py, as every format's)
 CASES = [("llama", T.F16), ("llama", T.BF16), ("llama", T.Q8_0), ("llama", T.Q4_K), ("tied", T.Q6_K),
-         ("qwen2", T.Q5_K), ("tied", T.Q4_1), ("llama", T.Q5_1)]  # fmt: skip
+         ("qwen2", T.Q5_K), ("tied", T.Q4_1), ("llama", T.Q5_1), ("qwen3", T.Q8_0), ("phi3", T.BF16),
+         ("gemma2", T.Q4_K), ("gemma3", T.F16)]  # fmt: skip
 
 
 @pytest.mark.parametrize("family, kind", CASES)

@@ -7,8 +7,9 @@ card) by
 transformers' GGUF readers (the architecture's hyper-parameters, the tokenizer from `tokenizer.ggml.*`, the chat
 template: read once per metadata, `gguf/readings/<digest>`, which a model's quantizations share), written into a
 temporary sibling and renamed into place (the card exists if and only if it is complete).
-config.json's `dtype` is the weights' float type where every matrix is one (F16, BF16), else float32; a MoE file's
-expert fields are read from the metadata where transformers leaves them out (`_moe_fields`). A split model
+config.json's `dtype` is the weights' float type where every matrix is one (F16, BF16), else float32; the fields
+transformers' reading leaves out (its config classes' defaults) are read from the metadata as llama.cpp reads them
+(`_fields`). A split model
 (`NAME-00001-of-0000N.gguf`) is named by its first file; the card lists every part.
 """
 
@@ -90,7 +91,7 @@ def _write(path: Path, parts: list[Path], out: Path) -> None:
     config = json.loads((out / "config.json").read_text())
     config["dtype"] = FLOAT_TYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
     config["tie_word_embeddings"] = not head
-    config |= _moe_fields(first.meta, first.arch)
+    config |= _fields(first.meta, first.arch, config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "gguf.json").write_text(json.dumps({"files": [str(p) for p in parts]}))
     out.chmod(0o755)
@@ -115,15 +116,38 @@ def _read(path: Path, out: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
-def _moe_fields(meta: dict, arch: str) -> dict:
-    """What transformers' reading leaves out of a MoE file's config: llama.cpp writes Mixtral as `llama` with experts,
-    and Qwen3-MoE's experts' width is `expert_feed_forward_length`."""
-    experts, width = int(meta.get(f"{arch}.expert_count", 0)), meta.get(f"{arch}.expert_feed_forward_length")
+def _fields(meta: dict, arch: str, config: dict) -> dict:
+    """What transformers' reading leaves out of `config` (it maps a few keys per architecture and takes its config
+    class's defaults for the rest), read from the metadata as llama.cpp reads it:
+    - every family: the heads' width (`attention.key_length`: Qwen3's 128 is not hidden / heads) and the share of it
+      rotary turns (`rope.dimension_count`: Phi-3's partial rotary);
+    - Gemma 2: the soft-caps; Gemma 2 and 3: the queries' scale, which no key holds: llama.cpp takes the heads' width
+      but for the 27B models (46 and 62 layers), hidden / heads; Gemma 3's global layers' linear rotary scaling;
+    - MoE: llama.cpp writes Mixtral as `llama` with experts; Qwen3-MoE's experts' width is
+      `expert_feed_forward_length`."""
+    key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
+    head_dim = int(key("attention.key_length", 0)) or config["hidden_size"] // config["num_attention_heads"]
+    rope = dict(config.get("rope_parameters") or {})  # (transformers 5's; per layer type for Gemma 3)
+    fields = {"head_dim": head_dim, "rope_parameters": rope}
+    if rotary := key("rope.dimension_count"):  # (in rope_parameters where they are one dict: transformers 5's Phi-3)
+        (fields if "full_attention" in rope or not rope else rope)["partial_rotary_factor"] = int(rotary) / head_dim
+    if arch == "gemma2":
+        fields |= {"attn_logit_softcapping": key("attn_logit_softcapping"),
+                   "final_logit_softcapping": key("final_logit_softcapping")}  # fmt: skip
+    if arch in ("gemma2", "gemma3"):
+        big = config["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[arch]
+        fields["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if big else head_dim
+    if arch == "gemma3" and key("rope.scaling.type") == "linear":
+        rope["full_attention"] = {**rope.get("full_attention", {}), "rope_type": "linear",
+                                  "factor": float(key("rope.scaling.factor"))}  # fmt: skip
+    experts, width = int(key("expert_count", 0)), key("expert_feed_forward_length")
     if experts and arch == "llama":
-        used = int(meta.get(f"{arch}.expert_used_count", 0))
-        fields = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": experts}
-        return fields | {"num_experts_per_tok": used} | ({"intermediate_size": int(width)} if width else {})
-    return {"moe_intermediate_size": int(width)} if experts and arch == "qwen3moe" and width else {}
+        used = int(key("expert_used_count", 0))
+        fields |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": experts}
+        fields |= {"num_experts_per_tok": used} | ({"intermediate_size": int(width)} if width else {})
+    elif experts and arch == "qwen3moe" and width:
+        fields["moe_intermediate_size"] = int(width)
+    return fields
 
 
 FILE_KEYS = ("general.file_type", "general.quantization_version", "split.")  # (what differs between quantizations)
