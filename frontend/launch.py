@@ -39,7 +39,7 @@ from frontend.http_base import HttpConfig
 from frontend.memory_check import MemoryNeed, check_memory, explain, memory_need
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.loading.convert import ConversionError, default_model_dir
-from gpu.loading.weights import check_checkpoint
+from gpu.loading.weights import check_checkpoint, check_quantization
 from gpu.runner.model_runner import resolve_device
 from messages.names import HTTP, replica
 from messages.wire import Ping
@@ -107,6 +107,7 @@ def build_processes(
 ) -> tuple[list[ProcessSpec], MemoryNeed]:
     """The processes, and what they need of this host's memory (checked unless not `memory_check`)."""
     model = resolve_model(engine.model)
+    check_quantization(model, engine.quantization)
     devices = check_gang(model, engine)
     engine = msgspec.structs.replace(engine, model=str(model.path))
     spec = engine.speculative

@@ -40,7 +40,7 @@ def write_gguf(
         projection's own type (by its module's name: {"v_proj": Q6_K}), else `kind`; `split`: gguf-py's
         split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned); `rope_freqs`: Llama 3.x's
     rotary factors tensor. A MoE model's experts are stacked per layer and projection (`ffn_{gate,up,down}_exps`,
-    [experts, out, in], of the kind `kinds["experts"]` or `kind`), its router kept F32 as llama.cpp's quantizer keeps
+    [experts, out, in], of the kind `kinds["experts.gate" / ".up" / ".down"]`, else `kinds["experts"]`, else `kind`), its router kept F32 as llama.cpp's quantizer keeps
     it."""
     config = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(out, arch, **split)
@@ -80,12 +80,13 @@ def write_gguf(
         w.add_tensor("rope_freqs.weight", rope_freqs.numpy())
     archs = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
     names = gguf.get_tensor_name_map(archs[arch], config["num_hidden_layers"])
-    rng, stacks = np.random.default_rng(0), {}
+    rng, stacks, kinds = np.random.default_rng(0), {}, kinds or {}
     for f in map(MappedFile, weight_files(model_dir)):
         for hf in sorted(f.header, key=lambda name: name.startswith("lm_head")):  # (the head last, as llama.cpp's)
             base, _, suffix = hf.rpartition(".")
             two, expert = len(f.shape(hf)) == 2, expert_weight(hf)
-            own = (kinds or {}).get("experts" if expert else base.rpartition(".")[2], kind)
+            own = kinds.get(f"experts.{expert[0].rpartition('.')[2]}", kinds.get("experts", kind)) if expert else None
+            own = own or kinds.get(base.rpartition(".")[2], kind)
             router = base.endswith((".block_sparse_moe.gate", ".mlp.gate"))
             as_kind = own if two and not router else gguf.GGMLQuantizationType.F32  # (norms and biases: F32)
             t = f.tensor(hf)

@@ -18,6 +18,7 @@ from gpu.layers.linear import BLOCK_FORMATS
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.loading.convert import cache_dir
 from gpu.loading.gguf_file import GGUFFile
+from gpu.loading.weights import check_quantization
 from gpu.runner.model_runner import ModelRunner
 from tests.family_models import make_family_dir, run_greedy
 from tests.gguf_writer import write_gguf
@@ -89,14 +90,14 @@ def logits(path) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     """Tiny Llama (and one with tied embeddings: the LM head's blocks are the table), Qwen2 (biases) and Qwen3 (q/k
-    norms; no sliding window: GGUF's qwen2/3 have no key for one), Phi-3 (fused q/k/v and gate/up, half the dims
+    norms, heads narrower than hidden / heads; no sliding window: GGUF's qwen2/3 have no key for one), Phi-3 (fused q/k/v and gate/up, half the dims
     rotated), Gemma 2 (soft-caps, sandwich norms stored 1 + w, windows) and Gemma 3 (q/k norms, a linear-scaled global
     rotary), their widths multiples of 256 (the K-quants' blocks)."""
     made, wide = tmp_path_factory.mktemp("sources"), dict(hidden_size=256, intermediate_size=512, head_dim=64)
     return {"llama": make_family_dir(made / "llama", "llama", **wide),
             "tied": make_family_dir(made / "tied", "llama", tie_word_embeddings=True, **wide),
             "qwen2": make_family_dir(made / "qwen2", "qwen2", use_sliding_window=False, **wide),
-            "qwen3": make_family_dir(made / "qwen3", "qwen3", use_sliding_window=False, **wide),
+            "qwen3": make_family_dir(made / "qwen3", "qwen3", use_sliding_window=False, **{**wide, "head_dim": 32}),
             "phi3": make_family_dir(made / "phi3", "phi3", **wide),
             # (the queries' scale and Gemma 3's pattern of five local layers to a global one: llama.cpp's, no key)
             "gemma2": make_family_dir(made / "gemma2", "gemma2", query_pre_attn_scalar=64, **wide),
@@ -174,6 +175,8 @@ def test_a_moved_file_gets_a_card_of_its_own(checkpoints, tmp_path):
     moved = first.rename(tmp_path / "m.gguf")
     assert ModelConfig.from_path(moved).path != card
     logits(moved)  # (it loads: its card names the file where it now is)
+    with pytest.raises(ModelLoadError, match="--quantization q8_0 quantizes an HF checkpoint's"):
+        check_quantization(ModelConfig.from_path(moved), "q8_0")  # (a GGUF is served in its own types)
 
 
 def test_a_file_that_is_not_gguf_is_refused_and_leaves_no_card(tmp_path):

@@ -74,7 +74,7 @@ def sources(tmp_path_factory) -> dict:
     return {family: make_family_dir(made / family, family, **extra) for family, (_, extra) in FAMILIES.items()}
 
 
-CASES = [("mixtral", T.Q8_0, None), ("qwen3_moe", T.Q4_K, {"down_proj": T.Q6_K, "experts": T.Q4_K}),
+CASES = [("mixtral", T.Q8_0, None), ("qwen3_moe", T.Q4_K, {"down_proj": T.Q6_K, "experts": T.Q4_K, "experts.down": T.Q6_K}),
          ("mixtral", T.F16, None)]  # fmt: skip
 
 
@@ -91,6 +91,8 @@ def test_a_moe_gguf_is_served_as_hf_computes_its_weights(sources, tmp_path, fami
         model = load_model(config, torch.device("cpu"), torch.float32)
         held = [m for m in model.modules() if isinstance(m, Experts)]
         assert held and all(m.blocks is not None and m.gate.is_meta for m in held)
+        want = {p: (kinds or {}).get(f"experts.{p}", kind) for p in ("gate", "up", "down")}  # (each its own format)
+        assert all({p: int(m.blocks[p][0]) for p in want} == want for m in held)
     ours, tokens = logits(path)
     with torch.no_grad():
         hf = reference(sources[family], tmp_path / "reference", values, kind)

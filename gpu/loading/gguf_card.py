@@ -26,6 +26,7 @@ from pathlib import Path
 from gpu.loading.convert import cache_dir
 from gpu.loading.errors import ModelLoadError
 
+CARD_FORMAT = 2  # (raised when a card's contents change: a card written by an older Sluice is not reused)
 SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 FLOAT_TYPES = {"F16": "float16", "BF16": "bfloat16"}
 
@@ -51,7 +52,7 @@ def gguf_card(path: str | Path) -> Path:
         raise ModelLoadError(f"GGUF file not found: {path}")
     parts = parts_of(path)
     stat = path.stat()
-    where = hashlib.sha256(str(path).encode()).hexdigest()[:12]  # (a moved or another file of this name: another card)
+    where = hashlib.sha256(f"{CARD_FORMAT}:{path}".encode()).hexdigest()[:12]  # (moved, another file, an older card)
     card = cache_dir() / "gguf" / f"{path.stem}-{where}-{stat.st_size}-{stat.st_mtime_ns}"
     if card.is_dir():
         return card
@@ -80,7 +81,7 @@ def _write(path: Path, parts: list[Path], out: Path) -> None:
     if not reading.is_dir():  # (one reading per metadata: a model's quantizations share it)
         scratch = Path(tempfile.mkdtemp(prefix=f".{reading.name}.tmp-", dir=reading.parent))
         try:
-            _read(path, scratch)
+            _read(first, scratch)
             scratch.rename(reading)
         except OSError:
             if not reading.is_dir():  # (else a concurrent start read it first)
@@ -97,17 +98,24 @@ def _write(path: Path, parts: list[Path], out: Path) -> None:
     out.chmod(0o755)
 
 
-def _read(path: Path, out: Path) -> None:
-    """transformers' reading of the file's metadata: config.json, generation_config.json, the tokenizer's files."""
+def _read(first, out: Path) -> None:
+    """transformers' reading of the file's metadata: config.json, generation_config.json, the tokenizer's files.
+    `first`: the (first) file, parsed (gpu/loading/gguf_file.py), which transformers' config reader is handed in
+    place of gguf-py's GGUFReader (`GGUFFile.as_reader`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import gguf
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
 
+    path, reader = first.path, gguf.GGUFReader
+    gguf.GGUFReader = lambda _, *args, **kwargs: first.as_reader()  # (transformers imports it at each call)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:  # (transformers' readers name what they cannot take)
         raise ModelLoadError(f"{path}: cannot read its architecture or tokenizer: {e}") from e
+    finally:
+        gguf.GGUFReader = reader
     config.architectures = [CAUSAL_LMS.get(config.model_type, config.model_type)]  # (a GGUF names none)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -132,17 +140,19 @@ def _fields(meta: dict, arch: str, config: dict) -> dict:
     if rotary := key("rope.dimension_count"):  # (in rope_parameters where they are one dict: transformers 5's Phi-3)
         (fields if "full_attention" in rope or not rope else rope)["partial_rotary_factor"] = int(rotary) / head_dim
     if arch == "gemma2":
-        fields |= {"attn_logit_softcapping": key("attn_logit_softcapping"),
-                   "final_logit_softcapping": key("final_logit_softcapping")}  # fmt: skip
+        fields |= {
+            "attn_logit_softcapping": key("attn_logit_softcapping", 50.0),
+            "final_logit_softcapping": key("final_logit_softcapping", 30.0),
+        }  # fmt: skip (llama.cpp's defaults)
     if arch in ("gemma2", "gemma3"):
         big = config["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[arch]
         fields["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if big else head_dim
-    if arch == "gemma3" and key("rope.scaling.type") == "linear":
-        rope["full_attention"] = {**rope.get("full_attention", {}), "rope_type": "linear",
-                                  "factor": float(key("rope.scaling.factor"))}  # fmt: skip
+    if arch == "gemma3" and key("rope.scaling.type") == "linear" and (factor := key("rope.scaling.factor", 1.0)) != 1:
+        rope["full_attention"] = {**rope.get("full_attention", {}), "rope_type": "linear", "factor": float(factor)}
     experts, width = int(key("expert_count", 0)), key("expert_feed_forward_length")
     if experts and arch == "llama":
-        used = int(key("expert_used_count", 0))
+        if not (used := int(key("expert_used_count", 0))):
+            raise ModelLoadError(f"{arch}.expert_count is {experts} but {arch}.expert_used_count is missing or 0")
         fields |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": experts}
         fields |= {"num_experts_per_tok": used} | ({"intermediate_size": int(width)} if width else {})
     elif experts and arch == "qwen3moe" and width:

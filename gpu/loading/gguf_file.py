@@ -21,6 +21,7 @@ import re
 import struct
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -33,10 +34,8 @@ NATIVE = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationTyp
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 PERMUTED = {"llama": ("q_proj", "k_proj")}  # the converter's rotary permutation of q and k rows
-OFFSET_NORMS = ("gemma", "gemma2", "gemma3")
-_EXPERTS = re.compile(
-    r"model\.layers\.(\d+)\..*\.experts\.(gate|up|down)$"
-)  # (gpu/layers/moe.py's stacked weights)  # norms stored as 1 + w (the model's RMSNorm adds the 1 itself)
+OFFSET_NORMS = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + w (the model's RMSNorm adds the 1 itself)
+_EXPERTS = re.compile(r"model\.layers\.(\d+)\..*\.experts\.(gate|up|down)$")  # (gpu/layers/moe.py's stacked weights)
 
 
 class GGUFFile:
@@ -84,6 +83,13 @@ class GGUFFile:
         if align <= 0:
             raise ValueError(f"general.alignment {align}")
         return meta, infos, -(-pos // align) * align
+
+    def as_reader(self) -> SimpleNamespace:
+        """This file as transformers' config reader uses gguf-py's GGUFReader: `fields[key]`'s `parts`, `data` and
+        `types`, the tensors' names (GGUFReader makes a numpy view of every part of every field: 10 s for SmolLM2's
+        49k-token vocabulary and merges, and transformers reads the config twice, for itself and the tokenizer)."""
+        names = [SimpleNamespace(name=name) for name in self.header]
+        return SimpleNamespace(fields={key: _field(value) for key, value in self.meta.items()}, tensors=names)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.header[name][1]
@@ -178,3 +184,16 @@ def _checkpoint_names(arch: str, blocks: int, wanted: set[str] | None) -> dict[s
             if hf + suffix in wanted:
                 names.setdefault(name + suffix, hf + suffix)
     return names
+
+
+def _field(value) -> SimpleNamespace:
+    """A metadata value as a GGUFReader field: strings as their bytes, numbers as rows of one; a type that says which
+    (transformers' `_gguf_parse_value` tells integers, floats, booleans and strings apart, no more)."""
+    many = isinstance(value, (list, np.ndarray))
+    items = value if many else [value]
+    if not len(items) or isinstance(items[0], str):
+        kind, parts = STRING, [v.encode() for v in items]
+    else:
+        numbers = np.asarray(items)
+        kind, parts = {"b": 7, "f": 6}.get(numbers.dtype.kind, 4), numbers.reshape(-1, 1)
+    return SimpleNamespace(parts=parts, data=range(len(parts)), types=[ARRAY, kind] if many else [kind])

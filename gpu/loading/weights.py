@@ -55,6 +55,15 @@ def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1):
     checkpoint_plan(config, dict(model.named_parameters()), shards_of(model))
 
 
+def check_quantization(config: ModelConfig, quantization: Quantization | None) -> None:
+    """Raise ModelLoadError where `quantization` cannot apply: a GGUF is served in its own types."""
+    if quantization and config.gguf_name:
+        raise ModelLoadError(
+            f"--quantization {quantization} quantizes an HF checkpoint's float weights; {config.name} is a GGUF, served "
+            "in its own types (llama.cpp's llama-quantize makes it in another)"
+        )
+
+
 def shards_of(model: torch.nn.Module) -> dict[str, tuple[Shard, ...]]:
     """Parameter name -> its shards (one per checkpoint tensor stacked into it), for the sharded ones."""
     found = ((prefix, getattr(m, "shards", {})) for prefix, m in model.named_modules())
@@ -157,6 +166,7 @@ def load_model(
     panels = ops is not None
     if quantization and ops is None:
         raise ValueError(f"--quantization {quantization} runs on the native CPU kernels: make setup builds them")
+    check_quantization(config, quantization)
     if weights != dtype and not panels:
         raise ValueError(f"{weights} weights with {dtype} activations need the native CPU kernels (make setup)")
     with torch.device("meta"):

@@ -137,22 +137,33 @@ def served_weight_bytes(
 
 def _gguf_bytes(files: list, dtype: torch.dtype, weights: torch.dtype) -> int:
     """A GGUF's weights as the native kernels hold them, from its tensor table: a matrix in a block format they run
-    in its own bytes, another matrix in `weights`, the rest (norms, biases) in `dtype`."""
+    in its own bytes, another matrix in `weights`, a layer's experts in their blocks where all three projections' are
+    ones the kernels run (else dense in `dtype`, as gpu/loading/weights.py holds them), the rest (norms, biases) in
+    `dtype`."""
     from gguf import GGML_QUANT_SIZES
 
     from gpu.layers.linear import BLOCK_FORMATS
     from gpu.loading.gguf_file import GGUFFile
 
-    total, meta = 0, None
+    tables, meta = [], None
     for file in files:
         f = GGUFFile(file, meta=meta)
         meta = meta or f.meta
-        for kind, shape, _ in f.header.values():
-            n = int(torch.Size(shape).numel())
-            elems, size = GGML_QUANT_SIZES[kind]
-            total += (
-                n // elems * size if kind in BLOCK_FORMATS else n * (weights if len(shape) == 2 else dtype).itemsize
-            )
+        tables += f.header.items()
+    experts = {}  # layer -> whether its experts are held in their blocks
+    for name, (kind, *_) in tables:
+        if name.endswith("_exps.weight"):
+            layer = name.split(".")[1]
+            experts[layer] = experts.get(layer, True) and kind in BLOCK_FORMATS
+    total = 0
+    for name, (kind, shape, _) in tables:
+        n = int(torch.Size(shape).numel())
+        elems, size = GGML_QUANT_SIZES[kind]
+        held = experts.get(name.split(".")[1], True) if name.endswith("_exps.weight") else len(shape) == 2
+        if kind in BLOCK_FORMATS and held:
+            total += n // elems * size
+        else:
+            total += n * (weights if len(shape) == 2 else dtype).itemsize
     return total
 
 
