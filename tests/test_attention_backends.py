@@ -27,7 +27,7 @@ from tests.tiny_model import Request, block_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled, or interpreted (tests/conftest.py)
-PROMPT_LENS, BUDGET, NEW_TOKENS = (5, 19, 30), 12, 10
+PROMPT_LENS, BUDGET, NEW_TOKENS = (5, 19, 30), 12, 6
 
 
 def generate(model_dir, backend: str, budget: int = BUDGET) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -22,7 +22,7 @@ from gpu.runner.model_runner import ModelRunner, graph_mode
 from tests.tiny_model import Request, block_pool
 
 NUM_BLOCKS = 48
-PROMPT_LENS, DECODES = (5, 19, 33, 8, 12), (9, 3, 12, 6, 1)  # rows leave after their decodes: 5, 4, 3, ... rows
+PROMPT_LENS, DECODES = (5, 19, 33, 8, 12), (5, 2, 6, 4, 1)  # rows leave after their decodes: 5, 4, 3, ... rows
 
 
 def decode_run(model_dir, device, dtype, backend: str, mode: str):
