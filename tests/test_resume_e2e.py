@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import ServerHandle
 
-MAX_TOKENS = 256
+MAX_TOKENS = 128
 STOP = " qqqq"  # a stop string never completed, whose first character often ends a chunk: held back, then released
 KINDS = [
     {"temperature": 0.0},
