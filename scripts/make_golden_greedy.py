@@ -6,8 +6,8 @@ its end of turn or NEW_TOKENS, with the two most likely tokens' logprobs at ever
 
     python scripts/make_golden_greedy.py LLAMA_SERVER [--out tests/golden/llama_cpp_greedy.json]
 
-`--no-repack` keeps llama.cpp on its plain CPU kernels (its AMX ones die on SIGILL on VMs that list amx_int8 but do
-not grant the tile state): the same arithmetic as Sluice's block kernels, Q8_1 activations against Q4_1 rows.
+`--no-repack` keeps llama.cpp on its plain CPU kernels (its AMX ones die on SIGILL on these VMs, though they list
+amx_int8): its products are Sluice's, Q8_1 activations against Q4_1 rows, but its KV cache and attention are f16.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A GGUF file written from a tiny HF checkpoint by gguf-py's writer, as llama.cpp's converter writes it: the
 architecture's hyper-parameters, SmolLM2's BPE tokenizer (tokens, merges, special ids, chat template), the tensors
 under gguf-py's names with llama's q and k rows permuted for rotary as the converter does (`permute`) and Gemma's
-norms stored as 1 + w (its `Gemma2Model.modify_tensors`), each in the type asked (F32, F16, BF16, or a block type quantized by gguf-py), norms and biases in F32. Test-only: the reference the
-loader's reading must undo."""
+norms stored as 1 + w (its `Gemma2Model.modify_tensors`), each in the type asked (F32, F16, BF16, or a block type
+quantized by gguf-py), norms and biases in F32. Test-only: the reference the loader's reading must undo."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def write_gguf(
         projection's own type (by its module's name: {"v_proj": Q6_K}), else `kind`; `split`: gguf-py's
         split_max_tensors / split_max_size (files NAME-0000k-of-0000N.gguf; the first returned); `rope_freqs`: Llama 3.x's
     rotary factors tensor. A MoE model's experts are stacked per layer and projection (`ffn_{gate,up,down}_exps`,
-    [experts, out, in], of the kind `kinds["experts.gate" / ".up" / ".down"]`, else `kinds["experts"]`, else `kind`), its router kept F32 as llama.cpp's quantizer keeps
-    it."""
+    [experts, out, in], of the kind `kinds["experts.gate" / ".up" / ".down"]`, else `kinds["experts"]`, else
+    `kind`), its router kept F32 as llama.cpp's quantizer keeps it."""
     config = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(out, arch, **split)
     w.add_name(f"tiny {arch}")
@@ -85,8 +85,8 @@ def write_gguf(
         for hf in sorted(f.header, key=lambda name: name.startswith("lm_head")):  # (the head last, as llama.cpp's)
             base, _, suffix = hf.rpartition(".")
             two, expert = len(f.shape(hf)) == 2, expert_weight(hf)
-            own = kinds.get(f"experts.{expert[0].rpartition('.')[2]}", kinds.get("experts", kind)) if expert else None
-            own = own or kinds.get(base.rpartition(".")[2], kind)
+            name = f"experts.{expert[0].rpartition('.')[2]}" if expert else base.rpartition(".")[2]
+            own = kinds.get(name, kinds.get("experts", kind) if expert else kind)
             router = base.endswith((".block_sparse_moe.gate", ".mlp.gate"))
             as_kind = own if two and not router else gguf.GGMLQuantizationType.F32  # (norms and biases: F32)
             t = f.tensor(hf)

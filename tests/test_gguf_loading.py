@@ -90,9 +90,9 @@ def logits(path) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     """Tiny Llama (and one with tied embeddings: the LM head's blocks are the table), Qwen2 (biases) and Qwen3 (q/k
-    norms, heads narrower than hidden / heads; no sliding window: GGUF's qwen2/3 have no key for one), Phi-3 (fused q/k/v and gate/up, half the dims
-    rotated), Gemma 2 (soft-caps, sandwich norms stored 1 + w, windows) and Gemma 3 (q/k norms, a linear-scaled global
-    rotary), their widths multiples of 256 (the K-quants' blocks)."""
+    norms, heads narrower than hidden / heads; no sliding window: GGUF's qwen2/3 have no key for one), Phi-3 (fused
+    q/k/v and gate/up, half the dims rotated), Gemma 2 (soft-caps, sandwich norms stored 1 + w, windows) and Gemma 3
+    (q/k norms, a linear-scaled global rotary), their widths multiples of 256 (the K-quants' blocks)."""
     made, wide = tmp_path_factory.mktemp("sources"), dict(hidden_size=256, intermediate_size=512, head_dim=64)
     return {"llama": make_family_dir(made / "llama", "llama", **wide),
             "tied": make_family_dir(made / "tied", "llama", tie_word_embeddings=True, **wide),

@@ -25,6 +25,7 @@ from gpu.loading.config import ModelConfig, weight_files
 from gpu.loading.gguf_file import GGUFFile
 from gpu.loading.mapped import MappedFile
 from gpu.loading.weights import load_model
+from gpu.runner.memory import served_weight_bytes
 from tests.family_models import make_family_dir
 from tests.gguf_writer import write_gguf
 from tests.test_gguf_loading import TOL, TOL_BLOCKS, logits, own_cache, q8_0, q8_k
@@ -74,8 +75,8 @@ def sources(tmp_path_factory) -> dict:
     return {family: make_family_dir(made / family, family, **extra) for family, (_, extra) in FAMILIES.items()}
 
 
-CASES = [("mixtral", T.Q8_0, None), ("qwen3_moe", T.Q4_K, {"down_proj": T.Q6_K, "experts": T.Q4_K, "experts.down": T.Q6_K}),
-         ("mixtral", T.F16, None)]  # fmt: skip
+Q4_K_M = {"down_proj": T.Q6_K, "experts": T.Q4_K, "experts.down": T.Q6_K}  # (as llama.cpp's Q4_K_M mixes them)
+CASES = [("mixtral", T.Q8_0, None), ("qwen3_moe", T.Q4_K, Q4_K_M), ("mixtral", T.F16, None)]
 
 
 @pytest.mark.parametrize("family, kind, kinds", CASES)
@@ -91,7 +92,8 @@ def test_a_moe_gguf_is_served_as_hf_computes_its_weights(sources, tmp_path, fami
         model = load_model(config, torch.device("cpu"), torch.float32)
         held = [m for m in model.modules() if isinstance(m, Experts)]
         assert held and all(m.blocks is not None and m.gate.is_meta for m in held)
-        want = {p: (kinds or {}).get(f"experts.{p}", kind) for p in ("gate", "up", "down")}  # (each its own format)
+        kinds = kinds or {}  # (each projection in its own format)
+        want = {p: kinds.get(f"experts.{p}", kinds.get("experts", kind)) for p in ("gate", "up", "down")}
         assert all({p: int(m.blocks[p][0]) for p in want} == want for m in held)
     ours, tokens = logits(path)
     with torch.no_grad():
@@ -104,3 +106,17 @@ def test_a_moe_gguf_is_served_as_hf_computes_its_weights(sources, tmp_path, fami
             assert (ref[ids] - other[ids]).abs().max() < tol, f"position {pos}: top-5 logprobs differ"
         top2 = b.topk(2).values
         assert top2[0] - top2[1] <= tol or a.argmax() == b.argmax(), f"position {pos}: greedy differs"
+
+
+def test_experts_the_kernels_cannot_all_hold_are_counted_as_they_load(sources, tmp_path):
+    """A layer whose experts are not all in formats the block kernels run (BF16 down beside Q8_0 gate/up) is held
+    dense in float32 whole: the memory check counts it so, as it counts the all-BF16 file, not the Q8_0 parts in
+    their blocks."""
+    mixed = write_gguf(sources["qwen3_moe"], tmp_path / "mixed.gguf", T.BF16, arch="qwen3moe",
+                       kinds={"experts": T.Q8_0, "experts.down": T.BF16})  # fmt: skip
+    dense = write_gguf(sources["qwen3_moe"], tmp_path / "dense.gguf", T.BF16, arch="qwen3moe")
+    config = ModelConfig.from_path(mixed)
+    held = [m for m in load_model(config, torch.device("cpu"), torch.float32).modules() if isinstance(m, Experts)]
+    assert held and all(m.blocks is None and m.gate.dtype == torch.float32 for m in held)
+    count = lambda c: served_weight_bytes(c, torch.float32, None, "cpu")  # noqa: E731
+    assert count(config) == count(ModelConfig.from_path(dense))

@@ -59,8 +59,8 @@ def check_quantization(config: ModelConfig, quantization: Quantization | None) -
     """Raise ModelLoadError where `quantization` cannot apply: a GGUF is served in its own types."""
     if quantization and config.gguf_name:
         raise ModelLoadError(
-            f"--quantization {quantization} quantizes an HF checkpoint's float weights; {config.name} is a GGUF, served "
-            "in its own types (llama.cpp's llama-quantize makes it in another)"
+            f"--quantization {quantization} quantizes an HF checkpoint's float weights; {config.name} is a GGUF, "
+            "served in its own types (llama.cpp's llama-quantize makes it in another)"
         )
 
 
