@@ -6,7 +6,10 @@ invariant holds afterwards. A worker's death is repaired inside the engine (its 
 resumes; the others' are repaired by the clients' resumes.
 
 The server here is its own (the kills restart its processes); the tiny random-weight model keeps it fast, and its
-odd text (any token, any byte) is a hard case for rebuilding the detokenizer's state.
+odd text (any token, any byte) is a hard case for rebuilding the detokenizer's state. It runs batch-invariant
+(`batch_invariant`): a resumed request recomputes its tokens so far in other batches and chunks than they were first
+computed in, and the tiny model's near-flat logits are near-ties everywhere, so without it the last bit of a prompt
+logprob, and now and then a token, differs (CI saw both).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ async def own_server(tiny_model_dir, responses_db):
 
     engine = EngineConfig(
         model=str(tiny_model_dir), max_model_len=512, max_num_seqs=16, num_kv_blocks=256, engine_threads=1,
-        worker="process",
+        worker="process", batch_invariant=True,
     )  # fmt: skip
     srv = await start_server(engine, HttpConfig(port=0, responses_db=responses_db), log_level="WARNING")
     yield (handle := ServerHandle(srv, tiny_model_dir))
