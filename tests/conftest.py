@@ -45,6 +45,15 @@ def _interpret_triton_without_cuda() -> None:
 _interpret_triton_without_cuda()
 
 
+def pytest_configure(config):
+    """The actor processes the tests start fork from a fork server that imported the actors' modules (torch with
+    them) once, as `sluice serve`'s do: each start is then a fork, not an interpreter importing torch."""
+    from actors.runtime.process import start_forkserver
+    from frontend.cli import SERVE_MODULES
+
+    start_forkserver(SERVE_MODULES)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` are skipped on a machine without a CUDA GPU (CI), so the suite stays green there."""
     import torch

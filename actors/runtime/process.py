@@ -107,6 +107,7 @@ def child_main(config_json: bytes, inherited: Inherited) -> None:
     os.environ.clear()
     os.environ.update(inherited.environ | config.process.env)
     die_with_parent(config.parent_pid)
+    one_process_progress_bars()
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s %(levelname)s [{config.process.name}] %(name)s: %(message)s"
     )
@@ -144,6 +145,14 @@ async def _serve(config: ChildConfig) -> int:
         return EXIT_FAILED
     finally:
         router.close()
+
+
+def one_process_progress_bars() -> None:
+    """tqdm's bars (loading, graph capture) lock a thread lock: its default also makes a multiprocessing semaphore,
+    which a child ended by os._exit or kill -9 leaves behind (the resource tracker's "leaked semaphore" warning)."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def die_with_parent(parent_pid: int) -> None:
