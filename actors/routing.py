@@ -134,7 +134,11 @@ class Replicas:
         if len(self.all) == 1:
             return serving[0]
         cache_aware = self.policy == "cache_aware"
-        prompt = anchors(msg.prompt_token_ids, self.block_size, msg.params.cache_salt) if cache_aware else []
+        prompt = (
+            anchors(msg.prompt_token_ids, self.block_size, msg.params.cache_salt, msg.params.lora)
+            if cache_aware
+            else []
+        )
         chosen, reason = self._choose(prompt, serving)
         self.routed[self.policy, reason] += 1
         chosen.routed += 1

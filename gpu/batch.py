@@ -34,6 +34,7 @@ class ScheduledRow(msgspec.Struct, array_like=True):
     # a sampling row: the output position of its first sampled token (pending ones counted), which keys a
     # seeded row's uniforms (DESIGN I8: reproducible at any position)
     output_position: int = 0
+    lora: str | None = None  # the row's LoRA adapter (its digest: SamplingParams.lora), None: the base model's
 
     @property
     def num_samples(self) -> int:

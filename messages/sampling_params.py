@@ -128,6 +128,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured: StructuredOutput | None = None  # grammar-constrained output (None: unconstrained)
     cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached blocks (vLLM's)
     beam: BeamSearch | None = None  # beam search instead of sampling
+    # the LoRA adapter the request runs with (the frontend's, from its `model`): the digest of the adapter's files
+    # (gpu/loading/lora.py), which keys the engine's adapters and the prefix cache; None: the base model
+    lora: str | None = None
 
     @property
     def guided(self) -> bool:

@@ -91,8 +91,8 @@ class Beam:
         return self.group.request_id
 
     @property
-    def cache_salt(self) -> str | None:
-        return self.group.params.cache_salt
+    def prefix_root(self) -> bytes:
+        return self.group.prefix_root
 
     @property
     def all_token_ids(self) -> list[int]:

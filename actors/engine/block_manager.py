@@ -5,12 +5,12 @@ the scheduler grows it to cover the tokens it is about to feed.
 
 Prefix caching (on unless `enable_caching=False`):
 - A block is identified by a hash chained over its tokens and its parent block's hash (blake2b, 128 bits: a
-  crafted collision could read another request's KV); a request's `cache_salt` stands for the first block's
-  parent, so only requests with the same salt share (a tenant cannot probe another's prompts by timing). The
-  chain is actors/prefix_hash.py's, which the replica router shares: `anchors` (8-byte truncations of the cached
-  blocks at chain depths 2^i - 1) tell it which prefixes this cache holds. A KV
-  entry depends on the token prefix alone (one model per engine), so any two sequences with the same token prefix
-  (and salt) share it, a CFG companion and its request included.
+  crafted collision could read another request's KV); a request's `cache_salt` and LoRA adapter stand for the first
+  block's parent, so only requests with the same salt and adapter share (a tenant cannot probe another's prompts
+  by timing). The chain is actors/prefix_hash.py's, which the replica router shares: `anchors` (8-byte truncations
+  of the cached blocks at chain depths 2^i - 1) tell it which prefixes this cache holds. A KV entry depends on the
+  token prefix and the adapter alone (one base model per engine), so any two sequences with the same token prefix
+  (salt and adapter) share it, a CFG companion and its request included.
 - A block is registered (cached) once it is full of known tokens (prompt and emitted output: never a pending
   sample or a draft) all of which are computed or scheduled: `cache_full_blocks`, after every row is planned. The
   device runs steps in order, so a block registered at scheduling is written before any later step reads it; a
@@ -200,4 +200,4 @@ class BlockManager:
 
     def _hashes(self, seq: Sequence, tokens: list[int], n: int) -> list[bytes]:
         """The chained hashes of the sequence's first n full blocks (computed once per block, kept on it)."""
-        return extend(seq.block_hashes, tokens, self.block_size, n, seq.cache_salt)
+        return extend(seq.block_hashes, tokens, self.block_size, n, seq.prefix_root)

@@ -91,6 +91,7 @@ def companion_row(req: EngineRequest, m: int, block_manager: BlockManager, draft
         sample=start + fed == c.num_tokens,
         draft_token_ids=list(drafts),
         guidance_scale=req.params.guidance_scale,
+        lora=req.params.lora,  # (the unconditional logits are the same adapter's)
     )
     c.num_computed_tokens += m
     block_manager.cache_full_blocks(c)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.engine.grammar import Matcher
+from actors.prefix_hash import root
 from gpu.batch import PLACEHOLDER
 from messages.sampling_params import BeamSearch, SamplingParams
 from messages.wire import AbortReason, AddRequest, FinishReason, TokenLogprobs
@@ -148,8 +149,9 @@ class EngineRequest:
         return len(self.output_token_ids)
 
     @property
-    def cache_salt(self) -> str | None:
-        return self.params.cache_salt
+    def prefix_root(self) -> bytes:
+        """The first block's parent in its prefix-cache chain (actors/prefix_hash.py): its salt and adapter."""
+        return root(self.params.cache_salt, self.params.lora)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -182,8 +184,8 @@ class Companion:
         return f"{self.parent.request_id}/uncond"
 
     @property
-    def cache_salt(self) -> str | None:
-        return self.parent.params.cache_salt
+    def prefix_root(self) -> bytes:
+        return self.parent.prefix_root
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ bytes instead (`hold_blocks`: [rows, row bytes] per stacked part, each part its 
 integer dot products, batch-invariant too).
 The [out, in] parameter is then a meta tensor (its shape alone); a tied embedding reads its rows from the panels or
 blocks (`rows`). Elsewhere (CUDA, torch's kernels) the [out, in] parameter, in the model's dtype, on `F.linear`.
+A layer a LoRA adapter targets adds its delta to the base product (`loras`, installed by gpu/layers/lora.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Linear(nn.Linear):
     native: torch.Tensor | None = None  # ... and the weight in their layout (its only copy), for every row count
     # ... or its rows in GGUF blocks, per stacked part (first row, format: ggml's type id, [rows, row bytes])
     blocks: list[tuple[int, int, torch.Tensor]] | None = None
+    loras: dict | None = None  # LoRA adapters' deltas (digest -> LayerDelta) and the model's LoraSteps that runs them
+    lora_steps = None
 
     def hold_panels(self, native_ops, dtype: torch.dtype) -> None:
         """Hold the weight in the native panels, in `dtype` (zeros until `load_rows`); the parameter becomes its
@@ -68,6 +71,12 @@ class Linear(nn.Linear):
         return self.native_ops.panel_rows(self.native, ids, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.loras:
+            self.lora_steps.apply(self.loras, x.reshape(-1, self.in_features), y.view(-1, self.out_features))
+        return y
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is None and self.blocks is None:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features).contiguous()

@@ -3,6 +3,8 @@
 Host-side arrays are built with numpy and copied to the device in one transfer (pinned, non-blocking on CUDA).
 For async scheduling, last step's sampled ids live on the device in `prev_sampled` (indexed by the request's stable
 slot); PLACEHOLDER input tokens are filled from it on the device, so the host never waits for them.
+With LoRA on (`max_lora_rank`), the runner holds the adapters it was given (`add_adapter`, by digest) and tells the
+layers each step which tokens run which (gpu/layers/lora.py): its rows' `lora`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from gpu.attention.torch_backend import TorchAttention
 from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.distributed.group import current
 from gpu.kernels import native
+from gpu.layers.lora import LoraSteps
 from gpu.layers.parallel import local_config
 from gpu.layers.quant import Quantization, check_invariant
 from gpu.loading.config import ModelConfig
+from gpu.loading.lora import LoraError, adapter_digest, read_adapter
 from gpu.loading.weights import load_model
 from gpu.runner.graphs import DecodeGraphs, GraphMode, capture_sizes
 from gpu.runner.memory import CudaMemory, DeviceMemory, log_plan, profile
@@ -87,6 +91,7 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         drafts: tuple[ModelConfig, ...] = (),
         memory: DeviceMemory | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         """num_blocks None: as many as fit in `gpu_memory_utilization` of the device, with a paired block for each
         of `drafts` (draft models loaded after this runner), measured by `memory` (CUDA's: gpu/runner/memory.py)."""
@@ -122,6 +127,10 @@ class ModelRunner:
             raise ValueError("batch-invariant mode runs the native kernels, not --cpu-kernels torch")
         if batch_invariant and (model_config.moe is not None or current().size > 1):  # (routing; all-reduce chunks)
             raise ValueError("batch-invariant mode runs dense models on one device (for now)")
+        self.max_lora_rank, self.lora = max_lora_rank, LoraSteps()
+        if max_lora_rank is not None and (batch_invariant or current().size > 1 or decode_graphs is not None):
+            raise ValueError("LoRA adapters run on one device, without batch-invariant mode or static decode steps "
+                             "(for now)")  # fmt: skip
         if num_blocks is None:  # sized to the device: what it has free before this engine's weights
             if memory is None and self.device.type != "cuda":
                 raise ValueError("a KV cache sized to the device needs a CUDA device: give num_blocks on CPU")
@@ -135,8 +144,9 @@ class ModelRunner:
         )
         if batch_invariant:
             check_invariant(self.model)
-        self.model.model.native_loop = native_loop(self.model, self.attention)
-        mode = graph_mode(decode_graphs, self.device, self.attention, model_config.moe is not None)
+        self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
+        lora_or_moe = model_config.moe is not None or max_lora_rank is not None
+        mode = graph_mode(decode_graphs, self.device, self.attention, lora_or_moe)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self.kv_cache = None
         if num_blocks is None:
@@ -148,6 +158,17 @@ class ModelRunner:
         # rows write one block more
         self.kv_cache = KVCache(self.kv_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, mode == "capture") if mode != "off" else None
+
+    def add_adapter(self, digest: str, path: str) -> None:
+        """Hold the LoRA adapter at `path` (a PEFT directory, whose files hash to `digest`): LoraError if it cannot
+        be served (gpu/loading/lora.py)."""
+        if self.max_lora_rank is None:
+            raise ValueError("this runner serves no LoRA adapters (max_lora_rank None)")
+        if adapter_digest(path) != digest:
+            raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
+        self.lora.install(
+            self.model, digest, read_adapter(path, self.model, self.max_lora_rank, self.dtype, self.device)
+        )
 
     @torch.inference_mode()
     def set_prev_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -171,6 +192,8 @@ class ModelRunner:
         uploaded = [{name: next(tensors) for name in p.arrays} for p in plans]
         if "placeholders" in t:
             t["input_ids"][t["placeholders"]] = self.prev_sampled[t["placeholder_slots"]]
+        self.lora.groups = [(key[5:], None if rows.numel() == len(host["input_ids"]) else rows)
+                            for key, rows in t.items() if key.startswith("lora:")]  # fmt: skip
         if size:
             return self.graphs.run(size, t, plans, uploaded, num_rows)
         meta = AttentionMetadata(
@@ -226,6 +249,11 @@ class ModelRunner:
         if targets:
             extra = [np.arange(query_start_loc[i], query_start_loc[i] + k) for i, k in targets]
             host["logits_indices"] = np.concatenate([host["logits_indices"], *extra])
+        adapters = [r.lora for r in rows]
+        for digest in dict.fromkeys(a for a in adapters if a is not None):  # (each adapter's tokens, in batch order)
+            if digest not in self.lora.layers:
+                raise ValueError(f"step {batch.step}: no LoRA adapter {digest} is held")
+            host[f"lora:{digest}"] = np.flatnonzero(np.array([a == digest for a in adapters])[token_row])
         placeholders = np.flatnonzero(input_ids == PLACEHOLDER)
         if placeholders.size:
             host["placeholders"] = placeholders
@@ -247,8 +275,9 @@ class ModelRunner:
 
 def graph_mode(mode: GraphMode | None, device: torch.device, attention, moe: bool = False) -> GraphMode:
     """The decode-step mode (gpu/runner/graphs.py): None is "capture" where graphs can be had (CUDA, a backend without
-    host-side plans: triton, a dense model: MoE routing reads expert counts back to the host; one device: the
-    collectives of a tensor-parallel step are not captured yet), else "off"."""
+    host-side plans: triton, a dense model: MoE routing reads expert counts back to the host, and no LoRA (its
+    groups are host-side too, for now); one device: the collectives of a tensor-parallel step are not captured yet),
+    else "off"."""
     capturable = device.type == "cuda" and not isinstance(attention, TorchAttention) and not moe and current().size == 1
     if mode is None:
         return "capture" if capturable else "off"

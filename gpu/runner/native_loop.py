@@ -8,7 +8,7 @@ docs/PERFORMANCE.md, "Native kernels and quantized formats").
 no q/k norms, a dense gated MLP, one device) on the native backend, each linear layer on the native kernels (panels
 or blocks: every row count); None elsewhere (the Python loop runs every step, as it does for a process worker, whose
 progress hooks live in the Python loop's layers). A step goes to it (`takes`) when the native attention kernel takes
-every row (gpu/attention/native_backend.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode).
+every row (gpu/attention/native_backend.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode) and no row runs a LoRA adapter (their deltas are the Python layers').
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from gpu.attention.native_backend import NativeAttention
 from gpu.kernels.native.kernels import ACT_IDS
 from gpu.layers.attention import Attention
 from gpu.layers.linear import Linear
+from gpu.layers.lora import LoraSteps
 from gpu.layers.mlp import GatedMLP
 
 
 class NativeLoop:
-    def __init__(self, decoder) -> None:
-        self.decoder = decoder
+    def __init__(self, decoder, lora: LoraSteps) -> None:
+        self.decoder, self.lora = decoder, lora
 
     def takes(self, meta: AttentionMetadata) -> bool:
-        return NativeAttention.takes_every_row(meta)
+        return NativeAttention.takes_every_row(meta) and not self.lora.groups
 
     def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = meta.native
@@ -40,9 +41,9 @@ class NativeLoop:
         )
 
 
-def native_loop(model, attention) -> NativeLoop | None:
+def native_loop(model, attention, lora: LoraSteps) -> NativeLoop | None:
     """The loop of `model` (a CausalLM) as one native call, or None where a layer is not a plain one on the native
-    kernels."""
+    kernels; it takes no step with LoRA rows in it (`lora`: the model's)."""
     if not isinstance(attention, NativeAttention) or model.tp.size != 1:
         return None
     m = model.model
@@ -61,7 +62,7 @@ def native_loop(model, attention) -> NativeLoop | None:
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q, k, v, a.head_dim, a.scale,
             a.window or 0, a.softcap or 0.0, ACT_IDS[mlp.act], layer.rope,
         )  # fmt: skip
-    return NativeLoop(decoder)
+    return NativeLoop(decoder, lora)
 
 
 def add_linear(decoder, linear) -> bool:

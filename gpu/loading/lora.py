@@ -1,0 +1,168 @@
+"""LoRA adapters from PEFT directories (`adapter_config.json` + `adapter_model.safetensors`), read into the
+(A, B) pairs of the linear layers they target (gpu/layers/lora.py holds and applies them).
+
+An adapter is known by its content: `adapter_digest` hashes its two files (blake2b, 16 bytes, hex), which keys the
+engine's adapters and the prefix cache (actors/prefix_hash.py): an adapter reloaded with other weights under the same
+name is another adapter. `read_adapter` checks everything before a weight is used, and raises LoraError naming the
+adapter and what is wrong:
+
+| refused                                   | why                                                            |
+|-------------------------------------------|----------------------------------------------------------------|
+| a missing directory or file, a .bin only  | pickle files are never read (`save_pretrained` writes safetensors) |
+| use_dora, lora_bias, bias != "none",      | DoRA's magnitudes, LoRA biases, trained biases and saved      |
+| modules_to_save, rank_pattern, alpha_pattern | modules are not served (yet); per-module ranks neither    |
+| a target outside q/k/v/o/gate/up/down (or | embeddings, the LM head and MoE experts carry no delta        |
+| the fused qkv_proj / gate_up_proj)        |                                                                |
+| r above --max-lora-rank, a tensor of the  | the base model's shapes; A [r, in], B [out, r]                 |
+| wrong shape, a non-finite weight          |                                                                |
+
+Scale: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), folded into B as it is read (in float32, then the
+activations' dtype): the delta is x·Aᵀ·Bᵀ. Target names are the checkpoint's (`model.layers.N.self_attn.q_proj`,
+Phi-3's fused `qkv_proj`); the family's `checkpoint_name` says which stacked layer and which of its parts each is,
+as for the base weights (gpu/loading/weights.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gpu.layers.linear import Linear
+from gpu.loading.weights import shards_of
+from gpu.models import REGISTRY
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj"}
+PEFT_PREFIX = "base_model.model."
+REFUSED = {  # adapter_config.json's fields whose non-default values are not served, and what they are
+    "use_dora": "DoRA",
+    "lora_bias": "LoRA biases",
+    "modules_to_save": "modules_to_save (fully trained modules)",
+    "rank_pattern": "rank_pattern (per-module ranks)",
+    "alpha_pattern": "alpha_pattern (per-module alphas)",
+}
+
+
+class LoraError(ValueError):
+    """A LoRA adapter that cannot be served: the message names it and why."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """An adapter the server starts with (--lora-modules): its served name, directory, and the digest of its
+    files (filled in by `resolve`)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # vLLM's JSON form: the parent /v1/models names (None: the served model)
+    digest: str = ""
+
+
+# a layer's adapter: A of its parts stacked [sum r, in], and per part (first output row, its ranks' columns, B)
+LayerDelta = tuple[torch.Tensor, list[tuple[int, slice, torch.Tensor]]]
+
+
+def adapter_digest(path: str | Path) -> str:
+    """The adapter's identity: blake2b over its config's and weights' bytes (hex, 32 characters)."""
+    path, h = Path(path), hashlib.blake2b(digest_size=16)
+    for name in (CONFIG, WEIGHTS):
+        file = path / name
+        if not file.is_file():
+            hint = " (pickled .bin weights are not read: save with safe_serialization)" if name == WEIGHTS else ""
+            raise LoraError(f"LoRA adapter {path}: no {name}{hint}")
+        h.update(name.encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve(module: LoraModule) -> LoraModule:
+    """The module with its digest (LoraError for a missing file)."""
+    return LoraModule(module.name, module.path, module.base_model_name, adapter_digest(module.path))
+
+
+def adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
+    """(r, scale) of a PEFT adapter's config, checked against what is served."""
+    try:
+        c = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise LoraError(f"LoRA adapter {path}: unreadable {CONFIG}: {e}") from e
+    if not isinstance(c, dict) or c.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"LoRA adapter {path}: {CONFIG} is not a LoRA adapter's (peft_type {c.get('peft_type')!r})")
+    for field, what in REFUSED.items():
+        if c.get(field):
+            raise LoraError(f"LoRA adapter {path}: {what} ({field}) is not supported")
+    if c.get("bias", "none") != "none":
+        raise LoraError(f"LoRA adapter {path}: trained biases (bias {c['bias']!r}) are not supported")
+    targets = c.get("target_modules")
+    if isinstance(targets, list) and (others := sorted(set(targets) - TARGETS)):
+        raise LoraError(f"LoRA adapter {path}: target_modules {others} are not supported (only {sorted(TARGETS)})")
+    r, alpha = c.get("r"), c.get("lora_alpha", c.get("r"))
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise LoraError(f"LoRA adapter {path}: r must be a positive integer, got {r!r}")
+    if r > max_rank:
+        raise LoraError(f"LoRA adapter {path}: rank {r} exceeds --max-lora-rank {max_rank}")
+    if not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoraError(f"LoRA adapter {path}: lora_alpha must be a finite number, got {alpha!r}")
+    return r, alpha / (math.sqrt(r) if c.get("use_rslora") else r)
+
+
+def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int, dtype: torch.dtype, device) -> dict:
+    """Layer name -> LayerDelta for the adapter at `path` over `model` (a CausalLM, on meta or loaded: only its
+    layers' shapes are read), in `dtype` on `device`."""
+    path = Path(path)
+    adapter_digest(path)  # (the files are there)
+    r, scale = adapter_config(path, max_rank)
+    family, shards = REGISTRY[model.config.architecture], shards_of(model)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(path / WEIGHTS, framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            name = key.removeprefix(PEFT_PREFIX)
+            stem, _, which = name.rpartition(".lora_")
+            if which not in ("A.weight", "B.weight"):
+                raise LoraError(f"LoRA adapter {path}: unexpected tensor {key} (only lora_A and lora_B are served)")
+            pairs.setdefault(stem, {})[which[0]] = f.get_tensor(key)
+    layers: dict[str, list] = {}
+    for stem, pair in sorted(pairs.items()):
+        target, row, part = family.checkpoint_name(stem + ".weight")
+        layer_name = target.removesuffix(".weight")
+        layer = _layer(model, layer_name)
+        if row is not None or stem.rpartition(".")[2] not in TARGETS or layer is None:
+            raise LoraError(f"LoRA adapter {path}: {stem} is not a layer a LoRA delta is served for")
+        if set(pair) != {"A", "B"}:
+            raise LoraError(f"LoRA adapter {path}: {stem} lacks lora_{({'A', 'B'} - set(pair)).pop()}")
+        parts = shards.get(target)
+        parts = parts if parts and parts[0].dim == 0 else None  # (stacked by rows; a row-parallel layer's are columns)
+        rows = layer.out_features if parts is None else parts[part].length
+        offset = 0 if parts is None else sum(s.length for s in parts[:part])
+        a, b = pair["A"], pair["B"]
+        for t, shape, what in ((a, (r, layer.in_features), "lora_A"), (b, (rows, r), "lora_B")):
+            if tuple(t.shape) != shape:
+                raise LoraError(f"LoRA adapter {path}: {stem}.{what} has shape {tuple(t.shape)}, expected {shape}")
+            if not torch.isfinite(t).all():
+                raise LoraError(f"LoRA adapter {path}: {stem}.{what} has non-finite weights")
+        layers.setdefault(layer_name, []).append((offset, a, (b.float() * scale).to(dtype)))
+    if not layers:
+        raise LoraError(f"LoRA adapter {path}: no LoRA weights")
+    return {name: _stack(parts, r, dtype, device) for name, parts in layers.items()}
+
+
+def _layer(model: torch.nn.Module, name: str) -> Linear | None:
+    try:
+        layer = model.get_submodule(name)
+    except AttributeError:
+        return None
+    return layer if isinstance(layer, Linear) else None
+
+
+def _stack(parts: list, r: int, dtype: torch.dtype, device) -> LayerDelta:
+    """One layer's parts: their A's stacked by rows (one shrink product), each B with its ranks' columns."""
+    a = torch.cat([a for _, a, _ in parts]).to(device, dtype)
+    return a, [(offset, slice(i * r, (i + 1) * r), b.to(device)) for i, (offset, _, b) in enumerate(parts)]

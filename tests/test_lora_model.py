@@ -1,0 +1,89 @@
+"""LoRA deltas in the model runner against PEFT's own forward (float32, CPU): random adapters over tiny checkpoints of
+Llama (separate q/k/v, gate/up stacked into one layer), Qwen2 (q/k/v biases) and Phi-3 (checkpoint-fused qkv_proj and
+gate_up_proj). A mixed batch (the base and four adapters, rows in random order, a long prompt chunked next to the
+others' decodes) gives every request PEFT's top-5 logprobs at every position within TOL and its greedy tokens
+(test_model_families' discipline); the same requests alone give the same."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu.batch import ScheduledRow
+from gpu.loading.config import ModelConfig
+from gpu.loading.lora import adapter_digest
+from gpu.runner.model_runner import ModelRunner
+from tests.family_models import run_greedy
+from tests.lora_adapters import make_adapter, peft_reference
+from tests.test_model_families import BLOCK, BUDGET, assert_close_to_hf, prompts
+from tests.tiny_model import Request, block_pool
+
+FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+TARGETS = {  # per adapter: which projections it targets (the last two adapters: a subset, and rsLoRA)
+    "llama": [None, ["q_proj", "v_proj"], None, ["down_proj", "up_proj"]],
+    "qwen2": [None, ["k_proj", "o_proj"], None, ["gate_proj"]],
+    "phi3": [FUSED, ["qkv_proj"], FUSED, ["gate_up_proj", "o_proj"]],
+}
+
+
+class LoraRequest(Request):
+    def __init__(self, *args, lora: str | None = None) -> None:
+        super().__init__(*args)
+        self.lora = lora
+
+    def row(self, n: int | None = None) -> ScheduledRow:
+        row = super().row(n)
+        row.lora = self.lora
+        return row
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+def test_mixed_batch_matches_peft(family, family_dir_of, tmp_path):
+    base = family_dir_of(family)
+    adapters = []
+    for i, targets in enumerate(TARGETS[family]):
+        extra = {"targets": targets} if targets else {}
+        extra |= {"use_rslora": True} if i == 3 else {}
+        adapters.append(make_adapter(base, tmp_path / f"a{i}", seed=i, r=4 + 4 * (i % 2), **extra))
+    model = ModelConfig.from_path(base)
+    runner = ModelRunner(model, device="cpu", dtype=torch.float32, num_blocks=128, block_size=BLOCK, num_threads=1,
+                         max_lora_rank=8)  # fmt: skip
+    digests = [adapter_digest(a) for a in adapters]
+    for digest, path in zip(digests, adapters, strict=True):
+        runner.add_adapter(digest, str(path))
+    # the base and four adapters, each on two prompts, in a shuffled batch order
+    choices = [None, *range(4)] * 2
+    random.Random(0).shuffle(choices)
+    texts = prompts([5 + 3 * i for i in range(len(choices) - 1)] + [30])
+    pool = block_pool(num_blocks=128)
+
+    def requests():
+        return [LoraRequest(pool, slot, texts[slot], BLOCK, lora=None if c is None else digests[c])
+                for slot, c in enumerate(choices)]  # fmt: skip
+
+    mixed = requests()
+    logits = run_greedy(runner, mixed, 6, BUDGET + 24)
+    refs = [peft_reference(base, None if c is None else adapters[c]) for c in (None, *range(4))]
+    for r, c in zip(mixed, choices, strict=True):
+        assert_close_to_hf(refs[0 if c is None else c + 1], r.tokens, logits[r.slot])
+    for r, c in zip(mixed, choices, strict=True):  # each alone: the same tokens
+        pool.extend(r.blocks)
+        alone = LoraRequest(pool, 0, texts[r.slot], BLOCK, lora=r.lora)
+        run_greedy(runner, [alone], 6, BUDGET)
+        assert alone.tokens == r.tokens, f"slot {r.slot} (adapter {c}) alone differs from the mixed batch"
+        pool.extend(alone.blocks)
+
+
+def test_a_base_model_that_differs_from_each_adapter(family_dir_of, tmp_path):
+    """The power of the above: an adapter's rows run as the base (its delta left out) are far from PEFT's."""
+    base = family_dir_of("llama")
+    adapter = make_adapter(base, tmp_path / "a", seed=0)
+    ref, tokens = peft_reference(base, adapter), prompts([12])[0]
+    runner = ModelRunner(ModelConfig.from_path(base), device="cpu", dtype=torch.float32, num_blocks=32,
+                         block_size=BLOCK, num_threads=1, max_lora_rank=8)  # fmt: skip
+    reqs = [LoraRequest(block_pool(num_blocks=32), 0, tokens, BLOCK)]
+    logits = run_greedy(runner, reqs, 1, BUDGET)
+    with pytest.raises(AssertionError, match="top-5 logprobs differ"):
+        assert_close_to_hf(ref, reqs[0].tokens, logits[0])
