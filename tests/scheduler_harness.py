@@ -93,10 +93,11 @@ class Harness:
         proposer=None,
         long_prefill=None,
         caching=False,
+        max_loras=None,
     ):
         self.sched = Scheduler(
             BlockManager(num_blocks, block_size, caching), max_num_seqs, budget, max_model_len, eos,
-            long_prefill_token_threshold=long_prefill,
+            long_prefill_token_threshold=long_prefill, max_loras=max_loras,
         )  # fmt: skip
         self.proposer = proposer  # (request, at most k) -> drafts
         self.model = FakeModel(block_size)

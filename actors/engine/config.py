@@ -34,6 +34,30 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             )
 
 
+class LoraModule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An adapter served from the start (vLLM's `--lora-modules`: name=path, or its JSON form)."""
+
+    name: str  # what a request's `model` names it by
+    path: str  # a PEFT directory (gpu/loading/lora.py)
+    base_model_name: str | None = None  # the parent /v1/models lists (None: the served model's first name)
+    digest: str = ""  # its files' (gpu/loading/lora.py adapter_digest): filled in by the launcher, which checks it
+
+
+class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Multi-LoRA serving (`--enable-lora`): every adapter is held from the start, each step runs at most max_loras."""
+
+    modules: list[LoraModule] = []
+    max_loras: int = 4  # distinct adapters among the running requests (so in any step); the base takes none
+    max_lora_rank: int = 16  # an adapter of a higher rank is refused at load
+
+    def verify(self) -> None:
+        names = [m.name for m in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in names if names.count(n) > 1)}")
+        if not 1 <= self.max_loras <= 1024 or not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError("--max-loras and --max-lora-rank must be in [1, 1024]")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # an HF-style directory (a .gguf's card: gpu/loading/gguf_card.py)
     device: str = "auto"
@@ -103,11 +127,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     data_parallel_size_local: int | None = None
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 29550
+    lora: LoraConfig | None = None  # LoRA adapters over the model (None: off)
     crash_token: int | None = None  # tests: the worker's process exits when a row feeds this token (a poison request)
     slow_token: int | None = None  # tests: a step feeding it sleeps step_timeout_s per hooked layer (worker.py)
     hang_token: int | None = None  # tests: a step feeding it blocks for good, with no progress (a hung step)
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            self.lora.verify()
+            if self.tensor_parallel_size > 1 or self.batch_invariant or self.static_decode:
+                raise ValueError("LoRA runs on one device, without --batch-invariant or static decode steps (for now)")
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if tp < 1 or nnodes < 1 or tp % nnodes:
             raise ValueError(f"tensor_parallel_size ({tp}) must be a positive multiple of nnodes ({nnodes})")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
+from tqdm import tqdm
 
 from actors.engine.config import EngineConfig
 from actors.engine.grammar_masks import WorkerMasks
@@ -117,8 +118,10 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
 
 
 def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None) -> ModelRunner:
-    """The target model's runner (a tensor-parallel rank's shard of it, in a gang: actors/engine/gang.py)."""
-    return ModelRunner(
+    """The target model's runner (a tensor-parallel rank's shard of it, in a gang: actors/engine/gang.py), holding
+    the LoRA adapters the config serves."""
+    lora = config.lora
+    runner = ModelRunner(
         model.served(config.max_model_len),  # (a rotary scaling fixed by the served length reads it)
         device=config.device,
         dtype=config.dtype,
@@ -134,7 +137,12 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
         decode_graphs=config.decode_graphs(),
         gpu_memory_utilization=config.gpu_memory_utilization,
         drafts=tuple(draft_configs(config)) if num_blocks is None else (),
+        max_lora_rank=None if lora is None else lora.max_lora_rank,
     )
+    modules = lora.modules if lora else []
+    for module in tqdm(modules, desc="Loading LoRA adapters", unit="adapter", disable=len(modules) < 8):
+        runner.add_adapter(module.digest, module.path)
+    return runner
 
 
 KEEPALIVE = b"keepalive"  # the leader's broadcast while idle: a follower's wait for a step has the group's deadline

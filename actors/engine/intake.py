@@ -196,6 +196,8 @@ class RequestIntake:
             msg.params.verify(self.model.vocab_size, limits=None)  # validity; the frontend enforced its limits
         except ParamError as e:
             return e
+        if (lora := msg.params.lora) is not None and lora not in self.loras:
+            return ParamError("model", f"this engine serves no LoRA adapter {lora}")
         resumed = msg.resume_token_ids or []
         bad = next((t for t in msg.prompt_token_ids + resumed if not 0 <= t < self.model.vocab_size), None)
         if bad is not None:

@@ -203,7 +203,7 @@ class RequestLedger:
             req.num_cached_tokens = min(req.sequences[0].num_computed_tokens, req.num_prompt_tokens)
             self.block_manager.queries += req.num_prompt_tokens
             self.block_manager.hits += req.num_cached_tokens
-        self.waiting.popleft()  # (with the next two: a failure anywhere finds it where its status says)
+        self.waiting.remove(req)  # (with the next two: a failure anywhere finds it where its status says)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         for seq, blocks in zip(req.sequences, hits, strict=True):  # every hit out of the free queue first: a

@@ -77,6 +77,7 @@ class EngineRequest:
     failed_steps: int = 0  # steps of it that never reported (the worker died or lost them): a poison request's count
     beams: Beams | None = None  # a beam search's group: its live beams are its sequences (actors/engine/beams.py)
     search: EngineRequest | None = None  # a beam search's choice: the group that answers it (it holds nothing)
+    overtaken: int = 0  # younger requests admitted while its LoRA adapter was over the cap (actors/engine/lora_cap.py)
 
     @property
     def fresh(self) -> bool:

@@ -32,8 +32,9 @@ Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
   with a step in flight hold (the only other holders then), freed when that step reports. So it gains a token in
   every step without a sample in flight that ends it (a budget of 2 holds a decoding pair) and finishes within its
   remaining tokens' steps; then the next one is the oldest.
-- A victim returns to the front of the queue in running order; admission is strict FIFO and skips a step short of
-  blocks: nothing younger overtakes it, and once nothing runs the head is admitted when the steps in flight report.
+- A victim returns to the front of the queue in running order; admission is FIFO (but past a request whose LoRA
+  adapter is over the cap, for a while: actors/engine/admission.py) and skips a step short of blocks: nothing younger
+  overtakes it, and once nothing runs the head is admitted when the steps in flight report.
   `n` choices are separate requests: the oldest finishes first while the youngest are preempted.
 """
 
@@ -49,13 +50,14 @@ from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
 from actors.engine.isolation import RequestIsolation, snapshot
 from actors.engine.lifecycle import RequestLedger
 from actors.engine.lookahead import Lookahead
+from actors.engine.admission import Admission
 from actors.engine.request import EngineRequest
 from actors.engine.spec_stats import SpecStats
 from gpu.batch import BatchSpec, ScheduledRow
 from messages.wire import RequestOutput, TokenLogprobs
 
 
-class Scheduler(Lookahead, RequestIsolation, RequestLedger):
+class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -66,6 +68,7 @@ class Scheduler(Lookahead, RequestIsolation, RequestLedger):
         release: Callable[[EngineRequest], None] | None = None,
         long_prefill_token_threshold: int | None = None,
         isolate_after: int = 1,
+        max_loras: int | None = None,
     ):
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
             raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
@@ -81,6 +84,7 @@ class Scheduler(Lookahead, RequestIsolation, RequestLedger):
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         super().__init__(block_manager, max_num_seqs, max_model_len, eos_token_ids, release)
         self.isolate_after = isolate_after  # a request in this many failed steps (a suspected poison) runs alone
+        self.max_loras = max_loras
         self.in_flight: deque[int] = deque()  # steps scheduled and not yet updated
         self.next_step = 0
         self.num_discarded_samples = 0
@@ -149,20 +153,8 @@ class Scheduler(Lookahead, RequestIsolation, RequestLedger):
                 self._add_rows(batch, req, plan, row_drafts)
             except Exception as e:
                 self._failed(req, before, e, self.failed, planning=True)
-        # Admit FIFO, not in a step short of blocks.
-        while self.waiting and budget > 0 and self.free_slots and not short and suspect is None:
-            req = self.waiting[0]
-            if self._suspect(req) and batch.rows:
-                break
-            before = snapshot(req)
-            try:
-                if (fed := self._admit(batch, req, budget, chunk)) is None:
-                    break  # strict FIFO: the head waits for its in-flight sample, for slots, budget or free blocks
-            except Exception as e:
-                self._failed(req, before, e, self.failed, planning=True)
-                continue
-            budget -= fed
-            suspect = req if self._suspect(req) else None
+        if not short and suspect is None:  # (no admission in a step short of blocks)
+            self._admit_queue(batch, budget, chunk)
         if batch.rows:
             self.in_flight.append(batch.step)
             self.next_step += 1

@@ -89,6 +89,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
         self.config = msgspec.convert(config, EngineConfig)
         self.model = ModelConfig.from_path(self.config.model)
         self.max_model_len = min(self.config.max_model_len, self.model.max_model_len)
+        self.loras = {m.digest for m in self.config.lora.modules} if self.config.lora else set()  # (their digests)
         self.late_aborts = 0
         self.names = SentNames()  # the requests of the last StepOutputs, named in the next (a lost one's suspects)
         self.intake = IntakeLedger()  # copies held before the scheduler takes them, what is known of the ids seen
@@ -145,6 +146,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
             release=self._released,
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             isolate_after=self.config.max_step_failures - 1,  # (a single death is seldom a poison: a kill, OOM)
+            max_loras=lora.max_loras if (lora := self.config.lora) else None,
         )
         self.sched.fault = self.router.faults and self.router.faults.check  # (a fault plan's raise rules)
         self.flight.arm()  # (copies of blamed requests can come from now on)

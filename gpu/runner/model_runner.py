@@ -128,7 +128,7 @@ class ModelRunner:
         if batch_invariant and (model_config.moe is not None or current().size > 1):  # (routing; all-reduce chunks)
             raise ValueError("batch-invariant mode runs dense models on one device (for now)")
         self.max_lora_rank, self.lora = max_lora_rank, LoraSteps()
-        if max_lora_rank is not None and (batch_invariant or current().size > 1 or decode_graphs is not None):
+        if max_lora_rank is not None and (batch_invariant or current().size > 1 or decode_graphs not in (None, "off")):
             raise ValueError("LoRA adapters run on one device, without batch-invariant mode or static decode steps "
                              "(for now)")  # fmt: skip
         if num_blocks is None:  # sized to the device: what it has free before this engine's weights
