@@ -11,6 +11,7 @@ import msgspec
 
 from actors.engine.config import EngineConfig, SpeculativeConfig
 from actors.routing import POLICIES
+from frontend.cli_lora import lora_arguments
 from messages.sampling_params import LogprobsMode, RequestLimits
 
 _DEFAULTS = EngineConfig(model="")
@@ -206,6 +207,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="logprobs of the model's distribution (raw) or of the one sampled from, after penalties, temperature "
         "and truncation (processed); prompt logprobs are always raw",
     )
+    lora_arguments(parser)
     parser.add_argument(
         "--skip-memory-check",
         action="store_true",

@@ -9,6 +9,7 @@ import logging
 import os
 
 from actors.engine.config import EngineConfig
+from frontend.cli_lora import lora_config
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -94,6 +95,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         except ValueError as e:
             raise SystemExit(str(e)) from e
     values["speculative"] = spec = values.pop("speculative_config")
+    values["lora"] = lora_config(args)
     if values["worker"] == "process" and spec is not None and spec.method == "draft_model":
         from gpu.loading.config import ModelLoadError
 

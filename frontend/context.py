@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.engine.config import LoraModule
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import DEFAULT_LIMITS, RequestLimits
 
@@ -23,3 +24,8 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
     bos_token_id: int | None = None  # the model's (as the engine's ModelConfig): CFG guides against it
     reasoning_parser: str | None = None  # --reasoning-parser: chat outputs' reasoning split out (frontend/reasoning.py)
+    loras: dict[str, LoraModule] | None = None  # the LoRA adapters a request's `model` may name, by name
+
+    def knows(self, model: str) -> bool:
+        """Whether `model` names the served model or one of its adapters."""
+        return model in self.model_names or model in (self.loras or {})

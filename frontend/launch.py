@@ -20,8 +20,9 @@ import time
 
 import msgspec
 import torch
+from tqdm import tqdm
 
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, LoraConfig
 from actors.graph import engine_processes, replica_processes
 from actors.replica_link import Door, NodeLink, Proxy
 from actors.runtime import (
@@ -39,7 +40,9 @@ from frontend.http_base import HttpConfig
 from frontend.memory_check import MemoryNeed, check_memory, explain, memory_need
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.loading.convert import ConversionError, default_model_dir
+from gpu.loading.lora import LoraError, adapter_digest, read_adapter
 from gpu.loading.weights import check_checkpoint, check_quantization
+from gpu.models import REGISTRY
 from gpu.runner.model_runner import resolve_device
 from messages.names import HTTP, replica
 from messages.wire import Ping
@@ -81,8 +84,28 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
         "replicas": engine.data_parallel_size,
         "local_replicas": engine.local_replicas,  # (the others: down until their node joins)
         "block_size": engine.block_size,
+        "loras": [msgspec.to_builtins(m) for m in engine.lora.modules] if engine.lora else [],
     }
     return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
+
+
+def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> LoraConfig | None:
+    """The LoRA config with each adapter's digest, every adapter read and checked against the model (LoraError, a
+    ModelLoadError, naming the one at fault) before any process starts."""
+    if (lora := engine.lora) is None:
+        return None
+    with torch.device("meta"):
+        base = REGISTRY[model.architecture](model)
+    modules, served = [], set(http.served_model_name or [model.name])
+    for m in tqdm(lora.modules, desc="Checking LoRA adapters", unit="adapter", disable=len(lora.modules) < 8):
+        if m.name in served:
+            raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")
+        try:
+            read_adapter(m.path, base, lora.max_lora_rank, torch.float32, "meta")
+            modules.append(msgspec.structs.replace(m, digest=adapter_digest(m.path)))
+        except LoraError as e:
+            raise ModelLoadError(f"--lora-modules {m.name}: {e}") from e
+    return msgspec.structs.replace(lora, modules=modules)
 
 
 def check_gang(model: ModelConfig, engine: EngineConfig) -> list[str] | None:
@@ -109,7 +132,7 @@ def build_processes(
     model = resolve_model(engine.model)
     check_quantization(model, engine.quantization)
     devices = check_gang(model, engine)
-    engine = msgspec.structs.replace(engine, model=str(model.path))
+    engine = msgspec.structs.replace(engine, model=str(model.path), lora=checked_loras(model, engine, http))
     spec = engine.speculative
     if spec is not None and spec.model is not None:  # a draft .gguf's card is made here too, before anything starts
         draft = resolve_model(spec.model)

@@ -190,7 +190,7 @@ def _chat_echo(req: ChatCompletionRequest, tool_calls: bool) -> str | None:
 def _model(req: SamplingFields, ctx: ServingContext) -> str:
     if not req.model:  # absent or "": the served model (as vLLM)
         return ctx.model_names[0]
-    if req.model not in ctx.model_names:
+    if not ctx.knows(req.model):
         raise RequestError(404, f"The model `{req.model}` does not exist.", "model", code="model_not_found")
     return req.model
 
@@ -214,6 +214,8 @@ def _sampling_params(
     # a defaulted max_tokens is resolved per prompt in _fit; verify against the largest possible
     limit = ctx.max_model_len if max_tokens is None else max_tokens
     params = SamplingParams(**fields, stop=stop, logprobs=logprobs, max_tokens=limit, structured=structured, beam=beam)
+    if (lora := (ctx.loras or {}).get(req.model)) is not None:
+        params.lora = lora.digest
     try:
         params.verify(ctx.vocab_size, ctx.limits)  # sizes first: nothing below iterates over an unbounded list
         if params.bad_words:

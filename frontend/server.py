@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
+from actors.engine.config import LoraModule
 from actors.engine.grammar import WARM_IDLE_S, warm
 from actors.routing import Replicas
 from actors.runtime import Actor
@@ -67,16 +68,18 @@ class HttpActor(Actor):
         replicas: int = 1,
         block_size: int = 16,
         local_replicas: int | None = None,
+        loras: list[dict] = (),
     ):
         """The engine's facts: `max_model_len`, `vocab_size`, `bos_token_id` (whether the model has a BOS to guide
         against), its `replicas` (--data-parallel-size; `local_replicas` of them on this node, None: all) and their KV
-        `block_size` (what the router hashes)."""
+        `block_size` (what the router hashes); the LoRA adapters it serves (`loras`: LoraModules)."""
         super().__init__()
         self.config = msgspec.convert(http, HttpConfig)
         self.model = model
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
+        self.loras = {m["name"]: msgspec.convert(m, LoraModule) for m in loras}
         self.names = self.config.served_model_name or [Path(model).name]
         c = self.config
         routing = Replicas(replicas, c.dp_routing, block_size)
@@ -106,7 +109,7 @@ class HttpActor(Actor):
         names = self.names
         self.ctx = ServingContext(
             tokenizer, names, self.max_model_len, self.vocab_size, c.limits, self.model, c.grammar_timeout_s,
-            c.tool_call_parser, self.bos_token_id, c.reasoning_parser,
+            c.tool_call_parser, self.bos_token_id, c.reasoning_parser, self.loras,
         )  # fmt: skip
         app = web.Application(
             client_max_size=self.config.max_body_bytes, middlewares=[middleware(self.config, self.metrics)]
@@ -186,7 +189,8 @@ class HttpActor(Actor):
         return web.Response()
 
     async def models(self, request: web.Request) -> web.Response:
-        cards = [model_card(name, self.ctx, self.created, self.model) for name in self.ctx.model_names]
+        names = [*self.ctx.model_names, *self.loras]
+        cards = [model_card(name, self.ctx, self.created, self.model) for name in names]
         return json_response({"object": "list", "data": cards})
 
     async def model_card(self, request: web.Request) -> web.Response:

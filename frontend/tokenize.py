@@ -78,13 +78,14 @@ def detokenize(body: bytes, ctx) -> dict:
 def model_card(name: str, ctx, created: int, root: str) -> dict:
     """One entry of /v1/models (OpenAI's fields, vLLM's max_model_len, root and parent); 404 for another name."""
     _model(name, ctx)
+    lora = (ctx.loras or {}).get(name)  # (an adapter's root is its directory, its parent the base: vLLM's)
     return {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": "sluice",
-        "root": root,
-        "parent": None,
+        "root": root if lora is None else lora.path,
+        "parent": None if lora is None else lora.base_model_name or ctx.model_names[0],
         "max_model_len": ctx.max_model_len,
     }
 
@@ -98,5 +99,5 @@ def server_version() -> dict:
 
 def _model(name: str | None, ctx) -> None:
     """`None` or "" name the served model (as vLLM); another name is a 404."""
-    if name and name not in ctx.model_names:
+    if name and not ctx.knows(name):
         raise RequestError(404, f"The model `{name}` does not exist.", "model", code="model_not_found")

@@ -44,13 +44,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from actors.engine.admission import Admission
 from actors.engine.beams import beam_plan
 from actors.engine.block_manager import BlockManager
 from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
 from actors.engine.isolation import RequestIsolation, snapshot
 from actors.engine.lifecycle import RequestLedger
 from actors.engine.lookahead import Lookahead
-from actors.engine.admission import Admission
 from actors.engine.request import EngineRequest
 from actors.engine.spec_stats import SpecStats
 from gpu.batch import BatchSpec, ScheduledRow

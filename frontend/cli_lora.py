@@ -1,0 +1,56 @@
+"""The LoRA flags (vLLM's): `--enable-lora`, `--lora-modules name=path ...` (or vLLM's JSON form per adapter:
+'{"name": ..., "path": ..., "base_model_name": ...}'), `--max-loras`, `--max-lora-rank`. Every adapter named is
+held from the start; loading and unloading while serving (vLLM's --max-cpu-loras and its load/unload endpoints) are
+not offered yet, so neither flag is accepted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from actors.engine.config import LoraConfig, LoraModule
+
+_DEFAULTS = LoraConfig()
+
+
+def lora_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model (--lora-modules)")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter directories, each served under its NAME (a request's `model`); or JSON: "
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}\'',
+    )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        default=_DEFAULTS.max_loras,
+        help="distinct adapters among the running requests (so in any step); the others' requests wait their turn",
+    )
+    g.add_argument("--max-lora-rank", type=int, default=_DEFAULTS.max_lora_rank, help="the highest adapter rank served")
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig | None:
+    """The engine's LoRA config of the flags (None without --enable-lora); SystemExit naming a flag at fault."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise SystemExit("--lora-modules needs --enable-lora")
+        return None
+    return LoraConfig(modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+
+
+def _lora_module(text: str) -> LoraModule:
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return LoraModule(name=spec["name"], path=spec["path"], base_model_name=spec.get("base_model_name"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f'a JSON adapter needs "name" and "path": {e}') from e
+    name, eq, path = text.partition("=")
+    if not (eq and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or JSON, got {text!r}")
+    return LoraModule(name=name, path=path)

@@ -1,0 +1,130 @@
+"""LoRA adapters served end to end (one server: a tiny Llama with three PEFT adapters, --max-loras 2): the `openai`
+client picks an adapter by `model` and gets PEFT's greedy tokens and logprobs, concurrent requests of the base and
+every adapter each get their own (the cap makes one wait its turn), /v1/models lists the adapters with the base as
+parent, an unknown adapter is a 404 naming it, a request with the prompt another adapter cached finds nothing of it;
+and a bad adapter stops the server at startup with a message naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+import torch
+
+from actors.engine.config import EngineConfig, LoraConfig, LoraModule
+from frontend.http_base import HttpConfig
+from frontend.launch import build_processes, start_server
+from gpu.loading.config import ModelLoadError
+from tests.conftest import ServerHandle
+from tests.lora_adapters import make_adapter, peft_reference
+
+PROMPT = list(range(1000, 1040))  # 40 tokens: two and a half KV blocks
+NEW_TOKENS = 8
+TOL = 1e-3
+
+
+@torch.no_grad()
+def peft_greedy(base, adapter, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """PEFT's greedy tokens and their logprobs."""
+    model, ids, logprobs = peft_reference(base, adapter), list(prompt), []
+    for _ in range(n):
+        lp = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+        ids.append(int(lp.argmax()))
+        logprobs.append(float(lp.max()))
+    return ids[len(prompt) :], logprobs
+
+
+@pytest.fixture(scope="module")
+def adapters(family_dir_of, tmp_path_factory):
+    base, root = family_dir_of("llama"), tmp_path_factory.mktemp("adapters")
+    made = {f"ad{i}": make_adapter(base, root / f"ad{i}", seed=10 + i, r=4 * (i + 1)) for i in range(3)}
+    return base, made
+
+
+@pytest.fixture(scope="module")
+async def lora_server(adapters):
+    base, made = adapters
+    lora = LoraConfig(modules=[LoraModule(name=n, path=str(p)) for n, p in made.items()], max_loras=2)
+    engine = EngineConfig(model=str(base), max_model_len=256, max_num_seqs=8, num_kv_blocks=96, engine_threads=1,
+                          lora=lora)  # fmt: skip
+    srv = await start_server(engine, HttpConfig(port=0, served_model_name=["base"]), log_level="WARNING")
+    yield (handle := ServerHandle(srv, base))
+    await handle.close_clients()
+    await srv.stop()
+
+
+async def complete(client, model: str, prompt=PROMPT):
+    out = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    return out.choices[0].token_ids, out.choices[0].logprobs.token_logprobs
+
+
+async def test_each_adapter_is_pefts_alone_and_mixed(lora_server, adapters):
+    base, made = adapters
+    client = lora_server.client()
+    names = ["base", *made]
+    expected = {n: peft_greedy(base, made.get(n), PROMPT, NEW_TOKENS) for n in names}
+    assert len({tuple(t) for t, _ in expected.values()}) == len(names), "the adapters must change the greedy tokens"
+    for name in names:  # alone
+        tokens, logprobs = await complete(client, name)
+        assert tokens == expected[name][0], name
+        assert max(abs(a - b) for a, b in zip(logprobs, expected[name][1], strict=True)) < TOL, name
+    # mixed: every model twice at once, in an interleaved order (three adapters over a cap of two)
+    got = await asyncio.gather(*(complete(client, name) for name in names * 2))
+    for name, (tokens, _) in zip(names * 2, got, strict=True):
+        assert tokens == expected[name][0], f"{name} in a mixed batch"
+
+
+async def test_models_lists_the_adapters(lora_server, adapters):
+    client = lora_server.client()
+    cards = {m.id: m for m in (await client.models.list()).data}
+    assert set(cards) == {"base", "ad0", "ad1", "ad2"}
+    assert cards["ad1"].parent == "base" and cards["ad1"].root == str(adapters[1]["ad1"])
+    assert cards["base"].parent is None
+    with pytest.raises(openai.NotFoundError, match="ad9"):
+        await client.completions.create(model="ad9", prompt="hi", max_tokens=1)
+
+
+async def test_an_adapter_finds_no_prefix_another_cached(lora_server):
+    client, prompt = lora_server.client(), list(range(2000, 2040))
+    first = await client.completions.create(model="ad0", prompt=prompt, max_tokens=1, temperature=0.0)
+    again = await client.completions.create(model="ad0", prompt=prompt, max_tokens=1, temperature=0.0)
+    other = await client.completions.create(model="ad1", prompt=prompt, max_tokens=1, temperature=0.0)
+    assert not first.usage.prompt_tokens_details or not first.usage.prompt_tokens_details.cached_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == 32  # (its two full blocks)
+    assert not other.usage.prompt_tokens_details or not other.usage.prompt_tokens_details.cached_tokens
+
+
+def _bad(adapter, case: str):
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    if case == "rank":
+        config["r"] = 64
+    elif case == "dora":
+        config["use_dora"] = True
+    elif case == "modules_to_save":
+        config["modules_to_save"] = ["lm_head"]
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    if case == "missing":
+        (adapter / "adapter_model.safetensors").unlink()
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [("rank", "rank 64 exceeds --max-lora-rank 16"), ("dora", "DoRA"), ("modules_to_save", "modules_to_save"),
+     ("missing", "no adapter_model.safetensors")],
+)  # fmt: skip
+def test_a_bad_adapter_is_refused_at_startup(adapters, tmp_path, case, message):
+    import shutil
+
+    base, made = adapters
+    bad = shutil.copytree(made["ad0"], tmp_path / "bad")
+    _bad(bad, case)
+    lora = LoraConfig(modules=[LoraModule(name="bad", path=str(bad))])
+    engine = EngineConfig(model=str(base), max_model_len=256, num_kv_blocks=64, lora=lora)
+    with pytest.raises(ModelLoadError, match=message) as e:
+        build_processes(engine, HttpConfig(port=0), memory_check=False)
+    assert "--lora-modules bad" in str(e.value)
