@@ -101,7 +101,7 @@ def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) ->
         if m.name in served:
             raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")
         try:
-            read_adapter(m.path, base, lora.max_lora_rank, torch.float32, "meta")
+            read_adapter(m.path, base, lora.max_lora_rank)
             modules.append(msgspec.structs.replace(m, digest=adapter_digest(m.path)))
         except LoraError as e:
             raise ModelLoadError(f"--lora-modules {m.name}: {e}") from e

@@ -39,8 +39,9 @@ class LoraRequest(Request):
         return row
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("family", list(TARGETS))
-def test_mixed_batch_matches_peft(family, family_dir_of, tmp_path):
+def test_mixed_batch_matches_peft(family, kernels, family_dir_of, tmp_path):
     base = family_dir_of(family)
     adapters = []
     for i, targets in enumerate(TARGETS[family]):
@@ -49,7 +50,10 @@ def test_mixed_batch_matches_peft(family, family_dir_of, tmp_path):
         adapters.append(make_adapter(base, tmp_path / f"a{i}", seed=i, r=4 + 4 * (i % 2), **extra))
     model = ModelConfig.from_path(base)
     runner = ModelRunner(model, device="cpu", dtype=torch.float32, num_blocks=128, block_size=BLOCK, num_threads=1,
-                         max_lora_rank=8)  # fmt: skip
+                         cpu_kernels=kernels, lora_slots=4, max_lora_rank=8)  # fmt: skip
+    assert (runner.lora.ops is not None) == (kernels == "native")
+    # (Llama's decode steps go to the native layer loop, the LoRA kernel inside it)
+    assert runner.model.model.native_loop is not None or kernels == "torch" or family != "llama"
     digests = [adapter_digest(a) for a in adapters]
     for digest, path in zip(digests, adapters, strict=True):
         runner.add_adapter(digest, str(path))
@@ -76,13 +80,38 @@ def test_mixed_batch_matches_peft(family, family_dir_of, tmp_path):
         pool.extend(alone.blocks)
 
 
+def test_batch_invariant_lora_rows_are_the_same_bits_alone(family_dir_of, tmp_path):
+    """--batch-invariant with adapters: every row's logits, in a mixed batch with chunked prefill, equal its logits
+    alone, bit for bit (the native LoRA kernel's deltas do not depend on the tokens around a row)."""
+    base = family_dir_of("llama")
+    adapters = [make_adapter(base, tmp_path / f"a{i}", seed=i, r=8) for i in range(2)]
+    runner = ModelRunner(ModelConfig.from_path(base), device="cpu", dtype=torch.float32, num_blocks=128,
+                         block_size=BLOCK, num_threads=1, batch_invariant=True, lora_slots=2, max_lora_rank=8)  # fmt: skip
+    digests = [adapter_digest(a) for a in adapters]
+    for digest, path in zip(digests, adapters, strict=True):
+        runner.add_adapter(digest, str(path))
+    choices, pool = [None, 0, 1, 0, 1, None], block_pool(num_blocks=128)
+    texts = prompts([5, 9, 30, 13, 7, 21])
+    mixed = [
+        LoraRequest(pool, i, texts[i], BLOCK, lora=None if c is None else digests[c]) for i, c in enumerate(choices)
+    ]
+    logits = run_greedy(runner, mixed, 4, BUDGET)
+    for r in mixed:
+        pool.extend(r.blocks)
+        alone = LoraRequest(pool, 0, texts[r.slot], BLOCK, lora=r.lora)
+        mine = run_greedy(runner, [alone], 4, BUDGET)[0]
+        assert all(torch.equal(a, b) for a, b in zip(mine, logits[r.slot], strict=True)), f"slot {r.slot}"
+        pool.extend(alone.blocks)
+
+
 def test_a_base_model_that_differs_from_each_adapter(family_dir_of, tmp_path):
     """The power of the above: an adapter's rows run as the base (its delta left out) are far from PEFT's."""
     base = family_dir_of("llama")
     adapter = make_adapter(base, tmp_path / "a", seed=0)
     ref, tokens = peft_reference(base, adapter), prompts([12])[0]
     runner = ModelRunner(ModelConfig.from_path(base), device="cpu", dtype=torch.float32, num_blocks=32,
-                         block_size=BLOCK, num_threads=1, max_lora_rank=8)  # fmt: skip
+                         block_size=BLOCK, num_threads=1, lora_slots=1, max_lora_rank=8)  # fmt: skip
+    runner.add_adapter(adapter_digest(adapter), str(adapter))  # (held, not run: the rows name none)
     reqs = [LoraRequest(block_pool(num_blocks=32), 0, tokens, BLOCK)]
     logits = run_greedy(runner, reqs, 1, BUDGET)
     with pytest.raises(AssertionError, match="top-5 logprobs differ"):

@@ -137,7 +137,8 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
         decode_graphs=config.decode_graphs(),
         gpu_memory_utilization=config.gpu_memory_utilization,
         drafts=tuple(draft_configs(config)) if num_blocks is None else (),
-        max_lora_rank=None if lora is None else lora.max_lora_rank,
+        lora_slots=len(lora.modules) if lora else 0,
+        max_lora_rank=lora.max_lora_rank if lora else 16,
     )
     modules = lora.modules if lora else []
     for module in tqdm(modules, desc="Loading LoRA adapters", unit="adapter", disable=len(modules) < 8):

@@ -12,7 +12,7 @@ bytes instead (`hold_blocks`: [rows, row bytes] per stacked part, each part its 
 integer dot products, batch-invariant too).
 The [out, in] parameter is then a meta tensor (its shape alone); a tied embedding reads its rows from the panels or
 blocks (`rows`). Elsewhere (CUDA, torch's kernels) the [out, in] parameter, in the model's dtype, on `F.linear`.
-A layer a LoRA adapter targets adds its delta to the base product (`loras`, installed by gpu/layers/lora.py).
+A layer LoRA adapters target adds their deltas to the base product (its slot tables: gpu/layers/lora.py).
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ class Linear(nn.Linear):
     native: torch.Tensor | None = None  # ... and the weight in their layout (its only copy), for every row count
     # ... or its rows in GGUF blocks, per stacked part (first row, format: ggml's type id, [rows, row bytes])
     blocks: list[tuple[int, int, torch.Tensor]] | None = None
-    loras: dict | None = None  # LoRA adapters' deltas (digest -> LayerDelta) and the model's LoraSteps that runs them
-    lora_steps = None
+    # LoRA: the slot tables of the adapters that target it, its stacked parts' first rows, the model's LoraSlots
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    lora_parts: list[int] | None = None
+    lora_slots = None
 
     def hold_panels(self, native_ops, dtype: torch.dtype) -> None:
         """Hold the weight in the native panels, in `dtype` (zeros until `load_rows`); the parameter becomes its
@@ -72,8 +75,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.loras:
-            self.lora_steps.apply(self.loras, x.reshape(-1, self.in_features), y.view(-1, self.out_features))
+        if self.lora_a is not None and self.lora_slots.tokens is not None:
+            self.lora_slots.add(self, x.reshape(-1, self.in_features), y.view(-1, self.out_features))
         return y
 
     def base(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,21 @@
 """LoRA deltas on the linear layers: for the tokens of the rows that run an adapter, y += (x·Aᵀ)·Bᵀ (the scale
-folded into B: gpu/loading/lora.py), after the layer's base product, in every layer the adapter targets.
+folded into B: gpu/loading/lora.py), after the layer's base product, in every layer an adapter targets.
 
-One `LoraSteps` per model: the adapters' weights, installed into the layers they target (each Linear's `loras`: the
-adapter's digest -> its LayerDelta) and removed again, and each step's `groups` (the runner's: which tokens run
-which adapter). A layer with an adapter present in the step computes punica's pair per adapter: one shrink product
-for its stacked parts' A's, then one expand per part into that part's columns of y (q, k and v of a stacked qkv_proj,
-each its own B); a step whose tokens all run one adapter skips the gather and scatter. Rows of the base model and
-of adapters a layer is not targeted by get nothing added.
+`LoraSlots` is the model's slot table: `slots` adapters held at once, each in a slot, at `rank` (a lower-rank
+adapter zero-padded). Each layer some adapter targets holds, in the activations' dtype,
 
-Memory: an adapter costs r x (in + out) numbers per targeted part, in the activations' dtype (SmolLM2-135M, rank
-16, all seven projections: 19.6 MB in float32), held once. Torch's matmuls are the reference here; a native CPU and
-a Triton pair are to come.
+  lora_a [slots, P x rank, in]  its P stacked parts' A's (q, k and v of a stacked qkv_proj; one part elsewhere)
+  lora_b [slots, rank, out]     Bᵀ: each output column's B row (of its part's adapter); lora_parts: the parts'
+                                first rows (columns here) and out
+
+so an adapter costs slots' share of rank x (P x in + out) numbers per targeted layer whatever it targets there
+(SmolLM2-135M, all seven projections, rank 16: 19.6 MB a slot in float32), allocated when a first adapter targets
+the layer. The runner sets each step's `tokens` (the slot of every token, -1 for the base model's; None: no LoRA row
+in the step) and, for the torch path, `groups` (each slot's token indices). Backends, chosen once (`ops`):
+- native (CPU, float32 activations): gpu/kernels/native/csrc/lora.cpp, one call a layer for every adapter in the
+  step, batch-invariant (a token's delta does not depend on the tokens around it), and inside the native layer loop
+  (gpu/runner/native_loop.py) too;
+- torch: per slot present, one shrink and one expand per part (the reference; CUDA until a Triton pair lands).
 """
 
 from __future__ import annotations
@@ -18,33 +23,53 @@ from __future__ import annotations
 import torch
 
 
-class LoraSteps:
-    def __init__(self) -> None:
-        self.layers: dict[str, dict[str, object]] = {}  # adapter digest -> its layers (name -> the Linear)
-        # this step's (adapter digest, the flat token indices that run it; None: every token), in batch order
-        self.groups: list[tuple[str, torch.Tensor | None]] = []
+class LoraSlots:
+    def __init__(self, slots: int, rank: int, dtype: torch.dtype, device: torch.device, ops=None) -> None:
+        self.rank, self.dtype, self.device, self.ops = rank, dtype, device, ops
+        self.digests: list[str | None] = [None] * slots  # each slot's adapter (its digest)
+        self.layers: dict[str, torch.nn.Module] = {}  # the layers with tables, by name
+        self.tokens: torch.Tensor | None = None  # this step's (module docstring)
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, its tokens' indices; None: every token)
 
-    def install(self, model: torch.nn.Module, digest: str, deltas: dict) -> None:
-        """Give the layers an adapter's deltas (layer name -> LayerDelta)."""
-        layers = {name: model.get_submodule(name) for name in deltas}
-        for name, layer in layers.items():
-            layer.loras = {**(layer.loras or {}), digest: deltas[name]}
-            layer.lora_steps = self
-        self.layers[digest] = layers
+    def slot_of(self, digest: str) -> int | None:
+        return self.digests.index(digest) if digest in self.digests else None
+
+    def install(self, model: torch.nn.Module, digest: str, deltas: dict) -> bool:
+        """Put an adapter (layer name -> LayerDelta) in a free slot; True if a layer got its tables now."""
+        if digest in self.digests or None not in self.digests:
+            raise ValueError(f"LoRA adapter {digest}: held already, or no slot free of {len(self.digests)}")
+        s, made, r = self.digests.index(None), False, self.rank
+        for name, (firsts, parts) in deltas.items():
+            layer = model.get_submodule(name)
+            if layer.lora_a is None:
+                shape = (len(self.digests), (len(firsts) - 1) * r)
+                layer.lora_a = torch.zeros(*shape, layer.in_features, dtype=self.dtype, device=self.device)
+                layer.lora_b = torch.zeros(shape[0], r, layer.out_features, dtype=self.dtype, device=self.device)
+                layer.lora_parts, layer.lora_slots, self.layers[name], made = firsts, self, layer, True
+            for part, a, b in parts:
+                layer.lora_a[s, part * r : part * r + a.shape[0]] = a.to(self.dtype)
+                layer.lora_b[s, : b.shape[1], firsts[part] : firsts[part + 1]] = b.T.to(self.dtype)
+        self.digests[s] = digest
+        return made
 
     def remove(self, digest: str) -> None:
-        for layer in self.layers.pop(digest, {}).values():
-            del layer.loras[digest]
+        s = self.digests.index(digest)
+        for layer in self.layers.values():
+            layer.lora_a[s].zero_()
+            layer.lora_b[s].zero_()
+        self.digests[s] = None
 
-    def apply(self, loras: dict, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add to y [tokens, out] the deltas of the step's adapters in `loras` (a layer's) for x [tokens, in]."""
-        for digest, rows in self.groups:
-            if (delta := loras.get(digest)) is None:
-                continue
-            a, parts = delta
-            xa = (x if rows is None else x.index_select(0, rows)) @ a.T
-            for offset, ranks, b in parts:
-                out, d = y.narrow(1, offset, b.shape[0]), xa[:, ranks] @ b.T
+    def add(self, layer, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add to y [tokens, out] the step's deltas of `layer` for x [tokens, in]."""
+        if self.ops is not None:
+            self.ops.lora_add(x, y, self.tokens, layer.lora_a, layer.lora_b, layer.lora_parts)
+            return
+        r, firsts = self.rank, layer.lora_parts
+        for s, rows in self.groups:
+            xa = (x if rows is None else x.index_select(0, rows)) @ layer.lora_a[s].T
+            for p in range(len(firsts) - 1):
+                b = layer.lora_b[s, :, firsts[p] : firsts[p + 1]]
+                out, d = y.narrow(1, firsts[p], b.shape[1]), xa[:, p * r : (p + 1) * r] @ b
                 if rows is None:
                     out += d
                 else:

@@ -16,8 +16,8 @@ adapter and what is wrong:
 | r above --max-lora-rank, a tensor of the  | the base model's shapes; A [r, in], B [out, r]                 |
 | wrong shape, a non-finite weight          |                                                                |
 
-Scale: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), folded into B as it is read (in float32, then the
-activations' dtype): the delta is x·Aᵀ·Bᵀ. Target names are the checkpoint's (`model.layers.N.self_attn.q_proj`,
+Scale: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), folded into B as it is read (float32): the delta is
+x·Aᵀ·Bᵀ. Target names are the checkpoint's (`model.layers.N.self_attn.q_proj`,
 Phi-3's fused `qkv_proj`); the family's `checkpoint_name` says which stacked layer and which of its parts each is,
 as for the base weights (gpu/loading/weights.py).
 """
@@ -64,8 +64,9 @@ class LoraModule:
     digest: str = ""
 
 
-# a layer's adapter: A of its parts stacked [sum r, in], and per part (first output row, its ranks' columns, B)
-LayerDelta = tuple[torch.Tensor, list[tuple[int, slice, torch.Tensor]]]
+# a layer's adapter: the layer's stacked parts' first output rows (and its output width last: P + 1 numbers), and per
+# part the adapter targets (the part, its A [r, in], its B·scale [the part's rows, r]), float32 on the host
+LayerDelta = tuple[list[int], list[tuple[int, torch.Tensor, torch.Tensor]]]
 
 
 def adapter_digest(path: str | Path) -> str:
@@ -114,9 +115,9 @@ def adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
     return r, alpha / (math.sqrt(r) if c.get("use_rslora") else r)
 
 
-def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int, dtype: torch.dtype, device) -> dict:
+def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dict[str, LayerDelta]:
     """Layer name -> LayerDelta for the adapter at `path` over `model` (a CausalLM, on meta or loaded: only its
-    layers' shapes are read), in `dtype` on `device`."""
+    layers' shapes are read)."""
     path = Path(path)
     adapter_digest(path)  # (the files are there)
     r, scale = adapter_config(path, max_rank)
@@ -129,7 +130,7 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int, dtype:
             if which not in ("A.weight", "B.weight"):
                 raise LoraError(f"LoRA adapter {path}: unexpected tensor {key} (only lora_A and lora_B are served)")
             pairs.setdefault(stem, {})[which[0]] = f.get_tensor(key)
-    layers: dict[str, list] = {}
+    layers: dict[str, LayerDelta] = {}
     for stem, pair in sorted(pairs.items()):
         target, row, part = family.checkpoint_name(stem + ".weight")
         layer_name = target.removesuffix(".weight")
@@ -140,18 +141,19 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int, dtype:
             raise LoraError(f"LoRA adapter {path}: {stem} lacks lora_{({'A', 'B'} - set(pair)).pop()}")
         parts = shards.get(target)
         parts = parts if parts and parts[0].dim == 0 else None  # (stacked by rows; a row-parallel layer's are columns)
-        rows = layer.out_features if parts is None else parts[part].length
-        offset = 0 if parts is None else sum(s.length for s in parts[:part])
+        firsts = [0] if parts is None else [sum(s.length for s in parts[:i]) for i in range(len(parts))]
+        firsts.append(layer.out_features)
+        rows = firsts[part + 1] - firsts[part]
         a, b = pair["A"], pair["B"]
         for t, shape, what in ((a, (r, layer.in_features), "lora_A"), (b, (rows, r), "lora_B")):
             if tuple(t.shape) != shape:
                 raise LoraError(f"LoRA adapter {path}: {stem}.{what} has shape {tuple(t.shape)}, expected {shape}")
             if not torch.isfinite(t).all():
                 raise LoraError(f"LoRA adapter {path}: {stem}.{what} has non-finite weights")
-        layers.setdefault(layer_name, []).append((offset, a, (b.float() * scale).to(dtype)))
+        layers.setdefault(layer_name, (firsts, []))[1].append((part, a.float(), b.float() * scale))
     if not layers:
         raise LoraError(f"LoRA adapter {path}: no LoRA weights")
-    return {name: _stack(parts, r, dtype, device) for name, parts in layers.items()}
+    return layers
 
 
 def _layer(model: torch.nn.Module, name: str) -> Linear | None:
@@ -160,9 +162,3 @@ def _layer(model: torch.nn.Module, name: str) -> Linear | None:
     except AttributeError:
         return None
     return layer if isinstance(layer, Linear) else None
-
-
-def _stack(parts: list, r: int, dtype: torch.dtype, device) -> LayerDelta:
-    """One layer's parts: their A's stacked by rows (one shrink product), each B with its ranks' columns."""
-    a = torch.cat([a for _, a, _ in parts]).to(device, dtype)
-    return a, [(offset, slice(i * r, (i + 1) * r), b.to(device)) for i, (offset, _, b) in enumerate(parts)]

@@ -3,8 +3,8 @@
 Host-side arrays are built with numpy and copied to the device in one transfer (pinned, non-blocking on CUDA).
 For async scheduling, last step's sampled ids live on the device in `prev_sampled` (indexed by the request's stable
 slot); PLACEHOLDER input tokens are filled from it on the device, so the host never waits for them.
-With LoRA on (`max_lora_rank`), the runner holds the adapters it was given (`add_adapter`, by digest) and tells the
-layers each step which tokens run which (gpu/layers/lora.py): its rows' `lora`.
+With LoRA on (`lora_slots` adapters at most, of `max_lora_rank`), the runner holds the adapters it was given
+(`add_adapter`, by digest) and tells the layers each step which tokens run which (gpu/layers/lora.py): its rows' `lora`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gpu.attention.torch_backend import TorchAttention
 from gpu.batch import PLACEHOLDER, BatchSpec
 from gpu.distributed.group import current
 from gpu.kernels import native
-from gpu.layers.lora import LoraSteps
+from gpu.layers.lora import LoraSlots
 from gpu.layers.parallel import local_config
 from gpu.layers.quant import Quantization, check_invariant
 from gpu.loading.config import ModelConfig
@@ -91,7 +91,8 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         drafts: tuple[ModelConfig, ...] = (),
         memory: DeviceMemory | None = None,
-        max_lora_rank: int | None = None,
+        lora_slots: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         """num_blocks None: as many as fit in `gpu_memory_utilization` of the device, with a paired block for each
         of `drafts` (draft models loaded after this runner), measured by `memory` (CUDA's: gpu/runner/memory.py)."""
@@ -127,10 +128,10 @@ class ModelRunner:
             raise ValueError("batch-invariant mode runs the native kernels, not --cpu-kernels torch")
         if batch_invariant and (model_config.moe is not None or current().size > 1):  # (routing; all-reduce chunks)
             raise ValueError("batch-invariant mode runs dense models on one device (for now)")
-        self.max_lora_rank, self.lora = max_lora_rank, LoraSteps()
-        if max_lora_rank is not None and (batch_invariant or current().size > 1 or decode_graphs not in (None, "off")):
-            raise ValueError("LoRA adapters run on one device, without batch-invariant mode or static decode steps "
-                             "(for now)")  # fmt: skip
+        if lora_slots and (current().size > 1 or decode_graphs not in (None, "off")):
+            raise ValueError("LoRA adapters run on one device, without static decode steps (for now)")
+        if lora_slots and batch_invariant and not native_weights:
+            raise ValueError("batch-invariant LoRA runs on the native CPU kernels")
         if num_blocks is None:  # sized to the device: what it has free before this engine's weights
             if memory is None and self.device.type != "cuda":
                 raise ValueError("a KV cache sized to the device needs a CUDA device: give num_blocks on CPU")
@@ -144,8 +145,11 @@ class ModelRunner:
         )
         if batch_invariant:
             check_invariant(self.model)
+        lora_ops = native.ops() if native_weights and self.dtype == torch.float32 else None
+        self.lora = LoraSlots(lora_slots, max_lora_rank, self.dtype, self.device, lora_ops)
+        self.max_lora_rank = max_lora_rank
         self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
-        lora_or_moe = model_config.moe is not None or max_lora_rank is not None
+        lora_or_moe = model_config.moe is not None or lora_slots > 0
         mode = graph_mode(decode_graphs, self.device, self.attention, lora_or_moe)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self.kv_cache = None
@@ -162,13 +166,11 @@ class ModelRunner:
     def add_adapter(self, digest: str, path: str) -> None:
         """Hold the LoRA adapter at `path` (a PEFT directory, whose files hash to `digest`): LoraError if it cannot
         be served (gpu/loading/lora.py)."""
-        if self.max_lora_rank is None:
-            raise ValueError("this runner serves no LoRA adapters (max_lora_rank None)")
         if adapter_digest(path) != digest:
             raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
-        self.lora.install(
-            self.model, digest, read_adapter(path, self.model, self.max_lora_rank, self.dtype, self.device)
-        )
+        if self.lora.install(self.model, digest, read_adapter(path, self.model, self.max_lora_rank)):
+            if self.model.model.native_loop is not None:  # (the loop holds every layer's tables)
+                self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
 
     @torch.inference_mode()
     def set_prev_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -192,7 +194,8 @@ class ModelRunner:
         uploaded = [{name: next(tensors) for name in p.arrays} for p in plans]
         if "placeholders" in t:
             t["input_ids"][t["placeholders"]] = self.prev_sampled[t["placeholder_slots"]]
-        self.lora.groups = [(key[5:], None if rows.numel() == len(host["input_ids"]) else rows)
+        self.lora.tokens = t.get("lora_slots")
+        self.lora.groups = [(int(key[5:]), None if rows.numel() == len(host["input_ids"]) else rows)
                             for key, rows in t.items() if key.startswith("lora:")]  # fmt: skip
         if size:
             return self.graphs.run(size, t, plans, uploaded, num_rows)
@@ -249,11 +252,13 @@ class ModelRunner:
         if targets:
             extra = [np.arange(query_start_loc[i], query_start_loc[i] + k) for i, k in targets]
             host["logits_indices"] = np.concatenate([host["logits_indices"], *extra])
-        adapters = [r.lora for r in rows]
-        for digest in dict.fromkeys(a for a in adapters if a is not None):  # (each adapter's tokens, in batch order)
-            if digest not in self.lora.layers:
-                raise ValueError(f"step {batch.step}: no LoRA adapter {digest} is held")
-            host[f"lora:{digest}"] = np.flatnonzero(np.array([a == digest for a in adapters])[token_row])
+        if any(r.lora is not None for r in rows):  # each token's slot; each slot's tokens (the torch path's)
+            slots = [-1 if r.lora is None else self.lora.slot_of(r.lora) for r in rows]
+            if None in slots:
+                raise ValueError(f"step {batch.step}: no LoRA adapter {rows[slots.index(None)].lora} is held")
+            host["lora_slots"] = np.array(slots, np.int64)[token_row]
+            for s in dict.fromkeys(s for s in slots if s >= 0):
+                host[f"lora:{s}"] = np.flatnonzero(host["lora_slots"] == s)
         placeholders = np.flatnonzero(input_ids == PLACEHOLDER)
         if placeholders.size:
             host["placeholders"] = placeholders

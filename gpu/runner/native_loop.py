@@ -8,7 +8,7 @@ docs/PERFORMANCE.md, "Native kernels and quantized formats").
 no q/k norms, a dense gated MLP, one device) on the native backend, each linear layer on the native kernels (panels
 or blocks: every row count); None elsewhere (the Python loop runs every step, as it does for a process worker, whose
 progress hooks live in the Python loop's layers). A step goes to it (`takes`) when the native attention kernel takes
-every row (gpu/attention/native_backend.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode) and no row runs a LoRA adapter (their deltas are the Python layers').
+every row (gpu/attention/native_backend.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode) and its LoRA rows, if any, run on the native LoRA kernel.
 """
 
 from __future__ import annotations
@@ -21,29 +21,30 @@ from gpu.attention.native_backend import NativeAttention
 from gpu.kernels.native.kernels import ACT_IDS
 from gpu.layers.attention import Attention
 from gpu.layers.linear import Linear
-from gpu.layers.lora import LoraSteps
+from gpu.layers.lora import LoraSlots
 from gpu.layers.mlp import GatedMLP
 
 
 class NativeLoop:
-    def __init__(self, decoder, lora: LoraSteps) -> None:
+    def __init__(self, decoder, lora: LoraSlots) -> None:
         self.decoder, self.lora = decoder, lora
 
     def takes(self, meta: AttentionMetadata) -> bool:
-        return NativeAttention.takes_every_row(meta) and not self.lora.groups
+        return NativeAttention.takes_every_row(meta) and (self.lora.tokens is None or self.lora.ops is not None)
 
     def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = meta.native
         k, v = zip(*kv_cache.layers, strict=True)
         cos, sin = zip(*ropes, strict=True)
         return self.decoder.forward(
-            x, list(cos), list(sin), list(k), list(v), meta.slot_mapping, n["qsl"], n["seq_lens"], n["tables"]
+            x, list(cos), list(sin), list(k), list(v), meta.slot_mapping, n["qsl"], n["seq_lens"], n["tables"],
+            self.lora.tokens,
         )
 
 
-def native_loop(model, attention, lora: LoraSteps) -> NativeLoop | None:
+def native_loop(model, attention, lora: LoraSlots) -> NativeLoop | None:
     """The loop of `model` (a CausalLM) as one native call, or None where a layer is not a plain one on the native
-    kernels; it takes no step with LoRA rows in it (`lora`: the model's)."""
+    kernels; with the LoRA slot tables its layers hold (`lora`: the model's), on the native LoRA kernel."""
     if not isinstance(attention, NativeAttention) or model.tp.size != 1:
         return None
     m = model.model
@@ -74,4 +75,8 @@ def add_linear(decoder, linear) -> bool:
         decoder.add_blocks(list(firsts), list(kinds), list(held), linear.out_features, linear.bias)
     elif linear.native is not None:
         decoder.add_linear(linear.native, linear.out_features, linear.bias)
-    return linear.blocks is not None or linear.native is not None
+    else:
+        return False
+    if linear.lora_a is not None:
+        decoder.add_lora(linear.lora_a, linear.lora_b, linear.lora_parts)
+    return True

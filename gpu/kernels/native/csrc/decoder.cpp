@@ -11,7 +11,8 @@
 //
 // and at the end rms_norm(h + residual) with the final norm's weight. A linear layer runs the native kernel on its
 // panels (float32, bfloat16 or float16), bias inside, or, held in GGUF blocks, block_linear_out per stacked part into
-// its columns (the part's bias slice inside): the paths gpu/layers/linear.py's Linear takes, at any row count.
+// its columns (the part's bias slice inside): the paths gpu/layers/linear.py's Linear takes, at any row count; then,
+// where LoRA adapters target it and the step has LoRA tokens, lora_add over its slot tables (gpu/layers/lora.py).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -41,6 +42,8 @@ using NormSig = at::Tensor(const at::Tensor&, const OptT&, const at::Tensor&, do
 using RopeSig = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
                      at::Tensor, const at::Tensor&);
 using ActSig = at::Tensor(const at::Tensor&, int64_t);
+using LoraSig = void(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     at::IntArrayRef);
 using AttendSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, double, int64_t, double);
 
@@ -50,6 +53,8 @@ struct Linear {
   OptT bias;
   std::vector<int64_t> firsts, kinds;  // or GGUF blocks: each stacked part's first row and format ...
   std::vector<at::Tensor> blocks;  // ... and its [rows, row bytes] (every row count)
+  OptT lora_a, lora_b;  // LoRA's slot tables, where adapters target it, and its stacked parts' first rows
+  std::vector<int64_t> lora_parts;
 };
 
 struct Layer {
@@ -72,16 +77,27 @@ struct Decoder : torch::CustomClassHolder {
   c10::TypedOperatorHandle<RopeSig> rope_ = op<RopeSig>("rope_and_write_kv");
   c10::TypedOperatorHandle<ActSig> act_ = op<ActSig>("act_and_mul");
   c10::TypedOperatorHandle<AttendSig> attend_ = op<AttendSig>("paged_attention");
+  c10::TypedOperatorHandle<LoraSig> lora_ = op<LoraSig>("lora_add");
 
   Decoder(at::Tensor final_norm, double eps, double offset) : eps(eps), offset(offset), final_norm(final_norm) {}
 
-  void add_linear(at::Tensor panels, int64_t out, OptT bias) { linears.push_back({panels, out, bias, {}, {}, {}}); }
+  void add_linear(at::Tensor panels, int64_t out, OptT bias) {
+    linears.push_back({panels, out, bias, {}, {}, {}, c10::nullopt, c10::nullopt, {}});
+  }
+
+  // The last linear added has LoRA slot tables.
+  void add_lora(at::Tensor a, at::Tensor b, std::vector<int64_t> parts) {
+    TORCH_CHECK(!linears.empty(), "Decoder.add_lora: after its linear");
+    linears.back().lora_a = a;
+    linears.back().lora_b = b;
+    linears.back().lora_parts = parts;
+  }
 
   void add_blocks(std::vector<int64_t> firsts, std::vector<int64_t> kinds, std::vector<at::Tensor> blocks, int64_t out,
                   OptT bias) {
     TORCH_CHECK(!blocks.empty() && firsts.size() == blocks.size() && kinds.size() == blocks.size(),
                 "Decoder.add_blocks: a first row and a format for each part's blocks");
-    linears.push_back({c10::nullopt, out, bias, firsts, kinds, blocks});
+    linears.push_back({c10::nullopt, out, bias, firsts, kinds, blocks, c10::nullopt, c10::nullopt, {}});
   }
 
   // A layer over the last four linears added (qkv, o, gate_up, down).
@@ -91,25 +107,29 @@ struct Decoder : torch::CustomClassHolder {
     layers.push_back({in_norm, post_norm, q, k, v, head_dim, scale, window, softcap, act, rope});
   }
 
-  at::Tensor run(const Linear& l, const at::Tensor& x) const {
+  at::Tensor run(const Linear& l, const at::Tensor& x, const OptT& lora_slots) const {
+    const auto flat = x.contiguous();
+    at::Tensor y;
     if (!l.blocks.empty()) {
-      const auto flat = x.contiguous();
-      auto y = at::empty({flat.size(0), l.out}, flat.options());
+      y = at::empty({flat.size(0), l.out}, flat.options());
       for (size_t i = 0; i < l.blocks.size(); ++i) {
         const int64_t rows = l.blocks[i].size(0);
         const OptT bias = l.bias ? OptT(l.bias->narrow(0, l.firsts[i], rows)) : c10::nullopt;
         blocks_.call(flat, l.blocks[i], l.kinds[i], bias, y.narrow(1, l.firsts[i], rows));
       }
-      return y;
+    } else {
+      y = linear_.call(flat, *l.panels, l.out, l.bias);
     }
-    return linear_.call(x.contiguous(), *l.panels, l.out, l.bias);
+    if (l.lora_a && lora_slots) lora_.call(flat, y, *lora_slots, *l.lora_a, *l.lora_b, l.lora_parts);
+    return y;
   }
 
   // The final normed hidden states of h (the embedded tokens [T, hidden]); k/v_caches: each layer's, cos/sin: each
-  // rotary's for the step's positions; slots, qsl, seq_lens, tables: the attention metadata (every row native).
+  // rotary's for the step's positions; slots, qsl, seq_lens, tables: the attention metadata (every row native);
+  // lora_slots: each token's LoRA slot (-1: none), or none in a step without LoRA rows.
   at::Tensor forward(at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor slots,
-                     at::Tensor qsl, at::Tensor seq_lens, at::Tensor tables) {
+                     at::Tensor qsl, at::Tensor seq_lens, at::Tensor tables, OptT lora_slots) {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
                 "Decoder.forward: a K and a V cache a layer");
     const int64_t n = h.size(0);
@@ -119,14 +139,14 @@ struct Decoder : torch::CustomClassHolder {
       const Linear* lin = &linears[4 * i];
       auto x = norm_.call(h, residual, L.in_norm, eps, offset);
       if (!residual) residual = h;
-      auto qkv = run(lin[0], x);
+      auto qkv = run(lin[0], x, lora_slots);
       auto q = qkv.narrow(1, 0, L.q).view({n, -1, L.head_dim});
       auto k = qkv.narrow(1, L.q, L.k).view({n, -1, L.head_dim});
       auto v = qkv.narrow(1, L.q + L.k, L.v).view({n, -1, L.head_dim});
       rope_.call(q, k, v, cos.at(L.rope), sin.at(L.rope), k_caches[i], v_caches[i], slots);
       auto a = attend_.call(q, k_caches[i], v_caches[i], qsl, seq_lens, tables, L.scale, L.window, L.softcap);
-      x = norm_.call(run(lin[1], a.flatten(1)), residual, L.post_norm, eps, offset);
-      h = run(lin[3], act_.call(run(lin[2], x), L.act));
+      x = norm_.call(run(lin[1], a.flatten(1), lora_slots), residual, L.post_norm, eps, offset);
+      h = run(lin[3], act_.call(run(lin[2], x, lora_slots), L.act), lora_slots);
     }
     return norm_.call(h, residual, final_norm, eps, offset);
   }
@@ -139,6 +159,7 @@ TORCH_LIBRARY_FRAGMENT(SLUICE_NS, m) {
       .def(torch::init<at::Tensor, double, double>())
       .def("add_linear", &Decoder::add_linear)
       .def("add_blocks", &Decoder::add_blocks)
+      .def("add_lora", &Decoder::add_lora)
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward);
 }

@@ -1,0 +1,105 @@
+// LoRA deltas for CPU, float32, batch-invariant (gpu/layers/lora.py holds the slot tables and calls this):
+//
+//   y[t, :] += B[s] · (A[s] · x[t])   for every token t whose slot s = slots[t] is >= 0 (-1: the base model's)
+//
+// A: [S, P r, in], stacked part p's A in rows p r .. p r + r - 1; B: [S, r, out] (Bᵀ), part p's columns parts[p] ..
+// parts[p + 1] - 1 (the scale folded in); a lower-rank adapter's are zero-padded. The shrink's every element is one
+// V16 fma chain over x in order, then sum16's tree; the expand's, an fma chain over the ranks in order, 16 columns a
+// vector, added to y last: a token's delta is the same bits whatever the tokens around it, the threads or the ISA.
+// Tokens are grouped by slot, so an A row or a B tile is read once per group (in cache for its tokens); the shrink
+// is split over the threads by (group, A row), the expand by (group, 64 columns of a part).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <vector>
+
+#include "simd.h"
+
+#ifndef SLUICE_NS
+#error "SLUICE_NS names the op namespace of this ISA's build"
+#endif
+
+namespace {
+
+using namespace simd;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  V16 acc = zero16();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = fma16(load16(a + i), load16(b + i), acc);
+  if (i < n) acc = fma16(load16(a + i, static_cast<int>(n - i)), load16(b + i, static_cast<int>(n - i)), acc);
+  return sum16(acc);
+}
+
+void lora_add(const at::Tensor& x_in, at::Tensor y, const at::Tensor& slots, const at::Tensor& a, const at::Tensor& b,
+              at::IntArrayRef parts) {
+  const auto x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && y.stride(1) == 1,
+              "lora_add: x [T, in] and y [T, out] (rows contiguous)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
+                  b.scalar_type() == at::kFloat && a.is_contiguous() && b.is_contiguous(),
+              "lora_add: float32 x, y and contiguous tables");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0), "lora_add: an int64 slot a token");
+  const int64_t T = x.size(0), in = x.size(1), out = y.size(1), S = a.size(0), r = b.size(1);
+  const int64_t P = static_cast<int64_t>(parts.size()) - 1, PR = a.size(1);
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(2) == in && b.size(0) == S && b.size(2) == out && PR == P * r &&
+                  P >= 1 && parts[0] == 0 && parts[P] == out,
+              "lora_add: A [S, P r, in], B [S, r, out] and the parts' first columns (0 .. out)");
+  constexpr int64_t TILE = 64;  // columns of an expand work item
+  std::vector<std::array<int64_t, 3>> tiles;  // (part, first column, end)
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(parts[p] <= parts[p + 1], "lora_add: the parts' first columns in order");
+    for (int64_t o = parts[p]; o < parts[p + 1]; o += TILE) tiles.push_back({p, o, std::min(o + TILE, parts[p + 1])});
+  }
+  std::vector<std::vector<int64_t>> of_slot(S);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] < S, "lora_add: slot ", sp[t], " of token ", t, " is not in the table's ", S);
+    if (sp[t] >= 0) of_slot[sp[t]].push_back(t);
+  }
+  std::vector<int64_t> group_slot;
+  for (int64_t s = 0; s < S; ++s)
+    if (!of_slot[s].empty()) group_slot.push_back(s);
+  const int64_t G = static_cast<int64_t>(group_slot.size());
+  if (G == 0) return;
+  auto xa = at::empty({T, PR}, x.options());
+  const float *xp = x.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float *xap = xa.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const int64_t ldy = y.stride(0);
+  at::parallel_for(0, G * PR, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t s = group_slot[w / PR], j = w % PR;
+      const float* row = ap + (s * PR + j) * in;
+      for (const int64_t t : of_slot[s]) xap[t * PR + j] = dot(row, xp + t * in, in);
+    }
+  });
+  const int64_t NT = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, G * NT, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t s = group_slot[w / NT];
+      const auto [p, first, last] = tiles[w % NT];
+      const float* bt = bp + s * r * out;  // Bᵀ of slot s: [r, out]
+      for (const int64_t t : of_slot[s]) {
+        const float* ranks = xap + t * PR + p * r;
+        float* yt = yp + t * ldy;
+        for (int64_t o = first; o < last; o += 16) {
+          const int n = static_cast<int>(std::min<int64_t>(16, last - o));
+          V16 d = zero16();
+          for (int64_t j = 0; j < r; ++j) d = fma16(set16(ranks[j]), load16(bt + j * out + o, n), d);
+          store16(yt + o, add16(load16(yt + o, n), d), n);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(SLUICE_NS, m) {
+  m.def("lora_add(Tensor x, Tensor(a!) y, Tensor slots, Tensor a, Tensor b, int[] parts) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) { m.impl("lora_add", lora_add); }
