@@ -168,9 +168,9 @@ class ModelRunner:
         be served (gpu/loading/lora.py)."""
         if adapter_digest(path) != digest:
             raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
-        if self.lora.install(self.model, digest, read_adapter(path, self.model, self.max_lora_rank)):
-            if self.model.model.native_loop is not None:  # (the loop holds every layer's tables)
-                self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
+        made = self.lora.install(self.model, digest, read_adapter(path, self.model, self.max_lora_rank))
+        if made and self.model.model.native_loop is not None:  # (the loop holds every layer's tables)
+            self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
 
     @torch.inference_mode()
     def set_prev_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
