@@ -16,6 +16,7 @@ counters carry an `actor` label: the HTTP actor's own and the detokenizer's.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -66,6 +67,7 @@ class Metrics:
         self.prefix = prefix
         self.model = model_name
         self.replicas = replicas or Replicas()
+        self.lora_names: dict[str, str] = {}  # LoRA adapters' served names, by digest (the HTTP actor's)
 
         def histogram(name: str, doc: str, buckets) -> _Labelled:
             labelled = _Labelled(Histogram(prefix + name, doc, BASE_LABELS, buckets=buckets, registry=r), model_name)
@@ -153,6 +155,11 @@ class Metrics:
             reports = self.detok if actor == replica.names.detokenizer else self.engine
             reports.pop(replica.index, None)
 
+    def lora_label(self, info: dict[str, str], key: str) -> str:
+        """A lora_requests_info label: max_lora, or the adapters' served names (EngineStats.lora_info: digests)."""
+        value = info.get(key, "")
+        return value if key == "max_lora" else ",".join(self.lora_names.get(d, d) for d in value.split(",") if d)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -185,6 +192,10 @@ class _Snapshots:
         if configs:  # (vLLM's info gauge: 1, the configuration in its labels)
             keys = list(next(e.cache_config for _, e in engines if e.cache_config))
             yield self.family(gauge, "cache_config_info", "The KV cache's configuration.", keys, configs)
+        if loras := [(k, e.lora_info) for k, e in engines if e.lora_info]:  # (vLLM's: the time, adapters in labels)
+            keys = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+            rows = [((k, *(m.lora_label(info, key) for key in keys)), time.time()) for k, info in loras]
+            yield self.family(gauge, "lora_requests_info", "Running and waiting LoRA adapters.", keys, rows)
         yield self.per_engine(gauge, "num_requests_running", "Requests in the engine's running batch.",
                               lambda e: e.num_running)  # fmt: skip
         yield self.per_engine(gauge, "num_requests_waiting", "Requests waiting in the engine.", lambda e: e.num_waiting)

@@ -51,7 +51,9 @@ def make_adapters(base: Path, root: Path, rank: int, n: int) -> list[LoraModule]
     return out
 
 
-def run(model: ModelConfig, adapters: list[LoraModule], streams: int, tokens: int, threads: int, rank: int = 16) -> float:
+def run(
+    model: ModelConfig, adapters: list[LoraModule], streams: int, tokens: int, threads: int, rank: int = 16
+) -> float:
     """Output tokens/s of `streams` greedy requests, round-robin over `adapters` (none: the base model)."""
     lora = LoraConfig(modules=adapters, max_loras=len(adapters), max_lora_rank=rank) if adapters else None
     config = EngineConfig(model=str(model.path), max_num_seqs=streams, max_model_len=512, num_kv_blocks=512,

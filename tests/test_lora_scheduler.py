@@ -56,3 +56,29 @@ def test_a_passed_over_request_is_admitted_within_max_num_seqs_overtakes():
         assert k < 40, "b was never admitted"
     assert admitted.index("b") <= 3, admitted
     h.run()
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters():
+    """vLLM's lora_requests_info: the engine reports digests, /metrics names them by their served names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actors.engine.metrics import lora_info
+    from frontend.metrics import Metrics
+    from messages.wire import EngineStats
+
+    h = Harness(max_num_seqs=4, max_loras=1)
+    h.add("a", [1, 2, 3], max_tokens=5, lora="d-a")
+    h.add("b", [4, 5], max_tokens=2, lora="d-b")
+    h.step()
+    info = lora_info(h.sched)
+    assert info == {"max_lora": "1", "running_lora_adapters": "d-a", "waiting_lora_adapters": "d-b"}
+    metrics = Metrics(model_name="m")
+    metrics.lora_names = {"d-a": "sql", "d-b": "chat"}
+    metrics.on_engine_stats(EngineStats(num_running=1, num_waiting=1, kv_usage=0.0, prompt_tokens_total=0,
+                                        generation_tokens_total=0, late_aborts_total=0, lora_info=info))  # fmt: skip
+    samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
+    (sample,) = [s for s in samples if s.name == "sluice:lora_requests_info"]
+    assert sample.labels["running_lora_adapters"] == "sql" and sample.labels["waiting_lora_adapters"] == "chat"
+    assert sample.labels["max_lora"] == "1" and sample.value > 1e9  # (the time of the report, as vLLM's)
+    h.run()
+    assert lora_info(h.sched) == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}

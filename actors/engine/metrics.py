@@ -56,7 +56,20 @@ def engine_stats(sched: Scheduler, late_aborts_total: int = 0, queue_times_s: li
         prefix_cache_hits_total=bm.hits,
         cache_config={k: str(v) for k, v in cache.items()},
         prefix_anchors=list(bm.anchors),
+        lora_info=lora_info(sched),
     )
+
+
+def lora_info(sched) -> dict[str, str]:
+    """vLLM's lora_requests_info labels (EngineStats.lora_info)."""
+    if sched.max_loras is None:
+        return {}
+    adapters = {name: {r.params.lora for r in reqs} - {None}
+                for name, reqs in (("running", sched.running), ("waiting", sched.waiting))}  # fmt: skip
+    return {
+        "max_lora": str(sched.max_loras),
+        **{f"{k}_lora_adapters": ",".join(sorted(v)) for k, v in adapters.items()},
+    }
 
 
 async def log_speculation(current: Callable[[], SpecStats], every_s: float = 10.0) -> None:

@@ -37,7 +37,15 @@ class NativeLoop:
         k, v = zip(*kv_cache.layers, strict=True)
         cos, sin = zip(*ropes, strict=True)
         return self.decoder.forward(
-            x, list(cos), list(sin), list(k), list(v), meta.slot_mapping, n["qsl"], n["seq_lens"], n["tables"],
+            x,
+            list(cos),
+            list(sin),
+            list(k),
+            list(v),
+            meta.slot_mapping,
+            n["qsl"],
+            n["seq_lens"],
+            n["tables"],
             self.lora.tokens,
         )
 
