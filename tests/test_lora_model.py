@@ -11,14 +11,13 @@ import random
 import pytest
 import torch
 
-from gpu.batch import ScheduledRow
 from gpu.loading.config import ModelConfig
 from gpu.loading.lora import adapter_digest
 from gpu.runner.model_runner import ModelRunner
 from tests.family_models import run_greedy
-from tests.lora_adapters import make_adapter, peft_reference
+from tests.lora_adapters import LoraRequest, make_adapter, peft_reference
 from tests.test_model_families import BLOCK, BUDGET, assert_close_to_hf, prompts
-from tests.tiny_model import Request, block_pool
+from tests.tiny_model import block_pool
 
 FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 TARGETS = {  # per adapter: which projections it targets (the last two adapters: a subset, and rsLoRA)
@@ -26,17 +25,6 @@ TARGETS = {  # per adapter: which projections it targets (the last two adapters:
     "qwen2": [None, ["k_proj", "o_proj"], None, ["gate_proj"]],
     "phi3": [FUSED, ["qkv_proj"], FUSED, ["gate_up_proj", "o_proj"]],
 }
-
-
-class LoraRequest(Request):
-    def __init__(self, *args, lora: str | None = None) -> None:
-        super().__init__(*args)
-        self.lora = lora
-
-    def row(self, n: int | None = None) -> ScheduledRow:
-        row = super().row(n)
-        row.lora = self.lora
-        return row
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])

@@ -3,7 +3,8 @@ processes shard tiny checkpoints of every kind of block — KV heads split (Llam
 q/k/v and o biases with an MLP bias (the row-parallel bias added once), Phi-3's fused q/k/v and gate/up tensors,
 Gemma 2's soft-caps and sandwich norms, Qwen3-MoE's experts and q/k norm, a vocabulary that does not split evenly
 (the last rank's padding), shares that are not equal (3 KV groups, an odd intermediate size: SmolLM2's 9 heads
-split so) — and run the same greedy schedule (chunked prefill beside decodes: tests/family_models.py).
+split so), LoRA adapters on every projection of two of them (a base row beside an adapter's) — and run the same
+greedy schedule (chunked prefill beside decodes: tests/family_models.py).
 The first rank's logprobs at every position equal the one-device ones within 1e-4 (fp32; the reductions' order
 differs), and its greedy tokens are the same; so on the bundled SmolLM2. A size that does not divide the heads is refused by name."""
 
@@ -19,10 +20,12 @@ from frontend.launch import resolve_model
 from gpu.distributed.group import TensorParallel, join, leave, rendezvous
 from gpu.layers.parallel import Heads, heads, local_config
 from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.loading.lora import adapter_digest
 from gpu.loading.weights import check_checkpoint
 from gpu.runner.model_runner import ModelRunner
 from tests.family_models import make_family_dir, run_greedy
-from tests.tiny_model import Request, block_pool
+from tests.lora_adapters import LoraRequest, make_adapter
+from tests.tiny_model import block_pool
 
 TOL = 3e-4  # float32: logprobs of magnitude ~25 after 30 layers, summed in two orders (whole, and halves all-reduced)
 BLOCK, BUDGET, NEW_TOKENS = 4, 12, 8
@@ -42,13 +45,19 @@ CASES = {  # name -> (family, config overrides)
     "qwen3_moe": ("qwen3_moe", {}),
     "smollm2": (None, {}),  # the bundled model: 9 query heads and 3 KV heads over 2 ranks, 30 layers
 }
+LORA_CASES = {"llama_uneven": "llama_uneven+lora", "phi3": "phi3+lora"}  # (an adapter on every projection)
 
 
-def greedy_logits(path: Path) -> dict[int, list[torch.Tensor]]:
-    runner = ModelRunner(ModelConfig.from_path(path), "cpu", torch.float32, 128, BLOCK, num_threads=1)
+def greedy_logits(path: Path, adapter: Path | None = None) -> dict[int, list[torch.Tensor]]:
+    """The greedy schedule's logits; with `adapter`, the second request runs it (the first the base model)."""
+    runner = ModelRunner(ModelConfig.from_path(path), "cpu", torch.float32, 128, BLOCK, num_threads=1,
+                         lora_slots=adapter is not None)  # fmt: skip
+    if adapter is not None:
+        runner.add_adapter(digest := adapter_digest(adapter), str(adapter))
     g = torch.Generator().manual_seed(0)
     pool = block_pool()
-    reqs = [Request(pool, i, torch.randint(3, 49152, (n,), generator=g).tolist(), BLOCK) for i, n in enumerate([5, 19])]
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in [5, 19]]
+    reqs = [LoraRequest(pool, i, p, BLOCK, lora=digest if adapter and i else None) for i, p in enumerate(prompts)]
     logits = run_greedy(runner, reqs, NEW_TOKENS, BUDGET)  # (empty on a rank that does not sample)
     return {slot: torch.stack(rows) for slot, rows in logits.items() if rows}
 
@@ -58,9 +67,13 @@ def rank_main(rank: int, size: int, paths: dict[str, Path], out: Path) -> None:
     join(rank, size, store, torch.device("cpu"), timeout_s=60)
     try:
         for name, path in paths.items():
-            logits = greedy_logits(path)
-            if rank == 0:
-                torch.save(logits, out / f"{name}.pt")
+            if "+" in name:  # (an adapter, over its base checkpoint)
+                continue
+            cases = [(name, None)] + ([(LORA_CASES[name], paths[LORA_CASES[name]])] if name in LORA_CASES else [])
+            for case, adapter in cases:
+                logits = greedy_logits(path, adapter)
+                if rank == 0:
+                    torch.save(logits, out / f"{case}.pt")
     finally:
         leave()
 
@@ -69,7 +82,8 @@ def rank_main(rank: int, size: int, paths: dict[str, Path], out: Path) -> None:
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     built = {name: make_family_dir(root / name, family, **o) for name, (family, o) in CASES.items() if family}
-    return {**built, "smollm2": resolve_model(None).path}
+    adapters = {lora: make_adapter(built[name], root / lora, seed=3) for name, lora in LORA_CASES.items()}
+    return {**built, "smollm2": resolve_model(None).path, **adapters}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +100,11 @@ def sharded(checkpoints, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *LORA_CASES.values()])
 def test_two_ranks_match_one_device(case, checkpoints, sharded):
     ours = torch.load(sharded / f"{case}.pt")
-    reference = greedy_logits(checkpoints[case])
+    base = case.partition("+")[0]
+    reference = greedy_logits(checkpoints[base], checkpoints[case] if "+" in case else None)
     assert ours.keys() == reference.keys()
     for slot, expected in reference.items():
         assert ours[slot].shape == expected.shape

@@ -135,8 +135,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.lora is not None:
             self.lora.verify()
-            if self.tensor_parallel_size > 1 or self.static_decode:
-                raise ValueError("LoRA runs on one device, without static decode steps (for now)")
+            if self.static_decode:
+                raise ValueError("LoRA runs without static decode steps (for now)")
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if tp < 1 or nnodes < 1 or tp % nnodes:
             raise ValueError(f"tensor_parallel_size ({tp}) must be a positive multiple of nnodes ({nnodes})")

@@ -19,7 +19,9 @@ adapter and what is wrong:
 Scale: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), folded into B as it is read (float32): the delta is
 x·Aᵀ·Bᵀ. Target names are the checkpoint's (`model.layers.N.self_attn.q_proj`,
 Phi-3's fused `qkv_proj`); the family's `checkpoint_name` says which stacked layer and which of its parts each is,
-as for the base weights (gpu/loading/weights.py).
+as for the base weights (gpu/loading/weights.py). Under tensor parallelism a rank reads its share as the base
+weight's: a column-parallel layer's B rows, a row-parallel layer's A columns (its partial delta is summed by the
+layer's all-reduce with the base product: Σ_ranks x_r·A_rᵀ·Bᵀ = x·Aᵀ·Bᵀ).
 """
 
 from __future__ import annotations
@@ -139,17 +141,22 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dic
             raise LoraError(f"LoRA adapter {path}: {stem} is not a layer a LoRA delta is served for")
         if set(pair) != {"A", "B"}:
             raise LoraError(f"LoRA adapter {path}: {stem} lacks lora_{({'A', 'B'} - set(pair)).pop()}")
-        parts = shards.get(target)
-        parts = parts if parts and parts[0].dim == 0 else None  # (stacked by rows; a row-parallel layer's are columns)
-        firsts = [0] if parts is None else [sum(s.length for s in parts[:i]) for i in range(len(parts))]
+        shard = shards.get(target)
+        stacked = shard if shard and shard[0].dim == 0 else None  # (a column-parallel layer's parts, stacked by rows)
+        split_in = shard[0] if shard and shard[0].dim == 1 else None  # (a row-parallel layer's input columns)
+        firsts = [0] if stacked is None else [sum(s.length for s in stacked[:i]) for i in range(len(stacked))]
         firsts.append(layer.out_features)
-        rows = firsts[part + 1] - firsts[part]
+        rows = firsts[part + 1] - firsts[part] if stacked is None else stacked[part].full
+        ins = layer.in_features if split_in is None else split_in.full
         a, b = pair["A"], pair["B"]
-        for t, shape, what in ((a, (r, layer.in_features), "lora_A"), (b, (rows, r), "lora_B")):
+        for t, shape, what in ((a, (r, ins), "lora_A"), (b, (rows, r), "lora_B")):
             if tuple(t.shape) != shape:
                 raise LoraError(f"LoRA adapter {path}: {stem}.{what} has shape {tuple(t.shape)}, expected {shape}")
             if not torch.isfinite(t).all():
                 raise LoraError(f"LoRA adapter {path}: {stem}.{what} has non-finite weights")
+        # a rank's share (gpu/layers/parallel.py): A's input columns as the base weight's, B's output rows as its
+        a = a if split_in is None else split_in.read(a)
+        b = b if stacked is None else stacked[part].read(b)
         layers.setdefault(layer_name, (firsts, []))[1].append((part, a.float(), b.float() * scale))
     if not layers:
         raise LoraError(f"LoRA adapter {path}: no LoRA weights")

@@ -128,8 +128,8 @@ class ModelRunner:
             raise ValueError("batch-invariant mode runs the native kernels, not --cpu-kernels torch")
         if batch_invariant and (model_config.moe is not None or current().size > 1):  # (routing; all-reduce chunks)
             raise ValueError("batch-invariant mode runs dense models on one device (for now)")
-        if lora_slots and (current().size > 1 or decode_graphs not in (None, "off")):
-            raise ValueError("LoRA adapters run on one device, without static decode steps (for now)")
+        if lora_slots and decode_graphs not in (None, "off"):
+            raise ValueError("LoRA adapters run without static decode steps (for now)")
         if lora_slots and batch_invariant and not native_weights:
             raise ValueError("batch-invariant LoRA runs on the native CPU kernels")
         if num_blocks is None:  # sized to the device: what it has free before this engine's weights
