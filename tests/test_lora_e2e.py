@@ -1,6 +1,7 @@
 """LoRA adapters served end to end (one server: a tiny Llama with three PEFT adapters, --max-loras 2): the `openai`
 client picks an adapter by `model` and gets PEFT's greedy tokens and logprobs, concurrent requests of the base and
-every adapter each get their own (the cap makes one wait its turn), /v1/models lists the adapters with the base as
+every adapter each get their own (the cap makes one wait its turn), a guided request's companion and a beam
+search run the request's adapter, /v1/models lists the adapters with the base as
 parent, an unknown adapter is a 404 naming it, a request with the prompt another adapter cached finds nothing of it;
 and a bad adapter stops the server at startup with a message naming it."""
 
@@ -77,6 +78,32 @@ async def test_each_adapter_is_pefts_alone_and_mixed(lora_server, adapters):
     got = await asyncio.gather(*(complete(client, name) for name in names * 2))
     for name, (tokens, _) in zip(names * 2, got, strict=True):
         assert tokens == expected[name][0], f"{name} in a mixed batch"
+
+
+@torch.no_grad()
+def peft_guided(base, adapter, prompt: list[int], n: int, scale: float) -> list[int]:
+    """Greedy tokens of l_u + scale (l_c - l_u), l_u the logits after the BOS token alone (CFG's default companion)."""
+    model, out = peft_reference(base, adapter), []
+    for _ in range(n):
+        cond = model(torch.tensor([prompt + out])).logits[0, -1]
+        uncond = model(torch.tensor([[1, *out]])).logits[0, -1]
+        out.append(int((uncond + scale * (cond - uncond)).argmax()))
+    return out
+
+
+async def test_guidance_and_beam_search_run_the_adapter(lora_server, adapters):
+    """A CFG request's companion runs its adapter too; a beam search (width 1: greedy) runs it."""
+    base, made = adapters
+    client, prompt = lora_server.client(), PROMPT[:12]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    guided = await client.completions.create(model="ad2", prompt=prompt, max_tokens=6, temperature=0.0,
+                                             extra_body={**extra, "guidance_scale": 1.5})  # fmt: skip
+    expected = peft_guided(base, made["ad2"], prompt, 6, 1.5)
+    assert guided.choices[0].token_ids == expected
+    assert expected not in (peft_guided(base, None, prompt, 6, 1.5), peft_greedy(base, made["ad2"], prompt, 6)[0])
+    beam = await client.completions.create(model="ad1", prompt=prompt, max_tokens=6, temperature=0.0,
+                                           extra_body={**extra, "use_beam_search": True})  # fmt: skip
+    assert beam.choices[0].token_ids == peft_greedy(base, made["ad1"], prompt, 6)[0]
 
 
 async def test_models_lists_the_adapters(lora_server, adapters):
