@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from gpu.batch import BatchSpec
 from gpu.loading.config import ModelConfig
 from gpu.loading.lora import adapter_digest
 from gpu.runner.model_runner import ModelRunner
@@ -90,6 +91,28 @@ def test_batch_invariant_lora_rows_are_the_same_bits_alone(family_dir_of, tmp_pa
         mine = run_greedy(runner, [alone], 4, BUDGET)[0]
         assert all(torch.equal(a, b) for a, b in zip(mine, logits[r.slot], strict=True)), f"slot {r.slot}"
         pool.extend(alone.blocks)
+
+
+def test_a_verification_row_runs_the_adapter(family_dir_of, tmp_path):
+    """Speculative decoding's verification row (its last token and K drafts, sampled at each) through an adapter: its
+    logits at every position are PEFT's (the drafts: PEFT's own greedy tokens, so each position is checked)."""
+    base = family_dir_of("llama")
+    adapter = make_adapter(base, tmp_path / "a", seed=7)
+    runner = ModelRunner(ModelConfig.from_path(base), device="cpu", dtype=torch.float32, num_blocks=32,
+                         block_size=BLOCK, num_threads=1, lora_slots=1)  # fmt: skip
+    runner.add_adapter(digest := adapter_digest(adapter), str(adapter))
+    ref, prompt = peft_reference(base, adapter), prompts([11])[0]
+    with torch.no_grad():
+        greedy = []
+        for _ in range(4):
+            greedy.append(int(ref(torch.tensor([prompt + greedy])).logits[0, -1].argmax()))
+    r = LoraRequest(block_pool(num_blocks=32), 0, prompt, BLOCK, lora=digest)
+    first = runner.execute(BatchSpec(0, [r.row()]))
+    r.tokens += greedy
+    row = r.row()
+    row.draft_token_ids = greedy[1:]
+    verified = runner.execute(BatchSpec(1, [row]))
+    assert_close_to_hf(ref, prompt + greedy, [first[0], *verified], start=len(prompt) - 1)
 
 
 def test_a_base_model_that_differs_from_each_adapter(family_dir_of, tmp_path):
