@@ -3,9 +3,9 @@
 //   y[t, :] += B[s] · (A[s] · x[t])   for every token t whose slot s = slots[t] is >= 0 (-1: the base model's)
 //
 // A: [S, P r, in], stacked part p's A in rows p r .. p r + r - 1; B: [S, r, out] (Bᵀ), part p's columns parts[p] ..
-// parts[p + 1] - 1 (the scale folded in); a lower-rank adapter's are zero-padded. The shrink's every element is one
-// V16 fma chain over x in order, then sum16's tree; the expand's, an fma chain over the ranks in order, 16 columns a
-// vector, added to y last: a token's delta is the same bits whatever the tokens around it, the threads or the ISA.
+// parts[p + 1] - 1 (the scale folded in); a lower-rank adapter's are zero-padded. The shrink's every element is
+// `dot`'s fixed order over x, the expand's an fma chain over the ranks in order, 16 columns a vector, added to y last:
+// a token's delta is the same bits whatever the tokens around it, the threads or the ISA.
 // Tokens are grouped by slot, so an A row or a B tile is read once per group (in cache for its tokens); the shrink
 // is split over the threads by (group, A row), the expand by (group, 64 columns of a part).
 #include <ATen/ATen.h>
@@ -26,12 +26,52 @@ namespace {
 
 using namespace simd;
 
+// a · b: four V16 fma chains over the 64-element blocks (independent, so the fma latency is hidden), what is left
+// after them in the first, then (c0 + c1) + (c2 + c3) and sum16's tree: one fixed order. (Registers only: no array
+// indexed at run time.)
 inline float dot(const float* a, const float* b, int64_t n) {
-  V16 acc = zero16();
+  V16 c0 = zero16(), c1 = zero16(), c2 = zero16(), c3 = zero16();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = fma16(load16(a + i), load16(b + i), acc);
-  if (i < n) acc = fma16(load16(a + i, static_cast<int>(n - i)), load16(b + i, static_cast<int>(n - i)), acc);
-  return sum16(acc);
+  for (; i + 64 <= n; i += 64) {
+    c0 = fma16(load16(a + i), load16(b + i), c0);
+    c1 = fma16(load16(a + i + 16), load16(b + i + 16), c1);
+    c2 = fma16(load16(a + i + 32), load16(b + i + 32), c2);
+    c3 = fma16(load16(a + i + 48), load16(b + i + 48), c3);
+  }
+  for (; i + 16 <= n; i += 16) c0 = fma16(load16(a + i), load16(b + i), c0);
+  if (i < n) c0 = fma16(load16(a + i, static_cast<int>(n - i)), load16(b + i, static_cast<int>(n - i)), c0);
+  return sum16(add16(add16(c0, c1), add16(c2, c3)));
+}
+
+// y[0 .. 16) (its first n) += Σ_j ranks[j] · bt[j * ld + 0 .. 16) for j = 0 .. r - 1 in order, added to y last.
+inline void expand16(float* y, const float* ranks, const float* bt, int64_t ld, int64_t r, int n) {
+  V16 d = zero16();
+  for (int64_t j = 0; j < r; ++j) d = fma16(set16(ranks[j]), n == 16 ? load16(bt + j * ld) : load16(bt + j * ld, n), d);
+  store16(y, add16(n == 16 ? load16(y) : load16(y, n), d), n);
+}
+
+// ... 64 columns at once: four independent chains (the same order per column as expand16's).
+inline void expand64(float* y, const float* ranks, const float* bt, int64_t ld, int64_t r) {
+  V16 d0 = zero16(), d1 = zero16(), d2 = zero16(), d3 = zero16();
+  for (int64_t j = 0; j < r; ++j) {
+    const V16 w = set16(ranks[j]);
+    const float* row = bt + j * ld;
+    d0 = fma16(w, load16(row), d0);
+    d1 = fma16(w, load16(row + 16), d1);
+    d2 = fma16(w, load16(row + 32), d2);
+    d3 = fma16(w, load16(row + 48), d3);
+  }
+  store16(y, add16(load16(y), d0));
+  store16(y + 16, add16(load16(y + 16), d1));
+  store16(y + 32, add16(load16(y + 32), d2));
+  store16(y + 48, add16(load16(y + 48), d3));
+}
+
+// y[0 .. n) += Σ_j ranks[j] · bt[j * ld + 0 .. n), n <= 64.
+inline void expand(float* y, const float* ranks, const float* bt, int64_t ld, int64_t r, int64_t n) {
+  if (n == 64) return expand64(y, ranks, bt, ld, r);
+  for (int64_t o = 0; o < n; o += 16)
+    expand16(y + o, ranks, bt + o, ld, r, static_cast<int>(std::min<int64_t>(16, n - o)));
 }
 
 void lora_add(const at::Tensor& x_in, at::Tensor y, const at::Tensor& slots, const at::Tensor& a, const at::Tensor& b,
@@ -69,7 +109,9 @@ void lora_add(const at::Tensor& x_in, at::Tensor y, const at::Tensor& slots, con
   const float *xp = x.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
   float *xap = xa.data_ptr<float>(), *yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
-  at::parallel_for(0, G * PR, 16, [&](int64_t begin, int64_t end) {
+  // (a work item's fmas: grains of at least 1 << 18 of them a thread, else the threads cost more than they save)
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) * G / (T * std::max<int64_t>(in, r * TILE)));
+  at::parallel_for(0, G * PR, grain, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = group_slot[w / PR], j = w % PR;
       const float* row = ap + (s * PR + j) * in;
@@ -77,21 +119,12 @@ void lora_add(const at::Tensor& x_in, at::Tensor y, const at::Tensor& slots, con
     }
   });
   const int64_t NT = static_cast<int64_t>(tiles.size());
-  at::parallel_for(0, G * NT, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, G * NT, grain, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = group_slot[w / NT];
       const auto [p, first, last] = tiles[w % NT];
       const float* bt = bp + s * r * out;  // Bᵀ of slot s: [r, out]
-      for (const int64_t t : of_slot[s]) {
-        const float* ranks = xap + t * PR + p * r;
-        float* yt = yp + t * ldy;
-        for (int64_t o = first; o < last; o += 16) {
-          const int n = static_cast<int>(std::min<int64_t>(16, last - o));
-          V16 d = zero16();
-          for (int64_t j = 0; j < r; ++j) d = fma16(set16(ranks[j]), load16(bt + j * out + o, n), d);
-          store16(yt + o, add16(load16(yt + o, n), d), n);
-        }
-      }
+      for (const int64_t t : of_slot[s]) expand(yp + t * ldy + first, xap + t * PR + p * r, bt + first, out, r, last - first);
     }
   });
 }
