@@ -1,7 +1,6 @@
 """The LoRA flags (vLLM's): `--enable-lora`, `--lora-modules name=path ...` (or vLLM's JSON form per adapter:
-'{"name": ..., "path": ..., "base_model_name": ...}'), `--max-loras`, `--max-lora-rank`. Every adapter named is
-held from the start; loading and unloading while serving (vLLM's --max-cpu-loras and its load/unload endpoints) are
-not offered yet, so neither flag is accepted."""
+'{"name": ..., "path": ..., "base_model_name": ...}'), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`.
+Adapters are named at start; loading and unloading names while serving (vLLM's endpoints) are not offered yet."""
 
 from __future__ import annotations
 
@@ -40,7 +39,8 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
         if args.lora_modules:
             raise SystemExit("--lora-modules needs --enable-lora")
         return None
-    return LoraConfig(modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    return LoraConfig(modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=args.max_cpu_loras)  # fmt: skip
 
 
 def _lora_module(text: str) -> LoraModule:

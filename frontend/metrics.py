@@ -196,6 +196,9 @@ class _Snapshots:
             keys = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
             rows = [((k, *(m.lora_label(info, key) for key in keys)), time.time()) for k, info in loras]
             yield self.family(gauge, "lora_requests_info", "Running and waiting LoRA adapters.", keys, rows)
+            for name, doc in (("loads", "read from disk into a slot"), ("evictions", "evicted from their slots")):
+                rows = [((k,), int(info.get(name, 0))) for k, info in loras]
+                yield self.family(counter, f"lora_{name}", f"LoRA adapters {doc}.", rows=rows)
         yield self.per_engine(gauge, "num_requests_running", "Requests in the engine's running batch.",
                               lambda e: e.num_running)  # fmt: skip
         yield self.per_engine(gauge, "num_requests_waiting", "Requests waiting in the engine.", lambda e: e.num_waiting)

@@ -66,6 +66,9 @@ class ExecuteStep(Msg, kw_only=True):
     freed: list[str] = []  # requests that ended since the last ExecuteStep: forgotten first (before `new`)
     num_prompt_logprobs: int = 0  # the top-N of the prompt logprobs (the largest any row with targets asked for)
     masks: GrammarMasks | None = None  # structured outputs: the constrained positions' masks
+    # LoRA: the adapters the worker is to hold from this step on (digest -> directory), when that changed (None: as
+    # before); it reads new ones off the step loop, and loads a row's adapter it lacks before the step
+    loras: dict[str, str] | None = None
 
 
 class FillMasks(Msg, kw_only=True):
@@ -87,6 +90,8 @@ class StepResult(Msg, kw_only=True):
     num_emitted: list[int] | None = None  # per sampling row: leading positions it emits (None: one each)
     logprobs: TokenLogprobs | None = None  # per sampled position, top-N at the largest N asked (rows cut theirs)
     prompt_logprobs: TokenLogprobs | None = None  # per prompt target, rows in batch order
+    loras: list[str] | None = None  # LoRA: the adapters the worker holds after this step, when that changed
+    lora_errors: dict[str, str] = {}  # ... and those it could not load (digest -> why)
     failure: StepFailure | None = None  # set when the step did not run (the scheduler resets the worker)
     error: str | None = None  # ... and what happened, for the log
 

@@ -253,7 +253,7 @@ class EngineStats(Msg, kw_only=True):
     cache_config: dict[str, str] = {}  # block_size, num_gpu_blocks, enable_prefix_caching (vLLM's cache_config_info)
     replica: int = 0  # the engine replica that reports (--data-parallel-size; vLLM's `engine` label)
     prefix_anchors: list[bytes] = []  # its prefix cache's anchors (actors/prefix_hash.py), for the replica router
-    # LoRA: vLLM's lora_requests_info labels (max_lora; running_ and waiting_lora_adapters: digests, comma-separated)
+    # LoRA: vLLM's lora_requests_info labels (max_lora; running_/waiting_lora_adapters: digests), loads, evictions
     lora_info: dict[str, str] = {}
 
 

@@ -94,10 +94,13 @@ class Harness:
         long_prefill=None,
         caching=False,
         max_loras=None,
+        loras=None,
     ):
+        """`loras`: the scheduler's LoraTable (actors/engine/lora_table.py); the fake worker holds what it wants at
+        once."""
         self.sched = Scheduler(
             BlockManager(num_blocks, block_size, caching), max_num_seqs, budget, max_model_len, eos,
-            long_prefill_token_threshold=long_prefill, max_loras=max_loras,
+            long_prefill_token_threshold=long_prefill, max_loras=max_loras, loras=loras,
         )  # fmt: skip
         self.proposer = proposer  # (request, at most k) -> drafts
         self.model = FakeModel(block_size)
@@ -110,6 +113,8 @@ class Harness:
         self.batches: list[BatchSpec] = []
         self.requests: dict[str, EngineRequest] = {}
         self.peak_blocks = 0  # the most blocks in use after a schedule()
+        self.worker_loras: set[str] = set(loras.held) if loras else set()  # the fake worker's adapters ...
+        self.stalls = 0  # ... and its steps that had to load a row's adapter first
         self.preempted: set[str] = set()  # the requests the last schedule() preempted
 
     def add(self, rid, prompt, negative: list[int] | None = None, **params):
@@ -149,6 +154,8 @@ class Harness:
         bm = s.block_manager
         self.peak_blocks = max(self.peak_blocks, bm.num_blocks - bm.num_free_blocks)
         sampled = self.model.execute(batch)
+        if s.loras is not None:
+            self._lora_worker(batch)
         self._check_contexts(batch)
         self.batches.append(batch)
         if batch.rows:
@@ -159,6 +166,18 @@ class Harness:
             self._update(*self.queue.popleft())
         self.empty_before = not batch.rows
         return batch
+
+    def _lora_worker(self, batch: BatchSpec) -> None:
+        """The fake worker's adapters (actors/engine/worker_loras.py): it holds what the step wants, and reports it."""
+        before = self.worker_loras
+        if (wanted := self.sched.loras.desired()) is not None:
+            self.worker_loras = set(wanted)
+        rows = {r.lora for r in batch.rows} - {None}
+        assert rows <= self.worker_loras and len(self.worker_loras) <= self.sched.loras.capacity
+        if rows - before:  # (a load before the step: only in a step of nothing else)
+            assert len({r.request_id for r in batch.rows}) == 1, "a step stalled for another request's adapter"
+            self.stalls += 1
+        self.sched.loras.on_report(sorted(self.worker_loras), {})
 
     def drained(self) -> list[str]:
         """The ids `drain_aborted` gives now (their AbortAcks are due)."""

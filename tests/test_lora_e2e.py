@@ -1,4 +1,5 @@
-"""LoRA adapters served end to end (one server: a tiny Llama with three PEFT adapters, --max-loras 2): the `openai`
+"""LoRA adapters served end to end (one server: a tiny Llama with three PEFT adapters, --max-loras 2, two of them
+held at once, --max-cpu-loras 2: the third is read from disk when wanted, evicting one): the `openai`
 client picks an adapter by `model` and gets PEFT's greedy tokens and logprobs, concurrent requests of the base and
 every adapter each get their own (the cap makes one wait its turn), a guided request's companion and a beam
 search run the request's adapter, /v1/models lists the adapters with the base as
@@ -20,6 +21,7 @@ from frontend.launch import build_processes, start_server
 from gpu.loading.config import ModelLoadError
 from tests.conftest import ServerHandle
 from tests.lora_adapters import make_adapter, peft_reference
+from tests.waits import eventually
 
 PROMPT = list(range(1000, 1040))  # 40 tokens: two and a half KV blocks
 NEW_TOKENS = 8
@@ -47,7 +49,7 @@ def adapters(family_dir_of, tmp_path_factory):
 @pytest.fixture(scope="module")
 async def lora_server(adapters):
     base, made = adapters
-    lora = LoraConfig(modules=[LoraModule(name=n, path=str(p)) for n, p in made.items()], max_loras=2)
+    lora = LoraConfig(modules=[LoraModule(name=n, path=str(p)) for n, p in made.items()], max_loras=2, max_cpu_loras=2)
     engine = EngineConfig(model=str(base), max_model_len=256, max_num_seqs=8, num_kv_blocks=96, engine_threads=1,
                           lora=lora)  # fmt: skip
     srv = await start_server(engine, HttpConfig(port=0, served_model_name=["base"]), log_level="WARNING")
@@ -78,6 +80,11 @@ async def test_each_adapter_is_pefts_alone_and_mixed(lora_server, adapters):
     got = await asyncio.gather(*(complete(client, name) for name in names * 2))
     for name, (tokens, _) in zip(names * 2, got, strict=True):
         assert tokens == expected[name][0], f"{name} in a mixed batch"
+
+    async def evicted() -> bool:  # (three adapters through two slots: one was read from disk, one evicted)
+        return await lora_server.metric("sluice:lora_evictions_total") >= 1
+
+    await eventually(evicted, "an adapter evicted", 30.0)
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ many requests of the running adapters keep coming (tests.scheduler_harness check
 
 import random
 
+from actors.engine.lora_table import LoraTable
 from tests.scheduler_harness import Harness, prompts
 
 
@@ -25,6 +26,21 @@ def test_a_hundred_adapters_two_at_a_time():
         seen |= adapters_of(batch)
     h.run()
     assert len(seen) == 100 and len(h.finish) == 120
+
+
+def test_a_hundred_adapters_through_three_slots():
+    """--max-cpu-loras 3, --max-loras 2: the worker holds at most three adapters, the least recently run one that no
+    running request uses makes room, and every request of a hundred adapters ends."""
+    loras = LoraTable({f"adapter-{i}": f"/dir/{i}" for i in range(100)}, capacity=3, held=["adapter-0"])
+    h = Harness(max_num_seqs=4, max_loras=2, num_blocks=128, loras=loras)
+    for i, prompt in enumerate(prompts(100, seed=2)):
+        h.add(f"r{i}", prompt, max_tokens=2 + i % 4, lora=f"adapter-{i}")
+    while h.sched.has_unfinished():
+        batch = h.step()
+        assert len(adapters_of(batch)) <= 2
+    h.run()
+    assert len(h.finish) == 100 and loras.loads == 99 and loras.evictions == 97
+    assert h.stalls == 0  # (every adapter was read while other requests ran: no step waited for one)
 
 
 def test_a_request_over_the_cap_does_not_block_those_behind_it():
@@ -72,6 +88,7 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters():
     h.step()
     info = lora_info(h.sched)
     assert info == {"max_lora": "1", "running_lora_adapters": "d-a", "waiting_lora_adapters": "d-b"}
+    info |= {"loads": "3", "evictions": "1"}
     metrics = Metrics(model_name="m")
     metrics.lora_names = {"d-a": "sql", "d-b": "chat"}
     metrics.on_engine_stats(EngineStats(num_running=1, num_waiting=1, kv_usage=0.0, prompt_tokens_total=0,
@@ -80,5 +97,7 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters():
     (sample,) = [s for s in samples if s.name == "sluice:lora_requests_info"]
     assert sample.labels["running_lora_adapters"] == "sql" and sample.labels["waiting_lora_adapters"] == "chat"
     assert sample.labels["max_lora"] == "1" and sample.value > 1e9  # (the time of the report, as vLLM's)
+    counts = {s.name: s.value for s in samples if s.name.startswith("sluice:lora_") and s.name.endswith("_total")}
+    assert counts == {"sluice:lora_loads_total": 3, "sluice:lora_evictions_total": 1}
     h.run()
     assert lora_info(h.sched) == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}

@@ -13,32 +13,43 @@ progress argument), their adapters with them, so it is admitted in time: no head
 | max_loras running                     |                                                                  |
 | of another adapter, max_loras running | passed over (the scan goes on, up to max_num_seqs passed over)   |
 | ... and overtaken max_num_seqs times  | admission stops for this step: it waits at the front             |
+
+Its adapter must also be held by the worker, or be loaded without stalling others (actors/engine/lora_table.py):
+one still loading is passed over without counting as overtaken.
 """
 
 from __future__ import annotations
 
 from actors.engine.isolation import snapshot
+from actors.engine.lora_table import LoraTable
 from actors.engine.request import EngineRequest
 from gpu.batch import BatchSpec
+from gpu.loading.lora import LoraError
 
 
 class Admission:
     max_loras: int | None = None  # None: no cap (LoRA off)
+    loras: LoraTable | None = None  # the adapters the worker holds or is to (None: LoRA off)
 
     def _admit_queue(self, batch: BatchSpec, budget: int, chunk: int) -> None:
         """Admit what fits of the queue into `batch`, in `budget` tokens (`chunk` for one request's prefill)."""
         passed: list[EngineRequest] = []  # passed over this step for the cap
-        while len(self.waiting) > len(passed) and budget > 0 and self.free_slots:
-            req = self.waiting[len(passed)]
+        i = 0  # (the next waiting request's index: those passed over stay in the queue)
+        while i < len(self.waiting) and budget > 0 and self.free_slots:
+            req = self.waiting[i]
             if self._suspect(req) and batch.rows:
                 break
             if not self._lora_fits(req):
                 if self._starved(req) or len(passed) == self.max_num_seqs:
                     break
                 passed.append(req)
+                i += 1
                 continue
             before = snapshot(req)
             try:
+                if not self._lora_ready(req, batch):
+                    i += 1
+                    continue
                 if (fed := self._admit(batch, req, budget, chunk)) is None:
                     break  # FIFO: it waits for its in-flight sample, for slots, budget or free blocks
             except Exception as e:
@@ -57,6 +68,20 @@ class Admission:
             return True
         running = {r.params.lora for r in self.running} - {None}
         return lora in running or len(running) < self.max_loras
+
+    def _lora_ready(self, req: EngineRequest, batch: BatchSpec) -> bool:
+        """Whether the request's adapter is held, or may be loaded before this step (nothing else runs in it);
+        LoraError if it failed to load."""
+        if self.loras is None or (lora := req.params.lora) is None:
+            return True
+        if lora in self.loras.failed:
+            raise LoraError(f"LoRA adapter {lora} could not be loaded: {self.loras.failed[lora]}")
+        if self.loras.ready(lora, {r.params.lora for r in self.running} - {None}):
+            return True
+        if self.running or batch.rows or lora not in self.loras.wanted:
+            return False
+        self.loras.admit_unheld(lora)
+        return True
 
     def _starved(self, req: EngineRequest) -> bool:
         """A passed-over request that nothing younger may overtake any more."""

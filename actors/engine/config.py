@@ -49,6 +49,18 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     modules: list[LoraModule] = []
     max_loras: int = 4  # distinct adapters among the running requests (so in any step); the base takes none
     max_lora_rank: int = 16  # an adapter of a higher rank is refused at load
+    # adapters the worker holds at once (its slot tables), the others read from disk when a request wants one; None:
+    # all of them (at least max_loras)
+    max_cpu_loras: int | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.max_cpu_loras or max(self.max_loras, len(self.modules))
+
+    def at_start(self) -> dict[str, str]:
+        """The adapters a worker holds as it starts (digest -> directory): the first `capacity` (the others are read
+        when a request wants one: actors/engine/lora_table.py)."""
+        return {m.digest: m.path for m in self.modules[: self.capacity]}
 
     def verify(self) -> None:
         names = [m.name for m in self.modules]
@@ -56,6 +68,8 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in names if names.count(n) > 1)}")
         if not 1 <= self.max_loras <= 1024 or not 1 <= self.max_lora_rank <= 1024:
             raise ValueError("--max-loras and --max-lora-rank must be in [1, 1024]")
+        if self.max_cpu_loras is not None and not self.max_loras <= self.max_cpu_loras <= 4096:
+            raise ValueError(f"--max-cpu-loras must be in [--max-loras ({self.max_loras}), 4096]")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -137,6 +151,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.lora.verify()
             if self.static_decode:
                 raise ValueError("LoRA runs without static decode steps (for now)")
+            if self.tensor_parallel_size > 1 and self.lora.capacity < len(self.lora.modules):
+                raise ValueError("a tensor-parallel gang holds every adapter: --max-cpu-loras below --lora-modules")
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if tp < 1 or nnodes < 1 or tp % nnodes:
             raise ValueError(f"tensor_parallel_size ({tp}) must be a positive multiple of nnodes ({nnodes})")

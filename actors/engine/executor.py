@@ -121,6 +121,7 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
     """The target model's runner (a tensor-parallel rank's shard of it, in a gang: actors/engine/gang.py), holding
     the LoRA adapters the config serves."""
     lora = config.lora
+    start = lora.at_start() if lora else {}
     runner = ModelRunner(
         model.served(config.max_model_len),  # (a rotary scaling fixed by the served length reads it)
         device=config.device,
@@ -137,12 +138,11 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
         decode_graphs=config.decode_graphs(),
         gpu_memory_utilization=config.gpu_memory_utilization,
         drafts=tuple(draft_configs(config)) if num_blocks is None else (),
-        lora_slots=len(lora.modules) if lora else 0,
+        lora_slots=lora.capacity if lora else 0,
         max_lora_rank=lora.max_lora_rank if lora else 16,
     )
-    modules = lora.modules if lora else []
-    for module in tqdm(modules, desc="Loading LoRA adapters", unit="adapter", disable=len(modules) < 8):
-        runner.add_adapter(module.digest, module.path)
+    for digest, path in tqdm(start.items(), desc="Loading LoRA adapters", unit="adapter", disable=len(start) < 8):
+        runner.add_adapter(digest, path)
     return runner
 
 

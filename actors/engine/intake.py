@@ -196,7 +196,7 @@ class RequestIntake:
             msg.params.verify(self.model.vocab_size, limits=None)  # validity; the frontend enforced its limits
         except ParamError as e:
             return e
-        if (lora := msg.params.lora) is not None and lora not in self.loras:
+        if (lora := msg.params.lora) is not None and lora not in (self.sched.loras.paths if self.sched.loras else {}):
             return ParamError("model", f"this engine serves no LoRA adapter {lora}")
         resumed = msg.resume_token_ids or []
         bad = next((t for t in msg.prompt_token_ids + resumed if not 0 <= t < self.model.vocab_size), None)

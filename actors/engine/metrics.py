@@ -61,15 +61,14 @@ def engine_stats(sched: Scheduler, late_aborts_total: int = 0, queue_times_s: li
 
 
 def lora_info(sched) -> dict[str, str]:
-    """vLLM's lora_requests_info labels (EngineStats.lora_info)."""
+    """vLLM's lora_requests_info labels, and the adapters read from disk and evicted (EngineStats.lora_info)."""
     if sched.max_loras is None:
         return {}
     adapters = {name: {r.params.lora for r in reqs} - {None}
                 for name, reqs in (("running", sched.running), ("waiting", sched.waiting))}  # fmt: skip
-    return {
-        "max_lora": str(sched.max_loras),
-        **{f"{k}_lora_adapters": ",".join(sorted(v)) for k, v in adapters.items()},
-    }
+    table = {"loads": str(sched.loras.loads), "evictions": str(sched.loras.evictions)} if sched.loras else {}
+    names = {f"{k}_lora_adapters": ",".join(sorted(v)) for k, v in adapters.items()}
+    return {"max_lora": str(sched.max_loras), **names, **table}
 
 
 async def log_speculation(current: Callable[[], SpecStats], every_s: float = 10.0) -> None:

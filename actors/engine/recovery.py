@@ -37,6 +37,8 @@ class WorkerRecovery:
         dropped = [batch.step for batch, *_ in inflight]
         inflight.clear()
         self.sched.forget_device_state()
+        if self.sched.loras is not None:  # (what the new worker state holds: its first report says)
+            self.sched.loras.reset()
         self.epoch, self.seq, self.freed = time.monotonic_ns(), 0, []
         self.worker_resets += 1
         for req in self.sched.requests.values():

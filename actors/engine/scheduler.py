@@ -51,6 +51,7 @@ from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
 from actors.engine.isolation import RequestIsolation, snapshot
 from actors.engine.lifecycle import RequestLedger
 from actors.engine.lookahead import Lookahead
+from actors.engine.lora_table import LoraTable
 from actors.engine.request import EngineRequest
 from actors.engine.spec_stats import SpecStats
 from gpu.batch import BatchSpec, ScheduledRow
@@ -69,6 +70,7 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         long_prefill_token_threshold: int | None = None,
         isolate_after: int = 1,
         max_loras: int | None = None,
+        loras: LoraTable | None = None,
     ):
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
             raise ValueError("the KV cache must hold at least one sequence of max_model_len tokens")
@@ -84,7 +86,7 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         super().__init__(block_manager, max_num_seqs, max_model_len, eos_token_ids, release)
         self.isolate_after = isolate_after  # a request in this many failed steps (a suspected poison) runs alone
-        self.max_loras = max_loras
+        self.max_loras, self.loras = max_loras, loras
         self.in_flight: deque[int] = deque()  # steps scheduled and not yet updated
         self.next_step = 0
         self.num_discarded_samples = 0

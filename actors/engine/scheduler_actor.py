@@ -47,6 +47,7 @@ from actors.engine.flight_record import FlightRecord
 from actors.engine.grammar import WARM_IDLE_S, warm
 from actors.engine.grammar_masks import StepMasks
 from actors.engine.intake import IntakeLedger, RequestIntake
+from actors.engine.lora_table import LoraTable
 from actors.engine.metrics import engine_stats, idle_details, log_speculation
 from actors.engine.recovery import WorkerRecovery
 from actors.engine.request import EngineRequest, RequestStatus
@@ -89,7 +90,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
         self.config = msgspec.convert(config, EngineConfig)
         self.model = ModelConfig.from_path(self.config.model)
         self.max_model_len = min(self.config.max_model_len, self.model.max_model_len)
-        self.loras = {m.digest for m in self.config.lora.modules} if self.config.lora else set()  # (their digests)
         self.late_aborts = 0
         self.names = SentNames()  # the requests of the last StepOutputs, named in the next (a lost one's suspects)
         self.intake = IntakeLedger()  # copies held before the scheduler takes them, what is known of the ids seen
@@ -147,6 +147,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
             long_prefill_token_threshold=self.config.long_prefill_token_threshold,
             isolate_after=self.config.max_step_failures - 1,  # (a single death is seldom a poison: a kill, OOM)
             max_loras=lora.max_loras if (lora := self.config.lora) else None,
+            loras=lora and LoraTable({m.digest: m.path for m in lora.modules}, lora.capacity, list(lora.at_start())),
         )
         self.sched.fault = self.router.faults and self.router.faults.check  # (a fault plan's raise rules)
         self.flight.arm()  # (copies of blamed requests can come from now on)
@@ -209,6 +210,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
                         self._note_scheduled(batch)
                     self.flight.write([*(step[0] for step in inflight), batch])  # (before its masks and the worker)
                     msg, masks = execute_step(batch, self.sched.requests, self.epoch, self.seq, self.freed)
+                    msg.loras = self.sched.loras and self.sched.loras.desired()
                     self.seq, self.freed = self.seq + 1, []
                     inflight.append((batch, self.link.submit(msg), masks, msg.seq))
             if inflight and (len(inflight) >= depth or batch is None or not batch.rows):

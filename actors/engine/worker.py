@@ -37,6 +37,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.executor import StepExecutor, StepTensors
 from actors.engine.gang import GANG_EXIT
 from actors.engine.grammar_masks import WorkerMasks
+from actors.engine.worker_loras import WorkerLoras
 from gpu.batch import BatchSpec
 from gpu.loading.config import ModelConfig
 from gpu.sampling import SamplingRow
@@ -53,10 +54,12 @@ class Launched:
     tensors: StepTensors | None = None
     failure: StepFailure | None = None  # (then `error` says what happened)
     error: str | None = None
+    loras: tuple[list[str] | None, dict[str, str]] = (None, {})  # what the LoRA adapters' report says
 
     def result(self) -> StepResult:
         msg = self.msg
-        out = StepResult(epoch=msg.epoch, seq=msg.seq, step=msg.batch.step, failure=self.failure, error=self.error)
+        out = StepResult(epoch=msg.epoch, seq=msg.seq, step=msg.batch.step, failure=self.failure, error=self.error,
+                         loras=self.loras[0], lora_errors=self.loras[1])  # fmt: skip
         if self.tensors is not None:
             out.sampled, out.num_emitted, out.logprobs, out.prompt_logprobs = self.tensors.host()
         return out
@@ -77,6 +80,7 @@ class Worker:
             for layer in layers[:: max(1, -(-len(layers) // 8))]:
                 layer.register_forward_pre_hook(self._layer)
         self.requests: dict[str, WorkerRequest] = {}  # the persistent batch (device thread only)
+        self.loras = None if config.lora is None else WorkerLoras(self.executor.runner, config.lora.at_start())
         self.epoch, self.next_seq, self.broken = -1, 0, False
         self._lock = threading.Lock()  # guards the two mask tables (fill() comes from another thread)
         self._waiting: dict[tuple[int, int], WorkerMasks] = {}  # launched steps whose deferred masks are due
@@ -98,7 +102,10 @@ class Worker:
         self.next_seq += 1
         self.running, self.progress = (msg.epoch, msg.seq), self.progress + 1
         try:
-            return Launched(msg, self._run(msg))
+            launched = Launched(msg, self._run(msg))
+            if self.loras is not None:
+                launched.loras = self.loras.report()
+            return launched
         except Exception as e:  # a bug, or a fault: the scheduler recomputes the step's requests
             log.exception("step %d (epoch %d, seq %d) failed", msg.batch.step, msg.epoch, msg.seq)
             if self.executor.followed:  # the gang's other ranks wait in a collective this one will not call
@@ -164,6 +171,8 @@ class Worker:
 
     def _run(self, msg: ExecuteStep) -> StepTensors | None:
         self.update_batch(msg)
+        if self.loras is not None:
+            self.loras.before(msg)
         if not msg.batch.rows:
             return None  # bookkeeping only (the scheduler went idle)
         if self.hooks:

@@ -164,11 +164,19 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, mode == "capture") if mode != "off" else None
 
     def add_adapter(self, digest: str, path: str) -> None:
-        """Hold the LoRA adapter at `path` (a PEFT directory, whose files hash to `digest`): LoraError if it cannot
-        be served (gpu/loading/lora.py)."""
+        """Hold the LoRA adapter at `path` (a PEFT directory, whose files hash to `digest`) in a free slot: LoraError
+        if it cannot be served (gpu/loading/lora.py)."""
+        self.install_adapter(digest, self.read_adapter(digest, path))
+
+    def read_adapter(self, digest: str, path: str) -> dict:
+        """The adapter's deltas, read and checked against the model (any thread)."""
         if adapter_digest(path) != digest:
             raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
-        made = self.lora.install(self.model, digest, read_adapter(path, self.model, self.max_lora_rank))
+        return read_adapter(path, self.model, self.max_lora_rank)
+
+    def install_adapter(self, digest: str, deltas: dict) -> None:
+        """Put read deltas in a free slot (between steps)."""
+        made = self.lora.install(self.model, digest, deltas)
         if made and self.model.model.native_loop is not None:  # (the loop holds every layer's tables)
             self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
 
