@@ -33,6 +33,7 @@ from frontend.cli_engine import (
     restart_policy,
     setup,
 )
+from frontend.cli_lora import runtime_update_arguments, runtime_updates
 from frontend.reasoning import REASONING_PARSERS
 from frontend.tools import TOOL_CALL_PARSERS
 from messages.sampling_params import RequestLimits
@@ -75,6 +76,7 @@ def serve(args: argparse.Namespace) -> int:
         responses_max_bytes_per_response=args.responses_max_bytes_per_response,
         responses_max_store_bytes=args.responses_max_store_bytes,
         max_background_responses=args.max_background_responses,
+        lora_runtime_updates=runtime_updates(args),
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SLUICE_API_KEY)",
     )
     g.add_argument("--metrics-prefix", type=metrics_prefix, default="sluice:", help="of /metrics series (vllm:…)")
+    runtime_update_arguments(g)
     g.add_argument("--disable-log-stats", action="store_true", help="no throughput line in the log every 10 s")
     g.add_argument(
         "--exit-on-engine-failure",

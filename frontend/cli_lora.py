@@ -1,6 +1,7 @@
 """The LoRA flags (vLLM's): `--enable-lora`, `--lora-modules name=path ...` (or vLLM's JSON form per adapter:
 '{"name": ..., "path": ..., "base_model_name": ...}'), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`.
-Adapters are named at start; loading and unloading names while serving (vLLM's endpoints) are not offered yet."""
+And `sluice serve`'s `--enable-lora-runtime-updates` (vLLM's environment variable): its load and unload endpoints
+(frontend/lora_api.py), which need --api-key."""
 
 from __future__ import annotations
 
@@ -54,3 +55,22 @@ def _lora_module(text: str) -> LoraModule:
     if not (eq and name and path):
         raise argparse.ArgumentTypeError(f"expected NAME=PATH or JSON, got {text!r}")
     return LoraModule(name=name, path=path)
+
+
+def runtime_update_arguments(group) -> None:
+    group.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), with --enable-lora and --api-key",
+    )
+
+
+def runtime_updates(args: argparse.Namespace) -> bool:
+    """--enable-lora-runtime-updates, checked against the flags it needs (SystemExit)."""
+    if not args.enable_lora_runtime_updates:
+        return False
+    if not args.enable_lora:
+        raise SystemExit("--enable-lora-runtime-updates needs --enable-lora")
+    if not args.api_key:
+        raise SystemExit("--enable-lora-runtime-updates needs --api-key: its endpoints read any directory named")
+    return True

@@ -93,6 +93,8 @@ def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) ->
     """The LoRA config with each adapter's digest, every adapter read and checked against the model (LoraError, a
     ModelLoadError, naming the one at fault) before any process starts."""
     if (lora := engine.lora) is None:
+        if http.lora_runtime_updates:
+            raise ModelLoadError("--enable-lora-runtime-updates needs --enable-lora")
         return None
     with torch.device("meta"):
         base = REGISTRY[model.architecture](model)

@@ -24,6 +24,7 @@ from actors.routing import Replicas
 from actors.runtime import Actor
 from frontend.context import ServingContext
 from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_response, json_response, middleware
+from frontend.lora_api import LoraEndpoints
 from frontend.metrics import CONTENT_TYPE, Metrics
 from frontend.openapi import openapi
 from frontend.protocol import RequestError, new_request_id, parse_chat, parse_completion
@@ -37,16 +38,7 @@ from frontend.throughput_log import ThroughputLog
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
 from frontend.tokenizer import Tokenizer
 from messages.names import HTTP
-from messages.wire import (
-    ActorDown,
-    ActorUp,
-    CheckIdle,
-    DetokStats,
-    EngineStats,
-    Finished,
-    IdleReport,
-    TextOutputs,
-)
+from messages.wire import ActorDown, ActorUp, CheckIdle, DetokStats, EngineStats, Finished, IdleReport, TextOutputs
 
 log = logging.getLogger("sluice.http")
 
@@ -90,6 +82,7 @@ class HttpActor(Actor):
         self.admitting = True
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
+        self.lora_api: LoraEndpoints | None = None  # (--enable-lora-runtime-updates)
         self._large_reads, self._large_parses = asyncio.Semaphore(LARGE_READS), asyncio.Semaphore(LARGE_PARSES)
 
     def handlers(self):
@@ -99,7 +92,7 @@ class HttpActor(Actor):
             EngineStats: self.on_engine_stats,
             DetokStats: self.metrics.on_detok_stats,
             ActorDown: self.readiness.on_down,
-            ActorUp: self.readiness.on_up,
+            ActorUp: self.on_up,
             CheckIdle: self.on_check,
         }
 
@@ -119,6 +112,9 @@ class HttpActor(Actor):
         app.router.add_post("/v1/chat/completions", self.chat)
         self.responses = ResponsesEndpoint(self)
         self.responses.serve(app)  # (its store opens in the background: one that cannot costs only its routes)
+        self.lora_api = LoraEndpoints(self) if c.lora_runtime_updates else None
+        if self.lora_api:
+            self.lora_api.serve(app)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_post("/tokenize", self.tokenize)
@@ -134,6 +130,11 @@ class HttpActor(Actor):
         self.spawn(self._housekeeping())
 
     # ------------------------------------------------------------ actor messages
+
+    def on_up(self, msg: ActorUp) -> None:
+        if self.lora_api is not None:  # (first: a scheduler back hears of its adapters before its requests' copies)
+            self.lora_api.on_up(msg)
+        self.readiness.on_up(msg)
 
     def on_engine_stats(self, msg: EngineStats) -> None:
         self.metrics.on_engine_stats(msg)

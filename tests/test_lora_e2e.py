@@ -19,7 +19,7 @@ from actors.engine.config import EngineConfig, LoraConfig, LoraModule
 from frontend.http_base import HttpConfig
 from frontend.launch import build_processes, start_server
 from gpu.loading.config import ModelLoadError
-from tests.conftest import ServerHandle
+from tests.conftest import API_KEY, ServerHandle
 from tests.lora_adapters import make_adapter, peft_reference
 from tests.waits import eventually
 
@@ -42,18 +42,20 @@ def peft_greedy(base, adapter, prompt: list[int], n: int) -> tuple[list[int], li
 @pytest.fixture(scope="module")
 def adapters(family_dir_of, tmp_path_factory):
     base, root = family_dir_of("llama"), tmp_path_factory.mktemp("adapters")
-    made = {f"ad{i}": make_adapter(base, root / f"ad{i}", seed=10 + i, r=4 * (i + 1)) for i in range(3)}
-    return base, made
+    made = {f"ad{i}": make_adapter(base, root / f"ad{i}", seed=10 + i, r=4 * (i + 1)) for i in range(4)}
+    return base, made  # (ad3: loaded while serving)
 
 
 @pytest.fixture(scope="module")
 async def lora_server(adapters):
     base, made = adapters
-    lora = LoraConfig(modules=[LoraModule(name=n, path=str(p)) for n, p in made.items()], max_loras=2, max_cpu_loras=2)
+    modules = [LoraModule(name=n, path=str(p)) for n, p in made.items() if n != "ad3"]
+    lora = LoraConfig(modules=modules, max_loras=2, max_cpu_loras=2)
     engine = EngineConfig(model=str(base), max_model_len=256, max_num_seqs=8, num_kv_blocks=96, engine_threads=1,
                           lora=lora)  # fmt: skip
-    srv = await start_server(engine, HttpConfig(port=0, served_model_name=["base"]), log_level="WARNING")
-    yield (handle := ServerHandle(srv, base))
+    http = HttpConfig(port=0, served_model_name=["base"], api_key=API_KEY, lora_runtime_updates=True)
+    srv = await start_server(engine, http, log_level="WARNING")
+    yield (handle := ServerHandle(srv, base, API_KEY))
     await handle.close_clients()
     await srv.stop()
 
@@ -69,7 +71,7 @@ async def complete(client, model: str, prompt=PROMPT):
 async def test_each_adapter_is_pefts_alone_and_mixed(lora_server, adapters):
     base, made = adapters
     client = lora_server.client()
-    names = ["base", *made]
+    names = ["base", "ad0", "ad1", "ad2"]
     expected = {n: peft_greedy(base, made.get(n), PROMPT, NEW_TOKENS) for n in names}
     assert len({tuple(t) for t, _ in expected.values()}) == len(names), "the adapters must change the greedy tokens"
     for name in names:  # alone
@@ -162,3 +164,40 @@ def test_a_bad_adapter_is_refused_at_startup(adapters, tmp_path, case, message):
     with pytest.raises(ModelLoadError, match=message) as e:
         build_processes(engine, HttpConfig(port=0), memory_check=False)
     assert "--lora-modules bad" in str(e.value)
+
+
+async def post(server, path: str, body: dict, key: str = API_KEY) -> tuple[int, str]:
+    async with server.session().post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        return r.status, await r.text()
+
+
+async def test_an_adapter_loaded_and_unloaded_while_serving(lora_server, adapters):
+    """vLLM's endpoints: a load, then requests name it (PEFT's tokens); loading it again is a no-op, another
+    adapter under its name or the base's name a 400, a bad one a 400 naming lora_path; unloading it while a stream
+    of it runs lets the stream end as it would have, then its name is a 404."""
+    base, made = adapters
+    client, path = lora_server.client(), str(made["ad3"])
+    assert (await post(lora_server, "/v1/load_lora_adapter", {"lora_name": "ad3", "lora_path": path}, "bad"))[0] == 401
+    status, text = await post(lora_server, "/v1/load_lora_adapter", {"lora_name": "ad3", "lora_path": path})
+    assert status == 200 and "ad3" in text
+    tokens, _ = await complete(client, "ad3")
+    assert tokens == peft_greedy(base, made["ad3"], PROMPT, NEW_TOKENS)[0]
+    assert "ad3" in {m.id for m in (await client.models.list()).data}
+    assert (await post(lora_server, "/v1/load_lora_adapter", {"lora_name": "ad3", "lora_path": path}))[0] == 200
+    for body, param in (({"lora_name": "ad3", "lora_path": str(made["ad0"])}, "lora_name"),
+                        ({"lora_name": "base", "lora_path": path}, "lora_name"),
+                        ({"lora_name": "ad9", "lora_path": path + "-missing"}, "lora_path")):  # fmt: skip
+        status, text = await post(lora_server, "/v1/load_lora_adapter", body)
+        assert status == 400 and json.loads(text)["error"]["param"] == param, text
+    long = {"max_tokens": 150, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    whole = await client.completions.create(model="ad3", prompt=PROMPT, **long)
+    stream = await client.completions.create(model="ad3", prompt=PROMPT, stream=True, **long)
+    text = ""
+    async for chunk in stream:
+        if not text and chunk.choices[0].text:  # (the first token out: unloaded while the rest is generated)
+            assert (await post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "ad3"}))[0] == 200
+        text += chunk.choices[0].text
+    assert text == whole.choices[0].text
+    with pytest.raises(openai.NotFoundError, match="ad3"):
+        await complete(client, "ad3")
+    assert (await post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "ad3"}))[0] == 404

@@ -33,6 +33,8 @@ class Admission:
 
     def _admit_queue(self, batch: BatchSpec, budget: int, chunk: int) -> None:
         """Admit what fits of the queue into `batch`, in `budget` tokens (`chunk` for one request's prefill)."""
+        if self.loras is not None and self.loras.retired:
+            self.loras.sweep({r.params.lora for r in self.requests.values()})
         passed: list[EngineRequest] = []  # passed over this step for the cap
         i = 0  # (the next waiting request's index: those passed over stay in the queue)
         while i < len(self.waiting) and budget > 0 and self.free_slots:

@@ -16,7 +16,9 @@ A waiting request's adapter, at admission (actors/engine/admission.py):
 | every slot's adapter running    | waits (the cap, max_loras <= max_cpu_loras, bounds what runs)              |
 | failed to load                  | the request fails, naming the adapter and why                              |
 
-A new worker state (an epoch) holds what it holds: `reset` forgets the report until the next one comes."""
+A new worker state (an epoch) holds what it holds: `reset` forgets the report until the next one comes. An adapter
+unregistered while serving (`unregister`) takes no new request; once no request names it, `sweep` takes it out of
+`wanted` (the worker frees its slot)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class LoraTable:
         self.changed = False  # `wanted` changed since the last ExecuteStep carried it
         self.failed: dict[str, str] = {}  # adapters the worker could not load, and why
         self.loads = self.evictions = 0
+        self.retired: set[str] = set()  # unregistered, their slots to free once no request names them
 
     def ready(self, digest: str, running: set[str]) -> bool:
         """Whether rows of `digest` may run now without stalling a step; if not, it is wanted (when a slot can be
@@ -67,6 +70,22 @@ class LoraTable:
         for digest, error in errors.items():
             self.failed[digest] = error
             self.wanted.pop(digest, None)
+
+    def register(self, digest: str, path: str) -> None:
+        self.paths[digest] = path
+        self.retired.discard(digest)
+
+    def unregister(self, digest: str) -> None:
+        if self.paths.pop(digest, None) is not None:
+            self.retired.add(digest)
+
+    def sweep(self, in_use: set[str]) -> None:
+        """Free the retired adapters no request names (`in_use`: those the engine's requests name)."""
+        for digest in self.retired - in_use:
+            self.retired.discard(digest)
+            if self.wanted.pop(digest, 0) is None:
+                self.held.discard(digest)
+                self.changed = True
 
     def reset(self) -> None:
         """A new worker state: what it holds is known from its first report; until then `wanted` is sent again."""

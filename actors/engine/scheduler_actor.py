@@ -47,6 +47,7 @@ from actors.engine.flight_record import FlightRecord
 from actors.engine.grammar import WARM_IDLE_S, warm
 from actors.engine.grammar_masks import StepMasks
 from actors.engine.intake import IntakeLedger, RequestIntake
+from actors.engine.lora_registry import LoraRegistry
 from actors.engine.lora_table import LoraTable
 from actors.engine.metrics import engine_stats, idle_details, log_speculation
 from actors.engine.recovery import WorkerRecovery
@@ -61,17 +62,10 @@ from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.loading.config import ModelConfig
 from gpu.sampling import reads_output
+from messages.lora import RegisterLora, UnregisterLora
 from messages.names import SCHEDULER
 from messages.step import FillMasks, StepProgress, StepResult
-from messages.wire import (
-    Abort,
-    ActorDown,
-    ActorUp,
-    AddRequest,
-    CheckIdle,
-    IdleReport,
-    Probe,
-)
+from messages.wire import Abort, ActorDown, ActorUp, AddRequest, CheckIdle, IdleReport, Probe
 
 log = logging.getLogger("sluice.engine")
 
@@ -82,7 +76,7 @@ def needs_history(req: EngineRequest) -> bool:
     return req.beams is not None or reads_output(req.params, len(req.output_token_ids))
 
 
-class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
+class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, Actor):
     name = SCHEDULER
 
     def __init__(self, config: dict):
@@ -115,6 +109,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, Actor):
             table[ActorUp] = lambda msg: msg.actor == self.config.replica.worker and self.link.up.set()
         if self.config.step_gate:
             table[Probe] = lambda msg: self.gate.set(None if msg.seq < 0 else msg.seq)
+        if self.config.lora is not None:
+            table |= {RegisterLora: self.on_register_lora, UnregisterLora: self.on_unregister_lora}
         return table
 
     async def on_start(self) -> None:
