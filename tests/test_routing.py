@@ -67,6 +67,20 @@ def test_a_salt_changes_every_anchor():
     assert anchors(prompt, BS, None) == [h[:8] for d, h in enumerate(chain(prompt)) if d in (0, 1, 3)]
 
 
+def test_a_lora_adapter_changes_every_anchor_as_the_engine_hashes_it():
+    """An adapter's requests are routed where its prefixes are cached: the router's anchors and the engine's block
+    hashes both start from the salt and the adapter's digest."""
+    prompt, lora = list(range(20)), "0" * 32
+    ours = anchors(prompt, BS, None, lora)
+    assert set(ours).isdisjoint(anchors(prompt, BS, None)) and set(ours).isdisjoint(anchors(prompt, BS, "x", lora))
+    bm = BlockManager(num_blocks=16, block_size=BS, enable_caching=True)
+    req = EngineRequest("r", prompt, SamplingParams(max_tokens=4, lora=lora))
+    bm.allocate(req, len(prompt))
+    req.num_computed_tokens = len(prompt)
+    bm.cache_full_blocks(req)
+    assert bm.anchors == set(ours)
+
+
 def test_round_robin_takes_each_serving_replica_in_turn():
     replicas = Replicas(3, "round_robin", BS)
     assert [replicas.route(add([1])).index for _ in range(4)] == [0, 1, 2, 0]
