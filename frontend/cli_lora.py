@@ -32,6 +32,13 @@ def lora_arguments(parser: argparse.ArgumentParser) -> None:
         help="distinct adapters among the running requests (so in any step); the others' requests wait their turn",
     )
     g.add_argument("--max-lora-rank", type=int, default=_DEFAULTS.max_lora_rank, help="the highest adapter rank served")
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters held in memory at once (the others read from disk when a request wants one, the least "
+        "recently used that no request runs making room); default: all of them",
+    )
 
 
 def lora_config(args: argparse.Namespace) -> LoraConfig | None:

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import msgspec
 import torch
@@ -92,13 +93,14 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
 def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> LoraConfig | None:
     """The LoRA config with each adapter's digest, every adapter read and checked against the model (LoraError, a
     ModelLoadError, naming the one at fault) before any process starts."""
-    if (lora := engine.lora) is None:
-        if http.lora_runtime_updates:
-            raise ModelLoadError("--enable-lora-runtime-updates needs --enable-lora")
+    lora = engine.lora
+    if http.lora_runtime_updates and (lora is None or engine.tensor_parallel_size > 1):
+        raise ModelLoadError("--enable-lora-runtime-updates needs --enable-lora and one rank (no tensor parallelism)")
+    if lora is None:
         return None
     with torch.device("meta"):
         base = REGISTRY[model.architecture](model)
-    modules, served = [], set(http.served_model_name or [model.name])
+    modules, served = [], {*(http.served_model_name or [model.name, Path(model.path).name])}
     for m in tqdm(lora.modules, desc="Checking LoRA adapters", unit="adapter", disable=len(lora.modules) < 8):
         if m.name in served:
             raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")

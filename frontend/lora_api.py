@@ -57,8 +57,9 @@ class LoraEndpoints:
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
 
-    def schedulers(self) -> list[str]:
-        return [r.names.scheduler for r in self.http.table.replicas.all]
+    def schedulers(self, serving: bool = False) -> list[str]:
+        """Every replica's scheduler (`serving`: those up; the others hear of every adapter as they come back)."""
+        return [r.names.scheduler for r in self.http.table.replicas.all if r.serves or not serving]
 
     async def load(self, request: web.Request) -> web.Response:
         body = await self._body(request, LoadLora)
@@ -67,19 +68,24 @@ class LoraEndpoints:
         name, loras = body.lora_name, self.http.loras
         if name in self.http.names:
             return refused(400, f"lora_name {name!r} is the served model's name", "lora_name")
+        schedulers = self.schedulers(serving=True)
+        if not schedulers:
+            return refused(503, "no engine replica serves now; retry", None)
         try:
             answers = await asyncio.gather(
-                *(self.http.ask(s, RegisterLora(path=body.lora_path), timeout=ASK_S) for s in self.schedulers())
+                *(self.http.ask(s, RegisterLora(path=body.lora_path), timeout=ASK_S) for s in schedulers)
             )
         except TimeoutError:
             return refused(503, "an engine replica did not answer in time; retry", None)
-        if error := next((a.error for a in answers if a.error), None):
-            return refused(400, f"lora_path: {error}", "lora_path")
-        digest = answers[0].digest
-        if any(a.digest != digest for a in answers):
-            return refused(400, "lora_path: the replicas read different files", "lora_path")
-        if name in loras and loras[name].digest != digest:
+        digest, error = answers[0].digest, next((a.error for a in answers if a.error), None)
+        if error is None and any(a.digest != digest for a in answers):
+            error = "the replicas read different files"
+        if error is None and name in loras and loras[name].digest != digest:
+            self._forget({a.digest for a in answers}, schedulers)
             return refused(400, f"lora_name {name!r} is served with other files: unload it first", "lora_name")
+        if error is not None:
+            self._forget({a.digest for a in answers if a.digest}, schedulers)
+            return refused(400, f"lora_path: {error}", "lora_path")
         loras[name] = LoraModule(name=name, path=body.lora_path, digest=digest)
         self.http.metrics.lora_names[digest] = name
         log.info("LoRA adapter %s loaded from %s (%s)", name, body.lora_path, digest)
@@ -92,11 +98,15 @@ class LoraEndpoints:
         module = self.http.loras.pop(body.lora_name, None)
         if module is None:
             return refused(404, f"The LoRA adapter `{body.lora_name}` does not exist.", "lora_name")
-        if all(m.digest != module.digest for m in self.http.loras.values()):  # (no other name serves its files)
-            for scheduler in self.schedulers():
-                self.http.tell(scheduler, UnregisterLora(digest=module.digest))
+        self._forget({module.digest}, self.schedulers())
         log.info("LoRA adapter %s unloaded", body.lora_name)
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    def _forget(self, digests: set[str], schedulers: list[str]) -> None:
+        """Unregister these adapters (those no served name holds) in these schedulers."""
+        for digest in digests - {m.digest for m in self.http.loras.values()}:
+            for scheduler in schedulers:
+                self.http.tell(scheduler, UnregisterLora(digest=digest))
 
     def on_up(self, msg: ActorUp) -> None:
         """A scheduler back: every adapter served, registered again now, before the copies of its requests go out

@@ -214,7 +214,7 @@ def _sampling_params(
     # a defaulted max_tokens is resolved per prompt in _fit; verify against the largest possible
     limit = ctx.max_model_len if max_tokens is None else max_tokens
     params = SamplingParams(**fields, stop=stop, logprobs=logprobs, max_tokens=limit, structured=structured, beam=beam)
-    if (lora := (ctx.loras or {}).get(req.model)) is not None:
+    if req.model not in ctx.model_names and (lora := (ctx.loras or {}).get(req.model)) is not None:
         params.lora = lora.digest
     try:
         params.verify(ctx.vocab_size, ctx.limits)  # sizes first: nothing below iterates over an unbounded list

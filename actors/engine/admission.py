@@ -24,7 +24,6 @@ from actors.engine.isolation import snapshot
 from actors.engine.lora_table import LoraTable
 from actors.engine.request import EngineRequest
 from gpu.batch import BatchSpec
-from gpu.loading.lora import LoraError
 
 
 class Admission:
@@ -46,6 +45,9 @@ class Admission:
                     break
                 passed.append(req)
                 i += 1
+                continue
+            if self.loras is not None and (why := self.loras.failed.get(req.params.lora)) is not None:
+                self.hold_failed(self.fail(req, f"its LoRA adapter could not be loaded: {why}"))  # (it alone)
                 continue
             before = snapshot(req)
             try:
@@ -72,12 +74,9 @@ class Admission:
         return lora in running or len(running) < self.max_loras
 
     def _lora_ready(self, req: EngineRequest, batch: BatchSpec) -> bool:
-        """Whether the request's adapter is held, or may be loaded before this step (nothing else runs in it);
-        LoraError if it failed to load."""
+        """Whether the request's adapter is held, or may be loaded before this step (nothing else runs in it)."""
         if self.loras is None or (lora := req.params.lora) is None:
             return True
-        if lora in self.loras.failed:
-            raise LoraError(f"LoRA adapter {lora} could not be loaded: {self.loras.failed[lora]}")
         if self.loras.ready(lora, {r.params.lora for r in self.running} - {None}):
             return True
         if self.running or batch.rows or lora not in self.loras.wanted:

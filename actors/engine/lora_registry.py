@@ -1,6 +1,6 @@
-"""The scheduler actor's handlers of adapters named while serving (messages/lora.py): a RegisterLora is registered
-at once (a copy of a request resumed right behind it finds it), then its files are hashed and checked against the
-engine's model off the event loop (gpu/loading/lora.py read_adapter, on the model built on meta: no weight read);
+"""The scheduler actor's handlers of adapters named while serving (messages/lora.py): a RegisterLora that names its
+digest is registered at once (a copy of a request resumed right behind it finds it); its files are hashed and
+checked against the engine's model in a task of its own, off the event loop (gpu/loading/lora.py read_adapter, on the model built on meta: no weight read);
 one that cannot be served is unregistered again and the answer says why. An UnregisterLora retires the adapter
 (actors/engine/lora_table.py): new requests naming it are refused, the running ones end first."""
 
@@ -21,9 +21,21 @@ log = logging.getLogger("sluice.engine")
 class LoraRegistry:
     _meta_model = None
 
-    async def on_register_lora(self, msg: RegisterLora) -> LoraRegistered:
+    def on_register_lora(self, msg: RegisterLora) -> None:
         if msg.digest:  # (a registration again: at once)
             self.sched.loras.register(msg.digest, msg.path)
+        self.spawn(self._answer_register(msg))  # (the check reads files: not in the inbox's way)
+
+    async def _answer_register(self, msg: RegisterLora) -> None:
+        try:
+            answer = await self._check_registration(msg)
+        except Exception as e:  # (a bug here fails the registration, never the actor's task group)
+            log.exception("registering LoRA adapter %s failed", msg.path)
+            answer = LoraRegistered(error=f"{type(e).__name__}: {e}")
+        answer.corr_id = msg.corr_id
+        self.tell(msg.reply_to, answer)
+
+    async def _check_registration(self, msg: RegisterLora) -> LoraRegistered:
         loop = asyncio.get_running_loop()
         try:
             digest = await loop.run_in_executor(None, adapter_digest, msg.path)
@@ -48,4 +60,9 @@ class LoraRegistry:
         if self._meta_model is None:
             with torch.device("meta"):
                 self._meta_model = REGISTRY[self.model.architecture](self.model)
-        read_adapter(path, self._meta_model, self.config.lora.max_lora_rank)
+        try:
+            read_adapter(path, self._meta_model, self.config.lora.max_lora_rank)
+        except LoraError:
+            raise
+        except Exception as e:  # (anything else an adapter's files can raise: named, never the actor's)
+            raise LoraError(f"LoRA adapter {path}: {type(e).__name__}: {e}") from e

@@ -14,7 +14,7 @@ A waiting request's adapter, at admission (actors/engine/admission.py):
 | wanted, not held yet            | waits for the worker's report, passed over; but if nothing runs, admitted: |
 |                                 | the worker loads it before the step (a stall that delays nobody)           |
 | every slot's adapter running    | waits (the cap, max_loras <= max_cpu_loras, bounds what runs)              |
-| failed to load                  | the request fails, naming the adapter and why                              |
+| failed to load                  | the request fails alone, saying why (a new registration tries again)       |
 
 A new worker state (an epoch) holds what it holds: `reset` forgets the report until the next one comes. An adapter
 unregistered while serving (`unregister`) takes no new request; once no request names it, `sweep` takes it out of
@@ -29,10 +29,10 @@ class LoraTable:
         self.paths, self.capacity = dict(paths), capacity
         self.wanted: dict[str, None] = dict.fromkeys(held)  # (dict order: least recently run first)
         self.held: set[str] = set(held)
-        self.changed = False  # `wanted` changed since the last ExecuteStep carried it
+        self.changed = True  # `wanted` changed since the last ExecuteStep carried it (the first one carries it)
         self.failed: dict[str, str] = {}  # adapters the worker could not load, and why
         self.loads = self.evictions = 0
-        self.retired: set[str] = set()  # unregistered, their slots to free once no request names them
+        self.retired: dict[str, str] = {}  # unregistered (-> directory), their slots freed once no request names them
 
     def ready(self, digest: str, running: set[str]) -> bool:
         """Whether rows of `digest` may run now without stalling a step; if not, it is wanted (when a slot can be
@@ -61,7 +61,7 @@ class LoraTable:
         if not self.changed:
             return None
         self.changed = False
-        return {d: self.paths[d] for d in self.wanted}
+        return {d: self.paths.get(d) or self.retired[d] for d in self.wanted}
 
     def on_report(self, held: list[str] | None, errors: dict[str, str]) -> None:
         """A StepResult's report: what the worker holds (None: unchanged), the adapters it failed to load."""
@@ -69,20 +69,22 @@ class LoraTable:
             self.held = set(held) & set(self.wanted)
         for digest, error in errors.items():
             self.failed[digest] = error
-            self.wanted.pop(digest, None)
+            if self.wanted.pop(digest, 0) is None:
+                self.changed = True
 
     def register(self, digest: str, path: str) -> None:
         self.paths[digest] = path
-        self.retired.discard(digest)
+        self.retired.pop(digest, None)
+        self.failed.pop(digest, None)  # (a load that failed is tried again)
 
     def unregister(self, digest: str) -> None:
-        if self.paths.pop(digest, None) is not None:
-            self.retired.add(digest)
+        if (path := self.paths.pop(digest, None)) is not None:
+            self.retired[digest] = path
 
     def sweep(self, in_use: set[str]) -> None:
         """Free the retired adapters no request names (`in_use`: those the engine's requests name)."""
-        for digest in self.retired - in_use:
-            self.retired.discard(digest)
+        for digest in set(self.retired) - in_use:
+            del self.retired[digest]
             if self.wanted.pop(digest, 0) is None:
                 self.held.discard(digest)
                 self.changed = True

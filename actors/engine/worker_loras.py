@@ -31,8 +31,8 @@ class WorkerLoras:
 
     def before(self, msg: ExecuteStep) -> None:
         """Steps 1-4 (module docstring) for the step `msg`."""
-        if msg.loras is not None:
-            self.wanted = msg.loras
+        if msg.loras is not None:  # (answered with what it holds: the scheduler's view may be stale)
+            self.wanted, self.changed = msg.loras, True
             for digest in self.held - set(self.wanted):
                 self.runner.lora.remove(digest)
                 self.changed = True
@@ -59,5 +59,5 @@ class WorkerLoras:
         try:
             self.runner.install_adapter(digest, read.result())
             self.changed = True
-        except LoraError as e:
-            self.errors[digest] = str(e)
+        except Exception as e:  # (a file changed or broken since it was checked: its requests fail, not the step)
+            self.errors[digest] = f"{type(e).__name__}: {e}" if not isinstance(e, LoraError) else str(e)

@@ -98,7 +98,8 @@ def adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
     except (OSError, ValueError) as e:
         raise LoraError(f"LoRA adapter {path}: unreadable {CONFIG}: {e}") from e
     if not isinstance(c, dict) or c.get("peft_type", "LORA") != "LORA":
-        raise LoraError(f"LoRA adapter {path}: {CONFIG} is not a LoRA adapter's (peft_type {c.get('peft_type')!r})")
+        kind = c.get("peft_type") if isinstance(c, dict) else type(c).__name__
+        raise LoraError(f"LoRA adapter {path}: {CONFIG} is not a LoRA adapter's ({kind!r})")
     for field, what in REFUSED.items():
         if c.get(field):
             raise LoraError(f"LoRA adapter {path}: {what} ({field}) is not supported")
@@ -125,13 +126,16 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dic
     r, scale = adapter_config(path, max_rank)
     family, shards = REGISTRY[model.config.architecture], shards_of(model)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(path / WEIGHTS, framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            name = key.removeprefix(PEFT_PREFIX)
-            stem, _, which = name.rpartition(".lora_")
-            if which not in ("A.weight", "B.weight"):
-                raise LoraError(f"LoRA adapter {path}: unexpected tensor {key} (only lora_A and lora_B are served)")
-            pairs.setdefault(stem, {})[which[0]] = f.get_tensor(key)
+    try:
+        with safe_open(path / WEIGHTS, framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    except Exception as e:  # (a truncated or corrupt file: safetensors' own error, or the OS's)
+        raise LoraError(f"LoRA adapter {path}: unreadable {WEIGHTS}: {e}") from e
+    for key, tensor in tensors.items():
+        stem, _, which = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if which not in ("A.weight", "B.weight"):
+            raise LoraError(f"LoRA adapter {path}: unexpected tensor {key} (only lora_A and lora_B are served)")
+        pairs.setdefault(stem, {})[which[0]] = tensor
     layers: dict[str, LayerDelta] = {}
     for stem, pair in sorted(pairs.items()):
         target, row, part = family.checkpoint_name(stem + ".weight")
@@ -144,6 +148,8 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dic
         shard = shards.get(target)
         stacked = shard if shard and shard[0].dim == 0 else None  # (a column-parallel layer's parts, stacked by rows)
         split_in = shard[0] if shard and shard[0].dim == 1 else None  # (a row-parallel layer's input columns)
+        if part >= (1 if stacked is None else len(stacked)):  # (q_proj's names on Phi-3's fused qkv_proj)
+            raise LoraError(f"LoRA adapter {path}: {stem} is not a layer of {model.config.architecture}")
         firsts = [0] if stacked is None else [sum(s.length for s in stacked[:i]) for i in range(len(stacked))]
         firsts.append(layer.out_features)
         rows = firsts[part + 1] - firsts[part] if stacked is None else stacked[part].full

@@ -26,8 +26,8 @@ from gpu.layers.lora import LoraSlots
 from gpu.layers.parallel import local_config
 from gpu.layers.quant import Quantization, check_invariant
 from gpu.loading.config import ModelConfig
-from gpu.loading.lora import LoraError, adapter_digest, read_adapter
 from gpu.loading.weights import load_model
+from gpu.runner.adapters import RunnerAdapters
 from gpu.runner.graphs import DecodeGraphs, GraphMode, capture_sizes
 from gpu.runner.memory import CudaMemory, DeviceMemory, log_plan, profile
 from gpu.runner.native_loop import native_loop
@@ -72,7 +72,7 @@ def native_cpu_weights(device: torch.device, cpu_kernels: str | None, load: bool
     return device.type == "cpu" and cpu_kernels != "torch" and built
 
 
-class ModelRunner:
+class ModelRunner(RunnerAdapters):
     def __init__(
         self,
         model_config: ModelConfig,
@@ -147,7 +147,6 @@ class ModelRunner:
             check_invariant(self.model)
         lora_ops = native.ops() if native_weights and self.dtype == torch.float32 else None
         self.lora = LoraSlots(lora_slots, max_lora_rank, self.dtype, self.device, lora_ops)
-        self.max_lora_rank = max_lora_rank
         self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
         lora_or_moe = model_config.moe is not None or lora_slots > 0
         mode = graph_mode(decode_graphs, self.device, self.attention, lora_or_moe)
@@ -162,23 +161,6 @@ class ModelRunner:
         # rows write one block more
         self.kv_cache = KVCache(self.kv_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, mode == "capture") if mode != "off" else None
-
-    def add_adapter(self, digest: str, path: str) -> None:
-        """Hold the LoRA adapter at `path` (a PEFT directory, whose files hash to `digest`) in a free slot: LoraError
-        if it cannot be served (gpu/loading/lora.py)."""
-        self.install_adapter(digest, self.read_adapter(digest, path))
-
-    def read_adapter(self, digest: str, path: str) -> dict:
-        """The adapter's deltas, read and checked against the model (any thread)."""
-        if adapter_digest(path) != digest:
-            raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
-        return read_adapter(path, self.model, self.max_lora_rank)
-
-    def install_adapter(self, digest: str, deltas: dict) -> None:
-        """Put read deltas in a free slot (between steps)."""
-        made = self.lora.install(self.model, digest, deltas)
-        if made and self.model.model.native_loop is not None:  # (the loop holds every layer's tables)
-            self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
 
     @torch.inference_mode()
     def set_prev_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:

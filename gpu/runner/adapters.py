@@ -1,0 +1,28 @@
+"""The model runner's LoRA adapters (a mixin of gpu/runner/model_runner.py's ModelRunner): read from a PEFT directory
+on any thread (`read_adapter`: its files' digest checked, its tensors checked against the model), then put in a free
+slot of the model's tables between steps (`install_adapter`: gpu/layers/lora.py), the native layer loop rebuilt where
+a layer got its first tables (the loop holds them)."""
+
+from __future__ import annotations
+
+from gpu.loading.lora import LoraError, adapter_digest, read_adapter
+from gpu.runner.native_loop import native_loop
+
+
+class RunnerAdapters:
+    def add_adapter(self, digest: str, path: str) -> None:
+        """Hold the LoRA adapter at `path` (a PEFT directory, whose files hash to `digest`) in a free slot: LoraError
+        if it cannot be served (gpu/loading/lora.py)."""
+        self.install_adapter(digest, self.read_adapter(digest, path))
+
+    def read_adapter(self, digest: str, path: str) -> dict:
+        """The adapter's deltas, read and checked against the model (any thread)."""
+        if adapter_digest(path) != digest:
+            raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
+        return read_adapter(path, self.model, self.lora.rank)
+
+    def install_adapter(self, digest: str, deltas: dict) -> None:
+        """Put read deltas in a free slot (between steps)."""
+        made = self.lora.install(self.model, digest, deltas)
+        if made and self.model.model.native_loop is not None:
+            self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
