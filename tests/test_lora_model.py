@@ -28,9 +28,13 @@ TARGETS = {  # per adapter: which projections it targets (the last two adapters:
 }
 
 
-@pytest.mark.parametrize("kernels", ["native", "torch"])
-@pytest.mark.parametrize("family", list(TARGETS))
-def test_mixed_batch_matches_peft(family, kernels, family_dir_of, tmp_path):
+@pytest.mark.parametrize(
+    "family, kernels, graphs",
+    [(f, k, "off") for f in TARGETS for k in ("native", "torch")]
+    + [("llama", k, "eager") for k in ("native", "torch")],
+)
+def test_mixed_batch_matches_peft(family, kernels, graphs, family_dir_of, tmp_path):
+    """(graphs "eager": decode steps on the CUDA graphs' static buffers, padded, the rows' slots in a buffer too)"""
     base = family_dir_of(family)
     adapters = []
     for i, targets in enumerate(TARGETS[family]):
@@ -39,8 +43,8 @@ def test_mixed_batch_matches_peft(family, kernels, family_dir_of, tmp_path):
         adapters.append(make_adapter(base, tmp_path / f"a{i}", seed=i, r=4 + 4 * (i % 2), **extra))
     model = ModelConfig.from_path(base)
     runner = ModelRunner(model, device="cpu", dtype=torch.float32, num_blocks=128, block_size=BLOCK, num_threads=1,
-                         cpu_kernels=kernels, lora_slots=4, max_lora_rank=8)  # fmt: skip
-    assert (runner.lora.ops is not None) == (kernels == "native")
+                         cpu_kernels=kernels, lora_slots=4, max_lora_rank=8, decode_graphs=graphs)  # fmt: skip
+    assert (runner.lora.ops is not None) == (kernels == "native") and (runner.graphs is not None) == (graphs == "eager")
     # (Llama's decode steps go to the native layer loop, the LoRA kernel inside it)
     assert runner.model.model.native_loop is not None or kernels == "torch" or family != "llama"
     digests = [adapter_digest(a) for a in adapters]

@@ -149,8 +149,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.lora is not None:
             self.lora.verify()
-            if self.static_decode:
-                raise ValueError("LoRA runs without static decode steps (for now)")
             if self.tensor_parallel_size > 1 and self.lora.capacity < len(self.lora.modules):
                 raise ValueError("a tensor-parallel gang holds every adapter: --max-cpu-loras below --lora-modules")
         tp, nnodes = self.tensor_parallel_size, self.nnodes

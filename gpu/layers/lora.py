@@ -41,15 +41,27 @@ class LoraSlots:
         s, made, r = self.digests.index(None), False, self.rank
         for name, (firsts, parts) in deltas.items():
             layer = model.get_submodule(name)
-            if layer.lora_a is None:
-                shape = (len(self.digests), (len(firsts) - 1) * r)
-                layer.lora_a = torch.zeros(*shape, layer.in_features, dtype=self.dtype, device=self.device)
-                layer.lora_b = torch.zeros(shape[0], r, layer.out_features, dtype=self.dtype, device=self.device)
-                layer.lora_parts, layer.lora_slots, self.layers[name], made = firsts, self, layer, True
+            made = self.reserve(model, {name: firsts}) or made
             for part, a, b in parts:
                 layer.lora_a[s, part * r : part * r + a.shape[0]] = a.to(self.dtype)
                 layer.lora_b[s, : b.shape[1], firsts[part] : firsts[part + 1]] = b.T.to(self.dtype)
         self.digests[s] = digest
+        return made
+
+    def reserve(self, model: torch.nn.Module, layers: dict[str, list[int]]) -> bool:
+        """Allocate the tables of these layers (name -> their parts' first rows and out) that lack them (True: some
+        did). A CUDA runner reserves every targetable layer's at start (gpu/loading/lora.py `targetable`): its memory
+        plan counts them, and its decode graphs capture them in place."""
+        made = False
+        for name, firsts in layers.items():
+            layer = model.get_submodule(name)
+            if layer.lora_a is None:
+                shape = (len(self.digests), (len(firsts) - 1) * self.rank)
+                layer.lora_a = torch.zeros(*shape, layer.in_features, dtype=self.dtype, device=self.device)
+                layer.lora_b = torch.zeros(
+                    shape[0], self.rank, layer.out_features, dtype=self.dtype, device=self.device
+                )
+                layer.lora_parts, layer.lora_slots, self.layers[name], made = firsts, self, layer, True
         return made
 
     def remove(self, digest: str) -> None:

@@ -150,8 +150,7 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dic
         split_in = shard[0] if shard and shard[0].dim == 1 else None  # (a row-parallel layer's input columns)
         if part >= (1 if stacked is None else len(stacked)):  # (q_proj's names on Phi-3's fused qkv_proj)
             raise LoraError(f"LoRA adapter {path}: {stem} is not a layer of {model.config.architecture}")
-        firsts = [0] if stacked is None else [sum(s.length for s in stacked[:i]) for i in range(len(stacked))]
-        firsts.append(layer.out_features)
+        firsts = part_firsts(shard, layer)
         rows = firsts[part + 1] - firsts[part] if stacked is None else stacked[part].full
         ins = layer.in_features if split_in is None else split_in.full
         a, b = pair["A"], pair["B"]
@@ -167,6 +166,20 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dic
     if not layers:
         raise LoraError(f"LoRA adapter {path}: no LoRA weights")
     return layers
+
+
+def part_firsts(shard, layer: Linear) -> list[int]:
+    """A layer's stacked parts' first output rows and its output width (its weight's `shards`: parallel.py)."""
+    stacked = shard if shard and shard[0].dim == 0 else None
+    firsts = [0] if stacked is None else [sum(s.length for s in stacked[:i]) for i in range(len(stacked))]
+    return [*firsts, layer.out_features]
+
+
+def targetable(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Every layer an adapter may target (name -> `part_firsts`): what a CUDA runner's tables are allocated for."""
+    shards = shards_of(model)
+    return {name: part_firsts(shards.get(f"{name}.weight"), m) for name, m in model.named_modules()
+            if isinstance(m, Linear) and name.rpartition(".")[2] in TARGETS}  # fmt: skip
 
 
 def _layer(model: torch.nn.Module, name: str) -> Linear | None:

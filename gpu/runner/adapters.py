@@ -5,8 +5,23 @@ a layer got its first tables (the loop holds them)."""
 
 from __future__ import annotations
 
+import torch
+
+from gpu.kernels import native
 from gpu.loading.lora import LoraError, adapter_digest, read_adapter
 from gpu.runner.native_loop import native_loop
+
+
+def lora_kernels(native_weights: bool, runner):
+    """The LoRA kernels a runner's layers call (gpu/layers/lora.py): the native CPU pair for float32 activations on
+    the native kernels, the Triton pair on CUDA, else None (torch's matmuls)."""
+    if native_weights and runner.dtype == torch.float32:
+        return native.ops()
+    if runner.device.type == "cuda":
+        from gpu.kernels.triton import lora  # (triton imported where it runs)
+
+        return lora
+    return None
 
 
 class RunnerAdapters:

@@ -4,7 +4,8 @@ A decode step (every row feeds one token and samples at it: no chunk, no drafts,
 padded with pad rows to the smallest capture size B >= n (`capture_sizes`: 1, 2, 4, 8, then steps of 8 up to
 max_num_seqs). A pad row feeds token 0 at position 0 into the scratch block, the KV cache's last block, which the
 scheduler never hands out (the runner allocates it beyond the scheduler's blocks): its one slot takes the pad rows'
-keys and values, and their attention reads only it. The step's arrays are uploaded as any step's, then copied into
+keys and values, and their attention reads only it, and its LoRA slot is -1 (no adapter; a runner's LoRA kernels read
+the rows' slots from a buffer too). The step's arrays are uploaded as any step's, then copied into
 persistent buffers (token ids, positions, slot mapping, sequence lengths, query starts, block tables) that the
 forward reads at fixed addresses. The graph ends at the final norm's hidden states (a buffer of the graph's pool);
 the LM head runs eagerly on the first n rows, so the logits returned are the step's own tensor, pad rows cost no
@@ -60,6 +61,7 @@ class DecodeGraphs:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=runner.device)  # noqa: E731
         self.buffers = {name: zeros(n) for name in BUFFERS[:4]}
         self.buffers["query_start_loc"], self.buffers["block_tables"] = zeros(n + 1), zeros(n, width)
+        self.buffers["lora_slots"] = zeros(n) - 1  # each row's LoRA slot (-1: the base model; pad rows)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> (graph, its hidden states)
         if capture:
             self.capture()
@@ -86,6 +88,13 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
         )
 
+    def lora_in_place(self, size: int) -> None:
+        """A runner with LoRA tables on a device kernel reads the rows' slots from the buffer (a graph holds the
+        kernels' calls whatever the step's adapters; the torch path's groups stay the step's own)."""
+        lora = self.runner.lora
+        if lora.layers and lora.ops is not None:
+            lora.tokens = self.buffers["lora_slots"][:size]
+
     def forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         b = self.buffers
         return self.runner.model(b["input_ids"][:size], b["positions"][:size], meta, self.runner.kv_cache)
@@ -99,6 +108,11 @@ class DecodeGraphs:
         for name in BUFFERS[:5]:
             b[name][: step[name].shape[0]].copy_(step[name])
         b["block_tables"][:size, : step["block_tables"].shape[1]].copy_(step["block_tables"])
+        if "lora_slots" in step:
+            b["lora_slots"][:size].copy_(step["lora_slots"])
+        else:
+            b["lora_slots"].fill_(-1)
+        self.lora_in_place(size)
         if size in self.graphs:
             graph, hidden = self.graphs[size]
             graph.replay()
@@ -120,6 +134,7 @@ class DecodeGraphs:
         b["block_tables"][:, 0] = self.scratch_block
         for size in tqdm(self.sizes[::-1], desc="Capturing CUDA graphs", unit="graph"):
             meta = self.metadata(size)
+            self.lora_in_place(size)
             self.forward(size, meta)
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()

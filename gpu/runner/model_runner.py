@@ -26,8 +26,9 @@ from gpu.layers.lora import LoraSlots
 from gpu.layers.parallel import local_config
 from gpu.layers.quant import Quantization, check_invariant
 from gpu.loading.config import ModelConfig
+from gpu.loading.lora import targetable
 from gpu.loading.weights import load_model
-from gpu.runner.adapters import RunnerAdapters
+from gpu.runner.adapters import RunnerAdapters, lora_kernels
 from gpu.runner.graphs import DecodeGraphs, GraphMode, capture_sizes
 from gpu.runner.memory import CudaMemory, DeviceMemory, log_plan, profile
 from gpu.runner.native_loop import native_loop
@@ -128,8 +129,6 @@ class ModelRunner(RunnerAdapters):
             raise ValueError("batch-invariant mode runs the native kernels, not --cpu-kernels torch")
         if batch_invariant and (model_config.moe is not None or current().size > 1):  # (routing; all-reduce chunks)
             raise ValueError("batch-invariant mode runs dense models on one device (for now)")
-        if lora_slots and decode_graphs not in (None, "off"):
-            raise ValueError("LoRA adapters run without static decode steps (for now)")
         if lora_slots and batch_invariant and not native_weights:
             raise ValueError("batch-invariant LoRA runs on the native CPU kernels")
         if num_blocks is None:  # sized to the device: what it has free before this engine's weights
@@ -145,11 +144,12 @@ class ModelRunner(RunnerAdapters):
         )
         if batch_invariant:
             check_invariant(self.model)
-        lora_ops = native.ops() if native_weights and self.dtype == torch.float32 else None
-        self.lora = LoraSlots(lora_slots, max_lora_rank, self.dtype, self.device, lora_ops)
+        self.lora = LoraSlots(lora_slots, max_lora_rank, self.dtype, self.device, lora_kernels(native_weights, self))
+        if lora_slots and self.device.type == "cuda":  # (counted by the memory plan, captured in place by graphs)
+            self.lora.reserve(self.model, targetable(self.model))
         self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
-        lora_or_moe = model_config.moe is not None or lora_slots > 0
-        mode = graph_mode(decode_graphs, self.device, self.attention, lora_or_moe)
+        host_plans = model_config.moe is not None or (lora_slots > 0 and self.lora.ops is None)
+        mode = graph_mode(decode_graphs, self.device, self.attention, host_plans)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self.kv_cache = None
         if num_blocks is None:
@@ -270,9 +270,9 @@ class ModelRunner(RunnerAdapters):
 
 def graph_mode(mode: GraphMode | None, device: torch.device, attention, moe: bool = False) -> GraphMode:
     """The decode-step mode (gpu/runner/graphs.py): None is "capture" where graphs can be had (CUDA, a backend without
-    host-side plans: triton, a dense model: MoE routing reads expert counts back to the host, and no LoRA (its
-    groups are host-side too, for now); one device: the collectives of a tensor-parallel step are not captured yet),
-    else "off"."""
+    host-side plans: triton, a dense model: MoE routing reads expert counts back to the host, as LoRA on torch's
+    matmuls groups its tokens there (`moe`: either); one device: the collectives of a tensor-parallel step are not
+    captured yet), else "off"."""
     capturable = device.type == "cuda" and not isinstance(attention, TorchAttention) and not moe and current().size == 1
     if mode is None:
         return "capture" if capturable else "off"

@@ -24,6 +24,7 @@ class RunnerView(Protocol):
     attention: AttentionBackend
     model: torch.nn.Module
     kv_cache: KVCache | None
+    lora: object  # the model's LoRA slot tables (gpu/layers/lora.py LoraSlots)
 
     def execute(self, batch: BatchSpec) -> torch.Tensor | None: ...
 

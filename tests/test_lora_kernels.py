@@ -1,0 +1,68 @@
+"""The LoRA kernels against the torch path (gpu/layers/lora.py LoraSlots.add without ops): the native CPU kernel and
+the Triton pair (under TRITON_INTERPRET=1: tests/conftest.py), on stacked layers of one, two and three parts, ranks
+padded and not, tokens of the base (-1) between those of several slots; and the native kernel's batch invariance (a
+token's delta the same bits alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.kernels import native
+from gpu.kernels.triton import lora as triton_lora
+from gpu.layers.lora import LoraSlots
+
+SHAPES = [(64, 96, [0, 96]), (64, 160, [0, 64, 160]), (96, 80, [0, 48, 64, 80])]  # (in, out, parts' first columns)
+KERNELS = {"native": native.ops(), "triton": triton_lora}
+
+
+class Layer:
+    def __init__(self, a, b, parts):
+        self.lora_a, self.lora_b, self.lora_parts = a, b, parts
+
+
+def reference(x, y, slots, layer, rank):
+    """The torch path's y + deltas."""
+    table = LoraSlots(layer.lora_a.shape[0], rank, torch.float32, torch.device("cpu"))
+    table.groups = [(s, torch.nonzero(slots == s).flatten()) for s in slots.unique().tolist() if s >= 0]
+    out = y.clone()
+    table.add(layer, x, out)
+    return out
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_kernel_adds_the_torch_paths_deltas(kernel, shape):
+    ops = KERNELS[kernel]
+    if ops is None:
+        pytest.skip("no native CPU kernels built for this CPU")
+    width, out, parts = shape
+    g = torch.Generator().manual_seed(len(parts))
+    rank, slots_held = 8, 3
+    a = torch.randn(slots_held, (len(parts) - 1) * rank, width, generator=g)
+    b = torch.randn(slots_held, rank, out, generator=g)
+    b[1, 5:] = 0  # (slot 1: a rank-5 adapter, zero-padded)
+    x, y = torch.randn(11, width, generator=g), torch.randn(11, out, generator=g)
+    slots = torch.tensor([0, -1, 2, 2, 1, -1, 0, 1, 2, -1, 0])
+    layer = Layer(a, b, parts)
+    expected = reference(x, y, slots, layer, rank)
+    got = y.clone()
+    ops.lora_add(x, got, slots, a, b, parts)
+    assert (got - expected).abs().max() < 1e-4
+    assert torch.equal(got[slots < 0], y[slots < 0])  # (the base model's tokens untouched)
+
+
+def test_the_native_kernel_gives_a_token_its_bits_alone():
+    ops = KERNELS["native"]
+    if ops is None:
+        pytest.skip("no native CPU kernels built for this CPU")
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 48, 576, generator=g), torch.randn(4, 16, 960, generator=g)
+    x, y = torch.randn(40, 576, generator=g), torch.randn(40, 960, generator=g)
+    slots, parts = torch.randint(-1, 4, (40,), generator=g), [0, 576, 768, 960]
+    batch = y.clone()
+    ops.lora_add(x, batch, slots, a, b, parts)
+    for t in range(40):
+        alone = y[t : t + 1].clone()
+        ops.lora_add(x[t : t + 1], alone, slots[t : t + 1], a, b, parts)
+        assert torch.equal(alone[0], batch[t]), f"token {t}"
