@@ -66,3 +66,45 @@ def test_the_native_kernel_gives_a_token_its_bits_alone():
         alone = y[t : t + 1].clone()
         ops.lora_add(x[t : t + 1], alone, slots[t : t + 1], a, b, parts)
         assert torch.equal(alone[0], batch[t]), f"token {t}"
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_triton_pair_and_captured_graphs_give_the_eager_paths_tokens(family_dir_of, tmp_path):
+    """(A GPU session's check, scripts/gpu_check.py: skipped without CUDA.) The Triton pair on bfloat16 tables equals
+    the torch path; a runner that captures decode graphs with two adapters' rows in them gives the tokens of one that
+    runs every step eagerly."""
+    from gpu.loading.config import ModelConfig
+    from gpu.loading.lora import adapter_digest
+    from gpu.runner.model_runner import ModelRunner
+    from tests.family_models import run_greedy
+    from tests.lora_adapters import LoraRequest, make_adapter
+    from tests.tiny_model import block_pool
+
+    g = torch.Generator().manual_seed(1)
+    width, out, parts = SHAPES[2]
+    a = torch.randn(2, 3 * 8, width, generator=g).cuda().bfloat16()
+    b = torch.randn(2, 8, out, generator=g).cuda().bfloat16()
+    x, y = torch.randn(7, width, generator=g).cuda().bfloat16(), torch.randn(7, out, generator=g).cuda().bfloat16()
+    slots = torch.tensor([0, -1, 1, 1, 0, -1, 1]).cuda()
+    got = y.clone()
+    triton_lora.lora_add(x, got, slots, a, b, parts)
+    expected = reference(
+        x.float().cpu(), y.float().cpu(), slots.cpu(), Layer(a.float().cpu(), b.float().cpu(), parts), 8
+    )
+    assert (got.float().cpu() - expected).abs().max() < 0.1  # (bfloat16 in and out)
+    base = family_dir_of("llama")
+    adapters = [make_adapter(base, tmp_path / f"a{i}", seed=i) for i in range(2)]
+    tokens = {}
+    for mode in ("capture", "off"):
+        runner = ModelRunner(ModelConfig.from_path(base), device="cuda", dtype=torch.bfloat16, num_blocks=64,
+                             block_size=4, lora_slots=2, max_lora_rank=8, decode_graphs=mode)  # fmt: skip
+        digests = [adapter_digest(p) for p in adapters]
+        for digest, path in zip(digests, adapters, strict=True):
+            runner.add_adapter(digest, str(path))
+        pool = block_pool(num_blocks=64)
+        reqs = [
+            LoraRequest(pool, i, list(range(10 + i, 20 + 2 * i)), 4, lora=[None, *digests][i % 3]) for i in range(6)
+        ]
+        run_greedy(runner, reqs, 6, 64)
+        tokens[mode] = [r.tokens for r in reqs]
+    assert tokens["capture"] == tokens["off"]
