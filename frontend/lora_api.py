@@ -57,9 +57,9 @@ class LoraEndpoints:
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
 
-    def schedulers(self, serving: bool = False) -> list[str]:
-        """Every replica's scheduler (`serving`: those up; the others hear of every adapter as they come back)."""
-        return [r.names.scheduler for r in self.http.table.replicas.all if r.serves or not serving]
+    def schedulers(self, up: bool = False) -> list[str]:
+        """Every replica's scheduler (`up`: those not down; the others hear of every adapter as they come back)."""
+        return [r.names.scheduler for r in self.http.table.replicas.all if not (up and r.names.scheduler in r.down)]
 
     async def load(self, request: web.Request) -> web.Response:
         body = await self._body(request, LoadLora)
@@ -68,7 +68,7 @@ class LoraEndpoints:
         name, loras = body.lora_name, self.http.loras
         if name in self.http.names:
             return refused(400, f"lora_name {name!r} is the served model's name", "lora_name")
-        schedulers = self.schedulers(serving=True)
+        schedulers = self.schedulers(up=True)
         if not schedulers:
             return refused(503, "no engine replica serves now; retry", None)
         try:
@@ -87,6 +87,8 @@ class LoraEndpoints:
             self._forget({a.digest for a in answers if a.digest}, schedulers)
             return refused(400, f"lora_path: {error}", "lora_path")
         loras[name] = LoraModule(name=name, path=body.lora_path, digest=digest)
+        for late in set(self.schedulers()) - set(schedulers):  # (back while it loaded: its on_up knew no such name)
+            self.http.tell(late, RegisterLora(path=body.lora_path, digest=digest, reply_to=self.http.name))
         self.http.metrics.lora_names[digest] = name
         log.info("LoRA adapter %s loaded from %s (%s)", name, body.lora_path, digest)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")

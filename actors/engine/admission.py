@@ -40,14 +40,14 @@ class Admission:
             req = self.waiting[i]
             if self._suspect(req) and batch.rows:
                 break
+            if self.loras is not None and (why := self.loras.failed.get(req.params.lora)) is not None:
+                self.hold_failed(self.fail(req, f"its LoRA adapter could not be loaded: {why}"))  # (it alone)
+                continue
             if not self._lora_fits(req):
                 if self._starved(req) or len(passed) == self.max_num_seqs:
                     break
                 passed.append(req)
                 i += 1
-                continue
-            if self.loras is not None and (why := self.loras.failed.get(req.params.lora)) is not None:
-                self.hold_failed(self.fail(req, f"its LoRA adapter could not be loaded: {why}"))  # (it alone)
                 continue
             before = snapshot(req)
             try:

@@ -21,6 +21,7 @@ class WorkerLoras:
     def __init__(self, runner, wanted: dict[str, str]) -> None:
         """`wanted`: what the runner was given as it was built (digest -> directory)."""
         self.runner, self.wanted = runner, dict(wanted)
+        self.paths = dict(wanted)  # every adapter ever wanted's directory (a row's, wanted no more, is read from it)
         self.reads: dict[str, Future] = {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
         self.changed, self.errors = True, {}  # (the first step reports what it holds)
@@ -33,6 +34,7 @@ class WorkerLoras:
         """Steps 1-4 (module docstring) for the step `msg`."""
         if msg.loras is not None:  # (answered with what it holds: the scheduler's view may be stale)
             self.wanted, self.changed = msg.loras, True
+            self.paths.update(msg.loras)
             for digest in self.held - set(self.wanted):
                 self.runner.lora.remove(digest)
                 self.changed = True
@@ -53,7 +55,7 @@ class WorkerLoras:
         return held, errors
 
     def _read(self, digest: str) -> Future:
-        return self.pool.submit(self.runner.read_adapter, digest, self.wanted.get(digest, ""))
+        return self.pool.submit(self.runner.read_adapter, digest, self.paths[digest])
 
     def _install(self, digest: str, read: Future) -> None:
         try:

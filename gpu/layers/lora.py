@@ -39,12 +39,16 @@ class LoraSlots:
         if digest in self.digests or None not in self.digests:
             raise ValueError(f"LoRA adapter {digest}: held already, or no slot free of {len(self.digests)}")
         s, made, r = self.digests.index(None), False, self.rank
-        for name, (firsts, parts) in deltas.items():
-            layer = model.get_submodule(name)
-            made = self.reserve(model, {name: firsts}) or made
-            for part, a, b in parts:
-                layer.lora_a[s, part * r : part * r + a.shape[0]] = a.to(self.dtype)
-                layer.lora_b[s, : b.shape[1], firsts[part] : firsts[part + 1]] = b.T.to(self.dtype)
+        try:
+            for name, (firsts, parts) in deltas.items():
+                layer = model.get_submodule(name)
+                made = self.reserve(model, {name: firsts}) or made
+                for part, a, b in parts:
+                    layer.lora_a[s, part * r : part * r + a.shape[0]] = a.to(self.dtype)
+                    layer.lora_b[s, : b.shape[1], firsts[part] : firsts[part + 1]] = b.T.to(self.dtype)
+        except BaseException:
+            self._clear(s)  # (no half-written slot for the next adapter to inherit)
+            raise
         self.digests[s] = digest
         return made
 
@@ -66,10 +70,13 @@ class LoraSlots:
 
     def remove(self, digest: str) -> None:
         s = self.digests.index(digest)
+        self._clear(s)
+        self.digests[s] = None
+
+    def _clear(self, s: int) -> None:
         for layer in self.layers.values():
             layer.lora_a[s].zero_()
             layer.lora_b[s].zero_()
-        self.digests[s] = None
 
     def add(self, layer, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add to y [tokens, out] the step's deltas of `layer` for x [tokens, in]."""

@@ -110,7 +110,7 @@ class DecodeGraphs:
         b["block_tables"][:size, : step["block_tables"].shape[1]].copy_(step["block_tables"])
         if "lora_slots" in step:
             b["lora_slots"][:size].copy_(step["lora_slots"])
-        else:
+        elif self.runner.lora.layers:  # (a step of the base model's rows alone)
             b["lora_slots"].fill_(-1)
         self.lora_in_place(size)
         if size in self.graphs:
