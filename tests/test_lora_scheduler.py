@@ -101,3 +101,20 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters():
     assert counts == {"sluice:lora_loads_total": 3, "sluice:lora_evictions_total": 1}
     h.run()
     assert lora_info(h.sched) == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+
+
+def test_an_unregistered_adapter_keeps_its_slot_until_its_requests_end():
+    """An unload while a request of it runs: its slot stays wanted (the worker keeps it) until the request ends, then
+    the next admission frees it; a new request naming it is refused at the intake meanwhile (tests/test_lora_e2e.py)."""
+    loras = LoraTable({"d-a": "/a", "d-b": "/b"}, capacity=2, held=["d-a", "d-b"])
+    h = Harness(max_num_seqs=4, max_loras=2, loras=loras)
+    h.add("a", [1, 2, 3], max_tokens=6, lora="d-a")
+    h.step()
+    loras.unregister("d-a")
+    assert "d-a" not in loras.paths and "d-a" in loras.wanted
+    h.step()
+    assert "d-a" in h.worker_loras  # (its request still runs)
+    h.run()
+    h.add("b", [4, 5], max_tokens=2, lora="d-b")  # (the next admission sweeps)
+    h.run()
+    assert "d-a" not in loras.wanted and h.worker_loras == {"d-b"}
