@@ -53,6 +53,8 @@ class Admission:
             try:
                 if not self._lora_ready(req, batch):
                     i += 1
+                    if i - len(passed) > self.max_num_seqs:  # (a bound on the scan: the queue may be long)
+                        break
                     continue
                 if (fed := self._admit(batch, req, budget, chunk)) is None:
                     break  # FIFO: it waits for its in-flight sample, for slots, budget or free blocks
