@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,40 +54,30 @@ class LoraError(ValueError):
     """A LoRA adapter that cannot be served: the message names it and why."""
 
 
-@dataclass(frozen=True)
-class LoraModule:
-    """An adapter the server starts with (--lora-modules): its served name, directory, and the digest of its
-    files (filled in by `resolve`)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None  # vLLM's JSON form: the parent /v1/models names (None: the served model)
-    digest: str = ""
-
-
 # a layer's adapter: the layer's stacked parts' first output rows (and its output width last: P + 1 numbers), and per
 # part the adapter targets (the part, its A [r, in], its B·scale [the part's rows, r]), float32 on the host
 LayerDelta = tuple[list[int], list[tuple[int, torch.Tensor, torch.Tensor]]]
 
 
-def adapter_digest(path: str | Path) -> str:
-    """The adapter's identity: blake2b over its config's and weights' bytes (hex, 32 characters)."""
-    path, h = Path(path), hashlib.blake2b(digest_size=16)
+def adapter_files(path: str | Path) -> list[Path]:
+    """The adapter's two files (LoraError naming the one missing)."""
+    path = Path(path)
     for name in (CONFIG, WEIGHTS):
-        file = path / name
-        if not file.is_file():
+        if not (path / name).is_file():
             hint = " (pickled .bin weights are not read: save with safe_serialization)" if name == WEIGHTS else ""
             raise LoraError(f"LoRA adapter {path}: no {name}{hint}")
-        h.update(name.encode() + b"\0")
+    return [path / CONFIG, path / WEIGHTS]
+
+
+def adapter_digest(path: str | Path) -> str:
+    """The adapter's identity: blake2b over its config's and weights' bytes (hex, 32 characters)."""
+    h = hashlib.blake2b(digest_size=16)
+    for file in adapter_files(path):
+        h.update(file.name.encode() + b"\0")
         with file.open("rb") as f:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
     return h.hexdigest()
-
-
-def resolve(module: LoraModule) -> LoraModule:
-    """The module with its digest (LoraError for a missing file)."""
-    return LoraModule(module.name, module.path, module.base_model_name, adapter_digest(module.path))
 
 
 def adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
@@ -122,7 +111,7 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dic
     """Layer name -> LayerDelta for the adapter at `path` over `model` (a CausalLM, on meta or loaded: only its
     layers' shapes are read)."""
     path = Path(path)
-    adapter_digest(path)  # (the files are there)
+    adapter_files(path)
     r, scale = adapter_config(path, max_rank)
     family, shards = REGISTRY[model.config.architecture], shards_of(model)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
