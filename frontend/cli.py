@@ -33,7 +33,7 @@ from frontend.cli_engine import (
     restart_policy,
     setup,
 )
-from frontend.cli_lora import runtime_update_arguments, runtime_updates
+from frontend.cli_lora import lora_arguments, runtime_update_arguments, runtime_updates
 from frontend.reasoning import REASONING_PARSERS
 from frontend.tools import TOOL_CALL_PARSERS
 from messages.sampling_params import RequestLimits
@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over HTTP (OpenAI API)", description="Serve a model.", formatter_class=defaults
     )
     engine_arguments(p)
+    lora_arguments(p)  # (`serve`'s: a request names its adapter)
     g = p.add_argument_group("http")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port; 0 = any free port")

@@ -11,7 +11,6 @@ import msgspec
 
 from actors.engine.config import EngineConfig, SpeculativeConfig
 from actors.routing import POLICIES
-from frontend.cli_lora import lora_arguments
 from messages.sampling_params import LogprobsMode, RequestLimits
 
 _DEFAULTS = EngineConfig(model="")
@@ -207,7 +206,6 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="logprobs of the model's distribution (raw) or of the one sampled from, after penalties, temperature "
         "and truncation (processed); prompt logprobs are always raw",
     )
-    lora_arguments(parser)
     parser.add_argument(
         "--skip-memory-check",
         action="store_true",

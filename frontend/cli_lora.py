@@ -43,8 +43,8 @@ def lora_arguments(parser: argparse.ArgumentParser) -> None:
 
 def lora_config(args: argparse.Namespace) -> LoraConfig | None:
     """The engine's LoRA config of the flags (None without --enable-lora); SystemExit naming a flag at fault."""
-    if not args.enable_lora:
-        if args.lora_modules:
+    if not getattr(args, "enable_lora", False):  # (`sluice generate` has no LoRA flags: it runs the base model)
+        if getattr(args, "lora_modules", None):
             raise SystemExit("--lora-modules needs --enable-lora")
         return None
     return LoraConfig(modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
