@@ -9,8 +9,8 @@ A waiting request's adapter, at admission (actors/engine/admission.py):
 | its adapter                     | outcome                                                                    |
 |---------------------------------|----------------------------------------------------------------------------|
 | held                            | admitted (as far as the cap goes)                                          |
-| not wanted, a slot free (or one | wanted now (the least recently run held adapter no running request uses   |
-| whose adapter nothing runs)     | leaves: not one still loading for a request ahead of it) ... then as below |
+| not wanted, a slot free (or one | wanted now (the least recently admitted held adapter no running request    |
+| whose adapter nothing runs)     | uses leaves: not one still loading for a request ahead) ... then as below  |
 | wanted, not held yet            | waits for the worker's report, passed over; but if nothing runs, admitted: |
 |                                 | the worker loads it before the step (a stall that delays nobody)           |
 | every slot's adapter running    | waits (the cap, max_loras <= max_cpu_loras, bounds what runs)              |
@@ -27,7 +27,7 @@ class LoraTable:
     def __init__(self, paths: dict[str, str], capacity: int, held: list[str]) -> None:
         """`paths`: every registered adapter's directory, by digest; `held`: what the worker holds as it starts."""
         self.paths, self.capacity = dict(paths), capacity
-        self.wanted: dict[str, None] = dict.fromkeys(held)  # (dict order: least recently run first)
+        self.wanted: dict[str, None] = dict.fromkeys(held)  # (dict order: least recently admitted first)
         self.held: set[str] = set(held)
         self.changed = True  # `wanted` changed since the last ExecuteStep carried it (the first one carries it)
         self.failed: dict[str, str] = {}  # adapters the worker could not load, and why
@@ -38,7 +38,7 @@ class LoraTable:
         """Whether rows of `digest` may run now without stalling a step; if not, it is wanted (when a slot can be
         had: `running`, the adapters of the running requests, keep theirs)."""
         if digest in self.held:
-            self.wanted[digest] = self.wanted.pop(digest, None)  # (now the most recently run)
+            self.wanted[digest] = self.wanted.pop(digest, None)  # (now the most recently admitted)
             return True
         if digest not in self.wanted:
             if len(self.wanted) >= self.capacity:  # (one still loading is another waiting request's: it stays)

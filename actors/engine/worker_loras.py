@@ -37,7 +37,6 @@ class WorkerLoras:
             self.paths.update(msg.loras)
             for digest in self.held - set(self.wanted):
                 self.runner.lora.remove(digest)
-                self.changed = True
         for digest, read in list(self.reads.items()):
             if read.done():
                 del self.reads[digest]
@@ -61,5 +60,6 @@ class WorkerLoras:
         try:
             self.runner.install_adapter(digest, read.result())
             self.changed = True
-        except Exception as e:  # (a file changed or broken since it was checked: its requests fail, not the step)
+        except Exception as e:  # (a file changed or broken since it was checked: reported, its requests fail; a
+            # row's adapter that failed here fails its step, as the runner holds no adapter for it)
             self.errors[digest] = f"{type(e).__name__}: {e}" if not isinstance(e, LoraError) else str(e)

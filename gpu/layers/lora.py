@@ -10,12 +10,14 @@ adapter zero-padded). Each layer some adapter targets holds, in the activations'
 
 so an adapter costs slots' share of rank x (P x in + out) numbers per targeted layer whatever it targets there
 (SmolLM2-135M, all seven projections, rank 16: 19.6 MB a slot in float32), allocated when a first adapter targets
-the layer. The runner sets each step's `tokens` (the slot of every token, -1 for the base model's; None: no LoRA row
-in the step) and, for the torch path, `groups` (each slot's token indices). Backends, chosen once (`ops`):
+the layer (on CUDA every targetable layer's at start: `reserve`). The runner sets each step's `tokens` (the slot of
+every token, -1 for the base model's; None: no LoRA row in the step) and, for the torch path, `groups` (each slot's
+token indices). Backends, chosen once (`ops`: gpu/runner/adapters.py lora_kernels):
 - native (CPU, float32 activations): gpu/kernels/native/csrc/lora.cpp, one call a layer for every adapter in the
   step, batch-invariant (a token's delta does not depend on the tokens around it), and inside the native layer loop
   (gpu/runner/native_loop.py) too;
-- torch: per slot present, one shrink and one expand per part (the reference; CUDA until a Triton pair lands).
+- triton (CUDA): gpu/kernels/triton/lora.py, the same contract, its slots read on the device (graph-safe);
+- torch: per slot present, one shrink and one expand per part (the reference, and CPU without the native kernels).
 """
 
 from __future__ import annotations

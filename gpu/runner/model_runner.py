@@ -242,12 +242,12 @@ class ModelRunner(RunnerAdapters):
         if targets:
             extra = [np.arange(query_start_loc[i], query_start_loc[i] + k) for i, k in targets]
             host["logits_indices"] = np.concatenate([host["logits_indices"], *extra])
-        if any(r.lora is not None for r in rows):  # each token's slot; each slot's tokens (the torch path's)
+        if any(r.lora is not None for r in rows):  # each token's slot; each slot's tokens (the torch path's only)
             slots = [-1 if r.lora is None else self.lora.slot_of(r.lora) for r in rows]
             if None in slots:
                 raise ValueError(f"step {batch.step}: no LoRA adapter {rows[slots.index(None)].lora} is held")
             host["lora_slots"] = np.array(slots, np.int64)[token_row]
-            for s in dict.fromkeys(s for s in slots if s >= 0):
+            for s in dict.fromkeys(s for s in slots if s >= 0 and self.lora.ops is None):
                 host[f"lora:{s}"] = np.flatnonzero(host["lora_slots"] == s)
         placeholders = np.flatnonzero(input_ids == PLACEHOLDER)
         if placeholders.size:
