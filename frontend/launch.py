@@ -41,7 +41,7 @@ from frontend.http_base import HttpConfig
 from frontend.memory_check import MemoryNeed, check_memory, explain, memory_need
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.loading.convert import ConversionError, default_model_dir
-from gpu.loading.lora import LoraError, adapter_digest, read_adapter
+from gpu.loading.lora import LoraError, read_adapter
 from gpu.loading.weights import check_checkpoint, check_quantization
 from gpu.models import REGISTRY
 from gpu.runner.model_runner import resolve_device
@@ -105,8 +105,8 @@ def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) ->
         if m.name in served:
             raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")
         try:
-            read_adapter(m.path, base, lora.max_lora_rank)
-            modules.append(msgspec.structs.replace(m, digest=adapter_digest(m.path)))
+            digest, _ = read_adapter(m.path, base, lora.max_lora_rank, torch.float32)
+            modules.append(msgspec.structs.replace(m, digest=digest))
         except LoraError as e:
             raise ModelLoadError(f"--lora-modules {m.name}: {e}") from e
     return msgspec.structs.replace(lora, modules=modules)

@@ -1,7 +1,10 @@
 """The scheduler actor's handlers of adapters named while serving (messages/lora.py): a RegisterLora that names its
-digest is registered at once (a copy of a request resumed right behind it finds it); its files are hashed and
-checked against the engine's model in a task of its own, off the event loop (gpu/loading/lora.py read_adapter, on the model built on meta: no weight read);
-one that cannot be served is unregistered again and the answer says why. An UnregisterLora retires the adapter
+digest is registered at once (a copy of a request resumed right behind it finds it); its files are read, hashed and
+checked against the engine's model in a task of its own, off the event loop (gpu/loading/lora.py read_adapter, on
+the model built on meta: no base weight read). One that passes is registered and wanted at once (the worker begins
+reading it with the next step, evicting the least recently run idle adapter where --max-cpu-loras are held: a load
+is for requests to come); one that cannot be served is not registered and the answer says why (the HTTP actor
+unregisters what other replicas registered). An UnregisterLora retires the adapter
 (actors/engine/lora_table.py): new requests naming it are refused, the running ones end first."""
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import logging
 
 import torch
 
-from gpu.loading.lora import LoraError, adapter_digest, read_adapter
+from gpu.loading.lora import LoraError, read_adapter
 from gpu.models import REGISTRY
 from messages.lora import LoraRegistered, RegisterLora, UnregisterLora
 
@@ -36,19 +39,12 @@ class LoraRegistry:
         self.tell(msg.reply_to, answer)
 
     async def _check_registration(self, msg: RegisterLora) -> LoraRegistered:
-        loop = asyncio.get_running_loop()
         try:
-            digest = await loop.run_in_executor(None, adapter_digest, msg.path)
-        except LoraError as e:
-            return LoraRegistered(error=str(e))
-        known = digest in self.sched.loras.paths
+            digest = await asyncio.get_running_loop().run_in_executor(None, self._check_adapter, msg.path)
+        except LoraError as e:  # (nothing registered, but a digest named: the worker's read will say so too)
+            return LoraRegistered(digest=msg.digest, error=str(e))
         self.sched.loras.register(digest, msg.path)
-        try:
-            await loop.run_in_executor(None, self._check_adapter, msg.path)
-        except LoraError as e:
-            if not known:
-                self.sched.loras.unregister(digest)
-            return LoraRegistered(digest=digest, error=str(e))
+        self.sched.loras.ready(digest, {r.params.lora for r in self.sched.running} - {None})  # (its read begins)
         log.info("LoRA adapter %s registered (%s)", digest, msg.path)
         return LoraRegistered(digest=digest)
 
@@ -56,12 +52,13 @@ class LoraRegistry:
         self.sched.loras.unregister(msg.digest)
         log.info("LoRA adapter %s unregistered: its slot is freed once no request names it", msg.digest)
 
-    def _check_adapter(self, path: str) -> None:
+    def _check_adapter(self, path: str) -> str:
+        """Its digest, once read and checked (float32: the worker's read checks the served dtype's range too)."""
         if self._meta_model is None:
             with torch.device("meta"):
                 self._meta_model = REGISTRY[self.model.architecture](self.model)
         try:
-            read_adapter(path, self._meta_model, self.config.lora.max_lora_rank)
+            return read_adapter(path, self._meta_model, self.config.lora.max_lora_rank, torch.float32)[0]
         except LoraError:
             raise
         except Exception as e:  # (anything else an adapter's files can raise: named, never the actor's)

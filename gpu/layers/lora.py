@@ -36,18 +36,18 @@ class LoraSlots:
     def slot_of(self, digest: str) -> int | None:
         return self.digests.index(digest) if digest in self.digests else None
 
-    def install(self, model: torch.nn.Module, digest: str, deltas: dict) -> bool:
-        """Put an adapter (layer name -> LayerDelta) in a free slot; True if a layer got its tables now."""
+    def install(self, model: torch.nn.Module, digest: str, images: dict) -> bool:
+        """Put an adapter (layer name -> its slot image: gpu/loading/lora.py read_adapter, for this table's rank and
+        dtype) in a free slot, a copy a table; True if a layer got its tables now."""
         if digest in self.digests or None not in self.digests:
             raise ValueError(f"LoRA adapter {digest}: held already, or no slot free of {len(self.digests)}")
-        s, made, r = self.digests.index(None), False, self.rank
+        s, made = self.digests.index(None), False
         try:
-            for name, (firsts, parts) in deltas.items():
+            for name, (firsts, a, b) in images.items():
                 layer = model.get_submodule(name)
                 made = self.reserve(model, {name: firsts}) or made
-                for part, a, b in parts:
-                    layer.lora_a[s, part * r : part * r + a.shape[0]] = a.to(self.dtype)
-                    layer.lora_b[s, : b.shape[1], firsts[part] : firsts[part + 1]] = b.T.to(self.dtype)
+                layer.lora_a[s].copy_(a)
+                layer.lora_b[s].copy_(b)
         except BaseException:
             self._clear(s)  # (no half-written slot for the next adapter to inherit)
             raise

@@ -1,10 +1,11 @@
 """LoRA adapters from PEFT directories (`adapter_config.json` + `adapter_model.safetensors`), read into the
 (A, B) pairs of the linear layers they target (gpu/layers/lora.py holds and applies them).
 
-An adapter is known by its content: `adapter_digest` hashes its two files (blake2b, 16 bytes, hex), which keys the
-engine's adapters and the prefix cache (actors/prefix_hash.py): an adapter reloaded with other weights under the same
-name is another adapter. `read_adapter` checks everything before a weight is used, and raises LoraError naming the
-adapter and what is wrong:
+An adapter is known by its content: `adapter_digest` hashes its two files (SHA-256's first 16 bytes, hex: twice
+blake2b's speed where the CPU has SHA instructions), which keys the engine's adapters and the prefix cache
+(actors/prefix_hash.py): an adapter reloaded with other weights under the same name is another adapter. `read_adapter`
+reads each file once, hashes the bytes it parses (so what it returns is what the digest names), checks everything
+before a weight is used, and raises LoraError naming the adapter and what is wrong:
 
 | refused                                   | why                                                            |
 |-------------------------------------------|----------------------------------------------------------------|
@@ -14,9 +15,13 @@ adapter and what is wrong:
 | a target outside q/k/v/o/gate/up/down (or | embeddings, the LM head and MoE experts carry no delta        |
 | the fused qkv_proj / gate_up_proj)        |                                                                |
 | r above --max-lora-rank, a tensor of the  | the base model's shapes; A [r, in], B [out, r]                 |
-| wrong shape, a non-finite weight          |                                                                |
+| wrong shape, not floating point, a weight |                                                                |
+| not finite (as served: scaled, cast)      |                                                                |
+| files that hash otherwise than `digest`   | changed since the adapter was named                            |
 
-Scale: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), folded into B as it is read (float32): the delta is
+What it returns is each targeted layer's slot image, its tables' contents for one slot (gpu/layers/lora.py): A's of
+its stacked parts [P x rank, in] and Bᵀ [rank, out], zero-padded to the tables' rank, in their dtype, so installing
+one is a copy a table. Scale: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), folded into Bᵀ: the delta is
 x·Aᵀ·Bᵀ. Target names are the checkpoint's (`model.layers.N.self_attn.q_proj`,
 Phi-3's fused `qkv_proj`); the family's `checkpoint_name` says which stacked layer and which of its parts each is,
 as for the base weights (gpu/loading/weights.py). Under tensor parallelism a rank reads its share as the base
@@ -32,7 +37,7 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load
 
 from gpu.layers.linear import Linear
 from gpu.loading.weights import shards_of
@@ -54,9 +59,9 @@ class LoraError(ValueError):
     """A LoRA adapter that cannot be served: the message names it and why."""
 
 
-# a layer's adapter: the layer's stacked parts' first output rows (and its output width last: P + 1 numbers), and per
-# part the adapter targets (the part, its A [r, in], its B·scale [the part's rows, r]), float32 on the host
-LayerDelta = tuple[list[int], list[tuple[int, torch.Tensor, torch.Tensor]]]
+# a layer's slot image: the layer's stacked parts' first output rows (and its output width last: P + 1 numbers), its
+# A's [P x rank, in] and its Bᵀ·scale [rank, out], in the tables' dtype, on the host
+SlotImage = tuple[list[int], torch.Tensor, torch.Tensor]
 
 
 def adapter_files(path: str | Path) -> list[Path]:
@@ -70,21 +75,30 @@ def adapter_files(path: str | Path) -> list[Path]:
 
 
 def adapter_digest(path: str | Path) -> str:
-    """The adapter's identity: blake2b over its config's and weights' bytes (hex, 32 characters)."""
-    h = hashlib.blake2b(digest_size=16)
-    for file in adapter_files(path):
-        h.update(file.name.encode() + b"\0")
-        with file.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()
+    """The adapter's identity (hex, 32 characters)."""
+    return _digest(_contents(Path(path)))
 
 
-def adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
-    """(r, scale) of a PEFT adapter's config, checked against what is served."""
+def _contents(path: Path) -> dict[str, bytes]:
     try:
-        c = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError) as e:
+        return {file.name: file.read_bytes() for file in adapter_files(path)}
+    except OSError as e:
+        raise LoraError(f"LoRA adapter {path}: unreadable: {e}") from e
+
+
+def _digest(contents: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for name, data in contents.items():  # (the config's, then the weights')
+        h.update(name.encode() + b"\0")
+        h.update(data)
+    return h.hexdigest()[:32]
+
+
+def adapter_config(path: Path, text: bytes, max_rank: int) -> tuple[int, float]:
+    """(r, scale) of a PEFT adapter's config (its bytes: `text`), checked against what is served."""
+    try:
+        c = json.loads(text)
+    except ValueError as e:
         raise LoraError(f"LoRA adapter {path}: unreadable {CONFIG}: {e}") from e
     if not isinstance(c, dict) or c.get("peft_type", "LORA") != "LORA":
         kind = c.get("peft_type") if isinstance(c, dict) else type(c).__name__
@@ -107,25 +121,29 @@ def adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
     return r, alpha / (math.sqrt(r) if c.get("use_rslora") else r)
 
 
-def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dict[str, LayerDelta]:
-    """Layer name -> LayerDelta for the adapter at `path` over `model` (a CausalLM, on meta or loaded: only its
-    layers' shapes are read)."""
+def read_adapter(
+    path: str | Path, model: torch.nn.Module, rank: int, dtype: torch.dtype, digest: str | None = None
+) -> tuple[str, dict[str, SlotImage]]:
+    """(the digest, layer name -> SlotImage) of the adapter at `path` over `model` (a CausalLM, on meta or loaded:
+    only its layers' shapes are read), for tables of `rank` in `dtype`; `digest`: what its files must hash to."""
     path = Path(path)
-    adapter_files(path)
-    r, scale = adapter_config(path, max_rank)
-    family, shards = REGISTRY[model.config.architecture], shards_of(model)
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    contents = _contents(path)
+    if (found := _digest(contents)) != (digest or found):
+        raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
+    r, scale = adapter_config(path, contents[CONFIG], rank)
     try:
-        with safe_open(path / WEIGHTS, framework="pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
-    except Exception as e:  # (a truncated or corrupt file: safetensors' own error, or the OS's)
+        tensors = load(contents.pop(WEIGHTS))
+    except Exception as e:  # (a truncated or corrupt file: safetensors' own error)
         raise LoraError(f"LoRA adapter {path}: unreadable {WEIGHTS}: {e}") from e
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         stem, _, which = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         if which not in ("A.weight", "B.weight"):
             raise LoraError(f"LoRA adapter {path}: unexpected tensor {key} (only lora_A and lora_B are served)")
         pairs.setdefault(stem, {})[which[0]] = tensor
-    layers: dict[str, LayerDelta] = {}
+    family, shards = REGISTRY[model.config.architecture], shards_of(model)
+    images: dict[str, SlotImage] = {}
+    stems: dict[str, list[str]] = {}  # (each layer's, for a message)
     for stem, pair in sorted(pairs.items()):
         target, row, part = family.checkpoint_name(stem + ".weight")
         layer_name = target.removesuffix(".weight")
@@ -144,17 +162,25 @@ def read_adapter(path: str | Path, model: torch.nn.Module, max_rank: int) -> dic
         ins = layer.in_features if split_in is None else split_in.full
         a, b = pair["A"], pair["B"]
         for t, shape, what in ((a, (r, ins), "lora_A"), (b, (rows, r), "lora_B")):
-            if tuple(t.shape) != shape:
-                raise LoraError(f"LoRA adapter {path}: {stem}.{what} has shape {tuple(t.shape)}, expected {shape}")
-            if not torch.isfinite(t).all():
-                raise LoraError(f"LoRA adapter {path}: {stem}.{what} has non-finite weights")
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise LoraError(f"LoRA adapter {path}: {stem}.{what} is {t.dtype} {tuple(t.shape)}, expected a "
+                                f"floating-point {shape}")  # fmt: skip
         # a rank's share (gpu/layers/parallel.py): A's input columns as the base weight's, B's output rows as its
         a = a if split_in is None else split_in.read(a)
         b = b if stacked is None else stacked[part].read(b)
-        layers.setdefault(layer_name, (firsts, []))[1].append((part, a.float(), b.float() * scale))
-    if not layers:
+        if layer_name not in images:
+            a_img = torch.zeros((len(firsts) - 1) * rank, layer.in_features, dtype=dtype)
+            images[layer_name] = (firsts, a_img, torch.zeros(rank, layer.out_features, dtype=dtype))
+        _, a_img, b_img = images[layer_name]
+        a_img[part * rank : part * rank + r] = a
+        torch.mul(b.T.float(), scale, out=b_img[:r, firsts[part] : firsts[part + 1]])  # (scaled in float32)
+        stems.setdefault(layer_name, []).append(stem)
+    if not images:
         raise LoraError(f"LoRA adapter {path}: no LoRA weights")
-    return layers
+    for name, (_, a_img, b_img) in images.items():  # (as served: scaled, in the tables' dtype)
+        if not (a_img.isfinite().all() and b_img.isfinite().all()):
+            raise LoraError(f"LoRA adapter {path}: {', '.join(stems[name])}: weights not finite (as {dtype}, scaled)")
+    return found, images
 
 
 def part_firsts(shard, layer: Linear) -> list[int]:

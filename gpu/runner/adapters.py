@@ -1,5 +1,5 @@
 """The model runner's LoRA adapters (a mixin of gpu/runner/model_runner.py's ModelRunner): read from a PEFT directory
-on any thread (`read_adapter`: its files' digest checked, its tensors checked against the model), then put in a free
+on any thread (`read_adapter`: its files' digest checked, its tensors checked against the model, laid out as its slot's tables), then put in a free
 slot of the model's tables between steps (`install_adapter`: gpu/layers/lora.py), the native layer loop rebuilt where
 a layer got its first tables (the loop holds them)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gpu.kernels import native
-from gpu.loading.lora import LoraError, adapter_digest, read_adapter
+from gpu.loading.lora import read_adapter
 from gpu.runner.native_loop import native_loop
 
 
@@ -31,13 +31,11 @@ class RunnerAdapters:
         self.install_adapter(digest, self.read_adapter(digest, path))
 
     def read_adapter(self, digest: str, path: str) -> dict:
-        """The adapter's deltas, read and checked against the model (any thread)."""
-        if adapter_digest(path) != digest:
-            raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
-        return read_adapter(path, self.model, self.lora.rank)
+        """The adapter's slot images, read and checked against the model (any thread)."""
+        return read_adapter(path, self.model, self.lora.rank, self.lora.dtype, digest)[1]
 
-    def install_adapter(self, digest: str, deltas: dict) -> None:
-        """Put read deltas in a free slot (between steps)."""
-        made = self.lora.install(self.model, digest, deltas)
+    def install_adapter(self, digest: str, images: dict) -> None:
+        """Put read slot images in a free slot (between steps)."""
+        made = self.lora.install(self.model, digest, images)
         if made and self.model.model.native_loop is not None:
             self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)

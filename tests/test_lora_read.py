@@ -1,0 +1,67 @@
+"""gpu/loading/lora.py's read of a PEFT adapter on a tiny Llama, on meta (no base weight): the slot images hold PEFT's
+own tensors (A rows by part, Bᵀ·alpha/r by the part's columns, zero-padded to the tables' rank), and every refusal
+names the adapter and the tensor (a non-finite weight, a wrong shape, an integer tensor, a stray tensor, files
+changed since the digest was taken)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpu.loading.config import ModelConfig
+from gpu.loading.lora import LoraError, adapter_digest, read_adapter
+from gpu.models import REGISTRY
+from tests.lora_adapters import make_adapter
+
+RANK, WEIGHTS = 16, "adapter_model.safetensors"
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture
+def setup(family_dir_of, tmp_path):
+    base = family_dir_of("llama")
+    config = ModelConfig.from_path(base)
+    with torch.device("meta"):
+        model = REGISTRY[config.architecture](config)
+    return model, make_adapter(base, tmp_path / "a", seed=3, r=8)
+
+
+def test_the_images_are_pefts_tensors_laid_out(setup):
+    model, adapter = setup
+    digest, images = read_adapter(adapter, model, RANK, torch.float32)
+    assert digest == adapter_digest(adapter)
+    tensors = load_file(adapter / WEIGHTS)
+    firsts, a, b = images["model.layers.0.self_attn.qkv_proj"]
+    for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        stem = f"base_model.model.model.layers.0.self_attn.{name}"
+        assert torch.equal(a[part * RANK : part * RANK + 8], tensors[f"{stem}.lora_A.weight"])
+        assert torch.equal(a[part * RANK + 8 : (part + 1) * RANK], torch.zeros(8, a.shape[1]))
+        expected = tensors[f"{stem}.lora_B.weight"].T * 2.0  # (make_adapter: lora_alpha = 2 r)
+        assert torch.equal(b[:8, firsts[part] : firsts[part + 1]], expected)
+    assert torch.equal(b[8:], torch.zeros(8, b.shape[1]))
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [("nan", r"self_attn.q_proj, .*: weights not finite"), ("shape", r"q_proj.lora_A is torch.float32 \(8, 5\)"),
+     ("int", "q_proj.lora_B is torch.int32"), ("stray", "unexpected tensor extra"), ("changed", "changed since")],
+)  # fmt: skip
+def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message):
+    model, adapter = setup
+    digest = adapter_digest(adapter)
+    tensors = load_file(adapter / WEIGHTS)
+    if case == "nan":
+        tensors[f"{Q}.lora_B.weight"][3, 1] = float("nan")
+    elif case == "shape":
+        tensors[f"{Q}.lora_A.weight"] = torch.zeros(8, 5)
+    elif case == "int":
+        tensors[f"{Q}.lora_B.weight"] = tensors[f"{Q}.lora_B.weight"].int()
+    elif case == "stray":
+        tensors["extra"] = torch.zeros(2)
+    else:
+        tensors[f"{Q}.lora_A.weight"] += 1.0
+    save_file(tensors, adapter / WEIGHTS)
+    with pytest.raises(LoraError, match=message) as e:
+        read_adapter(adapter, model, RANK, torch.float32, digest if case == "changed" else None)
+    assert str(adapter) in str(e.value)
