@@ -1,10 +1,10 @@
 """The scheduler actor's handlers of adapters named while serving (messages/lora.py): a RegisterLora that names its
 digest is registered at once (a copy of a request resumed right behind it finds it); its files are read, hashed and
 checked against the engine's model in a task of its own, off the event loop (gpu/loading/lora.py read_adapter, on
-the model built on meta: no base weight read). One that passes is registered and wanted at once (the worker begins
-reading it with the next step, evicting the least recently run idle adapter where --max-cpu-loras are held: a load
-is for requests to come); one that cannot be served is not registered and the answer says why (the HTTP actor
-unregisters what other replicas registered). An UnregisterLora retires the adapter
+the model built on meta: no base weight read). One that passes is registered, and a load's (no digest named) is
+wanted at once where --max-cpu-loras leave a slot free (the worker begins reading it with the next step; nothing
+held is evicted for it: a waiting request may need it); one that cannot be served is not registered and the answer
+says why (the HTTP actor unregisters what other replicas registered). An UnregisterLora retires the adapter
 (actors/engine/lora_table.py): new requests naming it are refused, the running ones end first."""
 
 from __future__ import annotations
@@ -43,8 +43,12 @@ class LoraRegistry:
             digest = await asyncio.get_running_loop().run_in_executor(None, self._check_adapter, msg.path)
         except LoraError as e:  # (nothing registered, but a digest named: the worker's read will say so too)
             return LoraRegistered(digest=msg.digest, error=str(e))
-        self.sched.loras.register(digest, msg.path)
-        self.sched.loras.ready(digest, {r.params.lora for r in self.sched.running} - {None})  # (its read begins)
+        if msg.digest and digest != msg.digest:
+            return LoraRegistered(digest=msg.digest, error=f"LoRA adapter {msg.path} changed since it was named")
+        loras = self.sched.loras
+        loras.register(digest, msg.path)
+        if not msg.digest and len(loras.wanted) < loras.capacity:  # (a load's, into a free slot: its read begins)
+            loras.ready(digest, set())
         log.info("LoRA adapter %s registered (%s)", digest, msg.path)
         return LoraRegistered(digest=digest)
 
