@@ -115,6 +115,7 @@ class Harness:
         self.peak_blocks = 0  # the most blocks in use after a schedule()
         self.worker_loras: set[str] = set(loras.held) if loras else set()  # the fake worker's adapters ...
         self.stalls = 0  # ... and its steps that had to load a row's adapter first
+        self.broken_loras: set[str] = set()  # ... and those whose files it cannot load
         self.preempted: set[str] = set()  # the requests the last schedule() preempted
 
     def add(self, rid, prompt, negative: list[int] | None = None, **params):
@@ -168,16 +169,18 @@ class Harness:
         return batch
 
     def _lora_worker(self, batch: BatchSpec) -> None:
-        """The fake worker's adapters (actors/engine/worker_loras.py): it holds what the step wants, and reports it."""
+        """The fake worker's adapters (actors/engine/worker_loras.py): it holds what the step wants but the broken ones,
+        and reports it (a row of a broken adapter runs on the base model, its failure reported)."""
         before = self.worker_loras
         if (wanted := self.sched.loras.desired()) is not None:
-            self.worker_loras = set(wanted)
+            self.worker_loras = set(wanted) - self.broken_loras
         rows = {r.lora for r in batch.rows} - {None}
-        assert rows <= self.worker_loras and len(self.worker_loras) <= self.sched.loras.capacity
-        if rows - before:  # (a load before the step: only in a step of nothing else)
+        assert rows - self.broken_loras <= self.worker_loras and len(self.worker_loras) <= self.sched.loras.capacity
+        if rows - before - self.broken_loras:  # (a load before the step: only in a step of nothing else)
             assert len({r.request_id for r in batch.rows}) == 1, "a step stalled for another request's adapter"
             self.stalls += 1
-        self.sched.loras.on_report(sorted(self.worker_loras), {})
+        failed = {d: "broken files" for d in (set(wanted or ()) | rows) & self.broken_loras}
+        self.sched.lora_report(sorted(self.worker_loras), failed)
 
     def drained(self) -> list[str]:
         """The ids `drain_aborted` gives now (their AbortAcks are due)."""
@@ -197,11 +200,7 @@ class Harness:
                 assert held == known[pos], f"{who} position {pos}: {held} in KV, not {known[pos]}"
 
     def _update(self, batch, result):
-        for out in self.sched.update(batch, *result):
-            assert out.request_id not in self.finish and out.seq == len(self.tokens[out.request_id])
-            self.tokens[out.request_id] += out.new_token_ids
-            if out.finish_reason:
-                self.finish[out.request_id] = (out.finish_reason, out.stop_reason)
+        self._record([*self.sched.drain_failed(), *self.sched.update(batch, *result)])  # (step_outputs.py's order)
         acks = self.drained()
         assert not set(acks) & set(self.acks) and not set(acks) & set(self.finish)
         self.acks += acks
@@ -217,6 +216,13 @@ class Harness:
             self.step()
         self.run()
 
+    def _record(self, outputs) -> None:
+        for out in outputs:
+            assert out.request_id not in self.finish and out.seq == len(self.tokens[out.request_id])
+            self.tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason:
+                self.finish[out.request_id] = (out.finish_reason, out.stop_reason)
+
     def run(self, max_steps=2000):
         """Step until nothing is left; more than `max_steps` steps fails as a livelock."""
         for _ in range(max_steps):
@@ -228,6 +234,7 @@ class Harness:
             f"livelock: {left} unfinished after {max_steps} more steps, {self.sched.num_preemptions} preemptions"
         )
         self.acks += self.drained()
+        self._record(self.sched.drain_failed())  # (sent as the engine goes idle: step_outputs.py's _report_held)
         assert set(idle_details(self.sched).values()) == {0}, idle_details(self.sched)
         bm = self.sched.block_manager
         for row in (r for b in self.batches for r in b.rows):  # tables as scheduled, not grown later

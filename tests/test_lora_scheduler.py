@@ -118,3 +118,22 @@ def test_an_unregistered_adapter_keeps_its_slot_until_its_requests_end():
     h.add("b", [4, 5], max_tokens=2, lora="d-b")  # (the next admission sweeps)
     h.run()
     assert "d-a" not in loras.wanted and h.worker_loras == {"d-b"}
+
+
+def test_a_running_request_whose_adapter_breaks_fails_alone():
+    """The worker cannot load a running request's adapter (its files broke after the check; a new worker state must
+    read it again): that request ends with an error saying why, the others run on, and the next request naming it is
+    refused at admission (until it is registered again)."""
+    loras = LoraTable({"d-a": "/a", "d-b": "/b"}, capacity=2, held=["d-a", "d-b"])
+    h = Harness(max_num_seqs=4, max_loras=2, loras=loras)
+    h.add("a", [1, 2, 3], max_tokens=6, lora="d-a")
+    h.add("b", [4, 5], max_tokens=6, lora="d-b")
+    h.add("base", [6, 7], max_tokens=6)
+    h.step()
+    h.broken_loras, h.worker_loras = {"d-a"}, {"d-b"}  # (as after a worker restart)
+    h.run()
+    assert h.finish["a"][0] == "error" and "broken files" in h.requests["a"].error
+    assert h.finish["b"] == h.finish["base"] == ("length", None) and len(h.tokens["b"]) == 6
+    h.add("a2", [8, 9], max_tokens=2, lora="d-a")
+    h.run()
+    assert h.finish["a2"][0] == "error" and "broken files" in h.requests["a2"].error

@@ -41,7 +41,7 @@ class Admission:
             if self._suspect(req) and batch.rows:
                 break
             if self.loras is not None and (why := self.loras.failed.get(req.params.lora)) is not None:
-                self.hold_failed(self.fail(req, f"its LoRA adapter could not be loaded: {why}"))  # (it alone)
+                self.hold_failed(self._adapter_failed(req, why))  # (it alone)
                 continue
             if not self._lora_fits(req):
                 if self._starved(req) or len(passed) == self.max_num_seqs:
@@ -66,6 +66,18 @@ class Admission:
                 waiting.overtaken += 1
             if self._suspect(req):
                 break  # (it runs in a step of its own)
+
+    def lora_report(self, held: list[str] | None, errors: dict[str, str]) -> None:
+        """A StepResult's LoRA report (LoraTable.on_report). The running requests of an adapter the worker could not
+        load fail alone, saying why: it ran their rows of the step on the base model, whose samples are discarded."""
+        self.loras.on_report(held, errors)
+        for req in [r for r in self.running if r.params.lora in errors]:
+            if not req.is_finished:  # (a beam group's member: ended with its group)
+                self.hold_failed(self._adapter_failed(req, errors[req.params.lora]))
+
+    def _adapter_failed(self, req: EngineRequest, why: str) -> list:
+        """End `req`, whose adapter the worker could not load: the server's state, not the request's fault (a 503)."""
+        return self.fail(req, f"its LoRA adapter could not be loaded: {why}", kind="unavailable")
 
     def _lora_fits(self, req: EngineRequest) -> bool:
         """Whether running `req` keeps the running requests within max_loras adapters."""

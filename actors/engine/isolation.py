@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable
 
 from actors.engine.request import EngineRequest, RequestStatus
-from messages.wire import RequestOutput
+from messages.wire import ErrorKind, RequestOutput
 
 log = logging.getLogger("sluice.engine")
 
@@ -74,10 +74,13 @@ class RequestIsolation:
         if self.fault is not None:
             self.fault(site, req.request_id)
 
-    def fail(self, req: EngineRequest, error: str, live: list[EngineRequest] | None = None) -> list[RequestOutput]:
-        """End a request with finish_reason "error" (a poison request; one that raised: `_failed`); a beam group:
-        each member of `live` (default: the request, or its group's members) not ended yet. The terminal outputs of
-        `live`, each at the seq after its last reported token. Freed once no step in flight references it."""
+    def fail(
+        self, req: EngineRequest, error: str, live: list[EngineRequest] | None = None, kind: ErrorKind = "internal"
+    ) -> list[RequestOutput]:
+        """End a request with finish_reason "error" (a poison request; one that raised: `_failed`; `kind`
+        "unavailable": what it needs cannot be had, a 503); a beam group: each member of `live` (default: the
+        request, or its group's members) not ended yet. The terminal outputs of `live`, each at the seq after its
+        last reported token. Freed once no step in flight references it."""
         if live is None:
             live = list(req.beams.members.values()) if req.beams else [req]
         if not req.is_finished:
@@ -91,7 +94,7 @@ class RequestIsolation:
         self._settle(req)
         return [
             RequestOutput(request_id=r.request_id, seq=r.next_seq, new_token_ids=[], finish_reason="error", error=error,
-                          attempt=r.attempt)
+                          error_kind=kind, attempt=r.attempt)
             for r in live
         ]  # fmt: skip
 

@@ -30,7 +30,7 @@ log = logging.getLogger("sluice.engine")
 class StepReports:
     async def _postprocess(self, batch: BatchSpec, result: StepResult) -> None:
         if self.sched.loras is not None:
-            self.sched.loras.on_report(result.loras, result.lora_errors)
+            self.sched.lora_report(result.loras, result.lora_errors)
         if result.prompt_logprobs is not None:
             collect_prompt_logprobs(batch, result.prompt_logprobs, self.sched.requests)
         lp = result.logprobs

@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from actors.engine.config import EngineConfig
@@ -171,9 +172,11 @@ class Worker:
 
     def _run(self, msg: ExecuteStep) -> StepTensors | None:
         self.update_batch(msg)
-        if self.loras is not None:
-            self.loras.before(msg)
-        if not msg.batch.rows:
+        batch = msg.batch
+        if self.loras is not None and (unloaded := self.loras.before(msg)):  # (worker_loras.py, step 3)
+            rows = [msgspec.structs.replace(r, lora=None) if r.lora in unloaded else r for r in batch.rows]
+            batch = msgspec.structs.replace(batch, rows=rows)
+        if not batch.rows:
             return None  # bookkeeping only (the scheduler went idle)
         if self.hooks:
             self._test_hooks(msg.batch)
@@ -188,7 +191,7 @@ class Worker:
                         self._waiting[msg.epoch, msg.seq] = masks
                 if early is not None:
                     masks.fill(early.masks, last=True)
-        return self.executor.run(msg.batch, rows, msg.num_prompt_logprobs, masks)
+        return self.executor.run(batch, rows, msg.num_prompt_logprobs, masks)
 
     def _layer(self, *_) -> None:
         """A hooked decoder layer begins (device thread): progress."""

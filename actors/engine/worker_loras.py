@@ -4,7 +4,9 @@ loop. Before each step, on the device thread:
 
 1. the adapters no longer wanted leave their slots;
 2. the reads that finished are installed (a copy into the slot tables: milliseconds), or their errors kept;
-3. a row's adapter not held yet is read and installed now (a new worker state, or a step of nothing else);
+3. a row's adapter not held yet is read and installed now (a new worker state, or a step of nothing else); one that
+   fails to load is reported, and its rows run on the base model (the scheduler fails their requests and discards
+   those samples: actors/engine/admission.py's lora_report), so no other request's step fails;
 4. the wanted adapters neither held nor being read begin their reads.
 
 `report()` says, for the step's StepResult, what the worker holds when that changed, and what failed to load."""
@@ -30,8 +32,8 @@ class WorkerLoras:
     def held(self) -> set[str]:
         return {d for d in self.runner.lora.digests if d is not None}
 
-    def before(self, msg: ExecuteStep) -> None:
-        """Steps 1-4 (module docstring) for the step `msg`."""
+    def before(self, msg: ExecuteStep) -> set[str]:
+        """Steps 1-4 (module docstring) for the step `msg`: the rows' adapters that could not be loaded."""
         if msg.loras is not None:  # (answered with what it holds: the scheduler's view may be stale)
             self.wanted, self.changed = msg.loras, True
             self.paths.update(msg.loras)
@@ -42,11 +44,12 @@ class WorkerLoras:
                 del self.reads[digest]
                 if digest in self.wanted and digest not in self.held:
                     self._install(digest, read)
-        for digest in dict.fromkeys(r.lora for r in msg.batch.rows if r.lora is not None):
-            if digest not in self.held:  # (its read, if begun, waited for: or a read here)
-                self._install(digest, self.reads.pop(digest, None) or self._read(digest))
+        rows = set(dict.fromkeys(r.lora for r in msg.batch.rows if r.lora is not None))
+        for digest in rows - self.held:  # (its read, if begun, waited for: or a read here)
+            self._install(digest, self.reads.pop(digest, None) or self._read(digest))
         for digest in set(self.wanted) - self.held - set(self.reads) - set(self.errors):
             self.reads[digest] = self._read(digest)
+        return rows - self.held
 
     def report(self) -> tuple[list[str] | None, dict[str, str]]:
         held = sorted(self.held) if self.changed else None
@@ -60,6 +63,5 @@ class WorkerLoras:
         try:
             self.runner.install_adapter(digest, read.result())
             self.changed = True
-        except Exception as e:  # (a file changed or broken since it was checked: reported, its requests fail; a
-            # row's adapter that failed here fails its step, as the runner holds no adapter for it)
+        except Exception as e:  # (a file changed or broken since it was checked: reported, its requests fail)
             self.errors[digest] = f"{type(e).__name__}: {e}" if not isinstance(e, LoraError) else str(e)
