@@ -70,11 +70,16 @@ def step(ops, fmt, held, x_of) -> None:
             ops.block_linear(x, w, int(fmt), None)
 
 
+def name_of(fmt) -> str:
+    return str(fmt).removeprefix("torch.") if isinstance(fmt, torch.dtype) else fmt.name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--formats", nargs="+", help="the formats to time (default: all), by name: bfloat16 Q4_K ...")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = native.ops()
@@ -89,6 +94,8 @@ def main() -> None:
         + "".join(f"{f'{r} rows tok/s':>16s}" for r in args.rows)
     )
     for fmt in [torch.float32, torch.bfloat16, torch.float16, *BLOCK_FORMATS]:
+        if args.formats and name_of(fmt) not in args.formats:
+            continue
         held = layers(ops, fmt)
         nbytes = sum(w.numel() * w.element_size() for w, _ in held)
         cells, gemv = [], 0.0
@@ -99,7 +106,7 @@ def main() -> None:
             s = statistics.median(timed(call) for _ in range(args.repeats))
             gemv = nbytes / s if rows == 1 else gemv
             cells.append(f"{rows / s:16.1f}")
-        name = str(fmt).removeprefix("torch.") if isinstance(fmt, torch.dtype) else fmt.name
+        name = name_of(fmt)
         weights = sum(o * i for o, i in SHAPES)
         print(f"{name:8s} {nbytes / weights:8.3f} {gemv / 1e9:10.1f} {gemv / bandwidth:7.2f}" + "".join(cells))
 

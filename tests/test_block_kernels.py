@@ -65,24 +65,24 @@ def test_the_product_is_within_the_activations_rounding(kind, rows):
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
 def test_a_row_is_the_same_bits_in_any_batch_and_nan_stays_in_its_row(kind):
     blocks = random_blocks(kind, 70, 512, seed=3)
-    x = torch.randn(24, 512, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(48, 512, generator=torch.Generator().manual_seed(5))
     ops = native.ops()
-    alone = torch.cat([ops.block_linear(x[i : i + 1], blocks, int(kind), None) for i in range(24)])
-    for size in (2, 3, 5, 24):
-        batched = torch.cat([ops.block_linear(x[s : s + size], blocks, int(kind), None) for s in range(0, 24, size)])
+    alone = torch.cat([ops.block_linear(x[i : i + 1], blocks, int(kind), None) for i in range(48)])
+    for size in (2, 3, 5, 17, 24, 48):  # (16 rows and more: the K-quants' many-row tiles, tiles_k.h)
+        batched = torch.cat([ops.block_linear(x[s : s + size], blocks, int(kind), None) for s in range(0, 48, size)])
         assert torch.equal(batched, alone), size
     for bad in (float("nan"), float("inf")):
         poisoned = x.clone()
         poisoned[7, 300] = bad
         y = ops.block_linear(poisoned, blocks, int(kind), None)
-        assert y[7].isnan().all() and torch.equal(y[torch.arange(24) != 7], alone[torch.arange(24) != 7])
+        assert y[7].isnan().all() and torch.equal(y[torch.arange(48) != 7], alone[torch.arange(48) != 7])
 
 
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
 def test_every_output_is_written_into_a_poisoned_buffer(kind):
     """block_linear_out into columns of a NaN-filled y (a stacked layer's parts): each element written, none else."""
-    blocks, x = random_blocks(kind, 33, 512, seed=4), torch.randn(11, 512, generator=torch.Generator().manual_seed(4))
-    y = torch.full((11, 40), float("nan"))
+    blocks, x = random_blocks(kind, 33, 512, seed=4), torch.randn(19, 512, generator=torch.Generator().manual_seed(4))
+    y = torch.full((19, 40), float("nan"))
     native.ops().block_linear_out(x, blocks, int(kind), None, y.narrow(1, 5, 33))
     assert not y[:, 5:38].isnan().any() and y[:, :5].isnan().all() and y[:, 38:].isnan().all()
     assert torch.equal(y[:, 5:38], native.ops().block_linear(x, blocks, int(kind), None))
@@ -92,7 +92,7 @@ def test_every_output_is_written_into_a_poisoned_buffer(kind):
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
 def test_both_isas_give_the_same_bits(kind):
     blocks = random_blocks(kind, 50, 512, seed=9)
-    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(38, 512, generator=torch.Generator().manual_seed(9))  # (AVX-512's tiles, AVX2's rows)
     results = [native.ops(isa).block_linear(x, blocks, int(kind), None) for isa in native.cpu_isas()]
     assert all(torch.equal(r, results[0]) for r in results)
 

@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "blocks.h"
-#include "rows_k.h"
+#include "tiles_k.h"
 
 #ifndef SLUICE_NS
 #error "SLUICE_NS names the op namespace of this ISA's build"
@@ -183,10 +183,18 @@ void block_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
+  int64_t first = 0;  // (the rows the many-row tiles took)
+#if defined(__AVX512VNNI__)
+  if (f.act_elems == 256 && rows >= TR) {
+    first = rows / TR * TR;
+    k_tiles(kind, act.data(), rows / TR, wp, out, nb, yp, ldy, bp);
+  }
+#endif
+  if (first == rows) return;
   at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {
     const int64_t wb = std::max<int64_t>(1, L2_WEIGHTS / (nb * f.bytes));
     for (int64_t o0 = begin; o0 < end; o0 += wb)  // (wb weight rows stay in L2, RT activation rows in L1)
-      for (int64_t r = 0; r < rows; r += RT) {
+      for (int64_t r = first; r < rows; r += RT) {
         const uint8_t* a[RT];
         float s[RT];
         const int n = static_cast<int>(std::min<int64_t>(RT, rows - r));

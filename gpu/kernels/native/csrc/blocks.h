@@ -114,9 +114,11 @@ inline __m256i q4_k_scales(const uint8_t* s, __m128i& mins) {
   return _mm256_set_m128i(sc, sc);
 }
 
-// min_j x (the activations' sum over sub-block j), paired: 4 int32 lanes (2k, 2k + 1), exact, as floats
-inline __m128 q4_k_mins(__m128i mins, const uint8_t* ab) {
-  return _mm_cvtepi32_ps(_mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + Q8K_SUMS32))));
+// The sum over sub-blocks j of min_j x (the activations' sum over sub-block j): exact
+inline int q4_k_mins(__m128i mins, const uint8_t* ab) {
+  const __m128i p = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + Q8K_SUMS32)));
+  const __m128i s2 = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
 }
 
 }  // namespace

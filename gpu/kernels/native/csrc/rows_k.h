@@ -1,12 +1,11 @@
 // The K-quants' row kernels (blocks.cpp's driver calls them): one weight row's 256-element blocks (Q4_K, Q5_K, Q6_K)
 // against R rows of Q8_K activations (blocks.h), each block's values unpacked once for the R rows.
 //
-// Per block and activation row, the exact integer sum of sc x q x a over the block lands in 8 int32 lanes: lane i
-// holds bytes 4i .. 4i + 3 of every 32-element group (AVX2: one group a vector; AVX-512: two, its halves added at the
-// end: the same integers). Q6_K's -32 (32 x sc x the activations' sums of 16) is taken from the lanes as they come.
-// Then acc = fma(d x da, float(lanes), acc), a chain per row; Q4_K's and Q5_K's mins (4 int32 lanes: pairs of
-// sub-blocks) a second, fma(dmin x da, ...). A row's value: hsum(acc) - hsum4(mins), the same bits in every ISA
-// build, tile and batch.
+// Per block and activation row, the exact integer I = sum of sc x q x a over the block (8 int32 lanes, lane i bytes
+// 4i .. 4i + 3 of every 32-element group, then summed: AVX2 one group a vector, AVX-512 two; Q6_K's -32, 32 x sc x the
+// activations' sums of 16, taken from it), and Q4_K's and Q5_K's M = sum of m x the activations' sums of 32. Then
+// S = fma(d x da, float(I), S) and N = fma(dmin x da, float(M), N), a chain each per (row, column) over the blocks in
+// order, and the value S - N: what every ISA build, tile and batch computes, the many-row tiles (tiles_k.h) too.
 #pragma once
 #include "blocks.h"
 
@@ -79,9 +78,7 @@ Unpacked q4_k_unpack(const uint8_t* w, __m128i& mins) {
 
 template <bool Five, int R>
 void q4_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
-  __m256 acc[R];
-  __m128 mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm_setzero_ps();
+  float acc[R] = {}, mins[R] = {};
   for (int64_t b = 0; b < blocks; ++b, w += Five ? 176 : 144) {
     __m128i m;
     const Unpacked u = q4_k_unpack<Five>(w, m);
@@ -89,11 +86,11 @@ void q4_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* 
     for (int r = 0; r < R; ++r) {
       const uint8_t* ab = a[r] + b * Q8K_BYTES;
       const float da = f32(ab);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(u.dot(ab)), acc[r]);
-      mins[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * da), q4_k_mins(m, ab), mins[r]);
+      acc[r] = std::fma(d * da, static_cast<float>(hsum_i32(u.dot(ab))), acc[r]);
+      mins[r] = std::fma(dmin * da, static_cast<float>(q4_k_mins(m, ab)), mins[r]);
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) - hsum4(mins[r]);
+  for (int r = 0; r < R; ++r) y[r] = acc[r] - mins[r];
 }
 
 inline Unpacked q6_k_unpack(const uint8_t* w, __m256i& sc16) {
@@ -135,8 +132,7 @@ inline Unpacked q6_k_unpack(const uint8_t* w, __m256i& sc16) {
 
 template <int R>
 void q6_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  float acc[R] = {};
   for (int64_t b = 0; b < blocks; ++b, w += 210) {
     __m256i sc16;
     const Unpacked u = q6_k_unpack(w, sc16);
@@ -144,11 +140,11 @@ void q6_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* 
     for (int r = 0; r < R; ++r) {
       const uint8_t* ab = a[r] + b * Q8K_BYTES;
       const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, loadu(ab + Q8K_SUMS16)), 5);  // (32 sc sums)
-      const __m256 total = _mm256_cvtepi32_ps(_mm256_sub_epi32(u.dot(ab), offset));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * f32(ab)), total, acc[r]);
+      const int total = hsum_i32(_mm256_sub_epi32(u.dot(ab), offset));
+      acc[r] = std::fma(d * f32(ab), static_cast<float>(total), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) y[r] = acc[r];
 }
 
 }  // namespace
