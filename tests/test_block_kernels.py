@@ -68,7 +68,7 @@ def test_a_row_is_the_same_bits_in_any_batch_and_nan_stays_in_its_row(kind):
     x = torch.randn(48, 512, generator=torch.Generator().manual_seed(5))
     ops = native.ops()
     alone = torch.cat([ops.block_linear(x[i : i + 1], blocks, int(kind), None) for i in range(48)])
-    for size in (2, 3, 5, 17, 24, 48):  # (16 rows and more: the K-quants' many-row tiles, tiles_k.h)
+    for size in (2, 3, 5, 8, 17, 24, 48):  # (8 rows and more: the K-quants' many-row tiles, tiles_k.h)
         batched = torch.cat([ops.block_linear(x[s : s + size], blocks, int(kind), None) for s in range(0, 48, size)])
         assert torch.equal(batched, alone), size
     for bad in (float("nan"), float("inf")):

@@ -185,10 +185,7 @@ void block_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
   const int64_t ldy = y.stride(0);
   int64_t first = 0;  // (the rows the many-row tiles took)
 #if defined(__AVX512VNNI__)
-  if (f.act_elems == 256 && rows >= TR) {
-    first = rows / TR * TR;
-    k_tiles(kind, act.data(), rows / TR, wp, out, nb, yp, ldy, bp);
-  }
+  if (f.act_elems == 256 && (first = tiled_rows(rows)) > 0) k_tiles(kind, act.data(), first, wp, out, nb, yp, ldy, bp);
 #endif
   if (first == rows) return;
   at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {

@@ -1,5 +1,6 @@
-// The K-quants' many-row products on AVX-512 VNNI (blocks.cpp runs them on each whole tile of TR activation rows;
-// the rows left over, and the AVX2 build, take the row kernels of rows_k.h): the same numbers as those, bit for bit.
+// The K-quants' many-row products on AVX-512 VNNI (blocks.cpp runs them on the tiles of TR activation rows, a last
+// one of PAD rows or more padded; the rows left over, and the AVX2 build, take the row kernels of rows_k.h): the same
+// numbers as those, bit for bit.
 //
 // A tile is TR activation rows x TC weight rows (output columns), an outer product per 4-byte group: one vector holds
 // the group's 4 activation bytes of each of the TR rows (the activations transposed per block: Acts), and each weight
@@ -16,6 +17,9 @@ namespace {
 
 constexpr int TR = 16;  // activation rows a tile (an int32 lane each)
 constexpr int TC = 8;   // weight rows a tile
+constexpr int PAD = 8;  // a last tile of fewer rows is run if it has this many (its other lanes zeros, not written)
+
+inline int64_t tiled_rows(int64_t rows) { return rows % TR >= PAD ? rows : rows / TR * TR; }  // (the rows tiles take)
 
 // One block of a tile's activations: q[g][r] = bytes 4g .. 4g + 3 of row r's block; its d; s32[k][r] its sums of 32
 // of sub-blocks 2k and 2k + 1 (an int16 pair); s16[k][r] its sums of 16, 2k and 2k + 1
@@ -80,9 +84,11 @@ inline __m512i bcast(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-// y[r][c] for the tile's TR rows (acts) and `cols` <= TC weight rows (codes[c]: each `blocks` long), at y's stride ldy
+// y[r][c] for the tile's first `rows` <= TR rows (acts) and `cols` <= TC weight rows (codes[c]: each `blocks` long),
+// at y's stride ldy
 template <bool Six>
-void tile(const Codes* const* codes, const Acts* acts, int64_t blocks, int cols, float* y, int64_t ldy, const float* bias) {
+void tile(const Codes* const* codes, const Acts* acts, int64_t blocks, int rows, int cols, float* y, int64_t ldy,
+          const float* bias) {
   constexpr int SUB = Six ? 16 : 8, GROUPS = 64 / SUB;  // (sub-blocks a block, 4-byte groups a sub-block)
   __m512 S[TC], N[TC];
   for (int c = 0; c < TC; ++c) S[c] = N[c] = _mm512_setzero_ps();
@@ -113,20 +119,21 @@ void tile(const Codes* const* codes, const Acts* acts, int64_t blocks, int cols,
   alignas(64) float v[TR];
   for (int c = 0; c < cols; ++c) {
     _mm512_store_ps(v, _mm512_sub_ps(S[c], N[c]));
-    for (int r = 0; r < TR; ++r) y[r * ldy + c] = bias ? v[r] + bias[c] : v[r];
+    for (int r = 0; r < rows; ++r) y[r * ldy + c] = bias ? v[r] + bias[c] : v[r];
   }
 }
 
-// The first tiles x TR rows of y = x W^T + bias for a K-quant weight (rows: Q8_K activations, quantized)
-void k_tiles(int64_t kind, const uint8_t* act, int64_t tiles, const uint8_t* wp, int64_t out, int64_t nb, float* yp,
+// The first `rows` (tiled_rows) rows of y = x W^T + bias for a K-quant weight (act: x's rows as Q8_K activations)
+void k_tiles(int64_t kind, const uint8_t* act, int64_t rows, const uint8_t* wp, int64_t out, int64_t nb, float* yp,
              int64_t ldy, const float* bp) {
-  const int64_t wbytes = nb * format(kind).bytes;
+  const int64_t wbytes = nb * format(kind).bytes, tiles = (rows + TR - 1) / TR;
   std::vector<Acts> acts(tiles * nb);
+  const std::vector<uint8_t> zeros(rows % TR ? nb * Q8K_BYTES : 0);  // (a last tile's missing rows)
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* rows[TR];
-      for (int r = 0; r < TR; ++r) rows[r] = act + (t * TR + r) * nb * Q8K_BYTES;
-      transpose(rows, nb, acts.data() + t * nb);
+      const uint8_t* from[TR];
+      for (int r = 0; r < TR; ++r) from[r] = t * TR + r < rows ? act + (t * TR + r) * nb * Q8K_BYTES : zeros.data();
+      transpose(from, nb, acts.data() + t * nb);
     }
   });
   at::parallel_for(0, (out + TC - 1) / TC, 1, [&](int64_t begin, int64_t end) {
@@ -142,8 +149,9 @@ void k_tiles(int64_t kind, const uint8_t* act, int64_t tiles, const uint8_t* wp,
       for (int64_t t = 0; t < tiles; ++t) {
         float* y = yp + t * TR * ldy + p * TC;
         const float* bias = bp ? bp + p * TC : nullptr;
-        kind == Q6_K ? tile<true>(codes, acts.data() + t * nb, nb, cols, y, ldy, bias)
-                     : tile<false>(codes, acts.data() + t * nb, nb, cols, y, ldy, bias);
+        const int n = static_cast<int>(std::min<int64_t>(TR, rows - t * TR));
+        kind == Q6_K ? tile<true>(codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias)
+                     : tile<false>(codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias);
       }
     }
   });
