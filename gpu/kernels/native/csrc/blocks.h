@@ -99,16 +99,18 @@ inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
-// Q4_K's eight 6-bit scales (the low 128 bits, as int16, in both lanes) and mins (`mins`), unpacked at once
-// (the same values as scale_min: llama.cpp's kmask shuffle of the 12 bytes)
+// Q4_K's eight 6-bit scales (the low 128 bits, as int16, in both lanes) and mins (`mins`), unpacked at once in vector
+// registers (the same values as scale_min): bytes P hold each one's low bits (sc 0-3: s[0..3] & 63, sc 4-7:
+// s[8..11] & 15, m 0-3: s[4..7] & 63, m 4-7: s[8..11] >> 4), bytes Q the top two bits of sc 4-7 (s[0..3] >> 6) and
+// of m 4-7 (s[4..7] >> 6)
 inline __m256i q4_k_scales(const uint8_t* s, __m128i& mins) {
-  uint32_t u[4];
-  std::memcpy(u, s, 12);
-  u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-  const uint32_t m_low = u[1] & 0x3f3f3f3f;
-  u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-  u[2] = m_low, u[0] &= 0x3f3f3f3f;
-  const __m256i both = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));  // (12 bytes used: a block has 16 more)
+  const __m128i p = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i q = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_and_si128(_mm_blend_epi32(p, _mm_srli_epi16(p, 4), 0b1000),
+                                    _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  const __m128i high = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(q, 6), _mm_set1_epi8(3)), 4);
+  const __m256i both = _mm256_cvtepu8_epi16(_mm_or_si128(low, high));
   mins = _mm256_extracti128_si256(both, 1);
   const __m128i sc = _mm256_castsi256_si128(both);
   return _mm256_set_m128i(sc, sc);

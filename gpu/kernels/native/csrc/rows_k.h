@@ -43,7 +43,7 @@ struct Unpacked {
 };
 
 template <bool Five>  // (Q4_K; Five: Q5_K, whose fifth bits (bit j of byte l: element 32j + l) precede q)
-Unpacked q4_k_unpack(const uint8_t* w, __m128i& mins) {
+__attribute__((always_inline)) inline Unpacked q4_k_unpack(const uint8_t* w, __m128i& mins) {
   const __m256i scales = q4_k_scales(w + 4, mins);
   const uint8_t* qs = w + (Five ? 48 : 16);
   Unpacked u;
@@ -93,7 +93,7 @@ void q4_k_row(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* 
   for (int r = 0; r < R; ++r) y[r] = acc[r] - mins[r];
 }
 
-inline Unpacked q6_k_unpack(const uint8_t* w, __m256i& sc16) {
+__attribute__((always_inline)) inline Unpacked q6_k_unpack(const uint8_t* w, __m256i& sc16) {
   sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));  // (16 groups of 16)
   Unpacked u;
 #if defined(__AVX512VNNI__)

@@ -40,8 +40,6 @@ struct alignas(64) Codes {
   float d, dmin;
 };
 
-inline int32_t pair(int lo, int hi) { return static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | static_cast<uint16_t>(lo)); }
-
 // TR rows of Q8_K activations (blocks.cpp's quantize_q8_k) into `blocks` Acts
 void transpose(const uint8_t* const* rows, int64_t blocks, Acts* out) {
   for (int64_t b = 0; b < blocks; ++b)
@@ -60,18 +58,16 @@ void unpack(int64_t kind, const uint8_t* w, int64_t blocks, Codes* out) {
     Codes& c = out[b];
     Unpacked u;
     if (kind == Q6_K) {
-      __m256i sc16;
+      __m256i sc16;  // (int16: stored as int32 each, and as the pairs)
       u = q6_k_unpack(w, sc16);
-      const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
-      for (int j = 0; j < 16; ++j) c.sc[j] = sc[j];
-      for (int k = 0; k < 8; ++k) c.pairs[k] = pair(sc[2 * k], sc[2 * k + 1]);
+      _mm512_store_si512(c.sc, _mm512_cvtepi16_epi32(sc16));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c.pairs), sc16);
       c.d = half(w + 208), c.dmin = 0.0f, w += 210;
     } else {
-      __m128i mins;
+      __m128i mins;  // (int16 pairs, as stored)
       u = kind == Q5_K ? q4_k_unpack<true>(w, mins) : q4_k_unpack<false>(w, mins);
-      int m[8];
-      for (int j = 0; j < 8; ++j) scale_min(w + 4, j, c.sc[j], m[j]);
-      for (int k = 0; k < 4; ++k) c.pairs[k] = pair(m[2 * k], m[2 * k + 1]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c.sc), _mm256_cvtepi16_epi32(_mm256_castsi256_si128(q4_k_scales(w + 4, mins))));
+      _mm_store_si128(reinterpret_cast<__m128i*>(c.pairs), mins);
       c.d = half(w), c.dmin = half(w + 2), w += kind == Q5_K ? 176 : 144;
     }
     for (int v = 0; v < WIDE; ++v) _mm512_store_si512(c.q + 64 * v, u.q[v]);
