@@ -59,15 +59,37 @@ void quantize_q8_0(const float* x, int64_t in, uint8_t* out) {  // (into 40 byte
 
 void quantize_q8_k(const float* x, int64_t in, uint8_t* out) {
   for (int64_t b = 0; b < in / 256; ++b, x += 256, out += Q8K_BYTES) {
-    float amax = 0.0f, max = 0.0f;
-    bool finite = true;
-    for (int i = 0; i < 256; ++i) {
-      finite &= std::isfinite(x[i]);
-      if (std::fabs(x[i]) > amax) amax = std::fabs(x[i]), max = x[i];
+    // (in 8-lane vectors: amax the largest |x|, max the first x of that size; q = min(127, nearbyint(iscale x)))
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    __m256 top = zero, ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < 256; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_EQ_OQ));  // (x - x: NaN where not finite)
+    }
+    const bool finite = _mm256_movemask_ps(ok) == 0xFF;
+    float amax = hmax(top), max = 0.0f;
+    for (int i = 0; finite && amax != 0.0f; i += 8) {
+      const int at = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)),
+                                                      _mm256_set1_ps(amax), _CMP_EQ_OQ));
+      if (at) {
+        max = x[i + __builtin_ctz(at)];
+        break;
+      }
     }
     auto* q = reinterpret_cast<int8_t*>(out + 4);
     const float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
-    for (int i = 0; i < 256; ++i) q[i] = finite ? static_cast<int8_t>(std::fmin(127.0f, std::nearbyint(iscale * x[i]))) : 0;
+    const __m256 scale = _mm256_set1_ps(iscale), limit = _mm256_set1_ps(127.0f);
+    if (!finite) std::memset(q, 0, 256);
+    for (int i = 0; finite && i < 256; i += 32) {
+      __m256i n[4];
+      for (int k = 0; k < 4; ++k)
+        n[k] = _mm256_cvtps_epi32(_mm256_min_ps(
+            limit, _mm256_round_ps(_mm256_mul_ps(scale, _mm256_loadu_ps(x + i + 8 * k)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
     const float d = !finite ? NAN : amax != 0.0f ? 1.0f / iscale : 0.0f;
     std::memcpy(out, &d, 4);
     int16_t sums[16 + 8];  // (of 16, then of 32)
