@@ -76,6 +76,7 @@ def test_a_row_is_the_same_bits_in_any_batch_and_nan_stays_in_its_row(kind):
         poisoned[7, 300] = bad
         y = ops.block_linear(poisoned, blocks, int(kind), None)
         assert y[7].isnan().all() and torch.equal(y[torch.arange(48) != 7], alone[torch.arange(48) != 7])
+        assert ops.block_linear(poisoned[7:8], blocks, int(kind), None).isnan().all()  # (alone: decode's kernel)
 
 
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
@@ -90,9 +91,10 @@ def test_every_output_is_written_into_a_poisoned_buffer(kind):
 
 @pytest.mark.skipif(len(native.cpu_isas()) < 2, reason="this CPU runs one ISA")
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
-def test_both_isas_give_the_same_bits(kind):
+@pytest.mark.parametrize("rows", [1, 38])  # (decode's many weight rows at once; AVX-512's tiles against AVX2's rows)
+def test_both_isas_give_the_same_bits(kind, rows):
     blocks = random_blocks(kind, 50, 512, seed=9)
-    x = torch.randn(38, 512, generator=torch.Generator().manual_seed(9))  # (AVX-512's tiles, AVX2's rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(9))
     results = [native.ops(isa).block_linear(x, blocks, int(kind), None) for isa in native.cpu_isas()]
     assert all(torch.equal(r, results[0]) for r in results)
 

@@ -15,12 +15,13 @@
 // | Q5_K   | 256 / 176: as Q4_K, with fifth bits u1[256] before the q     | of 16 (the mins' and -32's products)     |
 // | Q6_K   | 256 / 210: ql u4, qh u2 [256], sc i8[16], d f16; d sc (q-32) |                                          |
 //
-// y[r, o] = bias[o] + the sum over blocks of the products' exact integer sums (maddubs/madd: 8 int32 lanes, the
-// K-quants' (rows_k.h) on 512-bit vectors in the AVX-512 build, halves added: the same integers) times the block's
-// scales, in float32 lane chains of 8 summed by one tree at the end: an element's rounding depends on nothing but its
-// row and column (any batch, thread, tile, ISA: the same bits). A NaN or infinite activation makes its block's scale
-// NaN: its row's outputs are NaN (and only its row's). Threads split the weight's rows; RT activation rows (in L1)
-// share each weight block's unpacking, a megabyte of weight rows stays in L2 while the row tiles pass.
+// y[r, o] = bias[o] + the sum over blocks of the products' exact integer sums (maddubs/madd or VNNI's dpbusd) times
+// the block's scales: for the 32-element formats in float32 lane chains of 8 summed by one tree at the end, for the
+// K-quants one chain per (row, column) over the blocks (rows_k.h; the many-row tiles of tiles_k.h on AVX-512 VNNI).
+// An element's rounding depends on nothing but its row and column (any batch, thread, tile, ISA: the same bits). A
+// NaN or infinite activation makes its block's scale NaN: its row's outputs are NaN (and only its row's). Threads
+// split the weight's rows; RT activation rows (in L1) share each weight block's unpacking, a megabyte of weight rows
+// stays in L2 while the row tiles pass.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -215,11 +216,18 @@ void block_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
     for (int64_t o0 = begin; o0 < end; o0 += wb)  // (wb weight rows stay in L2, RT activation rows in L1)
       for (int64_t r = first; r < rows; r += RT) {
         const uint8_t* a[RT];
-        float s[RT];
+        float s[std::max(RT, COLS)];
         const int n = static_cast<int>(std::min<int64_t>(RT, rows - r));
         for (int i = 0; i < n; ++i) a[i] = act.data() + (r + i) * nb * f.act_bytes;
-        for (int64_t o = o0; o < std::min(end, o0 + wb); ++o) {
-          ROWS[n](kind, wp + o * nb * f.bytes, a, nb, s);
+        const int64_t stop = std::min(end, o0 + wb), wbytes = nb * f.bytes;
+        int64_t o = o0;
+        for (; n == 1 && (kind == Q4_K || kind == Q5_K) && o + COLS <= stop; o += COLS) {  // (decode: COLS rows at once)
+          kind == Q5_K ? q4_k_cols<true>(wp + o * wbytes, wbytes, a[0], nb, s)
+                       : q4_k_cols<false>(wp + o * wbytes, wbytes, a[0], nb, s);
+          for (int c = 0; c < COLS; ++c) yp[r * ldy + o + c] = bp ? s[c] + bp[o + c] : s[c];
+        }
+        for (; o < stop; ++o) {
+          ROWS[n](kind, wp + o * wbytes, a, nb, s);
           for (int i = 0; i < n; ++i) yp[(r + i) * ldy + o] = bp ? s[i] + bp[o] : s[i];
         }
       }
