@@ -70,7 +70,7 @@ void quantize_q8_k(const float* x, int64_t in, uint8_t* out) {
     }
     const bool finite = _mm256_movemask_ps(ok) == 0xFF;
     float amax = hmax(top), max = 0.0f;
-    for (int i = 0; finite && amax != 0.0f; i += 8) {
+    for (int i = 0; finite && amax != 0.0f && i < 256; i += 8) {
       const int at = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)),
                                                       _mm256_set1_ps(amax), _CMP_EQ_OQ));
       if (at) {
@@ -81,8 +81,9 @@ void quantize_q8_k(const float* x, int64_t in, uint8_t* out) {
     auto* q = reinterpret_cast<int8_t*>(out + 4);
     const float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
     const __m256 scale = _mm256_set1_ps(iscale), limit = _mm256_set1_ps(127.0f);
-    if (!finite) std::memset(q, 0, 256);
-    for (int i = 0; finite && i < 256; i += 32) {
+    const bool scaled = finite && std::isfinite(iscale);  // (a max under 127 / FLT_MAX: q 0, as llama.cpp's)
+    if (!scaled) std::memset(q, 0, 256);
+    for (int i = 0; scaled && i < 256; i += 32) {
       __m256i n[4];
       for (int k = 0; k < 4; ++k)
         n[k] = _mm256_cvtps_epi32(_mm256_min_ps(
@@ -212,7 +213,7 @@ void block_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
 #endif
   if (first == rows) return;
   at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {
-    const int64_t wb = std::max<int64_t>(1, L2_WEIGHTS / (nb * f.bytes));
+    const int64_t wb = std::max<int64_t>(COLS, L2_WEIGHTS / std::max<int64_t>(1, nb * f.bytes) / COLS * COLS);
     for (int64_t o0 = begin; o0 < end; o0 += wb)  // (wb weight rows stay in L2, RT activation rows in L1)
       for (int64_t r = first; r < rows; r += RT) {
         const uint8_t* a[RT];
