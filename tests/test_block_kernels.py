@@ -80,10 +80,11 @@ def test_a_row_is_the_same_bits_in_any_batch_and_nan_stays_in_its_row(kind):
 
 
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
-def test_every_output_is_written_into_a_poisoned_buffer(kind):
+@pytest.mark.parametrize("rows", [1, 19])  # (decode's many weight rows at once; tiles and row kernels)
+def test_every_output_is_written_into_a_poisoned_buffer(kind, rows):
     """block_linear_out into columns of a NaN-filled y (a stacked layer's parts): each element written, none else."""
-    blocks, x = random_blocks(kind, 33, 512, seed=4), torch.randn(19, 512, generator=torch.Generator().manual_seed(4))
-    y = torch.full((19, 40), float("nan"))
+    blocks, x = random_blocks(kind, 33, 512, seed=4), torch.randn(rows, 512, generator=torch.Generator().manual_seed(4))
+    y = torch.full((rows, 40), float("nan"))
     native.ops().block_linear_out(x, blocks, int(kind), None, y.narrow(1, 5, 33))
     assert not y[:, 5:38].isnan().any() and y[:, :5].isnan().all() and y[:, 38:].isnan().all()
     assert torch.equal(y[:, 5:38], native.ops().block_linear(x, blocks, int(kind), None))
