@@ -8,6 +8,12 @@ as a stacked layer's parts are) and nothing else; both ISAs give the same bits w
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -98,6 +104,40 @@ def test_both_isas_give_the_same_bits(kind, rows):
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(9))
     results = [native.ops(isa).block_linear(x, blocks, int(kind), None) for isa in native.cpu_isas()]
     assert all(torch.equal(r, results[0]) for r in results)
+
+
+def read_between_guards() -> None:
+    """Every kernel on weights that end where a readable page ends and begin where one begins (a GGUF's tensors are
+    held in place in the mapped file, gpu/loading/gguf_file.py: the last one ends near the mapping's end): a read
+    past either end faults (this runs in a child: the test sees its exit)."""
+    ops, page = native.ops(), mmap.PAGESIZE
+    for kind in BLOCK_FORMATS:
+        blocks = random_blocks(kind, 40, 768, seed=2)
+        pages = -(-blocks.numel() // page)
+        m = mmap.mmap(-1, (pages + 2) * page)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        libc = ctypes.CDLL(None, use_errno=True)
+        for guard in (base, base + (pages + 1) * page):  # (PROT_NONE before and after)
+            assert libc.mprotect(ctypes.c_void_p(guard), page, 0) == 0, ctypes.get_errno()
+        for start in (page, (pages + 1) * page - blocks.numel()):
+            held = torch.frombuffer(m, dtype=torch.uint8, count=blocks.numel(), offset=start).view(blocks.shape)
+            held.copy_(blocks)
+            for rows in (1, 3, 8, 17, 64):
+                x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+                assert torch.equal(
+                    ops.block_linear(x, held, int(kind), None), ops.block_linear(x, blocks, int(kind), None)
+                )
+            assert torch.equal(
+                ops.block_rows(held, torch.tensor([0, 39]), int(kind), 768),
+                ops.block_rows(blocks, torch.tensor([0, 39]), int(kind), 768),
+            )
+            del held
+
+
+def test_no_kernel_reads_outside_the_weights_bytes():
+    child = "from tests.test_block_kernels import read_between_guards; read_between_guards()"
+    run = subprocess.run([sys.executable, "-c", child], cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_widths_off_the_blocks_and_unknown_formats_are_refused():

@@ -47,7 +47,8 @@ class Linear(nn.Linear):
 
     def hold_blocks(self, native_ops, parts: list[tuple[int, int]]) -> None:
         """Hold the weight in GGUF blocks: `parts`, (rows, format) in row order, each in its own format (a Q4_K_M
-        file's q and k are Q4_K, its v Q6_K), uninitialised until `load_rows`."""
+        file's q and k are Q4_K, its v Q6_K), uninitialised until `load_rows` (memory reserved, not touched: a
+        file's blocks replace it)."""
         self.native_ops, self.blocks, offset = native_ops, [], 0
         for rows, kind in parts:
             elems, size = GGML_QUANT_SIZES[kind]
@@ -59,10 +60,15 @@ class Linear(nn.Linear):
 
     def load_rows(self, rows: torch.Tensor, offset: int) -> None:
         """Write rows offset .. offset + len(rows) - 1 of the held weight (a checkpoint tensor's [n, in], any float
-        dtype: converted to the panels'; for blocks, its [n, row bytes] blocks, or float rows quantized)."""
-        if self.blocks is not None:  # (float rows: quantized into the part's format, --quantization)
-            _, kind, held = next(part for part in self.blocks if part[0] == offset)
-            held.copy_(rows if rows.dtype == torch.uint8 else self.native_ops.quantize_rows(rows.float(), kind))
+        dtype: converted to the panels'); for blocks, float rows are quantized into the part's format (--quantization),
+        and a file's [n, row bytes] blocks become the part as they are (a view of the mapped file: held in place)."""
+        if self.blocks is not None:
+            i, (first, kind, held) = next((i, part) for i, part in enumerate(self.blocks) if part[0] == offset)
+            if rows.dtype == torch.uint8:
+                assert rows.shape == held.shape and rows.is_contiguous()
+                self.blocks[i] = (first, kind, rows)  # (the reserved memory, never touched, goes)
+            else:
+                held.copy_(self.native_ops.quantize_rows(rows.float(), kind))
         else:
             self.native_ops.pack_into(self.native, rows.to(self.native.dtype), offset)
 

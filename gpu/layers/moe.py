@@ -84,7 +84,10 @@ class ExpertRows:
         return self.experts.blocks[self.proj]
 
     def load_rows(self, rows: torch.Tensor, offset: int) -> None:
-        self.experts.blocks[self.proj][1].copy_(rows)
+        """The file's blocks become the projection's as they are (a view of the mapping: held in place)."""
+        kind, held = self.experts.blocks[self.proj]
+        assert rows.shape == held.shape and rows.is_contiguous()
+        self.experts.blocks[self.proj] = (kind, rows)
 
 
 class SparseMoE(nn.Module):

@@ -33,6 +33,8 @@ NATIVE = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationTyp
           gguf.GGMLQuantizationType.BF16: torch.bfloat16}  # fmt: skip
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # (a string's)
+MADV_POPULATE_READ = 22  # (Linux 5.14's; not in Python 3.11's mmap)
 PERMUTED = {"llama": ("q_proj", "k_proj")}  # the converter's rotary permutation of q and k rows
 OFFSET_NORMS = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + w (the model's RMSNorm adds the 1 itself)
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\..*\.experts\.(gate|up|down)$")  # (gpu/layers/moe.py's stacked weights)
@@ -107,7 +109,8 @@ class GGUFFile:
         return self.header[name][0]
 
     def raw(self, name: str) -> torch.Tensor:
-        """The tensor's bytes as rows, [rows, row bytes] uint8 (a view of the mapping; q/k rows put back in order)."""
+        """The tensor's bytes as rows, [rows, row bytes] uint8: a view of the mapping (read-only: never written), or
+        for llama's q and k a copy with the rows put back in order."""
         begin, stop = self._range(name)
         with warnings.catch_warnings():  # (torch warns that the buffer is not writable: it is not written)
             warnings.simplefilter("ignore", UserWarning)
@@ -124,8 +127,11 @@ class GGUFFile:
             return t.view(shape) - 1
         return t.view(shape)
 
+    def _unpermute_of(self, name: str) -> str | None:
+        return next((p for p in PERMUTED.get(self.arch, ()) if name.endswith(f"{p}.weight")), None)
+
     def _unpermute(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        which = next((p for p in PERMUTED.get(self.arch, ()) if name.endswith(f"{p}.weight")), None)
+        which = self._unpermute_of(name)
         if which is None:
             return t
         heads = int(self.meta.get(f"{self.arch}.attention.head_count", 1))
@@ -138,14 +144,33 @@ class GGUFFile:
         return t
 
     def release(self, name: str) -> None:
-        begin, stop = self._range(name)
-        first, last = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, stop // mmap.PAGESIZE * mmap.PAGESIZE
+        """Drop the tensor's pages from this process (whole pages inside its range; the file's pages stay cached)."""
+        first, last = self._pages(name, inner=True)
         if last > first:
             self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
+    def hold(self, name: str) -> None:
+        """After `raw`'s bytes became a weight held in place (gpu/layers/linear.py's blocks): its pages are read in now
+        (a served model's first request does not fault them in) and stay mapped; a permuted q or k was a copy, and
+        its range is released."""
+        if self._unpermute_of(name) is not None:
+            return self.release(name)
+        first, last = self._pages(name, inner=False)
+        try:
+            self.map.madvise(MADV_POPULATE_READ, first, last - first)
+        except OSError:  # (a kernel before 5.14: read ahead, faulted in as it is read)
+            self.map.madvise(mmap.MADV_WILLNEED, first, last - first)
+
+    def _pages(self, name: str, inner: bool) -> tuple[int, int]:
+        """The range's whole pages (`inner`), or the pages it touches."""
+        begin, stop = self._range(name)
+        if inner:
+            return -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, stop // mmap.PAGESIZE * mmap.PAGESIZE
+        return begin // mmap.PAGESIZE * mmap.PAGESIZE, min(-(-stop // mmap.PAGESIZE) * mmap.PAGESIZE, len(self.map))
+
 
 def _string(m: mmap.mmap, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", m, pos)
+    (n,) = _LENGTH.unpack_from(m, pos)
     return m[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
 
 
@@ -159,6 +184,12 @@ def _value(m: mmap.mmap, pos: int, kind: int):
             size = struct.calcsize(SCALARS[inner])
             return np.frombuffer(m, dtype=np.dtype(SCALARS[inner]), count=n, offset=pos), pos + n * size
         items = []
+        if inner == STRING:  # (a vocabulary and its merges: 100k-400k strings, in a loop of their own)
+            for _ in range(n):
+                (size,) = _LENGTH.unpack_from(m, pos)
+                items.append(m[pos + 8 : pos + 8 + size].decode("utf-8", errors="replace"))
+                pos += 8 + size
+            return items, pos
         for _ in range(n):
             item, pos = _value(m, pos, inner)
             items.append(item)

@@ -192,14 +192,15 @@ def load_model(
         parts, layer = parts_of(shards, target, row), layers.get(target)
         offset = 0 if parts is None else sum(s.length for s in parts[:part])  # (parts stack along dim 0)
         if layer is not None and layer.blocks is not None and not into and f.kind(name) in BLOCK_FORMATS:
-            layer.load_rows(f.raw(name), offset)
+            layer.load_rows(f.raw(name), offset)  # (held in place: the mapping's pages are the weight)
+            f.hold(name)
+            continue
+        tensor = f.tensor(name)
+        data = tensor if parts is None else parts[part].read(tensor)
+        if layer is not None:
+            layer.load_rows(data, offset)
         else:
-            tensor = f.tensor(name)
-            data = tensor if parts is None else parts[part].read(tensor)
-            if layer is not None:
-                layer.load_rows(data, offset)
-            else:
-                _write(params[target] if row is None else params[target][row], data, parts, part, offset)
+            _write(params[target] if row is None else params[target][row], data, parts, part, offset)
         f.release(name)
     factors = [f.tensor(ROPE_FREQS) for f in {f for f, *_ in plan} if ROPE_FREQS in f.header]
     for rotary in model.model.rotaries if factors else ():  # (theta_i / factor_i, llama.cpp's freq_factors)
