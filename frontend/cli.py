@@ -32,6 +32,7 @@ from frontend.cli_engine import (
     fault_plan_of,
     restart_policy,
     setup,
+    setup_logging,
 )
 from frontend.cli_lora import lora_arguments, runtime_update_arguments, runtime_updates
 from frontend.reasoning import REASONING_PARSERS
@@ -46,6 +47,7 @@ SERVE_MODULES = (
     "actors.engine.scheduler_actor",
     "actors.engine.worker_actor",
     "actors.detokenizer.actor",
+    "frontend.preflight",  # (the launcher's checks, forked: frontend/launch.py `preflight`)
 )
 
 
@@ -54,13 +56,14 @@ def serve(args: argparse.Namespace) -> int:
 
     from frontend.http_base import HttpConfig
 
-    model = setup(args, "INFO")
     if args.headless or args.node_rank:
+        model = setup(args, "INFO")
         return _headless(args, engine_config(args, str(model.path)))
+    setup_logging(args, "INFO")  # (the model is resolved and checked in frontend/preflight.py, forked)
     http = HttpConfig(
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name or [model.name],
+        served_model_name=args.served_model_name or [],
         api_key=args.api_key,
         limits=RequestLimits(**{name: getattr(args, name) for name in RequestLimits.__struct_fields__}),
         chat_template=_chat_template(args.chat_template),
@@ -80,7 +83,10 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
-    return uvloop.run(_serve(engine_config(args, str(model.path)), http, fault_plan_of(args), args))
+    from gpu.loading.convert import default_model_dir
+
+    model = args.model or str(default_model_dir())  # (the bundled one: converted here on first use)
+    return uvloop.run(_serve(engine_config(args, model), http, fault_plan_of(args), args))
 
 
 def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
@@ -88,7 +94,7 @@ def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
     (actors/replica_link.py)."""
     import uvloop
 
-    from frontend.launch import check_gang, resolve_model
+    from frontend.preflight import check_gang, resolve_model
 
     if not args.headless:
         raise SystemExit(f"--node-rank {args.node_rank}: only node 0 serves; the others run with --headless")
@@ -99,7 +105,7 @@ def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
         if args.data_parallel_rank is not None:
             from frontend.launch import serve_node
 
-            return uvloop.run(serve_node(engine, args.log_level, restart_policy(args), need))
+            return uvloop.run(serve_node(engine, args.log_level, restart_policy(args), need.explanation()))
         from actors.engine.gang_nodes import HeadlessNode
 
         node = HeadlessNode(engine, args.node_rank)
@@ -124,11 +130,11 @@ async def _serve(engine: EngineConfig, http, fault_plan, args: argparse.Namespac
     from frontend.launch import start_server
 
     policy, check = restart_policy(args), not args.skip_memory_check
-    server = await start_server(engine, http, fault_plan, policy, args.log_level, memory_check=check)
+    server = await start_server(engine, http, fault_plan, policy, args.log_level, memory_check=check, forked=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    print(f"Sluice is serving {', '.join(http.served_model_name)} at {server.url}", flush=True)
+    print(f"Sluice is serving {', '.join(server.http.served_model_name)} at {server.url}", flush=True)
     waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.done.wait())]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
         start_forkserver(SERVE_MODULES)
     from actors.runtime import StartupError
-    from gpu.loading.config import ModelLoadError  # (torch: after the fork server's start)
+    from gpu.loading.errors import ModelLoadError
 
     try:
         return args.func(args)

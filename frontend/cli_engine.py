@@ -16,11 +16,15 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 def setup(args: argparse.Namespace, default_level: str):
     """Logging, then the model (converted on first use) or a clear error."""
-    from frontend.launch import resolve_model
+    from frontend.preflight import resolve_model
 
+    setup_logging(args, default_level)
+    return resolve_model(args.model)
+
+
+def setup_logging(args: argparse.Namespace, default_level: str) -> None:
     args.log_level = args.log_level or default_level
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s [launcher] %(name)s: %(message)s")
-    return resolve_model(args.model)
 
 
 def fault_plan_of(args: argparse.Namespace):

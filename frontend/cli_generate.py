@@ -37,7 +37,7 @@ def generate(args: argparse.Namespace) -> int:
     engine = cli_engine.engine_config(args, str(model.path))
     if engine.local_replicas < engine.data_parallel_size:
         raise SystemExit("sluice generate runs every replica itself: --data-parallel-size-local is for a server")
-    from frontend.launch import check_gang
+    from frontend.preflight import check_gang
 
     check_gang(model, engine)
     need = cli_engine.check_memory_of(args, model, engine)
@@ -45,13 +45,15 @@ def generate(args: argparse.Namespace) -> int:
 
 
 async def _generate(engine: EngineConfig, prompt: str, params, chat: bool, need, args) -> int:
-    from frontend.memory_check import explain
+    from frontend.launch import explain
     from frontend.offline import AsyncLLM
     from messages.wire import Finished
 
     policy, log_level = cli_engine.restart_policy(args, give_up=True), args.log_level
     llm = AsyncLLM(engine, fault_plan=cli_engine.fault_plan_of(args), policy=policy, log_level=log_level)
-    llm.system.explain = functools.partial(explain, need=need)  # (an engine killed as it starts or restarts: OOM?)
+    llm.system.explain = functools.partial(
+        explain, memory=need.explanation()
+    )  # (an engine killed as it starts or restarts: OOM?)
     async with llm:  # (replica 0)
         tokens = prompt
         if chat:

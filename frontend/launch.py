@@ -1,10 +1,10 @@
 """Launch a server: the HTTP, engine and detokenizer processes under the launcher's supervisor (and the door of its
 replicas on other nodes); or a headless node's engine replica (`serve_node`).
 
-Everything that can fail fast does so before any process starts: the model is resolved (the
-bundled default is converted on first use, a .gguf gets its card in the cache) and checked, it must fit in the
-host's memory (frontend/memory_check.py), and a fixed port is test-bound. Port 0 is resolved to a free port here, so
-a restarted HTTP process binds the same one. The processes start together: the HTTP front listens while the engine
+Everything that can fail fast does so before any process starts: the model is resolved and checked and must fit in
+the host's memory (frontend/preflight.py, which `sluice serve` runs in a child of the fork server: this module does not
+import torch), and a fixed port is test-bound. Port 0 is resolved to a free port here, so a restarted HTTP process
+binds the same one. The processes start together, the engine's first: the HTTP front listens while the engine
 replicas load (503 until each is ready: frontend/readiness.py), and `start()` returns once the server serves.
 """
 
@@ -13,54 +13,33 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import msgspec
-import torch
-from tqdm import tqdm
 
-from actors.engine.config import EngineConfig, LoraConfig
-from actors.graph import engine_processes, replica_processes
+from actors.engine.config import EngineConfig
+from actors.graph import replica_processes
 from actors.replica_link import Door, NodeLink, Proxy
 from actors.runtime import (
-    ActorSpec,
     ActorSystem,
     AskTimeout,
     FaultPlan,
     ProcessSpec,
     RestartPolicy,
     StartupError,
+    call_forked,
     curve,
 )
 from actors.runtime.actor import Actor
 from frontend.http_base import HttpConfig
-from frontend.memory_check import MemoryNeed, check_memory, explain, memory_need
-from gpu.loading.config import ModelConfig, ModelLoadError
-from gpu.loading.convert import ConversionError, default_model_dir
-from gpu.loading.lora import LoraError, read_adapter
-from gpu.loading.weights import check_checkpoint, check_quantization
-from gpu.models import REGISTRY
-from gpu.runner.model_runner import resolve_device
-from messages.names import HTTP, replica
+from gpu.loading.errors import ModelLoadError
+from messages.names import HTTP, replica, replica_of
 from messages.wire import Ping
 
 log = logging.getLogger("sluice.replicas")
 EXIT_REFUSED = 2  # a headless replica's node refused by the front (as a gang's: actors/engine/gang_nodes.py)
-
-
-def resolve_model(model: str | None) -> ModelConfig:
-    """The model to serve: a directory, a .gguf (served in place, its card made once in the cache), or None for the
-    bundled SmolLM2. Raises ModelLoadError saying what is wrong."""
-    try:
-        config = ModelConfig.from_path(model or default_model_dir())
-    except ConversionError as e:
-        raise ModelLoadError(str(e)) from e
-    check_checkpoint(config)  # (its tensors' names and shapes, from the headers: before any process starts)
-    return config
 
 
 def pick_port(http: HttpConfig) -> HttpConfig:
@@ -75,80 +54,6 @@ def pick_port(http: HttpConfig) -> HttpConfig:
         return msgspec.structs.replace(http, port=s.getsockname()[1])
 
 
-def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> ProcessSpec:
-    kwargs = {
-        "model": str(model.path),
-        "http": msgspec.to_builtins(http),
-        "max_model_len": min(engine.max_model_len, model.max_model_len),
-        "vocab_size": model.vocab_size,
-        "bos_token_id": model.bos_token_id,  # (the engine's: whether the model has a BOS to guide against)
-        "replicas": engine.data_parallel_size,
-        "local_replicas": engine.local_replicas,  # (the others: down until their node joins)
-        "block_size": engine.block_size,
-        "loras": [msgspec.to_builtins(m) for m in engine.lora.modules] if engine.lora else [],
-    }
-    return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
-
-
-def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> LoraConfig | None:
-    """The LoRA config with each adapter's digest, every adapter read and checked against the model (LoraError, a
-    ModelLoadError, naming the one at fault) before any process starts."""
-    lora = engine.lora
-    if http.lora_runtime_updates and (lora is None or engine.tensor_parallel_size > 1):
-        raise ModelLoadError("--enable-lora-runtime-updates needs --enable-lora and one rank (no tensor parallelism)")
-    if lora is None:
-        return None
-    with torch.device("meta"):
-        base = REGISTRY[model.architecture](model)
-    modules, served = [], {*(http.served_model_name or [model.name, Path(model.path).name])}
-    for m in tqdm(lora.modules, desc="Checking LoRA adapters", unit="adapter", disable=len(lora.modules) < 8):
-        if m.name in served:
-            raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")
-        try:
-            digest, _ = read_adapter(m.path, base, lora.max_lora_rank, torch.float32)
-            modules.append(msgspec.structs.replace(m, digest=digest))
-        except LoraError as e:
-            raise ModelLoadError(f"--lora-modules {m.name}: {e}") from e
-    return msgspec.structs.replace(lora, modules=modules)
-
-
-def check_gang(model: ModelConfig, engine: EngineConfig) -> list[str] | None:
-    """Before any process starts: the model shards over the gang's ranks, and a node has a
-    device for each of its ranks (of every replica). Returns each replica's CUDA_VISIBLE_DEVICES where replicas
-    split the node's CUDA devices (None: they share the node)."""
-    if engine.tensor_parallel_size > 1:
-        check_checkpoint(model, engine.tensor_parallel_size)
-    per_replica = engine.tensor_parallel_size // engine.nnodes
-    per_node, dp = per_replica * engine.local_replicas, engine.local_replicas
-    if per_node == 1 or resolve_device(engine.device).type != "cuda":
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if per_node > len(devices):
-        raise ModelLoadError(f"{per_node} ranks on this node, {len(devices)} CUDA devices")
-    return None if dp == 1 else [",".join(devices[k * per_replica : (k + 1) * per_replica]) for k in range(dp)]
-
-
-def build_processes(
-    engine: EngineConfig, http: HttpConfig, memory_check: bool = True
-) -> tuple[list[ProcessSpec], MemoryNeed]:
-    """The processes, and what they need of this host's memory (checked unless not `memory_check`)."""
-    model = resolve_model(engine.model)
-    check_quantization(model, engine.quantization)
-    devices = check_gang(model, engine)
-    engine = msgspec.structs.replace(engine, model=str(model.path), lora=checked_loras(model, engine, http))
-    spec = engine.speculative
-    if spec is not None and spec.model is not None:  # a draft .gguf's card is made here too, before anything starts
-        draft = resolve_model(spec.model)
-        if draft.vocab_size != model.vocab_size:
-            raise ModelLoadError(
-                f"the draft model's vocabulary ({draft.vocab_size}) is not the model's ({model.vocab_size})"
-            )
-        engine = msgspec.structs.replace(engine, speculative=msgspec.structs.replace(spec, model=str(draft.path)))
-    need = (check_memory if memory_check else memory_need)(model, engine)
-    return [http_process(model, engine, http), *engine_processes(engine, HTTP, devices)], need
-
-
 def remote_replicas(engine: EngineConfig) -> list[Actor]:
     """The launcher's door to the replicas on other nodes, and their proxies (actors/replica_link.py)."""
     remote = list(range(engine.local_replicas, engine.data_parallel_size))
@@ -158,13 +63,43 @@ def remote_replicas(engine: EngineConfig) -> list[Actor]:
     return [door, *(Proxy(actor, k, door) for k in remote for actor in replica(k).actors)]
 
 
+class Preflight(msgspec.Struct, kw_only=True):
+    """The forked checks' answer (frontend/preflight.py `prepare_json`): the launch, or why there is none."""
+
+    http: HttpConfig | None = None  # as asked, the served names filled in (the model's where none were given)
+    processes: list[ProcessSpec] = []  # the engine's first
+    memory: str | None = None  # the engine's memory figures and what to try (MemoryNeed.explanation)
+    error: str | None = None  # why the model cannot be served (a ModelLoadError's or StartupError's message)
+
+
+def preflight(engine: EngineConfig, http: HttpConfig, memory_check: bool, log_level: str) -> Preflight:
+    """frontend/preflight.py's `prepare` run in a child of the fork server; ModelLoadError if it refuses."""
+    request = {"engine": engine, "http": http, "memory_check": memory_check, "log_level": log_level}
+    answer = call_forked("frontend.preflight:prepare_json", msgspec.json.encode(request), "sluice:preflight")
+    checked = msgspec.json.decode(answer, type=Preflight)
+    if checked.error is not None:
+        raise ModelLoadError(checked.error)
+    return checked
+
+
+def explain(error: StartupError, memory: str | None) -> StartupError:
+    """An engine-side process SIGKILLed while it started: most likely out of memory, with the figures (`memory`)."""
+    if memory is None or error.exitcode != -signal.SIGKILL or error.proc is None or replica_of(error.proc) is None:
+        return error
+    return StartupError(
+        f"{error}: most likely out of memory (the kernel's OOM killer: `dmesg` says): {memory}",
+        error.proc,
+        error.exitcode,
+    )
+
+
 class Server(ActorSystem):
     """A supervised actor graph with an HTTP actor; `start()` returns once every actor has started
-    (the model is loaded, the web server listens and serves). `memory`: what the engine needs, to explain an engine
-    killed while it starts or restarts."""
+    (the model is loaded, the web server listens and serves). `memory`: the engine's memory figures
+    (MemoryNeed.explanation), to explain an engine killed while it starts or restarts."""
 
-    def __init__(self, processes: list[ProcessSpec], http: HttpConfig, memory: MemoryNeed | None = None, **kwargs):
-        super().__init__(processes, explain=functools.partial(explain, need=memory), **kwargs)
+    def __init__(self, processes: list[ProcessSpec], http: HttpConfig, memory: str | None = None, **kwargs):
+        super().__init__(processes, explain=functools.partial(explain, memory=memory), **kwargs)
         self.http = http
 
     @property
@@ -195,18 +130,28 @@ async def start_server(
     policy: RestartPolicy | None = None,
     log_level: str = "INFO",
     memory_check: bool = True,
+    forked: bool = False,
 ) -> Server:
-    """Start the whole graph; `await server.stop()` (or `async with`) shuts it down."""
+    """Start the whole graph; `await server.stop()` (or `async with`) shuts it down. `forked`: the checks run in a
+    child of the fork server (`sluice serve`: torch is not imported here; the server's name is the model's where
+    `http` names none), else in this process."""
     http = pick_port(http)
-    processes, need = build_processes(engine, http, memory_check)
-    server = Server(processes, http, need, local=remote_replicas(engine), fault_plan=fault_plan, policy=policy,
+    if forked:
+        checked = await asyncio.to_thread(preflight, engine, http, memory_check, log_level)
+        http, processes, memory = checked.http, checked.processes, checked.memory
+    else:
+        from frontend.preflight import build_processes
+
+        processes, need = build_processes(engine, http, memory_check)
+        memory = need.explanation()
+    server = Server(processes, http, memory, local=remote_replicas(engine), fault_plan=fault_plan, policy=policy,
                     log_level=log_level)  # fmt: skip
     await server.start()
     return server
 
 
 async def serve_node(
-    config: EngineConfig, log_level: str = "INFO", policy: RestartPolicy | None = None, memory: MemoryNeed | None = None
+    config: EngineConfig, log_level: str = "INFO", policy: RestartPolicy | None = None, memory: str | None = None
 ) -> int:
     """A headless node's launcher of replica config.data_parallel_rank, until SIGTERM/SIGINT (0), its supervisor
     gives up (1: only with `policy.exit_past_intensity`) or the front refuses its handshakes (EXIT_REFUSED: found
@@ -215,7 +160,7 @@ async def serve_node(
     link = NodeLink(HTTP, config.data_parallel_rank, address)
     engine = msgspec.structs.replace(config, stats_to=[HTTP])
     system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], policy=policy, log_level=log_level,
-                         explain=functools.partial(explain, need=memory))  # fmt: skip
+                         explain=functools.partial(explain, memory=memory))  # fmt: skip
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

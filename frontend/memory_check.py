@@ -1,7 +1,8 @@
 """The engine's memory on this host, before any process starts: a model that cannot fit is refused (the kernel's OOM
 killer would SIGKILL the engine while it loads: "process engine was killed by SIGKILL during startup"), and an engine
-killed so while it starts or restarts is explained with the same figures and what to try (`explain`: the supervisor's
-hook, set by `sluice serve`, a replica's headless node and `sluice generate`).
+killed so while it starts or restarts is explained with the same figures and what to try (`explanation`, which
+frontend/launch.py's `explain` adds: the supervisor's hook, set by `sluice serve`, a replica's headless node and
+`sluice generate`).
 
 On CPU this node's engine processes hold the weights as served (gpu/runner/memory.py `served_weight_bytes`, a floor) and
 the KV cache (--kv-cache-memory-gb, default 1 GiB, or --num-kv-blocks blocks: actors/engine/executor.py), for each local
@@ -12,21 +13,18 @@ MemAvailable (/proc/meminfo), unless --skip-memory-check. On CUDA the weights an
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 
 import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.executor import draft_configs, num_kv_blocks
-from actors.runtime import StartupError
 from gpu.attention.kv_cache import bytes_per_block
 from gpu.distributed.group import TensorParallel
 from gpu.layers.parallel import local_config
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.runner.memory import served_weight_bytes
 from gpu.runner.model_runner import native_cpu_weights, resolve_dtypes
-from messages.names import replica_of
 
 GIB = 1 << 30
 # what else to try, and how the weights are then served (the KV cache as it is)
@@ -67,6 +65,10 @@ class MemoryNeed:
         avail = "unknown" if self.available is None else f"{self.available / GIB:.1f} GiB"
         return (f"its weights take at least {self.weights / GIB:.1f} GiB of {where} ({served}), its KV cache {cache}; "
                 f"this host has {avail} available (MemAvailable in /proc/meminfo)")  # fmt: skip
+
+    def explanation(self) -> str:
+        """The figures and what to try (frontend/launch.py's `explain` of an engine killed as it starts)."""
+        return f"{self.figures()}; {self.advice()}"
 
     def advice(self) -> str:
         if self.device != "cpu":
@@ -123,15 +125,3 @@ def check_memory(model: ModelConfig, engine: EngineConfig) -> MemoryNeed:
             "--skip-memory-check to try anyway"
         )
     return need
-
-
-def explain(error: StartupError, need: MemoryNeed | None) -> StartupError:
-    """An engine-side process SIGKILLed while it started: most likely out of memory, with the figures."""
-    if need is None or error.exitcode != -signal.SIGKILL or error.proc is None or replica_of(error.proc) is None:
-        return error
-    return StartupError(
-        f"{error}: most likely out of memory (the kernel's OOM killer: `dmesg` says): {need.figures()}; "
-        f"{need.advice()}",
-        error.proc,
-        error.exitcode,
-    )

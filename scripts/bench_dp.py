@@ -22,7 +22,8 @@ import aiohttp
 from actors.engine.config import EngineConfig
 from frontend.bench_serve import WORDS, random_prompts, send_request, summarize
 from frontend.http_base import HttpConfig
-from frontend.launch import resolve_model, start_server
+from frontend.launch import start_server
+from frontend.preflight import resolve_model
 
 SYSTEMS = 8
 QUESTIONS = ["What should I pack for a trip to {}?", "Explain {} in one paragraph.", "Write a haiku about {}."]

@@ -16,8 +16,8 @@ import random
 import time
 
 from actors.engine.config import EngineConfig
-from frontend.launch import resolve_model
 from frontend.offline import AsyncLLM
+from frontend.preflight import resolve_model
 from messages.sampling_params import SamplingParams
 
 

@@ -32,7 +32,8 @@ import numpy as np
 from actors.engine.config import EngineConfig
 from frontend.bench_serve import random_prompts, send_request
 from frontend.http_base import HttpConfig
-from frontend.launch import resolve_model, start_server
+from frontend.launch import start_server
+from frontend.preflight import resolve_model
 from frontend.tokenizer import Tokenizer
 
 WORDS = "the quick brown fox jumps over the lazy dog "

@@ -20,8 +20,8 @@ import statistics
 import time
 
 from actors.engine.config import EngineConfig
-from frontend.launch import resolve_model
 from frontend.offline import AsyncLLM
+from frontend.preflight import resolve_model
 from messages.sampling_params import SamplingParams
 
 RNG = random.Random(0)

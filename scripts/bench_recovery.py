@@ -19,7 +19,8 @@ import openai
 
 from actors.engine.config import EngineConfig
 from frontend.http_base import HttpConfig
-from frontend.launch import resolve_model, start_server
+from frontend.launch import start_server
+from frontend.preflight import resolve_model
 
 
 async def stream(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: asyncio.Event, stamps: list[float]):

@@ -21,7 +21,8 @@ import openai
 
 from actors.engine.config import EngineConfig
 from frontend.http_base import HttpConfig
-from frontend.launch import resolve_model, start_server
+from frontend.launch import start_server
+from frontend.preflight import resolve_model
 from frontend.responses_api.store import ResponseStore
 
 CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers of Europe."}]

@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.engine.config import EngineConfig, SpeculativeConfig
 from frontend.bench_serve import send_request
 from frontend.http_base import HttpConfig
-from frontend.launch import resolve_model, start_server
+from frontend.launch import start_server
+from frontend.preflight import resolve_model
 
 PASSAGES = [
     "The old lighthouse keeper climbed the stairs every evening. He lit the lamp, wound the clock, and watched "

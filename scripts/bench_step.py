@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from frontend.launch import resolve_model
+from frontend.preflight import resolve_model
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.layers.linear import Linear
 from gpu.loading.config import ModelConfig

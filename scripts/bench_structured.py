@@ -22,8 +22,8 @@ from pathlib import Path
 
 from actors.engine.config import EngineConfig
 from actors.engine.grammar import Grammars
-from frontend.launch import resolve_model
 from frontend.offline import AsyncLLM
+from frontend.preflight import resolve_model
 from gpu.loading.config import ModelConfig
 from messages.sampling_params import SamplingParams, StructuredOutput
 

@@ -24,8 +24,8 @@ import msgspec
 import torch
 
 from actors.engine.config import EngineConfig
-from frontend.launch import resolve_model
 from frontend.offline import AsyncLLM
+from frontend.preflight import resolve_model
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.distributed.group import join, leave, rendezvous
 from messages.sampling_params import SamplingParams

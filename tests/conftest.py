@@ -215,7 +215,8 @@ async def fake_server_of(model_dir: Path, **http):
     """The HTTP process alone over a FakeEngine in the test process (`fake_server`'s), with HttpConfig's `http`."""
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
-    from frontend.launch import Server, http_process, pick_port, resolve_model
+    from frontend.launch import Server, pick_port
+    from frontend.preflight import http_process, resolve_model
     from tests.fake_engine import FakeEngine
 
     model = resolve_model(str(model_dir))
@@ -253,7 +254,8 @@ def fake(fake_server):
 async def real_server(responses_db):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
-    from frontend.launch import resolve_model, start_server
+    from frontend.launch import start_server
+    from frontend.preflight import resolve_model
 
     model = resolve_model(None)
     # (1 GiB of KV cache on every device: on CUDA, sized to the card, it would leave later tests no room)

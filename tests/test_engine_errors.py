@@ -13,8 +13,8 @@ import pytest
 from actors.engine.config import EngineConfig
 from frontend.context import ServingContext
 from frontend.http_base import HttpConfig
-from frontend.launch import http_process, resolve_model
 from frontend.offline import AsyncLLM
+from frontend.preflight import http_process, resolve_model
 from frontend.protocol import RequestError, parse_completion
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import SamplingParams

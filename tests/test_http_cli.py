@@ -43,6 +43,8 @@ async def test_serve_prints_its_url_serves_and_exits_0_on_sigterm(tiny_model_dir
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 180)).decode()
         assert line.startswith("Sluice is serving tiny at http://127.0.0.1:"), line
+        # the launcher checked the model in a child of its fork server (frontend/preflight.py) and holds no torch
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         url = line.split()[-1]
         async with aiohttp.ClientSession(url) as s:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}

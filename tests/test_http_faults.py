@@ -222,7 +222,8 @@ async def wait_for_status(session, path: str, status: int, timeout: float = 10.0
 async def test_shutdown_aborts_in_flight_requests_and_waits_for_them(tiny_model_dir):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
-    from frontend.launch import Server, http_process, pick_port, resolve_model
+    from frontend.launch import Server, pick_port
+    from frontend.preflight import http_process, resolve_model
     from tests.fake_engine import FakeEngine
 
     engine = FakeEngine()

@@ -18,7 +18,8 @@ import torch
 
 from actors.engine.config import EngineConfig, LoraConfig, LoraModule
 from frontend.http_base import HttpConfig
-from frontend.launch import build_processes, start_server
+from frontend.launch import start_server
+from frontend.preflight import build_processes
 from gpu.loading.config import ModelLoadError
 from tests.conftest import API_KEY, ServerHandle
 from tests.lora_adapters import make_adapter, peft_reference

@@ -6,21 +6,25 @@ host's MemAvailable is refused before any process starts, with the figures and w
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from actors.engine.config import EngineConfig
 from frontend import memory_check
-from frontend.cli import build_parser, main
+from frontend.cli import build_parser
 from frontend.cli_engine import check_memory_of
-from frontend.launch import resolve_model
+from frontend.preflight import resolve_model
 from gpu.loading.config import ModelLoadError
 from gpu.loading.weights import load_model
 from gpu.runner.memory import served_weight_bytes
 
 GIB = 1 << 30
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def held(value) -> list[torch.Tensor]:
@@ -77,7 +81,7 @@ def test_replicas_hold_their_own_weights_and_cache(tiny_model_dir):
     assert (two.weights, two.kv_cache) == (2 * one.weights, 2 * one.kv_cache)
 
 
-def test_a_model_that_cannot_fit_is_refused_before_any_process_starts(tiny_model_dir, monkeypatch, capsys):
+def test_a_model_that_cannot_fit_is_refused_before_any_process_starts(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(memory_check, "mem_available", lambda: 64 << 20)  # 64 MiB left on this host
     config = resolve_model(str(tiny_model_dir))
     engine = EngineConfig(model=str(config.path), device="cpu", kv_cache_memory_gb=0.5)
@@ -85,8 +89,9 @@ def test_a_model_that_cannot_fit_is_refused_before_any_process_starts(tiny_model
         check_memory_of(build_parser().parse_args(["serve", str(tiny_model_dir)]), config, engine)
     args = build_parser().parse_args(["serve", str(tiny_model_dir), "--skip-memory-check"])
     assert check_memory_of(args, config, engine).total > 64 << 20  # (told to try anyway: not refused)
-    argv = ["serve", str(tiny_model_dir), "--port", "0", "--device", "cpu", "--kv-cache-memory-gb", "0.5"]
-    assert main(argv) == 1
-    err = capsys.readouterr().err
-    assert "cannot fit in this host's memory" in err and "its KV cache 0.5 GiB" in err and "0.1 GiB available" in err
-    assert "--dtype bfloat16 (" in err and "--skip-memory-check to try anyway" in err
+    # `sluice serve` checks in a child of its fork server (frontend/preflight.py): a cache no host holds, refused there
+    argv = ["serve", str(tiny_model_dir), "--port", "0", "--device", "cpu", "--kv-cache-memory-gb", "100000"]
+    run = subprocess.run([sys.executable, "-m", "frontend.cli", *argv], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 1 and run.stdout == "", run.stderr[-2000:]
+    assert "cannot fit in this host's memory" in run.stderr and "its KV cache 100000.0 GiB" in run.stderr
+    assert "GiB available (MemAvailable" in run.stderr and "--skip-memory-check to try anyway" in run.stderr

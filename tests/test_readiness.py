@@ -20,7 +20,8 @@ from actors.engine.config import EngineConfig
 from actors.replica_link import Door
 from actors.runtime import RestartPolicy, StartupError
 from frontend.http_base import HttpConfig
-from frontend.launch import Server, build_processes, pick_port
+from frontend.launch import Server, pick_port
+from frontend.preflight import build_processes
 from frontend.readiness import LOADING_RETRY_S, RESTART_RETRY_S, Readiness
 from frontend.requests import RequestTable
 from messages.names import ENGINE, HTTP, SUPERVISOR, replica
@@ -41,7 +42,7 @@ def held_server(tiny_model_dir, tmp_path, gate: Gate, **kwargs) -> Server:
     http = pick_port(HttpConfig(port=0, served_model_name=["tiny"], responses_db=str(tmp_path / "r.sqlite3")))
     processes, need = build_processes(engine, http)
     gate.hold()  # (its first start)
-    return Server(gate.gated(processes), http, need, **kwargs)
+    return Server(gate.gated(processes), http, need.explanation(), **kwargs)
 
 
 @pytest.fixture(scope="module")

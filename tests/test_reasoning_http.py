@@ -24,7 +24,8 @@ async def thinking(tiny_model_dir):
     """The HTTP process with a qwen3 reasoning parser; the fake engine answers only as a test scripts it."""
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
-    from frontend.launch import Server, http_process, pick_port, resolve_model
+    from frontend.launch import Server, pick_port
+    from frontend.preflight import http_process, resolve_model
     from tests.fake_engine import FakeEngine
 
     model = resolve_model(str(tiny_model_dir))

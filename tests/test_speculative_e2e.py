@@ -18,8 +18,8 @@ import msgspec
 import pytest
 
 from actors.engine.config import SpeculativeConfig
-from frontend.launch import resolve_model
 from frontend.offline import AsyncLLM
+from frontend.preflight import resolve_model
 from messages.sampling_params import SamplingParams
 from tests.cancel_harness import assert_idle, engine_config, gate, model_dir, start_held, wait_state  # noqa: F401
 from tests.tiny_model import make_tiny_model_dir

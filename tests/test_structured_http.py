@@ -137,7 +137,8 @@ async def deadline_server(tiny_model_dir):
     """The HTTP process alone (tests/fake_engine.py serves what it admits) with a short grammar compile deadline."""
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
-    from frontend.launch import Server, http_process, pick_port, resolve_model
+    from frontend.launch import Server, pick_port
+    from frontend.preflight import http_process, resolve_model
     from tests.conftest import ServerHandle
     from tests.fake_engine import FakeEngine
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from frontend.launch import resolve_model
+from frontend.preflight import resolve_model
 from gpu.distributed.group import TensorParallel, join, leave, rendezvous
 from gpu.layers.parallel import Heads, heads, local_config
 from gpu.loading.config import ModelConfig, ModelLoadError

@@ -2,7 +2,7 @@
 
 from actors.runtime.actor import Actor, AskTimeout, FatalError
 from actors.runtime.faults import FaultPlan, FaultRule
-from actors.runtime.process import ActorSpec, ProcessSpec
+from actors.runtime.process import ActorSpec, ProcessSpec, call_forked
 from actors.runtime.system import ActorSystem, RestartPolicy, StartupError
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "ProcessSpec",
     "RestartPolicy",
     "StartupError",
+    "call_forked",
 ]

@@ -98,6 +98,47 @@ def start_forkserver(preload: tuple[str, ...] = ()) -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def call_forked(function: str, argument: bytes, title: str) -> bytes:
+    """`function` ("module:callable", bytes -> bytes) called on `argument` in a child of the fork server, its answer:
+    a launcher's work that needs modules the fork server imported and the launcher does not (torch). The child
+    starts as an actor process does (`title`, the launcher's environment, stdout and stderr) and exits once it has
+    answered. Blocks; ChildProcessError if the child dies first."""
+    context = multiprocessing.get_context("forkserver")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_answer, args=(function, argument, send, title, Inherited()), daemon=True)
+    child.start()
+    send.close()
+    try:
+        return receive.recv_bytes()
+    except EOFError:
+        child.join()
+        raise ChildProcessError(f"{title} {how_it_exited(child.exitcode)} before it answered (see its log)") from None
+    finally:
+        receive.close()
+        child.join()
+
+
+def _answer(function: str, argument: bytes, send, title: str, inherited: Inherited) -> None:
+    inherited.attach_stdio()
+    set_title(title)
+    os.environ.clear()
+    os.environ.update(inherited.environ)
+    module, _, name = function.partition(":")
+    send.send_bytes(getattr(importlib.import_module(module), name)(argument))
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(EXIT_OK)  # (not the interpreter's finalization: torch's alone takes a second)
+
+
+def how_it_exited(code: int) -> str:
+    """How a child exited, from its exit code (-N: killed by signal N, a real-time one, which has no name, included)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 def child_main(config_json: bytes, inherited: Inherited) -> None:
     """Entry point of every actor process (multiprocessing's target, forked from the fork server)."""
 

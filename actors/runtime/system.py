@@ -34,7 +34,7 @@ from actors.runtime.actor import Actor
 from actors.runtime.backoff import RestartBudget, RestartPolicy, group_of
 from actors.runtime.faults import FaultPlan
 from actors.runtime.mailbox import LINGER_MS
-from actors.runtime.process import ChildConfig, Inherited, ProcessSpec, child_main
+from actors.runtime.process import ChildConfig, Inherited, ProcessSpec, child_main, how_it_exited
 from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
 from actors.runtime.supervisor import Supervisor
 from messages.names import SUPERVISOR
@@ -287,13 +287,3 @@ class ActorSystem:
         self.router.close()
         remove_rundir(self.rundir)
         self.done.set()
-
-
-def how_it_exited(code: int) -> str:
-    """How a child exited, from its exit code (-N: killed by signal N, a real-time one, which has no name, included)."""
-    if code >= 0:
-        return f"exited with code {code}"
-    try:
-        return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"

@@ -1,0 +1,147 @@
+"""A launch's checks, before any of its processes starts: the model is resolved (the bundled default is converted on
+first use, a .gguf gets its card in the cache) and checked (its tensors' names and shapes, its LoRA adapters, a gang's
+devices), and it must fit in the host's memory (frontend/memory_check.py); then the processes to start, and what to say
+of an engine killed as it starts (`Prepared`).
+
+This is the one part of a launch that imports torch (the models' shapes on meta). `sluice serve` runs it in a child of
+the fork server (frontend/launch.py `preflight`; the fork server's preload imported it), so the launcher itself never imports torch: its start
+is not a second torch import beside the fork server's (1.4 s of CPU on a 2-core host), and it holds ~200 MB less.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import msgspec
+import torch
+from tqdm import tqdm
+
+from actors.engine.config import EngineConfig, LoraConfig
+from actors.graph import engine_processes
+from actors.runtime import ActorSpec, ProcessSpec, StartupError
+from frontend.http_base import HttpConfig
+from frontend.memory_check import MemoryNeed, check_memory, memory_need
+from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.loading.convert import ConversionError, default_model_dir
+from gpu.loading.lora import LoraError, read_adapter
+from gpu.loading.weights import check_checkpoint, check_quantization
+from gpu.models import REGISTRY
+from gpu.runner.model_runner import resolve_device
+from messages.names import HTTP
+
+
+class Request(msgspec.Struct, kw_only=True):
+    """What frontend/launch.py's `preflight` asks of `prepare_json`."""
+
+    engine: EngineConfig
+    http: HttpConfig
+    memory_check: bool
+    log_level: str
+
+
+def resolve_model(model: str | None) -> ModelConfig:
+    """The model to serve: a directory, a .gguf (served in place, its card made once in the cache), or None for the
+    bundled SmolLM2. Raises ModelLoadError saying what is wrong."""
+    try:
+        config = ModelConfig.from_path(model or default_model_dir())
+    except ConversionError as e:
+        raise ModelLoadError(str(e)) from e
+    check_checkpoint(config)  # (its tensors' names and shapes, from the headers: before any process starts)
+    return config
+
+
+def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> ProcessSpec:
+    kwargs = {
+        "model": str(model.path),
+        "http": msgspec.to_builtins(http),
+        "max_model_len": min(engine.max_model_len, model.max_model_len),
+        "vocab_size": model.vocab_size,
+        "bos_token_id": model.bos_token_id,  # (the engine's: whether the model has a BOS to guide against)
+        "replicas": engine.data_parallel_size,
+        "local_replicas": engine.local_replicas,  # (the others: down until their node joins)
+        "block_size": engine.block_size,
+        "loras": [msgspec.to_builtins(m) for m in engine.lora.modules] if engine.lora else [],
+    }
+    return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
+
+
+def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> LoraConfig | None:
+    """The LoRA config with each adapter's digest, every adapter read and checked against the model (LoraError, a
+    ModelLoadError, naming the one at fault) before any process starts."""
+    lora = engine.lora
+    if http.lora_runtime_updates and (lora is None or engine.tensor_parallel_size > 1):
+        raise ModelLoadError("--enable-lora-runtime-updates needs --enable-lora and one rank (no tensor parallelism)")
+    if lora is None:
+        return None
+    with torch.device("meta"):
+        base = REGISTRY[model.architecture](model)
+    modules, served = [], {*(http.served_model_name or [model.name, Path(model.path).name])}
+    for m in tqdm(lora.modules, desc="Checking LoRA adapters", unit="adapter", disable=len(lora.modules) < 8):
+        if m.name in served:
+            raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")
+        try:
+            digest, _ = read_adapter(m.path, base, lora.max_lora_rank, torch.float32)
+            modules.append(msgspec.structs.replace(m, digest=digest))
+        except LoraError as e:
+            raise ModelLoadError(f"--lora-modules {m.name}: {e}") from e
+    return msgspec.structs.replace(lora, modules=modules)
+
+
+def check_gang(model: ModelConfig, engine: EngineConfig) -> list[str] | None:
+    """Before any process starts: the model shards over the gang's ranks, and a node has a
+    device for each of its ranks (of every replica). Returns each replica's CUDA_VISIBLE_DEVICES where replicas
+    split the node's CUDA devices (None: they share the node)."""
+    if engine.tensor_parallel_size > 1:
+        check_checkpoint(model, engine.tensor_parallel_size)
+    per_replica = engine.tensor_parallel_size // engine.nnodes
+    per_node, dp = per_replica * engine.local_replicas, engine.local_replicas
+    if per_node == 1 or resolve_device(engine.device).type != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if per_node > len(devices):
+        raise ModelLoadError(f"{per_node} ranks on this node, {len(devices)} CUDA devices")
+    return None if dp == 1 else [",".join(devices[k * per_replica : (k + 1) * per_replica]) for k in range(dp)]
+
+
+def build_processes(
+    engine: EngineConfig, http: HttpConfig, memory_check: bool = True, model: ModelConfig | None = None
+) -> tuple[list[ProcessSpec], MemoryNeed]:
+    """The processes, and what they need of this host's memory (checked unless not `memory_check`); the engine's
+    first (started in this order: its load is the longest part of a start). `model`: engine.model's, resolved."""
+    model = model or resolve_model(engine.model)
+    check_quantization(model, engine.quantization)
+    devices = check_gang(model, engine)
+    engine = msgspec.structs.replace(engine, model=str(model.path), lora=checked_loras(model, engine, http))
+    spec = engine.speculative
+    if spec is not None and spec.model is not None:  # a draft .gguf's card is made here too, before anything starts
+        draft = resolve_model(spec.model)
+        if draft.vocab_size != model.vocab_size:
+            raise ModelLoadError(
+                f"the draft model's vocabulary ({draft.vocab_size}) is not the model's ({model.vocab_size})"
+            )
+        engine = msgspec.structs.replace(engine, speculative=msgspec.structs.replace(spec, model=str(draft.path)))
+    need = (check_memory if memory_check else memory_need)(model, engine)
+    return [*engine_processes(engine, HTTP, devices), http_process(model, engine, http)], need
+
+
+def prepare(engine: EngineConfig, http: HttpConfig, memory_check: bool = True) -> dict:
+    """`sluice serve`'s launch of `engine` behind `http` (its port chosen), checked, the model's name served where
+    `http` names none: frontend/launch.py's Preflight's fields. Raises ModelLoadError or StartupError."""
+    model = resolve_model(engine.model)
+    http = msgspec.structs.replace(http, served_model_name=http.served_model_name or [model.name])
+    processes, need = build_processes(engine, http, memory_check, model)
+    return {"http": http, "processes": processes, "memory": need.explanation()}
+
+
+def prepare_json(request: bytes) -> bytes:
+    """`prepare` in a child of the fork server (actors/runtime/process.py `call_forked`): a Request in, the launch
+    or its error out, as JSON."""
+    r = msgspec.json.decode(request, type=Request)
+    logging.basicConfig(level=r.log_level, format="%(asctime)s %(levelname)s [launcher] %(name)s: %(message)s")
+    try:
+        return msgspec.json.encode(prepare(r.engine, r.http, r.memory_check))
+    except (ModelLoadError, StartupError) as e:
+        return msgspec.json.encode({"error": str(e)})
