@@ -134,9 +134,12 @@ def serving(name: str, cmd: list[str], env: dict[str, str], args, health: str = 
         log.close()
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(resident bytes, the sum of each process's peak) over a process and its descendants, from /proc."""
-    rss = peak = 0
+def tree_memory(pid: int) -> tuple[int, int, int]:
+    """(resident bytes, proportional bytes, the sum of each process's peak) over a process and its descendants, from
+    /proc. Resident counts a page every process of the tree maps once per process (the fork server's torch libraries
+    and modules, in each of Sluice's actor processes); proportional (Pss, smaps_rollup) splits it among them: the
+    memory the tree holds. A single process's are equal but for pages it shares with processes outside it."""
+    rss = pss = peak = 0
     todo = [pid]
     while todo:
         p = todo.pop()
@@ -148,7 +151,10 @@ def tree_memory(pid: int) -> tuple[int, int]:
             continue
         rss += int(status.get("VmRSS", "0 kB").split()[0]) * 1024
         peak += int(status.get("VmHWM", "0 kB").split()[0]) * 1024
-    return rss, peak
+        with contextlib.suppress(OSError):
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+            pss += next(int(ln.split()[1]) for ln in rollup if ln.startswith("Pss:")) * 1024
+    return rss, pss, peak
 
 
 def measure(name: str, cmd: list[str], env: dict[str, str], health: str, args) -> dict:
@@ -156,7 +162,7 @@ def measure(name: str, cmd: list[str], env: dict[str, str], health: str, args) -
     concurrency, stop it."""
     with serving(name.replace(" ", "-"), cmd, env, args, health) as (startup_s, pid):
         results = {"startup_s": startup_s}
-        results["rss_mib"], results["peak_mib"] = (n / (1 << 20) for n in tree_memory(pid))
+        results["rss_mib"], results["pss_mib"], results["peak_mib"] = (n / (1 << 20) for n in tree_memory(pid))
         base = ["--base-url", f"http://127.0.0.1:{args.port}", "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--seed", "0"]  # fmt: skip
         for c in args.concurrency:
@@ -211,6 +217,7 @@ def main() -> None:
     print("\n" + f"{'':24s}" + "".join(f"{n:>22s}" for n in names))
     print(f"{'startup to ready s':24s}" + "".join(f"{results[n]['startup_s']:22.1f}" for n in names))
     print(f"{'resident MiB, ready':24s}" + "".join(f"{results[n]['rss_mib']:22.0f}" for n in names))
+    print(f"{'proportional MiB, ready':24s}" + "".join(f"{results[n]['pss_mib']:22.0f}" for n in names))
     print(f"{'peaks MiB (summed)':24s}" + "".join(f"{results[n]['peak_mib']:22.0f}" for n in names))
     for c in args.concurrency:
         for label, key, stat, higher in METRICS:
@@ -219,6 +226,9 @@ def main() -> None:
     print("\nratios, each Sluice server over each peer (output tok/s: higher is better; TPOT: lower is better)")
     for s in (n for n in names if n.startswith("sluice")):
         for peer in (n for n in names if not n.startswith("sluice")):
+            ratio = {k: results[s][k] / results[peer][k] for k in ("startup_s", "rss_mib", "pss_mib")}
+            print(f"{s} / {peer}: startup {ratio['startup_s']:.2f}x, resident {ratio['rss_mib']:.2f}x, "
+                  f"proportional {ratio['pss_mib']:.2f}x")  # fmt: skip
             for c in args.concurrency:
                 (a, x), (b, y) = (tok_tpot(results[n][c]) for n in (s, peer))
                 print(f"{s} / {peer}, c={c}: output tok/s {a / b:.2f}x, median TPOT {x / y:.2f}x")

@@ -7,6 +7,7 @@ quantized by gguf-py), norms and biases in F32. Test-only: the reference the loa
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -63,6 +64,13 @@ def write_gguf(
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "longrope":  # (llama.cpp's Phi3MiniModel: the factors as tensors, two keys)
+        orig = config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / orig
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     if arch.startswith("gemma"):
         w.add_sliding_window(config["sliding_window"])
     if arch == "gemma2":

@@ -81,9 +81,9 @@ def as_served(model_dir, kind: T, values: dict) -> torch.nn.Module:
     return hf
 
 
-def logits(path) -> torch.Tensor:
+def logits(path, prompt: list[int] = PROMPT) -> torch.Tensor:
     runner = ModelRunner(ModelConfig.from_path(path), device="cpu", dtype="auto", num_blocks=32, block_size=4)
-    req = Request(block_pool(1, 32), 0, list(PROMPT), 4)
+    req = Request(block_pool(1, 32), 0, list(prompt), 4)
     return torch.stack(run_greedy(runner, [req], 4, 64)[0]), req.tokens
 
 
@@ -155,6 +155,28 @@ def test_llama_3s_rotary_factors_divide_the_frequencies(checkpoints, tmp_path):
     assert (ours.log_softmax(-1) - theirs).abs().max() < TOL
     plain = logits(write_gguf(source, tmp_path / "plain.gguf", T.F32))[0]
     assert (plain.log_softmax(-1) - theirs).abs().max() > 100 * TOL  # (the power check: the factors matter)
+
+
+def test_phi3s_longrope_factors_are_read_from_the_file(tmp_path):
+    """Phi-3 128k / 3.5's longrope as llama.cpp's converter writes it (rope_factors_long/short tensors, the original
+    context and attention factor as keys): served as HF computes the checkpoint (a 26-token sequence, past the
+    original 16: the long factors); another file whose long factors differ serves other logits (the power check)."""
+    served = []
+    for name, long in (("long", torch.linspace(1.5, 12.0, 16)), ("other", torch.linspace(1.0, 2.0, 16))):
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                "short_factor": torch.linspace(1.0, 2.0, 16).tolist(), "long_factor": long.tolist()}  # fmt: skip
+        source = make_family_dir(tmp_path / name, "phi3", rope_parameters=rope, original_max_position_embeddings=16,
+                                 hidden_size=256, intermediate_size=512, head_dim=64)  # fmt: skip
+        values = {}
+        ours, tokens = logits(
+            write_gguf(source, tmp_path / f"{name}.gguf", T.F32, arch="phi3", values=values), PROMPT * 2
+        )
+        hf = as_served(source, T.F32, values)
+        with torch.no_grad():
+            theirs = hf(torch.tensor([tokens[:-1]])).logits[0, : len(ours)].log_softmax(-1)
+        assert (ours.log_softmax(-1) - theirs).abs().max() < TOL
+        served.append(ours.log_softmax(-1))
+    assert (served[0] - served[1]).abs().max() > 100 * TOL
 
 
 def test_a_split_file_loads_the_same_bits_as_the_whole(checkpoints, tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import importlib
 import logging
 import multiprocessing
@@ -141,6 +142,7 @@ def how_it_exited(code: int) -> str:
 
 def child_main(config_json: bytes, inherited: Inherited) -> None:
     """Entry point of every actor process (multiprocessing's target, forked from the fork server)."""
+    gc.freeze()  # (what the fork server imported is never collected here: its pages stay shared, ~40 MB a process)
 
     config = msgspec.json.decode(config_json, type=ChildConfig)
     inherited.attach_stdio()

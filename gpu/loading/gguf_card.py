@@ -29,6 +29,7 @@ from gpu.loading.errors import ModelLoadError
 CARD_FORMAT = 2  # (raised when a card's contents change: a card written by an older Sluice is not reused)
 SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 FLOAT_TYPES = {"F16": "float16", "BF16": "bfloat16"}
+LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # (Phi-3's longrope, as llama.cpp's)
 
 
 def parts_of(path: Path) -> list[Path]:
@@ -92,7 +93,8 @@ def _write(path: Path, parts: list[Path], out: Path) -> None:
     config = json.loads((out / "config.json").read_text())
     config["dtype"] = FLOAT_TYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
     config["tie_word_embeddings"] = not head
-    config |= _fields(first.meta, first.arch, config)
+    factors = [next((f.tensor(n).tolist() for f in files if n in f.header), None) for n in LONGROPE_FACTORS]
+    config |= _fields(first.meta, first.arch, config, factors)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "gguf.json").write_text(json.dumps({"files": [str(p) for p in parts]}))
     out.chmod(0o755)
@@ -124,11 +126,14 @@ def _read(first, out: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
-def _fields(meta: dict, arch: str, config: dict) -> dict:
+def _fields(meta: dict, arch: str, config: dict, factors: list) -> dict:
     """What transformers' reading leaves out of `config` (it maps a few keys per architecture and takes its config
     class's defaults for the rest), read from the metadata as llama.cpp reads it:
     - every family: the heads' width (`attention.key_length`: Qwen3's 128 is not hidden / heads) and the share of it
       rotary turns (`rope.dimension_count`: Phi-3's partial rotary);
+    - longrope (Phi-3 128k, Phi-3.5): `factors`, the long and short factors per frequency (the file's
+      rope_factors_long/short tensors, None where it has none), with the original context length and the attention
+      factor from `rope.scaling.*`;
     - Gemma 2: the soft-caps; Gemma 2 and 3: the queries' scale, which no key holds: llama.cpp takes the heads' width
       but for the 27B models (46 and 62 layers), hidden / heads; Gemma 3's global layers' linear rotary scaling;
     - MoE: llama.cpp writes Mixtral as `llama` with experts; Qwen3-MoE's experts' width is
@@ -139,6 +144,11 @@ def _fields(meta: dict, arch: str, config: dict) -> dict:
     fields = {"head_dim": head_dim, "rope_parameters": rope}
     if rotary := key("rope.dimension_count"):  # (in rope_parameters where they are one dict: transformers 5's Phi-3)
         (fields if "full_attention" in rope or not rope else rope)["partial_rotary_factor"] = int(rotary) / head_dim
+    if all(factors):
+        orig = int(key("rope.scaling.original_context_length", config["max_position_embeddings"]))
+        rope |= {"rope_type": "longrope", "long_factor": factors[0], "short_factor": factors[1],
+                 "original_max_position_embeddings": orig, "attention_factor": float(key("rope.scaling.attn_factor", 1.0))}  # fmt: skip
+        fields["original_max_position_embeddings"] = orig  # (HF's Phi-3 keeps it beside the scaling, and lets it win)
     if arch == "gemma2":
         fields |= {
             "attn_logit_softcapping": key("attn_logit_softcapping", 50.0),

@@ -32,6 +32,7 @@ from gpu.layers.moe import ExpertRows, Experts
 from gpu.layers.parallel import Shard
 from gpu.layers.quant import BLOCK_QUANTIZATIONS, Quantization
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
+from gpu.loading.gguf_card import LONGROPE_FACTORS
 from gpu.loading.gguf_file import GGUFFile
 from gpu.loading.mapped import MappedFile
 from gpu.models import REGISTRY
@@ -70,7 +71,7 @@ def shards_of(model: torch.nn.Module) -> dict[str, tuple[Shard, ...]]:
     return {f"{prefix}.{name}".lstrip("."): s for prefix, shards in found for name, s in shards.items()}
 
 
-ROPE_FREQS = "rope_freqs.weight"  # (a GGUF's Llama 3.x rotary factors: not a parameter)
+ROPE_FREQS = "rope_freqs.weight"  # (a GGUF's Llama 3.x rotary factors: not a parameter; nor longrope's, in the card)
 
 
 def open_weights(config: ModelConfig, wanted: set[str]) -> list[MappedFile | GGUFFile]:
@@ -93,7 +94,7 @@ def checkpoint_plan(
         for name in f.header:
             if (
                 name.endswith("rotary_emb.inv_freq")
-                or name == ROPE_FREQS
+                or name in (ROPE_FREQS, *LONGROPE_FACTORS)
                 or (name == "lm_head.weight" and config.tie_word_embeddings)
             ):
                 continue
