@@ -22,6 +22,7 @@ from frontend.preflight import resolve_model
 from gpu.loading.config import ModelLoadError
 from gpu.loading.weights import load_model
 from gpu.runner.memory import served_weight_bytes
+from tests.family_models import make_family_dir
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,8 @@ def held(value) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, list | tuple):
         return [t for v in value for t in held(v)]
+    if isinstance(value, dict):  # (held experts' blocks, per projection)
+        return held(list(value.values()))
     return []
 
 
@@ -67,6 +70,15 @@ def test_the_estimate_is_a_floor_of_what_the_loaded_weights_hold(tiny_model_dir,
     estimate = served_weight_bytes(config, torch.float32, quantization, "cpu", weights)
     cpu = torch.device("cpu")
     held = held_bytes(load_model(config, cpu, torch.float32, quantization, weight_dtype=weights))
+    assert estimate <= held <= 1.05 * estimate, (estimate, held)
+
+
+@pytest.mark.parametrize("quantization", [None, "q8_0"])
+def test_an_moes_estimate_is_a_floor_too(tmp_path, quantization):
+    """(HF experts are quantized as they load: gpu/layers/moe.py; dense in float32 without --quantization)"""
+    config = resolve_model(str(make_family_dir(tmp_path, "qwen3_moe")))
+    estimate = served_weight_bytes(config, torch.float32, quantization, "cpu")
+    held = held_bytes(load_model(config, torch.device("cpu"), torch.float32, quantization))
     assert estimate <= held <= 1.05 * estimate, (estimate, held)
 
 

@@ -4,7 +4,7 @@ holds the format the table names (q4_k's widths off 256 in Q5_0), nothing else (
 its shape alone), the layer's output is x @ W^T of gguf-py's dequantization of those blocks
 within the activations' 8-bit rounding; an engine serves end to end with greedy output close to float32's; retired
 names and runs off the native kernels are refused, naming what to use (with --dtype bfloat16, layers whose width is
-not whole blocks keep bfloat16 panels)."""
+not whole blocks keep bfloat16 panels). An HF MoE's experts are quantized too."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from frontend.cli_args import _quantization
 from frontend.offline import AsyncLLM
 from gpu.kernels import native
 from gpu.layers.linear import Linear
-from gpu.loading.config import ModelConfig
+from gpu.layers.moe import Experts, expert_weight
+from gpu.loading.config import ModelConfig, weight_files
+from gpu.loading.mapped import MappedFile
 from gpu.runner.model_runner import ModelRunner
 from messages.sampling_params import SamplingParams
 from tests.family_models import make_family_dir
@@ -48,6 +50,37 @@ def test_each_layer_holds_its_format_alone_and_computes_its_values(tmp_path, mod
         step = xi.abs().view(5, -1, act).amax(-1).repeat_interleave(act, 1).double() / 127
         assert ((m(xi).double() - exact).abs() <= (step / 2 + 1e-5 * xi.abs()) @ w.double().abs().t() + 1e-5).all()
     assert {kind for m in layers for _, kind, _ in m.blocks} == ({T.Q4_K, T.Q5_0} if mode == "q4_k" else {first})
+
+
+@NATIVE
+@pytest.mark.parametrize("family, mode", [("qwen3_moe", "q8_0"), ("mixtral", "q4_k")])
+def test_an_hf_moes_experts_are_quantized_as_they_load(tmp_path, family, mode):
+    """Every expert's rows of the stacked blocks are gguf-py's quantization of the checkpoint's expert tensor, bit for
+    bit (q4_k's widths here are off 256: Q5_0), no float copy is kept, and an expert's product is x @ W^T of those
+    values within the activations' rounding."""
+    source = make_family_dir(tmp_path, family)
+    runner = ModelRunner(ModelConfig.from_path(source), device="cpu", num_blocks=8, quantization=mode)
+    want = {"q8_0": T.Q8_0, "q4_k": T.Q5_0}[mode]
+    checkpoint = {
+        n: t for f in map(MappedFile, weight_files(source)) for n in f.header if (t := f.tensor(n)) is not None
+    }
+    found = 0
+    for name, experts in ((n, m) for n, m in runner.model.named_modules() if isinstance(m, Experts)):
+        for proj in ("gate", "up", "down"):
+            kind, held = experts.blocks[proj]
+            assert kind == want and getattr(experts, proj).is_meta
+            out = getattr(experts, proj).shape[1]
+            for e in range(getattr(experts, proj).shape[0]):
+                hf = next(t for n, t in checkpoint.items() if expert_weight(n) == (f"{name}.{proj}", e))
+                rows = held[e * out : (e + 1) * out].numpy()
+                assert (rows == gguf.quants.quantize(hf.float().numpy(), want)).all()
+                found += 1
+        w = torch.from_numpy(gguf.quants.dequantize(held[:out].numpy(), kind))  # (the last: expert 0's down)
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(2))
+        step = x.abs().view(3, -1, 32).amax(-1).repeat_interleave(32, 1).double() / 127
+        err = (experts.project("down", 0, x).double() - x.double() @ w.double().t()).abs()
+        assert (err <= (step / 2 + 1e-5 * x.abs()) @ w.double().abs().t() + 1e-5).all()
+    assert found > 0
 
 
 @pytest.mark.parametrize("mode", [*(pytest.param(m, marks=NATIVE) for m in MODES), "bfloat16"])  # (bf16: --dtype)

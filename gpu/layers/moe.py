@@ -50,8 +50,8 @@ class Experts(nn.Module):
         )
 
     def hold_blocks(self, native_ops, kinds: dict[str, int]) -> None:
-        """Hold each projection in a GGUF file's blocks, `kinds` (projection -> format), uninitialised until
-        `load_rows`: every expert's rows one after another (the file's layout); the parameters become meta shapes."""
+        """Hold each projection in GGUF blocks, `kinds` (projection -> format), uninitialised until `load_rows`: every
+        expert's rows one after another (a GGUF file's layout); the parameters become meta shapes."""
         self.native_ops, self.blocks = native_ops, {}
         for proj, kind in kinds.items():
             p = getattr(self, proj)
@@ -84,10 +84,14 @@ class ExpertRows:
         return self.experts.blocks[self.proj]
 
     def load_rows(self, rows: torch.Tensor, offset: int) -> None:
-        """The file's blocks become the projection's as they are (a view of the mapping: held in place)."""
+        """A GGUF's stacked blocks become the projection's as they are (a view of the mapping: held in place); an HF
+        checkpoint's expert's float rows are quantized into rows offset .. (--quantization)."""
         kind, held = self.experts.blocks[self.proj]
-        assert rows.shape == held.shape and rows.is_contiguous()
-        self.experts.blocks[self.proj] = (kind, rows)
+        if rows.dtype == torch.uint8:
+            assert rows.shape == held.shape and rows.is_contiguous()
+            self.experts.blocks[self.proj] = (kind, rows)
+        else:
+            held[offset : offset + rows.shape[0]].copy_(self.experts.native_ops.quantize_rows(rows.float(), kind))
 
 
 class SparseMoE(nn.Module):

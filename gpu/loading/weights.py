@@ -198,8 +198,8 @@ def load_model(
             continue
         tensor = f.tensor(name)
         data = tensor if parts is None else parts[part].read(tensor)
-        if layer is not None:
-            layer.load_rows(data, offset)
+        if layer is not None:  # (an HF checkpoint's expert `row`: its rows of the stacked projection)
+            layer.load_rows(data, offset if row is None else row * data.shape[0])
         else:
             _write(params[target] if row is None else params[target][row], data, parts, part, offset)
         f.release(name)
@@ -242,9 +242,12 @@ def hold_weights(
     linears = ((f"{n}.weight", m) for n, m in model.named_modules() if isinstance(m, Linear))
     layers = {target: hold(m, target) for target, m in linears if not (tied and m is model.lm_head)}
     for name, experts in ((n, m) for n, m in model.named_modules() if isinstance(m, Experts)):
-        found = {p: kinds.get(f"{name}.{p}", {}).get(0) for p in ("gate", "up", "down")}
-        if whole and all(k in BLOCK_FORMATS and getattr(experts, p).shape[2] % GGML_QUANT_SIZES[k][0] == 0
-                         for p, k in found.items()):  # fmt: skip
+        fits = lambda k, p, e=experts: getattr(e, p).shape[2] % GGML_QUANT_SIZES[k][0] == 0  # noqa: E731 (whole blocks)
+        if into:  # (an HF checkpoint's experts, quantized as they load: each projection's first format that fits)
+            found = {p: next((k for k in into if fits(k, p)), None) for p in ("gate", "up", "down")}
+        else:  # (a GGUF's stacked experts, in their own formats)
+            found = {p: kinds.get(f"{name}.{p}", {}).get(0) for p in ("gate", "up", "down")}
+        if (into or whole) and all(k in BLOCK_FORMATS and fits(k, p) for p, k in found.items()):
             experts.hold_blocks(ops, found)
             layers |= {f"{name}.{p}": ExpertRows(experts, p) for p in found}
     if tied:  # (the checkpoint's table goes into the head, the embedding's one copy)

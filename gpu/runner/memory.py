@@ -109,11 +109,12 @@ def served_weight_bytes(
     `dtype`: each linear layer's weight and the embedding table in `weights` (default `dtype`: the native panels' on
     CPU; a tied LM head's panels are the table, counted once), the rest in `dtype`; a GGUF's on CPU from its tensor
     table (block formats in their own bytes); with `quantization` (CPU) each matrix in the first of its block formats
-    (gpu/layers/quant.py) whose blocks its input width is whole of, else in `weights`. Nothing is held twice, not
-    even while loading. (SmolLM2-135M: float32 513 MiB, bfloat16 257, q8_0 145.)"""
+    (gpu/layers/quant.py) whose blocks its input width is whole of, else in `weights`, an MoE layer's experts too.
+    Nothing is held twice, not even while loading. (SmolLM2-135M: float32 513 MiB, bfloat16 257, q8_0 145.)"""
     from gguf import GGML_QUANT_SIZES
 
     from gpu.layers.linear import Linear
+    from gpu.layers.moe import Experts
     from gpu.layers.quant import BLOCK_QUANTIZATIONS
 
     files = weight_files(config.path)
@@ -131,8 +132,10 @@ def served_weight_bytes(
     total = sum(p.numel() for p in model.parameters())  # (a tied LM head is the embedding: counted once)
     linears = [m.weight for m in model.modules() if isinstance(m, Linear)]  # (the head's included)
     table = [] if config.tie_word_embeddings else [model.model.embed_tokens.weight]
-    rest = total - sum(w.numel() for w in (*linears, *table))  # norms, biases, experts, the router
-    return int(sum(matrix(*w.shape) for w in (*linears, *table))) + dtype.itemsize * rest
+    experts = [p.flatten(0, 1) for m in model.modules() if isinstance(m, Experts) for p in (m.gate, m.up, m.down)]
+    matrices = [*linears, *table, *(experts if quantization else ())]  # (else the experts are dense in `dtype`)
+    rest = total - sum(w.numel() for w in matrices)  # norms, biases, the router (and dense experts)
+    return int(sum(matrix(*w.shape) for w in matrices)) + dtype.itemsize * rest
 
 
 def _gguf_bytes(files: list, dtype: torch.dtype, weights: torch.dtype) -> int:
