@@ -1,6 +1,6 @@
-// The K-quants' many-row products on AVX-512 VNNI (blocks.cpp runs them on the tiles of TR activation rows, a last
-// one of PAD rows or more padded; the rows left over, and the AVX2 build, take the row kernels of rows_k.h): the same
-// numbers as those, bit for bit.
+// The K-quants' many-row products on AVX-512 VNNI (blocks.cpp runs them on tiles of TR activation rows, 512-bit, and
+// a last one padded, or a half tile of TH rows, 256-bit: batched decode at 8 rows; the rows left over, and the AVX2
+// build, take the row kernels of rows_k.h): the same numbers as those, bit for bit.
 //
 // A tile is TR activation rows x TC weight rows (output columns), an outer product per 4-byte group: one vector holds
 // the group's 4 activation bytes of each of the TR rows (the activations transposed per block: Acts), and each weight
@@ -15,19 +15,49 @@
 #if defined(__AVX512VNNI__)
 namespace {
 
-constexpr int TR = 16;  // activation rows a tile (an int32 lane each)
+constexpr int TR = 16;  // activation rows a full tile (an int32 lane each of a 512-bit vector) ...
+constexpr int TH = 8;   // ... and a half tile's (256-bit: Zen 4 runs a 512-bit op as two halves, so 8 rows padded
+                        // into a full tile cost as much as 16)
 constexpr int TC = 8;   // weight rows a tile
-constexpr int PAD = 8;  // a last tile of fewer rows is run if it has this many (its other lanes zeros, not written)
 
-inline int64_t tiled_rows(int64_t rows) { return rows % TR >= PAD ? rows : rows / TR * TR; }  // (the rows tiles take)
+// The rows tiles take: full tiles, then the rest where TH or more are left: a half tile where TH are, else a last full
+// tile padded (its other lanes zeros, not written); fewer take the row kernels. (Q4_K at 8 rows: a half tile 1.13x the
+// padded full one on Zen 4; at 4 rows a padded half tile is 0.63x the row kernels: a tile's unpacking of its weight
+// rows is shared by fewer rows.)
+inline int64_t tiled_rows(int64_t rows) { return rows % TR >= TH ? rows : rows / TR * TR; }
 
-// One block of a tile's activations: q[g][r] = bytes 4g .. 4g + 3 of row r's block; its d; s32[k][r] its sums of 32
-// of sub-blocks 2k and 2k + 1 (an int16 pair); s16[k][r] its sums of 16, 2k and 2k + 1
+// One tile's vector ops at R rows: 512-bit vectors for TR, 256-bit (AVX512-VL) for TH
+template <int R> struct Lanes;
+#define SLUICE_LANES(R, P, SI)                                                                        \
+  template <> struct Lanes<R> {                                                                       \
+    using I = decltype(P##setzero_##SI());                                                            \
+    using F = decltype(P##setzero_ps());                                                              \
+    static I zero() { return P##setzero_##SI(); }                                                     \
+    static I load(const int32_t* p) { return P##load_##SI(reinterpret_cast<const I*>(p)); }           \
+    static I set1(int32_t v) { return P##set1_epi32(v); }                                             \
+    static I dpbusd(I acc, I u, I s) { return P##dpbusd_epi32(acc, u, s); }                           \
+    static I dpwssd(I acc, I a, I b) { return P##dpwssd_epi32(acc, a, b); }                           \
+    static I scale(I a, int32_t k) { return P##mullo_epi32(a, P##set1_epi32(k)); }                   \
+    static I add(I a, I b) { return P##add_epi32(a, b); }                                             \
+    static I minus32(I a, I m) { return P##sub_epi32(a, P##slli_epi32(m, 5)); }                      \
+    static F fzero() { return P##setzero_ps(); }                                                      \
+    static F chain(float wd, const float* da, I v, F acc) {                                           \
+      return P##fmadd_ps(P##mul_ps(P##set1_ps(wd), P##load_ps(da)), P##cvtepi32_ps(v), acc);          \
+    }                                                                                                 \
+    static void store_diff(float* out, F a, F b) { P##store_ps(out, P##sub_ps(a, b)); }               \
+  };
+SLUICE_LANES(TR, _mm512_, si512)
+SLUICE_LANES(TH, _mm256_, si256)
+#undef SLUICE_LANES
+
+// One block of a tile's activations (R rows): q[g][r] = bytes 4g .. 4g + 3 of row r's block; its d; s32[k][r] its sums
+// of 32 of sub-blocks 2k and 2k + 1 (an int16 pair); s16[k][r] its sums of 16, 2k and 2k + 1
+template <int R>
 struct alignas(64) Acts {
-  int32_t q[64][TR];
-  float d[TR];
-  int32_t s32[4][TR];
-  int32_t s16[8][TR];
+  int32_t q[64][R];
+  float d[R];
+  int32_t s32[4][R];
+  int32_t s16[8][R];
 };
 
 // One block of a weight row, unpacked: its 256 codes in element order (unsigned: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63),
@@ -40,10 +70,11 @@ struct alignas(64) Codes {
   float d, dmin;
 };
 
-// TR rows of Q8_K activations (blocks.cpp's quantize_q8_k) into `blocks` Acts
-void transpose(const uint8_t* const* rows, int64_t blocks, Acts* out) {
+// R rows of Q8_K activations (blocks.cpp's quantize_q8_k) into `blocks` Acts
+template <int R>
+void transpose(const uint8_t* const* rows, int64_t blocks, Acts<R>* out) {
   for (int64_t b = 0; b < blocks; ++b)
-    for (int r = 0; r < TR; ++r) {
+    for (int r = 0; r < R; ++r) {
       const uint8_t* ab = rows[r] + b * Q8K_BYTES;
       std::memcpy(&out[b].d[r], ab, 4);
       for (int g = 0; g < 64; ++g) std::memcpy(&out[b].q[g][r], ab + 4 + 4 * g, 4);
@@ -74,62 +105,72 @@ void unpack(int64_t kind, const uint8_t* w, int64_t blocks, Codes* out) {
   }
 }
 
-inline __m512i bcast(const void* p) {
+inline int32_t group(const uint8_t* p) {  // (a weight row's 4 codes of a group, to broadcast)
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+  return v;
 }
 
-// y[r][c] for the tile's first `rows` <= TR rows (acts) and `cols` <= TC weight rows (codes[c]: each `blocks` long),
+// y[r][c] for the tile's first `rows` <= R rows (acts) and `cols` <= TC weight rows (codes[c]: each `blocks` long),
 // at y's stride ldy
-template <bool Six>
-void tile(const Codes* const* codes, const Acts* acts, int64_t blocks, int rows, int cols, float* y, int64_t ldy,
+template <int R, bool Six>
+void tile(const Codes* const* codes, const Acts<R>* acts, int64_t blocks, int rows, int cols, float* y, int64_t ldy,
           const float* bias) {
+  using L = Lanes<R>;
   constexpr int SUB = Six ? 16 : 8, GROUPS = 64 / SUB;  // (sub-blocks a block, 4-byte groups a sub-block)
-  __m512 S[TC], N[TC];
-  for (int c = 0; c < TC; ++c) S[c] = N[c] = _mm512_setzero_ps();
+  typename L::F S[TC], N[TC];
+  for (int c = 0; c < TC; ++c) S[c] = N[c] = L::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
-    const Acts& a = acts[b];
-    __m512i I[TC];
-    for (int c = 0; c < TC; ++c) I[c] = _mm512_setzero_si512();
+    const Acts<R>& a = acts[b];
+    typename L::I I[TC];
+    for (int c = 0; c < TC; ++c) I[c] = L::zero();
     for (int j = 0; j < SUB; ++j) {
-      __m512i part[TC];
-      for (int c = 0; c < TC; ++c) part[c] = _mm512_setzero_si512();
+      typename L::I part[TC];
+      for (int c = 0; c < TC; ++c) part[c] = L::zero();
       for (int g = GROUPS * j; g < GROUPS * (j + 1); ++g) {
-        const __m512i av = _mm512_load_si512(a.q[g]);
-        for (int c = 0; c < TC; ++c) part[c] = _mm512_dpbusd_epi32(part[c], bcast(codes[c][b].q + 4 * g), av);
+        const typename L::I av = L::load(a.q[g]);
+        for (int c = 0; c < TC; ++c) part[c] = L::dpbusd(part[c], L::set1(group(codes[c][b].q + 4 * g)), av);
       }
-      for (int c = 0; c < TC; ++c) I[c] = _mm512_add_epi32(I[c], _mm512_mullo_epi32(part[c], _mm512_set1_epi32(codes[c][b].sc[j])));
+      for (int c = 0; c < TC; ++c) I[c] = L::add(I[c], L::scale(part[c], codes[c][b].sc[j]));
     }
-    const __m512 da = _mm512_load_ps(a.d);
     for (int c = 0; c < TC; ++c) {
       const Codes& w = codes[c][b];
-      __m512i M = _mm512_setzero_si512();
-      for (int k = 0; k < (Six ? 8 : 4); ++k)
-        M = _mm512_dpwssd_epi32(M, _mm512_load_si512(Six ? a.s16[k] : a.s32[k]), _mm512_set1_epi32(w.pairs[k]));
-      if (Six) I[c] = _mm512_sub_epi32(I[c], _mm512_slli_epi32(M, 5));
-      S[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.d), da), _mm512_cvtepi32_ps(I[c]), S[c]);
-      if (!Six) N[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.dmin), da), _mm512_cvtepi32_ps(M), N[c]);
+      typename L::I M = L::zero();
+      for (int k = 0; k < (Six ? 8 : 4); ++k) M = L::dpwssd(M, L::load(Six ? a.s16[k] : a.s32[k]), L::set1(w.pairs[k]));
+      if (Six) I[c] = L::minus32(I[c], M);
+      S[c] = L::chain(w.d, a.d, I[c], S[c]);
+      if (!Six) N[c] = L::chain(w.dmin, a.d, M, N[c]);
     }
   }
-  alignas(64) float v[TR];
+  alignas(64) float v[R];
   for (int c = 0; c < cols; ++c) {
-    _mm512_store_ps(v, _mm512_sub_ps(S[c], N[c]));
+    L::store_diff(v, S[c], N[c]);
     for (int r = 0; r < rows; ++r) y[r * ldy + c] = bias ? v[r] + bias[c] : v[r];
   }
 }
 
-// The first `rows` (tiled_rows) rows of y = x W^T + bias for a K-quant weight (act: x's rows as Q8_K activations)
+// Rows t0 .. t0 + n - 1 (n <= R) of act, as R rows' Acts (the missing ones from `zeros`)
+template <int R>
+void tile_acts(const uint8_t* act, int64_t t0, int64_t n, int64_t nb, const uint8_t* zeros, Acts<R>* out) {
+  const uint8_t* from[R];
+  for (int r = 0; r < R; ++r) from[r] = r < n ? act + (t0 + r) * nb * Q8K_BYTES : zeros;
+  transpose<R>(from, nb, out);
+}
+
+// The first `rows` (tiled_rows) rows of y = x W^T + bias for a K-quant weight (act: x's rows as Q8_K activations):
+// full tiles, then a last full or half one
 void k_tiles(int64_t kind, const uint8_t* act, int64_t rows, const uint8_t* wp, int64_t out, int64_t nb, float* yp,
              int64_t ldy, const float* bp) {
-  const int64_t wbytes = nb * format(kind).bytes, tiles = (rows + TR - 1) / TR;
-  std::vector<Acts> acts(tiles * nb);
-  const std::vector<uint8_t> zeros(rows % TR ? nb * Q8K_BYTES : 0);  // (a last tile's missing rows)
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t wbytes = nb * format(kind).bytes, left = rows % TR, full = rows / TR + (left > TH);
+  const bool half = left == TH;
+  std::vector<Acts<TR>> acts(full * nb);
+  std::vector<Acts<TH>> last(half ? nb : 0);
+  const std::vector<uint8_t> zeros(left ? nb * Q8K_BYTES : 0);  // (a last tile's missing rows)
+  at::parallel_for(0, full + half, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* from[TR];
-      for (int r = 0; r < TR; ++r) from[r] = t * TR + r < rows ? act + (t * TR + r) * nb * Q8K_BYTES : zeros.data();
-      transpose(from, nb, acts.data() + t * nb);
+      const int64_t n = std::min<int64_t>(TR, rows - t * TR);
+      t < full ? tile_acts<TR>(act, t * TR, n, nb, zeros.data(), acts.data() + t * nb)
+               : tile_acts<TH>(act, t * TR, n, nb, zeros.data(), last.data());
     }
   });
   at::parallel_for(0, (out + TC - 1) / TC, 1, [&](int64_t begin, int64_t end) {
@@ -142,12 +183,16 @@ void k_tiles(int64_t kind, const uint8_t* act, int64_t rows, const uint8_t* wp, 
         if (c < cols) unpack(kind, wp + (p * TC + c) * wbytes, nb, held.data() + c * nb);
         else std::memset(static_cast<void*>(held.data() + c * nb), 0, nb * sizeof(Codes));  // (nothing written)
       }
-      for (int64_t t = 0; t < tiles; ++t) {
+      const float* bias = bp ? bp + p * TC : nullptr;
+      for (int64_t t = 0; t < full + half; ++t) {
         float* y = yp + t * TR * ldy + p * TC;
-        const float* bias = bp ? bp + p * TC : nullptr;
         const int n = static_cast<int>(std::min<int64_t>(TR, rows - t * TR));
-        kind == Q6_K ? tile<true>(codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias)
-                     : tile<false>(codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias);
+        if (t < full)
+          kind == Q6_K ? tile<TR, true>(codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias)
+                       : tile<TR, false>(codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias);
+        else
+          kind == Q6_K ? tile<TH, true>(codes, last.data(), nb, n, cols, y, ldy, bias)
+                       : tile<TH, false>(codes, last.data(), nb, n, cols, y, ldy, bias);
       }
     }
   });
