@@ -73,9 +73,13 @@ class Preflight(msgspec.Struct, kw_only=True):
 
 
 def preflight(engine: EngineConfig, http: HttpConfig, memory_check: bool, log_level: str) -> Preflight:
-    """frontend/preflight.py's `prepare` run in a child of the fork server; ModelLoadError if it refuses."""
+    """frontend/preflight.py's `prepare` run in a child of the fork server; ModelLoadError if it refuses,
+    StartupError if it dies."""
     request = {"engine": engine, "http": http, "memory_check": memory_check, "log_level": log_level}
-    answer = call_forked("frontend.preflight:prepare_json", msgspec.json.encode(request), "sluice:preflight")
+    try:
+        answer = call_forked("frontend.preflight:prepare_json", msgspec.json.encode(request), "sluice:preflight")
+    except ChildProcessError as e:  # (killed, or a bug: its traceback is in the log)
+        raise StartupError(f"checking the model: {e}") from None
     checked = msgspec.json.decode(answer, type=Preflight)
     if checked.error is not None:
         raise ModelLoadError(checked.error)

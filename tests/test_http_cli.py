@@ -78,6 +78,14 @@ async def test_generate_streams_text_to_stdout(tiny_model_dir):
     assert out.endswith(b"\n") and len(out.strip()) > 0
 
 
+def test_a_forked_call_that_dies_before_answering_says_how():
+    """(actors/runtime/process.py `call_forked`: the launcher's checks run so; the child here exits at once)"""
+    from actors.runtime import call_forked
+
+    with pytest.raises(ChildProcessError, match="sluice:test exited with code 1 before it answered"):
+        call_forked("sys:exit", b"bye", "sluice:test")
+
+
 def test_children_do_not_import_torch_through_the_cli():
     """Every actor process re-imports the main module (spawn): `sluice`'s must stay light."""
     code = "import sys, frontend.cli, frontend.server; print('torch' in sys.modules)"
