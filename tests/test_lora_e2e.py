@@ -207,17 +207,21 @@ async def test_an_adapter_loaded_and_unloaded_while_serving(lora_server, adapter
 
 async def test_an_adapter_whose_files_break_fails_its_requests_alone(lora_server, adapters, tmp_path):
     """An adapter registered, run, then its weights file overwritten and its slot taken by others: the next request
-    naming it fails saying its files changed, and the base model's request beside it gets its tokens."""
+    naming it fails saying its files changed, and the base model's request beside it gets its tokens; once the file
+    is mended, the next request reads it again and gets the adapter's tokens (a failure does not stick)."""
     base, made = adapters
     client, path = lora_server.client(), tmp_path / "ad5"
     shutil.copytree(made["ad3"], path)
     assert (await post(lora_server, "/v1/load_lora_adapter", {"lora_name": "ad5", "lora_path": str(path)}))[0] == 200
-    await complete(client, "ad5")
+    good = await complete(client, "ad5")
     weights = path / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))  # (the tail of a tensor: parses, hashes otherwise)
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:-8] + bytes(8))  # (the tail of a tensor: parses, hashes otherwise)
     for other in ("ad0", "ad1"):  # (--max-cpu-loras 2: ad5's slot goes)
         await complete(client, other)
     broken, plain = await asyncio.gather(complete(client, "ad5"), complete(client, "base"), return_exceptions=True)
     assert isinstance(broken, openai.APIStatusError) and "changed" in str(broken), broken
     assert plain[0] == peft_greedy(base, None, PROMPT, NEW_TOKENS)[0]
+    weights.write_bytes(intact)
+    assert (await complete(client, "ad5"))[0] == good[0]
     assert (await post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "ad5"}))[0] == 200

@@ -40,9 +40,6 @@ class Admission:
             req = self.waiting[i]
             if self._suspect(req) and batch.rows:
                 break
-            if self.loras is not None and (why := self.loras.failed.get(req.params.lora)) is not None:
-                self.hold_failed(self._adapter_failed(req, why))  # (it alone)
-                continue
             if not self._lora_fits(req):
                 if self._starved(req) or len(passed) == self.max_num_seqs:
                     break
@@ -68,10 +65,11 @@ class Admission:
                 break  # (it runs in a step of its own)
 
     def lora_report(self, held: list[str] | None, errors: dict[str, str]) -> None:
-        """A StepResult's LoRA report (LoraTable.on_report). The running requests of an adapter the worker could not
-        load fail alone, saying why: it ran their rows of the step on the base model, whose samples are discarded."""
+        """A StepResult's LoRA report (LoraTable.on_report). The requests of an adapter the worker could not load fail
+        alone, saying why: the running ones (it ran their rows of the step on the base model, whose samples are
+        discarded) and the waiting ones (they waited for that load; a later request tries again)."""
         self.loras.on_report(held, errors)
-        for req in [r for r in self.running if r.params.lora in errors]:
+        for req in [r for r in (*self.running, *self.waiting) if r.params.lora in errors]:
             if not req.is_finished:  # (a beam group's member: ended with its group)
                 self.hold_failed(self._adapter_failed(req, errors[req.params.lora]))
 

@@ -14,7 +14,9 @@ A waiting request's adapter, at admission (actors/engine/admission.py):
 | wanted, not held yet            | waits for the worker's report, passed over; but if nothing runs, admitted: |
 |                                 | the worker loads it before the step (a stall that delays nobody)           |
 | every slot's adapter running    | waits (the cap, max_loras <= max_cpu_loras, bounds what runs)              |
-| failed to load                  | the request fails alone, saying why (a new registration tries again)       |
+| failed to load                  | it fails, with every request waiting for that load, saying why (alone: the |
+|                                 | others go on); the next request naming it tries again (a transient error   |
+|                                 | does not stick: vLLM's per-request load)                                   |
 
 A new worker state (an epoch) holds what it holds: `reset` forgets the report until the next one comes. An adapter
 unregistered while serving (`unregister`) takes no new request; once no request names it, `sweep` takes it out of
@@ -30,7 +32,6 @@ class LoraTable:
         self.wanted: dict[str, None] = dict.fromkeys(held)  # (dict order: least recently admitted first)
         self.held: set[str] = set(held)
         self.changed = True  # `wanted` changed since the last ExecuteStep carried it (the first one carries it)
-        self.failed: dict[str, str] = {}  # adapters the worker could not load, and why
         self.loads = self.evictions = 0
         self.retired: dict[str, str] = {}  # unregistered (-> directory), their slots freed once no request names them
 
@@ -64,18 +65,17 @@ class LoraTable:
         return {d: self.paths.get(d) or self.retired[d] for d in self.wanted}
 
     def on_report(self, held: list[str] | None, errors: dict[str, str]) -> None:
-        """A StepResult's report: what the worker holds (None: unchanged), the adapters it failed to load."""
+        """A StepResult's report: what the worker holds (None: unchanged), the adapters it failed to load (no longer
+        wanted: a request naming one later wants it again, and the worker reads it again)."""
         if held is not None:
             self.held = set(held) & set(self.wanted)
-        for digest, error in errors.items():
-            self.failed[digest] = error
+        for digest in errors:
             if self.wanted.pop(digest, 0) is None:
                 self.changed = True
 
     def register(self, digest: str, path: str) -> None:
         self.paths[digest] = path
         self.retired.pop(digest, None)
-        self.failed.pop(digest, None)  # (a load that failed is tried again)
 
     def unregister(self, digest: str) -> None:
         if (path := self.paths.pop(digest, None)) is not None:
