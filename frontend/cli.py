@@ -83,10 +83,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
-    from gpu.loading.convert import default_model_dir
-
-    model = args.model or str(default_model_dir())  # (the bundled one: converted here on first use)
-    return uvloop.run(_serve(engine_config(args, model), http, fault_plan_of(args), args))
+    # ("": the bundled model, resolved, and converted on first use, by the forked checks: frontend/preflight.py)
+    return uvloop.run(_serve(engine_config(args, args.model or ""), http, fault_plan_of(args), args))
 
 
 def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:

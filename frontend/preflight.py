@@ -1,7 +1,7 @@
 """A launch's checks, before any of its processes starts: the model is resolved (the bundled default is converted on
 first use, a .gguf gets its card in the cache) and checked (its tensors' names and shapes, its LoRA adapters, a gang's
 devices), and it must fit in the host's memory (frontend/memory_check.py); then the processes to start, and what to say
-of an engine killed as it starts (`Prepared`).
+of an engine killed as it starts (frontend/launch.py's `Preflight`).
 
 This is the one part of a launch that imports torch (the models' shapes on meta). `sluice serve` runs it in a child of
 the fork server (frontend/launch.py `preflight`; the fork server's preload imported it), so the launcher itself never imports torch: its start

@@ -98,7 +98,8 @@ def test_every_output_is_written_into_a_poisoned_buffer(kind, rows):
 
 @pytest.mark.skipif(len(native.cpu_isas()) < 2, reason="this CPU runs one ISA")
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
-@pytest.mark.parametrize("rows", [1, 38])  # (decode's many weight rows at once; AVX-512's tiles against AVX2's rows)
+@pytest.mark.parametrize("rows", [1, 38, 40])  # (decode's many weight rows at once; AVX-512's tiles, full and half,
+# against AVX2's rows)
 def test_both_isas_give_the_same_bits(kind, rows):
     blocks = random_blocks(kind, 50, 512, seed=9)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(9))
@@ -122,7 +123,7 @@ def read_between_guards() -> None:
         for start in (page, (pages + 1) * page - blocks.numel()):
             held = torch.frombuffer(m, dtype=torch.uint8, count=blocks.numel(), offset=start).view(blocks.shape)
             held.copy_(blocks)
-            for rows in (1, 3, 8, 17, 64):
+            for rows in (1, 3, 8, 17, 24, 64):
                 x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
                 assert torch.equal(
                     ops.block_linear(x, held, int(kind), None), ops.block_linear(x, blocks, int(kind), None)

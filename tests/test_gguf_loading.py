@@ -130,6 +130,20 @@ def test_a_gguf_is_served_as_hf_computes_its_weights(checkpoints, tmp_path, fami
         assert top2[0] - top2[1] <= tol or a.argmax() == b.argmax(), f"position {pos}: greedy differs"
 
 
+def test_block_weights_are_the_mapped_files_pages(checkpoints, tmp_path):
+    """A GGUF's block tensors are held in place (views of the read-only mapping of the file), but llama's q and k,
+    whose rows the converter permuted (copies, put back in HF's order)."""
+    path = write_gguf(checkpoints["llama"], tmp_path / "mapped.gguf", T.Q8_0)
+    runner = ModelRunner(ModelConfig.from_path(path), device="cpu", num_blocks=8, block_size=4)
+    spans = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith(str(path))]
+    mapped = lambda t: any(int(a, 16) <= t.data_ptr() < int(b, 16) for a, b in spans)  # noqa: E731
+    layers = {n: m for n, m in runner.model.named_modules() if getattr(m, "blocks", None)}
+    assert spans and len(layers) > 7
+    for name, layer in layers.items():  # (qkv's parts: q, k copies; v in place)
+        parts = [mapped(held) for _, _, held in layer.blocks]
+        assert parts == ([False, False, True] if name.endswith("qkv_proj") else [True] * len(parts)), name
+
+
 def test_the_card_holds_no_weight_and_tokenizes_as_the_checkpoint(checkpoints, tmp_path):
     source = checkpoints["llama"]
     config = ModelConfig.from_path(write_gguf(source, tmp_path / "tiny.gguf", T.F16))

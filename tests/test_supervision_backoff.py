@@ -160,7 +160,7 @@ async def test_a_restart_not_ready_in_time_is_killed_before_the_next_and_its_lat
 
 
 async def test_a_restart_killed_as_it_starts_is_explained_as_a_first_start_is(held, caplog):
-    """The caller's explanation (the front's: most likely out of memory, frontend/memory_check.py) of a process
+    """The caller's explanation (the front's: most likely out of memory, frontend/launch.py `explain`) of a process
     SIGKILLed while it starts covers its restarts too."""
     spec, marker = held
     recorder = Recorder()

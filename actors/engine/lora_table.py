@@ -70,6 +70,7 @@ class LoraTable:
         if held is not None:
             self.held = set(held) & set(self.wanted)
         for digest in errors:
+            self.held.discard(digest)  # (one admitted unheld, whose load failed: `held` unchanged in the report)
             if self.wanted.pop(digest, 0) is None:
                 self.changed = True
 

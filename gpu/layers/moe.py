@@ -1,7 +1,9 @@
 """A sparse MoE block (Mixtral, Qwen3-MoE): a softmax router picks each token's top-k experts, their weights
 renormalised to sum to 1 where the config says (`norm_topk_prob`; Mixtral always), and each expert is a SwiGLU
 MLP. The experts' weights are stacked ([E, out, in]; the checkpoint's per-expert tensors are copied in at load,
-`expert_weight`; a GGUF's stacked tensors in blocks are held in their bytes on CPU, `hold_blocks`), and the tokens are grouped by expert: one pass per expert that got any token, never a Python
+`expert_weight`; on CPU in GGUF blocks, `hold_blocks`: a GGUF's stacked tensors in their bytes, an HF checkpoint's
+quantized as they load under --quantization), and the tokens are grouped by expert: one pass per expert that got any
+token, never a Python
 loop over tokens. A token's k contributions are summed in expert order, whatever the batch around it. Under tensor
 parallelism each rank holds every expert's slice of the intermediate dim and all-reduces the block's output (the
 router is replicated)."""
@@ -74,7 +76,7 @@ class Experts(nn.Module):
 @dataclass(frozen=True)
 class ExpertRows:
     """One projection of held experts as the loader writes a layer (gpu/loading/weights.py): its blocks, and
-    `load_rows` of a GGUF's stacked tensor's [experts x out, row bytes]."""
+    `load_rows` of a GGUF's stacked tensor's [experts x out, row bytes] or of an HF expert's float rows."""
 
     experts: Experts
     proj: str

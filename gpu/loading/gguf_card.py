@@ -26,7 +26,7 @@ from pathlib import Path
 from gpu.loading.convert import cache_dir
 from gpu.loading.errors import ModelLoadError
 
-CARD_FORMAT = 2  # (raised when a card's contents change: a card written by an older Sluice is not reused)
+CARD_FORMAT = 3  # (raised when a card's contents change: a card written by an older Sluice is not reused)
 SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 FLOAT_TYPES = {"F16": "float16", "BF16": "bfloat16"}
 LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # (Phi-3's longrope, as llama.cpp's)
@@ -144,10 +144,14 @@ def _fields(meta: dict, arch: str, config: dict, factors: list) -> dict:
     fields = {"head_dim": head_dim, "rope_parameters": rope}
     if rotary := key("rope.dimension_count"):  # (in rope_parameters where they are one dict: transformers 5's Phi-3)
         (fields if "full_attention" in rope or not rope else rope)["partial_rotary_factor"] = int(rotary) / head_dim
+    if any(factors) and not all(factors):
+        raise ModelLoadError(f"{LONGROPE_FACTORS[factors.index(None)]} is missing beside the other longrope factors")
     if all(factors):
         orig = int(key("rope.scaling.original_context_length", config["max_position_embeddings"]))
         rope |= {"rope_type": "longrope", "long_factor": factors[0], "short_factor": factors[1],
-                 "original_max_position_embeddings": orig, "attention_factor": float(key("rope.scaling.attn_factor", 1.0))}  # fmt: skip
+                 "original_max_position_embeddings": orig}  # fmt: skip
+        if (attention := key("rope.scaling.attn_factor")) is not None:  # (else HF's, from the lengths)
+            rope["attention_factor"] = float(attention)
         fields["original_max_position_embeddings"] = orig  # (HF's Phi-3 keeps it beside the scaling, and lets it win)
     if arch == "gemma2":
         fields |= {

@@ -1,7 +1,8 @@
 """A GGUF file read in place (llama.cpp's format, version 2 or 3): the header and metadata parsed here (gguf-py's
 GGUFReader parses every field through numpy records: seconds for a large vocabulary), the data memory-mapped
-read-only, each tensor a zero-copy view of the mapping, its pages released once copied (as gpu/loading/mapped.py's
-safetensors file: the same interface).
+read-only, each tensor a zero-copy view of the mapping: a block tensor's view is the weight itself (`hold`: its
+pages read in and kept), another tensor's pages released once copied (as gpu/loading/mapped.py's safetensors file:
+the same interface).
 
 Names: the file's (`blk.0.attn_q.weight`) are given the checkpoint names the model loads (`model.layers.0.self_attn.
 q_proj.weight`) through gguf-py's tensor-name map of the architecture: of the names it lists for a tensor, the one in
@@ -16,6 +17,7 @@ not a parameter: the loader divides the rotary frequencies by it, as llama.cpp d
 
 from __future__ import annotations
 
+import errno
 import mmap
 import re
 import struct
@@ -158,7 +160,9 @@ class GGUFFile:
         first, last = self._pages(name, inner=False)
         try:
             self.map.madvise(MADV_POPULATE_READ, first, last - first)
-        except OSError:  # (a kernel before 5.14: read ahead, faulted in as it is read)
+        except OSError as e:  # (EINVAL: a kernel before 5.14: read ahead, faulted in as it is read)
+            if e.errno != errno.EINVAL:
+                raise ModelLoadError(f"{self.path}: cannot read {name}'s data: {e}") from e
             self.map.madvise(mmap.MADV_WILLNEED, first, last - first)
 
     def _pages(self, name: str, inner: bool) -> tuple[int, int]:

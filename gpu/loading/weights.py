@@ -215,8 +215,9 @@ def hold_weights(
     """Lay each linear layer's weight out for the native kernels before the load: in the first block format of `into`
     whose blocks its width is whole of (quantized as it loads), else in its checkpoint tensors' block formats where each has one the
     kernels run (BLOCK_FORMATS, part by part; one rank holding the whole weight), else in panels of `weights`; the
-    embedding's table in a tied head's panels or blocks, in blocks of its own, or in `weights`. The checkpoint
-    parameter name -> the layer its tensors are written into."""
+    embedding's table in a tied head's panels or blocks, in blocks of its own, or in `weights`; an MoE layer's experts
+    in blocks where every projection has a format (`into`'s first that fits, or a GGUF's own), else dense. The
+    checkpoint parameter name -> the layer its tensors are written into."""
     kinds: dict[str, dict[int, object]] = {}
     for f, name, target, _, part in plan:
         kinds.setdefault(target, {})[part] = f.kind(name)

@@ -16,8 +16,8 @@
 // | Q6_K   | 256 / 210: ql u4, qh u2 [256], sc i8[16], d f16; d sc (q-32) |                                          |
 //
 // y[r, o] = bias[o] + the sum over blocks of the products' exact integer sums (maddubs/madd or VNNI's dpbusd) times
-// the block's scales: for the 32-element formats in float32 lane chains of 8 summed by one tree at the end, for the
-// K-quants one chain per (row, column) over the blocks (rows_k.h; the many-row tiles of tiles_k.h on AVX-512 VNNI).
+// the block's scales, one float32 chain per (row, column) over the blocks (the K-quants': rows_k.h; the many-row
+// tiles of tiles_k.h and tiles_32.h on AVX-512 VNNI, COLS weight rows at once for one activation row).
 // An element's rounding depends on nothing but its row and column (any batch, thread, tile, ISA: the same bits). A
 // NaN or infinite activation makes its block's scale NaN: its row's outputs are NaN (and only its row's). Threads
 // split the weight's rows; RT activation rows (in L1) share each weight block's unpacking, a megabyte of weight rows
@@ -32,7 +32,8 @@
 #include <vector>
 
 #include "blocks.h"
-#include "tiles_k.h"
+#include "rows_32.h"
+#include "tiles_32.h"
 
 #ifndef SLUICE_NS
 #error "SLUICE_NS names the op namespace of this ISA's build"
@@ -104,60 +105,6 @@ void quantize_q8_k(const float* x, int64_t in, uint8_t* out) {
   }
 }
 
-// One weight row's blocks against R activation rows: each row's lane accumulators, then its sum into y[r].
-// The 32-element formats: each block's 32 values as 8-bit integers (signed: d q; unsigned: d q + m, whose m times the
-// activations' sum is a second chain), then one product with the activations' block.
-struct Q4_0f {
-  static constexpr int64_t bytes = 18;
-  static constexpr bool has_min = false;
-  static __m256i q(const uint8_t* w) { return _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8)); }
-};
-struct Q4_1f {
-  static constexpr int64_t bytes = 20;
-  static constexpr bool has_min = true;
-  static __m256i q(const uint8_t* w) { return nibbles(w + 4); }
-};
-struct Q5_0f {
-  static constexpr int64_t bytes = 22;
-  static constexpr bool has_min = false;
-  static __m256i q(const uint8_t* w) {
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2)), _mm256_set1_epi8(16));
-  }
-};
-struct Q5_1f {
-  static constexpr int64_t bytes = 24;
-  static constexpr bool has_min = true;
-  static __m256i q(const uint8_t* w) { return _mm256_or_si256(nibbles(w + 8), fifth_bits(w + 4)); }
-};
-struct Q8_0f {
-  static constexpr int64_t bytes = 34;
-  static constexpr bool has_min = false;
-  static __m256i q(const uint8_t* w) { return loadu(w + 2); }
-};
-
-// One weight row's blocks against R activation rows: each row's lane accumulators, then its sum into y[r].
-template <typename F, int R>
-void row32(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
-  __m256 acc[R];
-  float mins[R] = {};
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, w += F::bytes) {
-    const __m256i q = F::q(w);
-    const float d = half(w);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* ab = a[r] + b * 40;
-      const __m256i p = F::has_min ? dot_u8(q, loadu(ab + 8)) : dot_s8(q, loadu(ab + 8));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * f32(ab)), _mm256_cvtepi32_ps(p), acc[r]);
-      if (F::has_min) {
-        int32_t sum;
-        std::memcpy(&sum, ab + 4, 4);
-        mins[r] = std::fma(half(w + 2) * f32(ab), static_cast<float>(sum), mins[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + mins[r];
-}
-
 template <int R>
 void row_dot(int64_t kind, const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
   if (kind == Q4_0) return row32<Q4_0f, R>(w, a, blocks, y);
@@ -209,7 +156,9 @@ void block_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
   const int64_t ldy = y.stride(0);
   int64_t first = 0;  // (the rows the many-row tiles took)
 #if defined(__AVX512VNNI__)
-  if (f.act_elems == 256 && (first = tiled_rows(rows)) > 0) k_tiles(kind, act.data(), first, wp, out, nb, yp, ldy, bp);
+  if ((first = tiled_rows(rows)) > 0)
+    f.act_elems == 256 ? run_tiles<KQuantTiles>(kind, act.data(), first, wp, out, nb, yp, ldy, bp)
+                       : run_tiles<Tiles32>(kind, act.data(), first, wp, out, nb, yp, ldy, bp);
 #endif
   if (first == rows) return;
   at::parallel_for(0, out, 1, [&](int64_t begin, int64_t end) {
@@ -222,9 +171,8 @@ void block_linear_out(const at::Tensor& x, const at::Tensor& blocks, int64_t kin
         for (int i = 0; i < n; ++i) a[i] = act.data() + (r + i) * nb * f.act_bytes;
         const int64_t stop = std::min(end, o0 + wb), wbytes = nb * f.bytes;
         int64_t o = o0;
-        for (; n == 1 && (kind == Q4_K || kind == Q5_K) && o + COLS <= stop; o += COLS) {  // (decode: COLS rows at once)
-          kind == Q5_K ? q4_k_cols<true>(wp + o * wbytes, wbytes, a[0], nb, s)
-                       : q4_k_cols<false>(wp + o * wbytes, wbytes, a[0], nb, s);
+        for (; n == 1 && kind != Q6_K && o + COLS <= stop; o += COLS) {  // (decode: COLS rows at once)
+          cols_dot(kind, wp + o * wbytes, wbytes, a[0], nb, s);
           for (int c = 0; c < COLS; ++c) yp[r * ldy + o + c] = bp ? s[c] + bp[o + c] : s[c];
         }
         for (; o < stop; ++o) {

@@ -59,15 +59,6 @@ inline __m256i dot_u8(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_ma
 #endif
 inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
 
-inline float hsum4(__m128 v) {  // (0+2) + (1+3)
-  const __m128 s2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-inline float hsum(__m256 v) {  // ((0+4) + (2+6)) + ((1+5) + (3+7)): one tree
-  return hsum4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
-}
-
 inline float hmax(__m256 v) {  // (the largest lane)
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));

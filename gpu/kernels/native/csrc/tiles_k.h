@@ -2,7 +2,7 @@
 // a last one padded, or a half tile of TH rows, 256-bit: batched decode at 8 rows; the rows left over, and the AVX2
 // build, take the row kernels of rows_k.h): the same numbers as those, bit for bit.
 //
-// A tile is TR activation rows x TC weight rows (output columns), an outer product per 4-byte group: one vector holds
+// A tile is R (TR or TH) activation rows x TC weight rows (output columns), an outer product per 4-byte group: one vector holds
 // the group's 4 activation bytes of each of the TR rows (the activations transposed per block: Acts), and each weight
 // row's 4 codes of it (its block unpacked once per pass into unsigned codes: Codes) are broadcast against it,
 // `vpdpbusd` summing the 4 products into each row's lane. A sub-block's sums are scaled by its scale (vpmulld) into
@@ -39,12 +39,14 @@ template <int R> struct Lanes;
     static I dpwssd(I acc, I a, I b) { return P##dpwssd_epi32(acc, a, b); }                           \
     static I scale(I a, int32_t k) { return P##mullo_epi32(a, P##set1_epi32(k)); }                   \
     static I add(I a, I b) { return P##add_epi32(a, b); }                                             \
+    static I sub(I a, I b) { return P##sub_epi32(a, b); }                                             \
     static I minus32(I a, I m) { return P##sub_epi32(a, P##slli_epi32(m, 5)); }                      \
     static F fzero() { return P##setzero_ps(); }                                                      \
     static F chain(float wd, const float* da, I v, F acc) {                                           \
       return P##fmadd_ps(P##mul_ps(P##set1_ps(wd), P##load_ps(da)), P##cvtepi32_ps(v), acc);          \
     }                                                                                                 \
     static void store_diff(float* out, F a, F b) { P##store_ps(out, P##sub_ps(a, b)); }               \
+    static void store_sum(float* out, F a, F b) { P##store_ps(out, P##add_ps(a, b)); }                \
   };
 SLUICE_LANES(TR, _mm512_, si512)
 SLUICE_LANES(TH, _mm256_, si256)
@@ -149,50 +151,58 @@ void tile(const Codes* const* codes, const Acts<R>* acts, int64_t blocks, int ro
   }
 }
 
-// Rows t0 .. t0 + n - 1 (n <= R) of act, as R rows' Acts (the missing ones from `zeros`)
-template <int R>
-void tile_acts(const uint8_t* act, int64_t t0, int64_t n, int64_t nb, const uint8_t* zeros, Acts<R>* out) {
-  const uint8_t* from[R];
-  for (int r = 0; r < R; ++r) from[r] = r < n ? act + (t0 + r) * nb * Q8K_BYTES : zeros;
-  transpose<R>(from, nb, out);
-}
+// The K-quants as a tile family (run_tiles): their activations' blocks, a weight row's unpacked blocks, the tile
+struct KQuantTiles {
+  template <int R> using Acts = ::Acts<R>;
+  using Codes = ::Codes;
+  static constexpr int64_t act_bytes = Q8K_BYTES;
+  template <int R> static void transpose(const uint8_t* const* rows, int64_t blocks, Acts<R>* out) {
+    ::transpose<R>(rows, blocks, out);
+  }
+  static void unpack(int64_t kind, const uint8_t* w, int64_t blocks, Codes* out) { ::unpack(kind, w, blocks, out); }
+  template <int R>
+  static void tile(int64_t kind, const Codes* const* codes, const Acts<R>* acts, int64_t blocks, int rows, int cols,
+                   float* y, int64_t ldy, const float* bias) {
+    kind == Q6_K ? ::tile<R, true>(codes, acts, blocks, rows, cols, y, ldy, bias)
+                 : ::tile<R, false>(codes, acts, blocks, rows, cols, y, ldy, bias);
+  }
+};
 
-// The first `rows` (tiled_rows) rows of y = x W^T + bias for a K-quant weight (act: x's rows as Q8_K activations):
-// full tiles, then a last full or half one
-void k_tiles(int64_t kind, const uint8_t* act, int64_t rows, const uint8_t* wp, int64_t out, int64_t nb, float* yp,
-             int64_t ldy, const float* bp) {
+// The first `rows` (tiled_rows) rows of y = x W^T + bias on a family's tiles (K: KQuantTiles, tiles_32.h's Tiles32;
+// act: x's rows as its activations' blocks): full tiles, then a last full or half one
+template <typename K>
+void run_tiles(int64_t kind, const uint8_t* act, int64_t rows, const uint8_t* wp, int64_t out, int64_t nb, float* yp,
+               int64_t ldy, const float* bp) {
   const int64_t wbytes = nb * format(kind).bytes, left = rows % TR, full = rows / TR + (left > TH);
   const bool half = left == TH;
-  std::vector<Acts<TR>> acts(full * nb);
-  std::vector<Acts<TH>> last(half ? nb : 0);
-  const std::vector<uint8_t> zeros(left ? nb * Q8K_BYTES : 0);  // (a last tile's missing rows)
+  std::vector<typename K::template Acts<TR>> acts(full * nb);
+  std::vector<typename K::template Acts<TH>> last(half ? nb : 0);
+  const std::vector<uint8_t> zeros(left ? nb * K::act_bytes : 0);  // (a last tile's missing rows)
+  auto gather = [&](int64_t t, auto* into) {  // (tile t's rows, as `into`'s R rows)
+    constexpr int R = sizeof(into->d) / sizeof(float);
+    const uint8_t* from[R];
+    for (int r = 0; r < R; ++r) from[r] = t * TR + r < rows ? act + (t * TR + r) * nb * K::act_bytes : zeros.data();
+    K::template transpose<R>(from, nb, into);
+  };
   at::parallel_for(0, full + half, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = std::min<int64_t>(TR, rows - t * TR);
-      t < full ? tile_acts<TR>(act, t * TR, n, nb, zeros.data(), acts.data() + t * nb)
-               : tile_acts<TH>(act, t * TR, n, nb, zeros.data(), last.data());
-    }
+    for (int64_t t = begin; t < end; ++t) t < full ? gather(t, acts.data() + t * nb) : gather(t, last.data());
   });
   at::parallel_for(0, (out + TC - 1) / TC, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Codes> held(TC * nb);
-    const Codes* codes[TC];
+    std::vector<typename K::Codes> held(TC * nb);
+    const typename K::Codes* codes[TC];
     for (int c = 0; c < TC; ++c) codes[c] = held.data() + c * nb;
     for (int64_t p = begin; p < end; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(TC, out - p * TC));
       for (int c = 0; c < TC; ++c) {
-        if (c < cols) unpack(kind, wp + (p * TC + c) * wbytes, nb, held.data() + c * nb);
-        else std::memset(static_cast<void*>(held.data() + c * nb), 0, nb * sizeof(Codes));  // (nothing written)
+        if (c < cols) K::unpack(kind, wp + (p * TC + c) * wbytes, nb, held.data() + c * nb);
+        else std::memset(static_cast<void*>(held.data() + c * nb), 0, nb * sizeof(typename K::Codes));  // (not written)
       }
       const float* bias = bp ? bp + p * TC : nullptr;
       for (int64_t t = 0; t < full + half; ++t) {
         float* y = yp + t * TR * ldy + p * TC;
         const int n = static_cast<int>(std::min<int64_t>(TR, rows - t * TR));
-        if (t < full)
-          kind == Q6_K ? tile<TR, true>(codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias)
-                       : tile<TR, false>(codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias);
-        else
-          kind == Q6_K ? tile<TH, true>(codes, last.data(), nb, n, cols, y, ldy, bias)
-                       : tile<TH, false>(codes, last.data(), nb, n, cols, y, ldy, bias);
+        t < full ? K::template tile<TR>(kind, codes, acts.data() + t * nb, nb, n, cols, y, ldy, bias)
+                 : K::template tile<TH>(kind, codes, last.data(), nb, n, cols, y, ldy, bias);
       }
     }
   });
