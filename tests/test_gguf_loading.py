@@ -9,6 +9,8 @@ refused by name and leaves no card behind."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import pytest
 import torch
@@ -135,7 +137,8 @@ def test_block_weights_are_the_mapped_files_pages(checkpoints, tmp_path):
     whose rows the converter permuted (copies, put back in HF's order)."""
     path = write_gguf(checkpoints["llama"], tmp_path / "mapped.gguf", T.Q8_0)
     runner = ModelRunner(ModelConfig.from_path(path), device="cpu", num_blocks=8, block_size=4)
-    spans = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith(str(path))]
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    spans = [line.split()[0].split("-") for line in maps if line.rstrip().endswith(str(path))]
     mapped = lambda t: any(int(a, 16) <= t.data_ptr() < int(b, 16) for a, b in spans)  # noqa: E731
     layers = {n: m for n, m in runner.model.named_modules() if getattr(m, "blocks", None)}
     assert spans and len(layers) > 7
