@@ -144,8 +144,9 @@ def _fields(meta: dict, arch: str, config: dict, factors: list) -> dict:
     fields = {"head_dim": head_dim, "rope_parameters": rope}
     if rotary := key("rope.dimension_count"):  # (in rope_parameters where they are one dict: transformers 5's Phi-3)
         (fields if "full_attention" in rope or not rope else rope)["partial_rotary_factor"] = int(rotary) / head_dim
-    if any(factors) and not all(factors):
-        raise ModelLoadError(f"{LONGROPE_FACTORS[factors.index(None)]} is missing beside the other longrope factors")
+    if any(f is not None for f in factors) and not all(factors):
+        missing = next(n for n, f in zip(LONGROPE_FACTORS, factors, strict=True) if not f)
+        raise ModelLoadError(f"{missing} is missing or empty beside the other longrope factors")
     if all(factors):
         orig = int(key("rope.scaling.original_context_length", config["max_position_embeddings"]))
         rope |= {"rope_type": "longrope", "long_factor": factors[0], "short_factor": factors[1],

@@ -160,8 +160,8 @@ class GGUFFile:
         first, last = self._pages(name, inner=False)
         try:
             self.map.madvise(MADV_POPULATE_READ, first, last - first)
-        except OSError as e:  # (EINVAL: a kernel before 5.14: read ahead, faulted in as it is read)
-            if e.errno != errno.EINVAL:
+        except OSError as e:  # (else a kernel before 5.14, or a sandbox's: read ahead, faulted in as it is read)
+            if e.errno in (errno.EFAULT, errno.EIO, getattr(errno, "EHWPOISON", errno.EIO)):
                 raise ModelLoadError(f"{self.path}: cannot read {name}'s data: {e}") from e
             self.map.madvise(mmap.MADV_WILLNEED, first, last - first)
 

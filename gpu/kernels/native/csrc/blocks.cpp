@@ -50,9 +50,10 @@ void quantize_q8_0(const float* x, int64_t in, uint8_t* out) {  // (into 40 byte
     for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[i])), finite &= std::isfinite(x[i]);
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;  // (q rounds half away from 0: roundf)
     const float dh = finite ? static_cast<float>(c10::Half(d)) : NAN;  // (llama.cpp keeps d as f16)
+    const bool scaled = finite && std::isfinite(id);  // (a d too small for 1 / d: its f16 is 0, q 0)
     int32_t sum = 0;
     for (int i = 0; i < 32; ++i) {
-      const auto q = static_cast<int8_t>(finite ? std::round(x[i] * id) : 0);
+      const auto q = static_cast<int8_t>(scaled ? std::round(x[i] * id) : 0);
       out[8 + i] = static_cast<uint8_t>(q), sum += q;
     }
     std::memcpy(out, &dh, 4), std::memcpy(out + 4, &sum, 4);

@@ -41,24 +41,33 @@ inline __m256i dot32(const uint8_t* w, __m256i a) {  // (a block's exact integer
   return dot_s8(F::offset == 128 ? loadu(w + 2) : _mm256_sub_epi8(F::u(w), _mm256_set1_epi8(F::offset)), a);
 }
 
-// One weight row's blocks against R activation rows: per row a chain over the blocks, S = fma(d da, I, S) of each
-// block's exact integer I (and N = fma(m da, sum, N)), y = S + N: a tile's (tiles_32.h) and COLS rows' (cols32) lanes.
+// One weight row's blocks against R <= 8 activation rows: per row a chain over the blocks, S = fma(d da, I, S) of each
+// block's exact integer I (and N = fma(m da, sum, N)), y = S + N, the rows' chains a vector's lanes (their integers
+// summed across lanes together: sums8): a tile's (tiles_32.h) and COLS rows' (cols32) chains.
 template <typename F, int R>
 void row32(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) {
-  float S[R] = {}, N[R] = {};
+  static_assert(R <= 8, "a lane a row");
+  __m256 S = _mm256_setzero_ps(), N = _mm256_setzero_ps();
+  __m256i I[8];
+  for (int r = R; r < 8; ++r) I[r] = _mm256_setzero_si256();
+  float da[8] = {};
+  int32_t sum[8] = {};
   for (int64_t b = 0; b < blocks; ++b, w += F::bytes) {
-    const float d = half(w);
     for (int r = 0; r < R; ++r) {
       const uint8_t* ab = a[r] + b * 40;
-      S[r] = std::fma(d * f32(ab), static_cast<float>(hsum_i32(dot32<F>(w, loadu(ab + 8)))), S[r]);
-      if (F::has_min) {
-        int32_t sum;
-        std::memcpy(&sum, ab + 4, 4);
-        N[r] = std::fma(half(w + 2) * f32(ab), static_cast<float>(sum), N[r]);
-      }
+      I[r] = dot32<F>(w, loadu(ab + 8)), da[r] = f32(ab);
+      if (F::has_min) std::memcpy(&sum[r], ab + 4, 4);
     }
+    // (built from registers: a vector load of the scalars just stored would stall on store forwarding)
+    const __m256 dav = _mm256_setr_ps(da[0], da[1], da[2], da[3], da[4], da[5], da[6], da[7]);
+    S = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(w)), dav), _mm256_cvtepi32_ps(sums8(I)), S);
+    if (F::has_min)
+      N = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(w + 2)), dav),
+                          _mm256_cvtepi32_ps(_mm256_setr_epi32(sum[0], sum[1], sum[2], sum[3], sum[4], sum[5], sum[6], sum[7])), N);
   }
-  for (int r = 0; r < R; ++r) y[r] = S[r] + N[r];
+  alignas(32) float out[8];
+  _mm256_store_ps(out, _mm256_add_ps(S, N));
+  for (int r = 0; r < R; ++r) y[r] = out[r];
 }
 
 // Decode (one activation row): COLS weight rows (`stride` bytes apart) at once, row32's chains as a vector's lanes
@@ -88,6 +97,7 @@ void cols_dot(int64_t kind, const uint8_t* w, int64_t stride, const uint8_t* a, 
   if (kind == Q5_0) return cols32<Q5_0f>(w, stride, a, blocks, y);
   if (kind == Q5_1) return cols32<Q5_1f>(w, stride, a, blocks, y);
   if (kind == Q8_0) return cols32<Q8_0f>(w, stride, a, blocks, y);
+  TORCH_CHECK(kind == Q4_K || kind == Q5_K, "cols_dot: format ", kind);
   kind == Q5_K ? q4_k_cols<true>(w, stride, a, blocks, y) : q4_k_cols<false>(w, stride, a, blocks, y);
 }
 
