@@ -4,8 +4,9 @@ devices), and it must fit in the host's memory (frontend/memory_check.py); then 
 of an engine killed as it starts (frontend/launch.py's `Preflight`).
 
 This is the one part of a launch that imports torch (the models' shapes on meta). `sluice serve` runs it in a child of
-the fork server (frontend/launch.py `preflight`; the fork server's preload imported it), so the launcher itself never imports torch: its start
-is not a second torch import beside the fork server's (1.4 s of CPU on a 2-core host), and it holds ~200 MB less.
+the fork server (frontend/launch.py `preflight`; the fork server's preload imported it), so the launcher itself never
+imports torch: its start is not a second torch import beside the fork server's (1.4 s of CPU on a 2-core host), and
+it holds ~200 MB less.
 """
 
 from __future__ import annotations

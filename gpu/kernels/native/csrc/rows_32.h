@@ -61,9 +61,10 @@ void row32(const uint8_t* w, const uint8_t* const* a, int64_t blocks, float* y) 
     // (built from registers: a vector load of the scalars just stored would stall on store forwarding)
     const __m256 dav = _mm256_setr_ps(da[0], da[1], da[2], da[3], da[4], da[5], da[6], da[7]);
     S = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(w)), dav), _mm256_cvtepi32_ps(sums8(I)), S);
-    if (F::has_min)
-      N = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(w + 2)), dav),
-                          _mm256_cvtepi32_ps(_mm256_setr_epi32(sum[0], sum[1], sum[2], sum[3], sum[4], sum[5], sum[6], sum[7])), N);
+    if (F::has_min) {
+      const __m256i sums = _mm256_setr_epi32(sum[0], sum[1], sum[2], sum[3], sum[4], sum[5], sum[6], sum[7]);
+      N = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(w + 2)), dav), _mm256_cvtepi32_ps(sums), N);
+    }
   }
   alignas(32) float out[8];
   _mm256_store_ps(out, _mm256_add_ps(S, N));
