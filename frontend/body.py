@@ -143,7 +143,8 @@ def decode_body(body: bytes, type_: type[T], refused: Mapping[str, Callable[[obj
         msg = str(e)
         m = _AT.search(msg)
         if m is None:
-            raise RequestError(400, f"Invalid request body: {msg}") from e
+            top = re.match(r"Object missing required field `([^`]*)`$", msg)  # (a top-level field: named)
+            raise RequestError(400, f"Invalid request body: {msg}", top and top.group(1)) from e
         param = m.group(1).replace("[...]", "")  # msgspec's placeholder for a dict value
         missing = re.match(r"Object missing required field `([^`]*)`", msg)
         if missing:

@@ -24,6 +24,11 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
 def engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="model directory or .gguf file (default: the bundled SmolLM2-135M)")
     g = parser.add_argument_group("engine")
+    g.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                   help="serve the model for generation or pooling (embeddings); auto: pooling for an encoder")  # fmt: skip
+    g.add_argument(
+        "--pooler-config", help='JSON over the model\'s pooling, e.g. {"pooling_type": "MEAN", "normalize": true}'
+    )
     g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="max requests in a batch")
     g.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="max prompt + output tokens")
     g.add_argument(

@@ -24,12 +24,14 @@ from actors.graph import engine_processes
 from actors.runtime import ActorSpec, ProcessSpec, StartupError
 from frontend.http_base import HttpConfig
 from frontend.memory_check import MemoryNeed, check_memory, memory_need
-from gpu.loading.config import ModelConfig, ModelLoadError
+from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
 from gpu.loading.convert import ConversionError, default_model_dir
+from gpu.loading.encoder_config import EncoderConfig, is_pooling_model
 from gpu.loading.lora import LoraError, read_adapter
 from gpu.loading.weights import check_checkpoint, check_quantization
 from gpu.models import REGISTRY
 from gpu.runner.model_runner import resolve_device
+from messages import names
 from messages.names import HTTP
 
 
@@ -112,6 +114,8 @@ def build_processes(
 ) -> tuple[list[ProcessSpec], MemoryNeed]:
     """The processes, and what they need of this host's memory (checked unless not `memory_check`); the engine's
     first (started in this order: its load is the longest part of a start). `model`: engine.model's, resolved."""
+    if model is None and serves_pooling(engine):
+        return pooling_processes(engine, http)
     model = model or resolve_model(engine.model)
     check_quantization(model, engine.quantization)
     devices = check_gang(model, engine)
@@ -128,12 +132,52 @@ def build_processes(
     return [*engine_processes(engine, HTTP, devices), http_process(model, engine, http)], need
 
 
+class PoolingNeed(msgspec.Struct):
+    weights: int  # bytes, float32
+
+    def explanation(self) -> str:
+        return f"its weights take {self.weights / 2**20:.0f} MiB of host memory (float32)"
+
+
+def serves_pooling(engine: EngineConfig) -> bool:
+    """Whether the launch serves engine.model for pooling: --runner, else whether it is an encoder."""
+    return engine.runner == "pooling" or (
+        engine.runner == "auto" and bool(engine.model) and is_pooling_model(engine.model)
+    )
+
+
+def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[ProcessSpec], PoolingNeed]:
+    """A pooling model's launch (actors/pooler: its engine takes the scheduler's name; no worker, no detokenizer)."""
+    model = EncoderConfig.from_path(engine.model, engine.pooler_config)
+    refused = {"--data-parallel-size": engine.data_parallel_size > 1, "--tensor-parallel-size": engine.tensor_parallel_size > 1,
+               "--enable-lora": engine.lora is not None, "--speculative-config": engine.speculative is not None,
+               "--quantization": engine.quantization is not None}  # fmt: skip
+    if flags := [flag for flag, given in refused.items() if given]:
+        raise ModelLoadError(f"{', '.join(flags)}: not served with a pooling model ({model.name})")
+    if resolve_device(engine.device).type != "cpu":
+        raise ModelLoadError(f"a pooling model is served on CPU only, not --device {engine.device}")
+    engine = msgspec.structs.replace(
+        engine, model=str(model.path), max_model_len=min(engine.max_model_len, model.max_model_len), stats_to=[HTTP]
+    )
+    pooler = ActorSpec(
+        name=names.SCHEDULER, factory="actors.pooler.actor:PoolerActor", kwargs={"config": msgspec.to_builtins(engine)}
+    )
+    kwargs = {"model": str(model.path), "http": msgspec.to_builtins(http), "max_model_len": engine.max_model_len,
+              "vocab_size": model.vocab_size, "dimensions": list(model.dimensions)}  # fmt: skip
+    http_spec = ProcessSpec(
+        name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)]
+    )
+    weights = sum(f.stat().st_size for f in weight_files(model.path))  # (a float32 checkpoint's; a 16-bit one's x2)
+    return [ProcessSpec(name=names.ENGINE, actors=[pooler]), http_spec], PoolingNeed(weights)
+
+
 def prepare(engine: EngineConfig, http: HttpConfig, memory_check: bool = True) -> dict:
     """`sluice serve`'s launch of `engine` behind `http` (its port chosen), checked, the model's name served where
     `http` names none: frontend/launch.py's Preflight's fields. Raises ModelLoadError or StartupError."""
-    model = resolve_model(engine.model)
+    pooling = serves_pooling(engine)
+    model = EncoderConfig.from_path(engine.model) if pooling else resolve_model(engine.model)
     http = msgspec.structs.replace(http, served_model_name=http.served_model_name or [model.name])
-    processes, need = build_processes(engine, http, memory_check, model)
+    processes, need = pooling_processes(engine, http) if pooling else build_processes(engine, http, memory_check, model)
     return {"http": http, "processes": processes, "memory": need.explanation()}
 
 

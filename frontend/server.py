@@ -23,19 +23,20 @@ from actors.engine.grammar import WARM_IDLE_S, warm
 from actors.routing import Replicas
 from actors.runtime import Actor
 from frontend.context import ServingContext
+from frontend.embeddings import EmbeddingEndpoints
 from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_response, json_response, middleware
 from frontend.lora_api import LoraEndpoints
 from frontend.metrics import CONTENT_TYPE, Metrics
-from frontend.openapi import openapi
 from frontend.protocol import RequestError, new_request_id, parse_chat, parse_completion
 from frontend.readiness import Readiness
 from frontend.request_state import HttpRequest
 from frontend.requests import RequestTable
 from frontend.responses import response_body, stream_events, stream_head, stream_tail
 from frontend.responses_api.endpoint import ResponsesEndpoint
+from frontend.routes import add_routes
 from frontend.structured import compile_check
 from frontend.throughput_log import ThroughputLog
-from frontend.tokenize import detokenize, model_card, server_version, tokenize
+from frontend.tokenize import detokenize, model_card, tokenize
 from frontend.tokenizer import Tokenizer
 from messages.names import HTTP
 from messages.wire import ActorDown, ActorUp, CheckIdle, DetokStats, EngineStats, Finished, IdleReport, TextOutputs
@@ -61,10 +62,12 @@ class HttpActor(Actor):
         block_size: int = 16,
         local_replicas: int | None = None,
         loras: list[dict] = (),
+        dimensions: list[int] | None = None,
     ):
         """The engine's facts: `max_model_len`, `vocab_size`, `bos_token_id` (whether the model has a BOS to guide
         against), its `replicas` (--data-parallel-size; `local_replicas` of them on this node, None: all) and their KV
-        `block_size` (what the router hashes); the LoRA adapters it serves (`loras`: LoraModules)."""
+        `block_size` (what the router hashes); the LoRA adapters it serves (`loras`: LoraModules). `dimensions` (a
+        model served for pooling, its matryoshka sizes): the embeddings endpoints instead of generation's."""
         super().__init__()
         self.config = msgspec.convert(http, HttpConfig)
         self.model = model
@@ -83,18 +86,20 @@ class HttpActor(Actor):
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self.lora_api: LoraEndpoints | None = None  # (--enable-lora-runtime-updates)
+        self.responses: ResponsesEndpoint | None = None  # (generation)
+        self.embeddings = None if dimensions is None else EmbeddingEndpoints(self, tuple(dimensions))
         self._large_reads, self._large_parses = asyncio.Semaphore(LARGE_READS), asyncio.Semaphore(LARGE_PARSES)
 
     def handlers(self):
         return {
             TextOutputs: self.table.on_outputs,
             Finished: self.table.on_finished,
-            EngineStats: self.on_engine_stats,
+            EngineStats: lambda msg: (self.metrics.on_engine_stats(msg), self.table.replicas.on_stats(msg)),
             DetokStats: self.metrics.on_detok_stats,
-            ActorDown: self.readiness.on_down,
+            ActorDown: self.on_down,
             ActorUp: self.on_up,
             CheckIdle: self.on_check,
-        }
+        } | (self.embeddings.handlers() if self.embeddings else {})
 
     async def on_start(self) -> None:
         """Asks are answered only after this returns: the launcher's first answered ask means "listening"."""
@@ -108,21 +113,8 @@ class HttpActor(Actor):
         app = web.Application(
             client_max_size=self.config.max_body_bytes, middlewares=[middleware(self.config, self.metrics)]
         )
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        self.responses = ResponsesEndpoint(self)
-        self.responses.serve(app)  # (its store opens in the background: one that cannot costs only its routes)
         self.lora_api = LoraEndpoints(self) if c.lora_runtime_updates else None
-        if self.lora_api:
-            self.lora_api.serve(app)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model}", self.model_card)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
-        app.router.add_get("/version", lambda _: json_response(server_version()))
-        app.router.add_get("/openapi.json", lambda _: json_response(openapi(bool(self.config.api_key))))
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
+        add_routes(app, self)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.config.host, self.config.port).start()
@@ -134,20 +126,27 @@ class HttpActor(Actor):
     def on_up(self, msg: ActorUp) -> None:
         if self.lora_api is not None:  # (first: a scheduler back hears of its adapters before its requests' copies)
             self.lora_api.on_up(msg)
+        if self.embeddings is not None:
+            self.embeddings.on_up(msg)
         self.readiness.on_up(msg)
 
-    def on_engine_stats(self, msg: EngineStats) -> None:
-        self.metrics.on_engine_stats(msg)
-        self.table.replicas.on_stats(msg)
+    def on_down(self, msg: ActorDown) -> None:
+        if self.embeddings is not None:
+            self.embeddings.on_down(msg)
+        self.readiness.on_down(msg)
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = self.table.idle_details
-        details = details | {"responses": len(self.responses.runs)}
+        e = self.embeddings
+        details = details | ({"embeddings": len(e.pending)} if e else {"responses": len(self.responses.runs)})
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     async def on_shutdown(self, reason: str) -> None:
         """Runs once (Actor.drain), while the handlers go on: the Finished it waits for arrive meanwhile."""
         self.admitting = False
+        if self.embeddings is not None and self.embeddings.pending:  # (answered as their AbortAcks come)
+            self.embeddings.abort_all("shutdown")
+            await self.until(lambda: not self.embeddings.pending, self.config.drain_timeout_s)
         if self.table.live:
             log.info("shutdown (%s): aborting %d requests", reason, len(self.table.live))
             self.table.abort_all("shutdown")
@@ -155,6 +154,7 @@ class HttpActor(Actor):
             self.table.fail_all(RequestError(503, "the server is shutting down"), send_abort=False)
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.responses is not None:
             await self.until(lambda: not self.responses.runs, self.config.drain_timeout_s)  # (their last writes)
             await self.responses.store.close()
 
@@ -165,7 +165,7 @@ class HttpActor(Actor):
             await asyncio.sleep(min(0.5, self.config.abort_timeout_s / 2))
             if warm_at and (self.table.live or not self.readiness.started):
                 warm_at = time.monotonic() + WARM_IDLE_S
-            elif warm_at and time.monotonic() >= warm_at:
+            elif warm_at and time.monotonic() >= warm_at and self.embeddings is None:
                 warm_at = 0.0
                 warm(self.model, self.vocab_size, tuple(self.ctx.tokenizer.eos_token_ids))
             self.table.expire(time.monotonic())
@@ -266,11 +266,8 @@ class HttpActor(Actor):
         while not req.done:
             await req.wake.wait()
             req.wake.clear()
-        resp = (
-            error_response(req.error)
-            if req.error is not None
-            else json_response(response_body(req, self.ctx.tokenizer))
-        )
+        ok = req.error is None
+        resp = json_response(response_body(req, self.ctx.tokenizer)) if ok else error_response(req.error)
         resp.headers.update(headers)
         return resp
 

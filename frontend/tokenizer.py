@@ -111,6 +111,8 @@ class Tokenizer:
         """chat_template: replaces the model's own (sluice serve --chat-template FILE)."""
         path = Path(path)
         hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        hf.no_truncation()  # (a file may set either: all-MiniLM-L6-v2's cuts at 128 and pads to 128)
+        hf.no_padding()
         config = _json(path / "tokenizer_config.json")
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else config.get("chat_template")

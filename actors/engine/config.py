@@ -74,6 +74,10 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # an HF-style directory (a .gguf's card: gpu/loading/gguf_card.py)
+    # what the model is served for: "generate" (a decoder's text), "pooling" (an encoder's embeddings: actors/pooler);
+    # "auto": pooling for an encoder architecture (gpu/loading/encoder_config.py is_pooling_model), else generate
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    pooler_config: str | None = None  # --pooler-config: JSON over the model's own pooling (pooling_type, normalize)
     device: str = "auto"
     dtype: str = "auto"
     quantization: Literal["q8_0", "q4_0", "q4_k"] | None = None  # weight-only, CPU float32 (gpu/layers/quant.py)

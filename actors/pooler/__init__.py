@@ -1,0 +1,1 @@
+"""A pooling model's engine (issue 52): actors/pooler/actor.py. Imports actors/runtime, gpu/ and messages/."""

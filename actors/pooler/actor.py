@@ -1,0 +1,198 @@
+"""PoolerActor: a pooling model's engine (issue 52). It takes the scheduler's name (messages/names.py), so the
+router, readiness and the supervisor treat it as the replica's engine; it has no worker and no detokenizer.
+
+A step embeds the inputs at the head of the queue, whole, up to max_num_batched_tokens (at least one input), packed
+in one forward on the device thread (the loop never blocks); a request's PoolOutput goes to its client once all its
+inputs are embedded. No state outlives a step: nothing to free, nothing to resume from.
+
+Cases (request state x event -> action):
+  queued    Abort            -> removed, AbortAck now
+  in a step Abort            -> remembered: AbortAck as the step ends, its output dropped
+  unknown   Abort            -> a late abort (it ended, or never came): ignored, counted
+  any       PoolRequest, an older copy than one held -> stale: dropped; a newer one replaces the held one
+  any       an input the engine cannot take (the frontend checks first) -> PoolOutput(error)
+  any       Shutdown         -> queued ones acked (shutdown); the step in flight ends first
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from actors.engine.config import EngineConfig
+from actors.runtime import Actor
+from gpu.layers.pooling import pool
+from gpu.loading.encoder import load_encoder
+from gpu.loading.encoder_config import EncoderConfig
+from messages.names import SCHEDULER
+from messages.pooling import PoolOutput, PoolRequest
+from messages.wire import Abort, AbortAck, CheckIdle, DetokStats, EngineStats, IdleReport
+
+log = logging.getLogger("sluice.pooler")
+
+
+@dataclass(eq=False)
+class Job:
+    msg: PoolRequest
+    done: list[torch.Tensor | None] = field(default_factory=list)  # per input: its embedding once embedded
+    next: int = 0  # the first input not yet in a step
+    aborted: str | None = None  # the reason of an Abort that came while it was in a step
+
+
+class PoolerActor(Actor):
+    name = SCHEDULER
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = msgspec.convert(config, EngineConfig)
+        self.model_config = EncoderConfig.from_path(self.config.model, self.config.pooler_config)
+        self.max_model_len = min(self.config.max_model_len, self.model_config.max_model_len)
+        self.jobs: dict[str, Job] = {}  # every request held, in arrival order (the queue)
+        self.stepping: set[Job] = set()  # the jobs with inputs in the step in flight
+        self.late_aborts = self.stale = self.tokens = 0  # (tokens: embedded, in every step so far)
+        self._work = asyncio.Event()
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
+
+    def handlers(self):
+        return {PoolRequest: self.on_request, Abort: self.on_abort, CheckIdle: self.on_check}
+
+    async def on_start(self) -> None:
+        torch.set_num_threads(self.config.threads())
+        loop = asyncio.get_running_loop()
+        self.model = await loop.run_in_executor(self._device, load_encoder, self.model_config, self.config.cpu_kernels)
+        c = self.model_config
+        log.info("pooling engine ready: %s, %s pooling, max_model_len %d", c.name, c.pooling.pooling_type,
+                 self.max_model_len)  # fmt: skip
+        self.spawn(self._step_loop())
+        if self.config.stats_to:
+            self.spawn(self._publish_stats())
+
+    def on_request(self, msg: PoolRequest) -> None:
+        held = self.jobs.get(msg.request_id)
+        if held is not None and held.msg.attempt >= msg.attempt:
+            self.stale += 1
+            return
+        if error := self._invalid(msg):
+            self._send(msg, error=error)
+            return
+        self.jobs.pop(msg.request_id, None)  # (an older copy's place goes: the new one queues at the end)
+        self.jobs[msg.request_id] = Job(msg, [None] * len(msg.inputs))
+        self._work.set()
+
+    def on_abort(self, msg: Abort) -> None:
+        job = self.jobs.get(msg.request_id)
+        if job is None:
+            self.late_aborts += 1
+        elif job in self.stepping:
+            job.aborted = msg.reason
+        else:
+            del self.jobs[msg.request_id]
+            self.tell(job.msg.client, AbortAck(request_id=msg.request_id, reason=msg.reason, attempt=job.msg.attempt))
+
+    def on_check(self, msg: CheckIdle) -> IdleReport:
+        details = {"queued": len(self.jobs), "in_step": len(self.stepping), "pending_asks": self.pending_asks}
+        return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
+
+    async def on_shutdown(self, reason: str) -> None:
+        for rid in [rid for rid, job in self.jobs.items() if job not in self.stepping]:
+            self.on_abort(Abort(request_id=rid, reason="shutdown"))
+        await self.until(lambda: not self.jobs, 10)
+        self._device.shutdown(wait=False, cancel_futures=True)
+
+    def _invalid(self, msg: PoolRequest) -> str | None:
+        c = self.model_config
+        for ids in msg.inputs:
+            if not 0 < len(ids) <= self.max_model_len:
+                return f"an input has {len(ids)} tokens; 1 to max_model_len {self.max_model_len} are taken"
+            if not all(0 <= t < c.vocab_size for t in ids):
+                return f"a token id is outside the vocabulary (0 .. {c.vocab_size - 1})"
+        if msg.dimensions is not None and msg.dimensions not in c.dimensions:
+            return f"dimensions {msg.dimensions}: this model is not served for matryoshka dimensions"
+        return None
+
+    def _batch(self) -> tuple[list[tuple[Job, int]], list[list[int]]]:
+        """The inputs of the next step: whole, from the head of the queue, up to the token budget (one at least)."""
+        taken, budget = [], self.config.max_num_batched_tokens
+        for job in self.jobs.values():
+            while job.next < len(job.msg.inputs):
+                n = len(job.msg.inputs[job.next])
+                if taken and n > budget:
+                    return taken, [job.msg.inputs[i] for job, i in taken]
+                taken.append((job, job.next))
+                job.next, budget = job.next + 1, budget - n
+        return taken, [job.msg.inputs[i] for job, i in taken]
+
+    def _embed(self, inputs: list[list[int]]) -> torch.Tensor:
+        lens, p = [len(ids) for ids in inputs], self.model_config.pooling
+        with torch.no_grad():
+            hidden = self.model(torch.tensor([t for ids in inputs for t in ids]), lens)
+            return pool(hidden, lens, p.pooling_type, normalize=False)
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while self.jobs:
+                taken, inputs = self._batch()
+                if not taken:
+                    break
+                self.stepping = {job for job, _ in taken}
+                try:
+                    out = await loop.run_in_executor(self._device, self._embed, inputs)
+                    error, self.tokens = None, self.tokens + sum(map(len, inputs))
+                except Exception as e:  # (a failure of the forward fails the requests of that step alone)
+                    log.exception("pooling step of %d inputs failed", len(inputs))
+                    out, error = None, f"the pooling step failed: {type(e).__name__}: {e}"
+                finally:
+                    self.stepping = set()
+                for k, (job, i) in enumerate(taken):
+                    job.done[i] = None if out is None else out[k]
+                    self._finish(job, error)
+                self.moved()
+
+    async def _publish_stats(self) -> None:
+        """/metrics' engine gauges and the prompt tokens counter (sluice:prompt_tokens_total: the detokenizer's,
+        which a pooling model has none of)."""
+        while True:
+            queued = sum(job not in self.stepping for job in self.jobs.values())
+            engine = EngineStats(num_running=len(self.stepping), num_waiting=queued, kv_usage=0.0,
+                                 prompt_tokens_total=self.tokens, generation_tokens_total=0,
+                                 late_aborts_total=self.late_aborts)  # fmt: skip
+            counts = DetokStats(stale_outputs_dropped_total=self.stale, protocol_violations_total=0, num_tombstones=0,
+                                prompt_tokens_total=self.tokens)  # fmt: skip
+            for actor in self.config.stats_to:
+                self.tell(actor, engine)
+                self.tell(actor, counts)
+            await asyncio.sleep(self.config.stats_interval_s)
+
+    def _finish(self, job: Job, error: str | None) -> None:
+        rid = job.msg.request_id
+        if self.jobs.get(rid) is not job:
+            return  # (replaced by a newer copy, or already ended)
+        if job.aborted is not None:
+            del self.jobs[rid]
+            self.tell(job.msg.client, AbortAck(request_id=rid, reason=job.aborted, attempt=job.msg.attempt))
+        elif error is not None:
+            del self.jobs[rid]
+            self._send(job.msg, error=error)
+        elif all(e is not None for e in job.done):
+            del self.jobs[rid]
+            self._send(job.msg, rows=torch.stack(job.done))
+
+    def _send(self, msg: PoolRequest, rows: torch.Tensor | None = None, error: str | None = None) -> None:
+        if rows is not None:
+            if msg.dimensions is not None:
+                rows = rows[:, : msg.dimensions]
+            if self.model_config.pooling.normalize if msg.normalize is None else msg.normalize:
+                rows = F.normalize(rows, p=2, dim=-1)
+        data = b"" if rows is None else rows.contiguous().numpy().astype("<f4").tobytes()
+        dim = 0 if rows is None else rows.shape[1]
+        self.tell(msg.client, PoolOutput(request_id=msg.request_id, attempt=msg.attempt, dim=dim, data=data,
+                                         error=error))  # fmt: skip

@@ -1,0 +1,50 @@
+"""The HTTP actor's routes, by the runner its model is served for: generation (completions, chat, the Responses API,
+LoRA adapters at runtime) or pooling (embeddings: frontend/embeddings.py); an endpoint of the other runner answers a
+400 naming it. Both: the model list, tokenization, version, OpenAPI, health and metrics."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from frontend.body import RequestError
+from frontend.http_base import json_response
+from frontend.openapi import openapi
+from frontend.responses_api.endpoint import ResponsesEndpoint
+from frontend.tokenize import server_version
+
+GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+POOLING = ("/v1/embeddings",)
+
+
+def not_served(runner: str, other: str):
+    async def refuse(request: web.Request) -> web.Response:
+        raise RequestError(400, f"{request.path} is not served: this model is served for {runner} (sluice serve "
+                           f"--runner {other} serves it for that, where the model can be)", "endpoint")  # fmt: skip
+
+    return refuse
+
+
+def add_routes(app: web.Application, http) -> None:
+    """`http`: the HttpActor (its handlers and endpoints)."""
+    r = app.router
+    if http.embeddings is not None:
+        http.embeddings.serve(app)
+        for path in GENERATE:
+            r.add_post(path, not_served("pooling", "generate"))
+    else:
+        r.add_post("/v1/completions", http.completions)
+        r.add_post("/v1/chat/completions", http.chat)
+        http.responses = ResponsesEndpoint(http)
+        http.responses.serve(app)  # (its store opens in the background: one that cannot costs only its routes)
+        if http.lora_api:
+            http.lora_api.serve(app)
+        for path in POOLING:
+            r.add_post(path, not_served("generation", "pooling"))
+    r.add_get("/v1/models", http.models)
+    r.add_get("/v1/models/{model}", http.model_card)
+    r.add_post("/tokenize", http.tokenize)
+    r.add_post("/detokenize", http.detokenize)
+    r.add_get("/version", lambda _: json_response(server_version()))
+    r.add_get("/openapi.json", lambda _: json_response(openapi(bool(http.config.api_key))))
+    r.add_get("/health", http.health)
+    r.add_get("/metrics", http.prometheus)

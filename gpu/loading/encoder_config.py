@@ -1,0 +1,132 @@
+"""An encoder checkpoint's configuration (config.json of a BERT-style model) and how its outputs are pooled: from
+sentence-transformers' files where the directory has them (`modules.json`, its Pooling module's `config.json`,
+`sentence_bert_config.json`'s `max_seq_length`, a Normalize module), overridden field by field by `--pooler-config`
+(vLLM's flag: `{"pooling_type": "MEAN", "normalize": true}`), else CLS pooling, normalized (vLLM's default for
+encoders).
+
+`is_pooling_model(path)` decides the runner `sluice serve DIR` picks: an encoder architecture, or a directory that
+sentence-transformers would load as an embedder. Imports nothing of gpu/models (the families import it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gpu.loading.config import weight_files
+from gpu.loading.errors import ModelLoadError
+
+# config.json's `architectures`: the encoder is what is served, whatever head the file names (its tensors skipped)
+ENCODERS = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
+POOLING_TYPES = ("CLS", "MEAN", "MAX", "LAST")
+ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_max_tokens": "MAX",
+            "pooling_mode_lasttoken": "LAST"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How an input's hidden states become its embedding."""
+
+    pooling_type: str = "CLS"  # one of POOLING_TYPES: the first token's state, the mean, the max, the last token's
+    normalize: bool = True  # L2-normalized
+
+    @classmethod
+    def override(cls, base: Pooling, raw: str) -> Pooling:
+        """`base` with --pooler-config's JSON fields (pooling_type, normalize) over it."""
+        try:
+            fields = json.loads(raw)
+            assert isinstance(fields, dict)
+        except (ValueError, AssertionError) as e:
+            raise ModelLoadError(f"--pooler-config: not a JSON object: {raw!r}") from e
+        if unknown := set(fields) - {"pooling_type", "normalize"}:
+            raise ModelLoadError(f"--pooler-config: unknown fields {sorted(unknown)}")
+        kind = str(fields.get("pooling_type", base.pooling_type)).upper()
+        if kind not in POOLING_TYPES:
+            raise ModelLoadError(f"--pooler-config: pooling_type {kind!r} is not one of {', '.join(POOLING_TYPES)}")
+        return replace(base, pooling_type=kind, normalize=bool(fields.get("normalize", base.normalize)))
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    max_model_len: int  # sentence-transformers' max_seq_length where given, else the positions
+    pooling: Pooling
+    dimensions: tuple[int, ...]  # matryoshka (config.json's matryoshka_dimensions, or all for is_matryoshka): the
+    # sizes a request's `dimensions` may cut an embedding to; () for a model not trained for it
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @classmethod
+    def from_path(cls, path: str | Path, pooler_config: str | None = None) -> EncoderConfig:
+        path = Path(path)
+        raw = _json(path / "config.json")
+        arch = (raw.get("architectures") or [""])[0]
+        if arch not in ENCODERS:
+            raise ModelLoadError(f"{path}: architecture {arch!r} is not an encoder served here ({', '.join(ENCODERS)})")
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ModelLoadError(f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not served")
+        weight_files(path)  # (raises when weights are missing)
+        positions = int(raw.get("max_position_embeddings", 512))
+        st = _json(path / "sentence_bert_config.json")
+        pooling = sentence_transformers_pooling(path) or Pooling()
+        if pooler_config:
+            pooling = Pooling.override(pooling, pooler_config)
+        try:
+            return cls(
+                path=path, architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]), max_position_embeddings=positions,
+                type_vocab_size=int(raw.get("type_vocab_size", 2)), layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+                hidden_act=raw.get("hidden_act", "gelu"), max_model_len=min(int(st.get("max_seq_length", positions)), positions),
+                pooling=pooling, dimensions=_matryoshka(raw),
+            )  # fmt: skip
+        except KeyError as e:
+            raise ModelLoadError(f"{path}/config.json: missing {e.args[0]}") from None
+
+
+def sentence_transformers_pooling(path: Path) -> Pooling | None:
+    """The Pooling of a sentence-transformers directory (modules.json's Pooling and Normalize modules), or None."""
+    modules = _json(path / "modules.json", [])
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    if "Pooling" not in kinds:
+        return None
+    st = _json(path / kinds["Pooling"].get("path", "") / "config.json")
+    modes = [mode for key, mode in ST_MODES.items() if st.get(key)]
+    if len(modes) != 1 or st.get("pooling_mode_mean_sqrt_len_tokens"):
+        raise ModelLoadError(f"{path}: sentence-transformers pooling {st} is not one of {', '.join(POOLING_TYPES)}")
+    return Pooling(pooling_type=modes[0], normalize="Normalize" in kinds)
+
+
+def _matryoshka(raw: dict) -> tuple[int, ...]:
+    """The embedding sizes a matryoshka model serves (vLLM's reading of config.json)."""
+    if dims := raw.get("matryoshka_dimensions"):
+        return tuple(sorted(int(d) for d in dims))
+    return tuple(range(1, int(raw["hidden_size"]) + 1)) if raw.get("is_matryoshka") else ()
+
+
+def is_pooling_model(path: str | Path) -> bool:
+    """Whether `sluice serve DIR` serves the directory for pooling (an encoder), not generation."""
+    path = Path(path)
+    if path.suffix == ".gguf" or not (path / "config.json").is_file():
+        return False
+    return (_json(path / "config.json").get("architectures") or [""])[0] in ENCODERS
+
+
+def _json(path: Path, default=None):
+    try:
+        return json.loads(path.read_text()) if path.is_file() else ({} if default is None else default)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: not JSON ({e})") from None

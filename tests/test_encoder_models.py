@@ -1,0 +1,129 @@
+"""Encoders for pooling (issue 52), in-process: a tiny random BERT that HF builds and saves, against HF's own forward
+(with padding and an attention mask: HF's batched path), each pooling type against its formula over HF's hidden
+states, normalized or not; batch invariance on the native kernels; sentence-transformers' files read as it reads
+them; a checkpoint's head skipped by name, a tensor of a wrong shape refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM, BertModel
+
+from gpu.kernels import native
+from gpu.layers.pooling import pool
+from gpu.loading.encoder import load_encoder
+from gpu.loading.encoder_config import EncoderConfig, Pooling, is_pooling_model
+from gpu.loading.errors import ModelLoadError
+
+LENS = [1, 5, 17, 40]
+
+
+def tiny_bert(path, head: bool = False, **overrides):
+    config = BertConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, **overrides)  # fmt: skip
+    torch.manual_seed(0)
+    model = (BertForMaskedLM if head else BertModel)(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bert")
+    return path, tiny_bert(path)
+
+
+def inputs(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 120, (n,), generator=g).tolist() for n in LENS]
+
+
+def hf_hidden(model, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's last hidden states of the inputs right-padded in one batch, and the mask."""
+    width = max(map(len, ids))
+    padded = torch.tensor([x + [0] * (width - len(x)) for x in ids])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+    with torch.no_grad():
+        return model(input_ids=padded, attention_mask=mask).last_hidden_state, mask
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_hidden_states_match_hfs_batched_forward(bert, kernels):
+    if kernels == "native" and native.ops() is None:
+        pytest.skip("the native kernels are not built")
+    path, model = bert
+    ids = inputs()
+    ours = load_encoder(EncoderConfig.from_path(path), cpu_kernels=kernels)
+    with torch.no_grad():
+        got = ours(torch.tensor([t for x in ids for t in x]), LENS).split(LENS)
+    ref, _ = hf_hidden(model, ids)
+    for i, n in enumerate(LENS):
+        torch.testing.assert_close(got[i], ref[i, :n], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pooling_type", ["CLS", "MEAN", "MAX", "LAST"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_each_pooling_is_its_formula_over_hfs_states(bert, pooling_type, normalize):
+    path, model = bert
+    ids = inputs(2)
+    ours = load_encoder(EncoderConfig.from_path(path))
+    with torch.no_grad():
+        got = pool(ours(torch.tensor([t for x in ids for t in x]), LENS), LENS, pooling_type, normalize)
+    h, mask = hf_hidden(model, ids)
+    m = mask.unsqueeze(-1).bool()
+    ref = {
+        "CLS": h[:, 0],
+        "MEAN": (h * m).sum(1) / m.sum(1),
+        "MAX": h.masked_fill(~m, float("-inf")).max(1).values,
+        "LAST": h[torch.arange(len(LENS)), torch.tensor(LENS) - 1],
+    }[pooling_type]
+    if normalize:
+        ref = ref / ref.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_an_inputs_embedding_is_the_same_bits_alone_or_in_any_batch(bert):
+    if native.ops() is None:
+        pytest.skip("the native kernels are not built")
+    path, _ = bert
+    ours = load_encoder(EncoderConfig.from_path(path))
+    ids = inputs(3)
+    with torch.no_grad():
+        together = pool(ours(torch.tensor([t for x in ids for t in x]), LENS), LENS, "MEAN", True)
+        for i, x in enumerate(ids):
+            alone = pool(ours(torch.tensor(x), [len(x)]), [len(x)], "MEAN", True)
+            assert torch.equal(alone[0], together[i]), i
+
+
+def test_a_checkpoints_head_is_skipped_and_a_wrong_shape_refused_by_name(tmp_path):
+    tiny_bert(tmp_path / "mlm", head=True)
+    assert is_pooling_model(tmp_path / "mlm")
+    load_encoder(EncoderConfig.from_path(tmp_path / "mlm"))  # (cls.predictions.* skipped, bert.* renamed)
+    tiny_bert(tmp_path / "bad")
+    config = json.loads((tmp_path / "bad" / "config.json").read_text())
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(config | {"intermediate_size": 48}))
+    with pytest.raises(ModelLoadError, match=r"intermediate\.dense\.\w+ has shape"):
+        load_encoder(EncoderConfig.from_path(tmp_path / "bad"))
+
+
+def test_sentence_transformers_files_and_pooler_config_say_how_to_pool(tmp_path):
+    tiny_bert(tmp_path)
+    assert EncoderConfig.from_path(tmp_path).pooling == Pooling("CLS", True)  # (no sentence-transformers files)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))  # fmt: skip
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16}))
+    c = EncoderConfig.from_path(tmp_path)
+    assert (c.pooling, c.max_model_len, c.dimensions) == (Pooling("MAX", False), 16, ())
+    assert EncoderConfig.from_path(tmp_path, '{"pooling_type": "mean"}').pooling == Pooling("MEAN", False)
+    for bad, says in [('{"pooling_type": "SUM"}', "SUM"), ('{"dims": 3}', "unknown"), ("[1]", "JSON object")]:
+        with pytest.raises(ModelLoadError, match=says):
+            EncoderConfig.from_path(tmp_path, bad)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"matryoshka_dimensions": [16, 8, 32]}))
+    assert EncoderConfig.from_path(tmp_path).dimensions == (8, 16, 32)
