@@ -8,17 +8,12 @@ max_model_len; without it a longer input than max_model_len is a 400); `normaliz
 pooling config); `add_special_tokens` (default true); `user` (logged with the request). A text is bounded by its
 length in characters before it is tokenized.
 
-The request ledger (`pending`: id -> the PoolRequest sent and the handler's future). Cases (state x event):
-  pending  PoolOutput of its copy      -> answered (an error: a 500 naming it); another copy's: stale, dropped
-  pending  handler cancelled (client gone) -> Abort to the engine, forgotten (a later PoolOutput / AbortAck: dropped)
-  pending  ActorDown(engine), restarting at once -> kept; ActorUp(engine) -> sent again as the next copy
-  pending  ActorDown(engine) with a back-off -> failed now (503)
-  pending  Shutdown                    -> Abort(shutdown); AbortAck or PoolOutput -> answered 503 / as it came
+Requests go through the front's pooling ledger (frontend/pool_ledger.py), which says what an engine death or a
+client gone does to them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 from typing import Literal
@@ -31,9 +26,7 @@ from frontend.body import RequestError, decode_body, token_ids
 from frontend.budget import check_chars
 from frontend.http_base import REQUEST_ID, json_response
 from frontend.protocol import new_request_id
-from messages.names import SCHEDULER
-from messages.pooling import PoolOutput, PoolRequest
-from messages.wire import Abort, AbortAck, ActorDown, ActorUp
+from messages.pooling import PoolRequest
 
 log = logging.getLogger("sluice.http")
 
@@ -50,11 +43,6 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
     add_special_tokens: bool | None = None
-
-
-class Pending(msgspec.Struct):
-    msg: PoolRequest
-    answer: asyncio.Future
 
 
 def parse_embeddings(body: bytes, ctx, rid: str, dimensions: tuple[int, ...]) -> tuple[EmbeddingRequest, PoolRequest]:
@@ -116,8 +104,7 @@ def encode_inputs(value, ctx, cut: int | None, special: bool) -> list[list[int]]
     return out
 
 
-def embedding_body(req: EmbeddingRequest, out: PoolOutput, model: str, tokens: int) -> dict:
-    rows = np.frombuffer(out.data, dtype="<f4").reshape(-1, out.dim)
+def embedding_body(req: EmbeddingRequest, rows: np.ndarray, model: str, tokens: int) -> dict:
     as_base64 = req.encoding_format == "base64"
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(row.tobytes()).decode() if as_base64 else row.tolist()}
@@ -125,67 +112,19 @@ def embedding_body(req: EmbeddingRequest, out: PoolOutput, model: str, tokens: i
     return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-class EmbeddingEndpoints:
-    def __init__(self, http, dimensions: tuple[int, ...]) -> None:
-        """`http`: the HttpActor (its context, readiness, tell); `dimensions`: the model's matryoshka sizes."""
-        self.http, self.dimensions = http, dimensions
-        self.pending: dict[str, Pending] = {}
-
-    def serve(self, app: web.Application) -> None:
-        app.router.add_post("/v1/embeddings", self.embeddings)
-
-    def handlers(self) -> dict:
-        return {PoolOutput: self.on_output, AbortAck: self.on_ack}
-
-    def on_output(self, msg: PoolOutput) -> None:
-        p = self.pending.get(msg.request_id)
-        if p is not None and p.msg.attempt == msg.attempt and not p.answer.done():
-            p.answer.set_result(msg)
-
-    def on_ack(self, msg: AbortAck) -> None:
-        self.on_output(PoolOutput(request_id=msg.request_id, attempt=msg.attempt, error=f"aborted ({msg.reason})"))
-
-    def on_down(self, msg: ActorDown) -> None:
-        if msg.actor == SCHEDULER and msg.retry_in_s > 0:
-            for rid in list(self.pending):
-                self.on_output(PoolOutput(request_id=rid, attempt=self.pending[rid].msg.attempt,
-                                          error=f"the engine keeps failing: restarting in {msg.retry_in_s:.0f} s"))  # fmt: skip
-
-    def on_up(self, msg: ActorUp) -> None:
-        if msg.actor == SCHEDULER:
-            for p in self.pending.values():  # (what it held is gone: each is sent again, as the next copy)
-                p.msg = msgspec.structs.replace(p.msg, attempt=p.msg.attempt + 1)
-                self.http.tell(SCHEDULER, p.msg)
-
-    def abort_all(self, reason: str) -> None:
-        for p in self.pending.values():
-            self.http.tell(SCHEDULER, Abort(request_id=p.msg.request_id, reason=reason))
-
-    async def embeddings(self, request: web.Request) -> web.Response:
-        http = self.http
-        http.check_available()
-        request[REQUEST_ID] = rid = new_request_id("embd")
-        req, msg = await http.parse_body(
-            request, lambda body, ctx, _: parse_embeddings(body, ctx, rid, self.dimensions), rid
-        )
-        http.check_available()  # (the engine may have died while we parsed)
-        tokens = sum(map(len, msg.inputs))
-        user = f", user {req.user!r}" if req.user else ""
-        log.info("[%s] %s: %d inputs, %d tokens%s", rid, request.path, len(msg.inputs), tokens, user)
-        self.pending[rid] = p = Pending(msg, asyncio.get_running_loop().create_future())
-        http.tell(SCHEDULER, msg)
-        out: PoolOutput | None = None
-        try:
-            out = await p.answer
-        finally:
-            del self.pending[rid]
-            if out is None:  # the client went away (the handler was cancelled, and the future with it)
-                http.tell(SCHEDULER, Abort(request_id=rid, reason="client"))
-            http.moved()
-        if out.error is not None:
-            status = 503 if out.error.startswith(("aborted", "the engine keeps")) else 500
-            raise RequestError(status, f"the embedding failed: {out.error}")
-        body = await http.off_loop(
-            len(out.data) > 1 << 18, embedding_body, req, out, req.model or http.names[0], tokens
-        )
-        return json_response(body)
+async def embeddings(http, request: web.Request) -> web.Response:
+    """`http`: the HttpActor (its pooling ledger, readiness, parser)."""
+    http.check_available()
+    if http.pooling.facts.labels:
+        raise RequestError(400, f"{request.path} is not served: this model is a cross-encoder (/score, /rerank and "
+                           "/classify are)", "endpoint")  # fmt: skip
+    request[REQUEST_ID] = rid = new_request_id("embd")
+    dims = tuple(http.pooling.facts.dimensions)
+    req, msg = await http.parse_body(request, lambda body, ctx, _: parse_embeddings(body, ctx, rid, dims), rid)
+    http.check_available()  # (the engine may have died while we parsed)
+    tokens = sum(map(len, msg.inputs))
+    user = f", user {req.user!r}" if req.user else ""
+    log.info("[%s] %s: %d inputs, %d tokens%s", rid, request.path, len(msg.inputs), tokens, user)
+    rows = await http.pooling.run(msg)
+    body = await http.off_loop(rows.nbytes > 1 << 18, embedding_body, req, rows, req.model or http.names[0], tokens)
+    return json_response(body)

@@ -162,8 +162,9 @@ def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[Proc
     pooler = ActorSpec(
         name=names.SCHEDULER, factory="actors.pooler.actor:PoolerActor", kwargs={"config": msgspec.to_builtins(engine)}
     )
+    facts = {"dimensions": list(model.dimensions), "labels": list(model.labels), "score_sigmoid": model.score_sigmoid}
     kwargs = {"model": str(model.path), "http": msgspec.to_builtins(http), "max_model_len": engine.max_model_len,
-              "vocab_size": model.vocab_size, "dimensions": list(model.dimensions)}  # fmt: skip
+              "vocab_size": model.vocab_size, "pooling": facts}  # fmt: skip
     http_spec = ProcessSpec(
         name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)]
     )

@@ -1,19 +1,28 @@
 """The HTTP actor's routes, by the runner its model is served for: generation (completions, chat, the Responses API,
-LoRA adapters at runtime) or pooling (embeddings: frontend/embeddings.py); an endpoint of the other runner answers a
+LoRA adapters at runtime) or pooling (embeddings, scores, reranking, classes: frontend/embeddings.py, scoring.py); an endpoint of the other runner answers a
 400 naming it. Both: the model list, tokenization, version, OpenAPI, health and metrics."""
 
 from __future__ import annotations
 
+import functools
+
 from aiohttp import web
 
+from frontend import scoring
 from frontend.body import RequestError
+from frontend.embeddings import embeddings
 from frontend.http_base import json_response
 from frontend.openapi import openapi
 from frontend.responses_api.endpoint import ResponsesEndpoint
 from frontend.tokenize import server_version
 
 GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-POOLING = ("/v1/embeddings",)
+POOLING = {
+    ("/v1/embeddings",): embeddings,
+    ("/score", "/v1/score"): scoring.score,
+    ("/rerank", "/v1/rerank", "/v2/rerank"): scoring.rerank,
+    ("/classify",): scoring.classify,
+}
 
 
 def not_served(runner: str, other: str):
@@ -27,8 +36,10 @@ def not_served(runner: str, other: str):
 def add_routes(app: web.Application, http) -> None:
     """`http`: the HttpActor (its handlers and endpoints)."""
     r = app.router
-    if http.embeddings is not None:
-        http.embeddings.serve(app)
+    if http.pooling is not None:
+        for paths, handler in POOLING.items():
+            for path in paths:
+                r.add_post(path, functools.partial(handler, http))
         for path in GENERATE:
             r.add_post(path, not_served("pooling", "generate"))
     else:
@@ -38,7 +49,7 @@ def add_routes(app: web.Application, http) -> None:
         http.responses.serve(app)  # (its store opens in the background: one that cannot costs only its routes)
         if http.lora_api:
             http.lora_api.serve(app)
-        for path in POOLING:
+        for path in (p for paths in POOLING for p in paths):
             r.add_post(path, not_served("generation", "pooling"))
     r.add_get("/v1/models", http.models)
     r.add_get("/v1/models/{model}", http.model_card)

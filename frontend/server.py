@@ -23,10 +23,10 @@ from actors.engine.grammar import WARM_IDLE_S, warm
 from actors.routing import Replicas
 from actors.runtime import Actor
 from frontend.context import ServingContext
-from frontend.embeddings import EmbeddingEndpoints
 from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_response, json_response, middleware
 from frontend.lora_api import LoraEndpoints
 from frontend.metrics import CONTENT_TYPE, Metrics
+from frontend.pool_ledger import PoolLedger
 from frontend.protocol import RequestError, new_request_id, parse_chat, parse_completion
 from frontend.readiness import Readiness
 from frontend.request_state import HttpRequest
@@ -62,12 +62,12 @@ class HttpActor(Actor):
         block_size: int = 16,
         local_replicas: int | None = None,
         loras: list[dict] = (),
-        dimensions: list[int] | None = None,
+        pooling: dict | None = None,
     ):
         """The engine's facts: `max_model_len`, `vocab_size`, `bos_token_id` (whether the model has a BOS to guide
         against), its `replicas` (--data-parallel-size; `local_replicas` of them on this node, None: all) and their KV
-        `block_size` (what the router hashes); the LoRA adapters it serves (`loras`: LoraModules). `dimensions` (a
-        model served for pooling, its matryoshka sizes): the embeddings endpoints instead of generation's."""
+        `block_size` (what the router hashes); the LoRA adapters it serves (`loras`: LoraModules). `pooling` (a
+        model served for pooling: frontend/pool_ledger.py PoolFacts): the pooling endpoints instead of generation's."""
         super().__init__()
         self.config = msgspec.convert(http, HttpConfig)
         self.model = model
@@ -87,7 +87,7 @@ class HttpActor(Actor):
         self.runner: web.AppRunner | None = None
         self.lora_api: LoraEndpoints | None = None  # (--enable-lora-runtime-updates)
         self.responses: ResponsesEndpoint | None = None  # (generation)
-        self.embeddings = None if dimensions is None else EmbeddingEndpoints(self, tuple(dimensions))
+        self.pooling = None if pooling is None else PoolLedger(self, pooling)
         self._large_reads, self._large_parses = asyncio.Semaphore(LARGE_READS), asyncio.Semaphore(LARGE_PARSES)
 
     def handlers(self):
@@ -99,7 +99,7 @@ class HttpActor(Actor):
             ActorDown: self.on_down,
             ActorUp: self.on_up,
             CheckIdle: self.on_check,
-        } | (self.embeddings.handlers() if self.embeddings else {})
+        } | (self.pooling.handlers() if self.pooling else {})
 
     async def on_start(self) -> None:
         """Asks are answered only after this returns: the launcher's first answered ask means "listening"."""
@@ -126,27 +126,27 @@ class HttpActor(Actor):
     def on_up(self, msg: ActorUp) -> None:
         if self.lora_api is not None:  # (first: a scheduler back hears of its adapters before its requests' copies)
             self.lora_api.on_up(msg)
-        if self.embeddings is not None:
-            self.embeddings.on_up(msg)
+        if self.pooling is not None:
+            self.pooling.on_up(msg)
         self.readiness.on_up(msg)
 
     def on_down(self, msg: ActorDown) -> None:
-        if self.embeddings is not None:
-            self.embeddings.on_down(msg)
+        if self.pooling is not None:
+            self.pooling.on_down(msg)
         self.readiness.on_down(msg)
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
         details = self.table.idle_details
-        e = self.embeddings
-        details = details | ({"embeddings": len(e.pending)} if e else {"responses": len(self.responses.runs)})
+        e = self.pooling
+        details = details | ({"pooling": len(e.pending)} if e else {"responses": len(self.responses.runs)})
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     async def on_shutdown(self, reason: str) -> None:
         """Runs once (Actor.drain), while the handlers go on: the Finished it waits for arrive meanwhile."""
         self.admitting = False
-        if self.embeddings is not None and self.embeddings.pending:  # (answered as their AbortAcks come)
-            self.embeddings.abort_all("shutdown")
-            await self.until(lambda: not self.embeddings.pending, self.config.drain_timeout_s)
+        if self.pooling is not None and self.pooling.pending:  # (answered as their AbortAcks come)
+            self.pooling.abort_all("shutdown")
+            await self.until(lambda: not self.pooling.pending, self.config.drain_timeout_s)
         if self.table.live:
             log.info("shutdown (%s): aborting %d requests", reason, len(self.table.live))
             self.table.abort_all("shutdown")
@@ -165,7 +165,7 @@ class HttpActor(Actor):
             await asyncio.sleep(min(0.5, self.config.abort_timeout_s / 2))
             if warm_at and (self.table.live or not self.readiness.started):
                 warm_at = time.monotonic() + WARM_IDLE_S
-            elif warm_at and time.monotonic() >= warm_at and self.embeddings is None:
+            elif warm_at and time.monotonic() >= warm_at and self.pooling is None:
                 warm_at = 0.0
                 warm(self.model, self.vocab_size, tuple(self.ctx.tokenizer.eos_token_ids))
             self.table.expire(time.monotonic())

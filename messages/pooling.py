@@ -11,10 +11,12 @@ from messages.wire import Msg
 
 
 class PoolRequest(Msg, kw_only=True):
-    """HTTP -> pooler: embed each input (token ids, each within the model's length: the frontend checked)."""
+    """HTTP -> pooler: embed each input (token ids, each within the model's length: the frontend checked); a
+    cross-encoder's engine gives each input's logits instead (its activation is the frontend's: per endpoint)."""
 
     request_id: str
     inputs: list[list[int]]
+    token_type_ids: list[list[int]] | None = None  # per input, each token's segment (a pair's second text: 1); None: 0
     normalize: bool | None = None  # None: the model's pooling says; else L2-normalized or not
     dimensions: int | None = None  # matryoshka: the embedding cut to its first this many values (renormalized)
     client: str = "http"
@@ -26,7 +28,7 @@ class PoolOutput(Msg, kw_only=True):
 
     request_id: str
     attempt: int = 0
-    dim: int = 0  # the values per embedding
+    dim: int = 0  # the values per embedding (a cross-encoder's: per input, its labels' logits)
     data: bytes = b""  # len(inputs) x dim float32, little-endian, row-major (the wire carries no per-value framing)
     error: str | None = None
 

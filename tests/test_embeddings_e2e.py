@@ -103,6 +103,21 @@ async def test_token_ids_and_truncation_are_sentence_transformers(served, refere
     assert whole.usage.prompt_tokens == 256
 
 
+async def test_an_embedders_scores_are_cosines_and_rerank_orders_by_them(served, reference):
+    query, docs = TEXTS[2], TEXTS[3:7]
+    emb = reference.encode([query, *docs])
+    ref = emb[1:] @ emb[0] / np.linalg.norm(emb[1:], axis=1) / np.linalg.norm(emb[0])
+    async with aiohttp.ClientSession(served.url) as s:
+        async with s.post("/score", json={"text_1": query, "text_2": docs}) as resp:
+            got = [d["score"] for d in (await resp.json())["data"]]
+        async with s.post("/v1/rerank", json={"query": query, "documents": docs, "top_n": 2}) as resp:
+            ranked = (await resp.json())["results"]
+        async with s.post("/classify", json={"input": "a"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "endpoint"
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+    assert [r["index"] for r in ranked] == list(np.argsort(-ref))[:2]
+
+
 BAD = [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
@@ -166,3 +181,19 @@ async def test_a_client_that_goes_away_leaves_nothing_queued(served):
         return not any(v for details in (await served.idle()).values() for v in details.values())
 
     await eventually(idle, "nothing held by the engine or the front", 15)
+
+
+async def test_a_request_in_flight_when_the_engine_is_killed_is_answered_by_its_restart(served, reference):
+    some = [text_of(250, 100 + k) for k in range(64)]  # (8 steps)
+    client = served.client()
+    answer = asyncio.ensure_future(client.embeddings.create(model="model", input=some, encoding_format="float"))
+
+    async def held() -> bool:
+        return (await served.idle())["scheduler"]["queued"] > 0
+
+    await eventually(held, "the request in the engine", 15)
+    served.server.kill("engine")
+    out = await asyncio.wait_for(answer, 60)
+    ref = reference.encode(some)
+    for i, d in enumerate(out.data):
+        close(d.embedding, ref[i])

@@ -112,26 +112,35 @@ class PoolerActor(Actor):
                 return f"an input has {len(ids)} tokens; 1 to max_model_len {self.max_model_len} are taken"
             if not all(0 <= t < c.vocab_size for t in ids):
                 return f"a token id is outside the vocabulary (0 .. {c.vocab_size - 1})"
+        types = msg.token_type_ids
+        if types is not None and (len(types) != len(msg.inputs) or any(
+                len(t) != len(ids) or not all(0 <= k < c.type_vocab_size for k in t)
+                for t, ids in zip(types, msg.inputs, strict=False))):  # fmt: skip
+            return "token_type_ids must give each token of each input a segment the model has"
         if msg.dimensions is not None and msg.dimensions not in c.dimensions:
             return f"dimensions {msg.dimensions}: this model is not served for matryoshka dimensions"
         return None
 
-    def _batch(self) -> tuple[list[tuple[Job, int]], list[list[int]]]:
+    def _batch(self) -> list[tuple[Job, int]]:
         """The inputs of the next step: whole, from the head of the queue, up to the token budget (one at least)."""
         taken, budget = [], self.config.max_num_batched_tokens
         for job in self.jobs.values():
             while job.next < len(job.msg.inputs):
                 n = len(job.msg.inputs[job.next])
                 if taken and n > budget:
-                    return taken, [job.msg.inputs[i] for job, i in taken]
+                    return taken
                 taken.append((job, job.next))
                 job.next, budget = job.next + 1, budget - n
-        return taken, [job.msg.inputs[i] for job, i in taken]
+        return taken
 
-    def _embed(self, inputs: list[list[int]]) -> torch.Tensor:
+    def _embed(self, inputs: list[list[int]], types: list[list[int]] | None) -> torch.Tensor:
+        """Each input's embedding (not normalized: `_send` does), or a cross-encoder's logits."""
         lens, p = [len(ids) for ids in inputs], self.model_config.pooling
+        typed = None if types is None else torch.tensor([t for ids in types for t in ids])
         with torch.no_grad():
-            hidden = self.model(torch.tensor([t for ids in inputs for t in ids]), lens)
+            hidden = self.model(torch.tensor([t for ids in inputs for t in ids]), lens, typed)
+            if self.model.head is not None:
+                return self.model.classify(hidden, lens)
             return pool(hidden, lens, p.pooling_type, normalize=False)
 
     async def _step_loop(self) -> None:
@@ -140,12 +149,16 @@ class PoolerActor(Actor):
             await self._work.wait()
             self._work.clear()
             while self.jobs:
-                taken, inputs = self._batch()
+                taken = self._batch()
                 if not taken:
                     break
+                inputs = [job.msg.inputs[i] for job, i in taken]
+                typed = any(job.msg.token_type_ids is not None for job, _ in taken)
+                types = [job.msg.token_type_ids[i] if job.msg.token_type_ids else [0] * len(job.msg.inputs[i])
+                         for job, i in taken] if typed else None  # fmt: skip
                 self.stepping = {job for job, _ in taken}
                 try:
-                    out = await loop.run_in_executor(self._device, self._embed, inputs)
+                    out = await loop.run_in_executor(self._device, self._embed, inputs, types)
                     error, self.tokens = None, self.tokens + sum(map(len, inputs))
                 except Exception as e:  # (a failure of the forward fails the requests of that step alone)
                     log.exception("pooling step of %d inputs failed", len(inputs))
@@ -187,7 +200,7 @@ class PoolerActor(Actor):
             self._send(job.msg, rows=torch.stack(job.done))
 
     def _send(self, msg: PoolRequest, rows: torch.Tensor | None = None, error: str | None = None) -> None:
-        if rows is not None:
+        if rows is not None and self.model.head is None:
             if msg.dimensions is not None:
                 rows = rows[:, : msg.dimensions]
             if self.model_config.pooling.normalize if msg.normalize is None else msg.normalize:

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,  # (exact, erf: BERT's)
-    "relu": F.relu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }

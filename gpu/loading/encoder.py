@@ -35,7 +35,7 @@ def load_encoder(config: EncoderConfig, cpu_kernels: str | None = None) -> BertM
     for file in weight_files(config.path):
         f = MappedFile(file)
         for name in f.header:
-            target = BertModel.checkpoint_name(name)
+            target = model.checkpoint_name(name)
             if target is None:
                 continue
             if target not in params:

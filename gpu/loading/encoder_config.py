@@ -62,6 +62,9 @@ class EncoderConfig:
     hidden_act: str
     max_model_len: int  # sentence-transformers' max_seq_length where given, else the positions
     pooling: Pooling
+    labels: tuple[str, ...]  # a cross-encoder's (BertForSequenceClassification: id2label, in order); () an embedder's
+    score_sigmoid: bool  # a cross-encoder's score is its logit through a sigmoid (sentence-transformers' default for
+    # one label, or its config's activation_fn), else the logit itself
     dimensions: tuple[int, ...]  # matryoshka (config.json's matryoshka_dimensions, or all for is_matryoshka): the
     # sizes a request's `dimensions` may cut an embedding to; () for a model not trained for it
 
@@ -81,6 +84,7 @@ class EncoderConfig:
         weight_files(path)  # (raises when weights are missing)
         positions = int(raw.get("max_position_embeddings", 512))
         st = _json(path / "sentence_bert_config.json")
+        labels, sigmoid = _labels(raw, arch)
         pooling = sentence_transformers_pooling(path) or Pooling()
         if pooler_config:
             pooling = Pooling.override(pooling, pooler_config)
@@ -91,7 +95,7 @@ class EncoderConfig:
                 num_attention_heads=int(raw["num_attention_heads"]), max_position_embeddings=positions,
                 type_vocab_size=int(raw.get("type_vocab_size", 2)), layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
                 hidden_act=raw.get("hidden_act", "gelu"), max_model_len=min(int(st.get("max_seq_length", positions)), positions),
-                pooling=pooling, dimensions=_matryoshka(raw),
+                pooling=pooling, dimensions=_matryoshka(raw), labels=labels, score_sigmoid=sigmoid,
             )  # fmt: skip
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json: missing {e.args[0]}") from None
@@ -108,6 +112,18 @@ def sentence_transformers_pooling(path: Path) -> Pooling | None:
     if len(modes) != 1 or st.get("pooling_mode_mean_sqrt_len_tokens"):
         raise ModelLoadError(f"{path}: sentence-transformers pooling {st} is not one of {', '.join(POOLING_TYPES)}")
     return Pooling(pooling_type=modes[0], normalize="Normalize" in kinds)
+
+
+def _labels(raw: dict, arch: str) -> tuple[tuple[str, ...], bool]:
+    """A classifier's labels in order, and whether its score is sigmoid(logit) (sentence-transformers' CrossEncoder)."""
+    if not arch.endswith("ForSequenceClassification"):
+        return (), False
+    names = raw.get("id2label") or {str(i): f"LABEL_{i}" for i in range(int(raw.get("num_labels", 2)))}
+    labels = tuple(names[str(i)] for i in range(len(names)))
+    activation = (raw.get("sentence_transformers") or {}).get("activation_fn") or raw.get(
+        "sbert_ce_default_activation_function"
+    )
+    return labels, activation.endswith("Sigmoid") if activation else len(labels) == 1
 
 
 def _matryoshka(raw: dict) -> tuple[int, ...]:

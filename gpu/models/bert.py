@@ -21,6 +21,7 @@ from gpu.kernels.reference import ACTIVATIONS
 from gpu.layers.linear import Linear
 
 HEADS = re.compile(r"^(cls|pooler|classifier)\.|position_ids$")  # (tensors of heads, and a buffer some files keep)
+CLASSIFIER = ((re.compile(r"^pooler\.dense\."), "head.dense."), (re.compile(r"^classifier\."), "head.classifier."))
 RENAMES = (
     (re.compile(r"\.attention\.self\.(query|key|value)\."), lambda m: f".{m[1][0]}."),
     (re.compile(r"\.attention\.output\.dense\."), ".o."),
@@ -60,9 +61,20 @@ class Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.norm = nn.LayerNorm(c.hidden_size, c.layer_norm_eps)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(ids) + self.token_type_embeddings.weight[0] + self.position_embeddings(positions)
-        return self.norm(x)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None) -> torch.Tensor:
+        typed = self.token_type_embeddings.weight[0] if types is None else self.token_type_embeddings(types)
+        return self.norm(self.word_embeddings(ids) + typed + self.position_embeddings(positions))
+
+
+class ClassifierHead(nn.Module):
+    """A cross-encoder's: BERT's pooler (dense and tanh over an input's first token), then the classifier."""
+
+    def __init__(self, c) -> None:
+        super().__init__()
+        self.dense, self.classifier = Linear(c.hidden_size, c.hidden_size), Linear(c.hidden_size, len(c.labels))
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.dense(first)))
 
 
 class BertModel(nn.Module):
@@ -71,21 +83,30 @@ class BertModel(nn.Module):
         self.config = config
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.head = ClassifierHead(config) if config.labels else None
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
-        """The parameter a checkpoint tensor loads into; None for a head's tensor (skipped)."""
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into; None for a tensor of a head not served (skipped)."""
         name = re.sub(r"^bert\.", "", name)
+        for pattern, to in CLASSIFIER if self.head is not None else ():
+            if pattern.match(name):
+                return pattern.sub(to, name)
         if HEADS.search(name):
             return None
         for pattern, to in RENAMES:
             name = pattern.sub(to, name)
         return name
 
-    def forward(self, ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        """The last hidden states [len(ids), hidden] of the inputs packed in `ids` (their lengths `lens`)."""
+    def forward(self, ids: torch.Tensor, lens: list[int], types: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden states [len(ids), hidden] of the inputs packed in `ids` (their lengths `lens`; `types`:
+        each token's segment, a pair's second text 1; None: all 0)."""
         positions = torch.cat([torch.arange(n, device=ids.device) for n in lens])
-        x = self.embeddings(ids, positions)
+        x = self.embeddings(ids, positions, types)
         for layer in self.layers:
             x = layer(x, lens)
         return x
+
+    def classify(self, hidden: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """A cross-encoder's logits [len(lens), labels] from the hidden states `forward` gave."""
+        starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+        return self.head(hidden[starts])

