@@ -25,6 +25,7 @@ class ServingContext:
     bos_token_id: int | None = None  # the model's (as the engine's ModelConfig): CFG guides against it
     reasoning_parser: str | None = None  # --reasoning-parser: chat outputs' reasoning split out (frontend/reasoning.py)
     loras: dict[str, LoraModule] | None = None  # the LoRA adapters a request's `model` may name, by name
+    runner: str = "generate"  # what the model is served for: "generate", or "pooling" (frontend/routes.py)
 
     def knows(self, model: str) -> bool:
         """Whether `model` names the served model or one of its adapters."""

@@ -24,6 +24,7 @@ REQUEST_ID = web.RequestKey("sluice_request_id", str)  # set once the handler ha
 STREAM_ERROR = web.RequestKey("sluice_stream_error", RequestError)  # an error sent inside a 200 stream
 
 _encode = msgspec.json.Encoder().encode
+GUARDED = ("/v1/", "/v2/", "/score", "/rerank", "/classify")  # the paths --api-key guards: the API's, the model's work
 MAX_ROW_BYTES = 8 << 20  # a stored response's row at most (the Responses store's bound: responses_api/store.py)
 MAX_STORE_BYTES = 1 << 30  # the Responses store's rows at most
 
@@ -32,7 +33,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000  # 0: the launcher picks a free one before spawning (stable across restarts)
     served_model_name: list[str] = []  # default: the model directory's name
-    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/*
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on GUARDED paths (/v1/*, pooling's)
     max_body_bytes: int = 16 << 20
     body_timeout_s: float = 30.0  # a request body must arrive within this
     abort_timeout_s: float = 5.0  # I7: an Abort without a Finished is re-sent after this
@@ -102,7 +103,7 @@ def middleware(config: HttpConfig, metrics: Metrics):
     @web.middleware
     async def checked(request: web.Request, handler) -> web.StreamResponse:
         try:
-            if config.api_key and request.path.startswith("/v1/"):
+            if config.api_key and request.path.startswith(GUARDED):
                 given = request.headers.get("Authorization", "").encode("utf-8", "replace")
                 if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
                     raise RequestError(401, "Invalid or missing API key", code="invalid_api_key")

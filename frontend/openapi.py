@@ -11,12 +11,15 @@ import re
 
 import msgspec
 
+from frontend.embeddings import EmbeddingRequest
 from frontend.fields import ChatCompletionRequest, CompletionRequest
 from frontend.responses_api.fields import ResponsesRequest
+from frontend.scoring import ClassifyRequest, RerankRequest, ScoreRequest
 from frontend.tokenize import DetokenizeRequest, TokenizeRequest, server_version
 
 REF = "#/components/schemas/{name}"
-BODIES = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
+BODIES = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest,
+          EmbeddingRequest, ScoreRequest, RerankRequest, ClassifyRequest]  # fmt: skip
 # (method, path, summary, request body, needs the API key)
 ENDPOINTS = [
     ("post", "/v1/completions", "Completions: OpenAI's API with vLLM's extras", CompletionRequest, True),
@@ -38,6 +41,16 @@ ENDPOINTS = [
     ("delete", "/v1/responses/{id}", "Forget a response (a background run still going is cancelled)", None, True),
     ("post", "/v1/responses/{id}/cancel", "Cancel a background response (its output so far is kept)", None, True),
     ("get", "/v1/responses/{id}/input_items", "The items a response was given (limit, order, after)", None, True),
+    (
+        "post",
+        "/v1/embeddings",
+        "Embeddings (a model served for pooling): OpenAI's API with vLLM's extras",
+        EmbeddingRequest,
+        True,
+    ),
+    ("post", "/score", "vLLM's /score (also /v1/score): a score per text pair", ScoreRequest, True),
+    ("post", "/rerank", "Jina's and Cohere's rerank (also /v1/rerank, /v2/rerank)", RerankRequest, True),
+    ("post", "/classify", "vLLM's /classify: a cross-encoder's labels", ClassifyRequest, True),
     ("get", "/v1/models", "The served model and its aliases", None, True),
     ("get", "/v1/models/{model}", "One model's card (404 for an unknown id)", None, True),
     ("post", "/tokenize", "vLLM's /tokenize: a prompt or a chat to token ids", TokenizeRequest, False),

@@ -108,7 +108,7 @@ class HttpActor(Actor):
         names = self.names
         self.ctx = ServingContext(
             tokenizer, names, self.max_model_len, self.vocab_size, c.limits, self.model, c.grammar_timeout_s,
-            c.tool_call_parser, self.bos_token_id, c.reasoning_parser, self.loras,
+            c.tool_call_parser, self.bos_token_id, c.reasoning_parser, self.loras, "pooling" if self.pooling else "generate",
         )  # fmt: skip
         app = web.Application(
             client_max_size=self.config.max_body_bytes, middlewares=[middleware(self.config, self.metrics)]

@@ -76,7 +76,8 @@ def detokenize(body: bytes, ctx) -> dict:
 
 
 def model_card(name: str, ctx, created: int, root: str) -> dict:
-    """One entry of /v1/models (OpenAI's fields, vLLM's max_model_len, root and parent); 404 for another name."""
+    """One entry of /v1/models (OpenAI's fields, vLLM's max_model_len, root and parent, the runner); 404 for another
+    name."""
     _model(name, ctx)
     lora = (ctx.loras or {}).get(name)  # (an adapter's root is its directory, its parent the base: vLLM's)
     return {
@@ -87,6 +88,7 @@ def model_card(name: str, ctx, created: int, root: str) -> dict:
         "root": root if lora is None else lora.path,
         "parent": None if lora is None else lora.base_model_name or ctx.model_names[0],
         "max_model_len": ctx.max_model_len,
+        "runner": ctx.runner,  # (Sluice's: which endpoints serve it)
     }
 
 

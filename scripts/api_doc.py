@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from frontend.embeddings import EmbeddingRequest
 from frontend.fields import (
     NOT_HONOURED_IN_CHAT,
     NOT_HONOURED_IN_COMPLETIONS,
@@ -21,6 +22,7 @@ from frontend.fields import (
     CompletionRequest,
 )
 from frontend.responses_api.fields import NOT_HONOURED_IN_RESPONSES, ResponsesRequest
+from frontend.scoring import ClassifyRequest, RerankRequest, ScoreRequest
 from frontend.tokenize import DetokenizeRequest, TokenizeRequest
 from messages.sampling_params import RequestLimits, SamplingParams
 
@@ -32,6 +34,10 @@ BODIES = [
     ("POST /v1/responses", ResponsesRequest, NOT_HONOURED_IN_RESPONSES),
     ("POST /tokenize", TokenizeRequest, NOT_HONOURED_IN_TOKENIZE),
     ("POST /detokenize", DetokenizeRequest, {}),
+    ("POST /v1/embeddings", EmbeddingRequest, {}),
+    ("POST /score, /v1/score", ScoreRequest, {}),
+    ("POST /rerank, /v1/rerank, /v2/rerank", RerankRequest, {}),
+    ("POST /classify", ClassifyRequest, {}),
 ]
 
 

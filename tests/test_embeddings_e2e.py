@@ -73,6 +73,7 @@ async def test_embeddings_are_sentence_transformers_batched_alone_float_and_base
     assert lens[0] == 3 and max(lens) == 256, lens
     ref = reference.encode(TEXTS, batch_size=32)
     client = served.client()
+    assert [m.model_extra["runner"] for m in (await client.models.list()).data] == ["pooling"]
     batched = await client.embeddings.create(model="model", input=TEXTS, encoding_format="float")
     assert batched.usage.prompt_tokens == sum(lens) and [d.index for d in batched.data] == list(range(len(TEXTS)))
     alone = await asyncio.gather(*(client.embeddings.create(model="model", input=t) for t in TEXTS))  # (base64)

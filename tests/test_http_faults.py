@@ -38,8 +38,9 @@ async def test_api_key_is_required_on_the_api_only(fake):
             async with s.post("/v1/completions", json={"prompt": "hi"}, headers=headers) as resp:
                 assert resp.status == 401
                 assert (await resp.json())["error"]["code"] == "invalid_api_key"
-        async with s.get("/v1/models") as resp:
-            assert resp.status == 401
+        for path in ("/v1/models", "/score", "/rerank", "/v2/rerank", "/classify"):  # (pooling's too, outside /v1)
+            async with s.request("GET" if path == "/v1/models" else "POST", path, json={}) as resp:
+                assert resp.status == 401, path
         async with s.get("/health") as resp:
             assert resp.status == 200
     async with openai.AsyncOpenAI(base_url=f"{fake.url}/v1", api_key="wrong", max_retries=0) as client:
