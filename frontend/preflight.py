@@ -154,7 +154,7 @@ def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[Proc
                "--quantization": engine.quantization is not None}  # fmt: skip
     if flags := [flag for flag, given in refused.items() if given]:
         raise ModelLoadError(f"{', '.join(flags)}: not served with a pooling model ({model.name})")
-    if resolve_device(engine.device).type != "cpu":
+    if engine.device not in ("auto", "cpu"):  # (auto: the CPU, on a CUDA machine too)
         raise ModelLoadError(f"a pooling model is served on CPU only, not --device {engine.device}")
     engine = msgspec.structs.replace(
         engine, model=str(model.path), max_model_len=min(engine.max_model_len, model.max_model_len), stats_to=[HTTP]
