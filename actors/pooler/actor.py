@@ -1,9 +1,9 @@
 """PoolerActor: a pooling model's engine (issue 52). It takes the scheduler's name (messages/names.py), so the
 router, readiness and the supervisor treat it as the replica's engine; it has no worker and no detokenizer.
 
-A step embeds the inputs at the head of the queue, whole, up to max_num_batched_tokens (at least one input), packed
-in one forward on the device thread (the loop never blocks); a request's PoolOutput goes to its client once all its
-inputs are embedded. No state outlives a step: nothing to free, nothing to resume from.
+A step embeds inputs of the queued requests, one of each in turn, whole, up to max_num_batched_tokens (at least
+one), packed in one forward on the device thread (the loop never blocks); a request's PoolOutput goes to its client
+once all its inputs are embedded. No state outlives a step: nothing to free, nothing to resume from.
 
 Cases (request state x event -> action):
   queued    Abort            -> removed, AbortAck now
@@ -122,15 +122,18 @@ class PoolerActor(Actor):
         return None
 
     def _batch(self) -> list[tuple[Job, int]]:
-        """The inputs of the next step: whole, from the head of the queue, up to the token budget (one at least)."""
+        """The inputs of the next step, whole, up to the token budget (one at least): one of each request in turn, in
+        arrival order, so that a request of a few inputs is not queued behind one of thousands."""
         taken, budget = [], self.config.max_num_batched_tokens
-        for job in self.jobs.values():
-            while job.next < len(job.msg.inputs):
+        left = [job for job in self.jobs.values() if job.next < len(job.msg.inputs)]
+        while left:
+            for job in left:
                 n = len(job.msg.inputs[job.next])
                 if taken and n > budget:
                     return taken
                 taken.append((job, job.next))
                 job.next, budget = job.next + 1, budget - n
+            left = [job for job in left if job.next < len(job.msg.inputs)]
         return taken
 
     def _embed(self, inputs: list[list[int]], types: list[list[int]] | None) -> torch.Tensor:
