@@ -47,8 +47,8 @@ class EncoderLayer(nn.Module):
         t, h = x.shape
         q, k, v = (p(x).view(t, self.heads, h // self.heads).transpose(0, 1) for p in (self.q, self.k, self.v))
         split = zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), strict=True)
-        parts = [F.scaled_dot_product_attention(*z) for z in split]
-        attn = torch.cat(parts, 1).transpose(0, 1).reshape(t, h)
+        parts = [F.scaled_dot_product_attention(*(z.unsqueeze(0) for z in qkv))[0] for qkv in split]  # (4-D: the
+        attn = torch.cat(parts, 1).transpose(0, 1).reshape(t, h)  # CPU's flash kernel, not the math path)
         x = self.attn_norm(x + self.o(attn))
         return self.mlp_norm(x + self.down(self.act(self.up(x))))
 
