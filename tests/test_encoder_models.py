@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, BertModel
+import transformers
 
 from gpu.kernels import native
 from gpu.layers.pooling import pool
@@ -18,21 +18,24 @@ from gpu.loading.encoder_config import EncoderConfig, Pooling, is_pooling_model
 from gpu.loading.errors import ModelLoadError
 
 LENS = [1, 5, 17, 40]
+FAMILIES = ["Bert", "Roberta", "XLMRoberta"]
 
 
-def tiny_bert(path, head: bool = False, **overrides):
-    config = BertConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, max_position_embeddings=64, **overrides)  # fmt: skip
+def tiny_bert(path, head: str = "Model", family: str = "Bert", **overrides):
+    """A tiny random `family`+`head` (HF's class, e.g. RobertaForSequenceClassification) saved in `path`."""
+    config = getattr(transformers, f"{family}Config")(vocab_size=120, hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=2, num_attention_heads=4,
+                                                       max_position_embeddings=64, **overrides)  # fmt: skip
     torch.manual_seed(0)
-    model = (BertForMaskedLM if head else BertModel)(config).eval()
+    model = getattr(transformers, f"{family}{head}")(config).eval()
     model.save_pretrained(path)
     return model
 
 
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bert")
-    return path, tiny_bert(path)
+@pytest.fixture(scope="module", params=FAMILIES)
+def bert(tmp_path_factory, request):
+    path = tmp_path_factory.mktemp(request.param)
+    return path, tiny_bert(path, family=request.param)
 
 
 def inputs(seed: int = 1) -> list[list[int]]:
@@ -40,13 +43,18 @@ def inputs(seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, 120, (n,), generator=g).tolist() for n in LENS]
 
 
+def padded(model, ids: list[list[int]]) -> dict:
+    """The inputs right-padded with the model's padding id in one batch, and the mask (HF's batched path)."""
+    width, pad = max(map(len, ids)), model.config.pad_token_id
+    return {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
+            "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])}  # fmt: skip
+
+
 def hf_hidden(model, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's last hidden states of the inputs right-padded in one batch, and the mask."""
-    width = max(map(len, ids))
-    padded = torch.tensor([x + [0] * (width - len(x)) for x in ids])
-    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+    """HF's last hidden states of the inputs in one padded batch, and the mask."""
+    batch = padded(model, ids)
     with torch.no_grad():
-        return model(input_ids=padded, attention_mask=mask).last_hidden_state, mask
+        return model(**batch).last_hidden_state, batch["attention_mask"]
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
@@ -98,7 +106,7 @@ def test_an_inputs_embedding_is_the_same_bits_alone_or_in_any_batch(bert):
 
 
 def test_a_checkpoints_head_is_skipped_and_a_wrong_shape_refused_by_name(tmp_path):
-    tiny_bert(tmp_path / "mlm", head=True)
+    tiny_bert(tmp_path / "mlm", head="ForMaskedLM")
     assert is_pooling_model(tmp_path / "mlm")
     load_encoder(EncoderConfig.from_path(tmp_path / "mlm"))  # (cls.predictions.* skipped, bert.* renamed)
     tiny_bert(tmp_path / "bad")
@@ -127,3 +135,22 @@ def test_sentence_transformers_files_and_pooler_config_say_how_to_pool(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"matryoshka_dimensions": [16, 8, 32]}))
     assert EncoderConfig.from_path(tmp_path).dimensions == (8, 16, 32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("labels", [1, 3])
+def test_a_cross_encoders_logits_are_hfs(tmp_path, family, labels):
+    """BERT's pooler and classifier, RoBERTa's classifier head (dense, tanh, out_proj), with a pair's segments."""
+    model = tiny_bert(tmp_path, "ForSequenceClassification", family, num_labels=labels, type_vocab_size=2)
+    config = EncoderConfig.from_path(tmp_path)
+    assert len(config.labels) == labels and config.score_sigmoid == (labels == 1)
+    ours = load_encoder(config)
+    ids = inputs(4)
+    types = [[0] * (n // 2) + [1] * (n - n // 2) for n in LENS]
+    width = max(LENS)
+    batch = padded(model, ids) | {"token_type_ids": torch.tensor([t + [0] * (width - len(t)) for t in types])}
+    with torch.no_grad():
+        ref = model(**batch).logits
+        flat, segments = torch.tensor([t for x in ids for t in x]), torch.tensor([t for x in types for t in x])
+        got = ours.classify(ours(flat, LENS, segments), LENS)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)

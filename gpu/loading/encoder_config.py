@@ -18,7 +18,9 @@ from gpu.loading.config import weight_files
 from gpu.loading.errors import ModelLoadError
 
 # config.json's `architectures`: the encoder is what is served, whatever head the file names (its tensors skipped)
-ENCODERS = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
+ENCODERS = tuple(f"{family}{head}" for family in ("Bert", "Roberta", "XLMRoberta")
+                 for head in ("Model", "ForMaskedLM", "ForPreTraining", "ForSequenceClassification"))  # fmt: skip
+PAD_POSITIONS = ("roberta", "xlm-roberta")  # model types whose positions count from the padding id
 POOLING_TYPES = ("CLS", "MEAN", "MAX", "LAST")
 ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_max_tokens": "MAX",
             "pooling_mode_lasttoken": "LAST"}  # fmt: skip
@@ -60,6 +62,7 @@ class EncoderConfig:
     type_vocab_size: int
     layer_norm_eps: float
     hidden_act: str
+    pad_positions: int | None  # RoBERTa's padding id, positions counted from it + 1; None: from 0 (BERT's)
     max_model_len: int  # sentence-transformers' max_seq_length where given, else the positions
     pooling: Pooling
     labels: tuple[str, ...]  # a cross-encoder's (BertForSequenceClassification: id2label, in order); () an embedder's
@@ -83,6 +86,8 @@ class EncoderConfig:
             raise ModelLoadError(f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not served")
         weight_files(path)  # (raises when weights are missing)
         positions = int(raw.get("max_position_embeddings", 512))
+        pad = int(raw.get("pad_token_id", 1)) if raw.get("model_type") in PAD_POSITIONS else None
+        usable = positions - (0 if pad is None else pad + 1)  # (RoBERTa's first pad + 1 rows are never a position)
         st = _json(path / "sentence_bert_config.json")
         labels, sigmoid = _labels(raw, arch)
         pooling = sentence_transformers_pooling(path) or Pooling()
@@ -94,7 +99,8 @@ class EncoderConfig:
                 intermediate_size=int(raw["intermediate_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=int(raw["num_attention_heads"]), max_position_embeddings=positions,
                 type_vocab_size=int(raw.get("type_vocab_size", 2)), layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-                hidden_act=raw.get("hidden_act", "gelu"), max_model_len=min(int(st.get("max_seq_length", positions)), positions),
+                hidden_act=raw.get("hidden_act", "gelu"), pad_positions=pad,
+                max_model_len=min(int(st.get("max_seq_length", usable)), usable),
                 pooling=pooling, dimensions=_matryoshka(raw), labels=labels, score_sigmoid=sigmoid,
             )  # fmt: skip
         except KeyError as e:

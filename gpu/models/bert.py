@@ -1,5 +1,5 @@
-"""BERT-style encoders (BertModel, and the encoder of BertFor* and sentence-transformers checkpoints): absolute
-positions and token type 0 added to the word embeddings, then post-norm layers of bidirectional attention over each
+"""BERT-style encoders (BertModel, RobertaModel, XLMRobertaModel, and the encoder of their *For* and
+sentence-transformers checkpoints): absolute positions (RoBERTa's counted from its padding id) and token types added to the word embeddings, then post-norm layers of bidirectional attention over each
 input alone and a GELU MLP. Prefill-only, for pooling (gpu/layers/pooling.py): no KV cache is kept.
 
 Inputs come packed: the tokens of every input one after another, with each input's length; attention runs per input,
@@ -20,8 +20,11 @@ from torch import nn
 from gpu.kernels.reference import ACTIVATIONS
 from gpu.layers.linear import Linear
 
-HEADS = re.compile(r"^(cls|pooler|classifier)\.|position_ids$")  # (tensors of heads, and a buffer some files keep)
-CLASSIFIER = ((re.compile(r"^pooler\.dense\."), "head.dense."), (re.compile(r"^classifier\."), "head.classifier."))
+HEADS = re.compile(r"^(cls|pooler|classifier|lm_head)\.|position_ids$")  # (heads' tensors; a buffer some files keep)
+CLASSIFIER = tuple((re.compile(p), to) for p, to in (  # (BERT's pooler and classifier; RoBERTa's classifier head)
+    (r"^classifier\.dense\.", "head.dense."), (r"^classifier\.out_proj\.", "head.classifier."),
+    (r"^pooler\.dense\.", "head.dense."), (r"^classifier\.", "head.classifier."),
+))  # fmt: skip
 RENAMES = (
     (re.compile(r"\.attention\.self\.(query|key|value)\."), lambda m: f".{m[1][0]}."),
     (re.compile(r"\.attention\.output\.dense\."), ".o."),
@@ -87,7 +90,7 @@ class BertModel(nn.Module):
 
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor loads into; None for a tensor of a head not served (skipped)."""
-        name = re.sub(r"^bert\.", "", name)
+        name = re.sub(r"^(bert|roberta)\.", "", name)
         for pattern, to in CLASSIFIER if self.head is not None else ():
             if pattern.match(name):
                 return pattern.sub(to, name)
@@ -100,7 +103,12 @@ class BertModel(nn.Module):
     def forward(self, ids: torch.Tensor, lens: list[int], types: torch.Tensor | None = None) -> torch.Tensor:
         """The last hidden states [len(ids), hidden] of the inputs packed in `ids` (their lengths `lens`; `types`:
         each token's segment, a pair's second text 1; None: all 0)."""
-        positions = torch.cat([torch.arange(n, device=ids.device) for n in lens])
+        pad = self.config.pad_positions
+        if pad is None:
+            positions = torch.cat([torch.arange(n, device=ids.device) for n in lens])
+        else:  # (RoBERTa's: counted from pad + 1 over the tokens that are not padding, which keep pad's)
+            real = (ids != pad).int()
+            positions = torch.cat([(m.cumsum(0) * m) for m in real.split(lens)]) + pad
         x = self.embeddings(ids, positions, types)
         for layer in self.layers:
             x = layer(x, lens)
