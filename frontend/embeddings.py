@@ -68,30 +68,30 @@ def parse_embeddings(body: bytes, ctx, rid: str, dimensions: tuple[int, ...]) ->
     return req, msg
 
 
-def encode_inputs(value, ctx, cut: int | None, special: bool) -> list[list[int]]:
+def encode_inputs(value, ctx, cut: int | None, special: bool, param: str = "input") -> list[list[int]]:
     """The inputs' token ids, each cut to `cut` tokens where given (a text's content is cut, its special tokens
-    kept, as sentence-transformers' truncation; token ids: the first `cut`)."""
+    kept, as sentence-transformers' truncation; token ids: the first `cut`); errors name `param`."""
     if not value:
-        raise RequestError(400, "input must not be empty", "input")
+        raise RequestError(400, f"{param} must not be empty", param)
     items = [value] if isinstance(value, str) or token_ids(value) is not None else value
     if len(items) > MAX_INPUTS:
-        raise RequestError(400, f"input: {len(items)} inputs, more than the {MAX_INPUTS} allowed", "input")
+        raise RequestError(400, f"{param}: {len(items)} inputs, more than the {MAX_INPUTS} allowed", param)
     hf, out, texts = ctx.tokenizer.hf, [], []
     for i, item in enumerate(items):
         if isinstance(item, str):
             if not item:
-                raise RequestError(400, f"input[{i}] must not be empty", "input")
+                raise RequestError(400, f"{param}[{i}] must not be empty", param)
             if cut is None:
-                check_chars(len(item), ctx, "input")
+                check_chars(len(item), ctx, param, room=0)
             texts.append(i)
             out.append(item)
         elif (ids := token_ids(item)) is not None:
             if (bad := next((t for t in ids if not 0 <= t < ctx.vocab_size), None)) is not None:
-                raise RequestError(400, f"input[{i}]: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})",
-                                   "input")  # fmt: skip
+                raise RequestError(400, f"{param}[{i}]: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})",
+                                   param)  # fmt: skip
             out.append(ids[:cut] if cut else ids)
         else:
-            raise RequestError(400, f"input must be {SHAPES}", "input")
+            raise RequestError(400, f"{param} must be {SHAPES}", param)
     encodings = hf.encode_batch_fast([out[i] for i in texts], add_special_tokens=False) if texts else []
     extra = hf.num_special_tokens_to_add(False) if special else 0
     for i, enc in zip(texts, encodings, strict=True):
@@ -100,7 +100,7 @@ def encode_inputs(value, ctx, cut: int | None, special: bool) -> list[list[int]]
         out[i] = hf.post_process(enc, add_special_tokens=special).ids
     for i, ids in enumerate(out):
         if not ids:
-            raise RequestError(400, f"input[{i}] must not be empty", "input")
+            raise RequestError(400, f"{param}[{i}] must not be empty", param)
     return out
 
 

@@ -25,12 +25,18 @@ import numpy as np
 from aiohttp import web
 
 from frontend.body import RequestError, decode_body
+from frontend.budget import check_chars
 from frontend.embeddings import MAX_INPUTS, encode_inputs
 from frontend.http_base import REQUEST_ID, json_response
 from frontend.protocol import new_request_id
 from messages.pooling import PoolRequest
 
 Texts = str | list[str] | None
+INLINE_CHARS = 16 << 10  # texts longer in all are tokenized off the event loop
+
+
+def chars(texts: list) -> int:
+    return sum(len(t) if isinstance(t, str) else chars(t) for t in texts)
 
 
 class Scoring(msgspec.Struct, kw_only=True):
@@ -102,6 +108,8 @@ def pair_inputs(texts: list[tuple[str, str]], ctx, cut: int | None, param: str) 
     """Each pair's token ids and segments, as the tokenizer's pair template makes them; a pair over `cut` tokens
     loses tokens from its longer text first (`longest_first`)."""
     hf = ctx.tokenizer.hf
+    for a, b in texts if cut is None else ():
+        check_chars(len(a) + len(b), ctx, param, room=0)
     encodings = hf.encode_batch_fast([t for pair in texts for t in pair], add_special_tokens=False)
     room = None if cut is None else max(cut - hf.num_special_tokens_to_add(True), 0)
     ids, types = [], []
@@ -127,12 +135,12 @@ async def pair_scores(http, rid: str, req: Scoring, both: list[tuple[str, str]],
         if len(facts.labels) != 1:
             raise RequestError(400, f"this model classifies into {len(facts.labels)} labels: a score needs one "
                                "(/classify answers it)", "model")  # fmt: skip
-        ids, types = await http.off_loop(len(both) > 16, pair_inputs, both, ctx, cut, param)
+        ids, types = await http.off_loop(chars(both) > INLINE_CHARS, pair_inputs, both, ctx, cut, param)
         logits = (await http.pooling.run(PoolRequest(request_id=rid, inputs=ids, token_type_ids=types)))[:, 0]
         sigmoid = facts.score_sigmoid and req.use_activation is not False
         return (1 / (1 + np.exp(-logits.astype(np.float64))) if sigmoid else logits), sum(map(len, ids))
     unique = list(dict.fromkeys(t for pair in both for t in pair))
-    ids = await http.off_loop(len(unique) > 16, encode_inputs, unique, ctx, cut, True)
+    ids = await http.off_loop(chars(unique) > INLINE_CHARS, encode_inputs, unique, ctx, cut, True, param)
     rows = await http.pooling.run(PoolRequest(request_id=rid, inputs=ids, normalize=True))
     at = {t: rows[i].astype(np.float64) for i, t in enumerate(unique)}
     return np.array([at[a] @ at[b] for a, b in both]), sum(map(len, ids))
@@ -183,7 +191,8 @@ async def classify(http, request: web.Request) -> web.Response:
             400, f"{request.path} is not served: this model is an embedder, not a classifier", "endpoint"
         )
     items = texts(req.input, "input")
-    ids = await http.off_loop(len(items) > 16, encode_inputs, items, http.ctx, cut_of(req, http.ctx), True)
+    cut = cut_of(req, http.ctx)
+    ids = await http.off_loop(chars(items) > INLINE_CHARS, encode_inputs, items, http.ctx, cut, True)
     logits = (await http.pooling.run(PoolRequest(request_id=rid, inputs=ids))).astype(np.float64)
     if req.use_activation is not False:
         logits = 1 / (1 + np.exp(-logits)) if len(labels) == 1 else np.exp(logits - logits.max(1, keepdims=True))
