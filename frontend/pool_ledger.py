@@ -71,8 +71,15 @@ class PoolLedger:
         for p in self.pending.values():
             self.http.tell(SCHEDULER, Abort(request_id=p.msg.request_id, reason=reason))
 
+    def fail_all(self, why: str) -> None:
+        """Every request still pending answered now (a 503): the engine said nothing in time."""
+        for p in self.pending.values():
+            if not p.answer.done():
+                p.answer.set_result(PoolOutput(request_id=p.msg.request_id, attempt=p.msg.attempt, error=why))
+
     async def run(self, msg: PoolRequest) -> np.ndarray:
         """The engine's rows for `msg` ([inputs, dim] float32), or a RequestError (503 if the engine ended it)."""
+        self.http.check_available()  # (again: tokenizing took a while; then it is pending before the next message)
         self.pending[msg.request_id] = p = Pending(msg, asyncio.get_running_loop().create_future())
         self.http.tell(SCHEDULER, msg)
         out: PoolOutput | None = None

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from frontend.body import RequestError, decode_body
 from frontend.budget import check_chars
-from frontend.embeddings import MAX_INPUTS, encode_inputs
+from frontend.embeddings import MAX_INPUTS, cut_encoding, encode_inputs
 from frontend.http_base import REQUEST_ID, json_response
 from frontend.protocol import new_request_id
 from messages.pooling import PoolRequest
@@ -116,8 +116,7 @@ def pair_inputs(texts: list[tuple[str, str]], ctx, cut: int | None, param: str) 
     for i, (a, b) in enumerate(zip(encodings[::2], encodings[1::2], strict=True)):
         if room is not None and len(a) + len(b) > room:
             keep = longest_first(len(a), len(b), room)
-            a.truncate(keep[0])
-            b.truncate(keep[1])
+            a, b = (cut_encoding(hf, t, e, k) for t, e, k in zip(texts[i], (a, b), keep, strict=True))
         enc = hf.post_process(a, b, add_special_tokens=True)
         if len(enc.ids) > ctx.max_model_len:
             raise RequestError(400, f"{param}[{i}]: the pair has {len(enc.ids)} tokens, more than max_model_len "
@@ -140,7 +139,9 @@ async def pair_scores(http, rid: str, req: Scoring, both: list[tuple[str, str]],
         sigmoid = facts.score_sigmoid and req.use_activation is not False
         return (1 / (1 + np.exp(-logits.astype(np.float64))) if sigmoid else logits), sum(map(len, ids))
     unique = list(dict.fromkeys(t for pair in both for t in pair))
-    ids = await http.off_loop(chars(unique) > INLINE_CHARS, encode_inputs, unique, ctx, cut, True, param)
+    ids = await http.off_loop(
+        chars(unique) > INLINE_CHARS, encode_inputs, unique, ctx, cut, True, param, 2 * MAX_INPUTS
+    )
     rows = await http.pooling.run(PoolRequest(request_id=rid, inputs=ids, normalize=True))
     at = {t: rows[i].astype(np.float64) for i, t in enumerate(unique)}
     return np.array([at[a] @ at[b] for a, b in both]), sum(map(len, ids))

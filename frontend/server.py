@@ -147,6 +147,7 @@ class HttpActor(Actor):
         if self.pooling is not None and self.pooling.pending:  # (answered as their AbortAcks come)
             self.pooling.abort_all("shutdown")
             await self.until(lambda: not self.pooling.pending, self.config.drain_timeout_s)
+            self.pooling.fail_all("aborted (shutdown): the server is shutting down")
         if self.table.live:
             log.info("shutdown (%s): aborting %d requests", reason, len(self.table.live))
             self.table.abort_all("shutdown")

@@ -154,3 +154,50 @@ def test_a_cross_encoders_logits_are_hfs(tmp_path, family, labels):
         flat, segments = torch.tensor([t for x in ids for t in x]), torch.tensor([t for x in types for t in x])
         got = ours.classify(ours(flat, LENS, segments), LENS)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    identity = {"activation_fn": "torch.nn.modules.linear.Identity"}  # (sentence-transformers 6 saves it here)
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(identity))
+    assert not EncoderConfig.from_path(tmp_path).score_sigmoid
+
+
+def test_sentence_transformers_6_files_are_read_and_other_modules_refused(tmp_path):
+    tiny_bert(tmp_path)
+    (tmp_path / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.base.modules.transformer.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_Pooling",
+                    "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+                },
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.base.modules.normalize.Normalize",
+                },
+            ]
+        )
+    )  # fmt: skip  (sentence-transformers 6.3's save: the pooling named, the length the tokenizer's)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 24}))
+    c = EncoderConfig.from_path(tmp_path)
+    assert (c.pooling, c.max_model_len) == (Pooling("LAST", True), 24)
+    for pooling in ({"pooling_mode": ["mean", "max"]}, {"pooling_mode": "weightedmean"},
+                    {"pooling_mode_mean_tokens": True, "pooling_mode_weightedmean_tokens": True}):  # fmt: skip
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+        with pytest.raises(ModelLoadError, match="pooling"):
+            EncoderConfig.from_path(tmp_path)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "cls"}))
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    dense = {"idx": 3, "name": "3", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    (tmp_path / "modules.json").write_text(json.dumps([*modules, dense]))
+    with pytest.raises(ModelLoadError, match="Dense"):
+        EncoderConfig.from_path(tmp_path)

@@ -124,6 +124,7 @@ BAD = [
     ("/rerank", {"query": "", "documents": ["b"]}, "query"),
     ("/rerank", {"query": "a", "documents": ["b"] * 2049}, "documents"),
     ("/classify", {"input": 3}, "input"),
+    ("/classify", {"input": ["a", " ".join(["fox"] * 200)]}, "input"),
     ("/v1/embeddings", {"input": "a"}, "endpoint"),
     ("/v1/completions", {"prompt": "a"}, "endpoint"),
 ]

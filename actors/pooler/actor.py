@@ -11,7 +11,7 @@ Cases (request state x event -> action):
   unknown   Abort            -> a late abort (it ended, or never came): ignored, counted
   any       PoolRequest, an older copy than one held -> stale: dropped; a newer one replaces the held one
   any       an input the engine cannot take (the frontend checks first) -> PoolOutput(error)
-  any       Shutdown         -> queued ones acked (shutdown); the step in flight ends first
+  any       Shutdown         -> every one aborted (shutdown: those in the step acked as it ends); a new one acked
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class PoolerActor(Actor):
         self.max_model_len = min(self.config.max_model_len, self.model_config.max_model_len)
         self.jobs: dict[str, Job] = {}  # every request held, in arrival order (the queue)
         self.stepping: set[Job] = set()  # the jobs with inputs in the step in flight
+        self.draining = False  # (Shutdown: new requests are acked as aborted)
         self.late_aborts = self.stale = self.tokens = 0  # (tokens: embedded, in every step so far)
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
@@ -74,6 +75,9 @@ class PoolerActor(Actor):
             self.spawn(self._publish_stats())
 
     def on_request(self, msg: PoolRequest) -> None:
+        if self.draining:
+            self.tell(msg.client, AbortAck(request_id=msg.request_id, reason="shutdown", attempt=msg.attempt))
+            return
         held = self.jobs.get(msg.request_id)
         if held is not None and held.msg.attempt >= msg.attempt:
             self.stale += 1
@@ -100,7 +104,8 @@ class PoolerActor(Actor):
         return IdleReport(actor=self.name, idle=not any(details.values()), details=details)
 
     async def on_shutdown(self, reason: str) -> None:
-        for rid in [rid for rid, job in self.jobs.items() if job not in self.stepping]:
+        self.draining = True
+        for rid in list(self.jobs):  # (those in the step are acked as it ends)
             self.on_abort(Abort(request_id=rid, reason="shutdown"))
         await self.until(lambda: not self.jobs, 10)
         self._device.shutdown(wait=False, cancel_futures=True)
@@ -122,10 +127,11 @@ class PoolerActor(Actor):
         return None
 
     def _batch(self) -> list[tuple[Job, int]]:
-        """The inputs of the next step, whole, up to the token budget (one at least): one of each request in turn, in
-        arrival order, so that a request of a few inputs is not queued behind one of thousands."""
+        """The inputs of the next step, whole, up to the token budget (one at least): one of each request in turn, those
+        with the fewest inputs taken so far first (then in arrival order), so that a request of a few inputs is not
+        queued behind requests of thousands."""
         taken, budget = [], self.config.max_num_batched_tokens
-        left = [job for job in self.jobs.values() if job.next < len(job.msg.inputs)]
+        left = sorted((job for job in self.jobs.values() if job.next < len(job.msg.inputs)), key=lambda job: job.next)
         while left:
             for job in left:
                 n = len(job.msg.inputs[job.next])

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gpu.kernels.reference import ACTIVATIONS
 from gpu.loading.config import weight_files
 from gpu.loading.errors import ModelLoadError
 
@@ -24,6 +25,7 @@ PAD_POSITIONS = ("roberta", "xlm-roberta")  # model types whose positions count 
 POOLING_TYPES = ("CLS", "MEAN", "MAX", "LAST")
 ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_max_tokens": "MAX",
             "pooling_mode_lasttoken": "LAST"}  # fmt: skip
+ST_NAMES = {"cls": "CLS", "mean": "MEAN", "max": "MAX", "lasttoken": "LAST"}  # (pooling_mode, sentence-transformers 6)
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,12 @@ class EncoderConfig:
         pad = int(raw.get("pad_token_id", 1)) if raw.get("model_type") in PAD_POSITIONS else None
         usable = positions - (0 if pad is None else pad + 1)  # (RoBERTa's first pad + 1 rows are never a position)
         st = _json(path / "sentence_bert_config.json")
-        labels, sigmoid = _labels(raw, arch)
+        labels, sigmoid = _labels(path, raw, arch)
+        if raw.get("hidden_act", "gelu") not in ACTIVATIONS:
+            raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not served ({', '.join(ACTIVATIONS)})")
+        if st.get("do_lower_case"):  # (sentence-transformers lowercases the text itself before its tokenizer)
+            raise ModelLoadError(f"{path}: sentence_bert_config.json's do_lower_case is not served")
+        seq = st.get("max_seq_length") or _json(path / "tokenizer_config.json").get("model_max_length") or usable
         pooling = sentence_transformers_pooling(path) or Pooling()
         if pooler_config:
             pooling = Pooling.override(pooling, pooler_config)
@@ -100,7 +107,7 @@ class EncoderConfig:
                 num_attention_heads=int(raw["num_attention_heads"]), max_position_embeddings=positions,
                 type_vocab_size=int(raw.get("type_vocab_size", 2)), layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
                 hidden_act=raw.get("hidden_act", "gelu"), pad_positions=pad,
-                max_model_len=min(int(st.get("max_seq_length", usable)), usable),
+                max_model_len=min(int(seq), usable),
                 pooling=pooling, dimensions=_matryoshka(raw), labels=labels, score_sigmoid=sigmoid,
             )  # fmt: skip
         except KeyError as e:
@@ -108,26 +115,35 @@ class EncoderConfig:
 
 
 def sentence_transformers_pooling(path: Path) -> Pooling | None:
-    """The Pooling of a sentence-transformers directory (modules.json's Pooling and Normalize modules), or None."""
+    """The Pooling of a sentence-transformers directory (modules.json: a Transformer, a Pooling, a Normalize; any
+    other module, a Dense say, is refused: its output would not be the model's), or None without a Pooling."""
     modules = _json(path / "modules.json", [])
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
     if "Pooling" not in kinds:
         return None
+    if other := set(kinds) - {"Transformer", "Pooling", "Normalize"}:
+        raise ModelLoadError(f"{path}: sentence-transformers modules {sorted(other)} are not served")
     st = _json(path / kinds["Pooling"].get("path", "") / "config.json")
-    modes = [mode for key, mode in ST_MODES.items() if st.get(key)]
-    if len(modes) != 1 or st.get("pooling_mode_mean_sqrt_len_tokens"):
+    named = st.get("pooling_mode")  # (sentence-transformers 6's: a name, or a list of them)
+    named = [named] if isinstance(named, str) else named or []
+    modes = [ST_NAMES.get(str(m).lower(), str(m)) for m in named]
+    modes += [mode for key, mode in ST_MODES.items() if st.get(key)]
+    unknown = [k for k, v in st.items() if k.startswith("pooling_mode_") and v and k not in ST_MODES]
+    if len(modes) != 1 or modes[0] not in POOLING_TYPES or unknown:
         raise ModelLoadError(f"{path}: sentence-transformers pooling {st} is not one of {', '.join(POOLING_TYPES)}")
     return Pooling(pooling_type=modes[0], normalize="Normalize" in kinds)
 
 
-def _labels(raw: dict, arch: str) -> tuple[tuple[str, ...], bool]:
+def _labels(path: Path, raw: dict, arch: str) -> tuple[tuple[str, ...], bool]:
     """A classifier's labels in order, and whether its score is sigmoid(logit) (sentence-transformers' CrossEncoder)."""
     if not arch.endswith("ForSequenceClassification"):
         return (), False
     names = raw.get("id2label") or {str(i): f"LABEL_{i}" for i in range(int(raw.get("num_labels", 2)))}
     labels = tuple(names[str(i)] for i in range(len(names)))
-    activation = (raw.get("sentence_transformers") or {}).get("activation_fn") or raw.get(
-        "sbert_ce_default_activation_function"
+    activation = (
+        (raw.get("sentence_transformers") or {}).get("activation_fn")
+        or raw.get("sbert_ce_default_activation_function")
+        or _json(path / "config_sentence_transformers.json").get("activation_fn")  # (sentence-transformers 6's)
     )
     return labels, activation.endswith("Sigmoid") if activation else len(labels) == 1
 
