@@ -56,7 +56,7 @@ class PoolerActor(Actor):
         self.jobs: dict[str, Job] = {}  # every request held, in arrival order (the queue)
         self.stepping: set[Job] = set()  # the jobs with inputs in the step in flight
         self.draining = False  # (Shutdown: new requests are acked as aborted)
-        self.late_aborts = self.stale = self.tokens = 0  # (tokens: embedded, in every step so far)
+        self.late_aborts = self.stale = self.tokens = 0  # (stale: replaced copies; tokens: embedded, every step)
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
 
@@ -187,7 +187,7 @@ class PoolerActor(Actor):
             engine = EngineStats(num_running=len(self.stepping), num_waiting=queued, kv_usage=0.0,
                                  prompt_tokens_total=self.tokens, generation_tokens_total=0,
                                  late_aborts_total=self.late_aborts)  # fmt: skip
-            counts = DetokStats(stale_outputs_dropped_total=self.stale, protocol_violations_total=0, num_tombstones=0,
+            counts = DetokStats(stale_outputs_dropped_total=0, protocol_violations_total=0, num_tombstones=0,
                                 prompt_tokens_total=self.tokens)  # fmt: skip
             for actor in self.config.stats_to:
                 self.tell(actor, engine)
