@@ -26,7 +26,7 @@ from frontend.http_base import HttpConfig
 from frontend.memory_check import MemoryNeed, check_memory, memory_need
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
 from gpu.loading.convert import ConversionError, default_model_dir
-from gpu.loading.encoder_config import EncoderConfig, is_pooling_model
+from gpu.loading.encoder_config import is_pooling_model, pooling_config
 from gpu.loading.lora import LoraError, read_adapter
 from gpu.loading.weights import check_checkpoint, check_quantization
 from gpu.models import REGISTRY
@@ -148,7 +148,7 @@ def serves_pooling(engine: EngineConfig) -> bool:
 
 def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[ProcessSpec], PoolingNeed]:
     """A pooling model's launch (actors/pooler: its engine takes the scheduler's name; no worker, no detokenizer)."""
-    model = EncoderConfig.from_path(engine.model, engine.pooler_config)
+    model = pooling_config(engine.model, engine.pooler_config)
     refused = {"--data-parallel-size": engine.data_parallel_size > 1, "--tensor-parallel-size": engine.tensor_parallel_size > 1,
                "--enable-lora": engine.lora is not None, "--speculative-config": engine.speculative is not None,
                "--quantization": engine.quantization is not None}  # fmt: skip
@@ -176,7 +176,7 @@ def prepare(engine: EngineConfig, http: HttpConfig, memory_check: bool = True) -
     """`sluice serve`'s launch of `engine` behind `http` (its port chosen), checked, the model's name served where
     `http` names none: frontend/launch.py's Preflight's fields. Raises ModelLoadError or StartupError."""
     pooling = serves_pooling(engine)
-    model = EncoderConfig.from_path(engine.model) if pooling else resolve_model(engine.model)
+    model = pooling_config(engine.model) if pooling else resolve_model(engine.model)
     http = msgspec.structs.replace(http, served_model_name=http.served_model_name or [model.name])
     processes, need = pooling_processes(engine, http) if pooling else build_processes(engine, http, memory_check, model)
     return {"http": http, "processes": processes, "memory": need.explanation()}

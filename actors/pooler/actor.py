@@ -29,7 +29,8 @@ from actors.engine.config import EngineConfig
 from actors.runtime import Actor
 from gpu.layers.pooling import pool
 from gpu.loading.encoder import load_encoder
-from gpu.loading.encoder_config import EncoderConfig
+from gpu.loading.encoder_config import EncoderConfig, pooling_config
+from gpu.runner.pooling import CausalStates
 from messages.names import SCHEDULER
 from messages.pooling import PoolOutput, PoolRequest
 from messages.wire import Abort, AbortAck, CheckIdle, DetokStats, EngineStats, IdleReport
@@ -51,7 +52,7 @@ class PoolerActor(Actor):
     def __init__(self, config: dict):
         super().__init__()
         self.config = msgspec.convert(config, EngineConfig)
-        self.model_config = EncoderConfig.from_path(self.config.model, self.config.pooler_config)
+        self.model_config = pooling_config(self.config.model, self.config.pooler_config)
         self.max_model_len = min(self.config.max_model_len, self.model_config.max_model_len)
         self.jobs: dict[str, Job] = {}  # every request held, in arrival order (the queue)
         self.stepping: set[Job] = set()  # the jobs with inputs in the step in flight
@@ -66,7 +67,7 @@ class PoolerActor(Actor):
     async def on_start(self) -> None:
         torch.set_num_threads(self.config.threads())
         loop = asyncio.get_running_loop()
-        self.model = await loop.run_in_executor(self._device, load_encoder, self.model_config, self.config.cpu_kernels)
+        self.model = await loop.run_in_executor(self._device, self._load)
         c = self.model_config
         log.info("pooling engine ready: %s, %s pooling, max_model_len %d", c.name, c.pooling.pooling_type,
                  self.max_model_len)  # fmt: skip
@@ -110,6 +111,14 @@ class PoolerActor(Actor):
         await self.until(lambda: not self.jobs, 10)
         self._device.shutdown(wait=False, cancel_futures=True)
 
+    def _load(self):
+        """An encoder (gpu/models/bert.py), or a decoder's states (gpu/runner/pooling.py): `model(ids, lens, types)`."""
+        c, e = self.model_config, self.config
+        if isinstance(c, EncoderConfig):
+            return load_encoder(c, e.cpu_kernels)
+        tokens = max(e.max_num_batched_tokens, self.max_model_len)  # (an input longer than the budget runs alone)
+        return CausalStates(c.model, tokens, e.max_num_seqs, e.cpu_kernels)
+
     def _invalid(self, msg: PoolRequest) -> str | None:
         c = self.model_config
         for ids in msg.inputs:
@@ -127,15 +136,15 @@ class PoolerActor(Actor):
         return None
 
     def _batch(self) -> list[tuple[Job, int]]:
-        """The inputs of the next step, whole, up to the token budget (one at least): one of each request in turn, those
-        with the fewest inputs taken so far first (then in arrival order), so that a request of a few inputs is not
-        queued behind requests of thousands."""
+        """The inputs of the next step, whole, up to the token budget and max_num_seqs inputs (one at least): one of
+        each request in turn, those with the fewest inputs taken so far first (then in arrival order), so that a
+        request of a few inputs is not queued behind requests of thousands."""
         taken, budget = [], self.config.max_num_batched_tokens
         left = sorted((job for job in self.jobs.values() if job.next < len(job.msg.inputs)), key=lambda job: job.next)
         while left:
             for job in left:
                 n = len(job.msg.inputs[job.next])
-                if taken and n > budget:
+                if taken and (n > budget or len(taken) == self.config.max_num_seqs):
                     return taken
                 taken.append((job, job.next))
                 job.next, budget = job.next + 1, budget - n

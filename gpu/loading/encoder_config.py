@@ -4,8 +4,9 @@ sentence-transformers' files where the directory has them (`modules.json`, its P
 (vLLM's flag: `{"pooling_type": "MEAN", "normalize": true}`), else CLS pooling, normalized (vLLM's default for
 encoders).
 
-`is_pooling_model(path)` decides the runner `sluice serve DIR` picks: an encoder architecture, or a directory that
-sentence-transformers would load as an embedder. Imports nothing of gpu/models (the families import it).
+A decoder family's checkpoint is served for pooling too (`DecoderPooling`: Qwen3-Embedding's recipe, the last
+token's state by default). `is_pooling_model(path)` decides the runner `sluice serve DIR` picks: an encoder
+architecture, or a decoder whose sentence-transformers files pool it. `pooling_config` reads either.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpu.kernels.reference import ACTIVATIONS
-from gpu.loading.config import weight_files
+from gpu.loading.config import ModelConfig, weight_files
 from gpu.loading.errors import ModelLoadError
 
 # config.json's `architectures`: the encoder is what is served, whatever head the file names (its tensors skipped)
@@ -155,12 +156,58 @@ def _matryoshka(raw: dict) -> tuple[int, ...]:
     return tuple(range(1, int(raw["hidden_size"]) + 1)) if raw.get("is_matryoshka") else ()
 
 
+@dataclass(frozen=True)
+class DecoderPooling:
+    """A decoder served as an embedder (Qwen3-Embedding's recipe): its ModelConfig, and how its states are pooled
+    (its sentence-transformers files, else the last token's state, normalized: vLLM's default for a decoder)."""
+
+    model: ModelConfig
+    pooling: Pooling
+    dimensions: tuple[int, ...]
+    labels: tuple[str, ...] = ()  # (no classifier)
+    score_sigmoid: bool = False
+    type_vocab_size: int = 1  # (no segments)
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def path(self) -> Path:
+        return self.model.path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+
+def pooling_config(path: str | Path, pooler_config: str | None = None) -> EncoderConfig | DecoderPooling:
+    """The model in `path` served for pooling: an encoder, or a decoder family's checkpoint as an embedder."""
+    path = Path(path)
+    if path.suffix == ".gguf" or _architecture(path) in ENCODERS:
+        return EncoderConfig.from_path(path, pooler_config)
+    model = ModelConfig.from_path(path)
+    pooling = sentence_transformers_pooling(path) or Pooling("LAST", True)
+    if pooler_config:
+        pooling = Pooling.override(pooling, pooler_config)
+    return DecoderPooling(model, pooling, _matryoshka(_json(path / "config.json")))
+
+
 def is_pooling_model(path: str | Path) -> bool:
-    """Whether `sluice serve DIR` serves the directory for pooling (an encoder), not generation."""
+    """Whether `sluice serve DIR` serves the directory for pooling, not generation: an encoder, or a decoder whose
+    sentence-transformers files pool it (an embedder saved as one: Qwen3-Embedding's)."""
     path = Path(path)
     if path.suffix == ".gguf" or not (path / "config.json").is_file():
         return False
-    return (_json(path / "config.json").get("architectures") or [""])[0] in ENCODERS
+    return _architecture(path) in ENCODERS or sentence_transformers_pooling(path) is not None
+
+
+def _architecture(path: Path) -> str:
+    return (_json(path / "config.json").get("architectures") or [""])[0]
 
 
 def _json(path: Path, default=None):

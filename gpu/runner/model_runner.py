@@ -169,13 +169,14 @@ class ModelRunner(RunnerAdapters):
         self.prev_sampled.index_copy_(0, slots, token_ids.to(self.device, torch.int64, non_blocking=True))
 
     @torch.inference_mode()
-    def execute(self, batch: BatchSpec) -> torch.Tensor | None:
+    def execute(self, batch: BatchSpec, states: bool = False) -> torch.Tensor | None:
         """Run one step (None on a tensor-parallel rank that does not sample: the logits are gathered on the first); float32 logits [num logit positions + num prompt targets, vocab]: each row's
         `num_logits` positions in batch order (1 + K for a row verifying K drafts, as many for its CFG companion),
-        then, row by row, the first fed tokens of rows with prompt_targets (one per target)."""
+        then, row by row, the first fed tokens of rows with prompt_targets (one per target). `states`: the last
+        layer's hidden states of every fed token instead (a pooling model's step: gpu/runner/pooling.py)."""
         if not batch.rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        num_rows, size = len(batch.rows), self.graphs and self.graphs.size_for(batch)
+        num_rows, size = len(batch.rows), self.graphs and not states and self.graphs.size_for(batch)
         if size:
             batch = self.graphs.pad(batch, size)
         host, plans, max_query_len, max_seq_len = self._prepare(batch)
@@ -201,7 +202,7 @@ class ModelRunner(RunnerAdapters):
         )
         self.attention.finish(meta, plans, uploaded)
         hidden = self.model(t["input_ids"], t["positions"], meta, self.kv_cache)
-        return self.logits(hidden[t["logits_indices"]])
+        return hidden if states else self.logits(hidden[t["logits_indices"]])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits of these hidden states (None on a rank that does not sample)."""

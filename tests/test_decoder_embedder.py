@@ -1,0 +1,95 @@
+"""A decoder served as an embedder (Qwen3-Embedding's recipe): a tiny random Qwen3 that HF builds (its sliding
+window shorter than the inputs), saved with sentence-transformers' files pooling its last token, normalized, served
+behind /v1/embeddings: each input's embedding against HF's own Qwen3Model forward of that input alone; the same bits
+alone and in a batch of concurrent clients; inputs over the step's budget run alone; mean pooling (--pooler-config)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from gpu.kernels import native
+from gpu.loading.encoder_config import DecoderPooling, is_pooling_model, pooling_config
+from tests.family_models import make_family_dir
+
+LENS = [1, 6, 19, 40, 90]
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    path = make_family_dir(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]))  # fmt: skip
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    return path
+
+
+@pytest.fixture(scope="module")
+async def served(embedder):
+    from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
+    from frontend.launch import start_server
+
+    engine = EngineConfig(model=str(embedder), max_model_len=128, max_num_batched_tokens=64)
+    srv = await start_server(engine, HttpConfig(port=0, served_model_name=["m"]), log_level="WARNING")
+    yield srv
+    await srv.stop()
+
+
+def inputs(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in LENS]
+
+
+def hf_states(path, ids: list[list[int]]) -> list[torch.Tensor]:
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([x])).last_hidden_state[0] for x in ids]
+
+
+async def embed(s: aiohttp.ClientSession, body: dict) -> np.ndarray:
+    async with s.post("/v1/embeddings", json={"encoding_format": "float", **body}) as resp:
+        assert resp.status == 200, await resp.text()
+        return np.asarray([d["embedding"] for d in (await resp.json())["data"]])
+
+
+def test_a_decoder_with_a_pooling_module_is_served_for_pooling(embedder):
+    assert is_pooling_model(embedder)
+    config = pooling_config(embedder)
+    assert isinstance(config, DecoderPooling) and config.pooling.pooling_type == "LAST" and config.pooling.normalize
+
+
+async def test_last_token_embeddings_are_hfs_alone_and_batched(served, embedder):
+    ids = inputs(0)
+    ref = [h[-1] / h[-1].norm() for h in hf_states(embedder, ids)]
+    async with aiohttp.ClientSession(served.url) as s:
+        batched = await embed(s, {"input": ids})  # (90 tokens: over the 64-token budget, a step of its own)
+        alone = await asyncio.gather(*(embed(s, {"input": [x]}) for x in ids))
+    for i, want in enumerate(ref):
+        np.testing.assert_allclose(batched[i], want.numpy(), atol=2e-5)
+        if native.ops() is not None:
+            assert np.array_equal(alone[i][0], batched[i]), i
+
+
+def test_mean_pooling_by_pooler_config_in_process(embedder):
+    """(the engine's model in this process: gpu/runner/pooling.py, pooled as --pooler-config says)"""
+    from gpu.layers.pooling import pool
+    from gpu.runner.pooling import CausalStates
+
+    config = pooling_config(embedder, '{"pooling_type": "MEAN", "normalize": false}')
+    ids = inputs(1)[:3]
+    lens = [len(x) for x in ids]
+    states = CausalStates(config.model, 128, 8)(torch.tensor([t for x in ids for t in x]), lens)
+    got = pool(states, lens, config.pooling.pooling_type, config.pooling.normalize)
+    for i, h in enumerate(hf_states(embedder, ids)):
+        torch.testing.assert_close(got[i], h.mean(0), atol=2e-5, rtol=1e-4)
