@@ -16,6 +16,7 @@ import transformers
 
 from gpu.kernels import native
 from gpu.loading.encoder_config import DecoderPooling, is_pooling_model, pooling_config
+from gpu.loading.errors import ModelLoadError
 from tests.family_models import make_family_dir
 
 LENS = [1, 6, 19, 40, 90]
@@ -93,3 +94,33 @@ def test_mean_pooling_by_pooler_config_in_process(embedder):
     got = pool(states, lens, config.pooling.pooling_type, config.pooling.normalize)
     for i, h in enumerate(hf_states(embedder, ids)):
         torch.testing.assert_close(got[i], h.mean(0), atol=2e-5, rtol=1e-4)
+
+
+def test_a_yes_no_reranker_scores_pairs_as_hfs_last_logits(embedder):
+    """--pooler-config's classifier_from_token (vLLM's, Qwen3-Reranker's recipe): a pair's score is the softmax's
+    P(yes) over the "no" and "yes" logits of its last token, the texts concatenated by the tokenizer's template."""
+    from frontend.scoring import pair_inputs
+    from frontend.tokenizer import Tokenizer
+    from gpu.runner.pooling import CausalStates
+
+    config = pooling_config(embedder, '{"classifier_from_token": ["no", "yes"]}')
+    assert config.labels == ("yes",) and config.score_sigmoid
+    no, yes = config.score_tokens
+
+    class Ctx:
+        tokenizer, max_model_len = Tokenizer.from_model_dir(embedder), 128
+
+    pairs = [("Query: is the sky blue?", "Document: the sky is blue."), ("Query: a", "Document: b c d e")]
+    ids, _ = pair_inputs(pairs, Ctx, None, "documents")
+    model = CausalStates(config.model, 128, 8, score_tokens=config.score_tokens)
+    lens = [len(x) for x in ids]
+    got = torch.sigmoid(model.classify(model(torch.tensor([t for x in ids for t in x]), lens), lens)[:, 0])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(embedder).eval()
+    for i, x in enumerate(ids):
+        assert x == Ctx.tokenizer.encode(pairs[i][0] + pairs[i][1])  # (no special tokens between the two here)
+        with torch.no_grad():
+            last = hf(input_ids=torch.tensor([x])).logits[0, -1]
+        assert abs(got[i] - torch.softmax(last[[no, yes]], 0)[1]) < 1e-5
+    for bad in ('{"classifier_from_token": ["no"]}', '{"classifier_from_token": ["no", "not-a-token-xyz"]}'):
+        with pytest.raises(ModelLoadError, match="classifier_from_token"):
+            pooling_config(embedder, bad)

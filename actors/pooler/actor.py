@@ -117,7 +117,7 @@ class PoolerActor(Actor):
         if isinstance(c, EncoderConfig):
             return load_encoder(c, e.cpu_kernels)
         tokens = max(e.max_num_batched_tokens, self.max_model_len)  # (an input longer than the budget runs alone)
-        return CausalStates(c.model, tokens, e.max_num_seqs, e.cpu_kernels)
+        return CausalStates(c.model, tokens, e.max_num_seqs, e.cpu_kernels, c.score_tokens)
 
     def _invalid(self, msg: PoolRequest) -> str | None:
         c = self.model_config
@@ -126,7 +126,7 @@ class PoolerActor(Actor):
                 return f"an input has {len(ids)} tokens; 1 to max_model_len {self.max_model_len} are taken"
             if not all(0 <= t < c.vocab_size for t in ids):
                 return f"a token id is outside the vocabulary (0 .. {c.vocab_size - 1})"
-        types = msg.token_type_ids
+        types = msg.token_type_ids if isinstance(c, EncoderConfig) else None  # (a decoder has no segments)
         if types is not None and (len(types) != len(msg.inputs) or any(
                 len(t) != len(ids) or not all(0 <= k < c.type_vocab_size for k in t)
                 for t, ids in zip(types, msg.inputs, strict=False))):  # fmt: skip

@@ -37,19 +37,20 @@ class Pooling:
     normalize: bool = True  # L2-normalized
 
     @classmethod
-    def override(cls, base: Pooling, raw: str) -> Pooling:
-        """`base` with --pooler-config's JSON fields (pooling_type, normalize) over it."""
+    def override(cls, base: Pooling, raw: str, more: tuple[str, ...] = ()) -> tuple[Pooling, dict]:
+        """`base` with --pooler-config's JSON fields (pooling_type, normalize) over it, and the fields of `more`."""
         try:
             fields = json.loads(raw)
             assert isinstance(fields, dict)
         except (ValueError, AssertionError) as e:
             raise ModelLoadError(f"--pooler-config: not a JSON object: {raw!r}") from e
-        if unknown := set(fields) - {"pooling_type", "normalize"}:
+        if unknown := set(fields) - {"pooling_type", "normalize", *more}:
             raise ModelLoadError(f"--pooler-config: unknown fields {sorted(unknown)}")
         kind = str(fields.get("pooling_type", base.pooling_type)).upper()
         if kind not in POOLING_TYPES:
             raise ModelLoadError(f"--pooler-config: pooling_type {kind!r} is not one of {', '.join(POOLING_TYPES)}")
-        return replace(base, pooling_type=kind, normalize=bool(fields.get("normalize", base.normalize)))
+        pooling = replace(base, pooling_type=kind, normalize=bool(fields.get("normalize", base.normalize)))
+        return pooling, {k: fields[k] for k in more if k in fields}
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class EncoderConfig:
         seq = st.get("max_seq_length") or _json(path / "tokenizer_config.json").get("model_max_length") or usable
         pooling = sentence_transformers_pooling(path) or Pooling()
         if pooler_config:
-            pooling = Pooling.override(pooling, pooler_config)
+            pooling, _ = Pooling.override(pooling, pooler_config)
         try:
             return cls(
                 path=path, architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
@@ -164,8 +165,10 @@ class DecoderPooling:
     model: ModelConfig
     pooling: Pooling
     dimensions: tuple[int, ...]
-    labels: tuple[str, ...] = ()  # (no classifier)
-    score_sigmoid: bool = False
+    labels: tuple[str, ...] = ()  # a yes/no reranker's: its "yes" token (one label; else none: an embedder)
+    score_sigmoid: bool = False  # (a reranker's score: sigmoid(l_yes - l_no), the softmax's P(yes) over the two)
+    score_tokens: tuple[int, int] | None = None  # a yes/no reranker's ("no", "yes") token ids (--pooler-config's
+    # classifier_from_token, vLLM's hf-overrides field: Qwen3-Reranker's recipe)
     type_vocab_size: int = 1  # (no segments)
 
     @property
@@ -191,10 +194,19 @@ def pooling_config(path: str | Path, pooler_config: str | None = None) -> Encode
     if path.suffix == ".gguf" or _architecture(path) in ENCODERS:
         return EncoderConfig.from_path(path, pooler_config)
     model = ModelConfig.from_path(path)
-    pooling = sentence_transformers_pooling(path) or Pooling("LAST", True)
+    pooling, more = sentence_transformers_pooling(path) or Pooling("LAST", True), {}
     if pooler_config:
-        pooling = Pooling.override(pooling, pooler_config)
-    return DecoderPooling(model, pooling, _matryoshka(_json(path / "config.json")))
+        pooling, more = Pooling.override(pooling, pooler_config, ("classifier_from_token",))
+    if (pair := more.get("classifier_from_token")) is None:
+        return DecoderPooling(model, pooling, _matryoshka(_json(path / "config.json")))
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) and t in vocab for t in pair)):
+        raise ModelLoadError(
+            f"--pooler-config: classifier_from_token must name two tokens of the vocabulary, not {pair!r}"
+        )
+    return DecoderPooling(
+        model, Pooling("LAST", False), (), (pair[1],), True, score_tokens=(vocab[pair[0]], vocab[pair[1]])
+    )
 
 
 def is_pooling_model(path: str | Path) -> bool:

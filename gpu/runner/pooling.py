@@ -1,7 +1,8 @@
-"""A decoder served as an embedder (Qwen3-Embedding's recipe): its last layer's hidden states over packed inputs,
-each input a causal prefill of its own in a scratch KV cache of one step's size (no state is kept between steps:
-every step's rows start at block 0). Called as the encoders are (gpu/models/bert.py): `model(ids, lens)`; `head` is
-None (no classifier). On the native kernels each row's states are the same bits in any batch.
+"""A decoder served as an embedder (Qwen3-Embedding's recipe) or a yes/no reranker (Qwen3-Reranker's): its last
+layer's hidden states over packed inputs, each input a causal prefill of its own in a scratch KV cache of one step's
+size (no state is kept between steps: every step's rows start at block 0). Called as the encoders are
+(gpu/models/bert.py): `model(ids, lens)`; `head` is None, or a reranker's two tokens (`classify`). On the native
+kernels each row's states are the same bits in any batch.
 
 Memory: the scratch cache holds one step, max_tokens / block_size + max_rows blocks (a row's last block is partly
 used), of 2 x layers x kv heads x head_dim float32 each token: Qwen3-0.6B's 229 KiB a token, 0.7 GiB for 2,048 tokens
@@ -18,10 +19,16 @@ from gpu.runner.model_runner import ModelRunner
 
 
 class CausalStates:
-    head = None
-
-    def __init__(self, config: ModelConfig, max_tokens: int, max_rows: int, cpu_kernels: str | None = None) -> None:
-        self.block_size = 16
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_tokens: int,
+        max_rows: int,
+        cpu_kernels: str | None = None,
+        score_tokens: tuple[int, int] | None = None,
+    ) -> None:
+        """`score_tokens`: a yes/no reranker's ("no", "yes") token ids (`classify`)."""
+        self.block_size, self.head = 16, score_tokens
         blocks = max_tokens // self.block_size + max_rows
         self.runner = ModelRunner(config, "cpu", "float32", num_blocks=blocks, block_size=self.block_size,
                                   max_num_seqs=max_rows, max_num_batched_tokens=max_tokens, cpu_kernels=cpu_kernels,
@@ -36,3 +43,10 @@ class CausalStates:
                                      block_table=list(range(block, block + used)), sample=True))  # fmt: skip
             start, block = start + n, block + used
         return self.runner.execute(BatchSpec(step=0, rows=rows), states=True)
+
+    def classify(self, hidden: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """A yes/no reranker's logit per input [len(lens), 1]: its last token's logit of "yes" less that of "no", so
+        that its sigmoid is the softmax's P(yes) over the two (Qwen3-Reranker's score)."""
+        no, yes = self.head
+        logits = self.runner.logits(hidden[torch.tensor(lens).cumsum(0) - 1])
+        return (logits[:, yes] - logits[:, no]).unsqueeze(1)
