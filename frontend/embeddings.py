@@ -108,12 +108,18 @@ def encode_inputs(
 
 def cut_encoding(hf, text: str, enc, keep: int):
     """`enc` (of `text`, without special tokens) cut to its first `keep` tokens. Not by its own `truncate` alone: that
-    keeps every cut-off piece as an overflow, which post-processing then walks holding the GIL (1.4 s for 12 MB);
-    the text's prefix to a few tokens past the cut is encoded again and cut, where its first tokens are enc's."""
+    keeps every cut-off piece as an overflow, which post-processing then walks holding the GIL (1.4 s for 12 MB).
+    Instead a prefix of the text, grown until it has a few tokens past the cut, is encoded and cut, where its first
+    `keep` tokens are enc's (else enc is cut)."""
     if len(enc) > keep + 8:
-        short = hf.encode(text[: enc.offsets[keep + 7][1]], add_special_tokens=False)
-        if short.ids[:keep] == enc.ids[:keep]:
-            enc = short
+        n = 4 * (keep + 8)
+        while n < len(text):
+            short = hf.encode(text[:n], add_special_tokens=False)
+            if len(short) > keep + 8:
+                if short.ids[:keep] == enc.ids[:keep]:
+                    enc = short
+                break
+            n *= 4
     enc.truncate(keep)
     return enc
 

@@ -116,6 +116,8 @@ def build_processes(
     first (started in this order: its load is the longest part of a start). `model`: engine.model's, resolved."""
     if model is None and serves_pooling(engine):
         return pooling_processes(engine, http)
+    if engine.pooler_config is not None:
+        raise ModelLoadError("--pooler-config: the model is served for generation (--runner generate)")
     model = model or resolve_model(engine.model)
     check_quantization(model, engine.quantization)
     devices = check_gang(model, engine)
@@ -136,14 +138,14 @@ class PoolingNeed(msgspec.Struct):
     weights: int  # bytes, float32
 
     def explanation(self) -> str:
-        return f"its weights take {self.weights / 2**20:.0f} MiB of host memory (float32)"
+        return f"its weight files take {self.weights / 2**20:.0f} MiB (held in float32: twice a 16-bit file's)"
 
 
 def serves_pooling(engine: EngineConfig) -> bool:
-    """Whether the launch serves engine.model for pooling: --runner, else whether it is an encoder."""
-    return engine.runner == "pooling" or (
-        engine.runner == "auto" and bool(engine.model) and is_pooling_model(engine.model)
-    )
+    """Whether the launch serves engine.model for pooling: --runner, else whether it is a pooling model or
+    --pooler-config says how to pool it."""
+    auto = engine.runner == "auto" and bool(engine.model)
+    return engine.runner == "pooling" or (auto and (engine.pooler_config is not None or is_pooling_model(engine.model)))
 
 
 def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[ProcessSpec], PoolingNeed]:

@@ -19,7 +19,7 @@ from gpu.loading.encoder_config import DecoderPooling, is_pooling_model, pooling
 from gpu.loading.errors import ModelLoadError
 from tests.family_models import make_family_dir
 
-LENS = [1, 6, 19, 40, 90]
+LENS = [1, 6, 19, 40, 90, 150]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ async def served(embedder):
     from frontend.http_base import HttpConfig
     from frontend.launch import start_server
 
-    engine = EngineConfig(model=str(embedder), max_model_len=128, max_num_batched_tokens=64)
+    engine = EngineConfig(model=str(embedder), max_model_len=256, max_num_batched_tokens=128)
     srv = await start_server(engine, HttpConfig(port=0, served_model_name=["m"]), log_level="WARNING")
     yield srv
     await srv.stop()
@@ -74,7 +74,8 @@ async def test_last_token_embeddings_are_hfs_alone_and_batched(served, embedder)
     ids = inputs(0)
     ref = [h[-1] / h[-1].norm() for h in hf_states(embedder, ids)]
     async with aiohttp.ClientSession(served.url) as s:
-        batched = await embed(s, {"input": ids})  # (90 tokens: over the 64-token budget, a step of its own)
+        batched = await embed(s, {"input": ids})  # (steps of 1, 6, 19 and 40 tokens, then 90, then 150: over the
+        # 128-token budget, alone)
         alone = await asyncio.gather(*(embed(s, {"input": [x]}) for x in ids))
     for i, want in enumerate(ref):
         np.testing.assert_allclose(batched[i], want.numpy(), atol=2e-5)
@@ -121,6 +122,18 @@ def test_a_yes_no_reranker_scores_pairs_as_hfs_last_logits(embedder):
         with torch.no_grad():
             last = hf(input_ids=torch.tensor([x])).logits[0, -1]
         assert abs(got[i] - torch.softmax(last[[no, yes]], 0)[1]) < 1e-5
-    for bad in ('{"classifier_from_token": ["no"]}', '{"classifier_from_token": ["no", "not-a-token-xyz"]}'):
+    for bad in ('{"classifier_from_token": ["no"]}', '{"classifier_from_token": ["no", "not-a-token-xyz"]}',
+                '{"classifier_from_token": ["no", "yes"], "normalize": true}'):  # fmt: skip
         with pytest.raises(ModelLoadError, match="classifier_from_token"):
             pooling_config(embedder, bad)
+
+
+def test_a_plain_decoder_is_served_for_pooling_when_the_flags_say_so(tmp_path):
+    from actors.engine.config import EngineConfig
+    from frontend.preflight import serves_pooling
+
+    plain = make_family_dir(tmp_path / "plain", "llama")  # (no sentence-transformers files: a generation model)
+    assert not serves_pooling(EngineConfig(model=str(plain)))
+    assert serves_pooling(EngineConfig(model=str(plain), runner="pooling"))
+    assert serves_pooling(EngineConfig(model=str(plain), pooler_config='{"classifier_from_token": ["no", "yes"]}'))
+    assert not serves_pooling(EngineConfig(model=str(plain), runner="generate", pooler_config="{}"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ log = logging.getLogger("sluice.pooler")
 @dataclass(eq=False)
 class Job:
     msg: PoolRequest
+    order: int  # its place in arrival order (the round-robin's)
     done: list[torch.Tensor | None] = field(default_factory=list)  # per input: its embedding once embedded
     next: int = 0  # the first input not yet in a step
     aborted: str | None = None  # the reason of an Abort that came while it was in a step
@@ -57,6 +59,7 @@ class PoolerActor(Actor):
         self.jobs: dict[str, Job] = {}  # every request held, in arrival order (the queue)
         self.stepping: set[Job] = set()  # the jobs with inputs in the step in flight
         self.draining = False  # (Shutdown: new requests are acked as aborted)
+        self._arrivals, self._last = itertools.count(), -1  # (jobs' arrival order; the last one a step took)
         self.late_aborts = self.stale = self.tokens = 0  # (stale: replaced copies; tokens: embedded, every step)
         self._work = asyncio.Event()
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-device")
@@ -87,7 +90,7 @@ class PoolerActor(Actor):
             self._send(msg, error=error)
             return
         self.jobs.pop(msg.request_id, None)  # (an older copy's place goes: the new one queues at the end)
-        self.jobs[msg.request_id] = Job(msg, [None] * len(msg.inputs))
+        self.jobs[msg.request_id] = Job(msg, next(self._arrivals), [None] * len(msg.inputs))
         self._work.set()
 
     def on_abort(self, msg: Abort) -> None:
@@ -137,16 +140,19 @@ class PoolerActor(Actor):
 
     def _batch(self) -> list[tuple[Job, int]]:
         """The inputs of the next step, whole, up to the token budget and max_num_seqs inputs (one at least): one of
-        each request in turn, those with the fewest inputs taken so far first (then in arrival order), so that a
-        request of a few inputs is not queued behind requests of thousands."""
+        each request in turn (round robin in arrival order, from the request after the last one the step before
+        took), so that a request of a few inputs waits at most a round, and none waits for ever."""
         taken, budget = [], self.config.max_num_batched_tokens
-        left = sorted((job for job in self.jobs.values() if job.next < len(job.msg.inputs)), key=lambda job: job.next)
+        left = [job for job in self.jobs.values() if job.next < len(job.msg.inputs)]
+        start = next((i for i, job in enumerate(left) if job.order > self._last), 0)
+        left = left[start:] + left[:start]
         while left:
             for job in left:
                 n = len(job.msg.inputs[job.next])
                 if taken and (n > budget or len(taken) == self.config.max_num_seqs):
                     return taken
                 taken.append((job, job.next))
+                self._last = job.order
                 job.next, budget = job.next + 1, budget - n
             left = [job for job in left if job.next < len(job.msg.inputs)]
         return taken

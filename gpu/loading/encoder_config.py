@@ -92,13 +92,10 @@ class EncoderConfig:
         positions = int(raw.get("max_position_embeddings", 512))
         pad = int(raw.get("pad_token_id", 1)) if raw.get("model_type") in PAD_POSITIONS else None
         usable = positions - (0 if pad is None else pad + 1)  # (RoBERTa's first pad + 1 rows are never a position)
-        st = _json(path / "sentence_bert_config.json")
+        seq = served_length(path, usable)
         labels, sigmoid = _labels(path, raw, arch)
         if raw.get("hidden_act", "gelu") not in ACTIVATIONS:
             raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not served ({', '.join(ACTIVATIONS)})")
-        if st.get("do_lower_case"):  # (sentence-transformers lowercases the text itself before its tokenizer)
-            raise ModelLoadError(f"{path}: sentence_bert_config.json's do_lower_case is not served")
-        seq = st.get("max_seq_length") or _json(path / "tokenizer_config.json").get("model_max_length") or usable
         pooling = sentence_transformers_pooling(path) or Pooling()
         if pooler_config:
             pooling, _ = Pooling.override(pooling, pooler_config)
@@ -109,11 +106,22 @@ class EncoderConfig:
                 num_attention_heads=int(raw["num_attention_heads"]), max_position_embeddings=positions,
                 type_vocab_size=int(raw.get("type_vocab_size", 2)), layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
                 hidden_act=raw.get("hidden_act", "gelu"), pad_positions=pad,
-                max_model_len=min(int(seq), usable),
+                max_model_len=seq,
                 pooling=pooling, dimensions=_matryoshka(raw), labels=labels, score_sigmoid=sigmoid,
             )  # fmt: skip
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json: missing {e.args[0]}") from None
+
+
+def served_length(path: Path, positions: int) -> int:
+    """The length sentence-transformers embeds (max_seq_length, else the tokenizer's model_max_length) within the
+    model's `positions`; refuses a do_lower_case config (sentence-transformers lowercases the text before its
+    tokenizer: not done here)."""
+    st = _json(path / "sentence_bert_config.json")
+    if st.get("do_lower_case"):
+        raise ModelLoadError(f"{path}: sentence_bert_config.json's do_lower_case is not served")
+    seq = st.get("max_seq_length") or _json(path / "tokenizer_config.json").get("model_max_length") or positions
+    return min(int(seq), positions)
 
 
 def sentence_transformers_pooling(path: Path) -> Pooling | None:
@@ -194,11 +202,14 @@ def pooling_config(path: str | Path, pooler_config: str | None = None) -> Encode
     if path.suffix == ".gguf" or _architecture(path) in ENCODERS:
         return EncoderConfig.from_path(path, pooler_config)
     model = ModelConfig.from_path(path)
+    model = replace(model, max_model_len=served_length(path, model.max_model_len))
     pooling, more = sentence_transformers_pooling(path) or Pooling("LAST", True), {}
     if pooler_config:
         pooling, more = Pooling.override(pooling, pooler_config, ("classifier_from_token",))
     if (pair := more.get("classifier_from_token")) is None:
         return DecoderPooling(model, pooling, _matryoshka(_json(path / "config.json")))
+    if {"pooling_type", "normalize"} & set(json.loads(pooler_config)):
+        raise ModelLoadError("--pooler-config: a yes/no reranker (classifier_from_token) pools its last token's logits")
     vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
     if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) and t in vocab for t in pair)):
         raise ModelLoadError(

@@ -1,8 +1,9 @@
 """A decoder served as an embedder (Qwen3-Embedding's recipe) or a yes/no reranker (Qwen3-Reranker's): its last
 layer's hidden states over packed inputs, each input a causal prefill of its own in a scratch KV cache of one step's
 size (no state is kept between steps: every step's rows start at block 0). Called as the encoders are
-(gpu/models/bert.py): `model(ids, lens)`; `head` is None, or a reranker's two tokens (`classify`). On the native
-kernels each row's states are the same bits in any batch.
+(gpu/models/bert.py): `model(ids, lens)`; `head` is None, or a reranker's two tokens (`classify`). A dense model runs
+batch-invariant where the native kernels are built (every row on their linear and attention kernels: its states the
+same bits in any batch, at some cost to long inputs' speed); an MoE model's rows depend on their batch.
 
 Memory: the scratch cache holds one step, max_tokens / block_size + max_rows blocks (a row's last block is partly
 used), of 2 x layers x kv heads x head_dim float32 each token: Qwen3-0.6B's 229 KiB a token, 0.7 GiB for 2,048 tokens
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from gpu.batch import BatchSpec, ScheduledRow
+from gpu.kernels import native
 from gpu.loading.config import ModelConfig
 from gpu.runner.model_runner import ModelRunner
 
@@ -30,9 +32,10 @@ class CausalStates:
         """`score_tokens`: a yes/no reranker's ("no", "yes") token ids (`classify`)."""
         self.block_size, self.head = 16, score_tokens
         blocks = max_tokens // self.block_size + max_rows
+        invariant = native.ops() is not None and cpu_kernels != "torch" and config.moe is None
         self.runner = ModelRunner(config, "cpu", "float32", num_blocks=blocks, block_size=self.block_size,
                                   max_num_seqs=max_rows, max_num_batched_tokens=max_tokens, cpu_kernels=cpu_kernels,
-                                  decode_graphs="off")  # fmt: skip
+                                  batch_invariant=invariant, decode_graphs="off")  # fmt: skip
 
     def __call__(self, ids: torch.Tensor, lens: list[int], types: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states [len(ids), hidden] of the inputs packed in `ids` (their lengths `lens`)."""
