@@ -119,6 +119,10 @@ def build_processes(
     if engine.pooler_config is not None:
         raise ModelLoadError("--pooler-config: the model is served for generation (--runner generate)")
     model = model or resolve_model(engine.model)
+    if model.headless:
+        raise ModelLoadError(
+            f"{model.name} is a bare decoder (no LM head): it is served for pooling (--runner pooling)"
+        )
     check_quantization(model, engine.quantization)
     devices = check_gang(model, engine)
     engine = msgspec.structs.replace(engine, model=str(model.path), lora=checked_loras(model, engine, http))

@@ -137,3 +137,25 @@ def test_a_plain_decoder_is_served_for_pooling_when_the_flags_say_so(tmp_path):
     assert serves_pooling(EngineConfig(model=str(plain), runner="pooling"))
     assert serves_pooling(EngineConfig(model=str(plain), pooler_config='{"classifier_from_token": ["no", "yes"]}'))
     assert not serves_pooling(EngineConfig(model=str(plain), runner="generate", pooler_config="{}"))
+
+
+def test_a_bare_decoders_checkpoint_is_read_for_pooling_and_refused_for_generation(tmp_path):
+    """Qwen3-Embedding's own files: `Qwen3Model` (no LM head, its tensors named without "model.")."""
+    from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
+    from frontend.preflight import build_processes
+    from gpu.runner.pooling import CausalStates
+    from tests.tiny_model import save_with_tokenizer
+
+    causal = transformers.AutoModelForCausalLM.from_pretrained(make_family_dir(tmp_path / "causal", "qwen3"))
+    bare = save_with_tokenizer(causal.model, tmp_path / "bare")
+    assert json.loads((bare / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    config = pooling_config(bare)
+    assert config.model.headless and config.pooling.pooling_type == "LAST"
+    ids = inputs(2)[:3]
+    lens = [len(x) for x in ids]
+    states = CausalStates(config.model, 128, 8)(torch.tensor([t for x in ids for t in x]), lens)
+    for got, want in zip(states.split(lens), hf_states(bare, ids), strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ModelLoadError, match="bare decoder"):
+        build_processes(EngineConfig(model=str(bare), runner="generate"), HttpConfig(port=0), memory_check=False)

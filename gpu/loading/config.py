@@ -54,6 +54,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32  # the checkpoint's dtype
     gguf_name: str | None = None  # a GGUF's file name, less ".gguf" and a split's part (`path` is its card)
+    headless: bool = (
+        False  # a bare decoder (`Qwen3Model`: no LM head, its tensors named without "model."): pooling only
+    )
 
     @property
     def name(self) -> str:
@@ -85,6 +88,8 @@ class ModelConfig:
         where = path / "config.json"
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in REGISTRY), None)
+        bare = next((a for a in archs if a.endswith("Model") and f"{a[:-5]}ForCausalLM" in REGISTRY), None)
+        arch = arch or (bare and f"{bare[:-5]}ForCausalLM")  # (a bare decoder: its family, headless)
         if arch is None:
             raise ModelLoadError(
                 f"{where}: unsupported architecture {archs or 'missing'}; supported: {', '.join(REGISTRY)}"
@@ -128,7 +133,8 @@ class ModelConfig:
             rope_scaling={} if rope_type == "default" else rope,
             partial_rotary_factor=partial,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.tie_default)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.tie_default)) or arch not in archs,
+            headless=arch not in archs,  # (its head, unused, the embedding: held once)
             max_position_embeddings=max_pos,
             max_model_len=max_pos,
             hidden_act=raw.get("hidden_act", "silu"),

@@ -98,7 +98,7 @@ def checkpoint_plan(
                 or (name == "lm_head.weight" and config.tie_word_embeddings)
             ):
                 continue
-            target, row, part = family.checkpoint_name(name)
+            target, row, part = family.checkpoint_name(f"model.{name}" if config.headless else name)
             parts = parts_of(shards, target, row) or (None,)
             if target not in params or part >= len(parts):
                 raise ModelLoadError(f"{f.path}: unexpected weight {name} for {config.architecture}")
