@@ -126,3 +126,20 @@ def test_a_stop_aborts_its_copy_only_and_a_newer_copy_replaces_the_tombstone(mod
     step(actor, 2, 1, [T[1]], attempt=1)
     assert to_client(actor) == (T[:2], ["stop"])  # (the Finished carries the token that held the stop)
     assert [m for dst, m in actor.sent if isinstance(m, Abort)] == [Abort(request_id=RID, reason="stop", attempt=1)]
+
+
+def test_a_closed_requests_copy_registered_after_its_own_outputs_is_repaired(detok):
+    """The request ends; its client (which lost the end) makes a copy; the copy's outputs, its end among them,
+    overtake its registration on a reordering link: registered after them, it is re-submitted at once (it would
+    otherwise wait for outputs already gone: live for ever), while a copy whose older copy's outputs came is not."""
+    step(detok, 0, 0, T, attempt=0, finish="length")
+    assert not detok.live
+    copy = AddRequest(request_id=RID, prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=5, ignore_eos=True),
+                      client=CLIENT, resume_token_ids=T[:2], attempt=1)  # fmt: skip
+    step(detok, 1, 2, T[2:], attempt=1, finish="length")  # (the copy's, unknown here: a violation)
+    detok.on_add(copy)
+    (repair,) = copies_made(detok)
+    assert repair.attempt > copy.attempt and repair.resume_token_ids == T[:2]
+    newer = msgspec.structs.replace(copy, attempt=repair.attempt + 1)
+    detok.on_add(newer)  # (a newer copy: only older copies' outputs came, so it waits for its own)
+    assert copies_made(detok) == [repair] and detok.live[RID].attempt == newer.attempt

@@ -16,8 +16,8 @@ Cases (state x event -> action):
   TOMBSTONED AbortAck             -> CLOSED       (TOMBSTONED AddRequest(resumed): ignored, the Abort ends it too,
                                      unless the Abort named an older copy (its own, for that copy's output): the copy replaces it: LIVE)
   TOMBSTONED no terminal in time  -> Abort re-sent (idempotent); after max tries dropped with an error (I7)
-  unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id is
-                                     remembered: if its AddRequest comes after all (reordered), it is repaired
+  unknown    entry / AbortAck     -> protocol violation (a duplicate after close lands here too); the id and copy are
+                                     remembered: if that copy's AddRequest comes after all (reordered), it is repaired
   CLOSED     AddRequest           -> a duplicate registration: protocol violation, dropped
   any        AddRequest(resumed) no newer than a copy made or seen here -> ignored (its own repair: its state went on
                                      from there; or a copy a newer one replaced)
@@ -96,6 +96,7 @@ class DetokenizerActor(Actor):
         self.names: dict[str, SentNames] = {}  # client -> the requests of its last TextOutputs (named in the next)
         self.last_sent: dict[str, float] = {}  # client -> when it was last sent output
         self.copies = RecentIds()  # id -> the highest AddRequest.attempt made or registered (resumed ids only)
+        self.overtaken = RecentIds()  # id -> the highest copy whose output or ack came while it was unknown here
         self.steps = StepNumbers()
         self.tokens = TokenCounts()  # /metrics' prompt, generation and per-step tokens
         self.duplicate_steps = self.lost_steps = 0
@@ -128,10 +129,11 @@ class DetokenizerActor(Actor):
             if not resumed:  # (a copy of one ended here: the Abort sent ends the copy too)
                 self._violation(rid, "AddRequest for an id already in use")
             return
-        before = None if resumed else before  # outputs seen before a copy were an older copy's
+        # outputs overtook the registration (they are gone): a new request's made it an ORPHAN; a copy's, newer ones
+        overtaken = self.overtaken.get(rid, -1) >= msg.attempt if resumed else before is not None
         state = self.requests.open(rid, DetokRequestState(msg, self.tokenizer))
         state.heard = self.steps.last
-        if before is not None:  # outputs overtook the registration: they are gone
+        if overtaken:
             self._repair(rid, "engine output arrived before the request was registered")
 
     def on_step(self, msg: StepOutputs) -> None:
@@ -148,7 +150,7 @@ class DetokenizerActor(Actor):
                     if out.finish_reason is not None:
                         self.tombstones.pop(rid, None)
                 else:
-                    self._violation(rid, f"StepOutputs entry seq {out.seq}")
+                    self._violation(rid, f"StepOutputs entry seq {out.seq}", out.attempt)
                 continue
             if out.attempt != state.attempt:  # a replaced copy's (or a reordered one's): stale
                 self.counts.stale += 1
@@ -183,7 +185,7 @@ class DetokenizerActor(Actor):
         elif rid in self.live:
             self._end_aborted(rid, msg.reason)
         else:
-            self._violation(rid, "AbortAck")
+            self._violation(rid, "AbortAck", msg.attempt)
 
     def on_actor_down(self, msg: ActorDown) -> None:
         if msg.actor == self.scheduler:
@@ -192,6 +194,7 @@ class DetokenizerActor(Actor):
                 self.requests.forget(rid)  # not CLOSED: it may come back resumed
             self.tombstones.clear()
             self.copies.clear()  # the new scheduler numbers from what the clients have
+            self.overtaken.clear()
             self.steps.reset()
         else:
             for rid in [r for r, state in self.live.items() if state.client == msg.actor]:
@@ -206,7 +209,7 @@ class DetokenizerActor(Actor):
         await self.until(lambda: not (self.live or self.tombstones), SHUTDOWN_DRAIN_S)
         for rid in list(self.live):  # the scheduler did not end it (it is not shutting down, or too slow)
             self._end_aborted(rid, reason)
-            self._abort(rid, reason)
+            self.tell(self.scheduler, Abort(request_id=rid, reason=reason))
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -246,14 +249,12 @@ class DetokenizerActor(Actor):
         self.tombstones.add(msg, self.scheduler)
         self.tell(self.scheduler, msg)
 
-    def _abort(self, rid: str, reason: AbortReason) -> None:
-        self.tell(self.scheduler, Abort(request_id=rid, reason=reason))
-
-    def _violation(self, rid: str, what: str) -> None:
+    def _violation(self, rid: str, what: str, attempt: int = -1) -> None:
         self.counts.violations["any"] += 1
         log.info("[%s] protocol violation: %s for an id neither live nor tombstoned; dropped", rid, what)
         if rid not in self.fate:
             self.fate.remember(rid, ORPHAN)
+        self.overtaken.remember(rid, max(attempt, self.overtaken.get(rid, -1)))  # (a copy's may come after them)
 
     def _find_lost(self) -> None:
         lost = self.steps.lost()
