@@ -42,6 +42,7 @@ METRICS = (  # (label, result key, stat, higher is better)
     ("median ITL ms", "itl_ms", "p50", False),
     ("p99 ITL ms", "itl_ms", "p99", False),
 )
+RATIOS = (("output_throughput", None), ("ttft_ms", "p50"), ("tpot_ms", "p50"))  # (the figures set side by side)
 
 
 NO_VLLM = "# no vLLM at {}: Sluice alone (see ../shared/notes/peers.md to install it)"
@@ -187,8 +188,12 @@ def value(result: dict, key: str, stat: str | None) -> float:
     return result[key] if stat is None else result[key][stat]
 
 
-def tok_tpot(result: dict) -> tuple[float, float]:
-    return value(result, "output_throughput", None), value(result, "tpot_ms", "p50")
+def tok_ttft_tpot(result: dict) -> tuple[float, float, float]:
+    return tuple(value(result, key, stat) for key, stat in RATIOS)
+
+
+def over(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"  # (a TPOT of 0: one output token)
 
 
 def main() -> None:
@@ -230,8 +235,9 @@ def main() -> None:
             print(f"{s} / {peer}: startup {ratio['startup_s']:.2f}x, resident {ratio['rss_mib']:.2f}x, "
                   f"proportional {ratio['pss_mib']:.2f}x")  # fmt: skip
             for c in args.concurrency:
-                (a, x), (b, y) = (tok_tpot(results[n][c]) for n in (s, peer))
-                print(f"{s} / {peer}, c={c}: output tok/s {a / b:.2f}x, median TPOT {x / y:.2f}x")
+                (a, t, x), (b, u, y) = (tok_ttft_tpot(results[n][c]) for n in (s, peer))
+                print(f"{s} / {peer}, c={c}: output tok/s {over(a, b)}, median TTFT {over(t, u)}, "
+                      f"median TPOT {over(x, y)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Encoders for pooling (issue 52), in-process: a tiny random BERT that HF builds and saves, against HF's own forward
+"""Encoders for pooling (issue 52), in-process: a tiny random BERT, RoBERTa, XLM-R and MPNet that HF builds and saves,
+against HF's own forward
 (with padding and an attention mask: HF's batched path), each pooling type against its formula over HF's hidden
 states, normalized or not; batch invariance on the native kernels; sentence-transformers' files read as it reads
 them; a checkpoint's head skipped by name, a tensor of a wrong shape refused by name."""
@@ -16,9 +17,10 @@ from gpu.layers.pooling import pool
 from gpu.loading.encoder import load_encoder
 from gpu.loading.encoder_config import EncoderConfig, Pooling, is_pooling_model
 from gpu.loading.errors import ModelLoadError
+from gpu.models.bert import relative_buckets
 
 LENS = [1, 5, 17, 40]
-FAMILIES = ["Bert", "Roberta", "XLMRoberta"]
+FAMILIES = ["Bert", "Roberta", "XLMRoberta", "MPNet"]
 
 
 def tiny_bert(path, head: str = "Model", family: str = "Bert", **overrides):
@@ -105,10 +107,11 @@ def test_an_inputs_embedding_is_the_same_bits_alone_or_in_any_batch(bert):
             assert torch.equal(alone[0], together[i]), i
 
 
-def test_a_checkpoints_head_is_skipped_and_a_wrong_shape_refused_by_name(tmp_path):
-    tiny_bert(tmp_path / "mlm", head="ForMaskedLM")
+@pytest.mark.parametrize("family", ["Bert", "MPNet"])
+def test_a_checkpoints_head_is_skipped_and_a_wrong_shape_refused_by_name(tmp_path, family):
+    tiny_bert(tmp_path / "mlm", head="ForMaskedLM", family=family)
     assert is_pooling_model(tmp_path / "mlm")
-    load_encoder(EncoderConfig.from_path(tmp_path / "mlm"))  # (cls.predictions.* skipped, bert.* renamed)
+    load_encoder(EncoderConfig.from_path(tmp_path / "mlm"))  # (cls.predictions.* or lm_head.* skipped, renamed)
     tiny_bert(tmp_path / "bad")
     config = json.loads((tmp_path / "bad" / "config.json").read_text())
     (tmp_path / "bad" / "config.json").write_text(json.dumps(config | {"intermediate_size": 48}))
@@ -140,19 +143,24 @@ def test_sentence_transformers_files_and_pooler_config_say_how_to_pool(tmp_path)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("labels", [1, 3])
 def test_a_cross_encoders_logits_are_hfs(tmp_path, family, labels):
-    """BERT's pooler and classifier, RoBERTa's classifier head (dense, tanh, out_proj), with a pair's segments."""
-    model = tiny_bert(tmp_path, "ForSequenceClassification", family, num_labels=labels, type_vocab_size=2)
+    """BERT's pooler and classifier, RoBERTa's and MPNet's classifier head (dense, tanh, out_proj), with a pair's
+    segments (MPNet has none)."""
+    segmented = family != "MPNet"
+    model = tiny_bert(tmp_path, "ForSequenceClassification", family, num_labels=labels,
+                      **({"type_vocab_size": 2} if segmented else {}))  # fmt: skip
     config = EncoderConfig.from_path(tmp_path)
     assert len(config.labels) == labels and config.score_sigmoid == (labels == 1)
     ours = load_encoder(config)
     ids = inputs(4)
     types = [[0] * (n // 2) + [1] * (n - n // 2) for n in LENS]
     width = max(LENS)
-    batch = padded(model, ids) | {"token_type_ids": torch.tensor([t + [0] * (width - len(t)) for t in types])}
+    batch = padded(model, ids)
+    if segmented:
+        batch["token_type_ids"] = torch.tensor([t + [0] * (width - len(t)) for t in types])
     with torch.no_grad():
         ref = model(**batch).logits
         flat, segments = torch.tensor([t for x in ids for t in x]), torch.tensor([t for x in types for t in x])
-        got = ours.classify(ours(flat, LENS, segments), LENS)
+        got = ours.classify(ours(flat, LENS, segments if segmented else None), LENS)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     identity = {"activation_fn": "torch.nn.modules.linear.Identity"}  # (sentence-transformers 6 saves it here)
     (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(identity))
@@ -201,3 +209,10 @@ def test_sentence_transformers_6_files_are_read_and_other_modules_refused(tmp_pa
     (tmp_path / "modules.json").write_text(json.dumps([*modules, dense]))
     with pytest.raises(ModelLoadError, match="Dense"):
         EncoderConfig.from_path(tmp_path)
+
+
+def test_mpnets_relative_buckets_are_hfs_past_its_max_distance():
+    """Every offset of a 300-token input (max_distance 128: the log-spaced buckets and the last one), against HF's."""
+    offsets = torch.arange(300)[None, :] - torch.arange(300)[:, None]
+    ref = transformers.models.mpnet.modeling_mpnet.MPNetEncoder.relative_position_bucket(offsets)
+    assert torch.equal(relative_buckets(300), ref)

@@ -20,9 +20,10 @@ from gpu.loading.config import ModelConfig, weight_files
 from gpu.loading.errors import ModelLoadError
 
 # config.json's `architectures`: the encoder is what is served, whatever head the file names (its tensors skipped)
-ENCODERS = tuple(f"{family}{head}" for family in ("Bert", "Roberta", "XLMRoberta")
+ENCODERS = tuple(f"{family}{head}" for family in ("Bert", "Roberta", "XLMRoberta", "MPNet")
                  for head in ("Model", "ForMaskedLM", "ForPreTraining", "ForSequenceClassification"))  # fmt: skip
-PAD_POSITIONS = ("roberta", "xlm-roberta")  # model types whose positions count from the padding id
+PAD_POSITIONS = ("roberta", "xlm-roberta", "mpnet")  # model types whose positions count from the padding id
+MPNET_BUCKETS = 32  # (the relative-position buckets HF's MPNet indexes, whatever its config says)
 POOLING_TYPES = ("CLS", "MEAN", "MAX", "LAST")
 ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_max_tokens": "MAX",
             "pooling_mode_lasttoken": "LAST"}  # fmt: skip
@@ -67,6 +68,7 @@ class EncoderConfig:
     layer_norm_eps: float
     hidden_act: str
     pad_positions: int | None  # RoBERTa's padding id, positions counted from it + 1; None: from 0 (BERT's)
+    relative_buckets: int  # MPNet's relative attention bias table's rows; 0: none (absolute positions alone)
     max_model_len: int  # sentence-transformers' max_seq_length where given, else the positions
     pooling: Pooling
     labels: tuple[str, ...]  # a cross-encoder's (BertForSequenceClassification: id2label, in order); () an embedder's
@@ -90,7 +92,12 @@ class EncoderConfig:
             raise ModelLoadError(f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not served")
         weight_files(path)  # (raises when weights are missing)
         positions = int(raw.get("max_position_embeddings", 512))
+        mpnet = raw.get("model_type") == "mpnet"
         pad = int(raw.get("pad_token_id", 1)) if raw.get("model_type") in PAD_POSITIONS else None
+        pad = 1 if mpnet else pad  # (HF's MPNet counts from 1, whatever the config's padding id)
+        buckets = int(raw.get("relative_attention_num_buckets", MPNET_BUCKETS)) if mpnet else 0
+        if mpnet and buckets < MPNET_BUCKETS:
+            raise ModelLoadError(f"{path}: relative_attention_num_buckets {buckets}: MPNet indexes {MPNET_BUCKETS}")
         usable = positions - (0 if pad is None else pad + 1)  # (RoBERTa's first pad + 1 rows are never a position)
         seq = served_length(path, usable)
         labels, sigmoid = _labels(path, raw, arch)
@@ -104,8 +111,8 @@ class EncoderConfig:
                 path=path, architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
                 intermediate_size=int(raw["intermediate_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=int(raw["num_attention_heads"]), max_position_embeddings=positions,
-                type_vocab_size=int(raw.get("type_vocab_size", 2)), layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-                hidden_act=raw.get("hidden_act", "gelu"), pad_positions=pad,
+                type_vocab_size=0 if mpnet else int(raw.get("type_vocab_size", 2)), layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+                hidden_act=raw.get("hidden_act", "gelu"), pad_positions=pad, relative_buckets=buckets,
                 max_model_len=seq,
                 pooling=pooling, dimensions=_matryoshka(raw), labels=labels, score_sigmoid=sigmoid,
             )  # fmt: skip

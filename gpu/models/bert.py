@@ -1,6 +1,8 @@
-"""BERT-style encoders (BertModel, RobertaModel, XLMRobertaModel, and the encoder of their *For* and
-sentence-transformers checkpoints): absolute positions (RoBERTa's counted from its padding id) and token types added to the word embeddings, then post-norm layers of bidirectional attention over each
-input alone and a GELU MLP. Prefill-only, for pooling (gpu/layers/pooling.py): no KV cache is kept.
+"""BERT-style encoders (BertModel, RobertaModel, XLMRobertaModel, MPNetModel, and the encoder of their *For* and
+sentence-transformers checkpoints): absolute positions (RoBERTa's and MPNet's counted from the padding id) and token
+types (MPNet has none) added to the word embeddings, then post-norm layers of bidirectional attention over each input
+alone and a GELU MLP. MPNet's attention adds a learned bias per head and relative-position bucket (T5's bidirectional
+buckets: `relative_buckets`), shared by every layer. Prefill-only, for pooling (gpu/layers/pooling.py): no KV cache.
 
 Inputs come packed: the tokens of every input one after another, with each input's length; attention runs per input,
 the linear layers over all tokens at once (on the native kernels each row's result is the same bits in any batch).
@@ -11,6 +13,7 @@ pooler's dense layer, a classifier) are skipped by name.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -27,12 +30,14 @@ CLASSIFIER = tuple((re.compile(p), to) for p, to in (  # (BERT's pooler and clas
 ))  # fmt: skip
 RENAMES = (
     (re.compile(r"\.attention\.self\.(query|key|value)\."), lambda m: f".{m[1][0]}."),
-    (re.compile(r"\.attention\.output\.dense\."), ".o."),
-    (re.compile(r"\.attention\.output\.LayerNorm\."), ".attn_norm."),
+    (re.compile(r"\.attention\.output\.dense\.|\.attention\.attn\.o\."), ".o."),
+    (re.compile(r"\.attention\.attn\.([qkv])\."), r".\1."),  # (MPNet's)
+    (re.compile(r"\.attention\.(output\.)?LayerNorm\."), ".attn_norm."),
     (re.compile(r"\.intermediate\.dense\."), ".up."),
     (re.compile(r"\.output\.dense\."), ".down."),
     (re.compile(r"\.output\.LayerNorm\."), ".mlp_norm."),
     (re.compile(r"^encoder\.layer\."), "layers."),
+    (re.compile(r"^encoder\.relative_attention_bias\."), "relative_attention_bias."),
     (re.compile(r"^embeddings\.LayerNorm\."), "embeddings.norm."),
 )
 
@@ -46,12 +51,14 @@ class EncoderLayer(nn.Module):
         self.up, self.down = Linear(h, c.intermediate_size), Linear(c.intermediate_size, h)
         self.attn_norm, self.mlp_norm = nn.LayerNorm(h, c.layer_norm_eps), nn.LayerNorm(h, c.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lens: list[int], biases: list[torch.Tensor | None]) -> torch.Tensor:
         t, h = x.shape
         q, k, v = (p(x).view(t, self.heads, h // self.heads).transpose(0, 1) for p in (self.q, self.k, self.v))
-        split = zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), strict=True)
-        parts = [F.scaled_dot_product_attention(*(z.unsqueeze(0) for z in qkv))[0] for qkv in split]  # (4-D: the
-        attn = torch.cat(parts, 1).transpose(0, 1).reshape(t, h)  # CPU's flash kernel, not the math path)
+        split = zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), biases, strict=True)
+        parts = [
+            F.scaled_dot_product_attention(*(z.unsqueeze(0) for z in qkv), attn_mask=bias)[0] for *qkv, bias in split
+        ]  # fmt: skip  (4-D: the CPU's flash kernel, not the math path)
+        attn = torch.cat(parts, 1).transpose(0, 1).reshape(t, h)
         x = self.attn_norm(x + self.o(attn))
         return self.mlp_norm(x + self.down(self.act(self.up(x))))
 
@@ -61,12 +68,14 @@ class Embeddings(nn.Module):
         super().__init__()
         self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
         self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
-        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size) if c.type_vocab_size else None
         self.norm = nn.LayerNorm(c.hidden_size, c.layer_norm_eps)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None) -> torch.Tensor:
-        typed = self.token_type_embeddings.weight[0] if types is None else self.token_type_embeddings(types)
-        return self.norm(self.word_embeddings(ids) + typed + self.position_embeddings(positions))
+        x = self.word_embeddings(ids) + self.position_embeddings(positions)
+        if (table := self.token_type_embeddings) is not None:
+            x = x + (table.weight[0] if types is None else table(types))
+        return self.norm(x)
 
 
 class ClassifierHead(nn.Module):
@@ -87,10 +96,12 @@ class BertModel(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
         self.head = ClassifierHead(config) if config.labels else None
+        buckets, heads = config.relative_buckets, config.num_attention_heads
+        self.relative_attention_bias = nn.Embedding(buckets, heads) if buckets else None
 
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor loads into; None for a tensor of a head not served (skipped)."""
-        name = re.sub(r"^(bert|roberta)\.", "", name)
+        name = re.sub(r"^(bert|roberta|mpnet)\.", "", name)
         for pattern, to in CLASSIFIER if self.head is not None else ():
             if pattern.match(name):
                 return pattern.sub(to, name)
@@ -110,11 +121,29 @@ class BertModel(nn.Module):
             real = (ids != pad).int()
             positions = torch.cat([(m.cumsum(0) * m) for m in real.split(lens)]) + pad
         x = self.embeddings(ids, positions, types)
+        biases = [self.position_bias(n) for n in lens]
         for layer in self.layers:
-            x = layer(x, lens)
+            x = layer(x, lens, biases)
         return x
+
+    def position_bias(self, n: int) -> torch.Tensor | None:
+        """MPNet's attention bias [1, heads, n, n] for an input of n tokens; None for a model without one."""
+        if self.relative_attention_bias is None:
+            return None
+        return self.relative_attention_bias(relative_buckets(n)).permute(2, 0, 1).unsqueeze(0)
 
     def classify(self, hidden: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """A cross-encoder's logits [len(lens), labels] from the hidden states `forward` gave."""
         starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
         return self.head(hidden[starts])
+
+
+def relative_buckets(n: int, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+    """Each key's bucket [n, n] by its offset from the query (T5's bidirectional buckets, as HF's MPNet computes them:
+    always 32): half the buckets for keys after the query; in a half, the offsets under a quarter of the buckets
+    exactly, then log-spaced up to max_distance, the last bucket beyond."""
+    offset = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+    half = buckets // 2
+    exact, far = half // 2, offset.abs()
+    spaced = exact + (torch.log(far.clamp(min=1) / exact) / math.log(max_distance / exact) * (half - exact)).long()
+    return (offset > 0).long() * half + torch.where(far < exact, far, spaced.clamp(max=half - 1))
