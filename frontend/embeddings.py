@@ -1,7 +1,9 @@
 """`POST /v1/embeddings` (OpenAI's shape, vLLM's extras) for a model served for pooling (issue 52).
 
 Body: `input` a string, a list of strings, a list of token ids or a list of lists of them (at most MAX_INPUTS, none
-empty); `encoding_format` "float" or "base64" (float32 little-endian, as the openai client decodes it);
+empty), or instead vLLM's `messages`: a chat rendered by the model's chat template as one input (with
+`chat_template_kwargs`, `add_generation_prompt` default false and `continue_final_message`, as a chat request renders
+them; `add_special_tokens` default false there, as the template writes them); `encoding_format` "float" or "base64" (float32 little-endian, as the openai client decodes it);
 `dimensions` (matryoshka models only: the sizes their config.json declares, else a 400 naming it);
 `truncate_prompt_tokens` (vLLM's: an input longer than this many tokens is cut to it, its special tokens kept; -1:
 max_model_len; without it a longer input than max_model_len is a 400); `normalize` (vLLM's: over the model's
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -24,8 +26,9 @@ from aiohttp import web
 
 from frontend.body import RequestError, decode_body, token_ids
 from frontend.budget import check_chars
+from frontend.fields import NOT_HONOURED_IN_TOKENIZE
 from frontend.http_base import REQUEST_ID, json_response
-from frontend.protocol import new_request_id
+from frontend.protocol import new_request_id, rendered_chat
 from messages.pooling import PoolRequest
 
 log = logging.getLogger("sluice.http")
@@ -35,7 +38,11 @@ SHAPES = "a string, a list of strings, a list of token ids, or a list of lists o
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    input: str | list
+    input: str | list | None = None
+    messages: list[Any] | None = None  # vLLM's chat input (one of input and messages)
+    add_generation_prompt: bool = False  # (vLLM's default for an embedding: the assistant's turn not opened)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None
@@ -47,7 +54,9 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
 
 def parse_embeddings(body: bytes, ctx, rid: str, dimensions: tuple[int, ...]) -> tuple[EmbeddingRequest, PoolRequest]:
     """The request and what the engine is sent, or a RequestError (400) naming the field at fault."""
-    req = decode_body(body, EmbeddingRequest)
+    req = decode_body(body, EmbeddingRequest, NOT_HONOURED_IN_TOKENIZE)
+    if (req.input is None) == (req.messages is None):
+        raise RequestError(400, "give exactly one of input and messages", "input")
     if req.model and not ctx.knows(req.model):
         raise RequestError(404, f"The model `{req.model}` does not exist.", "model", code="model_not_found")
     if req.dimensions is not None and (not dimensions or req.dimensions not in dimensions):
@@ -59,7 +68,13 @@ def parse_embeddings(body: bytes, ctx, rid: str, dimensions: tuple[int, ...]) ->
             400, f"truncate_prompt_tokens must be -1 or 1 .. {ctx.max_model_len}", "truncate_prompt_tokens"
         )
     cut = ctx.max_model_len if k == -1 else k
-    inputs = encode_inputs(req.input, ctx, cut, req.add_special_tokens is not False)
+    if req.messages is None:
+        inputs = encode_inputs(req.input, ctx, cut, req.add_special_tokens is not False)
+    else:
+        if not req.messages:
+            raise RequestError(400, "messages must not be empty", "messages")
+        _, text = rendered_chat(req, ctx, None)
+        inputs = encode_inputs(text, ctx, cut, bool(req.add_special_tokens), "messages")
     msg = PoolRequest(request_id=rid, inputs=inputs, normalize=req.normalize, dimensions=req.dimensions)
     return req, msg
 

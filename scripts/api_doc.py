@@ -34,7 +34,7 @@ BODIES = [
     ("POST /v1/responses", ResponsesRequest, NOT_HONOURED_IN_RESPONSES),
     ("POST /tokenize", TokenizeRequest, NOT_HONOURED_IN_TOKENIZE),
     ("POST /detokenize", DetokenizeRequest, {}),
-    ("POST /v1/embeddings", EmbeddingRequest, {}),
+    ("POST /v1/embeddings", EmbeddingRequest, NOT_HONOURED_IN_TOKENIZE),
     ("POST /score, /v1/score", ScoreRequest, {}),
     ("POST /rerank, /v1/rerank, /v2/rerank", RerankRequest, {}),
     ("POST /classify", ClassifyRequest, {}),

