@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 import numpy as np
@@ -23,6 +24,7 @@ from messages.pooling import PoolOutput, PoolRequest
 from messages.wire import Abort, AbortAck, ActorDown, ActorUp
 
 log = logging.getLogger("sluice.http")
+ENGINE_ENDED = ("aborted", "the engine keeps")  # an error's start when the engine ended the request (a 503)
 
 
 class Pending(msgspec.Struct):
@@ -83,6 +85,7 @@ class PoolLedger:
         self.pending[msg.request_id] = p = Pending(msg, asyncio.get_running_loop().create_future())
         self.http.tell(SCHEDULER, msg)
         out: PoolOutput | None = None
+        start = time.monotonic()
         try:
             out = await p.answer
         finally:
@@ -90,7 +93,21 @@ class PoolLedger:
             if out is None:  # the client went away (the handler was cancelled, and the future with it)
                 self.http.tell(SCHEDULER, Abort(request_id=msg.request_id, reason="client"))
             self.http.moved()
+            self._count(msg, out, time.monotonic() - start)
         if out.error is not None:
-            status = 503 if out.error.startswith(("aborted", "the engine keeps")) else 500
+            status = 503 if out.error.startswith(ENGINE_ENDED) else 500
             raise RequestError(status, f"the engine failed the request: {out.error}")
         return np.frombuffer(out.data, dtype="<f4").reshape(-1, out.dim)
+
+    def _count(self, msg: PoolRequest, out: PoolOutput | None, seconds: float) -> None:
+        """vLLM's request series for a pooling request (replica 0: a pooling model has one): finished "stop", or
+        "abort" (its client gone, or the engine ended it), or "error"; its prompt tokens and latency once it ran."""
+        m = self.http.metrics
+        if out is None or (out.error or "").startswith(ENGINE_ENDED):
+            reason = "abort"
+        else:
+            reason = "stop" if out.error is None else "error"
+        m.request_success.labels(0, reason).inc()
+        if reason == "stop":
+            m.prompt_tokens.labels(0).observe(sum(map(len, msg.inputs)))
+            m.e2e.labels(0).observe(seconds)

@@ -237,7 +237,8 @@ async def ended(served, before: float) -> dict | None:
 
 async def test_a_small_request_overtakes_a_big_one_whose_client_then_goes_away(served):
     big = {"input": [text_of(250, k) for k in range(400)]}  # (100,800 tokens: 50 steps of 2048)
-    before = embedded(await served.metrics())
+    first = await served.metrics()
+    before = embedded(first)
     async with aiohttp.ClientSession(served.url) as gone, aiohttp.ClientSession(served.url) as s:
         waiting = asyncio.ensure_future(gone.post("/v1/embeddings", json=big))
         await eventually(held(served), "the big request in the engine", 15)
@@ -248,6 +249,11 @@ async def test_a_small_request_overtakes_a_big_one_whose_client_then_goes_away(s
         await gone.close()
     counted = await eventually(lambda: ended(served, before), "the engine's report after both", 10)
     assert embedded(counted) - before < 50_000  # (the rest of the big one was dropped: it is not embedded)
+    for reason in "stop", "abort":  # (vLLM's request series count pooling requests too)
+        key = ("sluice:request_success_total", (("finished_reason", reason),))
+        assert counted[key] == first.get(key, 0) + 1, reason
+    latency = ("sluice:e2e_request_latency_seconds_count", ())
+    assert counted[latency] == first[latency] + 1  # (the one that ran)
 
     async def idle() -> bool:
         return not any(v for details in (await served.idle()).values() for v in details.values())
