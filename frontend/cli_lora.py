@@ -1,5 +1,6 @@
 """The LoRA flags (vLLM's): `--enable-lora`, `--lora-modules name=path ...` (or vLLM's JSON form per adapter:
-'{"name": ..., "path": ..., "base_model_name": ...}'), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`.
+'{"name": ..., "path": ..., "base_model_name": ...}'), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`,
+`--lora-dtype`.
 And `sluice serve`'s `--enable-lora-runtime-updates` (vLLM's environment variable): its load and unload endpoints
 (frontend/lora_api.py), which need --api-key."""
 
@@ -33,6 +34,13 @@ def lora_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-lora-rank", type=int, default=_DEFAULTS.max_lora_rank, help="the highest adapter rank served")
     g.add_argument(
+        "--lora-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=_DEFAULTS.lora_dtype,
+        help="the adapters' format in memory (the sums stay the activations'); auto: the base weights' float format "
+        "(a 16-bit checkpoint's 16 bits: half the bytes a step reads per adapter)",
+    )
+    g.add_argument(
         "--max-cpu-loras",
         type=int,
         default=None,
@@ -48,7 +56,7 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
             raise SystemExit("--lora-modules needs --enable-lora")
         return None
     return LoraConfig(modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                      max_cpu_loras=args.max_cpu_loras)  # fmt: skip
+                      max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype)  # fmt: skip
 
 
 def _lora_module(text: str) -> LoraModule:

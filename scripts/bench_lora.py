@@ -1,15 +1,19 @@
 """Multi-LoRA throughput: output tokens/s of 16 concurrent greedy streams on SmolLM2-135M with LoRA adapters (rank 8
 and 16 on all seven projections) spread over them, 1 / 4 / 16 adapters, divided by the base model alone in the same
 run (issue 51's target: >= 0.8). The engine's step loop in this process (Scheduler + StepExecutor, no actors: the
-serving overhead is the same with or without adapters), synchronous, each case on a fresh executor; the adapters are
-random PEFT ones (PEFT builds and saves them).
+serving overhead is the same with or without adapters), synchronous, each case on a fresh executor, measured
+--repeats times against a base run just before it (the median ratio printed); the adapters are
+random PEFT ones (PEFT builds and saves them), held as each `--lora-dtypes` says (auto: the float32 base's format).
 
     python scripts/bench_lora.py [--streams 16] [--tokens 64] [--threads 2] [--ranks 8 16] [--adapters 1 4 16]
+                                 [--lora-dtypes auto bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import statistics
 import sys
 import tempfile
 import time
@@ -52,10 +56,14 @@ def make_adapters(base: Path, root: Path, rank: int, n: int) -> list[LoraModule]
 
 
 def run(
-    model: ModelConfig, adapters: list[LoraModule], streams: int, tokens: int, threads: int, rank: int = 16
+    model: ModelConfig, adapters: list[LoraModule], streams: int, tokens: int, threads: int, rank=16, dtype="auto"
 ) -> float:
     """Output tokens/s of `streams` greedy requests, round-robin over `adapters` (none: the base model)."""
-    lora = LoraConfig(modules=adapters, max_loras=len(adapters), max_lora_rank=rank) if adapters else None
+    lora = (
+        LoraConfig(modules=adapters, max_loras=len(adapters), max_lora_rank=rank, lora_dtype=dtype)
+        if adapters
+        else None
+    )
     config = EngineConfig(model=str(model.path), max_num_seqs=streams, max_model_len=512, num_kv_blocks=512,
                           engine_threads=threads, lora=lora)  # fmt: skip
     executor = StepExecutor(config, model, config.num_kv_blocks)
@@ -82,20 +90,26 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16])
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--lora-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--repeats", type=int, default=3, help="rounds, each case against the base measured just before it")
     args = p.parse_args()
     model = ModelConfig.from_path(default_model_dir())
     load = Path("/proc/loadavg").read_text().split()[0]
     print(f"SmolLM2-135M, {args.streams} streams x {args.tokens} tokens, {args.threads} threads, load {load}")
+    ratios: dict[tuple, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        base = run(model, [], args.streams, args.tokens, args.threads)
-        print(f"base model alone: {base:.1f} tok/s")
-        for rank in args.ranks:
-            made = make_adapters(model.path, Path(tmp), rank, max(args.adapters))
-            for n in args.adapters:
-                tps = run(model, made[:n], args.streams, args.tokens, args.threads, rank)
-                print(f"rank {rank:3d}, {n:2d} adapters: {tps:7.1f} tok/s = {tps / base:.2f}x the base")
-        again = run(model, [], args.streams, args.tokens, args.threads)
-        print(f"base model again: {again:.1f} tok/s (the run's drift: {again / base:.2f}x)")
+        made = {rank: make_adapters(model.path, Path(tmp), rank, max(args.adapters)) for rank in args.ranks}
+        for _ in range(args.repeats):  # (this VM's speed drifts by tens of percent over minutes: ratios to a neighbour)
+            for rank, dtype, n in itertools.product(args.ranks, args.lora_dtypes, args.adapters):
+                base = run(model, [], args.streams, args.tokens, args.threads)
+                tps = run(model, made[rank][:n], args.streams, args.tokens, args.threads, rank, dtype)
+                ratios.setdefault((rank, dtype, n), []).append(tps / base)
+                print(f"rank {rank:3d}, {n:2d} adapters, {dtype:8s}: {tps:6.1f} tok/s, base {base:6.1f}", flush=True)
+    print("median ratio to the base (range):")
+    for (rank, dtype, n), got in ratios.items():
+        print(
+            f"rank {rank:3d}, {n:2d} adapters, {dtype:8s}: {statistics.median(got):.2f}x ({min(got):.2f}-{max(got):.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -54,12 +54,36 @@ def test_a_kernel_adds_the_torch_paths_deltas(kernel, shape):
     assert torch.equal(got[slots < 0], y[slots < 0])  # (the base model's tokens untouched)
 
 
-def test_the_native_kernel_gives_a_token_its_bits_alone():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_native_kernel_reads_16_bit_tables_as_their_float32_values(dtype, shape):
+    """--lora-dtype: a 16-bit table's delta is the one of its values widened to float32, on every ISA this CPU runs
+    (the same bits on each)."""
+    runs = [ops for ops in (native.ops("avx2"), native.ops("avx512")) if ops is not None]
+    if not runs:
+        pytest.skip("no native CPU kernels built for this CPU")
+    width, out, parts = shape
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(3, (len(parts) - 1) * 8, width, generator=g), torch.randn(3, 8, out, generator=g)
+    a16, b16 = a.to(dtype), b.to(dtype)
+    x, y = torch.randn(13, width, generator=g), torch.randn(13, out, generator=g)
+    slots = torch.tensor([0, -1, 2, 2, 1, -1, 0, 1, 2, -1, 0, 1, 1])
+    widened = y.clone()
+    runs[0].lora_add(x, widened, slots, a16.float(), b16.float(), parts)
+    for ops in runs:
+        got = y.clone()
+        ops.lora_add(x, got, slots, a16, b16, parts)
+        assert torch.equal(got, widened)
+    assert (widened - reference(x, y, slots, Layer(a16, b16, parts), 8)).abs().max() < 1e-4  # (the torch path's too)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_kernel_gives_a_token_its_bits_alone(dtype):
     ops = KERNELS["native"]
     if ops is None:
         pytest.skip("no native CPU kernels built for this CPU")
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(4, 48, 576, generator=g), torch.randn(4, 16, 960, generator=g)
+    a, b = torch.randn(4, 48, 576, generator=g).to(dtype), torch.randn(4, 16, 960, generator=g).to(dtype)
     x, y = torch.randn(40, 576, generator=g), torch.randn(40, 960, generator=g)
     slots, parts = torch.randint(-1, 4, (40,), generator=g), [0, 576, 768, 960]
     batch = y.clone()

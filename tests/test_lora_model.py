@@ -7,6 +7,7 @@ others' decodes) gives every request PEFT's top-5 logprobs at every position wit
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -131,3 +132,31 @@ def test_a_base_model_that_differs_from_each_adapter(family_dir_of, tmp_path):
     logits = run_greedy(runner, reqs, 1, BUDGET)
     with pytest.raises(AssertionError, match="top-5 logprobs differ"):
         assert_close_to_hf(ref, reqs[0].tokens, logits[0])
+
+
+def test_16_bit_tables_serve_the_adapters_rounded_values(family_dir_of, tmp_path):
+    """--lora-dtype bfloat16 over a float32 base: the tables hold half the bytes, and the rows' logits are PEFT's on
+    the adapter with its weights rounded to bfloat16 (its scale, 2, folded in exactly), and the rounding is felt: they
+    differ from the float32 tables' logits."""
+    from safetensors.torch import load_file, save_file
+
+    base = family_dir_of("llama")
+    adapter = make_adapter(base, tmp_path / "a", seed=3, r=8)
+    rounded = tmp_path / "rounded"
+    shutil.copytree(adapter, rounded)
+    weights = load_file(adapter / "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16).float() for k, v in weights.items()}, rounded / "adapter_model.safetensors")
+    model, tokens = ModelConfig.from_path(base), prompts([12])[0]
+    logits, bytes_held = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(model, device="cpu", dtype=torch.float32, num_blocks=32, block_size=BLOCK, num_threads=1,
+                             lora_slots=1, max_lora_rank=8, lora_dtype=dtype)  # fmt: skip
+        runner.add_adapter(digest := adapter_digest(adapter), str(adapter))
+        bytes_held[dtype] = sum(t.nbytes for la in runner.lora.layers.values() for t in (la.lora_a, la.lora_b))
+        req = LoraRequest(block_pool(num_blocks=32), 0, tokens, BLOCK, lora=digest)
+        logits[dtype] = run_greedy(runner, [req], 4, BUDGET)[0]
+        if dtype == "bfloat16":
+            assert_close_to_hf(peft_reference(base, rounded), req.tokens, logits[dtype])
+    assert bytes_held["bfloat16"] * 2 == bytes_held["float32"]
+    off = max((a - b).abs().max() for a, b in zip(logits["bfloat16"], logits["float32"], strict=True))
+    assert off > 1e-4  # (the tables' rounding reaches the logits: the dtype is honoured)

@@ -52,6 +52,9 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # adapters the worker holds at once (its slot tables), the others read from disk when a request wants one; None:
     # all of them (at least max_loras)
     max_cpu_loras: int | None = None
+    # the slot tables' format (vLLM's --lora-dtype): "auto" the base's float weights' (a 16-bit checkpoint's 16 bits,
+    # a float32 checkpoint's or a quantized GGUF's float32); the sums are the activations' either way
+    lora_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     @property
     def capacity(self) -> int:

@@ -140,6 +140,7 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
         drafts=tuple(draft_configs(config)) if num_blocks is None else (),
         lora_slots=lora.capacity if lora else 0,
         max_lora_rank=lora.max_lora_rank if lora else 16,
+        lora_dtype=lora.lora_dtype if lora else "auto",
     )
     for digest, path in tqdm(start.items(), desc="Loading LoRA adapters", unit="adapter", disable=len(start) < 8):
         runner.add_adapter(digest, path)

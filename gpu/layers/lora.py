@@ -2,18 +2,19 @@
 folded into B: gpu/loading/lora.py), after the layer's base product, in every layer an adapter targets.
 
 `LoraSlots` is the model's slot table: `slots` adapters held at once, each in a slot, at `rank` (a lower-rank
-adapter zero-padded). Each layer some adapter targets holds, in the activations' dtype,
+adapter zero-padded). Each layer some adapter targets holds, in the tables' dtype (--lora-dtype: by default the base
+weights' float format; the sums are the activations' either way),
 
   lora_a [slots, P x rank, in]  its P stacked parts' A's (q, k and v of a stacked qkv_proj; one part elsewhere)
   lora_b [slots, rank, out]     Bᵀ: each output column's B row (of its part's adapter); lora_parts: the parts'
                                 first rows (columns here) and out
 
 so an adapter costs slots' share of rank x (P x in + out) numbers per targeted layer whatever it targets there
-(SmolLM2-135M, all seven projections, rank 16: 19.6 MB a slot in float32), allocated when a first adapter targets
+(SmolLM2-135M, all seven projections, rank 16: 19.6 MB a slot in float32, 9.8 in 16 bits), allocated when a first adapter targets
 the layer (on CUDA every targetable layer's at start: `reserve`). The runner sets each step's `tokens` (the slot of
 every token, -1 for the base model's; None: no LoRA row in the step) and, for the torch path, `groups` (each slot's
 token indices). Backends, chosen once (`ops`: gpu/runner/adapters.py lora_kernels):
-- native (CPU, float32 activations): gpu/kernels/native/csrc/lora.cpp, one call a layer for every adapter in the
+- native (CPU, float32 activations; float32, bfloat16 or float16 tables): gpu/kernels/native/csrc/lora.cpp, one call a layer for every adapter in the
   step, batch-invariant (a token's delta does not depend on the tokens around it), and inside the native layer loop
   (gpu/runner/native_loop.py) too;
 - triton (CUDA): gpu/kernels/triton/lora.py, the same contract, its slots read on the device (graph-safe);
@@ -87,9 +88,9 @@ class LoraSlots:
             return
         r, firsts = self.rank, layer.lora_parts
         for s, rows in self.groups:
-            xa = (x if rows is None else x.index_select(0, rows)) @ layer.lora_a[s].T
+            xa = (x if rows is None else x.index_select(0, rows)) @ layer.lora_a[s].T.to(x.dtype)
             for p in range(len(firsts) - 1):
-                b = layer.lora_b[s, :, firsts[p] : firsts[p + 1]]
+                b = layer.lora_b[s, :, firsts[p] : firsts[p + 1]].to(x.dtype)
                 out, d = y.narrow(1, firsts[p], b.shape[1]), xa[:, p * r : (p + 1) * r] @ b
                 if rows is None:
                     out += d

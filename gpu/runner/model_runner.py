@@ -94,6 +94,7 @@ class ModelRunner(RunnerAdapters):
         memory: DeviceMemory | None = None,
         lora_slots: int = 0,
         max_lora_rank: int = 16,
+        lora_dtype: str = "auto",
     ) -> None:
         """num_blocks None: as many as fit in `gpu_memory_utilization` of the device, with a paired block for each
         of `drafts` (draft models loaded after this runner), measured by `memory` (CUDA's: gpu/runner/memory.py)."""
@@ -144,7 +145,8 @@ class ModelRunner(RunnerAdapters):
         )
         if batch_invariant:
             check_invariant(self.model)
-        self.lora = LoraSlots(lora_slots, max_lora_rank, self.dtype, self.device, lora_kernels(native_weights, self))
+        tables = weight_dtype if lora_dtype == "auto" else getattr(torch, lora_dtype)  # (LoraConfig.lora_dtype)
+        self.lora = LoraSlots(lora_slots, max_lora_rank, tables, self.device, lora_kernels(native_weights, self))
         if lora_slots and self.device.type == "cuda":  # (counted by the memory plan, captured in place by graphs)
             self.lora.reserve(self.model, targetable(self.model))
         self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
