@@ -56,13 +56,18 @@ class LoraRegistry:
         self.sched.loras.unregister(msg.digest)
         log.info("LoRA adapter %s unregistered: its slot is freed once no request names it", msg.digest)
 
-    def _check_adapter(self, path: str) -> str:
-        """Its digest, once read and checked (float32: the worker's read checks the served dtype's range too)."""
+    def meta_model(self) -> torch.nn.Module:
+        """The engine's model built on meta (its layers' shapes, no weight), once: the scheduler's on_start builds it
+        where LoRA is on, so that a first load's check does not hold the GIL the step loop needs for as long."""
         if self._meta_model is None:
             with torch.device("meta"):
                 self._meta_model = REGISTRY[self.model.architecture](self.model)
+        return self._meta_model
+
+    def _check_adapter(self, path: str) -> str:
+        """Its digest, once read and checked (float32: the worker's read checks the served dtype's range too)."""
         try:
-            return read_adapter(path, self._meta_model, self.config.lora.max_lora_rank, torch.float32)[0]
+            return read_adapter(path, self.meta_model(), self.config.lora.max_lora_rank, torch.float32)[0]
         except LoraError:
             raise
         except Exception as e:  # (anything else an adapter's files can raise: named, never the actor's)

@@ -132,6 +132,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
             self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
             worker.executor.draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
             self.link = InlineWorker(worker, self._device, worker.executor.device.type != "cpu")
+        if self.config.lora:  # (adapters named while serving are checked against it: actors/engine/lora_registry.py)
+            await loop.run_in_executor(None, self.meta_model)
         self.grammar_key = (self.config.model, self.model.vocab_size, tuple(self.model.eos_token_ids))
         self.sched = Scheduler(
             BlockManager(blocks, self.config.block_size, self.config.enable_prefix_caching),

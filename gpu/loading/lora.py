@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -128,11 +129,21 @@ def read_adapter(
     only its layers' shapes are read), for tables of `rank` in `dtype`; `digest`: what its files must hash to."""
     path = Path(path)
     contents = _contents(path)
-    if (found := _digest(contents)) != (digest or found):
-        raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
+    with ThreadPoolExecutor(1, thread_name_prefix="lora-hash") as hasher:
+        hashed = hasher.submit(_digest, contents)  # (beside the parse: hashlib lets go of the GIL as it hashes)
+        try:
+            images = _slot_layout(path, contents, model, rank, dtype)
+        finally:  # (files that changed since they were named explain any other fault: that is said first)
+            if (found := hashed.result()) != (digest or found):
+                raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
+    return found, images
+
+
+def _slot_layout(path: Path, contents: dict[str, bytes], model, rank: int, dtype: torch.dtype) -> dict[str, SlotImage]:
+    """read_adapter's images of the files' `contents`, every check made."""
     r, scale = adapter_config(path, contents[CONFIG], rank)
     try:
-        tensors = load(contents.pop(WEIGHTS))
+        tensors = load(contents[WEIGHTS])
     except Exception as e:  # (a truncated or corrupt file: safetensors' own error)
         raise LoraError(f"LoRA adapter {path}: unreadable {WEIGHTS}: {e}") from e
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -142,8 +153,9 @@ def read_adapter(
             raise LoraError(f"LoRA adapter {path}: unexpected tensor {key} (only lora_A and lora_B are served)")
         pairs.setdefault(stem, {})[which[0]] = tensor
     family, shards = REGISTRY[model.config.architecture], shards_of(model)
-    images: dict[str, SlotImage] = {}
     stems: dict[str, list[str]] = {}  # (each layer's, for a message)
+    layers: dict[str, tuple[list[int], Linear]] = {}
+    writes = []  # (layer name, part, A, B): each checked pair, as this rank holds it
     for stem, pair in sorted(pairs.items()):
         target, row, part = family.checkpoint_name(stem + ".weight")
         layer_name = target.removesuffix(".weight")
@@ -168,19 +180,41 @@ def read_adapter(
         # a rank's share (gpu/layers/parallel.py): A's input columns as the base weight's, B's output rows as its
         a = a if split_in is None else split_in.read(a)
         b = b if stacked is None else stacked[part].read(b)
-        if layer_name not in images:
-            a_img = torch.zeros((len(firsts) - 1) * rank, layer.in_features, dtype=dtype)
-            images[layer_name] = (firsts, a_img, torch.zeros(rank, layer.out_features, dtype=dtype))
-        _, a_img, b_img = images[layer_name]
+        layers[layer_name] = (firsts, layer)
+        writes.append((layer_name, part, a, b))
+        stems.setdefault(layer_name, []).append(stem)
+    if not layers:
+        raise LoraError(f"LoRA adapter {path}: no LoRA weights")
+    flat, images = _slot_images(layers, rank, dtype)
+    for layer_name, part, a, b in writes:
+        firsts, a_img, b_img = images[layer_name]
         a_img[part * rank : part * rank + r] = a
         torch.mul(b.T.float(), scale, out=b_img[:r, firsts[part] : firsts[part + 1]])  # (scaled in float32)
-        stems.setdefault(layer_name, []).append(stem)
-    if not images:
-        raise LoraError(f"LoRA adapter {path}: no LoRA weights")
-    for name, (_, a_img, b_img) in images.items():  # (as served: scaled, in the tables' dtype)
-        if not (a_img.isfinite().all() and b_img.isfinite().all()):
-            raise LoraError(f"LoRA adapter {path}: {', '.join(stems[name])}: weights not finite (as {dtype}, scaled)")
-    return found, images
+    if not _finite(flat):  # (as served: scaled, in the tables' dtype; then which layers, for the message)
+        bad = [stem for name, (_, a_img, b_img) in images.items() if not (_finite(a_img) and _finite(b_img))
+               for stem in stems[name]]  # fmt: skip
+        raise LoraError(f"LoRA adapter {path}: {', '.join(bad)}: weights not finite (as {dtype}, scaled)")
+    return images
+
+
+def _slot_images(layers: dict, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, SlotImage]]:
+    """One zeroed buffer for all of an adapter's slot images, and the images as views of it (one allocation, one
+    finiteness check)."""
+    shapes = {name: (((len(f) - 1) * rank, layer.in_features), (rank, layer.out_features))
+              for name, (f, layer) in layers.items()}  # fmt: skip
+    flat = torch.zeros(sum(a[0] * a[1] + b[0] * b[1] for a, b in shapes.values()), dtype=dtype)
+    images, at = {}, 0
+    for name, (a, b) in shapes.items():
+        a_img = flat[at : at + a[0] * a[1]].view(a)
+        at += a[0] * a[1]
+        images[name] = (layers[name][0], a_img, flat[at : at + b[0] * b[1]].view(b))
+        at += b[0] * b[1]
+    return flat, images
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Every value of `t` finite: its least and greatest are (a NaN is either; one pass, no mask made)."""
+    return all(bool(v.isfinite()) for v in t.aminmax())
 
 
 def part_firsts(shard, layer: Linear) -> list[int]:
