@@ -45,7 +45,8 @@ def test_the_images_are_pefts_tensors_laid_out(setup):
 @pytest.mark.parametrize(
     "case, message",
     [("nan", r"self_attn.q_proj, .*: weights not finite"), ("shape", r"q_proj.lora_A is torch.float32 \(8, 5\)"),
-     ("int", "q_proj.lora_B is torch.int32"), ("stray", "unexpected tensor extra"), ("changed", "changed since")],
+     ("int", "q_proj.lora_B is torch.int32"), ("stray", "unexpected tensor extra"), ("changed", "changed since"),
+     ("truncated", f"unreadable {WEIGHTS}: .*do not fit")],
 )  # fmt: skip
 def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message):
     model, adapter = setup
@@ -59,9 +60,12 @@ def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message):
         tensors[f"{Q}.lora_B.weight"] = tensors[f"{Q}.lora_B.weight"].int()
     elif case == "stray":
         tensors["extra"] = torch.zeros(2)
-    else:
+    elif case == "changed":
         tensors[f"{Q}.lora_A.weight"] += 1.0
     save_file(tensors, adapter / WEIGHTS)
+    if case == "truncated":  # (the header says more bytes than the file has)
+        data = (adapter / WEIGHTS).read_bytes()
+        (adapter / WEIGHTS).write_bytes(data[:-100])
     with pytest.raises(LoraError, match=message) as e:
         read_adapter(adapter, model, RANK, torch.float32, digest if case == "changed" else None)
     assert str(adapter) in str(e.value)

@@ -38,9 +38,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import load
 
 from gpu.layers.linear import Linear
+from gpu.loading.errors import ModelLoadError
+from gpu.loading.mapped import Safetensors
 from gpu.loading.weights import shards_of
 from gpu.models import REGISTRY
 
@@ -143,8 +144,9 @@ def _slot_layout(path: Path, contents: dict[str, bytes], model, rank: int, dtype
     """read_adapter's images of the files' `contents`, every check made."""
     r, scale = adapter_config(path, contents[CONFIG], rank)
     try:
-        tensors = load(contents[WEIGHTS])
-    except Exception as e:  # (a truncated or corrupt file: safetensors' own error)
+        weights = Safetensors(path / WEIGHTS, contents[WEIGHTS])  # (views of the bytes read: no copy)
+        tensors = {key: weights.tensor(key) for key in weights.header}
+    except ModelLoadError as e:  # (a truncated or corrupt file, a header that does not fit it)
         raise LoraError(f"LoRA adapter {path}: unreadable {WEIGHTS}: {e}") from e
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():

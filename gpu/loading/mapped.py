@@ -1,5 +1,6 @@
 """A safetensors file read in place: its header parsed here (8 bytes of length, then JSON: each tensor's dtype, shape
-and byte range), its data memory-mapped read-only, each tensor a zero-copy torch view of the mapping.
+and byte range), its data memory-mapped read-only (`MappedFile`; `Safetensors`: over bytes already read, as a LoRA
+adapter's, hashed as they are parsed), each tensor a zero-copy torch view of the mapping.
 
 The loader (gpu/loading/weights.py) copies a tensor into its destination, then `release`s it: the range's pages leave
 this process (`MADV_DONTNEED`; they stay in the page cache for the next start), so the load's resident memory grows by
@@ -27,14 +28,11 @@ DTYPES = {
 MAX_HEADER = 100 << 20  # (safetensors' own bound)
 
 
-class MappedFile:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with open(path, "rb") as f:
-            try:
-                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except ValueError as e:  # (an empty file)
-                raise ModelLoadError(f"{path}: not a safetensors file ({e})") from e
+class Safetensors:
+    """A safetensors file's bytes (`buffer`: read, or a mapping), its header checked, each tensor a zero-copy view."""
+
+    def __init__(self, path: Path, buffer) -> None:
+        self.path, self.map = path, buffer
         self.header = self._header()
         self.data = 8 + struct.unpack_from("<Q", self.map)[0]
 
@@ -72,6 +70,16 @@ class MappedFile:
         with warnings.catch_warnings():  # (torch warns that the buffer is not writable: it is not written)
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(memoryview(self.map)[begin:stop], dtype=dtype).view(t["shape"])
+
+
+class MappedFile(Safetensors):
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            try:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError as e:  # (an empty file)
+                raise ModelLoadError(f"{path}: not a safetensors file ({e})") from e
+        super().__init__(path, mapping)
 
     def release(self, name: str) -> None:
         """Drop the tensor's pages from this process (whole pages inside its range; the file's pages stay cached)."""
