@@ -27,7 +27,7 @@ from frontend.memory_check import MemoryNeed, check_memory, memory_need
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
 from gpu.loading.convert import ConversionError, default_model_dir
 from gpu.loading.encoder_config import is_pooling_model, pooling_config
-from gpu.loading.lora import LoraError, read_adapter
+from gpu.loading.lora import LoraError, check_adapter
 from gpu.loading.weights import check_checkpoint, check_quantization
 from gpu.models import REGISTRY
 from gpu.runner.model_runner import resolve_device
@@ -85,7 +85,7 @@ def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) ->
         if m.name in served:
             raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")
         try:
-            digest, _ = read_adapter(m.path, base, lora.max_lora_rank, torch.float32)
+            digest = check_adapter(m.path, base, lora.max_lora_rank)
             modules.append(msgspec.structs.replace(m, digest=digest))
         except LoraError as e:
             raise ModelLoadError(f"--lora-modules {m.name}: {e}") from e

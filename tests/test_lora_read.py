@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu.loading.config import ModelConfig
-from gpu.loading.lora import LoraError, adapter_digest, read_adapter
+from gpu.loading.lora import LoraError, adapter_digest, check_adapter, read_adapter
 from gpu.models import REGISTRY
 from tests.lora_adapters import make_adapter
 
@@ -30,7 +30,7 @@ def setup(family_dir_of, tmp_path):
 def test_the_images_are_pefts_tensors_laid_out(setup):
     model, adapter = setup
     digest, images = read_adapter(adapter, model, RANK, torch.float32)
-    assert digest == adapter_digest(adapter)
+    assert digest == adapter_digest(adapter) == check_adapter(adapter, model, RANK)
     tensors = load_file(adapter / WEIGHTS)
     firsts, a, b = images["model.layers.0.self_attn.qkv_proj"]
     for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
@@ -48,7 +48,9 @@ def test_the_images_are_pefts_tensors_laid_out(setup):
      ("int", "q_proj.lora_B is torch.int32"), ("stray", "unexpected tensor extra"), ("changed", "changed since"),
      ("truncated", f"unreadable {WEIGHTS}: .*do not fit")],
 )  # fmt: skip
-def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message):
+@pytest.mark.parametrize("reader", ["check", "read"])
+def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message, reader):
+    """(by the launcher's and a registration's check, which lays out no images, and by the worker's read)"""
     model, adapter = setup
     digest = adapter_digest(adapter)
     tensors = load_file(adapter / WEIGHTS)
@@ -66,6 +68,12 @@ def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message):
     if case == "truncated":  # (the header says more bytes than the file has)
         data = (adapter / WEIGHTS).read_bytes()
         (adapter / WEIGHTS).write_bytes(data[:-100])
+    if reader == "check" and case == "changed":  # (a check is of files not named yet: its digest is theirs)
+        assert check_adapter(adapter, model, RANK) == adapter_digest(adapter) != digest
+        return
     with pytest.raises(LoraError, match=message) as e:
-        read_adapter(adapter, model, RANK, torch.float32, digest if case == "changed" else None)
+        if reader == "read":
+            read_adapter(adapter, model, RANK, torch.float32, digest if case == "changed" else None)
+        else:
+            check_adapter(adapter, model, RANK)
     assert str(adapter) in str(e.value)

@@ -1,6 +1,6 @@
 """The scheduler actor's handlers of adapters named while serving (messages/lora.py): a RegisterLora that names its
 digest is registered at once (a copy of a request resumed right behind it finds it); its files are read, hashed and
-checked against the engine's model in a task of its own, off the event loop (gpu/loading/lora.py read_adapter, on
+checked against the engine's model in a task of its own, off the event loop (gpu/loading/lora.py check_adapter, on
 the model built on meta: no base weight read). One that passes is registered, and a load's (no digest named) is
 wanted at once where --max-cpu-loras leave a slot free (the worker begins reading it with the next step; nothing
 held is evicted for it: a waiting request may need it); one that cannot be served is not registered and the answer
@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from gpu.loading.lora import LoraError, read_adapter
+from gpu.loading.lora import LoraError, check_adapter
 from gpu.models import REGISTRY
 from messages.lora import LoraRegistered, RegisterLora, UnregisterLora
 
@@ -67,7 +67,7 @@ class LoraRegistry:
     def _check_adapter(self, path: str) -> str:
         """Its digest, once read and checked (float32: the worker's read checks the served dtype's range too)."""
         try:
-            return read_adapter(path, self.meta_model(), self.config.lora.max_lora_rank, torch.float32)[0]
+            return check_adapter(path, self.meta_model(), self.config.lora.max_lora_rank)
         except LoraError:
             raise
         except Exception as e:  # (anything else an adapter's files can raise: named, never the actor's)

@@ -36,6 +36,7 @@ import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -128,20 +129,42 @@ def read_adapter(
 ) -> tuple[str, dict[str, SlotImage]]:
     """(the digest, layer name -> SlotImage) of the adapter at `path` over `model` (a CausalLM, on meta or loaded:
     only its layers' shapes are read), for tables of `rank` in `dtype`; `digest`: what its files must hash to."""
+    return _read(path, digest, lambda found: _slot_layout(found, rank, dtype), model, rank)
+
+
+def check_adapter(path: str | Path, model: torch.nn.Module, rank: int) -> str:
+    """The adapter's digest once every check of `read_adapter` passed, finiteness as float32 tables hold it (the
+    worker's read checks the served dtype's), without laying out its images: the launcher's and a registration's."""
+    return _read(path, None, _check_scaled, model, rank)[0]
+
+
+class _Pairs(NamedTuple):
+    """An adapter's checked (A, B) pairs, as this rank holds them."""
+
+    path: Path
+    r: int
+    scale: float
+    layers: dict[str, tuple[list[int], Linear]]  # each targeted layer's parts' first rows, and the layer
+    writes: list[tuple[str, int, torch.Tensor, torch.Tensor]]  # (layer name, part, A, B)
+    stems: dict[str, list[str]]  # each layer's tensors' stems (for a message)
+
+
+def _read(path: str | Path, digest: str | None, then, model: torch.nn.Module, rank: int):
+    """(the files' digest, `then` of their checked pairs), the digest hashed beside the parse (hashlib lets go of
+    the GIL as it hashes); files that changed since they were named explain any other fault: that is said first."""
     path = Path(path)
     contents = _contents(path)
     with ThreadPoolExecutor(1, thread_name_prefix="lora-hash") as hasher:
-        hashed = hasher.submit(_digest, contents)  # (beside the parse: hashlib lets go of the GIL as it hashes)
+        hashed = hasher.submit(_digest, contents)
         try:
-            images = _slot_layout(path, contents, model, rank, dtype)
-        finally:  # (files that changed since they were named explain any other fault: that is said first)
+            out = then(_pairs(path, contents, model, rank))
+        finally:
             if (found := hashed.result()) != (digest or found):
                 raise LoraError(f"LoRA adapter {path} changed since it was named (its files hash otherwise)")
-    return found, images
+    return found, out
 
 
-def _slot_layout(path: Path, contents: dict[str, bytes], model, rank: int, dtype: torch.dtype) -> dict[str, SlotImage]:
-    """read_adapter's images of the files' `contents`, every check made."""
+def _pairs(path: Path, contents: dict[str, bytes], model, rank: int) -> _Pairs:
     r, scale = adapter_config(path, contents[CONFIG], rank)
     try:
         weights = Safetensors(path / WEIGHTS, contents[WEIGHTS])  # (views of the bytes read: no copy)
@@ -155,9 +178,9 @@ def _slot_layout(path: Path, contents: dict[str, bytes], model, rank: int, dtype
             raise LoraError(f"LoRA adapter {path}: unexpected tensor {key} (only lora_A and lora_B are served)")
         pairs.setdefault(stem, {})[which[0]] = tensor
     family, shards = REGISTRY[model.config.architecture], shards_of(model)
-    stems: dict[str, list[str]] = {}  # (each layer's, for a message)
+    stems: dict[str, list[str]] = {}
     layers: dict[str, tuple[list[int], Linear]] = {}
-    writes = []  # (layer name, part, A, B): each checked pair, as this rank holds it
+    writes = []
     for stem, pair in sorted(pairs.items()):
         target, row, part = family.checkpoint_name(stem + ".weight")
         layer_name = target.removesuffix(".weight")
@@ -187,16 +210,32 @@ def _slot_layout(path: Path, contents: dict[str, bytes], model, rank: int, dtype
         stems.setdefault(layer_name, []).append(stem)
     if not layers:
         raise LoraError(f"LoRA adapter {path}: no LoRA weights")
-    flat, images = _slot_images(layers, rank, dtype)
-    for layer_name, part, a, b in writes:
+    return _Pairs(path, r, scale, layers, writes, stems)
+
+
+def _slot_layout(found: _Pairs, rank: int, dtype: torch.dtype) -> dict[str, SlotImage]:
+    flat, images = _slot_images(found.layers, rank, dtype)
+    for layer_name, part, a, b in found.writes:
         firsts, a_img, b_img = images[layer_name]
-        a_img[part * rank : part * rank + r] = a
-        torch.mul(b.T.float(), scale, out=b_img[:r, firsts[part] : firsts[part + 1]])  # (scaled in float32)
+        a_img[part * rank : part * rank + found.r] = a
+        torch.mul(b.T.float(), found.scale, out=b_img[: found.r, firsts[part] : firsts[part + 1]])  # (in float32)
     if not _finite(flat):  # (as served: scaled, in the tables' dtype; then which layers, for the message)
-        bad = [stem for name, (_, a_img, b_img) in images.items() if not (_finite(a_img) and _finite(b_img))
-               for stem in stems[name]]  # fmt: skip
-        raise LoraError(f"LoRA adapter {path}: {', '.join(bad)}: weights not finite (as {dtype}, scaled)")
+        bad = {name for name, (_, a_img, b_img) in images.items() if not (_finite(a_img) and _finite(b_img))}
+        _refuse_not_finite(found, bad, dtype)
     return images
+
+
+def _check_scaled(found: _Pairs) -> None:
+    """Every A and scaled B finite in float32 (scaling is monotonic: B's least and greatest, scaled, are the ends)."""
+    bad = {name for name, _, a, b in found.writes
+           if not (_finite(a) and _finite(torch.stack(b.float().aminmax()) * found.scale))}  # fmt: skip
+    if bad:
+        _refuse_not_finite(found, bad, torch.float32)
+
+
+def _refuse_not_finite(found: _Pairs, layers: set[str], dtype: torch.dtype) -> None:
+    bad = [stem for name in found.stems if name in layers for stem in found.stems[name]]
+    raise LoraError(f"LoRA adapter {found.path}: {', '.join(bad)}: weights not finite (as {dtype}, scaled)")
 
 
 def _slot_images(layers: dict, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, SlotImage]]:
