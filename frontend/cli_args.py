@@ -26,14 +26,14 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                    help="serve the model for generation or pooling (embeddings); auto: pooling for an encoder")  # fmt: skip
-    g.add_argument(
-        "--pooler-config", help='JSON over the model\'s pooling, e.g. {"pooling_type": "MEAN", "normalize": true}'
-    )
+    g.add_argument("--pooler-config",
+                   help='JSON over the model\'s pooling, e.g. {"pooling_type": "MEAN", "normalize": true}')  # fmt: skip
+    g.add_argument("--load-format", choices=["auto", "dummy"], default=_DEFAULTS.load_format,
+                   help="dummy: random weights of the model's shape (vLLM's: for benchmarks; outputs are noise)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="max requests in a batch")
     g.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="max prompt + output tokens")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget per step"
-    )
+    g.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens,
+                   help="token budget per step")  # fmt: skip
     g.add_argument(
         "--long-prefill-token-threshold",
         type=int,

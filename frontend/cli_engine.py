@@ -19,7 +19,7 @@ def setup(args: argparse.Namespace, default_level: str):
     from frontend.preflight import resolve_model
 
     setup_logging(args, default_level)
-    return resolve_model(args.model)
+    return resolve_model(args.model, args.load_format)
 
 
 def setup_logging(args: argparse.Namespace, default_level: str) -> None:
@@ -57,7 +57,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     fields += ("cpu_kernels", "batch_invariant")
     fields += ("enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "nnodes", "master_addr")
     fields += ("master_port", "data_parallel_size", "data_parallel_size_local", "data_parallel_address")
-    fields += ("data_parallel_rpc_port", "runner", "pooler_config")
+    fields += ("data_parallel_rpc_port", "runner", "pooler_config", "load_format")
     values = {f: getattr(args, f) for f in fields}
     tp = args.tensor_parallel_size
     if tp % args.nnodes:

@@ -92,6 +92,7 @@ class PoolLedger:
             del self.pending[msg.request_id]
             if out is None:  # the client went away (the handler was cancelled, and the future with it)
                 self.http.tell(SCHEDULER, Abort(request_id=msg.request_id, reason="client"))
+                self.http.metrics.aborts.labels(0, "client").inc()
             self.http.moved()
             self._count(msg, out, time.monotonic() - start)
         if out.error is not None:
@@ -101,7 +102,8 @@ class PoolLedger:
 
     def _count(self, msg: PoolRequest, out: PoolOutput | None, seconds: float) -> None:
         """vLLM's request series for a pooling request (replica 0: a pooling model has one): finished "stop", or
-        "abort" (its client gone, or the engine ended it), or "error"; its prompt tokens and latency once it ran."""
+        "abort" (its client gone, or the engine ended it), or "error"; once it ran, its prompt tokens and latency
+        (from its dispatch to the engine: its parse and tokenizing not counted)."""
         m = self.http.metrics
         if out is None or (out.error or "").startswith(ENGINE_ENDED):
             reason = "abort"

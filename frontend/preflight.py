@@ -27,7 +27,9 @@ from frontend.memory_check import MemoryNeed, check_memory, memory_need
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
 from gpu.loading.convert import ConversionError, default_model_dir
 from gpu.loading.encoder_config import is_pooling_model, pooling_config
-from gpu.loading.lora import LoraError, check_adapter
+from gpu.loading.gguf_card import gguf_card
+from gpu.loading.lora import LoraError, check_adapter, check_dtype
+from gpu.loading.random_weights import random_copy
 from gpu.loading.weights import check_checkpoint, check_quantization
 from gpu.models import REGISTRY
 from gpu.runner.model_runner import resolve_device
@@ -44,11 +46,15 @@ class Request(msgspec.Struct, kw_only=True):
     log_level: str
 
 
-def resolve_model(model: str | None) -> ModelConfig:
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelConfig:
     """The model to serve: a directory, a .gguf (served in place, its card made once in the cache), or None for the
-    bundled SmolLM2. Raises ModelLoadError saying what is wrong."""
+    bundled SmolLM2; with `load_format` "dummy", a copy of its config and tokenizer with random weights (its weights
+    need not exist). Raises ModelLoadError saying what is wrong."""
     try:
-        config = ModelConfig.from_path(model or default_model_dir())
+        path = Path(model or default_model_dir())
+        if load_format == "dummy":
+            path = random_copy(gguf_card(path) if path.suffix == ".gguf" else path)
+        config = ModelConfig.from_path(path)
     except ConversionError as e:
         raise ModelLoadError(str(e)) from e
     check_checkpoint(config)  # (its tensors' names and shapes, from the headers: before any process starts)
@@ -81,11 +87,12 @@ def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) ->
     with torch.device("meta"):
         base = REGISTRY[model.architecture](model)
     modules, served = [], {*(http.served_model_name or [model.name, Path(model.path).name])}
+    within = check_dtype(lora.lora_dtype, engine.dtype, model.dtype)  # (the tables' range)
     for m in tqdm(lora.modules, desc="Checking LoRA adapters", unit="adapter", disable=len(lora.modules) < 8):
         if m.name in served:
             raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")
         try:
-            digest = check_adapter(m.path, base, lora.max_lora_rank)
+            digest = check_adapter(m.path, base, lora.max_lora_rank, within)
             modules.append(msgspec.structs.replace(m, digest=digest))
         except LoraError as e:
             raise ModelLoadError(f"--lora-modules {m.name}: {e}") from e
@@ -118,7 +125,7 @@ def build_processes(
         return pooling_processes(engine, http)
     if engine.pooler_config is not None:
         raise ModelLoadError("--pooler-config: the model is served for generation (--runner generate)")
-    model = model or resolve_model(engine.model)
+    model = model or resolve_model(engine.model, engine.load_format)
     if model.headless:
         raise ModelLoadError(
             f"{model.name} is a bare decoder (no LM head): it is served for pooling (--runner pooling)"
@@ -128,7 +135,7 @@ def build_processes(
     engine = msgspec.structs.replace(engine, model=str(model.path), lora=checked_loras(model, engine, http))
     spec = engine.speculative
     if spec is not None and spec.model is not None:  # a draft .gguf's card is made here too, before anything starts
-        draft = resolve_model(spec.model)
+        draft = resolve_model(spec.model, engine.load_format)
         if draft.vocab_size != model.vocab_size:
             raise ModelLoadError(
                 f"the draft model's vocabulary ({draft.vocab_size}) is not the model's ({model.vocab_size})"
@@ -152,14 +159,19 @@ def serves_pooling(engine: EngineConfig) -> bool:
     return engine.runner == "pooling" or (auto and (engine.pooler_config is not None or is_pooling_model(engine.model)))
 
 
-def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[ProcessSpec], PoolingNeed]:
-    """A pooling model's launch (actors/pooler: its engine takes the scheduler's name; no worker, no detokenizer)."""
-    model = pooling_config(engine.model, engine.pooler_config)
+def refuse_for_pooling(engine: EngineConfig) -> None:
+    """ModelLoadError naming the flags a pooling model is not served with."""
     refused = {"--data-parallel-size": engine.data_parallel_size > 1, "--tensor-parallel-size": engine.tensor_parallel_size > 1,
                "--enable-lora": engine.lora is not None, "--speculative-config": engine.speculative is not None,
-               "--quantization": engine.quantization is not None}  # fmt: skip
+               "--quantization": engine.quantization is not None, "--load-format dummy": engine.load_format == "dummy"}  # fmt: skip
     if flags := [flag for flag, given in refused.items() if given]:
-        raise ModelLoadError(f"{', '.join(flags)}: not served with a pooling model ({model.name})")
+        raise ModelLoadError(f"{', '.join(flags)}: not served with a pooling model ({engine.model})")
+
+
+def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[ProcessSpec], PoolingNeed]:
+    """A pooling model's launch (actors/pooler: its engine takes the scheduler's name; no worker, no detokenizer)."""
+    refuse_for_pooling(engine)
+    model = pooling_config(engine.model, engine.pooler_config)
     if engine.device not in ("auto", "cpu"):  # (auto: the CPU, on a CUDA machine too)
         raise ModelLoadError(f"a pooling model is served on CPU only, not --device {engine.device}")
     engine = msgspec.structs.replace(
@@ -182,7 +194,9 @@ def prepare(engine: EngineConfig, http: HttpConfig, memory_check: bool = True) -
     """`sluice serve`'s launch of `engine` behind `http` (its port chosen), checked, the model's name served where
     `http` names none: frontend/launch.py's Preflight's fields. Raises ModelLoadError or StartupError."""
     pooling = serves_pooling(engine)
-    model = pooling_config(engine.model) if pooling else resolve_model(engine.model)
+    if pooling:
+        refuse_for_pooling(engine)  # (before the model's pooling is read)
+    model = pooling_config(engine.model) if pooling else resolve_model(engine.model, engine.load_format)
     http = msgspec.structs.replace(http, served_model_name=http.served_model_name or [model.name])
     processes, need = pooling_processes(engine, http) if pooling else build_processes(engine, http, memory_check, model)
     return {"http": http, "processes": processes, "memory": need.explanation()}

@@ -252,6 +252,8 @@ async def test_a_small_request_overtakes_a_big_one_whose_client_then_goes_away(s
     for reason in "stop", "abort":  # (vLLM's request series count pooling requests too)
         key = ("sluice:request_success_total", (("finished_reason", reason),))
         assert counted[key] == first.get(key, 0) + 1, reason
+    gone = ("sluice:request_aborts_total", (("reason", "client"),))
+    assert counted[gone] == first.get(gone, 0) + 1
     latency = ("sluice:e2e_request_latency_seconds_count", ())
     assert counted[latency] == first[latency] + 1  # (the one that ran)
 

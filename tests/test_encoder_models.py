@@ -216,3 +216,18 @@ def test_mpnets_relative_buckets_are_hfs_past_its_max_distance():
     offsets = torch.arange(300)[None, :] - torch.arange(300)[:, None]
     ref = transformers.models.mpnet.modeling_mpnet.MPNetEncoder.relative_position_bucket(offsets)
     assert torch.equal(relative_buckets(300), ref)
+
+
+def test_a_pairs_segments_are_taken_for_a_model_without_them(tmp_path):
+    """MPNet's tokenizer gives a pair's second text segment 1, and MPNet has no segments (HF's takes none): the
+    pooler's check takes them, where a BERT of one segment refuses segment 1."""
+    from types import SimpleNamespace
+
+    from actors.pooler.actor import PoolerActor
+    from messages.pooling import PoolRequest
+
+    msg = PoolRequest(request_id="r", inputs=[[5, 6, 7]], token_type_ids=[[0, 1, 1]])
+    for family, refused in (("MPNet", False), ("Bert", True)):
+        tiny_bert(tmp_path / family, "ForSequenceClassification", family, **({"type_vocab_size": 1} if refused else {}))
+        pooler = SimpleNamespace(model_config=EncoderConfig.from_path(tmp_path / family), max_model_len=64)
+        assert (PoolerActor._invalid(pooler, msg) is not None) == refused, family

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu.loading.config import ModelConfig
-from gpu.loading.lora import LoraError, adapter_digest, check_adapter, read_adapter
+from gpu.loading.lora import LoraError, adapter_digest, check_adapter, check_dtype, read_adapter
 from gpu.models import REGISTRY
 from tests.lora_adapters import make_adapter
 
@@ -46,7 +46,7 @@ def test_the_images_are_pefts_tensors_laid_out(setup):
     "case, message",
     [("nan", r"self_attn.q_proj, .*: weights not finite"), ("shape", r"q_proj.lora_A is torch.float32 \(8, 5\)"),
      ("int", "q_proj.lora_B is torch.int32"), ("stray", "unexpected tensor extra"), ("changed", "changed since"),
-     ("truncated", f"unreadable {WEIGHTS}: .*do not fit")],
+     ("truncated", f"unreadable {WEIGHTS}: .*do not fit"), ("header", f"unreadable {WEIGHTS}: .*not a JSON object")],
 )  # fmt: skip
 @pytest.mark.parametrize("reader", ["check", "read"])
 def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message, reader):
@@ -68,6 +68,8 @@ def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message, reader
     if case == "truncated":  # (the header says more bytes than the file has)
         data = (adapter / WEIGHTS).read_bytes()
         (adapter / WEIGHTS).write_bytes(data[:-100])
+    elif case == "header":  # (valid JSON, not a table of tensors)
+        (adapter / WEIGHTS).write_bytes(len(b'"x"').to_bytes(8, "little") + b'"x"')
     if reader == "check" and case == "changed":  # (a check is of files not named yet: its digest is theirs)
         assert check_adapter(adapter, model, RANK) == adapter_digest(adapter) != digest
         return
@@ -77,3 +79,32 @@ def test_a_bad_adapter_is_refused_naming_the_tensor(setup, case, message, reader
         else:
             check_adapter(adapter, model, RANK)
     assert str(adapter) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "big, dtype, refused",
+    [(torch.tensor(1e5), torch.float16, True), (torch.tensor(1e5), torch.float32, False),
+     (torch.tensor(1e39, dtype=torch.float64), torch.float32, True), (torch.tensor(4e38, dtype=torch.float64), torch.bfloat16, True)],
+)  # fmt: skip
+def test_the_check_holds_an_adapter_to_its_tables_range(setup, big, dtype, refused):
+    """A weight finite in its file but not in the tables' format (float16's 65504; a float64's 1e39 as float32) is
+    refused by the launch's check as by the worker's read into those tables (their verdicts the same)."""
+    model, adapter = setup
+    tensors = load_file(adapter / WEIGHTS)
+    a = tensors[f"{Q}.lora_A.weight"].to(big.dtype)
+    a[2, 3] = big
+    tensors[f"{Q}.lora_A.weight"] = a
+    save_file(tensors, adapter / WEIGHTS)
+    for read in (lambda: check_adapter(adapter, model, RANK, dtype), lambda: read_adapter(adapter, model, RANK, dtype)):
+        if refused:
+            with pytest.raises(LoraError, match=f"self_attn.q_proj, .*: weights not finite \\(as {dtype}"):
+                read()
+        else:
+            read()
+
+
+def test_a_launch_checks_within_its_tables_narrowest_format():
+    assert check_dtype("float32", "auto", torch.float16) == torch.float32  # (named: the tables')
+    assert check_dtype("auto", "auto", torch.float16) == torch.float16  # (a float16 checkpoint's weights on CPU)
+    assert check_dtype("auto", "float16", torch.bfloat16) == torch.float16
+    assert check_dtype("auto", "auto", torch.float32) == torch.bfloat16  # (CUDA's default for any checkpoint)

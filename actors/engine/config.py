@@ -84,6 +84,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     quantization: Literal["q8_0", "q4_0", "q4_k"] | None = None  # weight-only, CPU float32 (gpu/layers/quant.py)
+    # "dummy" (vLLM's): random weights of the model's shape, its config and tokenizer the model's
+    # (gpu/loading/random_weights.py: the launch serves a copy of them in the cache)
+    load_format: Literal["auto", "dummy"] = "auto"
     # CPU linear layers: torch's F.linear or the native kernels (gpu/kernels/native: batch-invariant; --quantization
     # needs them); None: native where built (torch's with a warning otherwise)
     cpu_kernels: Literal["native", "torch"] | None = None

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
-from tqdm import tqdm
 
 from actors.engine.config import EngineConfig
 from actors.engine.grammar_masks import WorkerMasks
@@ -142,8 +141,7 @@ def make_runner(config: EngineConfig, model: ModelConfig, num_blocks: int | None
         max_lora_rank=lora.max_lora_rank if lora else 16,
         lora_dtype=lora.lora_dtype if lora else "auto",
     )
-    for digest, path in tqdm(start.items(), desc="Loading LoRA adapters", unit="adapter", disable=len(start) < 8):
-        runner.add_adapter(digest, path)
+    runner.add_adapters(start)
     return runner
 
 

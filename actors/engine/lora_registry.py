@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from gpu.loading.lora import LoraError, check_adapter
+from gpu.loading.lora import LoraError, check_adapter, check_dtype
 from gpu.models import REGISTRY
 from messages.lora import LoraRegistered, RegisterLora, UnregisterLora
 
@@ -65,9 +65,10 @@ class LoraRegistry:
         return self._meta_model
 
     def _check_adapter(self, path: str) -> str:
-        """Its digest, once read and checked (float32: the worker's read checks the served dtype's range too)."""
+        """Its digest, once read and checked (within the range of the tables' format: `check_dtype`)."""
         try:
-            return check_adapter(path, self.meta_model(), self.config.lora.max_lora_rank)
+            within = check_dtype(self.config.lora.lora_dtype, self.config.dtype, self.model.dtype)
+            return check_adapter(path, self.meta_model(), self.config.lora.max_lora_rank, within)
         except LoraError:
             raise
         except Exception as e:  # (anything else an adapter's files can raise: named, never the actor's)

@@ -129,11 +129,12 @@ class PoolerActor(Actor):
                 return f"an input has {len(ids)} tokens; 1 to max_model_len {self.max_model_len} are taken"
             if not all(0 <= t < c.vocab_size for t in ids):
                 return f"a token id is outside the vocabulary (0 .. {c.vocab_size - 1})"
-        types = msg.token_type_ids if isinstance(c, EncoderConfig) else None  # (a decoder has no segments)
+        # (a decoder has no segments, nor has MPNet: a pair's second text, segment 1 by its tokenizer, is ignored)
+        types = msg.token_type_ids if isinstance(c, EncoderConfig) and c.type_vocab_size else None
         if types is not None and (len(types) != len(msg.inputs) or any(
-                len(t) != len(ids) or not all(0 <= k < max(c.type_vocab_size, 1) for k in t)
+                len(t) != len(ids) or not all(0 <= k < c.type_vocab_size for k in t)
                 for t, ids in zip(types, msg.inputs, strict=False))):  # fmt: skip
-            return "token_type_ids must give each token of each input a segment the model has"  # (0 always)
+            return "token_type_ids must give each token of each input a segment the model has"
         if msg.dimensions is not None and msg.dimensions not in c.dimensions:
             return f"dimensions {msg.dimensions}: this model is not served for matryoshka dimensions"
         return None

@@ -19,6 +19,7 @@ from gpu.layers.moe import MoESpec
 from gpu.layers.rotary import ROPE_TYPES, RotaryEmbedding
 from gpu.loading.errors import ModelLoadError
 from gpu.loading.gguf_card import gguf_card
+from gpu.loading.random_weights import RANDOM
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,10 @@ class ModelConfig:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The weight files of a model directory: safetensors, sharded (model.safetensors.index.json) or not, or the GGUF
-    files its card names (gguf.json: gpu/loading/gguf_card.py)."""
+    """The weight files of a model directory: safetensors, sharded (model.safetensors.index.json) or not, the GGUF
+    files its card names (gguf.json: gpu/loading/gguf_card.py), or random weights' marker (gpu/loading/random_weights.py)."""
+    if (path / RANDOM).is_file():
+        return [path / RANDOM]
     card = _read_json(path / "gguf.json", required=False)
     if card is not None:
         files = [Path(f) for f in card.get("files", [])]

@@ -18,6 +18,7 @@ from pathlib import Path
 from gpu.kernels.reference import ACTIVATIONS
 from gpu.loading.config import ModelConfig, weight_files
 from gpu.loading.errors import ModelLoadError
+from gpu.loading.random_weights import RANDOM
 
 # config.json's `architectures`: the encoder is what is served, whatever head the file names (its tensors skipped)
 ENCODERS = tuple(f"{family}{head}" for family in ("Bert", "Roberta", "XLMRoberta", "MPNet")
@@ -90,7 +91,8 @@ class EncoderConfig:
             raise ModelLoadError(f"{path}: architecture {arch!r} is not an encoder served here ({', '.join(ENCODERS)})")
         if raw.get("position_embedding_type", "absolute") != "absolute":
             raise ModelLoadError(f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not served")
-        weight_files(path)  # (raises when weights are missing)
+        if weight_files(path)[0].name == RANDOM:  # (raises when weights are missing)
+            raise ModelLoadError(f"{path}: random weights (--load-format dummy) are served for decoder models only")
         positions = int(raw.get("max_position_embeddings", 512))
         mpnet = raw.get("model_type") == "mpnet"
         pad = int(raw.get("pad_token_id", 1)) if raw.get("model_type") in PAD_POSITIONS else None

@@ -41,7 +41,6 @@ from typing import NamedTuple
 import torch
 
 from gpu.layers.linear import Linear
-from gpu.loading.errors import ModelLoadError
 from gpu.loading.mapped import Safetensors
 from gpu.loading.weights import shards_of
 from gpu.models import REGISTRY
@@ -132,10 +131,20 @@ def read_adapter(
     return _read(path, digest, lambda found: _slot_layout(found, rank, dtype), model, rank)
 
 
-def check_adapter(path: str | Path, model: torch.nn.Module, rank: int) -> str:
-    """The adapter's digest once every check of `read_adapter` passed, finiteness as float32 tables hold it (the
-    worker's read checks the served dtype's), without laying out its images: the launcher's and a registration's."""
-    return _read(path, None, _check_scaled, model, rank)[0]
+def check_adapter(path: str | Path, model: torch.nn.Module, rank: int, dtype: torch.dtype = torch.float32) -> str:
+    """The adapter's digest once every check of `read_adapter` for tables in `dtype` passed (`check_dtype`), without
+    laying out its images: the launcher's and a registration's."""
+    return _read(path, None, lambda found: _check_scaled(found, dtype), model, rank)[0]
+
+
+def check_dtype(lora_dtype: str, dtype: str, checkpoint: torch.dtype) -> torch.dtype:
+    """The range a launch's checks hold adapters to: the tables' format (`lora_dtype`: --lora-dtype), or for "auto"
+    the narrowest the base's weights may be served in (`dtype`: --dtype; `checkpoint`: the model's): float16's, else
+    bfloat16's (float32's range but its last sliver, above 3.39e38)."""
+    if lora_dtype != "auto":
+        return getattr(torch, lora_dtype)
+    served = checkpoint if dtype == "auto" else getattr(torch, dtype, None)
+    return torch.float16 if served == torch.float16 else torch.bfloat16
 
 
 class _Pairs(NamedTuple):
@@ -169,7 +178,7 @@ def _pairs(path: Path, contents: dict[str, bytes], model, rank: int) -> _Pairs:
     try:
         weights = Safetensors(path / WEIGHTS, contents[WEIGHTS])  # (views of the bytes read: no copy)
         tensors = {key: weights.tensor(key) for key in weights.header}
-    except ModelLoadError as e:  # (a truncated or corrupt file, a header that does not fit it)
+    except Exception as e:  # (a truncated or corrupt file, a header that does not fit it: named, never a crash)
         raise LoraError(f"LoRA adapter {path}: unreadable {WEIGHTS}: {e}") from e
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -225,12 +234,17 @@ def _slot_layout(found: _Pairs, rank: int, dtype: torch.dtype) -> dict[str, Slot
     return images
 
 
-def _check_scaled(found: _Pairs) -> None:
-    """Every A and scaled B finite in float32 (scaling is monotonic: B's least and greatest, scaled, are the ends)."""
+def _check_scaled(found: _Pairs, dtype: torch.dtype) -> None:
+    """Every A and scaled B finite as `dtype` holds it, as `_slot_layout` lays them out: scaling (in float32) and
+    rounding are monotonic, so each tensor's least and greatest, so treated, are its ends."""
+
+    def ends(t: torch.Tensor) -> torch.Tensor:  # (float8 has no aminmax: widened first, exactly)
+        return torch.stack((t.float() if t.dtype.itemsize == 1 else t).aminmax())
+
     bad = {name for name, _, a, b in found.writes
-           if not (_finite(a) and _finite(torch.stack(b.float().aminmax()) * found.scale))}  # fmt: skip
+           if not (_finite(ends(a).to(dtype)) and _finite((ends(b).float() * found.scale).to(dtype)))}  # fmt: skip
     if bad:
-        _refuse_not_finite(found, bad, torch.float32)
+        _refuse_not_finite(found, bad, dtype)
 
 
 def _refuse_not_finite(found: _Pairs, layers: set[str], dtype: torch.dtype) -> None:

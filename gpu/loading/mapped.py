@@ -24,6 +24,7 @@ from gpu.loading.errors import ModelLoadError
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
 MAX_HEADER = 100 << 20  # (safetensors' own bound)
 
@@ -42,9 +43,13 @@ class Safetensors:
             if not 0 < length <= min(MAX_HEADER, len(self.map) - 8):
                 raise ValueError(f"a header of {length} bytes")
             header = json.loads(self.map[8 : 8 + length])
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
             header.pop("__metadata__", None)
             end = len(self.map) - 8 - length
             for name, t in header.items():
+                if not all(isinstance(d, int) and d >= 0 for d in t["shape"]):
+                    raise ValueError(f"{name}'s shape {t['shape']} is not one of sizes")
                 begin, stop = t["data_offsets"]
                 size = DTYPES[t["dtype"]].itemsize * int(torch.Size(t["shape"]).numel())
                 if not 0 <= begin <= stop <= end or stop - begin != size:

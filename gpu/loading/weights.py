@@ -35,6 +35,7 @@ from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
 from gpu.loading.gguf_card import LONGROPE_FACTORS
 from gpu.loading.gguf_file import GGUFFile
 from gpu.loading.mapped import MappedFile
+from gpu.loading.random_weights import RANDOM, RandomWeights, checkpoint_shapes
 from gpu.models import REGISTRY
 from gpu.models.decoder import CausalLM
 
@@ -74,11 +75,15 @@ def shards_of(model: torch.nn.Module) -> dict[str, tuple[Shard, ...]]:
 ROPE_FREQS = "rope_freqs.weight"  # (a GGUF's Llama 3.x rotary factors: not a parameter; nor longrope's, in the card)
 
 
-def open_weights(config: ModelConfig, wanted: set[str]) -> list[MappedFile | GGUFFile]:
-    """The checkpoint's files read in place: safetensors, or a GGUF card's files (named as `wanted` names them)."""
+def open_weights(config: ModelConfig, wanted: dict[str, tuple], device=None) -> list[MappedFile | GGUFFile]:
+    """The checkpoint's files read in place: safetensors, a GGUF card's files (named as `wanted` names them), or
+    random weights of `wanted`'s shapes, drawn on `device`."""
     opened: list[MappedFile | GGUFFile] = []
     for file in weight_files(config.path):
-        if file.suffix != ".gguf":
+        if file.name == RANDOM:  # (its names a checkpoint's: a headless one's without "model.")
+            names = {n.removeprefix("model.") if config.headless else n: s for n, s in wanted.items()}
+            opened.append(RandomWeights(file, names, device))
+        elif file.suffix != ".gguf":
             opened.append(MappedFile(file))
         else:  # (a split model's later parts take the first's metadata)
             opened.append(GGUFFile(file, wanted, opened[0].meta if opened else None))
@@ -86,11 +91,10 @@ def open_weights(config: ModelConfig, wanted: set[str]) -> list[MappedFile | GGU
 
 
 def checkpoint_plan(
-    config: ModelConfig, params: dict[str, torch.Tensor], shards: dict[str, tuple[Shard, ...]]
+    config: ModelConfig, params: dict[str, torch.Tensor], shards: dict[str, tuple[Shard, ...]], device=None
 ) -> list[Load]:
     family, plan, loaded = REGISTRY[config.architecture], [], set()
-    wanted = {n for name in params for n in family.checkpoint_names(name, len(shards.get(name, (None,))))}
-    for f in open_weights(config, wanted):
+    for f in open_weights(config, checkpoint_shapes(family, params, shards), device):
         for name in f.header:
             if (
                 name.endswith("rotary_emb.inv_freq")
@@ -174,7 +178,7 @@ def load_model(
         model = REGISTRY[config.architecture](config)
     model.requires_grad_(False).eval()
     shards = shards_of(model)
-    plan = checkpoint_plan(config, dict(model.named_parameters()), shards)  # (on meta: names and shapes)
+    plan = checkpoint_plan(config, dict(model.named_parameters()), shards, device)  # (on meta: names and shapes)
     into = BLOCK_QUANTIZATIONS.get(quantization, ())
     layers = hold_weights(model, plan, ops, weights, dtype, into) if panels else {}
     materialize(model, dtype, device)

@@ -5,11 +5,16 @@ a layer got its first tables (the loop holds them)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from tqdm import tqdm
 
 from gpu.kernels import native
-from gpu.loading.lora import read_adapter
+from gpu.loading.lora import LoraError, read_adapter
 from gpu.runner.native_loop import native_loop
+
+log = logging.getLogger("sluice.worker")
 
 
 def lora_kernels(native_weights: bool, runner):
@@ -25,6 +30,18 @@ def lora_kernels(native_weights: bool, runner):
 
 
 class RunnerAdapters:
+    def add_adapters(self, adapters: dict[str, str]) -> None:
+        """Hold the adapters a runner starts with (digest -> directory). One that cannot be served (its files changed
+        since the launch checked them) is logged and left out: the worker's read of it reports it at the first step
+        that wants it (actors/engine/worker_loras.py), and its requests fail alone."""
+        for digest, path in tqdm(
+            adapters.items(), desc="Loading LoRA adapters", unit="adapter", disable=len(adapters) < 8
+        ):
+            try:
+                self.add_adapter(digest, path)
+            except LoraError as e:
+                log.error("LoRA adapter %s not held at start: %s", digest, e)
+
     def add_adapter(self, digest: str, path: str) -> None:
         """Hold the LoRA adapter at `path` (a PEFT directory, whose files hash to `digest`) in a free slot: LoraError
         if it cannot be served (gpu/loading/lora.py)."""
