@@ -2,7 +2,7 @@
 markdown report (docs/GPU.md says how to set up a machine without network access).
 
     python scripts/gpu_check.py --out DIR [--bundle .gpu] [--only PART ...] [--skip PART ...] [--serve SETTING ...]
-                                [--model DIR]
+                                [--model DIR] [--quick]
 
 --bundle: what scripts/gpu_bundle.sh packed; where the converted SmolLM2 is not in the cache (a machine without
 network), random weights of its shape are built from the bundle's config and tokenizer, and every part (the tests'
@@ -12,10 +12,12 @@ Parts, each a subprocess with its own time limit (a part that fails or runs out 
 by default in this order, the timings first: env (card, driver, versions), step (scripts/bench_step.py: step time
 eager and with graphs at batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the
 same run), serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the
-concurrency: async at concurrency 1/16/64; sync, the process worker and the process worker sync at 64; --serve picks
+concurrency: async at concurrency 1/16/64/256; sync, the process worker and the process worker sync at 64; --serve picks
 settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
 launch budget, graphs, the engine on the triton backend; then every other `cuda`-marked test), spec
-(scripts/bench_spec.py, n-gram). --only runs the parts named, in the order given.
+(scripts/bench_spec.py, n-gram), big (Llama-3.1-8B's shape with random bf16 weights drawn on the card,
+--load-format dummy: its step at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and 64).
+--only runs the parts named, in the order given; --quick runs env, step, serving (its default setting) and big.
 DIR gets three files (a GPU machine returns at most 8): report.md (the tables), gpu_check.log (every part's output,
 in order) and results.json (every benchmark's JSON); the report is printed last, with a line per part.
 """
@@ -39,7 +41,7 @@ PY = sys.executable
 GPU_PATH_TESTS = ["tests/test_graphs.py", "tests/test_launch_budget.py", "tests/test_attention_backends.py"]
 GPU_PATH_TESTS += ["tests/test_triton_engine.py", "tests/test_memory.py", "tests/test_cuda.py"]
 SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
-    ("async", [], [1, 16, 64]),
+    ("async", [], [1, 16, 64, 256]),
     ("sync", ["--no-async-scheduling"], [64]),
     ("process-worker", ["--worker", "process"], [64]),
     ("process-sync", ["--worker", "process", "--no-async-scheduling"], [64]),
@@ -111,10 +113,15 @@ def free_port() -> int:
 
 
 def part_serving(out: Path, model: str, settings: list[str]) -> list[str]:
+    return serve_rows(out, model, [r for r in SERVE_RUNS if r[0] in settings])
+
+
+def serve_rows(out: Path, model: str, runs: list[tuple[str, list[str], list[int]]]) -> list[str]:
+    """A server per run (label, its flags, the concurrencies measured), bench_serving against it: the table."""
     lines = ["| setting | concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms |"]
     lines.append("|---|---:|---:|---:|---:|---:|")
     log = out / "serving.log"
-    for label, flags, concurrencies in [r for r in SERVE_RUNS if r[0] in settings]:
+    for label, flags, concurrencies in runs:
         port = free_port()
         serve = [PY, "-m", "frontend.cli", "serve", *([model] if model else []), "--port", str(port), *flags]
         with log.open("a") as sink:
@@ -173,6 +180,39 @@ def part_spec(out: Path, model: str) -> list[str]:
     return [f"- bench_spec ({secs:.0f} s, exit {rc}): table in spec.log"]
 
 
+# Llama-3.1-8B's shape (SmolLM2's vocabulary, whose tokenizer the machine has: 49,152 rows, not 128,256), bf16
+BIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 49152,
+       "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+       "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+
+
+def part_big(out: Path, model: str) -> list[str]:
+    """The 8B-class shape with random weights drawn on the card (--load-format dummy: no checkpoint file): its step
+    at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and 64."""
+    from gpu.loading.convert import DEFAULT_MODEL_NAME, cache_dir
+    from gpu.loading.random_weights import random_copy
+
+    big = out / "llama-8b-shape"
+    big.mkdir(exist_ok=True)
+    (big / "config.json").write_text(json.dumps(BIG))
+    tokenizer = Path(model) if model else cache_dir() / "models" / DEFAULT_MODEL_NAME
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer / name).is_file():
+            (big / name).write_bytes((tokenizer / name).read_bytes())
+    drawn = str(random_copy(big))
+    data = out / "big-step.json"
+    cmd = [PY, "scripts/bench_step.py", "--model", drawn, "--no-hf", "--batches", "1", "64", "--json", str(data)]
+    rc, secs = run(cmd, out / "big.log", 240)
+    if not data.exists():
+        return [f"- bench_step on the 8B shape failed ({rc}, {secs:.0f} s): see big.log"]
+    r = json.loads(data.read_text())
+    lines = [f"- 8B shape (random bf16): weight-read floor {r['floor_ms']:.2f} ms/step (c1 TPOT target <= 1.3x)", ""]
+    lines += ["| mode | batch | ms/step | / floor |", "|---|---:|---:|---:|"]
+    lines += [f"| {x['mode']} | {x['batch']} | {x['ms']:.2f} | {x['ms'] / r['floor_ms']:.2f} |" for x in r["results"]]
+    return [*lines, "", *serve_rows(out, drawn, [("8B shape", ["--max-model-len", "2048"], [1, 64])])]
+
+
 def prepare_model(bundle: Path) -> str:
     """The default model's directory in the cache, built from the bundle with random weights where it is missing."""
     import shutil
@@ -197,7 +237,8 @@ def prepare_model(bundle: Path) -> str:
 
 
 PARTS = {"env": part_env, "step": part_step, "serving": part_serving, "sampler": part_sampler}
-PARTS |= {"tests": part_tests, "spec": part_spec}
+PARTS |= {"tests": part_tests, "spec": part_spec, "big": part_big}
+QUICK = ["env", "step", "serving", "big"]  # (--quick: these, serving at its default settings only)
 
 
 def gather(work: Path, out: Path) -> None:
@@ -222,7 +263,10 @@ def main() -> None:
     ap.add_argument("--model", default="", help="an HF-style directory (default: the bundled SmolLM2)")
     ap.add_argument("--bundle", type=Path, default=None, help="scripts/gpu_bundle.sh's directory (.gpu)")
     ap.add_argument("--commit", default="", help="the commit checked (a copied tree may have no .git)")
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, serving with the defaults only")
     args = ap.parse_args()
+    if args.quick:
+        args.only, args.serve = [p for p in args.only if p in QUICK], ["async"]
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sluice-gpu-check-"))  # each part's files, gathered into --out
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
