@@ -23,13 +23,12 @@ from actors.engine.config import EngineConfig, LoraConfig
 from actors.graph import engine_processes
 from actors.runtime import ActorSpec, ProcessSpec, StartupError
 from frontend.http_base import HttpConfig
-from frontend.memory_check import MemoryNeed, check_memory, memory_need
+from frontend.memory_check import MemoryNeed, check_memory, memory_need, served_dtypes
 from gpu.loading.config import ModelConfig, ModelLoadError, weight_files
 from gpu.loading.convert import ConversionError, default_model_dir
 from gpu.loading.encoder_config import is_pooling_model, pooling_config
-from gpu.loading.gguf_card import gguf_card
-from gpu.loading.lora import LoraError, check_adapter, check_dtype
-from gpu.loading.random_weights import random_copy
+from gpu.loading.lora import LoraError, check_adapter, lora_tables
+from gpu.loading.random_weights import served_dir
 from gpu.loading.weights import check_checkpoint, check_quantization
 from gpu.models import REGISTRY
 from gpu.runner.model_runner import resolve_device
@@ -51,10 +50,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelConfig:
     bundled SmolLM2; with `load_format` "dummy", a copy of its config and tokenizer with random weights (its weights
     need not exist). Raises ModelLoadError saying what is wrong."""
     try:
-        path = Path(model or default_model_dir())
-        if load_format == "dummy":
-            path = random_copy(gguf_card(path) if path.suffix == ".gguf" else path)
-        config = ModelConfig.from_path(path)
+        config = ModelConfig.from_path(served_dir(Path(model or default_model_dir()), load_format))
     except ConversionError as e:
         raise ModelLoadError(str(e)) from e
     check_checkpoint(config)  # (its tensors' names and shapes, from the headers: before any process starts)
@@ -87,16 +83,16 @@ def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) ->
     with torch.device("meta"):
         base = REGISTRY[model.architecture](model)
     modules, served = [], {*(http.served_model_name or [model.name, Path(model.path).name])}
-    within = check_dtype(lora.lora_dtype, engine.dtype, model.dtype)  # (the tables' range)
+    tables = lora_tables(lora.lora_dtype, served_dtypes(model, engine, engine.dtype)[1])  # (fixed for every process)
     for m in tqdm(lora.modules, desc="Checking LoRA adapters", unit="adapter", disable=len(lora.modules) < 8):
         if m.name in served:
             raise ModelLoadError(f"--lora-modules: {m.name!r} is the served model's name")
         try:
-            digest = check_adapter(m.path, base, lora.max_lora_rank, within)
+            digest = check_adapter(m.path, base, lora.max_lora_rank, tables)
             modules.append(msgspec.structs.replace(m, digest=digest))
         except LoraError as e:
             raise ModelLoadError(f"--lora-modules {m.name}: {e}") from e
-    return msgspec.structs.replace(lora, modules=modules)
+    return msgspec.structs.replace(lora, modules=modules, lora_dtype=str(tables).removeprefix("torch."))
 
 
 def check_gang(model: ModelConfig, engine: EngineConfig) -> list[str] | None:

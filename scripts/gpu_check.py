@@ -187,7 +187,7 @@ BIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_siz
        "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
 
 
-def part_big(out: Path, model: str) -> list[str]:
+def part_big(out: Path, _: str) -> list[str]:
     """The 8B-class shape with random weights drawn on the card (--load-format dummy: no checkpoint file): its step
     at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and 64."""
     from gpu.loading.convert import DEFAULT_MODEL_NAME, cache_dir
@@ -196,7 +196,7 @@ def part_big(out: Path, model: str) -> list[str]:
     big = out / "llama-8b-shape"
     big.mkdir(exist_ok=True)
     (big / "config.json").write_text(json.dumps(BIG))
-    tokenizer = Path(model) if model else cache_dir() / "models" / DEFAULT_MODEL_NAME
+    tokenizer = cache_dir() / "models" / DEFAULT_MODEL_NAME  # (its vocabulary BIG's, whatever --model is)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer / name).is_file():
             (big / name).write_bytes((tokenizer / name).read_bytes())

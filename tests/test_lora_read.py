@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu.loading.config import ModelConfig
-from gpu.loading.lora import LoraError, adapter_digest, check_adapter, check_dtype, read_adapter
+from gpu.loading.lora import LoraError, adapter_digest, check_adapter, lora_tables, read_adapter
 from gpu.models import REGISTRY
 from tests.lora_adapters import make_adapter
 
@@ -103,8 +103,6 @@ def test_the_check_holds_an_adapter_to_its_tables_range(setup, big, dtype, refus
             read()
 
 
-def test_a_launch_checks_within_its_tables_narrowest_format():
-    assert check_dtype("float32", "auto", torch.float16) == torch.float32  # (named: the tables')
-    assert check_dtype("auto", "auto", torch.float16) == torch.float16  # (a float16 checkpoint's weights on CPU)
-    assert check_dtype("auto", "float16", torch.bfloat16) == torch.float16
-    assert check_dtype("auto", "auto", torch.float32) == torch.bfloat16  # (CUDA's default for any checkpoint)
+def test_the_tables_format_is_the_flags_or_the_weights():
+    assert lora_tables("float32", torch.float16) == torch.float32  # (named)
+    assert lora_tables("auto", torch.bfloat16) == torch.bfloat16  # (a 16-bit checkpoint's weights on CPU)

@@ -1,6 +1,6 @@
 """Random weights (`--load-format dummy`, gpu/loading/random_weights.py): a tiny Llama's config and tokenizer, its
 weights absent, served with weights drawn as HF initialises them (checked against HF's own init: matrices N(0, 0.02),
-norms 1), the same for the same seed and not for another; the launch serves the copy under the model's name; an
+norms 1), the same for the same seed and not for another; an MoE's and Gemma's too; the launch serves the copy under the model's name; an
 encoder or a pooling launch is refused by name."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def config_only(family_dir_of, tmp_path, monkeypatch):
 
 
 def load(model_dir, seed: int = 0) -> ModelRunner:
-    copy = random_copy(model_dir)
+    copy = random_copy(model_dir)  # (its config and tokenizer; the source's weights, if any, not read)
     (copy / RANDOM).write_text(json.dumps({"seed": seed}))
     return ModelRunner(ModelConfig.from_path(copy), device="cpu", dtype=torch.float32, num_blocks=32,
                        block_size=BLOCK, num_threads=1)  # fmt: skip
@@ -57,6 +57,16 @@ def test_random_weights_are_drawn_as_hf_initialises_them_and_served(config_only)
     assert all(torch.equal(a, b) for a, b in zip(first, greedy_logits(load(config_only)), strict=True))  # (seed 0)
     other = greedy_logits(load(config_only, seed=1))
     assert not torch.equal(first[0], other[0])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma2"])
+def test_other_families_are_drawn_and_served(family_dir_of, tmp_path, monkeypatch, family):
+    """An MoE's stacks of experts drawn whole at their shape; Gemma's norms (which scale by 1 + w) drawn 0, as HF's."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    runner = load(family_dir_of(family))
+    norm = runner.model.model.norm.weight
+    assert torch.equal(norm, torch.full_like(norm, 0.0 if family == "gemma2" else 1.0))
+    assert all(t.isfinite().all() for t in greedy_logits(runner))
 
 
 def test_the_launch_serves_the_random_copy_under_the_models_name(config_only):

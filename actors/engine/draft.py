@@ -13,6 +13,7 @@ longest common prefix with the request's tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.request import EngineRequest
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.loading.config import ModelConfig
+from gpu.loading.random_weights import served_dir
 from gpu.runner.model_runner import ModelRunner
 from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
 from gpu.sampling.spec import row_uniforms
@@ -43,7 +45,7 @@ class _DraftKV:
 class DraftProposer:
     def __init__(self, config: EngineConfig, target: ModelConfig, num_blocks: int):
         spec = config.speculative
-        self.model = ModelConfig.from_path(spec.model)
+        self.model = ModelConfig.from_path(served_dir(Path(spec.model), config.load_format))
         if self.model.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.model.vocab_size}) is not the target's")
         self.k = spec.num_speculative_tokens

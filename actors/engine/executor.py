@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import torch
@@ -22,6 +23,7 @@ from gpu.distributed.group import TensorParallel, current
 from gpu.kernels import native
 from gpu.layers.parallel import local_config
 from gpu.loading.config import ModelConfig
+from gpu.loading.random_weights import served_dir
 from gpu.runner.model_runner import ModelRunner, native_cpu_weights, resolve_device, resolve_dtypes
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow, to_device
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
@@ -94,7 +96,9 @@ def guide(batch: BatchSpec, logits: torch.Tensor) -> tuple[torch.Tensor, list[tu
 
 def draft_configs(config: EngineConfig) -> list[ModelConfig]:
     spec = config.speculative
-    return [ModelConfig.from_path(spec.model)] if spec is not None and spec.method == "draft_model" else []
+    if spec is None or spec.method != "draft_model":
+        return []
+    return [ModelConfig.from_path(served_dir(Path(spec.model), config.load_format))]
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from gpu.loading.lora import LoraError, check_adapter, check_dtype
+from gpu.loading.lora import LoraError, check_adapter, lora_tables
 from gpu.models import REGISTRY
 from messages.lora import LoraRegistered, RegisterLora, UnregisterLora
 
@@ -65,10 +65,12 @@ class LoraRegistry:
         return self._meta_model
 
     def _check_adapter(self, path: str) -> str:
-        """Its digest, once read and checked (within the range of the tables' format: `check_dtype`)."""
+        """Its digest, once read and checked (within the range of the tables' format)."""
         try:
-            within = check_dtype(self.config.lora.lora_dtype, self.config.dtype, self.model.dtype)
-            return check_adapter(path, self.meta_model(), self.config.lora.max_lora_rank, within)
+            lora = self.config.lora  # (its lora_dtype named by the launch: frontend/preflight.py checked_loras)
+            return check_adapter(
+                path, self.meta_model(), lora.max_lora_rank, lora_tables(lora.lora_dtype, torch.float32)
+            )
         except LoraError:
             raise
         except Exception as e:  # (anything else an adapter's files can raise: named, never the actor's)

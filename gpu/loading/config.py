@@ -8,7 +8,6 @@ names what is missing before any process starts.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from gpu.kernels.reference import ACTIVATIONS
 from gpu.layers.moe import MoESpec
 from gpu.layers.rotary import ROPE_TYPES, RotaryEmbedding
 from gpu.loading.errors import ModelLoadError
-from gpu.loading.gguf_card import gguf_card
+from gpu.loading.gguf_card import gguf_card, gguf_model_name
 from gpu.loading.random_weights import RANDOM
 
 
@@ -75,7 +74,7 @@ class ModelConfig:
         if not path.is_dir():
             raise ModelLoadError(f"model directory not found: {path}")
         card = _read_json(path / "gguf.json", required=False)  # (a card, as the engine processes are given it)
-        gguf_name = re.sub(r"-\d{5}-of-\d{5}$", "", Path(card["files"][0]).stem) if card else None
+        gguf_name = gguf_model_name(card["files"][0]) if card else None
         raw = _read_json(path / "config.json", required=True)
         _require(path, "tokenizer.json")
         weight_files(path)  # raises when weights are missing

@@ -46,6 +46,11 @@ def parts_of(path: Path) -> list[Path]:
     return parts
 
 
+def gguf_model_name(file: str | Path) -> str:
+    """The model a GGUF file holds, by name: its stem, a split file's without `-0000N-of-0000M`."""
+    return re.sub(r"-\d{5}-of-\d{5}$", "", Path(file).stem)
+
+
 def gguf_card(path: str | Path) -> Path:
     """The card directory of a .gguf, made on first use."""
     path = Path(path).expanduser().resolve()

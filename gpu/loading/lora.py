@@ -132,19 +132,15 @@ def read_adapter(
 
 
 def check_adapter(path: str | Path, model: torch.nn.Module, rank: int, dtype: torch.dtype = torch.float32) -> str:
-    """The adapter's digest once every check of `read_adapter` for tables in `dtype` passed (`check_dtype`), without
-    laying out its images: the launcher's and a registration's."""
+    """The adapter's digest once every check of `read_adapter` for tables in `dtype` passed, without laying out its
+    images: the launcher's and a registration's."""
     return _read(path, None, lambda found: _check_scaled(found, dtype), model, rank)[0]
 
 
-def check_dtype(lora_dtype: str, dtype: str, checkpoint: torch.dtype) -> torch.dtype:
-    """The range a launch's checks hold adapters to: the tables' format (`lora_dtype`: --lora-dtype), or for "auto"
-    the narrowest the base's weights may be served in (`dtype`: --dtype; `checkpoint`: the model's): float16's, else
-    bfloat16's (float32's range but its last sliver, above 3.39e38)."""
-    if lora_dtype != "auto":
-        return getattr(torch, lora_dtype)
-    served = checkpoint if dtype == "auto" else getattr(torch, dtype, None)
-    return torch.float16 if served == torch.float16 else torch.bfloat16
+def lora_tables(lora_dtype: str, weights: torch.dtype) -> torch.dtype:
+    """The LoRA slot tables' format: --lora-dtype's, or for "auto" the base's weights' (`weights`: as the runner
+    serves them; a launch fixes it for every process: frontend/preflight.py checked_loras)."""
+    return weights if lora_dtype == "auto" else getattr(torch, lora_dtype)
 
 
 class _Pairs(NamedTuple):

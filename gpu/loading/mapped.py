@@ -48,9 +48,9 @@ class Safetensors:
             header.pop("__metadata__", None)
             end = len(self.map) - 8 - length
             for name, t in header.items():
-                if not all(isinstance(d, int) and d >= 0 for d in t["shape"]):
-                    raise ValueError(f"{name}'s shape {t['shape']} is not one of sizes")
                 begin, stop = t["data_offsets"]
+                if not all(type(d) is int and d >= 0 for d in (*t["shape"], begin, stop)):  # (no bool, no float)
+                    raise ValueError(f"{name}'s shape {t['shape']} or offsets are not sizes")
                 size = DTYPES[t["dtype"]].itemsize * int(torch.Size(t["shape"]).numel())
                 if not 0 <= begin <= stop <= end or stop - begin != size:
                     raise ValueError(f"{name}'s bytes {begin}..{stop} do not fit its shape or the file")

@@ -59,6 +59,9 @@ def check_checkpoint(config: ModelConfig, tensor_parallel_size: int = 1):
 
 def check_quantization(config: ModelConfig, quantization: Quantization | None) -> None:
     """Raise ModelLoadError where `quantization` cannot apply: a GGUF is served in its own types."""
+    if quantization and config.moe is not None and weight_files(config.path)[0].name == RANDOM:
+        raise ModelLoadError(f"--quantization {quantization}: an MoE model's random weights (--load-format dummy) are"
+                             " drawn in whole stacks of experts, which are not quantized as they load")  # fmt: skip
     if quantization and config.gguf_name:
         raise ModelLoadError(
             f"--quantization {quantization} quantizes an HF checkpoint's float weights; {config.name} is a GGUF, "
@@ -82,7 +85,7 @@ def open_weights(config: ModelConfig, wanted: dict[str, tuple], device=None) -> 
     for file in weight_files(config.path):
         if file.name == RANDOM:  # (its names a checkpoint's: a headless one's without "model.")
             names = {n.removeprefix("model.") if config.headless else n: s for n, s in wanted.items()}
-            opened.append(RandomWeights(file, names, device))
+            opened.append(RandomWeights(file, names, device, 1 - REGISTRY[config.architecture].norm_offset))
         elif file.suffix != ".gguf":
             opened.append(MappedFile(file))
         else:  # (a split model's later parts take the first's metadata)
@@ -94,7 +97,8 @@ def checkpoint_plan(
     config: ModelConfig, params: dict[str, torch.Tensor], shards: dict[str, tuple[Shard, ...]], device=None
 ) -> list[Load]:
     family, plan, loaded = REGISTRY[config.architecture], [], set()
-    for f in open_weights(config, checkpoint_shapes(family, params, shards), device):
+    stacks = {name: parts_of(shards, name, None) for name in shards}  # (a whole stack of experts: one dim further in)
+    for f in open_weights(config, checkpoint_shapes(family, params, stacks), device):
         for name in f.header:
             if (
                 name.endswith("rotary_emb.inv_freq")

@@ -10,6 +10,7 @@ import logging
 import torch
 from tqdm import tqdm
 
+from gpu.distributed.group import current
 from gpu.kernels import native
 from gpu.loading.lora import LoraError, read_adapter
 from gpu.runner.native_loop import native_loop
@@ -33,13 +34,16 @@ class RunnerAdapters:
     def add_adapters(self, adapters: dict[str, str]) -> None:
         """Hold the adapters a runner starts with (digest -> directory). One that cannot be served (its files changed
         since the launch checked them) is logged and left out: the worker's read of it reports it at the first step
-        that wants it (actors/engine/worker_loras.py), and its requests fail alone."""
+        that wants it (actors/engine/worker_loras.py), and its requests fail alone. A gang's rank raises instead: its
+        ranks must hold the same adapters (a follower loads none later)."""
         for digest, path in tqdm(
             adapters.items(), desc="Loading LoRA adapters", unit="adapter", disable=len(adapters) < 8
         ):
             try:
                 self.add_adapter(digest, path)
             except LoraError as e:
+                if current().size > 1:
+                    raise
                 log.error("LoRA adapter %s not held at start: %s", digest, e)
 
     def add_adapter(self, digest: str, path: str) -> None:

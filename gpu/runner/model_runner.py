@@ -26,7 +26,7 @@ from gpu.layers.lora import LoraSlots
 from gpu.layers.parallel import local_config
 from gpu.layers.quant import Quantization, check_invariant
 from gpu.loading.config import ModelConfig
-from gpu.loading.lora import targetable
+from gpu.loading.lora import lora_tables, targetable
 from gpu.loading.weights import load_model
 from gpu.runner.adapters import RunnerAdapters, lora_kernels
 from gpu.runner.graphs import DecodeGraphs, GraphMode, capture_sizes
@@ -145,7 +145,7 @@ class ModelRunner(RunnerAdapters):
         )
         if batch_invariant:
             check_invariant(self.model)
-        tables = weight_dtype if lora_dtype == "auto" else getattr(torch, lora_dtype)  # (LoraConfig.lora_dtype)
+        tables = lora_tables(lora_dtype, weight_dtype)
         self.lora = LoraSlots(lora_slots, max_lora_rank, tables, self.device, lora_kernels(native_weights, self))
         if lora_slots and self.device.type == "cuda":  # (counted by the memory plan, captured in place by graphs)
             self.lora.reserve(self.model, targetable(self.model))
