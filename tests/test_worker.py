@@ -135,11 +135,11 @@ def test_a_suspect_runs_in_steps_of_its_own_until_it_samples():
 
 
 def test_the_progress_counter_moves_inside_a_forward(tiny_dir):
-    """A process worker's heartbeats can tell a long forward from a stuck one: between its first layer and its last
-    the counter moves; idle, the worker says it waits (for nothing of its own)."""
+    """A process worker's heartbeats can tell a long forward from a stuck one: in the Python layer loop, between its
+    first layer and its last the counter moves; idle, the worker says it waits (for nothing of its own)."""
     worker = make_worker(tiny_dir, worker="process")
-    layers = worker.executor.runner.model.model.layers
-    beats = []
+    model = worker.executor.runner.model.model
+    model.native_loop, layers, beats = None, model.layers, []  # (the Python loop: its layers' hooks)
     hooks = [layers[0].register_forward_pre_hook(lambda *_: beats.append(worker.beat())),
              layers[-1].register_forward_hook(lambda *_: beats.append(worker.beat()))]  # fmt: skip
     assert worker.launch(prefill(7, 0)).result().failure is None
@@ -150,6 +150,21 @@ def test_the_progress_counter_moves_inside_a_forward(tiny_dir):
     assert last.progress > first.progress
     idle = worker.beat()
     assert idle.waiting and idle.progress > last.progress
+
+
+def test_the_native_layer_loop_counts_its_layers_into_the_progress(tiny_dir):
+    """The native loop (one call for every layer) counts each layer as it runs it (gpu/runner/native_loop.py), read
+    by the heartbeats; a loop rebuilt as adapters come goes on from the count of the one it replaces."""
+    from gpu.runner.native_loop import native_loop
+
+    worker = make_worker(tiny_dir, worker="process")
+    runner = worker.executor.runner
+    loop, before = runner.model.model.native_loop, worker.beat().progress
+    assert loop is not None and loop.layers_done() == 0
+    assert worker.launch(prefill(7, 0)).result().failure is None
+    assert loop.layers_done() == len(runner.model.model.layers)  # (the step ran in it)
+    assert worker.beat().progress == before + 2 + loop.layers_done()  # (the step begun and done, and its layers)
+    assert native_loop(runner.model, runner.attention, runner.lora, loop).layers_done() == loop.layers_done()
 
 
 class Scheduler(Actor):

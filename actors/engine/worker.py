@@ -14,9 +14,9 @@ it as a lost worker (the step's requests are recomputed; one that keeps failing 
 of a tensor-parallel gang whose followers were in the step exits instead (actors/engine/gang.py), a worker death.
 
 Progress (a process worker's, for its heartbeats: messages/step.py StepProgress): `progress` counts what the
-device thread did (a step begun, every few decoder layers of the forward: forward pre-hooks, at most 8 a forward,
-a step done); `beat()` says which step it is in and whether it waits for the scheduler instead. The hooks run in
-the model's Python layer loop, so a process worker's runner does not take the native one (gpu/runner/native_loop.py).
+device thread did (a step begun, every few decoder layers of the forward: forward pre-hooks in the model's Python
+layer loop, at most 8 a forward, a step done), plus the native layer loop's layers run (its counter, read as it runs:
+gpu/runner/native_loop.py); `beat()` says which step it is in and whether it waits for the scheduler instead.
 
 Test hooks, when a row of a step feeds the token: `EngineConfig.crash_token` makes the worker's process exit
 (code 7); `slow_token` sleeps step_timeout_s in each hooked layer, in quarters, each a progress tick (a slow step);
@@ -76,7 +76,8 @@ class Worker:
         self.progress, self.running, self._slow = 0, None, False  # device thread only (read by beat())
         if config.worker == "process":  # (the decoder layers: the model's first ModuleList)
             model = self.executor.runner.model
-            model.model.native_loop = None  # (hooks run in the Python loop's layers: the native loop runs none)
+            if config.slow_token is not None:  # (its sleeps run in the Python loop's hooked layers)
+                model.model.native_loop = None
             layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
             for layer in layers[:: max(1, -(-len(layers) // 8))]:
                 layer.register_forward_pre_hook(self._layer)
@@ -118,7 +119,8 @@ class Worker:
 
     def beat(self) -> StepProgress:
         """What the device thread is doing, for a heartbeat (any thread)."""
-        running, progress = self.running, self.progress
+        loop = self.executor.runner.model.model.native_loop  # (rebuilt as adapters come: its count goes on)
+        running, progress = self.running, self.progress + (loop.layers_done() if loop is not None else 0)
         if running is None:  # idle: the steps wait for their host copies
             return StepProgress(epoch=self.epoch, seq=self.next_seq - 1, progress=progress, waiting=True)
         with self._lock:

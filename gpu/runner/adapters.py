@@ -58,5 +58,5 @@ class RunnerAdapters:
     def install_adapter(self, digest: str, images: dict) -> None:
         """Put read slot images in a free slot (between steps)."""
         made = self.lora.install(self.model, digest, images)
-        if made and self.model.model.native_loop is not None:
-            self.model.model.native_loop = native_loop(self.model, self.attention, self.lora)
+        if made and (loop := self.model.model.native_loop) is not None:
+            self.model.model.native_loop = native_loop(self.model, self.attention, self.lora, loop)

@@ -6,8 +6,8 @@ docs/PERFORMANCE.md, "Native kernels and quantized formats").
 
 `native_loop(model, attention)` builds it at load where every layer is a plain one (Llama's shape: no sandwich norms,
 no q/k norms, a dense gated MLP, one device) on the native backend, each linear layer on the native kernels (panels
-or blocks: every row count); None elsewhere (the Python loop runs every step, as it does for a process worker, whose
-progress hooks live in the Python loop's layers). A step goes to it (`takes`) when the native attention kernel takes
+or blocks: every row count); None elsewhere (the Python loop runs every step). Its `layers_done` counter is a process worker's
+progress while it runs (the Python loop's is its layers' hooks: actors/engine/worker.py). A step goes to it (`takes`) when the native attention kernel takes
 every row (gpu/attention/native_backend.py: rows of up to SHORT_ROW queries; every row in batch-invariant mode) and its LoRA rows, if any, run on the native LoRA kernel.
 """
 
@@ -26,11 +26,17 @@ from gpu.layers.mlp import GatedMLP
 
 
 class NativeLoop:
-    def __init__(self, decoder, lora: LoraSlots) -> None:
-        self.decoder, self.lora = decoder, lora
+    def __init__(self, decoder, lora: LoraSlots, before: int = 0) -> None:
+        """`before`: the layers the loop it replaces had run (its count goes on from there)."""
+        self.decoder, self.lora, self.before = decoder, lora, before
 
     def takes(self, meta: AttentionMetadata) -> bool:
         return NativeAttention.takes_every_row(meta) and (self.lora.tokens is None or self.lora.ops is not None)
+
+    def layers_done(self) -> int:
+        """The layers it (and those it replaced) ran (any thread, while a forward runs too: a process worker's
+        progress, which only grows)."""
+        return self.before + self.decoder.layers_done()
 
     def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = meta.native
@@ -50,9 +56,10 @@ class NativeLoop:
         )
 
 
-def native_loop(model, attention, lora: LoraSlots) -> NativeLoop | None:
+def native_loop(model, attention, lora: LoraSlots, replaces: NativeLoop | None = None) -> NativeLoop | None:
     """The loop of `model` (a CausalLM) as one native call, or None where a layer is not a plain one on the native
-    kernels; with the LoRA slot tables its layers hold (`lora`: the model's), on the native LoRA kernel."""
+    kernels; with the LoRA slot tables its layers hold (`lora`: the model's), on the native LoRA kernel; `replaces`:
+    the loop it is built to replace (its layers_done goes on)."""
     if not isinstance(attention, NativeAttention) or model.tp.size != 1:
         return None
     m = model.model
@@ -71,7 +78,7 @@ def native_loop(model, attention, lora: LoraSlots) -> NativeLoop | None:
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q, k, v, a.head_dim, a.scale,
             a.window or 0, a.softcap or 0.0, ACT_IDS[mlp.act], layer.rope,
         )  # fmt: skip
-    return NativeLoop(decoder, lora)
+    return NativeLoop(decoder, lora, replaces.layers_done() if replaces else 0)
 
 
 def add_linear(decoder, linear) -> bool:

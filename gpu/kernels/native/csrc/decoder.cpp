@@ -13,10 +13,13 @@
 // panels (float32, bfloat16 or float16), bias inside, or, held in GGUF blocks, block_linear_out per stacked part into
 // its columns (the part's bias slice inside): the paths gpu/layers/linear.py's Linear takes, at any row count; then,
 // where LoRA adapters target it and the step has LoRA tokens, lora_add over its slot tables (gpu/layers/lora.py).
+// `layers_done` counts the layers run since it was built (any thread may read it while a forward runs: a process
+// worker's heartbeat shows its progress by it, actors/engine/worker.py; the GIL is not held through a forward).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <vector>
 
 #ifndef SLUICE_NS
@@ -71,6 +74,7 @@ struct Decoder : torch::CustomClassHolder {
   std::vector<Layer> layers;
   double eps = 0.0, offset = 0.0;
   at::Tensor final_norm;
+  std::atomic<int64_t> done{0};  // layers run (layers_done)
   c10::TypedOperatorHandle<LinearSig> linear_ = op<LinearSig>("linear");
   c10::TypedOperatorHandle<BlocksSig> blocks_ = op<BlocksSig>("block_linear_out");
   c10::TypedOperatorHandle<NormSig> norm_ = op<NormSig>("add_rms_norm");
@@ -147,9 +151,12 @@ struct Decoder : torch::CustomClassHolder {
       auto a = attend_.call(q, k_caches[i], v_caches[i], qsl, seq_lens, tables, L.scale, L.window, L.softcap);
       x = norm_.call(run(lin[1], a.flatten(1), lora_slots), residual, L.post_norm, eps, offset);
       h = run(lin[3], act_.call(run(lin[2], x, lora_slots), L.act), lora_slots);
+      done.fetch_add(1, std::memory_order_relaxed);
     }
     return norm_.call(h, residual, final_norm, eps, offset);
   }
+
+  int64_t layers_done() const { return done.load(std::memory_order_relaxed); }
 };
 
 }  // namespace
@@ -161,5 +168,6 @@ TORCH_LIBRARY_FRAGMENT(SLUICE_NS, m) {
       .def("add_blocks", &Decoder::add_blocks)
       .def("add_lora", &Decoder::add_lora)
       .def("add_layer", &Decoder::add_layer)
-      .def("forward", &Decoder::forward);
+      .def("forward", &Decoder::forward)
+      .def("layers_done", &Decoder::layers_done);
 }
