@@ -1,12 +1,15 @@
 """The worker link's cost (issue 17): what one ExecuteStep -> StepResult round costs per step, against a batch-1 step.
 
-    python scripts/bench_worker.py [--quick] [--batches 1 16 64] [--tokens 64] [--threads N]
+    python scripts/bench_worker.py [--quick] [--batches 1 16 64] [--tokens 64] [--threads N] [--link-only | --no-served]
 
 1. Per decode step at batch B, in this process (thread CPU time, median of many): building the ExecuteStep from the
    scheduler's requests, encoding and decoding it (the process placement only), the worker's persistent-batch
    update and SamplingRows, building the StepResult lists and encoding and decoding them (process only); printed
    as a ratio to the same run's batch-1 decode step of the model (forward + sampling, StepExecutor.run).
-2. Through the actors (AsyncLLM, greedy, B requests of --tokens tokens): output tokens/s with the worker inline vs
+2. The intake's latency while a step runs: how late an event loop in this process wakes from 1 ms sleeps while decode
+   steps at batch B run on another thread (the inline worker's device thread beside the scheduler's loop), with the
+   native layer loop (the GIL released through a forward) and the Python one.
+3. Through the actors (AsyncLLM, greedy, B requests of --tokens tokens): output tokens/s with the worker inline vs
    in its own process, async and sync scheduling; the ratio process / inline.
 """
 
@@ -111,6 +114,31 @@ def step_ms(worker: Worker, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def decode_steps(worker: Worker, batch: int, steps: int) -> None:
+    """`steps` decode steps of `batch` rows (after their 32-token prefill) through StepExecutor.run."""
+    ex, rows = worker.executor, [SamplingRow(GREEDY, [], [], 0, []) for _ in range(batch)]
+
+    def spec(step: int, tokens: list[int], computed: int) -> BatchSpec:
+        return BatchSpec(step, [ScheduledRow(f"r{i}", i, tokens, computed, [3 * i, 3 * i + 1, 3 * i + 2], True)
+                                for i in range(batch)])  # fmt: skip
+
+    ex.run(spec(0, list(range(100, 132)), 0), rows)
+    for s in range(steps):
+        ex.run(spec(1 + s, [7], 32), rows)
+
+
+async def intake_lateness(worker: Worker, batch: int, steps: int) -> list[float]:
+    """How late (ms) this event loop wakes from 1 ms sleeps while decode steps run on another thread, as the inline
+    worker's device thread runs them beside the scheduler's loop and its intake: sorted."""
+    running, late = asyncio.get_running_loop().run_in_executor(None, decode_steps, worker, batch, steps), []
+    while not running.done():
+        t = time.perf_counter()
+        await asyncio.sleep(0.001)
+        late.append(1e3 * (time.perf_counter() - t) - 1.0)
+    await running
+    return sorted(late)
+
+
 async def served(config: EngineConfig, prompts: list[list[int]], tokens: int) -> float:
     """Output tokens/s of the whole batch through the actors."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -128,6 +156,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--link-only", action="store_true", help="part 1 only")
+    parser.add_argument("--no-served", action="store_true", help="parts 1 and 2 only")
     args = parser.parse_args()
     model_dir = default_model_dir()
     # (1 GiB of KV cache: sized to a GPU, it would leave part 2's engines no room beside it)
@@ -149,7 +178,17 @@ def main() -> None:
             print(f"         {k}: {costs[k]:.1f} us = {costs[k] / (10 * base):.2f} %")
     if args.link_only:
         return
-    print("\n2. served through the actors: output tokens/s (process / inline)")
+    print("\n2. the intake's latency while steps run (ms late waking from a 1 ms sleep; inline: the same process)")
+    model_loop = worker.executor.runner.model.model
+    for name, loop in (("native layer loop", model_loop.native_loop), ("Python layer loop", None)):
+        model_loop.native_loop = loop
+        for b in args.batches:
+            late = asyncio.run(intake_lateness(worker, b, 10 if args.quick else 40))
+            print(f"  {name}, B={b:3d}: p50 {late[len(late) // 2]:.2f}, p99 {late[int(0.99 * len(late))]:.2f}, "
+                  f"max {late[-1]:.2f} ms")  # fmt: skip
+    if args.no_served:
+        return
+    print("\n3. served through the actors: output tokens/s (process / inline)")
     tokenizer = Tokenizer.from_model_dir(model_dir)
     for b in args.batches:
         prompts = make_prompts(tokenizer, b)
