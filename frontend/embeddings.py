@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 from typing import Any, Literal
 
 import msgspec
@@ -149,6 +150,7 @@ def embedding_body(req: EmbeddingRequest, rows: np.ndarray, model: str, tokens: 
 
 async def embeddings(http, request: web.Request) -> web.Response:
     """`http`: the HttpActor (its pooling ledger, readiness, parser)."""
+    arrival = time.monotonic()
     http.check_available()
     if http.pooling.facts.labels:
         raise RequestError(400, f"{request.path} is not served: this model is a cross-encoder (/score, /rerank and "
@@ -160,6 +162,6 @@ async def embeddings(http, request: web.Request) -> web.Response:
     tokens = sum(map(len, msg.inputs))
     user = f", user {req.user!r}" if req.user else ""
     log.info("[%s] %s: %d inputs, %d tokens%s", rid, request.path, len(msg.inputs), tokens, user)
-    rows = await http.pooling.run(msg)
+    rows = await http.pooling.run(msg, arrival)
     body = await http.off_loop(rows.nbytes > 1 << 18, embedding_body, req, rows, req.model or http.names[0], tokens)
     return json_response(body)

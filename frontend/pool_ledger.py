@@ -79,13 +79,13 @@ class PoolLedger:
             if not p.answer.done():
                 p.answer.set_result(PoolOutput(request_id=p.msg.request_id, attempt=p.msg.attempt, error=why))
 
-    async def run(self, msg: PoolRequest) -> np.ndarray:
-        """The engine's rows for `msg` ([inputs, dim] float32), or a RequestError (503 if the engine ended it)."""
+    async def run(self, msg: PoolRequest, arrival: float) -> np.ndarray:
+        """The engine's rows for `msg` ([inputs, dim] float32), or a RequestError (503 if the engine ended it);
+        `arrival`: the request's (time.monotonic()), for its latency."""
         self.http.check_available()  # (again: tokenizing took a while; then it is pending before the next message)
         self.pending[msg.request_id] = p = Pending(msg, asyncio.get_running_loop().create_future())
         self.http.tell(SCHEDULER, msg)
         out: PoolOutput | None = None
-        start = time.monotonic()
         try:
             out = await p.answer
         finally:
@@ -94,7 +94,7 @@ class PoolLedger:
                 self.http.tell(SCHEDULER, Abort(request_id=msg.request_id, reason="client"))
                 self.http.metrics.aborts.labels(0, "client").inc()
             self.http.moved()
-            self._count(msg, out, time.monotonic() - start)
+            self._count(msg, out, time.monotonic() - arrival)
         if out.error is not None:
             status = 503 if out.error.startswith(ENGINE_ENDED) else 500
             raise RequestError(status, f"the engine failed the request: {out.error}")
@@ -103,7 +103,7 @@ class PoolLedger:
     def _count(self, msg: PoolRequest, out: PoolOutput | None, seconds: float) -> None:
         """vLLM's request series for a pooling request (replica 0: a pooling model has one): finished "stop", or
         "abort" (its client gone, or the engine ended it), or "error"; once it ran, its prompt tokens and latency
-        (from its dispatch to the engine: its parse and tokenizing not counted)."""
+        (from its arrival)."""
         m = self.http.metrics
         if out is None or (out.error or "").startswith(ENGINE_ENDED):
             reason = "abort"

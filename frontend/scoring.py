@@ -126,8 +126,10 @@ def pair_inputs(texts: list[tuple[str, str]], ctx, cut: int | None, param: str) 
     return ids, types
 
 
-async def pair_scores(http, rid: str, req: Scoring, both: list[tuple[str, str]], param: str) -> tuple[np.ndarray, int]:
-    """Each pair's score, and the tokens the engine read."""
+async def pair_scores(
+    http, rid: str, req: Scoring, both: list[tuple[str, str]], param: str, arrival: float
+) -> tuple[np.ndarray, int]:
+    """Each pair's score, and the tokens the engine read (`arrival`: the request's, time.monotonic())."""
     facts, ctx = http.pooling.facts, http.ctx
     cut = cut_of(req, ctx)
     if facts.labels:
@@ -135,25 +137,27 @@ async def pair_scores(http, rid: str, req: Scoring, both: list[tuple[str, str]],
             raise RequestError(400, f"this model classifies into {len(facts.labels)} labels: a score needs one "
                                "(/classify answers it)", "model")  # fmt: skip
         ids, types = await http.off_loop(chars(both) > INLINE_CHARS, pair_inputs, both, ctx, cut, param)
-        logits = (await http.pooling.run(PoolRequest(request_id=rid, inputs=ids, token_type_ids=types)))[:, 0]
+        logits = (await http.pooling.run(PoolRequest(request_id=rid, inputs=ids, token_type_ids=types), arrival))[:, 0]
         sigmoid = facts.score_sigmoid and req.use_activation is not False
         return (1 / (1 + np.exp(-logits.astype(np.float64))) if sigmoid else logits), sum(map(len, ids))
     unique = list(dict.fromkeys(t for pair in both for t in pair))
     ids = await http.off_loop(
         chars(unique) > INLINE_CHARS, encode_inputs, unique, ctx, cut, True, param, 2 * MAX_INPUTS
     )
-    rows = await http.pooling.run(PoolRequest(request_id=rid, inputs=ids, normalize=True))
+    rows = await http.pooling.run(PoolRequest(request_id=rid, inputs=ids, normalize=True), arrival)
     at = {t: rows[i].astype(np.float64) for i, t in enumerate(unique)}
     return np.array([at[a] @ at[b] for a, b in both]), sum(map(len, ids))
 
 
 async def parsed(http, request: web.Request, kind: type, prefix: str):
+    """(its id, the request decoded, its arrival: time.monotonic())"""
+    arrival = time.monotonic()
     http.check_available()
     request[REQUEST_ID] = rid = new_request_id(prefix)
     req = await http.parse_body(request, lambda body, ctx, _: decode_body(body, kind), rid)
     if req.model and not http.ctx.knows(req.model):
         raise RequestError(404, f"The model `{req.model}` does not exist.", "model", code="model_not_found")
-    return rid, req
+    return rid, req, arrival
 
 
 def usage(tokens: int) -> dict:
@@ -161,22 +165,22 @@ def usage(tokens: int) -> dict:
 
 
 async def score(http, request: web.Request) -> web.Response:
-    rid, req = await parsed(http, request, ScoreRequest, "score")
+    rid, req, arrival = await parsed(http, request, ScoreRequest, "score")
     names = ("text_1", "text_2") if req.queries is None and req.documents is None else ("queries", "documents")
     both = pairs(texts(getattr(req, names[0]), names[0]), texts(getattr(req, names[1]), names[1]), names)
-    got, tokens = await pair_scores(http, rid, req, both, names[1])
+    got, tokens = await pair_scores(http, rid, req, both, names[1], arrival)
     data = [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(got)]
     return json_response({"id": rid, "object": "list", "created": int(time.time()), "model": req.model or http.names[0],
                           "data": data, "usage": usage(tokens)})  # fmt: skip
 
 
 async def rerank(http, request: web.Request) -> web.Response:
-    rid, req = await parsed(http, request, RerankRequest, "rerank")
+    rid, req, arrival = await parsed(http, request, RerankRequest, "rerank")
     docs = texts(req.documents, "documents")
     if req.top_n is not None and req.top_n < 0:
         raise RequestError(400, "top_n must be 0 (all) or more", "top_n")
     got, tokens = await pair_scores(http, rid, req, pairs(texts(req.query, "query"), docs, ("query", "documents")),
-                                    "documents")  # fmt: skip
+                                    "documents", arrival)  # fmt: skip
     order = sorted(range(len(docs)), key=lambda i: -got[i])[: req.top_n or None]
     keep = req.return_documents is not False
     results = [{"index": i, "relevance_score": float(got[i])} | ({"document": {"text": docs[i]}} if keep else {})
@@ -185,7 +189,7 @@ async def rerank(http, request: web.Request) -> web.Response:
 
 
 async def classify(http, request: web.Request) -> web.Response:
-    rid, req = await parsed(http, request, ClassifyRequest, "classify")
+    rid, req, arrival = await parsed(http, request, ClassifyRequest, "classify")
     labels = http.pooling.facts.labels
     if not labels:
         raise RequestError(
@@ -194,7 +198,7 @@ async def classify(http, request: web.Request) -> web.Response:
     items = texts(req.input, "input")
     cut = cut_of(req, http.ctx)
     ids = await http.off_loop(chars(items) > INLINE_CHARS, encode_inputs, items, http.ctx, cut, True)
-    logits = (await http.pooling.run(PoolRequest(request_id=rid, inputs=ids))).astype(np.float64)
+    logits = (await http.pooling.run(PoolRequest(request_id=rid, inputs=ids), arrival)).astype(np.float64)
     if req.use_activation is not False:
         logits = 1 / (1 + np.exp(-logits)) if len(labels) == 1 else np.exp(logits - logits.max(1, keepdims=True))
         logits = logits if len(labels) == 1 else logits / logits.sum(1, keepdims=True)
