@@ -20,6 +20,7 @@ from gpu.layers.linear import BLOCK_FORMATS
 from gpu.loading.config import ModelConfig, ModelLoadError
 from gpu.loading.convert import cache_dir
 from gpu.loading.gguf_file import GGUFFile
+from gpu.loading.random_weights import served_dir
 from gpu.loading.weights import check_quantization
 from gpu.runner.model_runner import ModelRunner
 from tests.family_models import make_family_dir, run_greedy
@@ -203,6 +204,7 @@ def test_a_split_file_loads_the_same_bits_as_the_whole(checkpoints, tmp_path):
     assert first.name.startswith("split-00001-of-") and first.is_file()
     assert "output.weight" not in GGUFFile(first).header  # (the untied head in a later part: found there)
     assert torch.equal(logits(first)[0], whole) and ModelConfig.from_path(first).name == "split"
+    assert ModelConfig.from_path(served_dir(first, "dummy")).name == "split"  # (--load-format dummy: its copy too)
     with pytest.raises(ModelLoadError, match="by its first part"):
         ModelConfig.from_path(first.with_name(first.name.replace("-00001-", "-00002-")))
 

@@ -160,3 +160,15 @@ def test_16_bit_tables_serve_the_adapters_rounded_values(family_dir_of, tmp_path
     assert bytes_held["bfloat16"] * 2 == bytes_held["float32"]
     off = max((a - b).abs().max() for a, b in zip(logits["bfloat16"], logits["float32"], strict=True))
     assert off > 1e-4  # (the tables' rounding reaches the logits: the dtype is honoured)
+
+
+def test_an_adapter_a_runner_cannot_hold_at_start_is_left_out(family_dir_of, tmp_path, caplog):
+    """One whose files changed since the launch named them: logged and left out (the worker reports it when a step
+    wants it), the others held; the runner starts."""
+    base = family_dir_of("llama")
+    good, changed = (make_adapter(base, tmp_path / name, seed=i, r=8) for i, name in enumerate(("good", "changed")))
+    runner = ModelRunner(ModelConfig.from_path(base), device="cpu", dtype=torch.float32, num_blocks=32,
+                         block_size=BLOCK, num_threads=1, lora_slots=2, max_lora_rank=8)  # fmt: skip
+    runner.add_adapters({adapter_digest(good): str(good), "0" * 32: str(changed)})
+    assert [d for d in runner.lora.digests if d] == [adapter_digest(good)]
+    assert "not held at start" in caplog.text and "changed since it was named" in caplog.text

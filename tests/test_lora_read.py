@@ -106,3 +106,22 @@ def test_the_check_holds_an_adapter_to_its_tables_range(setup, big, dtype, refus
 def test_the_tables_format_is_the_flags_or_the_weights():
     assert lora_tables("float32", torch.float16) == torch.float32  # (named)
     assert lora_tables("auto", torch.bfloat16) == torch.bfloat16  # (a 16-bit checkpoint's weights on CPU)
+
+
+def test_a_launch_names_the_tables_format_for_every_process(family_dir_of, setup):
+    """checked_loras resolves --lora-dtype auto as the runner would (the base's weights' format on CPU: a bfloat16
+    checkpoint's 16 bits), so the engine's processes check and hold adapters in one format."""
+    from dataclasses import replace
+
+    from actors.engine.config import EngineConfig, LoraConfig, LoraModule
+    from frontend.http_base import HttpConfig
+    from frontend.preflight import checked_loras
+
+    _, adapter = setup
+    base = ModelConfig.from_path(family_dir_of("llama"))
+    cases = [(base, "auto", "float32"), (replace(base, dtype=torch.bfloat16), "auto", "bfloat16"),
+             (base, "float16", "float16")]  # fmt: skip
+    for model, named, held in cases:
+        lora = LoraConfig(modules=[LoraModule(name="a", path=str(adapter))], lora_dtype=named)
+        engine = EngineConfig(model=str(model.path), lora=lora, device="cpu")
+        assert checked_loras(model, engine, HttpConfig(port=0)).lora_dtype == held, (named, model.dtype)
