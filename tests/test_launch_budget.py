@@ -7,7 +7,8 @@ metadata-only ops launch nothing on a GPU and are not counted; everything else i
 Ops count only inside the counted step. The step is `ModelRunner.execute` in bfloat16 on the triton backend, the GPU path's
 dtype and backend: at most LAYER_BUDGET launches per decoder layer, plus STEP_BUDGET for the rest (embedding,
 rotary cos/sin, the final norm, the logit rows and the LM head). The torch backend's layers, counted alike, exceed
-the budget: the counter sees what it must.
+the budget: the counter sees what it must. The sampler is counted alike: the fused one (gpu/sampling/fused_triton.py)
+at any mix of rows within SAMPLER_BUDGET, the torch path far beyond it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from gpu.batch import BatchSpec, ScheduledRow
 from gpu.kernels.triton import fused as triton_fused
 from gpu.loading.config import ModelConfig
 from gpu.runner.model_runner import ModelRunner
+from gpu.sampling import Sampler, SamplingMetadata
+from tests.test_sampler_fused import mixed_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -117,3 +120,26 @@ def test_a_decode_step_on_the_gpu_path_fits_the_launch_budget(family, family_dir
 def test_the_torch_path_exceeds_the_budget(family_dir_of, counter):
     counts = decode_step_launches(family_dir_of("llama"), "torch", counter, (5, 17))
     assert counts.counts[0] > LAYER_BUDGET, counts.ops[0]
+
+
+SAMPLER_BUDGET = 6  # the fused sampler's launches at any mix of rows (issue 53: "~6")
+
+
+def sampler_launches(counter: LaunchCounter, fused: bool) -> LaunchCounter:
+    """One sampler call over every row kind at once: greedy and random rows, top-k / top-p / min-p, seeded, every
+    processor, logprobs, on bfloat16 logits (the GPU path's)."""
+    x, rows = mixed_rows(logprobs=2)
+    meta = SamplingMetadata.build(rows, x.shape[1], DEVICE, edits=fused)
+    sampler, x = Sampler(fused=fused, sort_free="triton"), x.to(DEVICE, torch.bfloat16)
+    with counter:
+        sampler(x, meta)
+    return counter
+
+
+def test_the_fused_sampler_fits_its_budget_and_the_torch_path_does_not(counter):
+    counts = sampler_launches(counter, fused=True)
+    assert counts.counts["step"] <= SAMPLER_BUDGET, counts.ops["step"]
+    assert sum(op.startswith("triton:") for op in counts.ops["step"]) == 2  # prepare + sample
+    counter.counts.clear()
+    counter.ops.clear()
+    assert sampler_launches(counter, fused=False).counts["step"] > 5 * SAMPLER_BUDGET

@@ -23,9 +23,10 @@ ROWS, CALLS = 25_000, 4  # 100k draws
 PATHS = {  # the `device` fixture's values: (device, Sampler arguments)
     "cpu": ("cpu", {}),
     "cpu-threshold": ("cpu", {"sort_free": "torch"}),
-    "cuda": ("cuda", {"flashinfer": False, "sort_free": "off"}),
-    "cuda-flashinfer": ("cuda", {"flashinfer": True, "sort_free": "off"}),
-    "cuda-threshold": ("cuda", {"flashinfer": False, "sort_free": "triton"}),
+    "cuda": ("cuda", {"flashinfer": False, "sort_free": "off", "fused": False}),
+    "cuda-flashinfer": ("cuda", {"flashinfer": True, "sort_free": "off", "fused": False}),
+    "cuda-threshold": ("cuda", {"flashinfer": False, "sort_free": "triton", "fused": False}),
+    "cuda-fused": ("cuda", {"fused": True}),
 }
 
 
@@ -79,7 +80,7 @@ def draw(
     device, kwargs = PATHS[device]
     rows = [SamplingRow(params, [1, 2, 3], list(output), eos_token_ids=[0])] * n
     draws = Sampler(dynamic_fallback=dynamic, **kwargs, **sampler)
-    meta = SamplingMetadata.build(rows, len(logits), device, window=window)
+    meta = SamplingMetadata.build(rows, len(logits), device, window=window, edits=draws.fuses(torch.device(device)))
     torch.manual_seed(seed)
     counts = np.zeros(len(logits), np.int64)
     logits = logits.to(device)
@@ -96,11 +97,12 @@ def draw(
         pytest.param("cuda", marks=pytest.mark.cuda),
         pytest.param("cuda-flashinfer", marks=pytest.mark.cuda),
         pytest.param("cuda-threshold", marks=pytest.mark.cuda),
+        pytest.param("cuda-fused", marks=pytest.mark.cuda),
     ]
 )
 def device(request):
     """Where the draws run: CPU (the window path, the sort-free search in torch), CUDA's torch window path,
-    FlashInfer's kernel (when installed), the sort-free search's Triton kernel."""
+    FlashInfer's kernel (when installed), the sort-free search's Triton kernel, the fused sampler's kernels."""
     if request.param == "cuda-flashinfer" and not flashinfer_available(torch.empty(0, device="cuda")):
         pytest.skip("flashinfer is not installed")
     return request.param

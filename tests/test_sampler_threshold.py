@@ -219,7 +219,8 @@ def test_kernel_rows_without_a_finite_maximum_take_their_argmax():
 
 
 def test_kernel_compiles_for_sm90(tmp_path):
-    """Triton's compiler (not run by the interpreter) types every branch: lower the kernel to an sm_90 cubin."""
+    """Triton's compiler (not run by the interpreter) types every branch: lower the kernel, and the fused sampler's
+    (gpu/sampling/fused_triton.py) in each of their variants, to sm_90 cubins."""
     code = (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
@@ -229,6 +230,17 @@ def test_kernel_compiles_for_sm90(tmp_path):
         "src = triton.compiler.ASTSource(fn=_draw_kernel, signature=sig, constexprs={'BLOCK': 2048})\n"
         "kernel = triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 8})\n"
         "assert kernel.asm['cubin']\n"
+        "from gpu.sampling.fused_triton import _prepare_kernel, _sample_kernel\n"
+        "raw = {'raw': '*bf16', 'raw_stride': 'i64'}\n"
+        "prep = {**raw, 'x': '*fp32', 'x_stride': 'i64', 'n_cols': 'i32', 'starts': '*i64', 'tokens': '*i64',"
+        " 'values': '*fp32', 'penalties': '*fp32', 'EDITS': 'constexpr', 'BLOCK': 'constexpr'}\n"
+        "sample = {'x': '*fp32', 'x_stride': 'i64', 'n_cols': 'i32', 'params': '*fp64', 'greedy': '*i1', 'u': '*fp64',"
+        " 'seed_index': '*i64', 'seeds': '*i64', 'positions': '*i64', 'out': '*i64', **raw, 'tops': '*fp32',"
+        " 'log_totals': '*fp32', 'lps': '*fp32', 'ranks': '*i64', 'LOGPROBS': 'constexpr', 'BLOCK': 'constexpr'}\n"
+        "for fn, sig, flag in ((_prepare_kernel, prep, 'EDITS'), (_sample_kernel, sample, 'LOGPROBS')):\n"
+        "    for on in (True, False):\n"
+        "        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={flag: on, 'BLOCK': 2048})\n"
+        "        assert triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 8}).asm['cubin']\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
     root = Path(__file__).resolve().parents[1]

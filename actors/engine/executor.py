@@ -179,7 +179,7 @@ class StepExecutor:
         row_sum = native.ops().row_sum if config.batch_invariant else None  # (built: the runner checked)
         self.sampler = Sampler(logprobs_mode=config.logprobs_mode, row_sum=row_sum)
         self.device = self.runner.device
-        self.metadata = MetadataCache(model.vocab_size, self.device)
+        self.metadata = MetadataCache(model.vocab_size, self.device, edits=self.sampler.fuses(self.device))
         self.draft = None  # the DraftProposer whose q verifies draft-model speculation (set by the actor)
         self.debug_checks = config.debug_checks
         if self.debug_checks:

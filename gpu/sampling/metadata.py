@@ -16,6 +16,8 @@ import torch
 
 from messages.sampling_params import SamplingParams
 
+from .edits import Edits, build_edits, row_ids
+
 WINDOW = 64  # top-K window: exact whenever a row's kept set fits (wider exact windows take the other rows)
 
 
@@ -92,6 +94,7 @@ class SamplingMetadata:
     seeded_rows: torch.Tensor  # the random rows with a seed ...
     seeds: torch.Tensor  # ... their seeds [S] int64 ...
     positions: torch.Tensor  # ... and the output positions they sample [S] int64 (set afresh every step)
+    seed_index: torch.Tensor  # [B] int64: each row's index into seeds and positions (-1: not seeded)
     logprob_rows: torch.Tensor  # the rows that asked for logprobs
     max_num_logprobs: int | None  # N of the top-N logprobs (the largest asked); None = no row asked
     allowed: TokenEntries | None = None
@@ -99,11 +102,19 @@ class SamplingMetadata:
     min_tokens: TokenEntries | None = None
     logit_bias: TokenEntries | None = None
     penalties: PenaltyTokens | None = None
+    edits: Edits | None = None  # with edits=True: every processor's ids as one table (the five above None)
 
     @classmethod
     def build(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str, window: int = WINDOW
+        cls,
+        rows: list[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str,
+        window: int = WINDOW,
+        edits: bool = False,
     ) -> SamplingMetadata:
+        """The step's metadata; with `edits`, the processors' ids as the fused sampler's table (gpu/sampling/edits.py)
+        instead of the torch path's entries."""
         ps = [r.params for r in rows]
         greedy = [p.greedy for p in ps]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
@@ -113,17 +124,15 @@ class SamplingMetadata:
         seeded = [i for i, p in enumerate(ps) if _seeded(p)]
         logprob_rows = [i for i, p in enumerate(ps) if p.logprobs is not None]
         params = [(1.0 if g else p.temperature, k, p.top_p, p.min_p) for p, g, k in zip(ps, greedy, top_k, strict=True)]
-        allowed, bad_words, min_tokens, logit_bias = _Entries(), _Entries(), _Entries(), _Entries()
-        for i, (r, p) in enumerate(zip(rows, ps, strict=True)):
-            if p.allowed_token_ids:
-                allowed.add(i, p.allowed_token_ids)
-            if p.bad_words_token_ids:
-                bad_words.add(i, _bad_words(p.bad_words_token_ids, r.output_token_ids))
-            if len(r.output_token_ids) < p.min_tokens:
-                min_tokens.add(i, [*p.stop_token_ids, *([] if p.ignore_eos else r.eos_token_ids)])
-            if p.logit_bias:
-                bias = p.clamped_logit_bias()
-                logit_bias.add(i, list(bias), list(bias.values()))
+        entries = [_Entries() for _ in range(4)]  # allowed, bad words, min_tokens, logit bias
+        for i, r in enumerate([] if edits else rows):
+            *ids, bias = row_ids(r)
+            for kind, ids_k in zip(entries, [*ids, list(bias)], strict=True):
+                kind.add(i, ids_k)
+            entries[3].values += bias.values()
+        allowed, bad_words, min_tokens, logit_bias = (e.tensors(device) for e in entries)
+        seed_index = np.full(len(rows), -1, np.int64)
+        seed_index[seeded] = np.arange(len(seeded))
         return cls(
             vocab_size=vocab_size,
             params=to_device(params, torch.float64, device).view(-1, 4),
@@ -140,13 +149,15 @@ class SamplingMetadata:
             seeded_rows=to_device(seeded, torch.int64, device),
             seeds=to_device([ps[i].seed for i in seeded], torch.int64, device),
             positions=to_device([rows[i].sample_position for i in seeded], torch.int64, device),
+            seed_index=to_device(seed_index, torch.int64, device),
             logprob_rows=to_device(logprob_rows, torch.int64, device),
             max_num_logprobs=max((ps[i].logprobs for i in logprob_rows), default=None),
-            allowed=allowed.tensors(device),
-            bad_words=bad_words.tensors(device),
-            min_tokens=min_tokens.tensors(device),
-            logit_bias=logit_bias.tensors(device),
-            penalties=_penalties(rows, device),
+            allowed=allowed,
+            bad_words=bad_words,
+            min_tokens=min_tokens,
+            logit_bias=logit_bias,
+            penalties=None if edits else _penalties(rows, device),
+            edits=build_edits(rows, device) if edits else None,
         )
 
 
@@ -157,8 +168,8 @@ class MetadataCache:
     request's output list (one per request, even where requests share a params object) and params; the cache
     holds the last rows, so no id can be reused meanwhile. The seeded rows' positions are set afresh each step."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str):
-        self.vocab_size, self.device = vocab_size, device
+    def __init__(self, vocab_size: int, device: torch.device | str, edits: bool = False):
+        self.vocab_size, self.device, self.edits = vocab_size, device, edits  # (edits: SamplingMetadata.build's)
         self._rows: list[SamplingRow] = []
         self._meta: SamplingMetadata | None = None
 
@@ -168,7 +179,7 @@ class MetadataCache:
             for a, b in zip(rows, self._rows, strict=True)
         )
         if not same or self._meta is None:
-            meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            meta = SamplingMetadata.build(rows, self.vocab_size, self.device, edits=self.edits)
             static = not any(reads_output(r.params, len(r.output_token_ids)) for r in rows)
             self._rows, self._meta = (rows, meta) if static else ([], None)
             return meta
@@ -185,10 +196,9 @@ class _Entries:
     def __init__(self):
         self.rows, self.tokens, self.values = [], [], []
 
-    def add(self, row: int, tokens: list[int], values: list[float] = ()) -> None:
+    def add(self, row: int, tokens: list[int]) -> None:
         self.rows += [row] * len(tokens)
         self.tokens += tokens
-        self.values += values
 
     def tensors(self, device) -> TokenEntries | None:
         if not self.rows:
@@ -199,16 +209,6 @@ class _Entries:
             values=to_device(self.values, torch.float32, device) if self.values else None,
             row_ids=to_device(sorted(set(self.rows)), torch.int64, device),
         )
-
-
-def _bad_words(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
-    """Last tokens of the bad-word sequences whose prefix the output ends with (vLLM semantics: output only)."""
-    banned = []
-    for seq in bad_words_token_ids:
-        n = len(seq) - 1
-        if seq and n <= len(output) and (n == 0 or output[-n:] == seq[:-1]):
-            banned.append(seq[-1])
-    return banned
 
 
 def _penalties(rows: list[SamplingRow], device) -> PenaltyTokens | None:

@@ -53,8 +53,14 @@ from .topk_topp import (
 )
 
 
+def _processors(meta: SamplingMetadata) -> bool:
+    """Whether metadata carries the torch path's processor entries (built without `edits`)."""
+    return any(e is not None for e in (meta.allowed, meta.bad_words, meta.min_tokens, meta.logit_bias, meta.penalties))
+
+
 def _process(x: torch.Tensor, meta: SamplingMetadata) -> None:
-    """The processors that can move the argmax, in place, in their order."""
+    """The processors that can move the argmax, in place, in their order (the torch path's entries)."""
+    assert meta.edits is None, "a step's edits table is applied by the fused sampler"
     apply_allowed(x, meta.allowed)
     apply_ban(x, meta.bad_words)
     apply_ban(x, meta.min_tokens)
@@ -83,6 +89,9 @@ class Sampler:
     elsewhere (on CPU the window path is ~2x argmax; the search's 64 full-row passes in torch are ~100x, measured
     in scripts/bench_sampler.py).
     logprobs_mode: what the logprobs report (module docstring).
+    fused: sample in a few Triton launches (gpu/sampling/fused_triton.py: the processors, the argmax, the sort-free
+    draw and the raw logprobs for any mix of rows, no host sync), given metadata built with `edits` (`fuses` says
+    whether to build it so) or without processors; never with processed logprobs. None: on CUDA.
     """
 
     def __init__(
@@ -92,8 +101,10 @@ class Sampler:
         logprobs_mode: LogprobsMode = "raw_logprobs",
         sort_free: str | None = None,
         row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        fused: bool | None = None,
     ):
         assert sort_free in (None, "off", "torch", "triton"), sort_free
+        self.fused = fused
         self.dynamic_fallback = dynamic_fallback
         self.flashinfer = flashinfer
         self.sort_free = sort_free
@@ -104,8 +115,12 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         assert logits.shape[1] == meta.vocab_size, "one logit per vocabulary entry"
-        x = logits.float().contiguous()
         wants_logprobs = meta.max_num_logprobs is not None
+        if self.fuses(logits.device) and not _processors(meta):
+            from .fused_triton import fused_sample  # imports Triton: only once chosen
+
+            return SamplerOutput(*fused_sample(logits, meta, self._buffer("fused", len(logits), logits)))
+        x = logits.float().contiguous()
         lp = self._raw_logprobs(x, meta) if wants_logprobs and not self.processed else None
         x = self._whole_blocks(x)
         _process(x, meta)
@@ -183,6 +198,10 @@ class Sampler:
                 values, ids = blocks.x[rows].sort(-1, descending=True)
             draw.index_copy_(0, rows, draw_window(values, ids, sub, whole_row=not dynamic)[0])
         return draw
+
+    def fuses(self, device: torch.device) -> bool:
+        """Whether this sampler samples on `device` by the fused kernels (the executor then builds edits)."""
+        return not self.processed and (device.type == "cuda" if self.fused is None else self.fused)
 
     def sort_free_draw(self, x: torch.Tensor):
         """The sort-free draw this sampler uses for logits on x's device, or None (the window path): the one place

@@ -100,16 +100,18 @@ def _largest(row, n_cols, m, t, min_p, lo, target, BLOCK: tl.constexpr, MASS: tl
 @triton.jit
 def _draw_kernel(x, stride, n_cols, row_max, cols, cols_stride, rows, out, BLOCK: tl.constexpr):
     r = tl.load(rows + tl.program_id(0))
-    row = x + r * stride
-    m = tl.load(row_max + r)
     par = cols + r * cols_stride
-    t = tl.load(par + _T).to(tl.float32)
-    top_k = tl.load(par + _TOP_K).to(tl.int64)
-    top_p = tl.load(par + _TOP_P)
-    min_p = tl.load(par + _MIN_P)
-    u = tl.load(par + _U)
-    neg_inf = float("-inf")
+    t, top_k = tl.load(par + _T).to(tl.float32), tl.load(par + _TOP_K).to(tl.int64)
+    top_p, min_p, u = tl.load(par + _TOP_P), tl.load(par + _MIN_P), tl.load(par + _U)
+    token = threshold_token(x + r * stride, n_cols, tl.load(row_max + r), t, top_k, top_p, min_p, u, BLOCK)
+    tl.store(out + tl.program_id(0), token)
 
+
+@triton.jit
+def threshold_token(row, n_cols, m, t, top_k, top_p, min_p, u, BLOCK: tl.constexpr):
+    """The token one row draws (steps 1-5 of the module docstring): its float32 logits at `row` (n_cols of them,
+    their maximum m), its temperature, top-k, top-p and min-p, and its uniform u (float64)."""
+    neg_inf = float("-inf")
     # 1. the finite count, the min-p survivors' mass z and count n; 2. top-k, where it cuts
     first = _pass(row, n_cols, m, t, min_p, _LOWEST, BLOCK, True)
     finite, z, n = first[0], first[4], first[5]
@@ -141,7 +143,7 @@ def _draw_kernel(x, stride, n_cols, row_max, cols, cols_stride, rows, out, BLOCK
         last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs, 0), 0).to(tl.int64))
         prefix += tl.sum(w, 0)
         start += BLOCK
-    tl.store(out + tl.program_id(0), tl.where(token < 0, last, token))
+    return tl.where(token < 0, last, token)
 
 
 def threshold_draw_triton(
