@@ -12,7 +12,8 @@ FlashInfer's kernel; the `torch` column then times the same batch through the to
 The `sampler` column is the window path (sort_free="off"); `sort-free` times the sampler with the threshold-search
 draw (gpu/sampling/threshold.py) instead, and `draw` that draw alone (row maxima included, uniforms given): its Triton
 kernel on CUDA, its torch form elsewhere (`--sort-free torch|triton` picks; triton on CPU needs TRITON_INTERPRET=1: no
-speed claims).
+speed claims). On CUDA `fused` times the default sampler there (gpu/sampling/fused_triton.py: every processor, the
+draw and the logprobs in a few launches), its metadata built with the edits table.
 """
 
 from __future__ import annotations
@@ -125,8 +126,12 @@ def main() -> None:
     batches, vocabs = ([1, 32], [128256]) if args.quick else ([1, 8, 32, 128, 256], [49152, 128256, 151936])
     batches, vocabs = args.batches or batches, args.vocabs or vocabs
     sort_free_kind = args.sort_free or ("triton" if args.device.startswith("cuda") else "torch")
-    sampler, torch_sampler = Sampler(sort_free="off"), Sampler(flashinfer=False, sort_free="off")
-    sort_free = Sampler(flashinfer=False, sort_free=sort_free_kind)
+    sampler, torch_sampler = (
+        Sampler(sort_free="off", fused=False),
+        Sampler(flashinfer=False, sort_free="off", fused=False),
+    )
+    sort_free, fused = Sampler(flashinfer=False, sort_free=sort_free_kind, fused=False), Sampler(fused=True)
+    on_cuda = args.device.startswith("cuda")
     stat = min if args.stat == "min" else statistics.median
     flashinfer = flashinfer_available(torch.empty(0, device=args.device))
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
@@ -136,6 +141,7 @@ def main() -> None:
         f"{'B':>4} {'rows':>7} {'V':>7} {'argmax':>9} {'sampler':>9} {'ratio':>6} {'sort-free':>9} {'ratio':>6}"
         f" {'draw':>9} {'ratio':>6} {'reference':>10} {'ref/argmax':>10} {'build':>7}"
         + (f" {'torch':>9} {'torch/argmax':>12}" if flashinfer else "")
+        + (f" {'fused':>9} {'ratio':>6}" if on_cuda else "")
     )
     for v, b in ((v, b) for v in vocabs for b in batches):
         for label, rows in cases(b, args.device, args.unseeded):
@@ -155,6 +161,8 @@ def main() -> None:
             }
             if flashinfer:
                 fns["torch"] = lambda x, m=meta: torch_sampler(x, m)
+            if on_cuda:
+                fns["fused"] = lambda x, m=SamplingMetadata.build(rows, v, args.device, edits=True): fused(x, m)
             t = timed(fns, base, reps, stat)
             t_argmax, t_sampler, t_free, t_draw = t["argmax"], t["sampler"], t["sort-free"], t["draw"]
             ref_fn = {"ref": lambda x, r=rows: reference(x, r)}
@@ -164,7 +172,8 @@ def main() -> None:
             print(
                 f"{b:>4} {label:>7} {v:>7} {t_argmax * 1e3:>9.3f} {t_sampler * 1e3:>9.3f} {t_sampler / t_argmax:>5.2f}x"
                 f" {t_free * 1e3:>9.3f} {t_free / t_argmax:>5.2f}x {t_draw * 1e3:>9.3f} {t_draw / t_argmax:>5.2f}x {ref:>10} {ref_ratio:>10} {build * 1e3:>7.2f}"
-                + (f" {t['torch'] * 1e3:>9.3f} {t['torch'] / t_argmax:>11.2f}x" if flashinfer else ""),
+                + (f" {t['torch'] * 1e3:>9.3f} {t['torch'] / t_argmax:>11.2f}x" if flashinfer else "")
+                + (f" {t['fused'] * 1e3:>9.3f} {t['fused'] / t_argmax:>5.2f}x" if on_cuda else ""),
                 flush=True,
             )
 

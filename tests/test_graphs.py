@@ -1,13 +1,16 @@
-"""Decode steps on static buffers (gpu/runner/graphs.py), checked on CPU where no graph is captured: the same buffers
-and
-padding run eagerly (served to 600 tokens: the triton backend's decode steps split keys into 3 partitions) and give
-the dynamic path's tokens and logits, and write no KV outside the scratch block, as
-rows come and go (a smaller step after a larger one leaves stale entries in the buffers: the padding must cover
-them). Also: the capture sizes, which steps run static, the mode per device and backend, `--enforce-eager`.
+"""Steps on static buffers (gpu/runner/graphs.py), checked on CPU where no graph is captured: the same buffers and
+padding run eagerly and give the dynamic path's tokens and logits, and write no KV outside the scratch block:
+- decode steps (served to 600 tokens: the triton backend's decode steps split keys into 3 partitions) as rows come
+  and go (a smaller step after a larger one leaves stale entries in the buffers: the padding must cover them);
+- mixed steps of every kind: chunked prefills beside decodes, a row verifying drafts, prompt logprobs, a row
+  leaving mid-stream (an abort), a row preempted and recomputed; a deliberately wrong pad (pad rows writing a
+  real block) fails the same comparison.
+Also: the capture sizes, which steps run static, the mode per device and backend, `--enforce-eager`.
 On CUDA (marked): replay equals the eager dynamic path, and a captured step never syncs with the host."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -17,7 +20,7 @@ from gpu.attention.torch_backend import TorchAttention
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.loading.config import ModelConfig
 from gpu.loading.convert import default_model_dir
-from gpu.runner.graphs import capture_sizes
+from gpu.runner.graphs import StepGraphs, capture_sizes, mixed_sizes
 from gpu.runner.model_runner import ModelRunner, graph_mode
 from tests.tiny_model import Request, block_pool
 
@@ -60,16 +63,91 @@ def test_static_buffers_give_the_dynamic_paths_tokens(model, backend, tiny_model
     tokens, logits, dynamic = decode_run(model_dir, device, torch.float32, backend, "off")
     static_tokens, static_logits, static = decode_run(model_dir, device, torch.float32, backend, "eager")
     assert static_tokens == tokens
-    for ours, reference in zip(static_logits, logits, strict=True):
-        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    assert same_steps(static_logits, logits, static, dynamic) and scratch_written(static)
+
+
+def same_steps(ours: list, reference: list, static: ModelRunner, dynamic: ModelRunner) -> bool:
+    """Whether every step's logits and the KV cache (but its scratch block, which the pad rows did write) agree."""
     assert static.kv_cache.num_blocks == NUM_BLOCKS + 1 and dynamic.kv_cache.num_blocks == NUM_BLOCKS
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-4)  # noqa: E731
+    same = all(close(a, b) for a, b in zip(ours, reference, strict=True))
     for (k, v), (k_ref, v_ref) in zip(static.kv_cache.layers, dynamic.kv_cache.layers, strict=True):
-        torch.testing.assert_close(k[:NUM_BLOCKS], k_ref, rtol=1e-4, atol=1e-4)  # pad rows wrote only the scratch
-        torch.testing.assert_close(v[:NUM_BLOCKS], v_ref, rtol=1e-4, atol=1e-4)
-        assert k[NUM_BLOCKS].abs().sum() > 0  # ... which they did write
+        same = same and close(k[:NUM_BLOCKS], k_ref) and close(v[:NUM_BLOCKS], v_ref)
+    return same
+
+
+def scratch_written(static: ModelRunner) -> bool:
+    return all(k[NUM_BLOCKS].abs().sum() > 0 for k, _ in static.kv_cache.layers)
+
+
+def mixed_run(model_dir, backend: str, mode: str):
+    """Steps of every kind on one runner (module docstring); every step's logits and the runner. Rows sample their
+    argmax; drafts are always accepted (the KV fed for them stays)."""
+    runner = ModelRunner(
+        ModelConfig.from_path(model_dir).served(256), "cpu", torch.float32, num_blocks=NUM_BLOCKS, max_num_seqs=8,
+        max_num_batched_tokens=64, num_threads=1, attention_backend=backend, decode_graphs=mode,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    pool = block_pool(num_blocks=NUM_BLOCKS)
+    r0, r1, r2, r3 = (
+        Request(pool, i, torch.randint(3, 49152, (n,), generator=g).tolist(), 16) for i, n in enumerate((40, 9, 23, 14))
+    )
+    logits = []
+
+    def step(*rows: ScheduledRow) -> None:
+        batch = BatchSpec(len(logits), list(rows))
+        assert mode == "off" or runner.graphs.key_for(batch) is not None  # (every step here runs static)
+        out = runner.execute(batch)
+        logits.append(out)
+        pos = 0
+        for row, req in ((row, {r.slot: r for r in (r0, r1, r2, r3)}[row.slot]) for row in rows):
+            pos += row.num_logits
+            if row.sample:
+                req.tokens.append(int(out[pos - 1].argmax()))
+
+    def drafts(req: Request, k: int) -> ScheduledRow:
+        req.tokens += torch.randint(3, 49152, (k,), generator=g).tolist()
+        return msgspec.structs.replace(req.row(), draft_token_ids=req.tokens[-k:])
+
+    def targets(row: ScheduledRow) -> ScheduledRow:  # prompt logprobs: the next prompt token of each fed one
+        return msgspec.structs.replace(row, prompt_targets=[7] * (len(row.token_ids) - 1))
+
+    step(r0.row(16), targets(r1.row()))  # a prefill chunk beside a whole prompt with prompt logprobs
+    step(r0.row(16), r1.row(), r2.row())  # another chunk, a decode, a prompt
+    step(r0.row(), drafts(r1, 2), r2.row())  # the last chunk, a row verifying two drafts, a decode
+    step(r0.row(), drafts(r1, 3), r3.row())  # r2 aborted: it leaves, its blocks unused; r3 arrives
+    pool.extend(r1.blocks)  # r1 preempted: its blocks go back and its tokens are recomputed from the first
+    r1.blocks, r1.num_computed = [], 0
+    step(r0.row(), r1.row(), r3.row())
+    for _ in range(3):
+        step(r0.row(), r1.row(), r3.row())  # decodes
+    return logits, runner
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_buffers_give_every_step_kinds_dynamic_results(backend, tiny_model_dir):
+    logits, dynamic = mixed_run(tiny_model_dir, backend, "off")
+    static_logits, static = mixed_run(tiny_model_dir, backend, "eager")
+    assert same_steps(static_logits, logits, static, dynamic) and scratch_written(static)
+
+
+def test_a_wrong_pad_fails_the_comparison(tiny_model_dir, monkeypatch):
+    logits, dynamic = mixed_run(tiny_model_dir, "torch", "off")
+    pad = StepGraphs.pad
+
+    def into_a_real_block(self, batch, size):  # pad rows write block 0, which a request holds
+        padded = pad(self, batch, size)
+        rows = [msgspec.structs.replace(r, block_table=[0]) if r.request_id == "<pad>" else r for r in padded.rows]
+        return BatchSpec(padded.step, rows)
+
+    monkeypatch.setattr(StepGraphs, "pad", into_a_real_block)
+    static_logits, static = mixed_run(tiny_model_dir, "torch", "eager")
+    assert not same_steps(static_logits, logits, static, dynamic)
 
 
 def test_capture_sizes():
+    assert mixed_sizes(512) == [8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 120, 144, 176, 216, 264, 328, 408, 512]
+    assert mixed_sizes(100)[-2:] == [80, 100] and mixed_sizes(5) == [5]
     assert capture_sizes(1) == [1]
     assert capture_sizes(3) == [1, 2, 3]
     assert capture_sizes(8) == [1, 2, 4, 8]
@@ -87,15 +165,19 @@ def test_which_steps_run_static(tiny_model_dir):
     def row(tokens=1, **kw):
         return ScheduledRow("r", 0, [7] * tokens, 3, [0, 1], True, **kw)
 
-    assert graphs.size_for(BatchSpec(0, [row()] * 3)) == 4
-    assert graphs.size_for(BatchSpec(0, [row()] * 8)) == 8
-    assert graphs.size_for(BatchSpec(0, [row()] * 9)) is None  # above the largest size
-    assert graphs.size_for(BatchSpec(0, [row(), row(tokens=4)])) is None  # a prefill chunk: mixed
-    assert graphs.size_for(BatchSpec(0, [row(tokens=3, draft_token_ids=[5, 6])])) is None  # verification
-    assert graphs.size_for(BatchSpec(0, [row(prompt_targets=[9])])) is None  # prompt logprobs
-    assert graphs.size_for(BatchSpec(0, [ScheduledRow("r", 0, [7], 3, list(range(5)), True)])) is None  # too wide
+    assert graphs.key_for(BatchSpec(0, [row()] * 3)) == (False, 4)
+    assert graphs.key_for(BatchSpec(0, [row()] * 8)) == (False, 8)
+    assert graphs.key_for(BatchSpec(0, [row(), row(tokens=4)])) == (True, 8)  # a prefill chunk: mixed
+    assert graphs.key_for(BatchSpec(0, [row(tokens=3, draft_token_ids=[5, 6])])) == (True, 8)  # verification
+    assert graphs.key_for(BatchSpec(0, [row(prompt_targets=[9])])) == (True, 8)  # prompt logprobs
+    assert graphs.key_for(BatchSpec(0, [row(tokens=20), row(tokens=20)])) == (True, 40)
+    assert graphs.key_for(BatchSpec(0, [row(tokens=600)])) is None  # above the largest mixed size
+    assert graphs.key_for(BatchSpec(0, [ScheduledRow("r", 0, [7], 3, list(range(5)), True)])) is None  # too wide
     padded = graphs.pad(BatchSpec(0, [row()] * 3), 4)
     assert padded.rows[3].block_table == [16] and padded.rows[3].token_ids == [0]  # the scratch block, past 0..15
+    padded = graphs.pad(BatchSpec(0, [row(), row(tokens=4)]), 8)  # 5 tokens: 3 pad rows, 3 empty ones
+    assert [len(r.token_ids) for r in padded.rows] == [1, 4, 1, 1, 1, 0, 0, 0]
+    assert not any(r.sample for r in padded.rows[2:])
 
 
 def test_graph_mode_per_device_and_backend():
@@ -131,6 +213,6 @@ def test_graph_replay_equals_eager_and_never_syncs(tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "execute", no_sync)  # a sync inside any step raises
     graph_tokens, graph_logits, runner = decode_run(tiny_model_dir, "cuda", torch.float32, "triton", "capture")
-    assert graph_tokens == tokens and len(runner.graphs.graphs) == len(runner.graphs.sizes)
+    assert graph_tokens == tokens and len(runner.graphs.graphs) == len(runner.graphs.keys)
     for ours, reference in zip(graph_logits, logits, strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)

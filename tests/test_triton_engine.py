@@ -1,5 +1,6 @@
 """The GPU path's pieces through the whole engine on CPU: the triton backend (Triton attention, the fused kernels,
-in the Triton interpreter) and decode steps on the CUDA graphs' static buffers (gpu/runner/graphs.py, run eagerly here)
+in the Triton interpreter) and steps of every kind on the CUDA graphs' static buffers (gpu/runner/graphs.py, run
+eagerly here)
 give the torch backend's dynamic-path tokens on one workload through chunked prefill, decode, preemption (a KV
 cache too small for every row), n-gram speculation (verification rows, rolled-back drafts; the seeded rows outlast
 the others, so the last steps are plain decode steps) and an abort, greedy and seeded; the counters show each of

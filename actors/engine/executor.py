@@ -8,7 +8,6 @@ device-wide sync); on CPU the tensors are already on the host.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +27,6 @@ from gpu.runner.model_runner import ModelRunner, native_cpu_weights, resolve_dev
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow, to_device
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
 from messages.wire import TokenLogprobs
-
-log = logging.getLogger(__name__)
 
 ACCEPT, RESIDUAL = 2, 3  # counter_uniforms streams of draft-model verification (1: the draft tokens)
 
@@ -169,11 +166,6 @@ def follow(tp: TensorParallel, runner: ModelRunner) -> None:
 class StepExecutor:
     def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int | None):
         self.runner = make_runner(config, model, num_blocks)
-        if config.speculative is not None and self.runner.graphs is not None and self.runner.graphs.graphs:
-            log.warning(
-                "speculative decoding: verification steps (several tokens a row) run eagerly, not as CUDA graphs; "
-                "on an H200 n-gram speculation ran at 0.18-0.74x plain decoding (docs/PERFORMANCE.md, CUDA)"
-            )
         self.tp = current()  # (a gang's leader: the followers run each step's forward with it)
         self.followed = False  # the followers are in a step with us: if it raises, they wait in a collective
         row_sum = native.ops().row_sum if config.batch_invariant else None  # (built: the runner checked)

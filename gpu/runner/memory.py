@@ -3,8 +3,9 @@
 This engine may use `utilization` of the device's total memory; what other processes hold does not count against
 it, but the device must have that much free when the engine starts (vLLM's check). From it are subtracted what this
 engine holds at the peak of a worst-case step (weights, activations, the CUDA context's growth since the start),
-a reserve for the CUDA graphs (the growth of a decode step of the largest capture size with every row at
-max_model_len keys, as a captured step plans its attention; the graphs share one pool) and the weights of draft
+a reserve for the CUDA graphs (the larger growth of a decode step of the largest capture size with every row at
+max_model_len keys, as a captured step plans its attention, and of a step of the largest mixed graph's tokens; the
+graphs share one pool) and the weights of draft
 models (they load after the profile); what is left is KV blocks, each with a paired block of every draft's cache.
 
 The worst case is one step of `max_num_batched_tokens` tokens over as many rows as may sample (up to max_num_seqs),
@@ -171,10 +172,12 @@ def _gguf_bytes(files: list, dtype: torch.dtype, weights: torch.dtype) -> int:
 
 
 def profile(
-    runner: RunnerView, memory: DeviceMemory, free_at_start: int, drafts: list[ModelConfig], graph_size: int
+    runner: RunnerView, memory: DeviceMemory, free_at_start: int, drafts: list[ModelConfig], graphs: tuple[int, int]
 ) -> MemoryPlan:
-    """Run the worst-case step and a decode step (of `graph_size` rows where graphs will be captured, else of as many
-    as may be) at max_model_len keys on a scratch KV cache; the plan of what this engine holds at its peak."""
+    """Run the worst-case step and a decode step at max_model_len keys on a scratch KV cache, and, where graphs will
+    be captured (`graphs`: their largest decode and mixed sizes, else zeros), the decode step at the largest decode
+    size and a step of the largest mixed size's tokens: the plan of what this engine holds at its peak."""
+    graph_size, mixed_size = graphs
     c, bs = runner.config, runner.block_size
     rows = max(1, min(runner.max_num_seqs, runner.max_num_batched_tokens))
     lens = [runner.max_num_batched_tokens // rows + (i < runner.max_num_batched_tokens % rows) for i in range(rows)]
@@ -189,13 +192,18 @@ def profile(
     try:
         worst_growth = _growth(memory, runner, worst)
         decode_growth = _growth(memory, runner, BatchSpec(1, [longest] * (graph_size or rows)))
+        mixed = ScheduledRow("mixed", 0, [0] * mixed_size, 0, list(range(-(-mixed_size // bs))), True)
+        mixed_growth = _growth(memory, runner, BatchSpec(2, [mixed])) if mixed_size else 0
     finally:
         runner.kv_cache = None
         memory.reset_peak()  # (the scratch cache and the profile's activations go back to the device)
     free, total = memory.info()  # (after the steps: what they left loaded outside the allocator counts too)
-    if graph_size:  # the graphs' pool holds the forward's activations; its LM head runs eagerly, outside the pool
+    if graph_size:  # the graphs' one pool holds the largest forward's activations; the LM head runs outside it
         logits = graph_size * c.vocab_size * (runner.dtype.itemsize + 4)
-        peak, graphs = worst_growth, max(0, decode_growth - logits)
+        peak, graphs = (
+            worst_growth,
+            max(0, decode_growth - logits, mixed_growth - c.vocab_size * (runner.dtype.itemsize + 4)),
+        )
     else:  # decode steps run eagerly: theirs may be the peak (split-K scratch at max_model_len keys)
         peak, graphs = max(worst_growth, decode_growth), 0
     used_at_peak = free_at_start - free + peak

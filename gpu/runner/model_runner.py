@@ -29,7 +29,7 @@ from gpu.loading.config import ModelConfig
 from gpu.loading.lora import lora_tables, targetable
 from gpu.loading.weights import load_model
 from gpu.runner.adapters import RunnerAdapters, lora_kernels
-from gpu.runner.graphs import DecodeGraphs, GraphMode, capture_sizes
+from gpu.runner.graphs import MAX_MIXED, GraphMode, StepGraphs, capture_sizes
 from gpu.runner.memory import CudaMemory, DeviceMemory, log_plan, profile
 from gpu.runner.native_loop import native_loop
 
@@ -155,14 +155,17 @@ class ModelRunner(RunnerAdapters):
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self.kv_cache = None
         if num_blocks is None:
-            graph_rows = capture_sizes(min(max_num_seqs, max_num_batched_tokens))[-1] if mode == "capture" else 0
-            plan = profile(self, memory, free_at_start, list(drafts), graph_rows)
+            largest = (
+                capture_sizes(min(max_num_seqs, max_num_batched_tokens))[-1],
+                min(MAX_MIXED, max_num_batched_tokens),
+            )
+            plan = profile(self, memory, free_at_start, list(drafts), largest if mode == "capture" else (0, 0))
             num_blocks = plan.blocks(gpu_memory_utilization)
             log_plan(plan, num_blocks, block_size, model_config.max_model_len)
-        self.num_blocks = num_blocks  # the scheduler's; decode steps on static buffers (graphs.py) have their pad
-        # rows write one block more
+        self.num_blocks = num_blocks  # the scheduler's; steps on static buffers (graphs.py) have their pad rows
+        # write one block more
         self.kv_cache = KVCache(self.kv_config, num_blocks + (mode != "off"), block_size, self.dtype, self.device)
-        self.graphs = DecodeGraphs(self, mode == "capture") if mode != "off" else None
+        self.graphs = StepGraphs(self, mode == "capture") if mode != "off" else None
 
     @torch.inference_mode()
     def set_prev_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -178,9 +181,12 @@ class ModelRunner(RunnerAdapters):
         layer's hidden states of every fed token instead (a pooling model's step: gpu/runner/pooling.py)."""
         if not batch.rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        num_rows, size = len(batch.rows), self.graphs and not states and self.graphs.size_for(batch)
-        if size:
-            batch = self.graphs.pad(batch, size)
+        n, num_tokens = len(batch.rows), batch.num_tokens
+        if n > self.max_num_seqs or num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"step {batch.step}: {n} rows / {num_tokens} tokens exceed the runner's limits")
+        key = self.graphs and not states and self.graphs.key_for(batch)
+        if key:
+            batch = self.graphs.pad(batch, key[1])
         host, plans, max_query_len, max_seq_len = self._prepare(batch)
         tensors = iter(self._upload([*host.values(), *(a for p in plans for a in p.arrays.values())]))
         t = {name: next(tensors) for name in host}
@@ -190,8 +196,8 @@ class ModelRunner(RunnerAdapters):
         self.lora.tokens = t.get("lora_slots")
         self.lora.groups = [(int(key[5:]), None if rows.numel() == len(host["input_ids"]) else rows)
                             for key, rows in t.items() if key.startswith("lora:")]  # fmt: skip
-        if size:
-            return self.graphs.run(size, t, plans, uploaded, num_rows)
+        if key:
+            return self.graphs.run(key, t, plans, uploaded)
         meta = AttentionMetadata(
             slot_mapping=t["slot_mapping"],
             query_start_loc=t["query_start_loc"],
@@ -214,8 +220,6 @@ class ModelRunner(RunnerAdapters):
     def _prepare(self, batch: BatchSpec):
         rows, bs = batch.rows, self.block_size
         n, num_tokens = len(rows), batch.num_tokens
-        if n > self.max_num_seqs or num_tokens > self.max_num_batched_tokens:
-            raise ValueError(f"step {batch.step}: {n} rows / {num_tokens} tokens exceed the runner's limits")
         query_lens = np.array([len(r.token_ids) for r in rows], np.int64)
         seq_lens = query_lens + np.array([r.num_computed for r in rows], np.int64)
         query_start_loc = np.zeros(n + 1, np.int64)
