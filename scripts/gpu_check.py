@@ -12,8 +12,8 @@ Parts, each a subprocess with its own time limit (a part that fails or runs out 
 by default in this order, the timings first: env (card, driver, versions), step (scripts/bench_step.py: step time
 eager and with graphs at batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the
 same run), serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the
-concurrency: async at concurrency 1/16/64/256; sync, the process worker and the process worker sync at 64; --serve picks
-settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
+concurrency: async at concurrency 1/16/64/256; sync, the process worker, the process worker sync and --enforce-eager
+at 64; --serve picks settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
 launch budget, graphs, the engine on the triton backend; then every other `cuda`-marked test), spec
 (scripts/bench_spec.py, n-gram), big (Llama-3.1-8B's shape with random bf16 weights drawn on the card,
 --load-format dummy: its step at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and 64).
@@ -39,12 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 # the GPU path's own tests (on the card: compiled kernels, captured graphs), run whole; then every `cuda`-marked test
 GPU_PATH_TESTS = ["tests/test_graphs.py", "tests/test_launch_budget.py", "tests/test_attention_backends.py"]
+GPU_PATH_TESTS += ["tests/test_sampler_fused.py", "tests/test_sampler_distribution.py"]
 GPU_PATH_TESTS += ["tests/test_triton_engine.py", "tests/test_memory.py", "tests/test_cuda.py"]
 SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
     ("async", [], [1, 16, 64, 256]),
     ("sync", ["--no-async-scheduling"], [64]),
     ("process-worker", ["--worker", "process"], [64]),
     ("process-sync", ["--worker", "process", "--no-async-scheduling"], [64]),
+    ("eager", ["--enforce-eager"], [64]),  # no graphs: what the graphs of every step kind buy
 ]
 
 
