@@ -5,19 +5,28 @@ entries (metadata.py) and the fused table are both built from it. `build_edits(r
 per row its allowed ids, banned ids, biased ids and penalised ids, in the sampler's order (DESIGN 5), so that one
 launch applies every processor to every row. Its size follows the ids the requests name, never the vocabulary. A
 penalised id appears once per row, with its count in the row's output, so no two writes of a segment collide.
-Imports numpy, torch and nothing of its package: metadata.py builds on it.
+Imports numpy, torch, messages/sampling_params.py and nothing of its package: metadata.py builds on it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from .metadata import SamplingRow
+from messages.sampling_params import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What the edits read of a row (metadata.SamplingRow)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: list[int]
+
 
 ALLOWED, BAN, BIAS, PENALTY = range(4)  # a row's segments of entries, applied in this order
 
