@@ -80,11 +80,11 @@ def scratch_written(static: ModelRunner) -> bool:
     return all(k[NUM_BLOCKS].abs().sum() > 0 for k, _ in static.kv_cache.layers)
 
 
-def mixed_run(model_dir, backend: str, mode: str):
+def mixed_run(model_dir, backend: str, mode: str, device: str = "cpu"):
     """Steps of every kind on one runner (module docstring); every step's logits and the runner. Rows sample their
     argmax; drafts are always accepted (the KV fed for them stays)."""
     runner = ModelRunner(
-        ModelConfig.from_path(model_dir).served(256), "cpu", torch.float32, num_blocks=NUM_BLOCKS, max_num_seqs=8,
+        ModelConfig.from_path(model_dir).served(256), device, torch.float32, num_blocks=NUM_BLOCKS, max_num_seqs=8,
         max_num_batched_tokens=64, num_threads=1, attention_backend=backend, decode_graphs=mode,
     )  # fmt: skip
     g = torch.Generator().manual_seed(2)
@@ -216,3 +216,12 @@ def test_graph_replay_equals_eager_and_never_syncs(tiny_model_dir, monkeypatch):
     assert graph_tokens == tokens and len(runner.graphs.graphs) == len(runner.graphs.keys)
     for ours, reference in zip(graph_logits, logits, strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mixed_graph_replay_equals_the_dynamic_path(tiny_model_dir):
+    logits, dynamic = mixed_run(tiny_model_dir, "triton", "off", "cuda")
+    graph_logits, captured = mixed_run(tiny_model_dir, "triton", "capture", "cuda")
+    assert any(key[0] for key in captured.graphs.graphs)  # (mixed graphs were captured)
+    assert same_steps(graph_logits, logits, captured, dynamic) and scratch_written(captured)

@@ -3,9 +3,9 @@
 This engine may use `utilization` of the device's total memory; what other processes hold does not count against
 it, but the device must have that much free when the engine starts (vLLM's check). From it are subtracted what this
 engine holds at the peak of a worst-case step (weights, activations, the CUDA context's growth since the start),
-a reserve for the CUDA graphs (the larger growth of a decode step of the largest capture size with every row at
-max_model_len keys, as a captured step plans its attention, and of a step of the largest mixed graph's tokens; the
-graphs share one pool) and the weights of draft
+a reserve for the CUDA graphs (the growth of a decode step of the largest capture size with every row at
+max_model_len keys, as a captured step plans its attention, plus that of a step of the largest mixed graph's tokens:
+the graphs share one pool, but its blocks of one family's sizes seldom serve the other's) and the weights of draft
 models (they load after the profile); what is left is KV blocks, each with a paired block of every draft's cache.
 
 The worst case is one step of `max_num_batched_tokens` tokens over as many rows as may sample (up to max_num_seqs),
@@ -198,12 +198,9 @@ def profile(
         runner.kv_cache = None
         memory.reset_peak()  # (the scratch cache and the profile's activations go back to the device)
     free, total = memory.info()  # (after the steps: what they left loaded outside the allocator counts too)
-    if graph_size:  # the graphs' one pool holds the largest forward's activations; the LM head runs outside it
-        logits = graph_size * c.vocab_size * (runner.dtype.itemsize + 4)
-        peak, graphs = (
-            worst_growth,
-            max(0, decode_growth - logits, mixed_growth - c.vocab_size * (runner.dtype.itemsize + 4)),
-        )
+    if graph_size:  # the graphs' one pool: both families' activations (a conservative sum); the LM head runs outside
+        row_logits = c.vocab_size * (runner.dtype.itemsize + 4)
+        peak, graphs = worst_growth, max(0, decode_growth - graph_size * row_logits) + max(0, mixed_growth - row_logits)
     else:  # decode steps run eagerly: theirs may be the peak (split-K scratch at max_model_len keys)
         peak, graphs = max(worst_growth, decode_growth), 0
     used_at_peak = free_at_start - free + peak

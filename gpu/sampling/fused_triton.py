@@ -4,7 +4,8 @@ draw, and the drawn token's raw logprob and rank, for any mix of row kinds.
 fused_sample(logits, meta, buffer) -> (sampled [B], LogprobsTensors | None), launching in order:
 1. `_prepare_kernel` (unless the logits are float32 and no row edits them): each row cast to float32 into a work
    buffer, then its edits (`meta.edits`, gpu/sampling/edits.py) in the sampler's order: allowed ids, bans, logit
-   bias, penalties (repetition, then frequency and presence subtracted, as penalties.apply_penalties);
+   bias, penalties (repetition, then frequency and presence subtracted, as penalties.apply_penalties), with torch's
+   float32 rounding (no fused multiply-add, IEEE division): the torch processors' bits;
 2. torch.rand: the unseeded random rows' uniforms (unless every row is greedy);
 3. `_sample_kernel`, one program per row: the argmax over the processed row (torch.argmax's semantics: the first
    NaN, else the first maximum), which a greedy row and a row whose maximum is not finite take; else the row's
@@ -100,7 +101,11 @@ def _prepare_kernel(
                 tok = tl.load(tokens + i, mask=i < hi, other=0)
                 count = tl.load(values + i, mask=i < hi, other=0.0)
                 v = tl.load(dst + tok, mask=i < hi)
-                v = tl.where(v > 0, v / rep, v * rep) - frequency * count - presence * (count > 0).to(tl.float32)
+                v = (
+                    tl.where(v > 0, tl.div_rn(v, rep), v * rep)
+                    - frequency * count
+                    - presence * (count > 0).to(tl.float32)
+                )
                 tl.store(dst + tok, v, mask=i < hi)
 
 
@@ -181,7 +186,8 @@ def prepare(raw: torch.Tensor, edits: Edits | None, work: torch.Tensor, block: i
     b, v = raw.shape
     x = work[:b, :v]
     e = (edits.starts, edits.tokens, edits.values, edits.penalties) if edits is not None else (raw,) * 4
-    _prepare_kernel[(b,)](raw, raw.stride(0), x, x.stride(0), v, *e, edits is not None, block, num_warps=8)
+    launch = dict(num_warps=8, enable_fp_fusion=False)  # (no FMA, IEEE division: torch's processors' bits)
+    _prepare_kernel[(b,)](raw, raw.stride(0), x, x.stride(0), v, *e, edits is not None, block, **launch)
     return x
 
 

@@ -1,5 +1,9 @@
 """The sampler: logits [B, V] + SamplingMetadata -> one token id per row (+ raw logprobs), with no host sync.
 
+This module is the torch path (CPU's, and the reference); on CUDA the default is the fused sampler
+(fused_triton.py: the same order of operations in a few Triton launches, the logits left unmodified), chosen in
+`Sampler.__call__` (`fused`); FlashInfer and `sort_free` then apply only to the torch path.
+
 Before the sampler (DESIGN 5a; actors/engine/executor.py, StepExecutor.run): CFG for guided rows, then the grammar
 bitmask for constrained rows (disallowed tokens -inf; actors/engine/grammar.py). Raw logprobs are of those logits.
 
@@ -20,7 +24,8 @@ Edge cases (defined, never a crash):
 - A row whose maximum is not finite takes its argmax (torch.argmax semantics): with a NaN, the first NaN; else
   with +inf, the first +inf; with every token masked (all -inf, e.g. allowed_token_ids all banned), token 0.
 - top_k >= vocab size is top-k off; allowed_token_ids of one token always yields that token.
-- The logits are modified in place (float32 input is the work buffer; reused scratch memory does the rest).
+- The logits are modified in place on this path (float32 input is the work buffer; reused scratch memory does the
+  rest); the fused path leaves them as they were.
 """
 
 from __future__ import annotations
