@@ -6,8 +6,8 @@
 - A tie group at the top-p boundary is kept whole (as top-k's), chi-square again.
 - For the same uniforms (seeded rows) it draws the window path's tokens: the distribution suite's parameter sets and
   a batch of language-model-like rows with mixed parameters.
-- The Triton kernel (in the interpreter on CPU) returns the torch search's tokens, on rows with mixed parameters and
-  edge cases, through several chunks; and it compiles for sm_90 without a GPU (the interpreter checks no types).
+- The Triton kernel (in the interpreter on CPU; compiled on a GPU, where two rows may differ near a boundary) returns
+  the torch search's tokens, on rows with mixed parameters and edge cases, through several chunks; and it compiles for sm_90 without a GPU (the interpreter checks no types).
 On a GPU the distribution suite also draws through the kernel (tests/test_sampler_distribution.py, cuda-threshold).
 """
 
@@ -40,6 +40,7 @@ from tests.test_sampler_distribution import (
 )
 
 N = 8_000  # rows per call: 4 calls, 32k draws
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the kernel tests: compiled on a GPU, interpreted here)
 
 
 def changed(column: int, value=None, add=0):
@@ -201,21 +202,23 @@ def test_kernel_returns_the_torch_searchs_tokens():
     from gpu.sampling.threshold_triton import threshold_draw_triton
 
     x, params = kernel_rows()
+    x = x.to(DEVICE)
     rows = [SamplingRow(msgspec.structs.replace(p, seed=i), [], []) for i, p in enumerate(params)]
-    meta = SamplingMetadata.build(rows, x.shape[1], "cpu")
+    meta = SamplingMetadata.build(rows, x.shape[1], DEVICE)
     u = uniforms(len(rows), meta.seeded_rows, meta.seeds, meta.positions)
     cols = torch.cat([meta.params, u[:, None], torch.zeros_like(u)[:, None]], 1)
     row_max = x.amax(-1)
     expected = threshold_draw(x, row_max, cols, meta)
     assert len(set(expected.tolist())) > 8
-    assert threshold_draw_triton(x, row_max, cols, meta, block=128).tolist() == expected.tolist()
+    differ = (threshold_draw_triton(x, row_max, cols, meta, block=128) != expected).sum()
+    assert differ <= (2 if x.is_cuda else 0)  # (compiled: Triton's exp rounds unlike torch's, near a boundary)
 
 
 def test_kernel_rows_without_a_finite_maximum_take_their_argmax():
-    x = torch.randn(3, 100)
+    x = torch.randn(3, 100, device=DEVICE)
     x[0, 5], x[1, 7], x[2] = float("nan"), float("inf"), float("-inf")
-    meta = SamplingMetadata.build([SamplingRow(SP(top_p=0.9, top_k=5), [], [])] * 3, 100, "cpu")
-    assert Sampler(sort_free="triton")(x, meta).sampled.tolist() == [5, 7, 0]
+    meta = SamplingMetadata.build([SamplingRow(SP(top_p=0.9, top_k=5), [], [])] * 3, 100, DEVICE)
+    assert Sampler(sort_free="triton", fused=False)(x, meta).sampled.tolist() == [5, 7, 0]
 
 
 def test_kernel_compiles_for_sm90(tmp_path):
