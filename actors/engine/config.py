@@ -96,7 +96,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # paged attention (gpu/attention/backend.py); None: triton on CUDA, native on CPU for float32 (where built)
     attention_backend: Literal["torch", "triton", "native"] | None = None
     enforce_eager: bool = False  # no CUDA graphs: every step runs the dynamic path (gpu/runner/graphs.py)
-    static_decode: bool = False  # tests, debugging: steps on the graphs' static buffers (every kind), run without graphs
+    static_decode: bool = (
+        False  # tests, debugging: steps on the graphs' static buffers (every kind), run without graphs
+    )
     max_num_seqs: int = 64
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048  # a step's token budget: a wave of 128-token prompts prefills in one step
