@@ -15,7 +15,7 @@ from frontend.cli import build_parser
 from frontend.cli_engine import engine_config
 from gpu.attention.kv_cache import bytes_per_block
 from gpu.loading.config import ModelConfig
-from gpu.runner.memory import MemoryPlan
+from gpu.runner.memory import MemoryPlan, profile
 from gpu.runner.model_runner import ModelRunner
 
 GIB = 1 << 30
@@ -127,3 +127,16 @@ def test_the_cache_fits_the_budget_on_cuda(tiny_model_dir):
     )  # fmt: skip
     assert runner.num_blocks > 0 and runner.graphs is not None and runner.graphs.graphs
     assert free_before - torch.cuda.mem_get_info()[0] <= 0.32 * total
+
+
+def test_the_graphs_reserve_covers_both_families(tiny_model_dir):
+    """Where graphs will be captured, the plan reserves a decode step's growth at the largest capture size and a
+    mixed step's at the largest mixed size, each less its LM head's logits (those run outside the graphs' pool)."""
+    config = ModelConfig.from_path(tiny_model_dir).served(128)
+    runner = ModelRunner(config, "cpu", torch.float32, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=40)
+    memory = FakeMemory(total=64 << 20, used=[16 << 20], peaks=[3 << 20, 5 << 20, 4 << 20])
+    memory.reset_peak()  # (the engine's start)
+    plan = profile(runner, memory, 54 << 20, [], (4, 40))
+    row = config.vocab_size * (4 + 4)  # a row's float32 logits, in the model's float32 and as the sampler's
+    assert plan.graphs == (5 << 20) - 4 * row + (4 << 20) - row
+    assert plan.used_at_peak == (54 << 20) - (48 << 20) + (3 << 20)  # the worst-case step stays the peak

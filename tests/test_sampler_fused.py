@@ -6,7 +6,7 @@
   to their analytic targets (tests/test_sampler_threshold.py; on CUDA tests/test_sampler_distribution.py draws through
   the fused kernels too), on float32 and bfloat16 logits, greedy and random rows mixed, with processors.
 - Rows without a finite maximum take torch.argmax's token; raw logprobs, ranks and top-N equal log_softmax's.
-- The logits are left as they were.
+- The logits are left as they were; the metadata cache builds the edits table, reused while no row reads its output.
 On a GPU the same tests run the compiled kernels: the processors still bit for bit (the prepare kernel rounds as
 torch), the tokens in all but at most two rows (Triton's exp rounds unlike torch's: a draw on a boundary may move).
 The launch budget of the fused sampler is counted in tests/test_launch_budget.py.
@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from gpu.sampling import Sampler, SamplingMetadata, SamplingRow
+from gpu.sampling import MetadataCache, Sampler, SamplingMetadata, SamplingRow
 from gpu.sampling.fused_triton import fused_sample, prepare
 from gpu.sampling.sampler import _process
 from messages.sampling_params import SamplingParams as SP
@@ -109,3 +109,17 @@ def test_raw_logprobs_ranks_and_top_n():
     assert torch.equal(lp.top_logprobs.isfinite(), top.values.isfinite())
     ref = reference(x, rows).logprobs
     assert torch.allclose(lp.top_logprobs, ref.top_logprobs, atol=1e-5)
+
+
+def test_the_metadata_cache_builds_the_edits_table_and_rebuilds_it_as_outputs_grow():
+    cache = MetadataCache(300, DEVICE, edits=True)
+    static = [SamplingRow(SP(logit_bias={5: 1.0}), PROMPT, list(OUTPUT)), SamplingRow(SP(), PROMPT, list(OUTPUT))]
+    first = cache.build(static)
+    assert first.edits is not None and first.logit_bias is None and first.penalties is None
+    assert cache.build(static) is first  # nothing in it reads the output: reused
+    output = list(OUTPUT)
+    penalised = [SamplingRow(SP(frequency_penalty=0.5), PROMPT, output)]
+    counts = cache.build(penalised).edits.values.tolist()
+    output.append(4)  # the row's next token: its count of 4 grows by one
+    again = cache.build(penalised).edits.values.tolist()
+    assert sum(again) == sum(counts) + 1 and len(again) == len(counts)

@@ -58,15 +58,24 @@ def bad_word_bans(bad_words_token_ids: list[list[int]], output: list[int]) -> li
     return banned
 
 
-def penalised(row: SamplingRow) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct ids a row's penalties touch (its prompt's only with the repetition penalty on, and its
-    output's) and each one's count in the output; empty without penalties."""
+def penalty_ids(row: SamplingRow) -> np.ndarray | None:
+    """The ids a row's penalties touch, in order and repeated: its prompt's (only with the repetition penalty on)
+    then its output's; None without penalties. (np.asarray is free where the caller keeps the prompt as an int64
+    array.)"""
     p = row.params
     if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+        return None
+    prompt = np.asarray(row.prompt_token_ids if p.repetition_penalty != 1.0 else (), np.int64)
+    return np.concatenate([prompt, np.asarray(row.output_token_ids, np.int64)])
+
+
+def penalised(row: SamplingRow) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids of `penalty_ids` and each one's count in the output; empty without penalties."""
+    seq = penalty_ids(row)
+    if seq is None:
         return np.zeros(0, np.int64), np.zeros(0, np.float32)
     output = np.asarray(row.output_token_ids, np.int64)
-    prompt = np.asarray(row.prompt_token_ids if p.repetition_penalty != 1.0 else (), np.int64)
-    ids = np.unique(np.concatenate([prompt, output]))
+    ids = np.unique(seq)
     seen, counts = np.unique(output, return_counts=True)
     count = np.zeros(len(ids), np.float32)
     count[np.searchsorted(ids, seen)] = counts

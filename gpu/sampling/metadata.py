@@ -16,7 +16,7 @@ import torch
 
 from messages.sampling_params import SamplingParams
 
-from .edits import Edits, build_edits, row_ids
+from .edits import Edits, build_edits, penalty_ids, row_ids
 
 WINDOW = 64  # top-K window: exact whenever a row's kept set fits (wider exact windows take the other rows)
 
@@ -214,13 +214,8 @@ class _Entries:
 def _penalties(rows: list[SamplingRow], device) -> PenaltyTokens | None:
     idx, seqs, outs = [], [], []
     for i, r in enumerate(rows):
-        p = r.params
-        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
-            continue
-        # np.asarray is free where the caller keeps the prompt as an int64 array
-        prompt = np.asarray(r.prompt_token_ids if p.repetition_penalty != 1.0 else (), np.int64)
-        seq = np.concatenate([prompt, np.asarray(r.output_token_ids, np.int64)])
-        if len(seq):
+        seq = penalty_ids(r)
+        if seq is not None and len(seq):
             idx.append(i)
             seqs.append(seq)
             outs.append(len(r.output_token_ids))
