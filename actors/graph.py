@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from actors.engine.config import EngineConfig
+from actors.engine.kv_sizing import sized_on_device
 from actors.runtime import ActorSpec, ProcessSpec
 
 
@@ -41,7 +42,12 @@ def replica_processes(config: EngineConfig, client: str, env: dict[str, str]) ->
         "stats_interval_s": config.stats_interval_s,
         "replica": config.data_parallel_rank,
     }
+    scheduler = process(
+        names.engine, names.scheduler, "actors.engine.scheduler_actor:SchedulerActor", {"config": engine}
+    )
+    if config.worker == "process" and sized_on_device(config):  # (it reads the count the worker publishes)
+        scheduler.after = names.worker
     return [worker] * (config.worker == "process") + [
-        process(names.engine, names.scheduler, "actors.engine.scheduler_actor:SchedulerActor", {"config": engine}),
+        scheduler,
         process(names.detokenizer, names.detokenizer, "actors.detokenizer.actor:DetokenizerActor", detokenizer),
     ]

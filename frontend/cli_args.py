@@ -53,13 +53,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=_DEFAULTS.kv_cache_memory_gb,
         help="memory of every KV cache together (the model's and a draft model's; a gang's: per rank), in GiB "
-        "(default: 1 on CPU and with --worker process; on CUDA, what --gpu-memory-utilization leaves)",
+        "(default: 1 on CPU and in a gang; on CUDA, what --gpu-memory-utilization leaves)",
     )
     kv.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
         default=None,
-        help="on CUDA, with the inline worker: the fraction of the device's memory the engine may use; the KV cache "
+        help="on CUDA, with one rank: the fraction of the device's memory the engine may use; the KV cache "
         "gets what a worst-case step, the weights and CUDA graphs leave (default 0.9; --num-kv-blocks or "
         "--kv-cache-memory-gb override)",
     )
@@ -181,8 +181,8 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["inline", "process"],
         default=None,
         help="where the model runner and sampler run: in the engine process, or in a supervised process of their "
-        "own (a crash in the forward then costs a pause; draft-model speculation needs inline; default: inline, "
-        "process with --tensor-parallel-size above 1)",
+        "own (a crash in the forward then costs a pause; draft-model speculation needs inline; default: process on "
+        "CUDA and with --tensor-parallel-size above 1, else inline)",
     )
     g.add_argument(
         "--async-scheduling",

@@ -76,13 +76,13 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         raise SystemExit(
             "--tensor-parallel-size: a gang's ranks are processes (its leader the worker's): not --worker inline"
         )
-    values["worker"] = args.worker or ("process" if tp > 1 else "inline")
+    values["worker"] = args.worker or "auto"
     if values["gpu_memory_utilization"] is None:
         values.pop("gpu_memory_utilization")
-    elif values["worker"] == "process":
+    elif tp > 1:
         raise SystemExit(
-            "--gpu-memory-utilization sizes the inline worker's KV cache; with --worker process (or a gang) give "
-            "--kv-cache-memory-gb (per rank) or --num-kv-blocks"
+            "--gpu-memory-utilization sizes one worker's KV cache; a gang's ranks take --kv-cache-memory-gb (per rank) "
+            "or --num-kv-blocks"
         )
     local = args.data_parallel_size_local
     if (
@@ -100,7 +100,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
             raise SystemExit(str(e)) from e
     values["speculative"] = spec = values.pop("speculative_config")
     values["lora"] = lora_config(args)
-    if values["worker"] == "process" and spec is not None and spec.method == "draft_model":
+    if (values["worker"] == "process" or tp > 1) and spec is not None and spec.method == "draft_model":
         from gpu.loading.config import ModelLoadError
 
         raise ModelLoadError(

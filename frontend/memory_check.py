@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, device_type
 from actors.engine.executor import draft_configs, num_kv_blocks
 from gpu.attention.kv_cache import bytes_per_block
 from gpu.distributed.group import TensorParallel
@@ -80,22 +80,15 @@ class MemoryNeed:
         return f"try {', '.join([*options, 'a smaller --kv-cache-memory-gb / --num-kv-blocks'])}"
 
 
-def device_type(engine: EngineConfig) -> str:
-    """The engine's device type, as gpu/runner/model_runner.py's resolve_device picks it (without initializing CUDA
-    here)."""
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    return auto if engine.device == "auto" else torch.device(engine.device).type
-
-
 def served_dtypes(model: ModelConfig, engine: EngineConfig, dtype: str):
     """(activations, weights) as the engine's runner resolves them (gpu/runner/model_runner.py)."""
-    device = torch.device(device_type(engine))
+    device = torch.device(device_type(engine.device))
     return resolve_dtypes(dtype, device, model.dtype, native_cpu_weights(device, engine.cpu_kernels, load=False))
 
 
 def weights(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: str | None) -> int:
     """This node's engine processes' weights, as `dtype` and `quantization` serve them (the draft model's too)."""
-    device = device_type(engine)
+    device = device_type(engine.device)
 
     def one(m: ModelConfig) -> int:
         activations, held = served_dtypes(m, engine, dtype)
@@ -106,7 +99,7 @@ def weights(model: ModelConfig, engine: EngineConfig, dtype: str, quantization: 
 
 
 def memory_need(model: ModelConfig, engine: EngineConfig) -> MemoryNeed:
-    device, kv = device_type(engine), None
+    device, kv = device_type(engine.device), None
     if device == "cpu":  # (the KV cache's blocks: num_kv_blocks', of a rank's heads under tensor parallelism)
         dtype, tp = served_dtypes(model, engine, engine.dtype)[0], engine.tensor_parallel_size
         rank = local_config(model, TensorParallel(0, tp))

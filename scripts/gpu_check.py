@@ -44,8 +44,8 @@ GPU_PATH_TESTS += ["tests/test_triton_engine.py", "tests/test_memory.py", "tests
 SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
     ("async", [], [1, 16, 64, 256]),
     ("sync", ["--no-async-scheduling"], [64]),
-    ("process-worker", ["--worker", "process"], [64]),
-    ("process-sync", ["--worker", "process", "--no-async-scheduling"], [64]),
+    ("inline-worker", ["--worker", "inline"], [64]),  # (the default on CUDA is the worker in its own process)
+    ("inline-sync", ["--worker", "inline", "--no-async-scheduling"], [64]),
     ("eager", ["--enforce-eager"], [64]),  # no graphs: what the graphs of every step kind buy
 ]
 

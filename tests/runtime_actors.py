@@ -73,11 +73,43 @@ class Watcher(Echo):
     async def on_start(self) -> None:
         if os.path.exists(self.marker):
             os.unlink(self.marker)
-            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self._wait_gate), 30)
+            await wait_gate(self.gate)
 
-    def _wait_gate(self) -> None:
-        with open(self.gate, "rb") as gate:
+
+async def wait_gate(path: str) -> None:
+    """Until a byte arrives on the FIFO `path` (30 s at most)."""
+
+    def read() -> None:
+        with open(path, "rb") as gate:
             gate.read(1)
+
+    await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, read), 30)
+
+
+class Publisher(Echo):
+    """Its start tells the recorder it began, waits at the FIFO `gate`, then writes the file `path`."""
+
+    def __init__(self, gate: str, path: str):
+        super().__init__()
+        self.gate, self.path = gate, path
+
+    async def on_start(self) -> None:
+        self.tell(self.target, Probe(seq=0, payload=b"starting"))
+        await wait_gate(self.gate)
+        with open(self.path, "w") as f:
+            f.write("published")
+
+
+class Reader(Echo):
+    """Its start fails (the process exits) unless the file `path` exists."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    async def on_start(self) -> None:
+        if not os.path.exists(self.path):
+            os._exit(1)
 
 
 class Recorder(Actor):

@@ -18,6 +18,7 @@ import itertools
 import pytest
 import torch
 
+from actors.engine import kv_sizing
 from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig, SpeculativeConfig
 from actors.engine.request import EngineRequest
@@ -135,3 +136,19 @@ async def test_actors_async_equals_sync(tiny_model_dir, dtype):
             outs = [await llm.generate(PROMPTS, p) for p in params]
         results.append([[o.token_ids for o in batch] for batch in outs])
     assert results[0] == results[1]
+
+
+async def test_the_worker_process_sizes_the_cache_to_the_card(tiny_model_dir):
+    """The default on CUDA: the worker in its own process profiles the card (a fraction of it) and publishes the
+    count; the scheduler, started after it, holds as many blocks; a restarted worker allocates the same."""
+    config = EngineConfig(model=str(tiny_model_dir), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16)
+    assert config.worker == "process"
+    params = SP(temperature=0.0, max_tokens=8, ignore_eos=True)
+    async with AsyncLLM(config) as llm:
+        first = [o.token_ids for o in await llm.generate(PROMPTS, params)]
+        published = kv_sizing.published(llm.system.rundir, config.replica.worker)
+        engine, _ = await llm.fresh_stats()
+        assert published is not None and int(engine.cache_config["num_gpu_blocks"]) == published
+        llm.system.kill(config.replica.worker)  # a restart reads the count: the same blocks, the same tokens
+        assert [o.token_ids for o in await llm.generate(PROMPTS, params)] == first
+        assert kv_sizing.published(llm.system.rundir, config.replica.worker) == published

@@ -11,6 +11,15 @@ from messages import names
 from messages.sampling_params import LogprobsMode
 
 
+def device_type(device: str) -> str:
+    """The type of gpu/runner/model_runner.py's resolve_device(device), without initializing CUDA here."""
+    if device == "auto":
+        import torch  # (here: the processes that only read a config do not load it)
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device.partition(":")[0]
+
+
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's `--speculative-config` shape: "ngram" (prompt lookup) or "draft_model" (a smaller model with the
     same vocabulary)."""
@@ -106,7 +115,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16
     # KV blocks per cache: the target's and, with a draft model, the draft's (its blocks pair one-for-one with the
     # target's). None: as many as fit in kv_cache_memory_gb, which holds every KV cache, where given; else, on CUDA with
-    # the worker inline, in gpu_memory_utilization of the device (profiled: gpu/runner/memory.py), elsewhere in 1 GiB
+    # one rank, in gpu_memory_utilization of the device (profiled by the worker: actors/engine/kv_sizing.py),
+    # elsewhere in 1 GiB
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9  # vLLM's: the fraction of the device's memory the engine may use
@@ -123,10 +133,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     step_gate: bool = False  # tests: Probe(seq=k) to the scheduler lets k more steps finish (k < 0: all)
     record_outputs: str | None = None  # tests: a file each step's sent tokens are appended to (JSON lines)
     # Where the worker (model runner + sampler, actors/engine/worker.py) runs: "inline", in the engine process on
-    # its device thread (the default: no hop, no extra process on small machines; docs/performance-history.md, "The
-    # worker link (session 9)"), or "process", its own supervised process (a crash in the forward costs a pause, not
-    # the engine)
-    worker: Literal["inline", "process"] = "inline"
+    # its device thread (no hop, no extra process: as fast on CPU, docs/PERFORMANCE.md), or "process", its own
+    # supervised process (a crash in the forward costs a pause, not the engine; on CUDA its device thread shares no
+    # GIL with the scheduler: 2.2x inline's throughput at c64 on an H200). "auto" (resolved as the config is built):
+    # process on CUDA and for a gang, inline on CPU and with a draft model (which runs beside the scheduler)
+    worker: Literal["auto", "inline", "process"] = "auto"
     # a step of the process worker neither answered nor progressed for this long is given up: hung (its heartbeats,
     # every step_timeout_s / 5, came but showed no progress: blamed, the process restarted) or lost (nothing came:
     # the worker is reset). A slow step that progresses is waited for
@@ -164,6 +175,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if self.tensor_parallel_size > 1 and self.lora.capacity < len(self.lora.modules):
                 raise ValueError("a tensor-parallel gang holds every adapter: --max-cpu-loras below --lora-modules")
         tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if self.worker == "auto":
+            draft = self.speculative is not None and self.speculative.method == "draft_model"
+            self.worker = "process" if tp > 1 or (device_type(self.device) == "cuda" and not draft) else "inline"
         if tp < 1 or nnodes < 1 or tp % nnodes:
             raise ValueError(f"tensor_parallel_size ({tp}) must be a positive multiple of nnodes ({nnodes})")
         if tp > 1 and self.worker != "process":

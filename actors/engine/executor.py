@@ -16,6 +16,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.grammar_masks import WorkerMasks
+from actors.engine.kv_sizing import sized_on_device
 from gpu.attention.kv_cache import num_blocks_for_memory
 from gpu.batch import BatchSpec
 from gpu.distributed.group import TensorParallel, current
@@ -101,14 +102,13 @@ def draft_configs(config: EngineConfig) -> list[ModelConfig]:
 def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
     """Blocks per KV cache: `num_kv_blocks`; else as many as fit in `kv_cache_memory_gb` (default 1 GiB) with every
     cache counted: the target's and a draft model's (actors/engine/draft.py: as many blocks, paired one-for-one);
-    under tensor parallelism the budget is each rank's, for its share of the heads (as vLLM's, per device); None where that is not given on CUDA with the worker inline: the runner sizes the cache to
-    `gpu_memory_utilization` of the device (gpu/runner/memory.py). (A process worker is restarted with the count its
-    scheduler holds: it is fixed before either starts.)"""
+    under tensor parallelism the budget is each rank's, for its share of the heads (as vLLM's, per device); None where
+    the worker sizes the cache to its device (actors/engine/kv_sizing.py)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    device = resolve_device(config.device)
-    if device.type == "cuda" and config.worker == "inline" and config.kv_cache_memory_gb is None:
+    if sized_on_device(config):
         return None
+    device = resolve_device(config.device)
     native_weights = native_cpu_weights(device, config.cpu_kernels, load=False)
     dtype = resolve_dtypes(config.dtype, device, model.dtype, native_weights)[0]  # (the KV cache's: activations')
     drafts = draft_configs(config)

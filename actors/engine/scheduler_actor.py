@@ -47,6 +47,7 @@ from actors.engine.flight_record import FlightRecord
 from actors.engine.grammar import WARM_IDLE_S, warm
 from actors.engine.grammar_masks import StepMasks
 from actors.engine.intake import IntakeLedger, RequestIntake
+from actors.engine.kv_sizing import published
 from actors.engine.lora_registry import LoraRegistry
 from actors.engine.lora_table import LoraTable
 from actors.engine.metrics import engine_stats, idle_details, log_speculation
@@ -119,9 +120,11 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
         for rid, n in self.flight.recover().items():  # (before any request arrives: its copy takes its blame)
             log.warning("[%s] was in a step in flight as the engine process died: %d failed steps", rid, n)
         torch.set_num_threads(self.config.threads())
-        blocks = num_kv_blocks(self.config, self.model)  # (None: the inline worker sizes its cache to the device)
+        blocks = num_kv_blocks(self.config, self.model)  # (None: the worker sizes its cache to the device)
         loop = asyncio.get_running_loop()
         if self.config.worker == "process":
+            if (blocks := blocks or published(self.router.placement.rundir, self.config.replica.worker)) is None:
+                raise RuntimeError("the worker published no KV cache size: its process is started first (graph.py)")
             self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
             if isinstance(self.proposer, DraftProposer):
                 raise ValueError('draft-model speculation needs the worker in the engine process (worker "inline")')

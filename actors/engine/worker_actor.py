@@ -25,6 +25,7 @@ import threading
 import msgspec
 import torch
 
+from actors.engine import kv_sizing
 from actors.engine.config import EngineConfig
 from actors.engine.executor import num_kv_blocks
 from actors.engine.gang import Gang
@@ -66,7 +67,8 @@ class WorkerActor(Actor):
         threading.Thread(target=importlib.import_module, args=("xgrammar",), name="sluice-grammar-warm").start()
         torch.set_num_threads(self.config.threads())
         model = ModelConfig.from_path(self.config.model)
-        blocks = num_kv_blocks(self.config, model)
+        rundir = self.router.placement.rundir
+        blocks = num_kv_blocks(self.config, model) or kv_sizing.published(rundir, self.name)  # (None: sized here)
         loop = asyncio.get_running_loop()
         if self.config.tensor_parallel_size > 1:  # the leader of a gang (actors/engine/gang.py)
             level = logging.getLevelName(logging.getLogger().level)
@@ -74,6 +76,8 @@ class WorkerActor(Actor):
             self.spawn(self.gang.watch())
             await loop.run_in_executor(self._device, self.gang.join)
         self.worker = await loop.run_in_executor(self._device, Worker, self.config, model, blocks)
+        if blocks is None:  # (before Ready: the scheduler's process starts then, and reads it)
+            kv_sizing.publish(rundir, self.name, self.worker.executor.runner.num_blocks)
         if self.gang is not None:
             await loop.run_in_executor(self._device, self.gang.loaded)
             log.info("rank 0 of %d (the leader) ready: every rank loaded its shard", self.gang.size)

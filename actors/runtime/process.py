@@ -62,6 +62,7 @@ class ProcessSpec(msgspec.Struct, kw_only=True):
     name: str
     actors: list[ActorSpec]
     env: dict[str, str] = {}
+    after: str | None = None  # the system's start forks this one once that process is Ready (restarts: unordered)
 
 
 class ChildConfig(msgspec.Struct, kw_only=True):

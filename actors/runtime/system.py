@@ -100,8 +100,18 @@ class ActorSystem:
         for actor in self.local:
             self._tasks.append(asyncio.create_task(actor.run(self.router), name=f"{actor.name}:run"))
         await asyncio.sleep(0)
+        ready = {name: asyncio.Event() for name in self.specs}
+
+        async def spawn(name: str) -> None:  # (once its `after` is up: not if that one failed to start)
+            if (after := self.specs[name].after) and not (await ready[after].wait() and self.state[after] == "up"):
+                return
+            try:
+                await self._spawn(name)
+            finally:
+                ready[name].set()
+
         try:
-            await asyncio.gather(*(self._spawn(name) for name in self.specs))
+            await asyncio.gather(*map(spawn, self.specs))
         except BaseException:
             await self.stop()
             raise
