@@ -28,6 +28,7 @@ def engine_processes(config: EngineConfig, client: str, devices: list[str] | Non
 
 
 def replica_processes(config: EngineConfig, client: str, env: dict[str, str]) -> list[ProcessSpec]:
+    config = config.placed()
     names, engine = config.replica, msgspec.to_builtins(config)
 
     def process(name: str, actor: str, factory: str, kwargs: dict) -> ProcessSpec:

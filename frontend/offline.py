@@ -142,7 +142,7 @@ class AsyncLLM:
 
     def engine_actors(self) -> list[str]:
         """Every replica's scheduler and detokenizer, and its worker where it has a process."""
-        process = self.config.worker == "process"
+        process = self.config.placed().worker == "process"
         dp = self.config.data_parallel_size
         return [a for k in range(dp) for a in replica(k).actors if process or a != replica(k).worker]
 

@@ -135,8 +135,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Where the worker (model runner + sampler, actors/engine/worker.py) runs: "inline", in the engine process on
     # its device thread (no hop, no extra process: as fast on CPU, docs/PERFORMANCE.md), or "process", its own
     # supervised process (a crash in the forward costs a pause, not the engine; on CUDA its device thread shares no
-    # GIL with the scheduler: 2.2x inline's throughput at c64 on an H200). "auto" (resolved as the config is built):
-    # process on CUDA and for a gang, inline on CPU and with a draft model (which runs beside the scheduler)
+    # GIL with the scheduler: 2.2x inline's throughput at c64 on an H200). "auto" (resolved by `placed`): process
+    # on CUDA and for a gang, inline on CPU and with a draft model (which runs beside the scheduler)
     worker: Literal["auto", "inline", "process"] = "auto"
     # a step of the process worker neither answered nor progressed for this long is given up: hung (its heartbeats,
     # every step_timeout_s / 5, came but showed no progress: blamed, the process restarted) or lost (nothing came:
@@ -175,12 +175,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if self.tensor_parallel_size > 1 and self.lora.capacity < len(self.lora.modules):
                 raise ValueError("a tensor-parallel gang holds every adapter: --max-cpu-loras below --lora-modules")
         tp, nnodes = self.tensor_parallel_size, self.nnodes
-        if self.worker == "auto":
-            draft = self.speculative is not None and self.speculative.method == "draft_model"
-            self.worker = "process" if tp > 1 or (device_type(self.device) == "cuda" and not draft) else "inline"
         if tp < 1 or nnodes < 1 or tp % nnodes:
             raise ValueError(f"tensor_parallel_size ({tp}) must be a positive multiple of nnodes ({nnodes})")
-        if tp > 1 and self.worker != "process":
+        if tp > 1 and self.worker == "inline":
             raise ValueError('a tensor-parallel gang runs in worker processes: worker must be "process"')
         dp = self.data_parallel_size
         if dp < 1 or not 0 <= self.data_parallel_rank < dp or not 0 <= self.local_replicas <= dp:
@@ -201,6 +198,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 "batch-invariant mode runs float32 activations on a CPU with the native kernels and attention backend, "
                 "on one device"
             )
+
+    def placed(self) -> EngineConfig:
+        """This config with the worker's place resolved ("auto": see `worker`), as the engine's processes get it
+        (actors/graph.py; resolved there, as whether CUDA is available is torch's to say: the launcher holds none)."""
+        if self.worker != "auto":
+            return self
+        draft = self.speculative is not None and self.speculative.method == "draft_model"
+        process = self.tensor_parallel_size > 1 or (device_type(self.device) == "cuda" and not draft)
+        return msgspec.structs.replace(self, worker="process" if process else "inline")
 
     @property
     def local_replicas(self) -> int:
