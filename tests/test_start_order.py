@@ -60,6 +60,8 @@ async def test_a_process_after_one_that_fails_to_start_is_never_forked(tmp_path)
 
 def test_the_count_is_published_whole_for_the_users_eyes_only(tmp_path):
     assert kv_sizing.published(str(tmp_path), "worker") is None  # (before the first start)
+    with pytest.raises(RuntimeError, match="worker published no KV cache size"):
+        kv_sizing.published(str(tmp_path), "worker", expected=True)  # (the scheduler's read)
     kv_sizing.publish(str(tmp_path), "worker", 1234)
     kv_sizing.publish(str(tmp_path), "worker", 4321)  # (replaced whole)
     assert kv_sizing.published(str(tmp_path), "worker") == 4321

@@ -38,9 +38,13 @@ def publish(rundir: str, worker: str, blocks: int) -> None:
     os.replace(part, path)
 
 
-def published(rundir: str, worker: str) -> int | None:
-    """The count a worker of this system published; None before its first start."""
+def published(rundir: str, worker: str, expected: bool = False) -> int | None:
+    """The count a worker of this system published; None before its first start (a RuntimeError if `expected`)."""
     try:
         return int(_path(rundir, worker).read_text())
     except FileNotFoundError:
+        if expected:
+            raise RuntimeError(
+                f"{worker} published no KV cache size (its process is started first: graph.py)"
+            ) from None
         return None

@@ -123,8 +123,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
         blocks = num_kv_blocks(self.config, self.model)  # (None: the worker sizes its cache to the device)
         loop = asyncio.get_running_loop()
         if self.config.worker == "process":
-            if (blocks := blocks or published(self.router.placement.rundir, self.config.replica.worker)) is None:
-                raise RuntimeError("the worker published no KV cache size: its process is started first (graph.py)")
+            if blocks is None:  # (its process started once the worker's had published the count)
+                blocks = published(self.router.placement.rundir, self.config.replica.worker, expected=True)
             self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
             if isinstance(self.proposer, DraftProposer):
                 raise ValueError('draft-model speculation needs the worker in the engine process (worker "inline")')

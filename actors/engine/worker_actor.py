@@ -68,7 +68,8 @@ class WorkerActor(Actor):
         torch.set_num_threads(self.config.threads())
         model = ModelConfig.from_path(self.config.model)
         rundir = self.router.placement.rundir
-        blocks = num_kv_blocks(self.config, model) or kv_sizing.published(rundir, self.name)  # (None: sized here)
+        if (blocks := num_kv_blocks(self.config, model)) is None:  # sized to the device: here, at the first start
+            blocks = kv_sizing.published(rundir, self.name)  # (a restart: as the first start published)
         loop = asyncio.get_running_loop()
         if self.config.tensor_parallel_size > 1:  # the leader of a gang (actors/engine/gang.py)
             level = logging.getLevelName(logging.getLogger().level)
