@@ -182,7 +182,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where the model runner and sampler run: in the engine process, or in a supervised process of their "
         "own (a crash in the forward then costs a pause; draft-model speculation needs inline; default: process on "
-        "CUDA and with --tensor-parallel-size above 1, else inline)",
+        "CUDA and with --tensor-parallel-size above 1, else, and with a draft model, inline)",
     )
     g.add_argument(
         "--async-scheduling",

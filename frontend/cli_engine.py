@@ -98,15 +98,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
             cluster_secret()
         except ValueError as e:
             raise SystemExit(str(e)) from e
-    values["speculative"] = spec = values.pop("speculative_config")
+    values["speculative"] = values.pop("speculative_config")
     values["lora"] = lora_config(args)
-    if (values["worker"] == "process" or tp > 1) and spec is not None and spec.method == "draft_model":
-        from gpu.loading.config import ModelLoadError
-
-        raise ModelLoadError(
-            "draft-model speculation needs --worker inline and no tensor parallelism (the draft model runs beside"
-            " the target)"
-        )
     try:
         return EngineConfig(model=model, **values)
     except ValueError as e:

@@ -12,8 +12,8 @@ Parts, each a subprocess with its own time limit (a part that fails or runs out 
 by default in this order, the timings first: env (card, driver, versions), step (scripts/bench_step.py: step time
 eager and with graphs at batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the
 same run), serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the
-concurrency: async at concurrency 1/16/64/256; sync, the process worker, the process worker sync and --enforce-eager
-at 64; --serve picks settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
+concurrency: async at concurrency 1/16/64/256; sync, the inline worker, the inline worker sync and --enforce-eager
+at 64 (the default: the worker's process); --serve picks settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
 launch budget, graphs, the engine on the triton backend; then every other `cuda`-marked test), spec
 (scripts/bench_spec.py, n-gram), big (Llama-3.1-8B's shape with random bf16 weights drawn on the card,
 --load-format dummy: its step at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and 64).

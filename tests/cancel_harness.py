@@ -51,6 +51,7 @@ def engine_config(model_dir, **overrides) -> EngineConfig:
         "dtype": "float32",  # outputs are compared with HF's fp32 (bf16 on CUDA: the server fixture, test_cuda)
         "step_gate": True,
         "stats_interval_s": 0.05,
+        "worker": "inline",  # (as on CPU, on a GPU host too, where "auto" would place it in a process)
         **overrides,
     }
     return EngineConfig(**options)

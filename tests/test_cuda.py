@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from actors.engine.worker_link import execute_step
 from frontend.offline import AsyncLLM
 from gpu.loading.config import ModelConfig
 from messages.sampling_params import SamplingParams as SP
+from tests.cancel_harness import wait_for
 
 pytestmark = pytest.mark.cuda
 
@@ -149,6 +151,9 @@ async def test_the_worker_process_sizes_the_cache_to_the_card(tiny_model_dir):
         published = kv_sizing.published(llm.system.rundir, config.replica.worker)
         engine, _ = await llm.fresh_stats()
         assert published is not None and int(engine.cache_config["num_gpu_blocks"]) == published
-        llm.system.kill(config.replica.worker)  # a restart reads the count: the same blocks, the same tokens
+        worker, path = config.replica.worker, Path(llm.system.rundir) / f"{config.replica.worker}.kv-blocks"
+        written, old = (path.stat().st_ino, path.stat().st_mtime_ns), llm.system.pids()[worker]
+        llm.system.kill(worker)  # a restart reads the count (not written again): the same blocks, the same tokens
+        await wait_for(lambda: llm.system.pids().get(worker, old) != old and llm.system.state[worker] == "up")
         assert [o.token_ids for o in await llm.generate(PROMPTS, params)] == first
-        assert kv_sizing.published(llm.system.rundir, config.replica.worker) == published
+        assert (path.stat().st_ino, path.stat().st_mtime_ns) == written

@@ -97,8 +97,7 @@ def test_who_sizes_the_cache(tiny_model_dir, monkeypatch):
     assert executor.num_kv_blocks(EngineConfig(model="m", device="cpu", num_kv_blocks=7), model) == 7
     one_gib = executor.num_kv_blocks(EngineConfig(model="m", device="cpu", kv_cache_memory_gb=1), model)
     assert executor.num_kv_blocks(EngineConfig(model="m", device="cpu"), model) == one_gib > 0  # CPU: 1 GiB
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(executor, "resolve_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (nothing here initializes CUDA: no card needed)
     for worker in ("inline", "process"):  # the worker's runner profiles (actors/engine/kv_sizing.py)
         assert executor.num_kv_blocks(EngineConfig(model="m", worker=worker), model) is None
     assert executor.num_kv_blocks(EngineConfig(model="m", num_kv_blocks=9), model) == 9
@@ -110,6 +109,11 @@ def test_who_sizes_the_cache(tiny_model_dir, monkeypatch):
 def test_the_flag(capsys):
     args = build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "0.5"])
     assert engine_config(args, "m").gpu_memory_utilization == 0.5
+    args = build_parser().parse_args(["serve", "m", "--worker", "process", "--gpu-memory-utilization", "0.5"])
+    assert engine_config(args, "m").gpu_memory_utilization == 0.5  # (a process worker sizes its cache too)
+    with pytest.raises(SystemExit, match="a gang's ranks take --kv-cache-memory-gb"):
+        gang = ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5"]
+        engine_config(build_parser().parse_args(["serve", "m", *gang]), "m")
     assert engine_config(build_parser().parse_args(["serve", "m"]), "m").gpu_memory_utilization == 0.9
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "1.5"])

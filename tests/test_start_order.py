@@ -81,6 +81,9 @@ def test_the_worker_runs_in_its_own_process_on_cuda_and_inline_on_cpu(cuda):
     assert EngineConfig(model="m", worker="inline").placed().worker == "inline"
     draft = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="d")
     assert EngineConfig(model="m", speculative=draft).placed().worker == "inline"  # (the draft model runs beside it)
+    for elsewhere in ({"worker": "process"}, {"tensor_parallel_size": 2}):
+        with pytest.raises(ValueError, match="draft-model speculation runs beside the scheduler"):
+            EngineConfig(model="m", speculative=draft, **elsewhere)
     assert EngineConfig(model="m", device="cpu", tensor_parallel_size=2).placed().worker == "process"  # (a gang)
     with pytest.raises(ValueError, match="worker must be"):
         EngineConfig(model="m", worker="inline", tensor_parallel_size=2)

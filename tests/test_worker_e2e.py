@@ -62,11 +62,11 @@ async def test_a_poison_request_is_failed_alone(model_dir, reference):  # noqa: 
 
 @pytest.mark.parametrize("beam", [None, BeamSearch(width=2, group="g")], ids=["sampled", "beam search"])
 async def test_a_poison_request_that_kills_the_engine_is_failed_alone(model_dir, reference, beam):  # noqa: F811
-    """The inline worker (the default): the poison's step kills the engine process, and the clients resume every
-    request at each of its deaths. The engine's flight record blames the requests of the steps in flight at each (a
-    beam search's rows: its choices); suspects run alone from the second, so the third blames the poison alone, whose
-    copy is then refused (an internal error: a 500 over HTTP) while every other request ends exactly as in the
-    fault-free run."""
+    """The inline worker (the harness's, CPU's default): the poison's step kills the engine process, and the clients
+    resume every request at each of its deaths. The engine's flight record blames the requests of the steps in flight
+    at each (a beam search's rows: its choices); suspects run alone from the second, so the third blames the poison
+    alone, whose copy is then refused (an internal error: a 500 over HTTP) while every other request ends exactly as
+    in the fault-free run."""
     async with AsyncLLM(engine_config(model_dir, crash_token=POISON)) as llm:
         poison = start(llm, [7, POISON, 9], SamplingParams(temperature=0, max_tokens=8, beam=beam))
         runs = [start(llm, prompt, params) for prompt, params in WORKLOAD]

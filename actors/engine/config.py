@@ -179,6 +179,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"tensor_parallel_size ({tp}) must be a positive multiple of nnodes ({nnodes})")
         if tp > 1 and self.worker == "inline":
             raise ValueError('a tensor-parallel gang runs in worker processes: worker must be "process"')
+        if (tp > 1 or self.worker == "process") and self.speculative and self.speculative.method == "draft_model":
+            raise ValueError("draft-model speculation runs beside the scheduler: --worker inline, one rank")
         dp = self.data_parallel_size
         if dp < 1 or not 0 <= self.data_parallel_rank < dp or not 0 <= self.local_replicas <= dp:
             raise ValueError(

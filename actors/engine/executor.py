@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, device_type
 from actors.engine.grammar_masks import WorkerMasks
 from actors.engine.kv_sizing import sized_on_device
 from gpu.attention.kv_cache import num_blocks_for_memory
@@ -24,7 +24,7 @@ from gpu.kernels import native
 from gpu.layers.parallel import local_config
 from gpu.loading.config import ModelConfig
 from gpu.loading.random_weights import served_dir
-from gpu.runner.model_runner import ModelRunner, native_cpu_weights, resolve_device, resolve_dtypes
+from gpu.runner.model_runner import ModelRunner, native_cpu_weights, resolve_dtypes
 from gpu.sampling import LogprobsTensors, MetadataCache, Sampler, SamplingMetadata, SamplingRow, to_device
 from gpu.sampling.spec import NO_DRAFT, num_emitted, row_uniforms, verify_draft_probs
 from messages.wire import TokenLogprobs
@@ -108,7 +108,7 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int | None:
         return config.num_kv_blocks
     if sized_on_device(config):
         return None
-    device = resolve_device(config.device)
+    device = torch.device(device_type(config.device))  # (its type: no CUDA context in the scheduler's process)
     native_weights = native_cpu_weights(device, config.cpu_kernels, load=False)
     dtype = resolve_dtypes(config.dtype, device, model.dtype, native_weights)[0]  # (the KV cache's: activations')
     drafts = draft_configs(config)

@@ -1,7 +1,7 @@
 """FlightRecord: which requests were in the engine's steps when its process died, kept where that death cannot
 reach them (issue 28; docs/ARCHITECTURE.md, "Recovery").
 
-With the inline worker (the default) a step that crashes the device thread kills the engine process, and with it
+With the inline worker (the default on CPU) a step that crashes the device thread kills the engine process, and with it
 the scheduler's memory of who was in that step. So the scheduler writes the requests of the steps in flight (as it
 hands each step to the worker; again once they are all done, and after a worker is lost) with the blame of every
 request blamed (EngineRequest.failed_steps, which actors/engine/recovery.py counts for a worker's deaths), to two

@@ -126,8 +126,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
             if blocks is None:  # (its process started once the worker's had published the count)
                 blocks = published(self.router.placement.rundir, self.config.replica.worker, expected=True)
             self.proposer = await loop.run_in_executor(self._device, make_proposer, self.config, self.model, blocks)
-            if isinstance(self.proposer, DraftProposer):
-                raise ValueError('draft-model speculation needs the worker in the engine process (worker "inline")')
             self.link = ProcessWorker(self, self.config.replica.worker, self.config.step_timeout_s)
         else:
             worker = await loop.run_in_executor(self._device, Worker, self.config, self.model, blocks)

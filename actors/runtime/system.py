@@ -100,13 +100,14 @@ class ActorSystem:
         for actor in self.local:
             self._tasks.append(asyncio.create_task(actor.run(self.router), name=f"{actor.name}:run"))
         await asyncio.sleep(0)
-        ready = {name: asyncio.Event() for name in self.specs}
+        ready, up = {name: asyncio.Event() for name in self.specs}, set()
 
-        async def spawn(name: str) -> None:  # (once its `after` is up: not if that one failed to start)
-            if (after := self.specs[name].after) and not (await ready[after].wait() and self.state[after] == "up"):
-                return
+        async def spawn(name: str) -> None:  # (once its `after` was up; never once that one failed, or stop began)
             try:
-                await self._spawn(name)
+                after = self.specs[name].after
+                if (after is None or (await ready[after].wait() and after in up)) and not self._stopping:
+                    await self._spawn(name)
+                    up.add(name)
             finally:
                 ready[name].set()
 
@@ -213,8 +214,7 @@ class ActorSystem:
             log.error("engine replica %s keeps dying (%s): out of rotation for %g s", group, intensity, wait)
             self.parked[group] = asyncio.Event()
         elif wait:
-            log.error("%s keeps dying (%s; %d restarts in all): restarting it in %g s", proc, intensity, budget.total,
-                      wait)  # fmt: skip
+            log.error("%s keeps dying (%s; %d restarts in all): retried in %g s", proc, intensity, budget.total, wait)
         for p in self.specs if park else [proc]:
             if group_of(p) == group:
                 self.retry_at[p] = now + wait
@@ -276,7 +276,7 @@ class ActorSystem:
         self._stopping = True
         self.broadcast(Shutdown(reason=reason), exclude=[a.name for a in self.local])
         deadline = asyncio.get_running_loop().time() + self.policy.stop_timeout_s
-        for proc, child in self.children.items():
+        for proc, child in list(self.children.items()):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(deadline):
                     await self.exited[proc].wait()
