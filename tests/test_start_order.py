@@ -15,6 +15,7 @@ from actors.engine import kv_sizing
 from actors.engine.config import EngineConfig, SpeculativeConfig
 from actors.graph import replica_processes
 from actors.runtime import ActorSpec, ActorSystem, ProcessSpec, RestartPolicy, StartupError
+from tests.cancel_harness import wait_for
 from tests.runtime_actors import Recorder
 
 POLICY = RestartPolicy(heartbeat_s=0.2, heartbeat_timeout_s=0.5, max_missed=2, max_restarts=0, window_s=60)
@@ -56,6 +57,29 @@ async def test_a_process_after_one_that_fails_to_start_is_never_forked(tmp_path)
     with pytest.raises(StartupError) as e:
         await system.start()
     assert e.value.proc == "first" and "second" not in system.state
+
+
+async def test_no_process_is_forked_once_the_start_has_failed(tmp_path):
+    """One process fails at once while another still loads: the system stops, and the one after the loader is not
+    forked when the loader comes up during that stop (it would have heard no Shutdown)."""
+    gate, marker = tmp_path / "gate", tmp_path / "fail"
+    os.mkfifo(gate)
+    fd = os.open(gate, os.O_RDWR)
+    marker.touch()
+    loader = spec("loader", "publisher", "Publisher", gate=str(gate), path=str(tmp_path / "published"))
+    third = spec("third", "reader", "Reader", after="loader", path=str(tmp_path / "published"))
+    failing = spec("failing", "echo", "FailsOnceAtStart", marker=str(marker))
+    recorder = Recorder()
+    system = ActorSystem([third, loader, failing], local=[recorder], policy=POLICY)
+    starting = asyncio.create_task(system.start())
+    try:
+        await wait_for(lambda: system._stopping, what="the failed start's stop")
+        os.write(fd, b"x")  # the loader comes up now
+        with pytest.raises(StartupError):
+            await asyncio.wait_for(starting, 30)
+        assert "third" not in system.state and system.done.is_set()
+    finally:
+        os.close(fd)
 
 
 def test_the_count_is_published_whole_for_the_users_eyes_only(tmp_path):
