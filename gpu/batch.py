@@ -35,6 +35,9 @@ class ScheduledRow(msgspec.Struct, array_like=True):
     # seeded row's uniforms (DESIGN I8: reproducible at any position)
     output_position: int = 0
     lora: str | None = None  # the row's LoRA adapter (its digest: SamplingParams.lora), None: the base model's
+    # block_table holds the sequence's blocks from this index on: the runner keeps those before as this slot's
+    # earlier rows left them (gpu/runner/slot_tables.py; 0: the whole table)
+    blocks_from: int = 0
 
     @property
     def num_samples(self) -> int:

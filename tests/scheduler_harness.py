@@ -11,6 +11,7 @@ from actors.engine.metrics import idle_details
 from actors.engine.request import Companion, EngineRequest
 from actors.engine.scheduler import Scheduler
 from gpu.batch import PLACEHOLDER, BatchSpec
+from gpu.runner.slot_tables import SlotTables
 from messages.sampling_params import SamplingParams
 
 VOCAB = 97
@@ -51,6 +52,8 @@ class FakeModel:
         self.bs = block_size
         self.kv: dict[tuple[int, int], int] = {}
         self.prev: dict[int, int] = {}
+        self.tables = SlotTables()  # (each row sends the blocks its slot lacks: the runner's own bookkeeping)
+        self.resolved: list[list[int]] = []  # the last step's rows' whole tables
 
     def execute(self, batch: BatchSpec) -> tuple[list[int], list[int]]:
         """The sampled positions in order (a row verifying K drafts samples its last K + 1) and how many each
@@ -58,17 +61,19 @@ class FakeModel:
         only writes its KV (its PLACEHOLDER is its parent's last sample; guidance does not change the output)."""
         sampled, emitted, prev = [], [], dict(self.prev)  # PLACEHOLDERs are the step before's samples
         parent_slot = {r.request_id: r.slot for r in batch.rows if r.guidance_scale is None}
-        for row in batch.rows:
+        tables, lens = self.tables.resolve(batch.step, batch.rows)
+        self.resolved = [table[:n] for table, n in zip(tables.tolist(), lens.tolist(), strict=True)]
+        for row, table in zip(batch.rows, self.resolved, strict=True):
             ids = list(row.token_ids)
             assert ids and PLACEHOLDER not in ids[:-1]
             if ids[-1] == PLACEHOLDER:
                 ids[-1] = prev[row.slot if row.guidance_scale is None else parent_slot[row.request_id]]
             end = row.num_computed + len(ids)
-            assert len(row.block_table) >= -(-end // self.bs)
+            assert len(table) >= -(-end // self.bs)
             for pos, tok in enumerate(ids, row.num_computed):
-                self.kv[row.block_table[pos // self.bs], pos % self.bs] = tok
+                self.kv[table[pos // self.bs], pos % self.bs] = tok
             if row.sample and row.guidance_scale is None:
-                ctx = [self.kv[row.block_table[p // self.bs], p % self.bs] for p in range(end)]
+                ctx = [self.kv[table[p // self.bs], p % self.bs] for p in range(end)]
                 k = len(row.draft_token_ids)
                 samples = [next_token(ctx[: end - k + j]) for j in range(k + 1)]
                 n = next((j for j in range(k) if samples[j] != row.draft_token_ids[j]), k) + 1
@@ -191,11 +196,11 @@ class Harness:
         itself, taken from the cache, or written by another row of the step: a device writes every row's KV before
         any row attends): a shared block overwritten, or a cached block handed out after its eviction, fails."""
         bs, kv = self.model.bs, self.model.kv
-        for row in batch.rows:
+        for row, table in zip(batch.rows, self.model.resolved, strict=True):
             req = self.requests[row.request_id]
             known = (req if row.guidance_scale is None else req.companion).all_token_ids
             for pos in range(min(row.num_computed, len(known))):
-                held = kv.get((row.block_table[pos // bs], pos % bs))
+                held = kv.get((table[pos // bs], pos % bs))
                 who = row.request_id if row.guidance_scale is None else f"{row.request_id}'s companion"
                 assert held == known[pos], f"{who} position {pos}: {held} in KV, not {known[pos]}"
 
@@ -238,7 +243,9 @@ class Harness:
         assert set(idle_details(self.sched).values()) == {0}, idle_details(self.sched)
         bm = self.sched.block_manager
         for row in (r for b in self.batches for r in b.rows):  # tables as scheduled, not grown later
-            assert len(row.block_table) == -(-(row.num_computed + len(row.token_ids)) // bm.block_size)
+            assert row.blocks_from + len(row.block_table) == -(
+                -(row.num_computed + len(row.token_ids)) // bm.block_size
+            )
         assert bm.num_free_blocks == bm.num_blocks and sorted(bm.free_queue) == list(range(bm.num_blocks))
 
 

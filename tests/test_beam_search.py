@@ -15,6 +15,7 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.metrics import idle_details
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
+from gpu.runner.slot_tables import SlotTables
 from messages.sampling_params import BeamSearch, SamplingParams
 from messages.wire import TokenLogprobs
 
@@ -36,16 +37,18 @@ class FakeModel:
 
     def __init__(self, block_size: int, vocab: int):
         self.bs, self.vocab, self.kv = block_size, vocab, {}
+        self.tables = SlotTables()  # (a row sends the blocks its slot lacks)
 
     def execute(self, batch) -> tuple[list[int], TokenLogprobs]:
         out = TokenLogprobs(sampled=[], ranks=[], top_ids=[], top_logprobs=[])
-        for row in batch.rows:
+        tables = self.tables.resolve(batch.step, batch.rows)[0].tolist()
+        for row, table in zip(batch.rows, tables, strict=True):
             for pos, tok in enumerate(row.token_ids, row.num_computed):
-                self.kv[row.block_table[pos // self.bs], pos % self.bs] = tok
-        for row in batch.rows:  # (a device writes every row's KV before any row reads)
+                self.kv[table[pos // self.bs], pos % self.bs] = tok
+        for row, table in zip(batch.rows, tables, strict=True):  # (a device writes every row's KV before any reads)
             if row.sample:
                 end = row.num_computed + len(row.token_ids)
-                lps = dist([self.kv[row.block_table[p // self.bs], p % self.bs] for p in range(end)], self.vocab)
+                lps = dist([self.kv[table[p // self.bs], p % self.bs] for p in range(end)], self.vocab)
                 order = sorted(range(self.vocab), key=lambda t: -lps[t])
                 out.sampled.append(lps[order[0]])
                 out.ranks.append(1)

@@ -81,6 +81,7 @@ class Beam:
     output_token_ids: list[int]
     cum_logprob: float = 0.0
     block_table: list[int] = field(default_factory=list)
+    sent_blocks: int = 0
     num_computed_tokens: int = 0
     slot: int = -1
     block_hashes: list[bytes] = field(default_factory=list)

@@ -103,7 +103,7 @@ class BlockManager:
             if not self.ref_counts[block]:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
-        seq.block_table = list(hits)
+        seq.block_table, seq.sent_blocks = list(hits), 0
         self.append_slots(seq, num_tokens)
 
     def forget_cache(self) -> None:
@@ -160,9 +160,17 @@ class BlockManager:
         fork: both compute only past them, so neither writes them again)."""
         assert not seq.block_table and num_blocks * self.block_size <= parent.num_computed_tokens, seq.request_id
         seq.block_table, seq.block_hashes = parent.block_table[:num_blocks], parent.block_hashes[:num_blocks]
+        seq.sent_blocks = 0
         for block in seq.block_table:
             self.ref_counts[block] += 1
         seq.num_computed_tokens = num_blocks * self.block_size
+
+    def unsent(self, seq: Sequence) -> tuple[int, list[int]]:
+        """A row's (blocks_from, block_table): the blocks its slot's rows have not sent (gpu/runner/slot_tables.py),
+        counted sent from now on. Every change of a table is here: appended blocks are sent next, a trimmed table
+        sends from its new end, a new one (allocated, forked) whole."""
+        sent, seq.sent_blocks = seq.sent_blocks, len(seq.block_table)
+        return sent, seq.block_table[sent:]
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full of known, computed-or-scheduled tokens (module docstring)."""
@@ -182,6 +190,7 @@ class BlockManager:
         keep = self.num_blocks_for(seq.num_computed_tokens)
         self._release(seq.block_table[keep:])
         del seq.block_table[keep:]
+        seq.sent_blocks = min(seq.sent_blocks, keep)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (idempotent); cached ones stay hits until evicted."""

@@ -39,6 +39,7 @@ class _DraftKV:
     tokens: list[int] = field(default_factory=list)  # the request's tokens, then this proposal's drafts
     num_known: int = 0  # of them, the request's (known when proposing): the KV holds tokens[:num_computed_tokens]
     block_table: list[int] = field(default_factory=list)
+    sent_blocks: int = 0  # (the BlockManager's count; unused: a proposal's rows send whole tables, slots by position)
     num_computed_tokens: int = 0
 
 

@@ -82,12 +82,14 @@ def companion_row(req: EngineRequest, m: int, block_manager: BlockManager, draft
     block_manager.append_slots(c, m)
     start, fed = c.num_computed_tokens, m - len(drafts)
     tokens = c.token_ids(start, start + fed) + list(drafts)
+    sent, blocks = block_manager.unsent(c)
     row = ScheduledRow(
         req.request_id,
         c.slot,
         tokens,
         start,
-        list(c.block_table),
+        blocks,
+        blocks_from=sent,
         sample=start + fed == c.num_tokens,
         draft_token_ids=list(drafts),
         guidance_scale=req.params.guidance_scale,

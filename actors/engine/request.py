@@ -58,6 +58,7 @@ class EngineRequest:
     num_pending_tokens: int = 0  # sampled by in-flight steps, not yet appended to output_token_ids
     num_inflight_steps: int = 0  # scheduled steps with a row of this request, not yet updated
     block_table: list[int] = field(default_factory=list)
+    sent_blocks: int = 0  # the leading blocks of block_table its slot's rows have sent (BlockManager.unsent)
     slot: int = -1  # stable index in [0, max_num_seqs) while admitted; -1 when it holds none
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
@@ -176,6 +177,7 @@ class Companion:
     parent: EngineRequest
     prompt_token_ids: list[int]  # the negative prompt
     block_table: list[int] = field(default_factory=list)
+    sent_blocks: int = 0
     num_computed_tokens: int = 0
     slot: int = -1
     block_hashes: list[bytes] = field(default_factory=list)

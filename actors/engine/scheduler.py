@@ -275,8 +275,9 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         wants = req.params.prompt_logprobs is not None and req.fresh
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
         token_ids = seq.token_ids(start, start + fed) + list(drafts)
-        row = ScheduledRow(req.request_id, seq.slot, token_ids, start, list(seq.block_table), sample, targets,
-                           list(drafts), output_position=req.num_output_tokens, lora=req.params.lora)  # fmt: skip
+        sent, blocks = self.block_manager.unsent(seq)
+        row = ScheduledRow(req.request_id, seq.slot, token_ids, start, blocks, sample, targets, list(drafts),
+                           output_position=req.num_output_tokens, lora=req.params.lora, blocks_from=sent)  # fmt: skip
         seq.num_computed_tokens += n
         req.scheduled_at = req.scheduled_at or time.monotonic()
         self.block_manager.cache_full_blocks(seq)

@@ -98,7 +98,7 @@ class StepGraphs:
     def key_for(self, batch: BatchSpec) -> Key | None:
         """The graph a step runs as, or None: too many tokens (or rows), or a block table wider than the longest
         servable row's."""
-        if not batch.rows or max(len(r.block_table) for r in batch.rows) > self.width:
+        if not batch.rows or max(r.blocks_from + len(r.block_table) for r in batch.rows) > self.width:
             return None
         mixed = not is_decode_step(batch)
         n = batch.num_tokens if mixed else len(batch.rows)
@@ -106,8 +106,8 @@ class StepGraphs:
 
     def pad(self, batch: BatchSpec, size: int) -> BatchSpec:
         """The step padded to `size` tokens and rows (module docstring)."""
-        pad = ScheduledRow("<pad>", 0, [0], 0, [self.scratch_block], False)
-        empty = ScheduledRow("<empty>", 0, [], 0, [], False)
+        pad = ScheduledRow("<pad>", -1, [0], 0, [self.scratch_block], False)  # (slot -1: no slot's table kept)
+        empty = ScheduledRow("<empty>", -1, [], 0, [], False)
         tokens = batch.num_tokens
         return BatchSpec(batch.step, [*batch.rows, *[pad] * (size - tokens), *[empty] * (tokens - len(batch.rows))])
 

@@ -32,6 +32,7 @@ from gpu.runner.adapters import RunnerAdapters, lora_kernels
 from gpu.runner.graphs import MAX_MIXED, GraphMode, StepGraphs, capture_sizes
 from gpu.runner.memory import CudaMemory, DeviceMemory, log_plan, profile
 from gpu.runner.native_loop import native_loop
+from gpu.runner.slot_tables import SlotTables
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -153,6 +154,7 @@ class ModelRunner(RunnerAdapters):
         host_plans = model_config.moe is not None or (lora_slots > 0 and self.lora.ops is None)
         mode = graph_mode(decode_graphs, self.device, self.attention, host_plans)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.tables = SlotTables()  # each slot's block table, as its rows left it
         self.graphs = self.kv_cache = None
         if num_blocks is None:
             largest = (
@@ -226,13 +228,10 @@ class ModelRunner(RunnerAdapters):
         np.cumsum(query_lens, out=query_start_loc[1:])
         token_row = np.repeat(np.arange(n), query_lens)
         positions = np.arange(num_tokens) - query_start_loc[token_row] + (seq_lens - query_lens)[token_row]
-        block_tables = np.zeros((n, max(len(r.block_table) for r in rows)), np.int64)
-        for i, r in enumerate(rows):
-            if len(r.block_table) * bs < seq_lens[i]:
-                raise ValueError(
-                    f"step {batch.step}: block table of {r.request_id} does not cover {seq_lens[i]} tokens"
-                )
-            block_tables[i, : len(r.block_table)] = r.block_table
+        block_tables, lens = self.tables.resolve(batch.step, rows)  # (the slots' kept blocks, and the rows')
+        if (short := np.flatnonzero(lens * bs < seq_lens)).size:
+            raise ValueError(f"step {batch.step}: block table of {rows[short[0]].request_id} does not cover "
+                             f"{seq_lens[short[0]]} tokens")  # fmt: skip
         input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int64, num_tokens)
         num_logits = np.array([r.num_logits for r in rows], np.int64)  # a sampling row's last 1 (+ K) positions
         offset = np.arange(num_logits.sum()) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
