@@ -1,11 +1,14 @@
 """The worker link's cost (issue 17): what one ExecuteStep -> StepResult round costs per step, against a batch-1 step.
 
-    python scripts/bench_worker.py [--quick] [--batches 1 16 64] [--tokens 64] [--threads N] [--link-only | --no-served]
+    python scripts/bench_worker.py [--quick] [--batches 1 16 64] [--tokens 64] [--threads N] [--blocks 64]
+                                   [--link-only | --no-served]
 
 1. Per decode step at batch B, in this process (thread CPU time, median of many): building the ExecuteStep from the
    scheduler's requests, encoding and decoding it (the process placement only), the worker's persistent-batch
-   update and SamplingRows, building the StepResult lists and encoding and decoding them (process only); printed
-   as a ratio to the same run's batch-1 decode step of the model (forward + sampling, StepExecutor.run).
+   update and SamplingRows, the runner's block tables (gpu/runner/slot_tables.py), building the StepResult lists and
+   encoding and decoding them (process only); printed as a ratio to the same run's batch-1 decode step of the model
+   (forward + sampling, StepExecutor.run). Each row's context holds --blocks KV blocks, its row sending none (steady
+   decoding: the scheduler's rows) or, for comparison, its whole table.
 2. The intake's latency while a step runs: how late an event loop in this process wakes from 1 ms sleeps while decode
    steps at batch B run on another thread (the inline worker's device thread beside the scheduler's loop), with the
    native layer loop (the GIL released through a forward) and the Python one.
@@ -36,6 +39,7 @@ from frontend.tokenizer import Tokenizer
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.loading.config import ModelConfig
 from gpu.loading.convert import default_model_dir
+from gpu.runner.slot_tables import SlotTables
 from gpu.sampling import SamplingRow
 from messages.codec import Codec
 from messages.sampling_params import SamplingParams
@@ -56,23 +60,25 @@ def cpu_us(fn, repeats: int) -> float:
     return 1e6 * statistics.median(times)
 
 
-def decode_batch(batch: int, prompt_len: int = 32) -> tuple[BatchSpec, dict[str, EngineRequest]]:
-    """A decode step of `batch` requests, each 32 prompt + 16 output tokens in (their own blocks)."""
+def decode_batch(batch: int, blocks: int, whole: bool, prompt_len: int = 32) -> tuple[BatchSpec, dict]:
+    """A decode step of `batch` requests, each 32 prompt + 16 output tokens in, `blocks` blocks of its own (the
+    row sends them all, or, `whole` false, none: its slot holds them)."""
     rows, reqs = [], {}
     for i in range(batch):
         req = EngineRequest(f"r{i}", list(range(100, 100 + prompt_len)), GREEDY, output_token_ids=list(range(16)))
         req.worker_outputs = 15  # the worker holds all but the last: one token of delta, as in steady decoding
         reqs[req.request_id] = req
-        n = req.num_tokens
-        rows.append(
-            ScheduledRow(req.request_id, i, [7], n - 1, list(range(4 * i, 4 * i + 4)), True, output_position=16)
-        )
+        table, sent = list(range(blocks * i, blocks * (i + 1))), 0 if whole else blocks
+        rows.append(ScheduledRow(req.request_id, i, [7], req.num_tokens - 1, table[sent:], True, output_position=16,
+                                 blocks_from=sent))  # fmt: skip
     return BatchSpec(step=1, rows=rows), reqs
 
 
-def message_costs(worker: Worker, batch: int, repeats: int) -> dict[str, float]:
-    codec, spec = Codec(), decode_batch(batch)
+def message_costs(worker: Worker, batch: int, blocks: int, whole: bool, repeats: int) -> dict[str, float]:
+    codec, spec = Codec(), decode_batch(batch, blocks, whole)
     msg, _ = execute_step(spec[0], spec[1], 1, 0, [])
+    tables = SlotTables()
+    tables.resolve(0, decode_batch(batch, blocks, True)[0].rows)  # (the slots hold their tables)
 
     def build():
         for req in spec[1].values():
@@ -92,11 +98,13 @@ def message_costs(worker: Worker, batch: int, repeats: int) -> dict[str, float]:
     out = {
         "build ExecuteStep": cpu_us(build, repeats),
         "persistent batch + rows": cpu_us(persistent, repeats),
+        "block tables": cpu_us(lambda: tables.resolve(1, spec[0].rows), repeats),
         "StepResult lists": cpu_us(lambda: sampled.tolist(), repeats),
         "codec ExecuteStep": cpu_us(lambda: codec.decode(codec.encode(msg)), repeats),
         "codec StepResult": cpu_us(lambda: codec.decode(codec.encode(result)), repeats),
     }
-    out["inline total"] = out["build ExecuteStep"] + out["persistent batch + rows"] + out["StepResult lists"]
+    out["inline total"] = sum(out[k] for k in ("build ExecuteStep", "persistent batch + rows", "block tables",
+                                                "StepResult lists"))  # fmt: skip
     out["process total"] = out["inline total"] + out["codec ExecuteStep"] + out["codec StepResult"]
     return out
 
@@ -155,6 +163,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--blocks", type=int, default=64, help="KV blocks per row in part 1 (64: 1,024 tokens)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--link-only", action="store_true", help="part 1 only")
     parser.add_argument("--no-served", action="store_true", help="parts 1 and 2 only")
@@ -171,10 +180,10 @@ def main() -> None:
     base = step_ms(worker, 20 if args.quick else 60)
     print(f"load {load()}; {torch.get_num_threads()} threads; batch-1 decode step {base:.2f} ms (model + sampling)")
     print("\n1. per-step cost of the link (us, thread CPU; % of the batch-1 step)")
-    for b in args.batches:
-        costs = message_costs(worker, b, repeats)
+    for b, whole in ((b, whole) for b in args.batches for whole in (False, True)):
+        costs = message_costs(worker, b, args.blocks, whole, repeats)
         parts = ", ".join(f"{k} {v:.1f}" for k, v in costs.items() if "total" not in k)
-        print(f"  B={b:3d}: {parts}")
+        print(f"  B={b:3d}, {'whole tables' if whole else 'new blocks only (the scheduler rows)'}: {parts}")
         for k in ("inline total", "process total"):
             print(f"         {k}: {costs[k]:.1f} us = {costs[k] / (10 * base):.2f} %")
     if args.link_only:

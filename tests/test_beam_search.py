@@ -41,7 +41,9 @@ class FakeModel:
 
     def execute(self, batch) -> tuple[list[int], TokenLogprobs]:
         out = TokenLogprobs(sampled=[], ranks=[], top_ids=[], top_logprobs=[])
-        tables = self.tables.resolve(batch.step, batch.rows)[0].tolist()
+        tables = [
+            t[:n] for t, n in zip(*(a.tolist() for a in self.tables.resolve(batch.step, batch.rows)), strict=True)
+        ]
         for row, table in zip(batch.rows, tables, strict=True):
             for pos, tok in enumerate(row.token_ids, row.num_computed):
                 self.kv[table[pos // self.bs], pos % self.bs] = tok

@@ -14,7 +14,7 @@ import pytest
 from actors.engine.block_manager import BlockManager
 from actors.engine.request import EngineRequest
 from gpu.batch import ScheduledRow
-from gpu.runner.slot_tables import SlotTables
+from gpu.runner.slot_tables import SlotTables, TablesDisagree
 from messages.sampling_params import SamplingParams
 
 
@@ -74,8 +74,16 @@ def test_a_forked_sequence_and_literal_rows_send_their_tables_whole():
     assert lens.tolist() == [2, 1, 3] and tables.lens[:2].tolist() == [3, 2]
 
 
-def test_a_row_that_skips_blocks_is_refused():
+def test_rows_that_cannot_fit_the_kept_tables_are_refused():
     tables = SlotTables()
     tables.resolve(0, [ScheduledRow("a", 3, [1], 0, [7, 8], True)])
-    with pytest.raises(ValueError, match="step 1: a's row sends blocks from 3, its slot holds 2"):
-        tables.resolve(1, [ScheduledRow("a", 3, [1], 8, [9], True, blocks_from=3)])
+    with pytest.raises(TablesDisagree, match="step 1: a's row keeps 3 blocks of slot 3, which holds 2 of a"):
+        tables.resolve(1, [ScheduledRow("a", 3, [1], 8, [9], True, blocks_from=3)])  # (more than it holds)
+    with pytest.raises(TablesDisagree, match="b's row keeps 1 blocks of slot 3, which holds 2 of a"):
+        tables.resolve(1, [ScheduledRow("b", 3, [1], 4, [9], True, blocks_from=1)])  # (another request's)
+    with pytest.raises(TablesDisagree, match="two rows of one slot"):
+        tables.resolve(
+            1, [ScheduledRow("a", 3, [1], 8, [9], True, blocks_from=2), ScheduledRow("c", 3, [1], 0, [4], True)]
+        )
+    resolved, _ = tables.resolve(1, [ScheduledRow("b", 3, [1], 0, [9], True)])  # (whole: any request may take it)
+    assert resolved.tolist() == [[9]] and tables.tables[3].tolist()[:2] == [9, 0]

@@ -84,6 +84,13 @@ def test_the_persistent_batch_follows_full_data_and_deltas(worker):
     assert failed.failure == "raised" and "KeyError" in failed.error
 
 
+def test_a_row_keeping_blocks_its_slot_lacks_fails_its_step_blaming_nobody(worker):
+    row = ScheduledRow("c", 2, [9], 8, [], True, blocks_from=2)  # (the two sides' bookkeeping, not the request's)
+    msg = ExecuteStep(epoch=4, seq=0, batch=BatchSpec(0, [row]), new=[WorkerRequest("c", [5, 6, 7], [], SEEDED)])
+    failed = worker.launch(msg).result()
+    assert failed.failure == "gap" and "c's row keeps 2 blocks of slot 2" in failed.error
+
+
 def test_step_messages_survive_the_codec():
     codec = Codec()
     msg = prefill(4, 9, output=[1, 2])

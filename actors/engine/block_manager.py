@@ -168,7 +168,8 @@ class BlockManager:
     def unsent(self, seq: Sequence) -> tuple[int, list[int]]:
         """A row's (blocks_from, block_table): the blocks its slot's rows have not sent (gpu/runner/slot_tables.py),
         counted sent from now on. Every change of a table is here: appended blocks are sent next, a trimmed table
-        sends from its new end, a new one (allocated, forked) whole."""
+        sends from its new end, a new one (allocated, forked, after a free) whole."""
+        assert seq.sent_blocks <= len(seq.block_table), seq.request_id
         sent, seq.sent_blocks = seq.sent_blocks, len(seq.block_table)
         return sent, seq.block_table[sent:]
 
@@ -195,7 +196,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (idempotent); cached ones stay hits until evicted."""
         self._release(seq.block_table)
-        seq.block_table = []
+        seq.block_table, seq.sent_blocks = [], 0
 
     def _release(self, blocks: list[int]) -> None:
         for block in reversed(blocks):  # the tail is evicted first

@@ -17,7 +17,8 @@ RequestLedger's state: actors/engine/lifecycle.py). Only a dead process costs a 
   block tables holding it; O(blocks + requests), once per failure). The engine process then dies and restarts clean
   rather than run on corrupt refcounts (which could mix KV between requests).
 - Planning: a request's planning adds its rows to the batch as its last act, so a failed one has none there (the
-  worker never sees them); the in-flight counts of rows it made are restored, and the prefix cache is forgotten
+  worker never sees them: the blocks they counted sent, `sent_blocks`, are moot, the request never planned again);
+  the in-flight counts of rows it made are restored, and the prefix cache is forgotten
   (those rows may have registered blocks that no step will compute; running requests register theirs again with
   their next rows). Its rows of the step in flight stay there; their samples are discarded as an aborted request's
   are.

@@ -20,7 +20,8 @@ schedule N+1, update N, schedule N+2, update N+1, ...):
 - Each request's planning and each of its results run in a `try` that hands what it raises to `_failed`, with the
   request's `snapshot` as it began: that request fails alone (its rows of the step taken back; its terminal output in
   `failed`, or in the step's outputs: actors/engine/isolation.py).
-- A slot is (re)assigned on admission; a row with num_computed == 0 starts a request in its slot. A request in
+- A slot is (re)assigned on admission; the sequence's first row there sends its whole block table (blocks_from 0:
+  BlockManager.unsent), its later rows only the blocks added since. A request in
   `isolate_after` failed steps (a suspected poison: the worker died in them) runs in steps of its own.
 Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
 - Every request fits the whole KV cache alone at its longest: one max_model_len sequence (checked at construction;

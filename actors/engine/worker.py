@@ -42,6 +42,7 @@ from actors.engine.grammar_masks import WorkerMasks
 from actors.engine.worker_loras import WorkerLoras
 from gpu.batch import BatchSpec
 from gpu.loading.config import ModelConfig
+from gpu.runner.slot_tables import TablesDisagree
 from gpu.sampling import SamplingRow
 from messages.step import ExecuteStep, FillMasks, GrammarMasks, StepFailure, StepProgress, StepResult, WorkerRequest
 
@@ -114,7 +115,8 @@ class Worker:
             if self.executor.followed:  # the gang's other ranks wait in a collective this one will not call
                 os._exit(GANG_EXIT)
             self.broken = True
-            return Launched(msg, failure="raised", error=f"step failed in the worker: {type(e).__name__}: {e}")
+            failure = "gap" if isinstance(e, TablesDisagree) else "raised"  # (the former: no request's fault)
+            return Launched(msg, failure=failure, error=f"step failed in the worker: {type(e).__name__}: {e}")
         finally:
             self.running, self.progress = None, self.progress + 1
 

@@ -184,15 +184,15 @@ def profile(
     per_row, width = [-(-n // bs) for n in lens], -(-c.max_model_len // bs)
     starts = [sum(per_row[:i]) for i in range(rows)]
     worst = BatchSpec(0, [
-        ScheduledRow(f"profile-{i}", i, [0] * n, 0, list(range(starts[i], starts[i] + per_row[i])), True)
+        ScheduledRow(f"profile-{i}", -1, [0] * n, 0, list(range(starts[i], starts[i] + per_row[i])), True)
         for i, n in enumerate(lens)
     ])  # fmt: skip
-    longest = ScheduledRow("graph", 0, [0], c.max_model_len - 1, [0] * width, True)  # (one block read throughout)
+    longest = ScheduledRow("graph", -1, [0], c.max_model_len - 1, [0] * width, True)  # (one block read throughout)
     runner.kv_cache = KVCache(runner.kv_config, sum(per_row) + 1, bs, runner.dtype, runner.device)
     try:
         worst_growth = _growth(memory, runner, worst)
         decode_growth = _growth(memory, runner, BatchSpec(1, [longest] * (graph_size or rows)))
-        mixed = ScheduledRow("mixed", 0, [0] * mixed_size, 0, list(range(-(-mixed_size // bs))), True)
+        mixed = ScheduledRow("mixed", -1, [0] * mixed_size, 0, list(range(-(-mixed_size // bs))), True)
         mixed_growth = _growth(memory, runner, BatchSpec(2, [mixed])) if mixed_size else 0
     finally:
         runner.kv_cache = None

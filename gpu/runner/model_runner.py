@@ -154,7 +154,7 @@ class ModelRunner(RunnerAdapters):
         host_plans = model_config.moe is not None or (lora_slots > 0 and self.lora.ops is None)
         mode = graph_mode(decode_graphs, self.device, self.attention, host_plans)
         self.prev_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        self.tables = SlotTables()  # each slot's block table, as its rows left it
+        self.tables = SlotTables(max_num_seqs)  # each slot's block table, as its rows left it
         self.graphs = self.kv_cache = None
         if num_blocks is None:
             largest = (
