@@ -32,18 +32,15 @@ def dist(ctx: list[int], vocab: int) -> list[float]:
 
 
 class FakeModel:
-    """Writes every fed token into a paged KV dict and samples (greedily, with the sorted logprobs) from the context
-    read back through the row's block table."""
+    """Writes fed tokens into a paged KV dict; samples greedily (sorted logprobs) from the context read back."""
 
     def __init__(self, block_size: int, vocab: int):
-        self.bs, self.vocab, self.kv = block_size, vocab, {}
-        self.tables = SlotTables()  # (a row sends the blocks its slot lacks)
+        self.bs, self.vocab, self.kv, self.tables = block_size, vocab, {}, SlotTables()  # (rows send what slots lack)
 
     def execute(self, batch) -> tuple[list[int], TokenLogprobs]:
         out = TokenLogprobs(sampled=[], ranks=[], top_ids=[], top_logprobs=[])
-        tables = [
-            t[:n] for t, n in zip(*(a.tolist() for a in self.tables.resolve(batch.step, batch.rows)), strict=True)
-        ]
+        resolved, lens = self.tables.resolve(batch.step, batch.rows)
+        tables = [t[:n] for t, n in zip(resolved.tolist(), lens.tolist(), strict=True)]
         for row, table in zip(batch.rows, tables, strict=True):
             for pos, tok in enumerate(row.token_ids, row.num_computed):
                 self.kv[table[pos // self.bs], pos % self.bs] = tok
@@ -63,9 +60,8 @@ class Engine:
     def __init__(
         self, vocab=4, num_blocks=256, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, caching=False
     ):
-        self.sched = Scheduler(
-            BlockManager(num_blocks, block_size, caching), max_num_seqs, budget, max_model_len, [EOS]
-        )
+        blocks = BlockManager(num_blocks, block_size, caching)
+        self.sched = Scheduler(blocks, max_num_seqs, budget, max_model_len, [EOS])
         self.model = FakeModel(block_size, vocab)
         self.answers: dict[str, tuple[list[int], str]] = {}  # a member's whole answer; a plain request's output
         self.acks: list[str] = []
