@@ -19,9 +19,8 @@ class ScheduledRow(msgspec.Struct, array_like=True):
     slot: int
     token_ids: list[int]  # the tokens fed this step (PLACEHOLDER allowed only as the last one)
     num_computed: int  # tokens of this request already in the KV cache (first position)
-    block_table: list[
-        int
-    ]  # the request's KV blocks from blocks_from on; all of them cover num_computed + len(token_ids)
+    # the request's KV blocks from blocks_from on (all of them cover num_computed + len(token_ids))
+    block_table: list[int]
     sample: bool  # False for a partial chunked-prefill row: its logits are not computed
     # prompt_logprobs: the prompt tokens that follow this row's first fed tokens, one per fed token whose logits
     # the runner also returns (after the sampling rows' logits)

@@ -29,7 +29,8 @@ from gpu.batch import BatchSpec
 from messages.sampling_params import SamplingParams
 from messages.wire import Msg, TokenLogprobs
 
-# Why a step did not run: "gap" (the worker refused it: an ExecuteStep before it was lost), "raised" (it raised in
+# Why a step did not run: "gap" (the worker refused it: an ExecuteStep before it was lost, or rows that do not fit
+# the block tables its runner keeps, gpu/runner/slot_tables.py), "raised" (it raised in
 # the worker), "lost" (its StepResult was lost or late: nothing was heard of it for step_timeout_s), "died" (the
 # worker died with it in flight), "hung" (the worker's heartbeats showed its device thread making no progress for
 # step_timeout_s: the worker is made to exit). The steps that "raised", "died" or "hung" blame their requests (one may

@@ -154,6 +154,6 @@ async def test_the_worker_process_sizes_the_cache_to_the_card(tiny_model_dir):
         worker, path = config.replica.worker, Path(llm.system.rundir) / f"{config.replica.worker}.kv-blocks"
         written, old = (path.stat().st_ino, path.stat().st_mtime_ns), llm.system.pids()[worker]
         llm.system.kill(worker)  # a restart reads the count (not written again): the same blocks, the same tokens
-        await wait_for(lambda: llm.system.pids().get(worker, old) != old and llm.system.state[worker] == "up")
+        await wait_for(lambda: llm.system.pids().get(worker, old) != old and llm.system.state[worker] == "up", 120)
         assert [o.token_ids for o in await llm.generate(PROMPTS, params)] == first
         assert (path.stat().st_ino, path.stat().st_mtime_ns) == written

@@ -81,9 +81,12 @@ def test_rows_that_cannot_fit_the_kept_tables_are_refused():
         tables.resolve(1, [ScheduledRow("a", 3, [1], 8, [9], True, blocks_from=3)])  # (more than it holds)
     with pytest.raises(TablesDisagree, match="b's row keeps 1 blocks of slot 3, which holds 2 of a"):
         tables.resolve(1, [ScheduledRow("b", 3, [1], 4, [9], True, blocks_from=1)])  # (another request's)
+    with pytest.raises(TablesDisagree, match="c's row keeps 1 blocks of slot -1"):
+        tables.resolve(1, [ScheduledRow("c", -1, [1], 4, [9], True, blocks_from=1)])  # (a literal row keeps none)
     with pytest.raises(TablesDisagree, match="step 1: two rows of slot 3"):
         tables.resolve(
             1, [ScheduledRow("a", 3, [1], 8, [9], True, blocks_from=2), ScheduledRow("c", 3, [1], 0, [4], True)]
         )
     resolved, _ = tables.resolve(1, [ScheduledRow("b", 3, [1], 0, [9], True)])  # (whole: any request may take it)
     assert resolved.tolist() == [[9]] and tables.tables[3].tolist()[:2] == [9, 0]
+    assert SlotTables().resolve(0, [ScheduledRow("<pad>", -1, [0], 0, [5], False)])[0].tolist() == [[5]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from actors.engine.config import EngineConfig
@@ -89,6 +90,8 @@ def test_a_row_keeping_blocks_its_slot_lacks_fails_its_step_blaming_nobody(worke
     msg = ExecuteStep(epoch=4, seq=0, batch=BatchSpec(0, [row]), new=[WorkerRequest("c", [5, 6, 7], [], SEEDED)])
     failed = worker.launch(msg).result()
     assert failed.failure == "gap" and "c's row keeps 2 blocks of slot 2" in failed.error
+    again = worker.launch(msgspec.structs.replace(msg, epoch=5)).result()  # twice in a row: blamed, no endless reset
+    assert again.failure == "raised" and "c's row keeps 2 blocks" in again.error
 
 
 def test_step_messages_survive_the_codec():

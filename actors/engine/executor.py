@@ -192,6 +192,7 @@ class StepExecutor:
             self._check_relay(batch)
         relay = batch.relay_slots
         if self.tp.size > 1:
+            self.runner.tables.check(batch.step, batch.rows)  # (a step the tables refuse never reaches a follower)
             self.followed = True  # the followers run this step's collectives with us (from its first byte)
             self.tp.broadcast_bytes(msgspec.msgpack.encode(batch))
         logits = self.runner.execute(batch)

@@ -9,8 +9,9 @@ Launched it returns gives the StepResult (`result()`, any thread: it waits for t
 
 An ExecuteStep of an older epoch, or one already run, is ignored (None); a gap in seq (a lost or reordered
 ExecuteStep) breaks the epoch: that step and every later one of the epoch answer with an error, and the
-scheduler resets the worker (a new epoch). A step that raises answers with the error too: the scheduler treats
-it as a lost worker (the step's requests are recomputed; one that keeps failing steps is failed alone); the leader
+scheduler resets the worker (a new epoch). So does a step whose rows do not fit the block tables the runner keeps
+(gpu/runner/slot_tables.py: a bookkeeping bug, no request's; a second such step in a row counts as one that raised).
+A step that raises answers with the error too: the scheduler treats it as a lost worker (the step's requests are recomputed; one that keeps failing steps is failed alone); the leader
 of a tensor-parallel gang whose followers were in the step exits instead (actors/engine/gang.py), a worker death.
 
 Progress (a process worker's, for its heartbeats: messages/step.py StepProgress): `progress` counts what the
@@ -86,6 +87,7 @@ class Worker:
         self.requests: dict[str, WorkerRequest] = {}  # the persistent batch (device thread only)
         self.loras = None if config.lora is None else WorkerLoras(self.executor.runner, config.lora.at_start())
         self.epoch, self.next_seq, self.broken = -1, 0, False
+        self.disagreed = False  # the last step failed as its rows did not fit the kept block tables
         self._lock = threading.Lock()  # guards the two mask tables (fill() comes from another thread)
         self._waiting: dict[tuple[int, int], WorkerMasks] = {}  # launched steps whose deferred masks are due
         self._early: dict[tuple[int, int], FillMasks] = {}  # fills that came before their step's launch
@@ -107,6 +109,7 @@ class Worker:
         self.running, self.progress = (msg.epoch, msg.seq), self.progress + 1
         try:
             launched = Launched(msg, self._run(msg))
+            self.disagreed = False
             if self.loras is not None:
                 launched.loras = self.loras.report()
             return launched
@@ -115,7 +118,9 @@ class Worker:
             if self.executor.followed:  # the gang's other ranks wait in a collective this one will not call
                 os._exit(GANG_EXIT)
             self.broken = True
-            failure = "gap" if isinstance(e, TablesDisagree) else "raised"  # (the former: no request's fault)
+            disagree = isinstance(e, TablesDisagree)  # (the two sides' bookkeeping: no request's fault, unless it
+            failure = "gap" if disagree and not self.disagreed else "raised"  # comes twice in a row: no endless resets)
+            self.disagreed = disagree
             return Launched(msg, failure=failure, error=f"step failed in the worker: {type(e).__name__}: {e}")
         finally:
             self.running, self.progress = None, self.progress + 1
