@@ -13,7 +13,7 @@ blames the step's requests, as a step that raised: actors/engine/worker.py).
 Steady decoding then sends one block per row per `block_size` tokens instead of the whole table each step, and the
 step's [rows, width] table is one gather instead of a copy per row from Python lists. A decode step of 256 rows of
 1,024-token contexts (64 blocks each; 2-core EPYC, `scripts/bench_worker.py --link-only`, whole tables against new
-blocks only): the ExecuteStep's encode + decode 581 -> 144 us, the tables 432 -> 102 us; at one row 7 -> 5 us.
+blocks only): the ExecuteStep's encode + decode 588 -> 146 us, the tables 447 -> 124 us; at one row 7 -> 5 us.
 Memory: 8 bytes per slot (max_num_seqs) per block of the longest table, up to twice that as the width doubles; on
 CUDA the memory profile's longest row makes it max_model_len / block_size wide from the start (256 slots of
 32k-token contexts: 4-8 MiB).
