@@ -11,8 +11,9 @@ An ExecuteStep of an older epoch, or one already run, is ignored (None); a gap i
 ExecuteStep) breaks the epoch: that step and every later one of the epoch answer with an error, and the
 scheduler resets the worker (a new epoch). So does a step whose rows do not fit the block tables the runner keeps
 (gpu/runner/slot_tables.py: a bookkeeping bug, no request's; a second such step in a row counts as one that raised).
-A step that raises answers with the error too: the scheduler treats it as a lost worker (the step's requests are recomputed; one that keeps failing steps is failed alone); the leader
-of a tensor-parallel gang whose followers were in the step exits instead (actors/engine/gang.py), a worker death.
+A step that raises answers with the error too: the scheduler treats it as a lost worker (the step's requests are
+recomputed; one that keeps failing steps is failed alone); the leader of a tensor-parallel gang whose followers
+were in the step exits instead (actors/engine/gang.py), a worker death.
 
 Progress (a process worker's, for its heartbeats: messages/step.py StepProgress): `progress` counts what the
 device thread did (a step begun, every few decoder layers of the forward: forward pre-hooks in the model's Python
