@@ -18,6 +18,7 @@ from actors.engine.worker_link import ProcessWorker, WorkerLost
 from actors.runtime import Actor
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.loading.config import ModelConfig
+from gpu.runner.slot_tables import TablesDisagree
 from messages.codec import Codec
 from messages.sampling_params import SamplingParams
 from messages.step import ExecuteStep, GrammarMasks, StepHung, StepProgress, StepResult, WorkerRequest
@@ -92,6 +93,17 @@ def test_a_row_keeping_blocks_its_slot_lacks_fails_its_step_blaming_nobody(worke
     assert failed.failure == "gap" and "c's row keeps 2 blocks of slot 2" in failed.error
     again = worker.launch(msgspec.structs.replace(msg, epoch=5)).result()  # twice in a row: blamed, no endless reset
     assert again.failure == "raised" and "c's row keeps 2 blocks" in again.error
+
+
+def test_a_gangs_leader_refuses_such_a_step_before_its_followers_see_it(worker, monkeypatch):
+    """(A follower would raise in the step's first collective: the gang dies instead of one reset, and the ranks'
+    kept tables part.)"""
+    gang = type("Gang", (), {"size": 2, "sent": [], "broadcast_bytes": lambda self, data: self.sent.append(data)})()
+    monkeypatch.setattr(worker.executor, "tp", gang)
+    row = ScheduledRow("d", 3, [9], 8, [], True, blocks_from=2)
+    with pytest.raises(TablesDisagree, match="d's row keeps 2 blocks of slot 3"):
+        worker.executor.run(BatchSpec(0, [row]), [])
+    assert gang.sent == [] and not worker.executor.followed
 
 
 def test_step_messages_survive_the_codec():
