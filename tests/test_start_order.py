@@ -82,6 +82,14 @@ async def test_no_process_is_forked_once_the_start_has_failed(tmp_path):
         os.close(fd)
 
 
+def test_an_order_that_would_wait_for_ever_is_refused():
+    a, b = spec("a", "x", "Echo", after="b"), spec("b", "y", "Echo", after="a")
+    with pytest.raises(ValueError, match="process a's start waits on b -> a: a cycle"):
+        ActorSystem([a, b])
+    with pytest.raises(ValueError, match="process c's start waits on nobody: none such"):
+        ActorSystem([spec("c", "z", "Echo", after="nobody")])
+
+
 def test_the_count_is_published_whole_for_the_users_eyes_only(tmp_path):
     assert kv_sizing.published(str(tmp_path), "worker") is None  # (before the first start)
     with pytest.raises(RuntimeError, match="worker published no KV cache size"):

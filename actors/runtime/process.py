@@ -65,6 +65,20 @@ class ProcessSpec(msgspec.Struct, kw_only=True):
     after: str | None = None  # the system's start forks this one once that process is Ready (restarts: unordered)
 
 
+def start_order(specs: list[ProcessSpec]) -> dict[str, ProcessSpec]:
+    """The specs by name; ValueError unless each `after` names another process, and no chain of them comes back (a
+    start that would wait for ever)."""
+    by_name = {p.name: p for p in specs}
+    for p in specs:
+        chain = [p.name]
+        while (after := by_name[chain[-1]].after) is not None:
+            chain.append(after)
+            if after not in by_name or after in chain[:-1]:
+                why = "none such" if after not in by_name else "a cycle"
+                raise ValueError(f"process {p.name}'s start waits on {' -> '.join(chain[1:])}: {why}")
+    return by_name
+
+
 class ChildConfig(msgspec.Struct, kw_only=True):
     process: ProcessSpec
     placement: Placement

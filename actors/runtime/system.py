@@ -34,7 +34,7 @@ from actors.runtime.actor import Actor
 from actors.runtime.backoff import RestartBudget, RestartPolicy, group_of
 from actors.runtime.faults import FaultPlan
 from actors.runtime.mailbox import LINGER_MS
-from actors.runtime.process import ChildConfig, Inherited, ProcessSpec, child_main, how_it_exited
+from actors.runtime.process import ChildConfig, Inherited, ProcessSpec, child_main, how_it_exited, start_order
 from actors.runtime.router import Placement, Router, make_rundir, remove_rundir
 from actors.runtime.supervisor import Supervisor
 from messages.names import SUPERVISOR
@@ -65,11 +65,9 @@ class ActorSystem:
         endpoints: dict[str, str] | None = None,
         explain: Callable[[StartupError], StartupError] | None = None,  # a failed start (or restart) as the caller
     ):  # tells it (the front adds the memory's figures: frontend/memory_check.py)
-        self.specs = {p.name: p for p in processes}
-        self.explain = explain or (lambda e: e)
-        self.policy = policy or RestartPolicy()
-        self.fault_plan = fault_plan
-        self.log_level = log_level
+        self.specs = start_order(processes)
+        self.explain, self.policy = explain or (lambda e: e), policy or RestartPolicy()
+        self.fault_plan, self.log_level = fault_plan, log_level
         self.rundir = make_rundir()
         self.supervisor = Supervisor(self)
         self.local = [self.supervisor, *local]
