@@ -143,7 +143,9 @@ async def test_actors_async_equals_sync(tiny_model_dir, dtype):
 async def test_the_worker_process_sizes_the_cache_to_the_card(tiny_model_dir):
     """The default on CUDA: the worker in its own process profiles the card (a fraction of it) and publishes the
     count; the scheduler, started after it, holds as many blocks; a restarted worker allocates the same."""
-    config = EngineConfig(model=str(tiny_model_dir), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16)
+    config = EngineConfig(  # (no graphs: nothing to capture at each of its two starts)
+        model=str(tiny_model_dir), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16, enforce_eager=True
+    )
     assert config.placed().worker == "process"
     params = SP(temperature=0.0, max_tokens=8, ignore_eos=True)
     async with AsyncLLM(config) as llm:
