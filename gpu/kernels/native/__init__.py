@@ -7,7 +7,8 @@ bfloat16 or float16 weights), `pack_into(packed, src, offset)` (rows of it), `pa
 `panel_rows(packed, ids, out_features) -> float32 rows` (a tied embedding's lookup), `linear(x, packed,
 out_features, bias) -> y`, `linear_out(x, packed, bias, y)` (csrc/linear.cpp
 says what they guarantee) and `paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-window, softcap) -> out` (csrc/attention.cpp), `row_sum(x) -> [rows, 1]` (csrc/reduce.cpp), and the decoder's small steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul`
+window, softcap) -> out` (csrc/attention.cpp), `encoder_attention(q, k, v, lens, heads, scale, bias) -> out` (packed
+encoder inputs: csrc/encoder_attention.cpp), `row_sum(x) -> [rows, 1]` (csrc/reduce.cpp), and the decoder's small steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul`
 (csrc/fused.cpp; the kernel set of kernels.py), `huge_copy(t)` and `huge_empty(sizes, dtype)` (the memory the kernels stream weights from: linear.cpp), and the
 block formats' `block_linear(x, blocks, kind, bias)`, `block_linear_out`, `block_rows(blocks, ids, kind, in)`
 (csrc/blocks.cpp, block_values.cpp) and `quantize_rows(x, kind)` (csrc/quantize.cpp).
