@@ -22,7 +22,10 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from gpu.kernels.reference import ACTIVATIONS
+
 Q = GGMLQuantizationType
+NATIVE_ACTS = {"gelu": 1}  # the activations the native linear applies in its epilogue (csrc/linear.cpp's Act)
 # (the native kernels': csrc/blocks.cpp)
 BLOCK_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
@@ -84,6 +87,15 @@ class Linear(nn.Linear):
         if self.lora_a is not None and self.lora_slots.tokens is not None:
             self.lora_slots.add(self, x.reshape(-1, self.in_features), y.view(-1, self.out_features))
         return y
+
+    def activated(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """ACTIVATIONS[act](self(x)): on the native panels, for an activation they have and no adapter, applied in
+        the product's epilogue (each panel's sums while in cache: no pass of its own over the output)."""
+        if self.native is None or act not in NATIVE_ACTS or self.lora_a is not None:
+            return ACTIVATIONS[act](self(x))
+        flat = x.reshape(-1, self.in_features).contiguous()
+        y = self.native_ops.linear(flat, self.native, self.out_features, self.bias, NATIVE_ACTS[act])
+        return y.view(*x.shape[:-1], self.out_features)
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is None and self.blocks is None:

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.kernels.reference import ACTIVATIONS
 from gpu.layers.linear import Linear
 
 HEADS = re.compile(r"^(cls|pooler|classifier|lm_head)\.|position_ids$")  # (heads' tensors; a buffer some files keep)
@@ -48,7 +47,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, c) -> None:
         super().__init__()
         h = c.hidden_size
-        self.heads, self.act = c.num_attention_heads, ACTIVATIONS[c.hidden_act]
+        self.heads, self.act = c.num_attention_heads, c.hidden_act
         self.q, self.k, self.v, self.o = (Linear(h, h) for _ in range(4))
         self.up, self.down = Linear(h, c.intermediate_size), Linear(c.intermediate_size, h)
         self.attn_norm, self.mlp_norm = nn.LayerNorm(h, c.layer_norm_eps), nn.LayerNorm(h, c.layer_norm_eps)
@@ -61,7 +60,7 @@ class EncoderLayer(nn.Module):
         else:
             attn = self.torch_attention(q, k, v, lens, bias)
         x = self.attn_norm(x + self.o(attn))
-        return self.mlp_norm(x + self.down(self.act(self.up(x))))
+        return self.mlp_norm(x + self.down(self.up.activated(x, self.act)))
 
     def torch_attention(self, q, k, v, lens: list[int], bias: torch.Tensor | None) -> torch.Tensor:
         t, h = q.shape

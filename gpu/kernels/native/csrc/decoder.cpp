@@ -39,7 +39,7 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {  // this library's op `name
 }
 
 // The native ops' signatures (as registered: linear.cpp, blocks.cpp, fused.cpp, attention.cpp)
-using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptT&);
+using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptT&, int64_t);
 using BlocksSig = void(const at::Tensor&, const at::Tensor&, int64_t, const OptT&, at::Tensor);
 using NormSig = at::Tensor(const at::Tensor&, const OptT&, const at::Tensor&, double, double);
 using RopeSig = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
@@ -122,7 +122,7 @@ struct Decoder : torch::CustomClassHolder {
         blocks_.call(flat, l.blocks[i], l.kinds[i], bias, y.narrow(1, l.firsts[i], rows));
       }
     } else {
-      y = linear_.call(flat, *l.panels, l.out, l.bias);
+      y = linear_.call(flat, *l.panels, l.out, l.bias, 0);  // (act: none)
     }
     if (l.lora_a && lora_slots) lora_.call(flat, y, *lora_slots, *l.lora_a, *l.lora_b, l.lora_parts);
     return y;

@@ -1,6 +1,6 @@
-// Linear layers for CPU, batch-invariant: y[r, o] = bias[o] + sum_i x[r, i] * w[o, i], x and y float32, the weight
-// float32, bfloat16 or float16 (each widened exactly to float32 as it is loaded: half the bytes to stream, the same
-// arithmetic).
+// Linear layers for CPU, batch-invariant: y[r, o] = act(bias[o] + sum_i x[r, i] * w[o, i]), x and y float32, the
+// weight float32, bfloat16 or float16 (each widened exactly to float32 as it is loaded: half the bytes to stream, the
+// same arithmetic); act none or GELU (an encoder's up projection: applied while the panel's sums are in cache).
 //
 // The weight is held once, in panels of PANEL output columns, [ceil(out / PANEL)][in][PANEL] in its own dtype
 // (`panels`: zeros, so the last panel's padding is; `pack_into` writes rows of it from a [rows, in] source, at a row
@@ -155,15 +155,22 @@ at::Tensor panel_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t o
   return rows.view(shape);
 }
 
-// One row's sums of a panel (PANEL floats at sums) into y: `cols` valid columns, each plus its bias.
-inline void finish(const float* sums, const float* bias, float* y, int64_t cols) {
-  for (int64_t c = 0; c < cols; ++c) y[c] = bias ? sums[c] + bias[c] : sums[c];
+enum Act : int64_t { NONE = 0, GELU = 1 };  // the activation an output passes through last (GELU: simd::gelu16)
+
+// One row's sums of a panel (PANEL floats at sums, which it overwrites) into y: `cols` valid columns, each plus its
+// bias, then the activation.
+inline void finish(float* sums, const float* bias, float* y, int64_t cols, int64_t act) {
+  if (bias)
+    for (int64_t c = 0; c < cols; ++c) sums[c] += bias[c];
+  if (act == GELU)
+    for (int64_t c = 0; c < PANEL; c += 16) store16(sums + c, gelu16(load16(sums + c)));
+  std::copy(sums, sums + cols, y);
 }
 
-inline void store(const Vec* acc, const float* bias, float* y, int64_t cols) {
+inline void store(const Vec* acc, const float* bias, float* y, int64_t cols, int64_t act) {
   alignas(64) float buf[PANEL];
   for (int v = 0; v < VECS; ++v) vstore(buf + v * LANES, acc[v]);
-  finish(buf, bias, y, cols);
+  finish(buf, bias, y, cols, act);
 }
 
 // R rows of x (row stride ldx) times inputs k0 .. k1 - 1 of one panel: each element's chain continued from its
@@ -190,7 +197,7 @@ void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, f
 
 // One row times GROUP consecutive whole panels (the same chains as a tile's row): y gets GROUP * PANEL columns.
 template <typename W>
-void row_group(const float* x, const W* panels, int64_t in, const float* bias, float* y) {
+void row_group(const float* x, const W* panels, int64_t in, const float* bias, float* y, int64_t act) {
   Vec acc[GROUP][VECS];
   for (int g = 0; g < GROUP; ++g)
     for (int v = 0; v < VECS; ++v) acc[g][v] = vzero();
@@ -199,7 +206,7 @@ void row_group(const float* x, const W* panels, int64_t in, const float* bias, f
     for (int g = 0; g < GROUP; ++g)
       for (int v = 0; v < VECS; ++v) acc[g][v] = vfma(xb, wload(panels + (g * in + i) * PANEL, v), acc[g][v]);
   }
-  for (int g = 0; g < GROUP; ++g) store(acc[g], bias ? bias + g * PANEL : nullptr, y + g * PANEL, PANEL);
+  for (int g = 0; g < GROUP; ++g) store(acc[g], bias ? bias + g * PANEL : nullptr, y + g * PANEL, PANEL, act);
 }
 
 template <typename W>
@@ -209,13 +216,13 @@ constexpr TileFn<W> TILES[7] = {nullptr, tile<1, W>, tile<2, W>, tile<3, W>, til
 
 template <typename W>
 void run(const float* xp, int64_t ldx, const W* wp, const float* bp, float* yp, int64_t ldy, int64_t rows, int64_t in,
-         int64_t out, int64_t panels) {
+         int64_t out, int64_t panels, int64_t act) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {  // (an even share of the panels a thread)
     std::vector<float> sums(rows * PANEL);  // (the rows' partial sums of one panel)
     for (int64_t p = begin; p < end;) {
       const int64_t col = p * PANEL;
       if (rows == 1 && p + GROUP <= end && col + GROUP * PANEL <= out) {
-        row_group(xp, wp + p * in * PANEL, in, bp ? bp + col : nullptr, yp + col);
+        row_group(xp, wp + p * in * PANEL, in, bp ? bp + col : nullptr, yp + col, act);
         p += GROUP;
         continue;
       }
@@ -225,13 +232,14 @@ void run(const float* xp, int64_t ldx, const W* wp, const float* bp, float* yp, 
           TILES<W>[std::min<int64_t>(TILE, rows - r)](xp + r * ldx, ldx, wp + p * in * PANEL, k0,
                                                       std::min(in, k0 + KBLOCK), sums.data() + r * PANEL);
       for (int64_t r = 0; r < rows; ++r)
-        finish(sums.data() + r * PANEL, bp ? bp + col : nullptr, yp + r * ldy + col, std::min(PANEL, out - col));
+        finish(sums.data() + r * PANEL, bp ? bp + col : nullptr, yp + r * ldy + col, std::min(PANEL, out - col), act);
       ++p;
     }
   });
 }
 
-void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                int64_t act) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "linear: float32 [rows, in] x");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous(),
               "linear: a packed weight (pack) of x's width");
@@ -241,16 +249,17 @@ void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::option
               "linear: y");
   TORCH_CHECK(!bias || (bias->numel() == out && bias->is_contiguous() && bias->scalar_type() == at::kFloat),
               "linear: float32 bias of out elements");
+  TORCH_CHECK(act == NONE || act == GELU, "linear: act 0 (none) or 1 (GELU)");
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   with_weights(packed, [&](auto* w) {
-    run(x.data_ptr<float>(), x.stride(0), w, bp, y.data_ptr<float>(), y.stride(0), rows, in, out, count);
+    run(x.data_ptr<float>(), x.stride(0), w, bp, y.data_ptr<float>(), y.stride(0), rows, in, out, count, act);
   });
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                  const c10::optional<at::Tensor>& bias) {
+                  const c10::optional<at::Tensor>& bias, int64_t act) {
   auto y = at::empty({x.size(0), out_features}, x.options());
-  linear_out(x, packed, bias, y);
+  linear_out(x, packed, bias, y, act);
   return y;
 }
 
@@ -263,8 +272,8 @@ TORCH_LIBRARY(SLUICE_NS, m) {
   m.def("panels(int rows, int cols, ScalarType dtype) -> Tensor", &panels);  // (no tensor in: a catch-all kernel)
   m.def("pack_into(Tensor(a!) packed, Tensor src, int offset) -> ()");
   m.def("panel_rows(Tensor packed, Tensor ids, int out_features) -> Tensor");
-  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("linear_out(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) y) -> ()");
+  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias, int act=0) -> Tensor");
+  m.def("linear_out(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) y, int act=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) {
@@ -273,7 +282,6 @@ TORCH_LIBRARY_IMPL(SLUICE_NS, CPU, m) {
   m.impl("pack_into", [](at::Tensor packed, const at::Tensor& src, int64_t offset) { pack_into(packed, src, offset); });
   m.impl("panel_rows", panel_rows);
   m.impl("linear", linear);
-  m.impl("linear_out", [](const at::Tensor& x, const at::Tensor& p, const c10::optional<at::Tensor>& b, at::Tensor y) {
-    linear_out(x, p, b, y);
-  });
+  m.impl("linear_out", [](const at::Tensor& x, const at::Tensor& p, const c10::optional<at::Tensor>& b, at::Tensor y,
+                          int64_t act) { linear_out(x, p, b, y, act); });
 }
