@@ -36,7 +36,7 @@ namespace {
 using namespace simd;
 
 #if defined(__AVX512F__)
-constexpr int QR = 4, ACC = 16;  // queries per block: QR x KC V16 accumulators (8 of 32 registers); the values' budget
+constexpr int QR = 8, ACC = 16;  // queries per block: QR x KC V16 accumulators (16 of 32 registers); the values' budget
 #else
 constexpr int QR = 2, ACC = 4;  // (8 of 16 registers: a V16 is two)
 #endif
@@ -89,27 +89,30 @@ inline float softmax(const Head& a, int64_t i, float* s, int64_t np) {
 // once for them), DV V16s each.
 template <int DV, int PR>
 void values(const Head& a, int64_t i, int64_t rows, const float* p, int64_t np, const float* inv) {
-  V16 acc[PR][DV];
-  for (auto& row : acc)
-    for (auto& x : row) x = zero16();
+  V16 acc[PR * DV];  // (one dimension: GCC 12 mirrors a two-dimensional one on the stack, as linear.cpp says)
+  for (auto& x : acc) x = zero16();
   for (int64_t j = 0; j < a.n; ++j) {
     const float* row = a.v + j * a.v_stride;
     V16 vj[DV];
     for (int v = 0; v < DV; ++v) vj[v] = lanes(row, v * 16, a.dim);
     for (int r = 0; r < PR; ++r) {
       const V16 pj = set16(p[r * np + j]);
-      for (int v = 0; v < DV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
+      for (int v = 0; v < DV; ++v) acc[r * DV + v] = fma16(pj, vj[v], acc[r * DV + v]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     alignas(64) float buf[DV * 16];
-    for (int v = 0; v < DV; ++v) store16(buf + v * 16, mul16(acc[r][v], set16(inv[r])));
+    for (int v = 0; v < DV; ++v) store16(buf + v * 16, mul16(acc[r * DV + v], set16(inv[r])));
     std::copy(buf, buf + a.dim, a.out + (i + r) * a.out_stride);
   }
 }
 
-// Rows of the values' tile: all QR while their accumulators fit in registers (ACC V16s), else 2 or 1.
-constexpr int values_rows(int dv) { return dv * QR <= ACC ? QR : dv * 2 <= ACC ? 2 : 1; }
+// Rows of the values' tile: QR, halved until their accumulators fit in registers (ACC V16s).
+constexpr int values_rows(int dv) {
+  int rows = QR;
+  while (rows > 1 && dv * rows > ACC) rows /= 2;
+  return rows;
+}
 
 // One input's head, kt and scores: the task's scratch (reused by the thread's next task).
 template <int DV>
@@ -123,19 +126,18 @@ void attend_head(const Head& a, std::vector<float>& kt, std::vector<float>& scor
     const float* q[QR];  // (a last block's missing rows repeat its last row: computed, not used)
     for (int r = 0; r < QR; ++r) q[r] = a.q + std::min(i0 + r, n - 1) * a.q_stride;
     for (int64_t j0 = 0; j0 < np; j0 += KEYS) {
-      V16 acc[QR][KC];
-      for (auto& row : acc)
-        for (auto& c : row) c = zero16();
+      V16 acc[QR * KC];
+      for (auto& x : acc) x = zero16();
       for (int64_t d = 0; d < dim; ++d) {
         V16 k[KC];
         for (int c = 0; c < KC; ++c) k[c] = load16(kt.data() + d * np + j0 + c * 16);
         for (int r = 0; r < QR; ++r) {
           const V16 qd = set16(q[r][d]);
-          for (int c = 0; c < KC; ++c) acc[r][c] = fma16(qd, k[c], acc[r][c]);
+          for (int c = 0; c < KC; ++c) acc[r * KC + c] = fma16(qd, k[c], acc[r * KC + c]);
         }
       }
       for (int r = 0; r < QR; ++r)
-        for (int c = 0; c < KC; ++c) store16(scores.data() + r * np + j0 + c * 16, acc[r][c]);
+        for (int c = 0; c < KC; ++c) store16(scores.data() + r * np + j0 + c * 16, acc[r * KC + c]);
     }
     constexpr int PR = values_rows(DV);
     const int64_t rows = std::min<int64_t>(QR, n - i0);
