@@ -1,7 +1,8 @@
 """What an actor process leaves behind when it ends without cleanup (os._exit, kill -9): no multiprocessing
 semaphore for the resource tracker to find. tqdm's default write lock makes one wherever the start method is not
 fork (an actor process is forked from the fork server: forkserver), so a child's progress bars must not use it
-(actors/runtime/process.py, `one_process_progress_bars`)."""
+(actors/runtime/process.py, `one_process_progress_bars`). And what it keeps: the heap a step freed, which the next
+step's tensors reuse without a page fault (`reuse_freed_heap`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,33 @@ def ended_abruptly(kind: str) -> str:
 def test_an_actor_process_with_a_progress_bar_leaks_no_semaphore():
     assert "leaked semaphore" in ended_abruptly("plain")  # (the test's power: tqdm's default lock leaks)
     assert "leaked semaphore" not in ended_abruptly("actor")
+
+
+HEAP = """
+import ctypes, resource, sys, threading
+import torch
+if sys.argv[1] == "actor":
+    from actors.runtime.process import reuse_freed_heap
+    reuse_freed_heap()
+else:  # (the test's power: every tensor over 1 MiB a fresh mapping, M_MMAP_THRESHOLD)
+    ctypes.CDLL(None).mallopt(-3, 1 << 20)
+def steps():  # (in a thread, as a pooler's or a worker's steps run)
+    for _ in range(10):  # (the first few land on new heap pages: glibc reuses freed ones once it has ~64 MiB)
+        torch.empty(2 << 20).fill_(1.0)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(20):
+        torch.empty(2 << 20).fill_(1.0)  # (8 MiB: 2,048 pages)
+    print(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+thread = threading.Thread(target=steps)
+thread.start(), thread.join()
+"""
+
+
+def test_a_steps_8_mib_tensors_reuse_the_heap_the_last_one_freed():
+    def faults(kind: str) -> int:
+        return int(
+            subprocess.run([sys.executable, "-c", HEAP, kind], capture_output=True, check=True, timeout=120).stdout
+        )
+
+    assert faults("plain") > 20 * 2048 / 2
+    assert faults("actor") < 20 * 2048 / 20

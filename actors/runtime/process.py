@@ -158,6 +158,7 @@ def how_it_exited(code: int) -> str:
 def child_main(config_json: bytes, inherited: Inherited) -> None:
     """Entry point of every actor process (multiprocessing's target, forked from the fork server)."""
     gc.freeze()  # (what the fork server imported is never collected here: its pages stay shared, ~40 MB a process)
+    reuse_freed_heap()  # (first: before any thread has an arena of its own)
 
     config = msgspec.json.decode(config_json, type=ChildConfig)
     inherited.attach_stdio()
@@ -211,6 +212,19 @@ def one_process_progress_bars() -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+
+
+def reuse_freed_heap() -> None:
+    """glibc's malloc, set as its dynamic thresholds end up at most (32 MiB mmap, twice that trim), from the start and
+    for every thread (one arena): a step's tensors under 32 MiB (an encoder's 3-13 MiB activations, a prefill's)
+    come from the heap that the last step freed, not from fresh mappings that are unmapped again and each page
+    faulted in anew (~30,000 page faults in a 2,048-token step of all-MiniLM-L6-v2, about a tenth of its time).
+    Cost: a process keeps up to 64 MiB freed at its heap's top. Nothing where the C library is not glibc."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None and hasattr(os, "confstr") and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or ""):
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+        for param, value in ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 64 << 20), (M_ARENA_MAX, 1)):
+            mallopt(param, value)
 
 
 def die_with_parent(parent_pid: int) -> None:
