@@ -11,10 +11,11 @@
 //
 // One task per head and input, head-major (two threads split the heads, not inputs of unequal cost): the head's keys
 // packed transposed, [D][n rounded up to KEYS] (zeros past n), then blocks of QR queries against KEYS keys at a time
-// in QR x KC accumulators (registers). Each score is one fma chain over d = 0 .. D - 1 from 0, each output lane one
-// over j = 0 .. n - 1: a token's result depends on nothing but its own input's q, k and v (not the batch around it,
-// the block its row falls in, the thread count, nor the ISA), so an input's embedding is the same bits alone or in
-// any batch. A NaN score makes its row NaN, as torch's softmax does.
+// in QR x KC accumulators (registers), scaled, biased and their row's max taken as they are stored; the values
+// summed for several rows at once. Each score is one fma chain over d = 0 .. D - 1 from 0, each output lane one over
+// j = 0 .. n - 1: a token's result depends on nothing but its own input's q, k and v (not the batch around it, the
+// block its row falls in, the thread count, nor the ISA), so an input's embedding is the same bits alone or in any
+// batch. A NaN score makes its row NaN, as torch's softmax does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -60,27 +61,15 @@ inline V16 lanes(const float* p, int64_t d, int64_t dim) {
   return d + 16 <= dim ? load16(p + d) : load16(p + d, static_cast<int>(dim - d));
 }
 
-// Query i's row of scores s [np] (n of them, then padding) becomes its softmax's numerators, 0 past n; returns 1 /
-// their sum.
-inline float softmax(const Head& a, int64_t i, float* s, int64_t np) {
-  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < a.n; j += 16) {
-    V16 x = mul16(load16(s + j), set16(a.scale));
-    if (a.bias != nullptr) {
-      const float* b = a.bias + a.center - i + j;  // (offsets j - i .. j - i + 15, the last ones only while < n)
-      x = add16(x, a.n - j >= 16 ? load16(b) : load16(b, static_cast<int>(a.n - j)));
-    }
-    store16(s + j, x);
-  }
-  std::fill(s + a.n, s + np, NEG_INF);
-  V16 m = set16(NEG_INF);
-  for (int64_t j = 0; j < np; j += 16) m = max16(m, load16(s + j));
+// Query i's scores (s [np]: q . k x scale + bias, -inf past n) become its softmax's numerators, 0 past n, given their
+// max m; returns 1 / their sum.
+inline float softmax(int64_t n, float* s, V16 m) {
   const V16 shift = set16(-max16(m));
   V16 l = zero16();
-  for (int64_t j = 0; j < np; j += 16) {
-    store16(s + j, exp16(add16(load16(s + j), shift)));
-    if (j + 16 > a.n) std::fill(s + std::max(j, a.n), s + j + 16, 0.0f);  // (exp16 has a floor: not 0 at -inf)
-    l = add16(l, load16(s + j));
+  for (int64_t j = 0; j < n; j += 16) {
+    const V16 p = first16(exp16(add16(load16(s + j), shift)), static_cast<int>(n - j), 0.0f);  // (exp16 has a floor)
+    store16(s + j, p);
+    l = add16(l, p);
   }
   return 1.0f / sum16(l);
 }
@@ -100,11 +89,10 @@ void values(const Head& a, int64_t i, int64_t rows, const float* p, int64_t np, 
       for (int v = 0; v < DV; ++v) acc[r * DV + v] = fma16(pj, vj[v], acc[r * DV + v]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    alignas(64) float buf[DV * 16];
-    for (int v = 0; v < DV; ++v) store16(buf + v * 16, mul16(acc[r * DV + v], set16(inv[r])));
-    std::copy(buf, buf + a.dim, a.out + (i + r) * a.out_stride);
-  }
+  alignas(64) float buf[PR][DV * 16];  // (every row stored, by constant indices: a register's index a run-time row
+  for (int r = 0; r < PR; ++r)       // would keep the accumulators mirrored on the stack, a store each key)
+    for (int v = 0; v < DV; ++v) store16(buf[r] + v * 16, mul16(acc[r * DV + v], set16(inv[r])));
+  for (int64_t r = 0; r < rows; ++r) std::copy(buf[r], buf[r] + a.dim, a.out + (i + r) * a.out_stride);
 }
 
 // Rows of the values' tile: QR, halved until their accumulators fit in registers (ACC V16s).
@@ -117,6 +105,7 @@ constexpr int values_rows(int dv) {
 // One input's head, kt and scores: the task's scratch (reused by the thread's next task).
 template <int DV>
 void attend_head(const Head& a, std::vector<float>& kt, std::vector<float>& scores) {
+  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   const int64_t n = a.n, dim = a.dim, np = (n + KEYS - 1) / KEYS * KEYS;
   kt.assign(dim * np, 0.0f);
   for (int64_t j = 0; j < n; ++j)
@@ -125,6 +114,8 @@ void attend_head(const Head& a, std::vector<float>& kt, std::vector<float>& scor
   for (int64_t i0 = 0; i0 < n; i0 += QR) {
     const float* q[QR];  // (a last block's missing rows repeat its last row: computed, not used)
     for (int r = 0; r < QR; ++r) q[r] = a.q + std::min(i0 + r, n - 1) * a.q_stride;
+    V16 m[QR];  // (each row's running max)
+    for (auto& x : m) x = set16(NEG_INF);
     for (int64_t j0 = 0; j0 < np; j0 += KEYS) {
       V16 acc[QR * KC];
       for (auto& x : acc) x = zero16();
@@ -136,13 +127,26 @@ void attend_head(const Head& a, std::vector<float>& kt, std::vector<float>& scor
           for (int c = 0; c < KC; ++c) acc[r * KC + c] = fma16(qd, k[c], acc[r * KC + c]);
         }
       }
-      for (int r = 0; r < QR; ++r)
-        for (int c = 0; c < KC; ++c) store16(scores.data() + r * np + j0 + c * 16, acc[r * KC + c]);
+      for (int r = 0; r < QR; ++r) {
+        const int64_t i = std::min(i0 + r, n - 1);
+        for (int c = 0; c < KC; ++c) {
+          const int64_t j = j0 + c * 16;
+          const int valid = static_cast<int>(std::clamp<int64_t>(n - j, 0, 16));
+          V16 x = mul16(acc[r * KC + c], set16(a.scale));
+          if (a.bias != nullptr) {  // (offsets j - i .. j - i + 15 of the bias, read only while the key is < n)
+            const float* b = a.bias + a.center - i + j;
+            x = add16(x, valid == 16 ? load16(b) : load16(b, valid));
+          }
+          x = first16(x, valid, NEG_INF);
+          store16(scores.data() + r * np + j, x);
+          m[r] = max16(m[r], x);
+        }
+      }
     }
     constexpr int PR = values_rows(DV);
     const int64_t rows = std::min<int64_t>(QR, n - i0);
-    float inv[QR];
-    for (int64_t r = 0; r < rows; ++r) inv[r] = softmax(a, i0 + r, scores.data() + r * np, np);
+    float inv[QR] = {};
+    for (int64_t r = 0; r < rows; ++r) inv[r] = softmax(n, scores.data() + r * np, m[r]);
     for (int64_t r = 0; r < rows; r += PR)
       values<DV, PR>(a, i0 + r, std::min<int64_t>(PR, rows - r), scores.data() + r * np, np, inv + r);
   }

@@ -60,6 +60,10 @@ inline V16 div16(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline V16 neg_abs16(V16 a) {  // -|a|: the sign bit set
   return {_mm512_castsi512_ps(_mm512_or_epi32(_mm512_castps_si512(a.v), _mm512_set1_epi32(INT32_MIN)))};
 }
+inline V16 first16(V16 a, int n, float rest) {  // a's lanes < n, `rest` in the others (any n)
+  const __mmask16 keep = n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1u);
+  return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(rest), a.v)};
+}
 inline V16 select_ge0_16(V16 z, V16 a, V16 b) {  // a where z >= 0, else b
   return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(z.v, _mm512_setzero_ps(), _CMP_GE_OQ), b.v, a.v)};
 }
@@ -117,6 +121,10 @@ inline V16 div16(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_p
 inline V16 neg_abs16(V16 a) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   return {_mm256_or_ps(a.lo, sign), _mm256_or_ps(a.hi, sign)};
+}
+inline V16 first16(V16 a, int n, float rest) {
+  const __m256 r = _mm256_set1_ps(rest);
+  return {_mm256_blendv_ps(r, a.lo, mask8(n)), _mm256_blendv_ps(r, a.hi, mask8(n - 8))};
 }
 inline V16 select_ge0_16(V16 z, V16 a, V16 b) {
   const __m256 zero = _mm256_setzero_ps();
