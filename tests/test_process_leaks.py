@@ -34,6 +34,8 @@ def test_an_actor_process_with_a_progress_bar_leaks_no_semaphore():
 HEAP = """
 import ctypes, resource, sys, threading
 import torch
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # (PR_SET_THP_DISABLE: 4 KiB pages, a fault each, whatever the system's THP)
+torch.set_num_threads(1)  # (every page faulted by the thread counted)
 if sys.argv[1] == "actor":
     from actors.runtime.process import reuse_freed_heap
     reuse_freed_heap()
