@@ -54,14 +54,16 @@ def forward_run(model, steps: list[list[list[int]]]) -> float:
     return sum(map(len, steps)) / (time.perf_counter() - t)
 
 
-def packed_steps(path: str, inputs: list[str], budget: int) -> list[list[list[int]]]:
-    """The inputs' token ids (the model's tokenizer, special tokens added) in steps of up to `budget` tokens, as the
-    pooler packs a queue that holds them all."""
+def packed_steps(path: str, inputs: list[str], budget: int, max_seqs: int) -> list[list[list[int]]]:
+    """The inputs' token ids (the model's tokenizer, special tokens added, neither truncated nor padded: as the server
+    tokenizes) in steps of up to `budget` tokens and `max_seqs` inputs, as the pooler packs a queue that holds them."""
     from tokenizers import Tokenizer
 
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tokenizer.no_truncation(), tokenizer.no_padding()  # (the file's own: MiniLM's pads and cuts at 128)
     steps, tokens = [[]], 0
-    for ids in (e.ids for e in Tokenizer.from_file(os.path.join(path, "tokenizer.json")).encode_batch(inputs)):
-        if tokens + len(ids) > budget and steps[-1]:
+    for ids in (e.ids for e in tokenizer.encode_batch(inputs)):
+        if (tokens + len(ids) > budget or len(steps[-1]) == max_seqs) and steps[-1]:
             steps, tokens = [*steps, []], 0
         steps[-1].append(ids)
         tokens += len(ids)
@@ -135,6 +137,8 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of sentence-transformers and Sluice")
     parser.add_argument("--vllm", metavar="BIN", help="vLLM's CPU build's `vllm` command: served the same requests")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     from sentence_transformers import SentenceTransformer
 
     from actors.engine.config import EngineConfig
@@ -151,7 +155,7 @@ async def main() -> None:
     print(f"{args.inputs} inputs of 16-256 tokens, {os.cpu_count()} cores, torch {torch.__version__}")
     st, config = SentenceTransformer(args.model, device="cpu"), EngineConfig(model=args.model)
     ours = load_encoder(EncoderConfig.from_path(args.model))  # (an encoder: the forward alone runs it)
-    steps = packed_steps(args.model, inputs, config.max_num_batched_tokens)
+    steps = packed_steps(args.model, inputs, config.max_num_batched_tokens, config.max_num_seqs)
     server = await start_server(config, HttpConfig(port=0), log_level="WARNING")
     try:
         st_run(st, inputs[:100], args.batch_size), await serve_run(server.url, inputs[:100], args.concurrency)

@@ -95,6 +95,7 @@ def test_a_nan_key_spreads_to_its_own_inputs_rows_alone(isa):
         (lambda a: {**a, "heads": 5}, "H \\* D"),
         (lambda a: {**a, "bias": a["bias"][:, :37].contiguous()}, "longest input"),
         (lambda a: {**a, "k": a["k"][:20]}, "q, k and v"),
+        (lambda a: {**a, "q": a["q"][:, :0], "k": a["k"][:, :0], "v": a["v"][:, :0]}, "0 < D"),
     ],
 )
 def test_shapes_that_do_not_add_up_are_refused(change, message):

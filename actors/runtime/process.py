@@ -216,10 +216,12 @@ def one_process_progress_bars() -> None:
 
 def reuse_freed_heap() -> None:
     """glibc's malloc, set as its dynamic thresholds end up at most (32 MiB mmap, twice that trim), from the start and
-    for every thread (one arena): a step's tensors under 32 MiB (an encoder's 3-13 MiB activations, a prefill's)
-    come from the heap that the last step freed, not from fresh mappings that are unmapped again and each page
-    faulted in anew (~30,000 page faults in a 2,048-token step of all-MiniLM-L6-v2, about a tenth of its time).
-    Cost: a process keeps up to 64 MiB freed at its heap's top. Nothing where the C library is not glibc."""
+    for every thread started after (one arena: the fork server has one thread): a step's tensors under 32 MiB (an
+    encoder's 3-13 MiB activations, a prefill's) come from the heap that the last step freed, not from fresh mappings
+    that are unmapped again and each page faulted in anew (~30,000 page faults in a 2,048-token step of
+    all-MiniLM-L6-v2, about a tenth of its time). Cost: a process keeps up to 64 MiB freed at its heap's top (besides
+    what any heap keeps between live blocks), and its threads' mallocs share one lock (a step's are few and large).
+    Nothing where the C library is not glibc."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None and hasattr(os, "confstr") and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or ""):
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8

@@ -5,7 +5,7 @@ than the sources, a CPU with neither ISA), callers get None and use torch's kern
 `ops()` is the op namespace (torch.ops.sluice_<isa>): `panels(rows, cols, dtype) -> packed` (zeros; float32,
 bfloat16 or float16 weights), `pack_into(packed, src, offset)` (rows of it), `pack(weight) -> packed`,
 `panel_rows(packed, ids, out_features) -> float32 rows` (a tied embedding's lookup), `linear(x, packed,
-out_features, bias) -> y`, `linear_out(x, packed, bias, y)` (csrc/linear.cpp
+out_features, bias, act=0) -> y`, `linear_out(x, packed, bias, y, act=0)` (act 1: GELU, erf's; csrc/linear.cpp
 says what they guarantee) and `paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
 window, softcap) -> out` (csrc/attention.cpp), `encoder_attention(q, k, v, lens, heads, scale, bias) -> out` (packed
 encoder inputs: csrc/encoder_attention.cpp), `row_sum(x) -> [rows, 1]` (csrc/reduce.cpp), and the decoder's small steps `add_rms_norm`, `rope_and_write_kv`, `act_and_mul`

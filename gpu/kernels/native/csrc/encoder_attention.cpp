@@ -133,7 +133,7 @@ void attend_head(const Head& a, std::vector<float>& kt, std::vector<float>& scor
           const int64_t j = j0 + c * 16;
           const int valid = static_cast<int>(std::clamp<int64_t>(n - j, 0, 16));
           V16 x = mul16(acc[r * KC + c], set16(a.scale));
-          if (a.bias != nullptr) {  // (offsets j - i .. j - i + 15 of the bias, read only while the key is < n)
+          if (a.bias != nullptr && valid > 0) {  // (offsets j - i .. j - i + 15 of the bias, read while the key < n)
             const float* b = a.bias + a.center - i + j;
             x = add16(x, valid == 16 ? load16(b) : load16(b, valid));
           }
@@ -165,7 +165,8 @@ at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->stride(1) == 1 && t->sizes() == q.sizes(),
                 "encoder_attention: q, k and v float32 [T, H * D], rows of unit stride");
   const int64_t tokens = q.size(0), width = q.size(1), dim = heads > 0 ? width / heads : 0;
-  TORCH_CHECK(heads > 0 && dim * heads == width && dim <= MAX_DV * 16, "encoder_attention: H * D columns, D <= 256");
+  TORCH_CHECK(heads > 0 && dim > 0 && dim * heads == width && dim <= MAX_DV * 16,
+              "encoder_attention: H * D columns, 0 < D <= 256");
   int64_t total = 0, longest = 0;
   for (const int64_t n : lens) {
     TORCH_CHECK(n > 0, "encoder_attention: an empty input");

@@ -8,7 +8,7 @@
 // consecutive weights: VECS vector loads that every row of a tile multiplies by its broadcast x[r, i]. A single row
 // (decode) walks GROUP panels at once instead: more independent chains and weight streams in flight, which a
 // memory-bound GEMV needs.
-// Each output element is one fused multiply-add chain over i = 0, 1, ..., in - 1 from 0, then + bias: its rounding
+// Each output element is one fused multiply-add chain over i = 0, 1, ..., in - 1 from 0, + bias, act: its rounding
 // depends on nothing but its own row and column (not on the other rows, the tile or group a row falls in, the
 // thread that runs its panel, nor the ISA: AVX2 and AVX-512 chains are the same IEEE fmas), which is what makes a
 // row's logits identical in any batch. Threads split the panels evenly (a memory-bound GEMV is as slow as its

@@ -49,7 +49,8 @@ inline V16 fma16(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)};
 inline V16 mul16(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V16 add16(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 sub16(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
-inline V16 max16(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V16 max16(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }  // (b where either is NaN; so is min16)
+inline V16 min16(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
 inline V16 round16(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline V16 pow2_16(V16 n) {  // 2^n for integral n in [-126, 127]
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
@@ -104,6 +105,7 @@ inline V16 mul16(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_p
 inline V16 add16(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V16 sub16(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline V16 max16(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 min16(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
 inline V16 round16(V16 a) {
   constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
@@ -179,15 +181,18 @@ inline V16 sigmoid16(V16 z) {
 
 // GELU in erf's exact form, x Phi(x), lane by lane, from erfc(|x| / sqrt 2) alone (no cancellation on either side):
 // g = x / 2 erfc(|x| / sqrt 2) where x < 0, x - g elsewhere. erfc(z) = t e^(-z^2 + P(t)), t = 1 / (1 + z / 2), P
-// Numerical Recipes' Chebyshev fit of degree 9 (fractional error < 1.2e-7 for every z >= 0).
+// Numerical Recipes' Chebyshev fit of degree 9 (fractional error < 1.2e-7 for every z >= 0). g from x clamped to
+// [-20, 20] (erfc is 0 in float past it: +inf stays inf; NaN stays NaN); below about -13, ~-1e-38 rather than -0
+// (exp16's floor).
 inline V16 gelu16(V16 x) {
-  const V16 minus_z = mul16(neg_abs16(x), set16(0.70710678118654752f));
+  const V16 xc = min16(set16(20.0f), max16(set16(-20.0f), x));  // (x's NaN passes: the second operand)
+  const V16 minus_z = mul16(neg_abs16(xc), set16(0.70710678118654752f));
   const V16 t = div16(set16(1.0f), fma16(minus_z, set16(-0.5f), set16(1.0f)));
   V16 p = set16(0.17087277f);
   for (const float c : {-0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f, 0.09678418f, 0.37409196f,
                         1.00002368f, -1.26551223f})
     p = fma16(p, t, set16(c));
-  const V16 g = mul16(mul16(x, set16(0.5f)), mul16(t, exp16(fma16(minus_z, sub16(zero16(), minus_z), p))));
+  const V16 g = mul16(mul16(xc, set16(0.5f)), mul16(t, exp16(fma16(minus_z, sub16(zero16(), minus_z), p))));
   return select_ge0_16(x, sub16(x, g), g);
 }
 
