@@ -42,11 +42,6 @@ struct Shape {
   int64_t heads, kv_heads, dim, block_size, q_stride_t, q_stride_h, max_blocks;
 };
 
-// Lanes d .. d + 15 of a head vector (0 past dim).
-inline V16 lanes(const float* p, int64_t d, int64_t dim) {
-  return d + 16 <= dim ? load16(p + d) : load16(p + d, static_cast<int>(dim - d));
-}
-
 // One token's `group` query heads over keys first .. last (inclusive) of KV head h; out [group][dim]. DV: the head
 // dim in V16s, a constant so that a head's accumulators stay in registers.
 template <int DV>

@@ -56,11 +56,6 @@ struct Head {
   int64_t center;
 };
 
-// Lanes d .. d + 15 of a row (0 past dim).
-inline V16 lanes(const float* p, int64_t d, int64_t dim) {
-  return d + 16 <= dim ? load16(p + d) : load16(p + d, static_cast<int>(dim - d));
-}
-
 // Query i's scores (s [np]: q . k x scale + bias, -inf past n) become its softmax's numerators, 0 past n, given their
 // max m; returns 1 / their sum.
 inline float softmax(int64_t n, float* s, V16 m) {

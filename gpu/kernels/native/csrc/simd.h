@@ -143,6 +143,11 @@ inline float bf16(uint16_t b) {
   return f;
 }
 
+// Lanes d .. d + 15 of a row of dim floats (0 past dim).
+inline V16 lanes(const float* p, int64_t d, int64_t dim) {
+  return d + 16 <= dim ? load16(p + d) : load16(p + d, static_cast<int>(dim - d));
+}
+
 // The sum of the 16 lanes by one tree on both ISAs: lane i + lane i+8, then i + i+4, i + i+2, i + i+1.
 inline float sum16(V16 a) {
   const __m256 s8 = _mm256_add_ps(half8(a, 0), half8(a, 1));
