@@ -7,14 +7,9 @@
 - For the same uniforms (seeded rows) it draws the window path's tokens: the distribution suite's parameter sets and
   a batch of language-model-like rows with mixed parameters.
 - The Triton kernel (in the interpreter on CPU; compiled on a GPU, where two rows may differ near a boundary) returns
-  the torch search's tokens, on rows with mixed parameters and edge cases, through several chunks; and it compiles for sm_90 without a GPU (the interpreter checks no types).
+  the torch search's tokens, on rows with mixed parameters and edge cases, through several chunks (its sm_90 compile: tests/test_triton_compile.py).
 On a GPU the distribution suite also draws through the kernel (tests/test_sampler_distribution.py, cuda-threshold).
 """
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -219,32 +214,3 @@ def test_kernel_rows_without_a_finite_maximum_take_their_argmax():
     x[0, 5], x[1, 7], x[2] = float("nan"), float("inf"), float("-inf")
     meta = SamplingMetadata.build([SamplingRow(SP(top_p=0.9, top_k=5), [], [])] * 3, 100, DEVICE)
     assert Sampler(sort_free="triton", fused=False)(x, meta).sampled.tolist() == [5, 7, 0]
-
-
-def test_kernel_compiles_for_sm90(tmp_path):
-    """Triton's compiler (not run by the interpreter) types every branch: lower the kernel, and the fused sampler's
-    (gpu/sampling/fused_triton.py) in each of their variants, to sm_90 cubins."""
-    code = (
-        "import triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from gpu.sampling.threshold_triton import _draw_kernel\n"
-        "sig = {'x': '*fp32', 'stride': 'i64', 'n_cols': 'i32', 'row_max': '*fp32', 'cols': '*fp64', 'cols_stride': 'i64',"
-        " 'rows': '*i64', 'out': '*i64', 'BLOCK': 'constexpr'}\n"
-        "src = triton.compiler.ASTSource(fn=_draw_kernel, signature=sig, constexprs={'BLOCK': 2048})\n"
-        "kernel = triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 8})\n"
-        "assert kernel.asm['cubin']\n"
-        "from gpu.sampling.fused_triton import _prepare_kernel, _sample_kernel\n"
-        "raw = {'raw': '*bf16', 'raw_stride': 'i64'}\n"
-        "prep = {**raw, 'x': '*fp32', 'x_stride': 'i64', 'n_cols': 'i32', 'starts': '*i64', 'tokens': '*i64',"
-        " 'values': '*fp32', 'penalties': '*fp32', 'EDITS': 'constexpr', 'BLOCK': 'constexpr'}\n"
-        "sample = {'x': '*fp32', 'x_stride': 'i64', 'n_cols': 'i32', 'params': '*fp64', 'greedy': '*i1', 'u': '*fp64',"
-        " 'seed_index': '*i64', 'seeds': '*i64', 'positions': '*i64', 'out': '*i64', **raw, 'tops': '*fp32',"
-        " 'log_totals': '*fp32', 'lps': '*fp32', 'ranks': '*i64', 'LOGPROBS': 'constexpr', 'BLOCK': 'constexpr'}\n"
-        "for fn, sig, flag in ((_prepare_kernel, prep, 'EDITS'), (_sample_kernel, sample, 'LOGPROBS')):\n"
-        "    for on in (True, False):\n"
-        "        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={flag: on, 'BLOCK': 2048})\n"
-        "        assert triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 8}).asm['cubin']\n"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
-    root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=240)
