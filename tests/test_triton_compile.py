@@ -104,7 +104,7 @@ def launched_kernels() -> set[tuple[str, str]]:
     found = set()
     for path in (ROOT / "gpu").rglob("*.py"):
         text = path.read_text()
-        for name in re.findall(r"@triton\.jit\s*\ndef (\w+)\(", text):
+        for name in re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\ndef (\w+)\(", text):
             if re.search(rf"\b{name}\[", text):
                 found.add((".".join(path.relative_to(ROOT).with_suffix("").parts), name))
     return found
