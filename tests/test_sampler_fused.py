@@ -7,6 +7,7 @@
   the fused kernels too), on float32 and bfloat16 logits, greedy and random rows mixed, with processors.
 - Rows without a finite maximum take torch.argmax's token; raw logprobs, ranks and top-N equal log_softmax's.
 - The logits are left as they were; the metadata cache builds the edits table, reused while no row reads its output.
+- A step makes no host sync (tests/host_syncs.py).
 On a GPU the same tests run the compiled kernels: the processors still bit for bit (the prepare kernel rounds as
 torch), the tokens in all but at most two rows (Triton's exp rounds unlike torch's: a draw on a boundary may move).
 The launch budget of the fused sampler is counted in tests/test_launch_budget.py.
@@ -20,6 +21,7 @@ from gpu.sampling import MetadataCache, Sampler, SamplingMetadata, SamplingRow
 from gpu.sampling.fused_triton import fused_sample, prepare
 from gpu.sampling.sampler import _process
 from messages.sampling_params import SamplingParams as SP
+from tests.host_syncs import HostSyncs
 from tests.test_sampler_threshold import kernel_rows
 
 PROCESSORS = [
@@ -109,6 +111,17 @@ def test_raw_logprobs_ranks_and_top_n():
     assert torch.equal(lp.top_logprobs.isfinite(), top.values.isfinite())
     ref = reference(x, rows).logprobs
     assert torch.allclose(lp.top_logprobs, ref.top_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("logprobs", [None, 4])
+def test_a_step_never_syncs_with_the_host(logprobs):
+    """Every launch of a mixed step (processors, greedy and random rows, logprobs or none) on the device's data alone:
+    no host sync (tests/host_syncs.py), so async scheduling's next step is never held up by the sampler."""
+    x, rows = mixed_rows(logprobs)
+    meta = SamplingMetadata.build(rows, x.shape[1], DEVICE, edits=True)
+    with HostSyncs() as syncs:
+        Sampler(fused=True)(x.bfloat16(), meta)
+    assert syncs.seen == []
 
 
 def test_the_metadata_cache_builds_the_edits_table_and_rebuilds_it_as_outputs_grow():

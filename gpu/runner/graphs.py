@@ -154,16 +154,21 @@ class StepGraphs:
             hidden = self.forward(size, meta)
         return self.runner.logits(hidden[step["logits_indices"]])
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Record every graph, largest first, the smaller ones reusing its memory pool. The buffers hold pad rows only
-        (every row writes the scratch slot); each graph runs once eagerly first (Triton compiles, the allocator warms
-        up)."""
-        b, pool = self.buffers, None
+    def prime(self) -> None:
+        """The buffers as a capture records from: pad rows only (every row writes the scratch slot)."""
+        b = self.buffers
         b["slot_mapping"].fill_(self.scratch_block * self.runner.block_size)
         b["seq_lens"].fill_(1)
         torch.arange(len(b["query_start_loc"]), out=b["query_start_loc"])
         b["block_tables"][:, 0] = self.scratch_block
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record every graph, largest first, the smaller ones reusing its memory pool, from primed buffers; each
+        graph runs once eagerly first (Triton compiles, the allocator warms up). tests/test_graph_capture.py runs
+        what each records on CPU and finds no host sync in it."""
+        pool = None
+        self.prime()
         for key in tqdm(self.keys, desc="Capturing CUDA graphs", unit="graph"):
             meta = self.metadata(key)
             self.lora_in_place(key[1])
