@@ -2,7 +2,9 @@
 
 On CUDA these wait for the device: an aten op that reads a value back (a tensor's item / bool / int:
 _local_scalar_dense) or sizes its output by the data (nonzero, boolean indexing, masked_select, unique, bincount,
-repeat_interleave without output_size, equal); and the Tensor methods that copy to the host, which on CPU dispatch
+repeat_interleave without output_size, equal); a tensor of one or more dimensions made from host data (on a card,
+an upload from pageable memory; a 0-dim one, as Gemma's embedding scale, enters a device op as a scalar, copied
+nowhere); and the Tensor methods that copy to the host, which on CPU dispatch
 nothing (tolist, numpy, __array__, cpu(), `to` a CPU device). Inside a CUDA graph's capture any of them fails it;
 in a step, it stalls async scheduling.
 """
@@ -25,6 +27,7 @@ SYNCS = {
     aten.unique_consecutive.default,
     aten.repeat_interleave.Tensor,
 }
+MADE = aten.lift_fresh.default  # a tensor made from host data (torch.tensor, as_tensor, from_numpy)
 
 
 HOST_READS = ("tolist", "numpy", "__array__", "cpu", "to")  # (Tensor methods; `to` only to a CPU device)
@@ -58,7 +61,8 @@ class HostSyncs(TorchDispatchMode):
         return read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         bool_index = func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1])
-        if func in SYNCS or bool_index:
+        if func in SYNCS or bool_index or (func is MADE and out.dim() > 0):
             self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return out

@@ -60,6 +60,7 @@ def test_the_detector_sees_reads_that_do_not_dispatch_on_cpu():
     x = torch.arange(4)
     with HostSyncs() as syncs:
         x.tolist(), x.numpy(), x.cpu(), x.to("cpu"), x.to(torch.float32), bool(x[1]), x[x > 1]
+        x * torch.tensor(2), x + torch.tensor([1, 2, 3, 4])  # (a 0-dim tensor is a scalar: no upload)
     reads = [f"Tensor.{m}" for m in ("tolist", "numpy", "cpu", "to")]  # (not the cast: `to` a dtype stays put)
-    assert syncs.seen == [*reads, "aten._local_scalar_dense.default", "aten.index.Tensor"]
+    assert syncs.seen == [*reads, "aten._local_scalar_dense.default", "aten.index.Tensor", "aten.lift_fresh.default"]
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # (the methods restored on exit)
