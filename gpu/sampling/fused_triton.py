@@ -112,44 +112,51 @@ def _prepare_kernel(
 @triton.jit
 def _argmax(row, n_cols, BLOCK: tl.constexpr):
     """(the row's maximum, its index) as torch.argmax has them: the first NaN if any (maximum NaN), else the first
-    maximum (an all -inf row: token 0)."""
-    best = tl.full((), float("-inf"), tl.float32)
-    index = tl.zeros((), tl.int64)
-    nan = tl.full((), n_cols, tl.int64)
+    maximum (an all -inf row: token 0). Each lane keeps its first NaN, its maximum and that maximum's first column;
+    the lanes are reduced once, at the end."""
+    lane = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    index = lane.to(tl.int64)  # (a lane that never rises above -inf: its first column, so an all -inf row gives 0)
+    nan = tl.full((BLOCK,), n_cols, tl.int64)
     for start in range(0, n_cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = start + lane
         inside = offs < n_cols
         v = tl.load(row + offs, mask=inside, other=float("-inf"))
         is_nan = v != v
-        nan = tl.minimum(nan, tl.min(tl.where(is_nan & inside, offs, n_cols), 0).to(tl.int64))
-        block_max = tl.max(tl.where(is_nan, float("-inf"), v), 0)
-        first = tl.min(tl.where(inside & (v == block_max), offs, n_cols), 0).to(tl.int64)
-        index = tl.where(block_max > best, first, index)
-        best = tl.maximum(best, block_max)
-    return tl.where(nan < n_cols, float("nan"), best), tl.where(nan < n_cols, nan, index)
+        nan = tl.minimum(nan, tl.where(is_nan & inside, offs, n_cols).to(tl.int64))
+        rises = v > best  # (False for NaN: the lane's maximum is over its other values)
+        index = tl.where(rises, offs.to(tl.int64), index)
+        best = tl.where(rises, v, best)
+    first_nan = tl.min(nan, 0)
+    m = tl.max(best, 0)
+    first = tl.min(tl.where(best == m, index, n_cols), 0)
+    return tl.where(first_nan < n_cols, float("nan"), m), tl.where(first_nan < n_cols, first_nan, first)
 
 
 @triton.jit
 def _raw_logprob(row, n_cols, token, BLOCK: tl.constexpr):
     """(maximum, log of the sum of exp(x - maximum), the token's logprob, its rank) of a raw row (any float
-    format; as logprobs.log_softmax_into and gather_logprobs compute them, summed in another order)."""
-    top = tl.full((), float("-inf"), tl.float32)
+    format; as logprobs.log_softmax_into and gather_logprobs compute them, summed in another order). Each of the
+    three passes accumulates per lane and reduces once."""
+    lane = tl.arange(0, BLOCK)
+    top = tl.full((BLOCK,), float("-inf"), tl.float32)
     for start in range(0, n_cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.max(tl.load(row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32), 0))
-    total = tl.zeros((), tl.float32)
+        offs = start + lane
+        top = tl.maximum(top, tl.load(row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32))
+    top_all = tl.max(top, 0)
+    total = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, n_cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = start + lane
         v = tl.load(row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
-        total += tl.sum(tl.exp(v - top), 0)
-    log_total = tl.log(total)
-    lp = (tl.load(row + token).to(tl.float32) - top) - log_total
-    rank = tl.zeros((), tl.int64)
+        total += tl.exp(v - top_all)
+    log_total = tl.log(tl.sum(total, 0))
+    lp = (tl.load(row + token).to(tl.float32) - top_all) - log_total
+    rank = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, n_cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = start + lane
         v = tl.load(row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
-        rank += tl.sum(((offs < n_cols) & ((v - top) - log_total >= lp)).to(tl.int64), 0)
-    return top, log_total, lp, rank
+        rank += ((offs < n_cols) & ((v - top_all) - log_total >= lp)).to(tl.int32)
+    return top_all, log_total, lp, tl.sum(rank.to(tl.int64), 0)
 
 
 @triton.jit

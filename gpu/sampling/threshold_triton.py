@@ -4,7 +4,8 @@ threshold_draw_triton(x, row_max, cols, meta, block) has threshold_draw's contra
 where a boundary decision or the uniform lands within float rounding of a boundary (sums in another order; on a
 GPU, Triton's exp and division round differently from torch's). One launch for the batch, no host sync.
 
-A program reads its row in `block`-wide chunks, once per pass (from L2 after the first), and keeps only scalars:
+A program reads its row in `block`-wide chunks, once per pass (from L2 after the first), each lane accumulating its
+columns' counts, extremes and masses, reduced across the lanes once a pass:
 1. over the finite logits: their count, and the mass Z and count n of the min-p survivors (e = exp((x - max) / T)
    >= min_p);
 2. top-k (k < the finite count): the largest logit v with #{x >= v} >= k;
@@ -56,28 +57,30 @@ def _order_key(v):
 @triton.jit
 def _pass(row, n_cols, m, t, min_p, v, BLOCK: tl.constexpr, MASS: tl.constexpr):
     """One pass over a row at the threshold v: #{x >= v}, min{x >= v}, max{x < v}, and with MASS the mass of
-    x >= v and the min-p survivors' (e >= min_p) mass and count at x >= v (float64)."""
-    ge = tl.zeros((), tl.int64)
-    lowest = tl.full((), float("inf"), tl.float32)
-    below = tl.full((), float("-inf"), tl.float32)
-    mass = tl.zeros((), tl.float64)
-    kept_mass = tl.zeros((), tl.float64)
-    kept = tl.zeros((), tl.int64)
+    x >= v and the min-p survivors' (e >= min_p) mass and count at x >= v (float64). Each lane accumulates its own
+    columns and the lanes are reduced once, at the end: no reduction (a barrier) per chunk."""
+    ge = tl.zeros((BLOCK,), tl.int32)
+    lowest = tl.full((BLOCK,), float("inf"), tl.float32)
+    below = tl.full((BLOCK,), float("-inf"), tl.float32)
+    mass = tl.zeros((BLOCK,), tl.float64)
+    kept_mass = tl.zeros((BLOCK,), tl.float64)
+    kept = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, n_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < n_cols
         x = tl.load(row + offs, mask=inside, other=float("-inf"))
         at = inside & (x >= v)
-        ge += tl.sum(at.to(tl.int64), 0)
-        lowest = tl.minimum(lowest, tl.min(tl.where(at, x, float("inf")), 0))
-        below = tl.maximum(below, tl.max(tl.where(at, float("-inf"), x), 0))
+        ge += at.to(tl.int32)
+        lowest = tl.minimum(lowest, tl.where(at, x, float("inf")))
+        below = tl.maximum(below, tl.where(at, float("-inf"), x))
         if MASS:
             e = tl.exp((x - m) / t).to(tl.float64)
-            mass += tl.sum(tl.where(at, e, 0.0), 0)
+            mass += tl.where(at, e, 0.0)
             survives = at & (e >= min_p)
-            kept_mass += tl.sum(tl.where(survives, e, 0.0), 0)
-            kept += tl.sum(survives.to(tl.int64), 0)
-    return ge, lowest, below, mass, kept_mass, kept
+            kept_mass += tl.where(survives, e, 0.0)
+            kept += survives.to(tl.int32)
+    ge_all, kept_all = tl.sum(ge.to(tl.int64), 0), tl.sum(kept.to(tl.int64), 0)
+    return ge_all, tl.min(lowest, 0), tl.max(below, 0), tl.sum(mass, 0), tl.sum(kept_mass, 0), kept_all
 
 
 @triton.jit
