@@ -3,7 +3,8 @@
     python scripts/bench_worker.py [--quick] [--batches 1 16 64] [--tokens 64] [--threads N] [--blocks 64]
                                    [--link-only | --no-served]
 
-1. Per decode step at batch B, in this process (thread CPU time, median of many): building the ExecuteStep from the
+1. Per decode step at batch B, in this process (thread CPU time, median of many): the scheduler's schedule + update
+   (rows of --blocks blocks of random tokens, prefix caching on, steady decoding), building the ExecuteStep from the
    scheduler's requests, encoding and decoding it (the process placement only), the worker's persistent-batch
    update and SamplingRows, the runner's block tables (gpu/runner/slot_tables.py), building the StepResult lists and
    encoding and decoding them (process only); printed as a ratio to the same run's batch-1 decode step of the model
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import sys
 import time
@@ -29,9 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors.engine.block_manager import BlockManager
 from actors.engine.config import EngineConfig
 from actors.engine.executor import num_kv_blocks
 from actors.engine.request import EngineRequest
+from actors.engine.scheduler import Scheduler
 from actors.engine.worker import Worker
 from actors.engine.worker_link import execute_step
 from frontend.offline import AsyncLLM
@@ -109,6 +113,26 @@ def message_costs(worker: Worker, batch: int, blocks: int, whole: bool, repeats:
     return out
 
 
+def scheduler_us(batch: int, blocks: int, repeats: int) -> float:
+    """Median thread CPU us of a decode step's schedule() + update() with `batch` requests of `blocks` blocks' worth of
+    random prompt tokens (distinct: every block registers), prefix caching on, after their prefill."""
+    rng = random.Random(0)
+    longest = 16 * (blocks + 2) + repeats  # (tokens: a request's prompt and every step's output)
+    manager = BlockManager((batch + 1) * (longest // 16 + 1), 16, enable_caching=True)
+    scheduler = Scheduler(manager, batch, 8192, longest, [2])
+    for i in range(batch):
+        prompt = [rng.randrange(3, 40000) for _ in range(16 * blocks)]
+        scheduler.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=repeats + 8, ignore_eos=True)))
+
+    def step():
+        batch = scheduler.schedule()
+        scheduler.update(batch, [rng.randrange(3, 40000) for _ in range(batch.num_samples)])
+
+    while not all(r.output_token_ids for r in scheduler.requests.values()):
+        step()
+    return cpu_us(step, repeats)
+
+
 def step_ms(worker: Worker, repeats: int) -> float:
     """Median wall ms of a batch-1 decode step of the model (StepExecutor.run), after a 32-token prefill."""
     ex, row = worker.executor, SamplingRow(GREEDY, [], [], 0, [])
@@ -179,8 +203,11 @@ def main() -> None:
     repeats = 50 if args.quick else 200
     base = step_ms(worker, 20 if args.quick else 60)
     print(f"load {load()}; {torch.get_num_threads()} threads; batch-1 decode step {base:.2f} ms (model + sampling)")
-    print("\n1. per-step cost of the link (us, thread CPU; % of the batch-1 step)")
+    print("\n1. per-step cost of the scheduler and the link (us, thread CPU; % of the batch-1 step)")
     for b, whole in ((b, whole) for b in args.batches for whole in (False, True)):
+        if not whole:
+            us = scheduler_us(b, args.blocks, repeats)
+            print(f"  B={b:3d}: scheduler (schedule + update) {us:.1f} us = {us / (10 * base):.2f} %")
         costs = message_costs(worker, b, args.blocks, whole, repeats)
         parts = ", ".join(f"{k} {v:.1f}" for k, v in costs.items() if "total" not in k)
         print(f"  B={b:3d}, {'whole tables' if whole else 'new blocks only (the scheduler rows)'}: {parts}")

@@ -61,6 +61,29 @@ def test_registration_hits_and_the_last_token():
     assert BlockManager(16, BS).computed_blocks(b) == []  # caching off
 
 
+def test_blocks_register_as_they_fill_and_again_after_the_cache_is_forgotten():
+    """Decoding registers each block as it fills (a later prompt with those tokens hits them all); a block whose hash
+    another block holds stays the other's; once the cache is forgotten (a failure: isolation.py), the sequence's
+    next registration gives back every full block it holds, not only the newest."""
+    bm = BlockManager(32, BS, enable_caching=True)
+    a, twin = request("a", list(range(6))), request("twin", list(range(6)))
+    computed(bm, a, 6)
+    bm.allocate(twin, 6)  # (admitted beside a's prefill, before a's blocks registered: no hits)
+    twin.num_computed_tokens = 6
+    bm.cache_full_blocks(twin)  # its first block's hash is a's block's
+    assert bm.cached[a.block_hashes[0]] == a.block_table[0] and bm.block_hash[twin.block_table[0]] is None
+    for token in range(100, 110):  # a decodes: each block registers as it fills
+        a.output_token_ids.append(token)
+        bm.append_slots(a, 1)
+        a.num_computed_tokens += 1
+        bm.cache_full_blocks(a)
+    assert len(a.block_table) == 4 and sorted(bm.cached.values()) == sorted(a.block_table[:4])
+    assert bm.computed_blocks(request("b", [*a.all_token_ids, 7])) == a.block_table[:4]
+    bm.forget_cache()
+    bm.cache_full_blocks(a)
+    assert sorted(bm.cached.values()) == sorted(a.block_table[:4])
+
+
 def test_reference_counts_and_lru_eviction():
     """Shared blocks are counted per holder; freed blocks queue tail first and keep hitting until evicted, oldest
     first; the idle invariant is every block free."""

@@ -96,6 +96,10 @@ class Beam:
         return self.group.prefix_root
 
     @property
+    def num_known_tokens(self) -> int:
+        return len(self.group.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.group.prompt_token_ids + self.output_token_ids
 

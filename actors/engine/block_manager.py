@@ -174,17 +174,23 @@ class BlockManager:
         return sent, seq.block_table[sent:]
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's blocks that are full of known, computed-or-scheduled tokens (module docstring)."""
+        """Register the sequence's blocks that are full of known, computed-or-scheduled tokens (module docstring):
+        the newest first, down to one registered already or whose hash another block holds (a prefill that ran
+        beside an identical one: vLLM's rule too, that block stays the other's). O(1) while no block filled (every
+        decode step but one in block_size), O(the blocks filled) when some did: never a walk of the whole table."""
         if not self.enable_caching:
             return
-        tokens = seq.all_token_ids
-        full = min(seq.num_computed_tokens, len(tokens)) // self.block_size
-        for i, h in enumerate(self._hashes(seq, tokens, full)):
-            block = seq.block_table[i]
-            if self.block_hash[block] is None and h not in self.cached:
-                self.block_hash[block], self.cached[h] = h, block
-                if is_anchor(i):
-                    self.anchors.add(h[:ANCHOR_BYTES])
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        if not full or self.block_hash[seq.block_table[full - 1]] is not None:
+            return
+        hashes = self._hashes(seq, seq.all_token_ids, full)
+        for i in range(full - 1, -1, -1):
+            block, h = seq.block_table[i], hashes[i]
+            if self.block_hash[block] is not None or h in self.cached:
+                break
+            self.block_hash[block], self.cached[h] = h, block
+            if is_anchor(i):
+                self.anchors.add(h[:ANCHOR_BYTES])
 
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past those covering num_computed_tokens (speculative lookahead not kept)."""

@@ -35,8 +35,10 @@ class Lookahead:
     def _lookahead(self, req: EngineRequest, plan: list, budget: int, drafts: dict[str, list[int]]) -> list[int]:
         """The drafts a planned row takes: only when each sequence feeds its last token, as many as the budget left
         covers, none unless their lookahead blocks are free (drafts never preempt; a CFG companion feeds them too)."""
-        lockstep = all(n == 1 for _, n in plan)
-        row_drafts = drafts.get(req.request_id, [])[: budget // len(plan)] if lockstep else []
+        row_drafts = drafts.get(req.request_id)
+        if not row_drafts or any(n != 1 for _, n in plan):
+            return []  # (the common row: no drafts, nothing to check)
+        row_drafts = row_drafts[: budget // len(plan)]
         k = len(row_drafts)
         return row_drafts if self.block_manager.may_grow([(seq, n + k) for seq, n in plan]) else []
 

@@ -191,6 +191,10 @@ class Companion:
         return self.parent.prefix_root
 
     @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.parent.output_token_ids)
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.parent.output_token_ids
 

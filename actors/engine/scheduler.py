@@ -136,8 +136,9 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
             before = snapshot(req)
             try:  # (each request's planning fails it alone)
                 plan = self._plan(req, budget, chunk)
-                short = short or not self.block_manager.may_grow(plan)
-                if not self._make_room(req, plan):
+                fits = self.block_manager.may_grow(plan)
+                short = short or not fits
+                if not (fits or self._make_room(req, plan)):
                     break
                 self.inject("scheduler.schedule", req)
                 self.block_manager.grow(plan)
