@@ -175,9 +175,9 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full of known, computed-or-scheduled tokens (module docstring):
-        the newest first, down to one registered already or whose hash another block holds (a prefill that ran
-        beside an identical one: vLLM's rule too, that block stays the other's). O(1) while no block filled (every
-        decode step but one in block_size), O(the blocks filled) when some did: never a walk of the whole table."""
+        the newest first, down to one registered already; one whose hash another block holds (a prefill that ran
+        beside an identical one) is passed over, so a later holder of the chain still fills the hole once the other
+        is evicted. O(1) while the newest full block is registered (every decode step but one in block_size)."""
         if not self.enable_caching:
             return
         full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
@@ -186,8 +186,10 @@ class BlockManager:
         hashes = self._hashes(seq, seq.all_token_ids, full)
         for i in range(full - 1, -1, -1):
             block, h = seq.block_table[i], hashes[i]
-            if self.block_hash[block] is not None or h in self.cached:
+            if self.block_hash[block] is not None:
                 break
+            if h in self.cached:
+                continue
             self.block_hash[block], self.cached[h] = h, block
             if is_anchor(i):
                 self.anchors.add(h[:ANCHOR_BYTES])
