@@ -84,6 +84,32 @@ def test_blocks_register_as_they_fill_and_again_after_the_cache_is_forgotten():
     assert sorted(bm.cached.values()) == sorted(a.block_table[:4])
 
 
+def test_a_later_request_fills_a_hole_in_a_shared_chain():
+    """x and y share a prompt, admitted together (no hits): x registers blocks 0-3, y (one chunk) its own 4-7; x
+    ends and is evicted from block 3 up, y still holding 4-7. A later request computing 3-7 registers its block 3
+    past y's 4-7 (held under their hashes by y), so the next one hits all eight again."""
+    bm = BlockManager(16, BS, enable_caching=True)
+    prompt = list(range(33))
+    x, y = request("x", prompt), request("y", prompt)
+    bm.allocate(x, 16)
+    x.num_computed_tokens = 16
+    bm.cache_full_blocks(x)
+    bm.allocate(y, 32)
+    y.num_computed_tokens = 32
+    bm.cache_full_blocks(y)
+    bm.append_slots(x, 16)
+    x.num_computed_tokens = 32
+    bm.cache_full_blocks(x)
+    bm.free(x)
+    z = request("z", [99] * 20)
+    bm.allocate(z, 20)  # evicts x's blocks 7..3
+    bm.free(z)
+    c = request("c", prompt)
+    assert len(bm.computed_blocks(c)) == 3
+    computed(bm, c, 32)
+    assert len(bm.computed_blocks(request("d", prompt))) == 8
+
+
 def test_reference_counts_and_lru_eviction():
     """Shared blocks are counted per holder; freed blocks queue tail first and keep hitting until evicted, oldest
     first; the idle invariant is every block free."""
