@@ -53,7 +53,8 @@ class HostSyncs(TorchDispatchMode):
 
     def recording(self, name: str, method):
         def read(tensor, *args, **kwargs):
-            to_host = name != "to" or any(str(a).startswith("cpu") for a in (*args, kwargs.get("device")) if a)
+            places = [a for a in (*args, kwargs.get("device")) if isinstance(a, str | torch.device)]  # (not tensors)
+            to_host = name != "to" or any(str(a).startswith("cpu") for a in places)
             if to_host:
                 self.seen.append(f"Tensor.{name}")
             return method(tensor, *args, **kwargs)
