@@ -2,6 +2,8 @@
 
 TTFT: send -> first chunk carrying text. ITL: every later gap between chunks with choices, pooled over
 requests. E2E: send -> last chunk with choices. TPOT per request: (E2E - TTFT) / (output_tokens - 1).
+With --server-pid (a server on this machine): the CPU its process tree spent during the timed run, per process
+title, in cores and microseconds per output token (frontend/process_cpu.py).
 """
 
 import argparse
@@ -15,6 +17,8 @@ import aiohttp
 import msgspec
 import numpy as np
 import uvloop
+
+from frontend.process_cpu import cpu_report, tree_cpu
 
 # Each word is one token after a space in common BPE vocabularies (checked on SmolLM2), so N words ~ N tokens.
 WORDS = (  # noqa: SIM905
@@ -165,6 +169,9 @@ def format_table(result: dict) -> str:
     ):
         lines.append(f"{title:-^50}")
         lines += [row(f"{STAT_LABELS[name]} {short} (ms):", v) for name, v in result[key].items()]
+    if "server_cpu" in result:
+        lines.append(f"{'Server CPU (cores, us per output token)':-^50}")
+        lines += [f"{t:<30} {s['cores']:>6.2f} {s['us_per_token']:>12.1f}" for t, s in result["server_cpu"].items()]
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -215,6 +222,7 @@ async def run(args: argparse.Namespace) -> dict:
 
         offsets = arrival_times(args.num_prompts, args.request_rate, args.burstiness, args.seed)
         tasks = []
+        cpu = tree_cpu(args.server_pid) if args.server_pid else None
         start = time.perf_counter()
         for prompt, offset in zip(prompts[args.warmup :], offsets, strict=True):
             if (delay := start + offset - time.perf_counter()) > 0:
@@ -222,9 +230,12 @@ async def run(args: argparse.Namespace) -> dict:
             tasks.append(asyncio.create_task(limited(prompt)))
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cpu_after = tree_cpu(args.server_pid) if args.server_pid else None
 
     result = summarize(outputs, duration, args.input_len)
     result["peak_concurrency"] = peak
+    if cpu is not None:
+        result["server_cpu"] = cpu_report(cpu, cpu_after, duration, result["total_output_tokens"])
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     echoed = ("endpoint", "concurrency", "burstiness", "num_prompts", "input_len", "output_len", "seed", "warmup")
     result["config"] = {"base_url": base_url, "model": model, "request_rate": rate}
@@ -251,6 +262,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--warmup", type=int, default=0, help="untimed requests sent before the benchmark")
+    parser.add_argument("--server-pid", type=int, default=None, help="a local server's pid: report its CPU")
     parser.add_argument("--json", default=None, metavar="FILE", help="save the result as JSON")
     return parser
 

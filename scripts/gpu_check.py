@@ -120,8 +120,10 @@ def part_serving(out: Path, model: str, settings: list[str]) -> list[str]:
 
 def serve_rows(out: Path, model: str, runs: list[tuple[str, list[str], list[int]]]) -> list[str]:
     """A server per run (label, its flags, the concurrencies measured), bench_serving against it: the table."""
-    lines = ["| setting | concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms |"]
-    lines.append("|---|---:|---:|---:|---:|---:|")
+    lines = [
+        "| setting | concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms | host CPU, cores |"
+    ]
+    lines.append("|---|---:|---:|---:|---:|---:|---|")
     log = out / "serving.log"
     for label, flags, concurrencies in runs:
         port = free_port()
@@ -130,12 +132,13 @@ def serve_rows(out: Path, model: str, runs: list[tuple[str, list[str], list[int]
             server = subprocess.Popen(serve, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
         try:
             if not wait_healthy(port, server, 120):
-                lines.append(f"| {label} | - | server did not start: see serving.log | | | |")
+                lines.append(f"| {label} | - | server did not start: see serving.log | | | | |")
                 continue
             for c in concurrencies:
                 data = out / f"serve-{label}-{c}.json"
                 bench = [PY, "scripts/bench_serving.py", "--base-url", f"http://127.0.0.1:{port}", "--concurrency"]
                 bench += [str(c), "--num-prompts", str(max(8, 2 * c)), "--output-len", "64", "--warmup", str(c)]
+                bench += ["--server-pid", str(server.pid)]
                 run([*bench, "--json", str(data)], log, 90)
                 lines.append(serving_row(label, c, data))
         finally:
@@ -164,10 +167,17 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> bool:
 
 def serving_row(label: str, c: int, data: Path) -> str:
     if not data.exists():
-        return f"| {label} | {c} | failed: see serving.log | | | |"
+        return f"| {label} | {c} | failed: see serving.log | | | | |"
     r = json.loads(data.read_text())
     stats = (r["ttft_ms"]["p50"], r["tpot_ms"]["p50"], r["itl_ms"]["p99"])
-    return f"| {label} | {c} | {r['output_throughput']:.0f} | " + " | ".join(f"{s:.1f}" for s in stats) + " |"
+    # each actor process's share of a core, busiest first: one near 1.0 bounds the row (a Python actor uses one)
+    cpu = ", ".join(
+        f"{t.removeprefix('sluice:')} {v['cores']:.2f}"
+        for t, v in r.get("server_cpu", {}).items()
+        if v["cores"] >= 0.01
+    )
+    row = f"| {label} | {c} | {r['output_throughput']:.0f} | " + " | ".join(f"{s:.1f}" for s in stats)
+    return f"{row} | {cpu} |"
 
 
 def part_sampler(out: Path, model: str) -> list[str]:

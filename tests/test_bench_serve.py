@@ -4,7 +4,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from aiohttp import web
 from scipy import stats
 
 from frontend.bench_serve import WORDS, RequestOutput, add_arguments, arrival_times, random_prompts, run, summarize
+from frontend.process_cpu import cpu_report, tree_cpu
 
 PREFILL_S = 0.02  # fake server: wait before the first token
 GAP_S = 0.01  # fake server: wait between tokens
@@ -92,6 +96,7 @@ async def test_closed_loop_counts_and_latencies(tmp_path):
     out_file = tmp_path / "result.json"
     async with serve(fake) as url:
         flags = ["--num-prompts", "16", "--concurrency", "4", "--warmup", "2", "--api-key", "sk-test"]
+        flags += ["--server-pid", str(os.getpid())]  # (the fake serves from this process)
         result = await run(bench_args(url, *flags, "--json", str(out_file)))
     assert result["completed"] == 16 and result["failed"] == 0 and result["errors"] == []
     assert result["total_output_tokens"] == 16 * 5 and result["total_input_tokens"] == 16 * 8
@@ -105,6 +110,7 @@ async def test_closed_loop_counts_and_latencies(tmp_path):
     assert result["ttft_ms"]["p50"] >= 10 and result["itl_ms"]["p50"] >= 5 and result["tpot_ms"]["p50"] >= 5
     assert result["e2el_ms"]["mean"] >= result["ttft_ms"]["mean"] + 4 * 5
     assert json.loads(out_file.read_text()) == result
+    assert sum(v["cpu_s"] for v in result["server_cpu"].values()) > 0  # (frontend/process_cpu.py: tested below)
 
 
 async def test_poisson_rate_spans_the_schedule():
@@ -173,3 +179,42 @@ def test_summarize_follows_vllm_definitions():
     assert result["tpot_ms"]["mean"] == pytest.approx(100.0)  # (500 - 100) / (5 - 1); 1-token request excluded
     assert result["itl_ms"]["p50"] == pytest.approx(100.0) and result["ttft_ms"]["mean"] == pytest.approx(150.0)
     assert result["e2el_ms"]["p99"] == pytest.approx(500.0, rel=0.01)
+
+
+LEAF = """import resource, sys
+while resource.getrusage(resource.RUSAGE_SELF).ru_utime < 0.2:
+    pass
+u = resource.getrusage(resource.RUSAGE_SELF)
+print(u.ru_utime + u.ru_stime, flush=True)
+sys.stdin.read()
+"""
+ROOT = """import resource, subprocess, sys
+leaf = subprocess.Popen(["spin-leaf", "-c", sys.argv[1]], executable=sys.argv[2], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True)  # (argv[0] is a title: sys.executable is unknown)
+leaf_s = leaf.stdout.readline().strip()
+u = resource.getrusage(resource.RUSAGE_SELF)
+print(leaf_s, u.ru_utime + u.ru_stime, flush=True)
+sys.stdin.read()
+leaf.stdin.close()
+leaf.wait()
+"""
+
+
+def test_server_cpu_matches_each_process_own_count():
+    """A root process and its child (a spinner), titled by argv[0]: /proc's CPU per title is what each counts itself
+    (getrusage), within /proc's 10 ms ticks."""
+    argv = ["spin-root", "-c", ROOT, LEAF, sys.executable]
+    root = subprocess.Popen(argv, executable=sys.executable, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        leaf_s, root_s = map(float, root.stdout.readline().split())
+        cpu = tree_cpu(root.pid)
+    finally:
+        root.stdin.close()
+        root.wait()
+    assert set(cpu) == {"spin-root", "spin-leaf"}
+    assert cpu["spin-leaf"] == pytest.approx(leaf_s, abs=0.03) and cpu["spin-root"] == pytest.approx(root_s, abs=0.03)
+    report = cpu_report({"spin-leaf": 0.1}, cpu, seconds=2.0, tokens=1000)
+    assert list(report) == ["spin-leaf", "spin-root"]  # busiest first (0.1 s before still leaves the most)
+    assert report["spin-leaf"]["cpu_s"] == pytest.approx(cpu["spin-leaf"] - 0.1)
+    assert report["spin-leaf"]["cores"] == pytest.approx((cpu["spin-leaf"] - 0.1) / 2.0)
+    assert report["spin-root"]["us_per_token"] == pytest.approx(cpu["spin-root"] * 1e3)
