@@ -48,13 +48,20 @@ SERVER = 0  # the engine label of the server's own series
 
 
 class _Labelled:
-    """A labelled metric with model_name bound: `.labels(engine, reason)` is `.labels(model, str(engine), reason)`."""
+    """A labelled metric with model_name bound: `.labels(engine, reason)` is `.labels(model, str(engine), reason)`.
+    Its children are kept here too (a dict hit, not prometheus_client's lock and label checks: a stream's every token
+    observes its inter-token latency); they are never removed."""
 
     def __init__(self, metric: Counter | Histogram, model: str):
         self.metric, self.model = metric, model
+        self.children: dict[tuple, Counter | Histogram] = {}
 
     def labels(self, engine: int, *values: str):
-        return self.metric.labels(self.model, str(engine), *values)
+        key = (engine, *values)
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = self.metric.labels(self.model, str(engine), *values)
+        return child
 
 
 class Metrics:
