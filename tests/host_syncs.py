@@ -1,8 +1,8 @@
 """HostSyncs: the host syncs a block of code makes, recorded on any device (tests/test_graph_capture.py's detector).
 
 On CUDA these wait for the device: an aten op that reads a value back (a tensor's item / bool / int:
-_local_scalar_dense) or sizes its output by the data (nonzero, boolean indexing, masked_select, unique, bincount,
-repeat_interleave without output_size, equal); a tensor of one or more dimensions made from host data (on a card,
+_local_scalar_dense) or sizes its output by the data (nonzero, boolean indexing or index_put, masked_select, unique,
+bincount, repeat_interleave without output_size, equal); a tensor of one or more dimensions made from host data (on a card,
 an upload from pageable memory; a 0-dim one, as Gemma's embedding scale, enters a device op as a scalar, copied
 nowhere); and the Tensor methods that copy to the host, which on CPU dispatch
 nothing (tolist, numpy, __array__, cpu(), `to` a CPU device). Inside a CUDA graph's capture any of them fails it;
@@ -25,8 +25,9 @@ SYNCS = {
     aten._unique2.default,
     aten.unique_dim.default,
     aten.unique_consecutive.default,
-    aten.repeat_interleave.Tensor,
 }
+SIZED_BY_DATA = aten.repeat_interleave.Tensor  # (unless given its output_size)
+INDEXED = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)  # (with a boolean mask: a nonzero)
 MADE = aten.lift_fresh.default  # a tensor made from host data (torch.tensor, as_tensor, from_numpy)
 
 
@@ -62,8 +63,10 @@ class HostSyncs(TorchDispatchMode):
         return read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        bool_index = func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1])
-        if func in SYNCS or bool_index or (func is MADE and out.dim() > 0):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        bool_index = func in INDEXED and any(i is not None and i.dtype == torch.bool for i in args[1])
+        sized = func is SIZED_BY_DATA and kwargs.get("output_size") is None
+        if func in SYNCS or bool_index or sized or (func is MADE and out.dim() > 0):
             self.seen.append(str(func))
         return out

@@ -21,7 +21,7 @@ from gpu.loading.lora import targetable
 from gpu.runner.model_runner import ModelRunner
 from tests.host_syncs import HostSyncs
 
-DENSE = ["llama", "mistral", "qwen3", "gemma2", "gemma3", "phi3"]
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 
 
 def recorded_syncs(model_dir, lora_slots: int = 0) -> dict:
@@ -61,6 +61,9 @@ def test_the_detector_sees_reads_that_do_not_dispatch_on_cpu():
     with HostSyncs() as syncs:
         x.tolist(), x.numpy(), x.cpu(), x.to("cpu"), x.to(torch.float32), bool(x[1]), x[x > 1]
         x * torch.tensor(2), x + torch.tensor([1, 2, 3, 4])  # (a 0-dim tensor is a scalar: no upload)
+        x.repeat_interleave(x), x.repeat_interleave(x, output_size=6)  # (sized by the caller: no read)
+        x[x > 2] = 0
     reads = [f"Tensor.{m}" for m in ("tolist", "numpy", "cpu", "to")]  # (not the cast: `to` a dtype stays put)
-    assert syncs.seen == [*reads, "aten._local_scalar_dense.default", "aten.index.Tensor", "aten.lift_fresh.default"]
+    ops = ["_local_scalar_dense.default", "index.Tensor", "lift_fresh.default", "repeat_interleave.Tensor"]
+    assert syncs.seen == [*reads, *(f"aten.{op}" for op in ops), "aten.index_put_.default"]
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # (the methods restored on exit)
