@@ -133,7 +133,10 @@ class BlockManager:
 
     def may_grow(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Whether a request's sequences (itself, its CFG companion; a beam group's beams) can grow by their counts."""
-        return sum(self._num_missing(seq, n) for seq, n in plan) <= self.num_free_blocks
+        missing = 0
+        for seq, n in plan:
+            missing += self._num_missing(seq, n)
+        return missing <= len(self.free_queue)
 
     def grow(self, plan: list[tuple[Sequence, int]]) -> None:
         """append_slots for each sequence of the plan (what may_grow checked)."""
@@ -213,7 +216,7 @@ class BlockManager:
                 self.free_queue[block] = None
 
     def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)  # (num_blocks_for, inline)
         return max(0, needed - len(seq.block_table))
 
     def _hashes(self, seq: Sequence, tokens: list[int], n: int) -> list[bytes]:

@@ -88,25 +88,26 @@ class RequestLedger:
     def _ends(self, req: EngineRequest, token: int) -> bool:
         """Finish the request if `token`, just appended, ends it (a grammar ends it once complete; a token its
         grammar refuses is taken back and fails it: the matcher failed, or (a bug) the mask allowed the token)."""
-        p = req.params
+        p, n = req.params, len(req.output_token_ids)
         if req.grammar is not None and not req.grammar.accept(token):
             req.output_token_ids.pop()
             req.error = req.grammar.error or f"token {token} is not allowed by the request's grammar"
             self._finish(req, "error")
         elif (req.grammar is not None and req.grammar.terminated) or (
-            len(req.output_token_ids) > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos
+            n > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos
         ):
             self._finish(req, "stop")
-        elif len(req.output_token_ids) > p.min_tokens and token in p.stop_token_ids:
+        elif n > p.min_tokens and token in p.stop_token_ids:
             self._finish(req, "stop", token)
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens + req.overhang >= self.max_model_len:
+        elif n >= p.max_tokens or req.num_known_tokens + req.overhang >= self.max_model_len:
             self._finish(req, "length")
         return req.is_finished
 
     def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
         """Append a step's tokens up to the first that ends the request (or that its grammar refuses, which fails
         it); the rest are discarded."""
-        seq, first = req.next_seq, req.next_seq == req.first_seq
+        seq = req.next_seq
+        first = seq == req.first_seq
         for token in tokens:
             req.output_token_ids.append(token)
             if self._ends(req, token):
@@ -114,11 +115,12 @@ class RequestLedger:
         new = req.output_token_ids[seq:]
         self.generation_tokens_total += len(new)
         self.num_discarded_samples += len(tokens) - len(new)
+        ended = req.finish_reason is not None
         return RequestOutput(
             request_id=req.request_id, seq=seq, new_token_ids=new, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, prompt_logprobs=take_prompt_logprobs(req) if first else None, error=req.error,
             num_cached_tokens=req.num_cached_tokens if first else None, attempt=req.attempt,
-            timings=req.timings(first, req.finish_reason is not None),
+            timings=req.timings(first, ended) if first or ended else None,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- beam search (actors/engine/beams.py)

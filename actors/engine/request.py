@@ -98,10 +98,8 @@ class EngineRequest:
         return req
 
     def timings(self, first: bool, last: bool) -> list[float] | None:
-        """Stamp the first output's time; with the last output, [prefill_s, decode_s]: first scheduled -> first
-        token -> now (RequestOutput.timings)."""
-        if not (first or last):
-            return None
+        """At the first or last output (one of them): stamp the first output's time; with the last,
+        [prefill_s, decode_s]: first scheduled -> first token -> now (RequestOutput.timings)."""
         now = time.monotonic()
         self.first_token_at = now if first else self.first_token_at
         return [self.first_token_at - self.scheduled_at, now - self.first_token_at] if last else None
@@ -209,5 +207,7 @@ class Companion:
 def token_range(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
     """Tokens [start, end) of prompt + output + pending tokens (PLACEHOLDER: sampled by a step in flight)."""
     p, k = len(prompt), len(prompt) + len(output)
+    if start >= k:  # (pending tokens only: a decode row under async scheduling)
+        return [PLACEHOLDER] * (end - start)
     ids = prompt[start : min(end, p)] + output[max(start - p, 0) : max(end - p, 0)]
     return ids + [PLACEHOLDER] * (end - max(start, k)) if end > k else ids

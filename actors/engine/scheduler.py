@@ -140,14 +140,16 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
                 short = short or not fits
                 if not (fits or self._make_room(req, plan)):
                     break
-                self.inject("scheduler.schedule", req)
+                if self.fault is not None:
+                    self.inject("scheduler.schedule", req)
                 self.block_manager.grow(plan)
             except Exception as e:
                 self._failed(req, before, e, self.failed, planning=True)
                 i -= 1  # (it left the running list)
                 continue
             planned.append((req, plan, before))
-            budget -= sum(n for _, n in plan)
+            for _, n in plan:
+                budget -= n
         for req, plan, before in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
             try:
                 if row_drafts := self._lookahead(req, plan, budget, drafts or {}):
@@ -186,9 +188,9 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         for row in batch.rows:
             req = self.requests[row.request_id]
             req.num_inflight_steps -= 1
-            if row.num_samples:
+            if k := row.num_samples:
                 n = next(emitted)
-                tokens, at, pos = sampled[pos : pos + n], pos, pos + row.num_samples
+                tokens, at, pos = sampled[pos : pos + n], pos, pos + k
                 req.num_pending_tokens -= 1
                 before = snapshot(req)
                 try:  # (each request's results fail it alone)
@@ -230,7 +232,8 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         if req.is_finished:
             self.num_discarded_samples += len(tokens)
             return
-        self.inject("scheduler.update", req)
+        if self.fault is not None:
+            self.inject("scheduler.update", req)
         if req.beams is not None:
             req.beams.sampled(row.slot, lists, at)
             searches[req] = None
@@ -261,7 +264,7 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         if req.beams is not None:
             batch.rows += [self._row(req, n, seq=beam) for beam, n in plan if n]
             return
-        n, m = plan[0][1], sum(k for _, k in plan[1:])
+        n, m = plan[0][1], plan[1][1] if len(plan) > 1 else 0  # (the companion's: _plan)
         guide = companion_row(req, m, self.block_manager, drafts) if m else None
         if n:
             batch.rows.append(self._row(req, n, drafts))
