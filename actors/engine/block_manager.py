@@ -15,6 +15,8 @@ Prefix caching (on unless `enable_caching=False`):
   sample or a draft) all of which are computed or scheduled: `cache_full_blocks`, after every row is planned. The
   device runs steps in order, so a block registered at scheduling is written before any later step reads it; a
   block being prefilled is not full, or its tokens are not all scheduled, so it is not shared yet.
+- Several blocks may hold one hash (identical prompts prefilled in one step, before either was a hit): each is
+  registered, a hit takes the first registered, and evicting one leaves the others hits.
 - A cached block is never written again: its tokens are below every sharer's `num_computed_tokens` (a request
   that takes cached blocks computes from their end; rollback and re-prefill only touch positions past its known
   tokens or in blocks of its own).
@@ -46,7 +48,9 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # hash -> the block holding it
+        # hash -> the blocks holding it, first registered first (two identical prompts prefilled in one step hold
+        # one each; a hit takes the first): evicting one leaves the others hits
+        self.cached: dict[bytes, dict[int, None]] = {}
         self.anchors: set[bytes] = set()  # the cached blocks' at anchor depths, truncated (actors/prefix_hash.py)
         self.queries = self.hits = 0  # prompt tokens looked up, and found cached (metrics)
 
@@ -71,10 +75,10 @@ class BlockManager:
         tokens = seq.all_token_ids
         hits = []
         for h in self._hashes(seq, tokens, (len(tokens) - 1) // self.block_size):
-            block = self.cached.get(h)
-            if block is None:
+            holders = self.cached.get(h)
+            if holders is None:
                 break
-            hits.append(block)
+            hits.append(next(iter(holders)))
         return hits
 
     def prefix_hits(self, req: EngineRequest) -> list[list[int]]:
@@ -152,8 +156,11 @@ class BlockManager:
         for _ in range(missing):
             block, _ = self.free_queue.popitem(last=False)
             if (h := self.block_hash[block]) is not None:
-                del self.cached[h]
-                self.anchors.discard(h[:ANCHOR_BYTES])
+                holders = self.cached[h]
+                del holders[block]
+                if not holders:  # (the last block holding it)
+                    del self.cached[h]
+                    self.anchors.discard(h[:ANCHOR_BYTES])
                 self.block_hash[block] = None
             self.ref_counts[block] = 1
             seq.block_table.append(block)
@@ -178,9 +185,9 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full of known, computed-or-scheduled tokens (module docstring):
-        the newest first, down to one registered already; one whose hash another block holds (a prefill that ran
-        beside an identical one) is passed over, so a later holder of the chain still fills the hole once the other
-        is evicted. O(1) while the newest full block is registered (every decode step but one in block_size)."""
+        the newest first, down to one registered already (a block whose hash others hold too, as a prefill beside an
+        identical one, is one more holder of it). O(1) while the newest full block is registered (every decode step
+        but one in block_size)."""
         if not self.enable_caching:
             return
         full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
@@ -191,9 +198,8 @@ class BlockManager:
             block, h = seq.block_table[i], hashes[i]
             if self.block_hash[block] is not None:
                 break
-            if h in self.cached:
-                continue
-            self.block_hash[block], self.cached[h] = h, block
+            self.block_hash[block] = h
+            self.cached.setdefault(h, {})[block] = None
             if is_anchor(i):
                 self.anchors.add(h[:ANCHOR_BYTES])
 
