@@ -56,6 +56,8 @@ class SamplingExtras(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context's length)
     truncation_side: Literal["left", "right"] | None = None  # which end truncation drops from (default left)
     cache_salt: str | None = None  # prefix caching shared only among requests with the same salt
+    stream_interval: int | None = None  # a stream's events after its first carry this many tokens (but its last;
+    # null: `sluice serve --stream-interval`'s)
 
 
 class SamplingFields(SamplingExtras, kw_only=True):
@@ -140,7 +142,6 @@ _NOT_HONOURED = {
     # vLLM 0.32's other extras: disaggregation, multimodal, reasoning, sessions and output options Sluice lacks
     "request_id": _is(None),  # Sluice names each request itself (the response's id)
     "session_id": _is(None),
-    "stream_interval": _is(None, 1),
     "thinking_token_budget": _is(None),
     "return_token_offsets": _is(None, False),
     "return_prompt_text": _is(None, False),

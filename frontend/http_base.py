@@ -48,6 +48,7 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     metrics_prefix: str = "sluice:"  # of /metrics series (--metrics-prefix vllm: for dashboards built for vLLM)
     dp_routing: Policy = "cache_aware"  # which engine replica a request goes to (actors/routing.py)
     log_stats_interval_s: float = 10.0  # a throughput line per replica this often while serving (0: none)
+    stream_interval: int = 1  # a stream's SSE event after its first carries this many tokens at least (but its last)
     responses_db: str | None = None  # the Responses API's store, SQLite (default: responses.sqlite3 in the cache)
     responses_max_stored: int = 10_000  # stored responses kept at most (the oldest go first)
     responses_max_age_s: float = 30 * 86400.0  # ... and for at most this long (OpenAI's 30 days)

@@ -52,6 +52,7 @@ class ParsedRequest:
     tool_calls: bool = False  # chat with tools: the output is parsed into message.tool_calls
     continuous_usage: bool = False  # continuous_usage_stats with include_usage: usage so far on every chunk (vLLM)
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in the response
+    stream_interval: int | None = None  # vLLM's: tokens per stream event after the first (None: the server's)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
     reasoning: Reasoning | None = None  # chat with --reasoning-parser: how the output splits into reasoning, content
     fields: dict[str, str] = field(default_factory=dict)  # the engine's name of a field -> this request's (errors)
@@ -271,5 +272,8 @@ def _parsed(kind, request_id: str, model: str, prompts: list[PromptInput], req, 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra["continuous_usage"] = include_usage and bool(req.stream_options.continuous_usage_stats)  # (as vLLM)
     extra["return_token_ids"], extra["tokens_as_ids"] = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
+    if req.stream_interval is not None and req.stream_interval < 1:
+        raise RequestError(400, f"stream_interval must be at least 1, got {req.stream_interval}", "stream_interval")
+    extra["stream_interval"] = req.stream_interval
     created = int(time.time())
     return ParsedRequest(kind, request_id, model, created, prompts, bool(req.stream), include_usage, echo, **extra)

@@ -2,7 +2,8 @@
 party's ledger (actors/client_ledger.py: the state x event table of every output, resume and death).
 
 What the HTTP party adds to it:
-  LIVE        output                  -> buffered in its Choice, the request's writer woken (never awaited here)
+  LIVE        output                  -> buffered in its Choice; the request's writer woken (never awaited here) at
+                                         its first output and once a choice holds stream_interval tokens unwritten
   LIVE        Finished(error)         -> the HTTP request fails; its other live choices are aborted
   LIVE        a choice fails (a poison request, too many copies) -> the HTTP request fails likewise
   LIVE        client gone             -> every live choice aborted: TOMBSTONED
@@ -32,9 +33,13 @@ class RequestTable(ClientLedger[Choice]):
         abort_timeout_s: float = 5.0,
         max_abort_tries: int = 3,
         max_resumes: int = 2,
+        stream_interval: int = 1,
     ):
         super().__init__(tell, log, abort_timeout_s, max_abort_tries, max_resumes, metrics.protocol, metrics.replicas)
         self.metrics = metrics
+        # --stream-interval (a request's stream_interval over it): tokens a choice buffers before its writer wakes
+        # (its first output, its end and an error wake it at once): fewer, larger SSE events, less HTTP work a token
+        self.stream_interval = stream_interval
         metrics.num_tombstones = lambda: len(self.tombstones)
 
     def add(self, parsed: ParsedRequest, client: str) -> HttpRequest:
@@ -53,9 +58,11 @@ class RequestTable(ClientLedger[Choice]):
     # ------------------------------------------------------------ the ledger's hooks
 
     def deliver(self, c: Choice, delta: TextDelta, now: float) -> None:
+        first = c.request.first_output is None
         c.append(delta.text, delta.token_ids, delta.logprobs)
         self._observe_output(c, now)
-        c.request.wake.set()
+        if first or len(c.token_ids) >= (c.request.parsed.stream_interval or self.stream_interval):
+            c.request.wake.set()
 
     def finish(self, c: Choice, fin: Finished) -> None:
         c.append(fin.text, fin.token_ids, fin.logprobs)

@@ -80,7 +80,9 @@ class HttpActor(Actor):
         routing = Replicas(replicas, c.dp_routing, block_size)
         self.metrics = Metrics(c.metrics_prefix, self.names[0], routing)  # (vLLM's model_name: the first name)
         self.metrics.lora_names = {m.digest: name for name, m in self.loras.items()}
-        self.table = RequestTable(self.tell, self.metrics, c.abort_timeout_s, c.max_abort_tries, c.max_resumes)
+        self.table = RequestTable(
+            self.tell, self.metrics, c.abort_timeout_s, c.max_abort_tries, c.max_resumes, c.stream_interval
+        )
         self.readiness = Readiness(self.table, c.url, self.names, local_replicas)  # (503 until every replica is ready)
         self.admitting = True
         self.created = int(time.time())

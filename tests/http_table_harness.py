@@ -32,10 +32,11 @@ def parsed(
     return ParsedRequest(kind, rid, "m", 0, inputs, True, True, echo)
 
 
-def make_table(abort_timeout_s=1.0, replicas=1, policy="cache_aware"):
+def make_table(abort_timeout_s=1.0, replicas=1, policy="cache_aware", stream_interval=1):
     sent = []
     metrics = Metrics(replicas=Replicas(replicas, policy))
-    table = RequestTable(lambda dst, msg: sent.append(msg), metrics, abort_timeout_s, max_abort_tries=3)
+    table = RequestTable(lambda dst, msg: sent.append(msg), metrics, abort_timeout_s, max_abort_tries=3,
+                         stream_interval=stream_interval)  # fmt: skip
     return table, metrics, sent
 
 

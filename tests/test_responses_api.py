@@ -84,6 +84,12 @@ async def test_text_equals_chat_and_the_stream(client):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text
     assert events[-1].response.output_text == text
+    chunked = [e async for e in await client.responses.create(
+        model="", instructions="Be brief.", input="Name a fruit.", stream=True, extra_body={"stream_interval": 4},
+        **GREEDY)]  # fmt: skip
+    deltas = [e.delta for e in chunked if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == text and len(deltas) <= 1 + (whole.usage.output_tokens - 1) // 4 + 1  # (the first, the
+    # others of 4 tokens at least, the end's)
 
 
 async def test_items(client):
