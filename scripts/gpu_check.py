@@ -13,7 +13,8 @@ by default in this order, the timings first: env (card, driver, versions), step 
 eager and with graphs at batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the
 same run), serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the
 concurrency: async at concurrency 1/16/64/256; sync, the inline worker, the inline worker sync and --enforce-eager
-at 64 (the default: the worker's process); --serve picks settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
+at 64 (the default: the worker's process); --stream-interval 4 at 256; each with the server's CPU per process;
+--serve picks settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
 launch budget, graphs, the engine on the triton backend; then every other `cuda`-marked test), spec
 (scripts/bench_spec.py, n-gram), big (Llama-3.1-8B's shape with random bf16 weights drawn on the card,
 --load-format dummy: its step at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and 64).
@@ -47,6 +48,7 @@ SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
     ("inline-worker", ["--worker", "inline"], [64]),  # (the default on CUDA is the worker in its own process)
     ("inline-sync", ["--worker", "inline", "--no-async-scheduling"], [64]),
     ("eager", ["--enforce-eager"], [64]),  # no graphs: what the graphs of every step kind buy
+    ("stream4", ["--stream-interval", "4"], [256]),  # 4 tokens an SSE event: the HTTP process's headroom
 ]
 
 
