@@ -175,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream-interval",
         type=positive_int,
         default=1,
-        help="tokens per SSE event of a stream after its first (its last may carry fewer): fewer, larger events, "
-        "less HTTP work per token at high concurrency (as vLLM's and SGLang's)",
+        help="a stream's event goes out at each choice's first token, then each N tokens of a choice (and at its "
+        "end): fewer, larger events, less HTTP work per token at high concurrency (as vLLM's and SGLang's)",
     )
     runtime_update_arguments(g)
     g.add_argument("--disable-log-stats", action="store_true", help="no throughput line in the log every 10 s")

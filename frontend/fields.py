@@ -56,8 +56,8 @@ class SamplingExtras(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context's length)
     truncation_side: Literal["left", "right"] | None = None  # which end truncation drops from (default left)
     cache_salt: str | None = None  # prefix caching shared only among requests with the same salt
-    stream_interval: int | None = None  # a stream's events after its first carry this many tokens (but its last;
-    # null: `sluice serve --stream-interval`'s)
+    stream_interval: int | None = None  # a stream's event at each choice's first token, then each this many of a
+    # choice (null: `sluice serve --stream-interval`'s)
 
 
 class SamplingFields(SamplingExtras, kw_only=True):

@@ -21,7 +21,7 @@ from messages.wire import AddRequest, Finished, TokenLogprobs
 class Choice:
     __slots__ = (
         "engine_id", "final_sent", "finished", "index", "last_output", "logprobs", "reasoning", "record", "request",
-        "started", "text", "text_offset", "token_ids", "tools",
+        "started", "text", "text_offset", "token_ids", "tools", "unwoken",
     )  # fmt: skip
 
     def __init__(self, request: HttpRequest, index: int, prefix: str | None):
@@ -37,6 +37,7 @@ class Choice:
         self.final_sent = False  # streaming: the finish_reason chunk was written
         self.text_offset = 0  # streaming completions logprobs: where the next token's text starts
         self.last_output = 0.0
+        self.unwoken = 0  # tokens received since this choice last woke its request's writer (--stream-interval)
         self.tools = ToolCallParser() if request.parsed.tool_calls and request.parsed.stream else None
         split = request.parsed.reasoning
         self.reasoning = split.parser() if split is not None and request.parsed.stream else None  # (before tools)

@@ -3,7 +3,7 @@ party's ledger (actors/client_ledger.py: the state x event table of every output
 
 What the HTTP party adds to it:
   LIVE        output                  -> buffered in its Choice; the request's writer woken (never awaited here) at
-                                         its first output and once a choice holds stream_interval tokens unwritten
+                                         the choice's first output, then each stream_interval tokens of it
   LIVE        Finished(error)         -> the HTTP request fails; its other live choices are aborted
   LIVE        a choice fails (a poison request, too many copies) -> the HTTP request fails likewise
   LIVE        client gone             -> every live choice aborted: TOMBSTONED
@@ -37,8 +37,9 @@ class RequestTable(ClientLedger[Choice]):
     ):
         super().__init__(tell, log, abort_timeout_s, max_abort_tries, max_resumes, metrics.protocol, metrics.replicas)
         self.metrics = metrics
-        # --stream-interval (a request's stream_interval over it): tokens a choice buffers before its writer wakes
-        # (its first output, its end and an error wake it at once): fewer, larger SSE events, less HTTP work a token
+        # --stream-interval (a request's stream_interval over it): tokens a choice receives before it wakes its writer
+        # again (its first output, its end and an error wake it at once): fewer, larger SSE events, less HTTP work a
+        # token. Counted as received, not as unwritten: text held back (a stop string's prefix) does not defeat it
         self.stream_interval = stream_interval
         metrics.num_tombstones = lambda: len(self.tombstones)
 
@@ -58,10 +59,12 @@ class RequestTable(ClientLedger[Choice]):
     # ------------------------------------------------------------ the ledger's hooks
 
     def deliver(self, c: Choice, delta: TextDelta, now: float) -> None:
-        first = c.request.first_output is None
+        first = not c.last_output
         c.append(delta.text, delta.token_ids, delta.logprobs)
         self._observe_output(c, now)
-        if first or len(c.token_ids) >= (c.request.parsed.stream_interval or self.stream_interval):
+        c.unwoken += len(delta.token_ids)
+        if first or c.unwoken >= (c.request.parsed.stream_interval or self.stream_interval):
+            c.unwoken = 0
             c.request.wake.set()
 
     def finish(self, c: Choice, fin: Finished) -> None:

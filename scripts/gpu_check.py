@@ -4,9 +4,8 @@ markdown report (docs/GPU.md says how to set up a machine without network access
     python scripts/gpu_check.py --out DIR [--bundle .gpu] [--only PART ...] [--skip PART ...] [--serve SETTING ...]
                                 [--model DIR] [--quick]
 
---bundle: what scripts/gpu_bundle.sh packed; where the converted SmolLM2 is not in the cache (a machine without
-network), random weights of its shape are built from the bundle's config and tokenizer, and every part (the tests'
-tokenizer, the benchmarks' model) uses them: speed is the real model's; outputs are not.
+--bundle: what scripts/gpu_bundle.sh packed; without the converted SmolLM2 in the cache, random weights of its shape
+are built from the bundle's config and tokenizer for every part: speed is the real model's; outputs are not.
 
 Parts, each a subprocess with its own time limit (a part that fails or runs out is reported and the next one runs),
 by default in this order, the timings first: env (card, driver, versions), step (scripts/bench_step.py: step time
@@ -14,8 +13,8 @@ eager and with graphs at batch 1/16/64, launches per step, the weight-read floor
 same run), serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the
 concurrency: async at concurrency 1/16/64/256; sync, the inline worker, the inline worker sync and --enforce-eager
 at 64 (the default: the worker's process); --stream-interval 4 at 256; each with the server's CPU per process;
---serve picks settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's own: kernels,
-launch budget, graphs, the engine on the triton backend; then every other `cuda`-marked test), spec
+--serve picks settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's
+own: kernels, launch budget, graphs, the engine on triton; then every other `cuda`-marked test), spec
 (scripts/bench_spec.py, n-gram), big (Llama-3.1-8B's shape with random bf16 weights drawn on the card,
 --load-format dummy: its step at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and 64).
 --only runs the parts named, in the order given; --quick runs env, step, serving (its default setting) and big.
@@ -122,10 +121,8 @@ def part_serving(out: Path, model: str, settings: list[str]) -> list[str]:
 
 def serve_rows(out: Path, model: str, runs: list[tuple[str, list[str], list[int]]]) -> list[str]:
     """A server per run (label, its flags, the concurrencies measured), bench_serving against it: the table."""
-    lines = [
-        "| setting | concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms | host CPU, cores |"
-    ]
-    lines.append("|---|---:|---:|---:|---:|---:|---|")
+    head = "| setting | concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms | host CPU, cores |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|---|"]  # (stream4's ITL and TPOT: between its 4-token events)
     log = out / "serving.log"
     for label, flags, concurrencies in runs:
         port = free_port()
@@ -140,7 +137,7 @@ def serve_rows(out: Path, model: str, runs: list[tuple[str, list[str], list[int]
                 data = out / f"serve-{label}-{c}.json"
                 bench = [PY, "scripts/bench_serving.py", "--base-url", f"http://127.0.0.1:{port}", "--concurrency"]
                 bench += [str(c), "--num-prompts", str(max(8, 2 * c)), "--output-len", "64", "--warmup", str(c)]
-                bench += ["--server-pid", str(server.pid)]
+                bench += ["--server-pid", str(server.pid)]  # (each actor's CPU: one near 1.0 core bounds the row)
                 run([*bench, "--json", str(data)], log, 90)
                 lines.append(serving_row(label, c, data))
         finally:
@@ -172,14 +169,9 @@ def serving_row(label: str, c: int, data: Path) -> str:
         return f"| {label} | {c} | failed: see serving.log | | | | |"
     r = json.loads(data.read_text())
     stats = (r["ttft_ms"]["p50"], r["tpot_ms"]["p50"], r["itl_ms"]["p99"])
-    # each actor process's share of a core, busiest first: one near 1.0 bounds the row (a Python actor uses one)
-    cpu = ", ".join(
-        f"{t.removeprefix('sluice:')} {v['cores']:.2f}"
-        for t, v in r.get("server_cpu", {}).items()
-        if v["cores"] >= 0.01
-    )
+    cpu = [f"{t.removeprefix('sluice:')} {v['cores']:.2f}" for t, v in r.get("server_cpu", {}).items()]
     row = f"| {label} | {c} | {r['output_throughput']:.0f} | " + " | ".join(f"{s:.1f}" for s in stats)
-    return f"{row} | {cpu} |"
+    return f"{row} | {', '.join(cpu[:4])} |"  # (busiest first: the launcher's and fork server's idle ones last)
 
 
 def part_sampler(out: Path, model: str) -> list[str]:

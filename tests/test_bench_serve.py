@@ -201,20 +201,23 @@ leaf.wait()
 
 
 def test_server_cpu_matches_each_process_own_count():
-    """A root process and its child (a spinner), titled by argv[0]: /proc's CPU per title is what each counts itself
-    (getrusage), within /proc's 10 ms ticks."""
+    """A root process and its child (a spinner), titled by argv[0]: /proc's CPU per process is what each counts itself
+    (getrusage), within /proc's 10 ms ticks; a report counts each process's own difference."""
     argv = ["spin-root", "-c", ROOT, LEAF, sys.executable]
     root = subprocess.Popen(argv, executable=sys.executable, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         leaf_s, root_s = map(float, root.stdout.readline().split())
-        cpu = tree_cpu(root.pid)
+        reading = tree_cpu(root.pid)
     finally:
         root.stdin.close()
         root.wait()
-    assert set(cpu) == {"spin-root", "spin-leaf"}
+    cpu = dict(reading.values())
+    assert len(reading) == 2 and set(cpu) == {"spin-root", "spin-leaf"}
     assert cpu["spin-leaf"] == pytest.approx(leaf_s, abs=0.03) and cpu["spin-root"] == pytest.approx(root_s, abs=0.03)
-    report = cpu_report({"spin-leaf": 0.1}, cpu, seconds=2.0, tokens=1000)
-    assert list(report) == ["spin-leaf", "spin-root"]  # busiest first (0.1 s before still leaves the most)
+    leaf = next(key for key, (title, _) in reading.items() if title == "spin-leaf")
+    before = {leaf: ("spin-leaf", 0.1), (1, 0): ("spin-root", 9.0)}  # (a spin-root since gone: counts no more)
+    report = cpu_report(before, reading, seconds=2.0, tokens=1000)
+    assert list(report) == ["spin-leaf", "spin-root"]  # busiest first; the new spin-root counts from 0
     assert report["spin-leaf"]["cpu_s"] == pytest.approx(cpu["spin-leaf"] - 0.1)
     assert report["spin-leaf"]["cores"] == pytest.approx((cpu["spin-leaf"] - 0.1) / 2.0)
     assert report["spin-root"]["us_per_token"] == pytest.approx(cpu["spin-root"] * 1e3)

@@ -63,3 +63,24 @@ def test_a_choice_wakes_its_writer_at_its_first_output_then_every_interval():
         assert seen == woken, interval
         table.on_finished(Finished(request_id=c.engine_id, finish_reason="length", num_output_tokens=6))
         assert req.wake.is_set() and req.done
+
+
+def test_each_choice_s_first_output_wakes_the_writer_and_held_text_counts():
+    """n = 2: the second choice's first token wakes the writer too (it is not the request's first); tokens whose text
+    is held back (empty deltas, never taken) count toward the interval as received."""
+    table, _, _ = make_table(stream_interval=4)
+    req = table.add(parsed(n=2), "http")
+    a, b = req.choices
+    table.on_outputs(delta(a.engine_id, 0, "t0"))
+    assert req.wake.is_set()
+    req.wake.clear()
+    table.on_outputs(delta(b.engine_id, 0, "u0"))
+    assert req.wake.is_set()
+    req.wake.clear()
+    a.take(), b.take()
+    seen = []
+    for i in range(1, 9):  # a's text held back: nothing is taken, yet it wakes the writer each 4 tokens only
+        table.on_outputs(delta(a.engine_id, i, ""))
+        seen.append(req.wake.is_set())
+        req.wake.clear()
+    assert seen == [False, False, False, True] * 2

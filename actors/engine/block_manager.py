@@ -16,7 +16,7 @@ Prefix caching (on unless `enable_caching=False`):
   device runs steps in order, so a block registered at scheduling is written before any later step reads it; a
   block being prefilled is not full, or its tokens are not all scheduled, so it is not shared yet.
 - Several blocks may hold one hash (identical prompts prefilled in one step, before either was a hit): each is
-  registered, a hit takes the first registered, and evicting one leaves the others hits.
+  registered, a hit takes one in use if any (else the first registered), and evicting one leaves the others hits.
 - A cached block is never written again: its tokens are below every sharer's `num_computed_tokens` (a request
   that takes cached blocks computes from their end; rollback and re-prefill only touch positions past its known
   tokens or in blocks of its own).
@@ -49,8 +49,8 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # hash -> the blocks holding it, first registered first (two identical prompts prefilled in one step hold
-        # one each; a hit takes the first): evicting one leaves the others hits. A list: 88 bytes a hash (a dict's
-        # 224), 17 MB at 190k blocks (SmolLM2's KV in 70 GB)
+        # one each; a hit takes one in use, else the first): evicting one leaves the others hits. A list: 88 bytes
+        # a hash (a dict's 224), 17 MB at 190k blocks (SmolLM2's KV in 70 GB)
         self.cached: dict[bytes, list[int]] = {}
         self.anchors: set[bytes] = set()  # the cached blocks' at anchor depths, truncated (actors/prefix_hash.py)
         self.queries = self.hits = 0  # prompt tokens looked up, and found cached (metrics)
@@ -79,7 +79,7 @@ class BlockManager:
             holders = self.cached.get(h)
             if holders is None:
                 break
-            hits.append(holders[0])
+            hits.append(next((b for b in holders if self.ref_counts[b]), holders[0]))  # (one in use: no free one taken)
         return hits
 
     def prefix_hits(self, req: EngineRequest) -> list[list[int]]:
