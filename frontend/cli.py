@@ -81,11 +81,16 @@ def serve(args: argparse.Namespace) -> int:
         responses_max_store_bytes=args.responses_max_store_bytes,
         max_background_responses=args.max_background_responses,
         lora_runtime_updates=runtime_updates(args),
+        api_server_count=args.api_server_count,
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     # ("": the bundled model, resolved, and converted on first use, by the forked checks: frontend/preflight.py)
-    return uvloop.run(_serve(engine_config(args, args.model or ""), http, fault_plan_of(args), args))
+    engine = engine_config(args, args.model or "")
+    if http.api_server_count > 1 and engine.local_replicas < engine.data_parallel_size:
+        raise SystemExit("--api-server-count > 1: engine replicas on other nodes are not served by several HTTP "
+                         "servers yet (their door has one client)")  # fmt: skip
+    return uvloop.run(_serve(engine, http, fault_plan_of(args), args))
 
 
 def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:
@@ -177,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="a stream's event goes out at each choice's first token, then each N tokens of a choice (and at its "
         "end): fewer, larger events, less HTTP work per token at high concurrency (as vLLM's and SGLang's)",
+    )
+    g.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=positive_int,
+        default=1,
+        help="HTTP server processes sharing the port (SO_REUSEPORT): the host's HTTP work per token spreads over "
+        "that many cores (as vLLM's; /metrics sums them: docs/OPERATIONS.md)",
     )
     runtime_update_arguments(g)
     g.add_argument("--disable-log-stats", action="store_true", help="no throughput line in the log every 10 s")

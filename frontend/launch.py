@@ -163,7 +163,7 @@ async def serve_node(
     address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
     link = NodeLink(HTTP, config.data_parallel_rank, address)
     engine = msgspec.structs.replace(config, stats_to=[HTTP])
-    system = ActorSystem(replica_processes(engine, HTTP, {}), local=[link], policy=policy, log_level=log_level,
+    system = ActorSystem(replica_processes(engine, {}), local=[link], policy=policy, log_level=log_level,
                          explain=functools.partial(explain, memory=memory))  # fmt: skip
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -61,9 +61,9 @@ class LoraEndpoints:
         """Every replica's scheduler (`up`: those not down; the others hear of every adapter as they come back)."""
         return [r.names.scheduler for r in self.http.table.replicas.all if not (up and r.names.scheduler in r.down)]
 
-    async def load(self, request: web.Request) -> web.Response:
+    async def load(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, LoadLora)
-        if isinstance(body, web.Response):
+        if isinstance(body, web.StreamResponse):
             return body
         name, loras = body.lora_name, self.http.loras
         if name in self.http.names:
@@ -90,17 +90,19 @@ class LoraEndpoints:
         for late in set(self.schedulers()) - set(schedulers):  # (back while it loaded: its on_up knew no such name)
             self.http.tell(late, RegisterLora(path=body.lora_path, digest=digest, reply_to=self.http.name))
         self.http.metrics.lora_names[digest] = name
+        self.http.group.loras_changed()
         log.info("LoRA adapter %s loaded from %s (%s)", name, body.lora_path, digest)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
-    async def unload(self, request: web.Request) -> web.Response:
+    async def unload(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, UnloadLora)
-        if isinstance(body, web.Response):
+        if isinstance(body, web.StreamResponse):
             return body
         module = self.http.loras.pop(body.lora_name, None)
         if module is None:
             return refused(404, f"The LoRA adapter `{body.lora_name}` does not exist.", "lora_name")
         self._forget({module.digest}, self.schedulers())
+        self.http.group.loras_changed()
         log.info("LoRA adapter %s unloaded", body.lora_name)
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
@@ -118,6 +120,11 @@ class LoraEndpoints:
                 self.http.tell(msg.actor, RegisterLora(path=module.path, digest=module.digest, reply_to=self.http.name))
 
     async def _body(self, request: web.Request, kind):
+        """The body, or the answer: server 0's, which alone loads and unloads (frontend/http_servers.py), or an error."""
+        if self.http.group.index != 0:
+            if (proxied := await self.http.group.answered_by(request, 0)) is not None:
+                return proxied
+            return refused(503, "the HTTP server that loads adapters (server 0) cannot be reached; retry", None)
         try:
             return msgspec.json.decode(await request.read(), type=kind)
         except msgspec.ValidationError as e:

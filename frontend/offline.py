@@ -69,7 +69,7 @@ class AsyncLLM:
         self.client = ClientActor(replicas=replicas, abort_timeout_s=config.abort_timeout_s,
                                   max_abort_tries=config.max_abort_tries)  # fmt: skip
         self.system = ActorSystem(
-            engine_processes(config, CLIENT),
+            engine_processes(config, [CLIENT]),
             local=[self.client],
             fault_plan=fault_plan,
             policy=policy or RestartPolicy(exit_past_intensity=True),

@@ -84,6 +84,7 @@ class PoolLedger:
         `arrival`: the request's (time.monotonic()), for its latency."""
         self.http.check_available()  # (again: tokenizing took a while; then it is pending before the next message)
         self.pending[msg.request_id] = p = Pending(msg, asyncio.get_running_loop().create_future())
+        msg.client = self.http.name  # (the HTTP server it came to: --api-server-count)
         self.http.tell(SCHEDULER, msg)
         out: PoolOutput | None = None
         try:

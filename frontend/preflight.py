@@ -11,6 +11,7 @@ it holds ~200 MB less.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -33,7 +34,7 @@ from gpu.loading.weights import check_checkpoint, check_quantization
 from gpu.models import REGISTRY
 from gpu.runner.model_runner import resolve_device
 from messages import names
-from messages.names import HTTP
+from messages.names import http_servers
 
 
 class Request(msgspec.Struct, kw_only=True):
@@ -57,8 +58,16 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelConfig:
     return config
 
 
-def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> ProcessSpec:
-    kwargs = {
+def servers(http: HttpConfig, kwargs: dict) -> list[ProcessSpec]:
+    """The HTTP servers (--api-server-count), a process each (frontend/http_servers.py), built with `kwargs`."""
+    spec = functools.partial(ActorSpec, factory="frontend.server:HttpActor")
+    named = enumerate(http_servers(http.api_server_count))
+    return [ProcessSpec(name=name, actors=[spec(name=name, kwargs={**kwargs, "server": k})]) for k, name in named]
+
+
+def http_processes(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> list[ProcessSpec]:
+    """A generating model's HTTP servers."""
+    return servers(http, {
         "model": str(model.path),
         "http": msgspec.to_builtins(http),
         "max_model_len": min(engine.max_model_len, model.max_model_len),
@@ -68,8 +77,7 @@ def http_process(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> 
         "local_replicas": engine.local_replicas,  # (the others: down until their node joins)
         "block_size": engine.block_size,
         "loras": [msgspec.to_builtins(m) for m in engine.lora.modules] if engine.lora else [],
-    }
-    return ProcessSpec(name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)])
+    })  # fmt: skip
 
 
 def checked_loras(model: ModelConfig, engine: EngineConfig, http: HttpConfig) -> LoraConfig | None:
@@ -138,7 +146,8 @@ def build_processes(
             )
         engine = msgspec.structs.replace(engine, speculative=msgspec.structs.replace(spec, model=str(draft.path)))
     need = (check_memory if memory_check else memory_need)(model, engine)
-    return [*engine_processes(engine, HTTP, devices), http_process(model, engine, http)], need
+    clients = http_servers(http.api_server_count)
+    return [*engine_processes(engine, clients, devices), *http_processes(model, engine, http)], need
 
 
 class PoolingNeed(msgspec.Struct):
@@ -171,7 +180,10 @@ def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[Proc
     if engine.device not in ("auto", "cpu"):  # (auto: the CPU, on a CUDA machine too)
         raise ModelLoadError(f"a pooling model is served on CPU only, not --device {engine.device}")
     engine = msgspec.structs.replace(
-        engine, model=str(model.path), max_model_len=min(engine.max_model_len, model.max_model_len), stats_to=[HTTP]
+        engine,
+        model=str(model.path),
+        max_model_len=min(engine.max_model_len, model.max_model_len),
+        stats_to=http_servers(http.api_server_count),
     )
     pooler = ActorSpec(
         name=names.SCHEDULER, factory="actors.pooler.actor:PoolerActor", kwargs={"config": msgspec.to_builtins(engine)}
@@ -179,11 +191,8 @@ def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[Proc
     facts = {"dimensions": list(model.dimensions), "labels": list(model.labels), "score_sigmoid": model.score_sigmoid}
     kwargs = {"model": str(model.path), "http": msgspec.to_builtins(http), "max_model_len": engine.max_model_len,
               "vocab_size": model.vocab_size, "pooling": facts}  # fmt: skip
-    http_spec = ProcessSpec(
-        name=HTTP, actors=[ActorSpec(name=HTTP, factory="frontend.server:HttpActor", kwargs=kwargs)]
-    )
     weights = sum(f.stat().st_size for f in weight_files(model.path))  # (a float32 checkpoint's; a 16-bit one's x2)
-    return [ProcessSpec(name=names.ENGINE, actors=[pooler]), http_spec], PoolingNeed(weights)
+    return [ProcessSpec(name=names.ENGINE, actors=[pooler]), *servers(http, kwargs)], PoolingNeed(weights)
 
 
 def prepare(engine: EngineConfig, http: HttpConfig, memory_check: bool = True) -> dict:

@@ -12,9 +12,10 @@ from frontend import scoring
 from frontend.body import RequestError
 from frontend.embeddings import embeddings
 from frontend.http_base import json_response
+from frontend.metrics import CONTENT_TYPE
 from frontend.openapi import openapi
 from frontend.responses_api.endpoint import ResponsesEndpoint
-from frontend.tokenize import server_version
+from frontend.tokenize import detokenize, model_card, server_version, tokenize
 
 GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 POOLING = {
@@ -51,11 +52,29 @@ def add_routes(app: web.Application, http) -> None:
             http.lora_api.serve(app)
         for path in (p for paths in POOLING for p in paths):
             r.add_post(path, not_served("generation", "pooling"))
-    r.add_get("/v1/models", http.models)
-    r.add_get("/v1/models/{model}", http.model_card)
-    r.add_post("/tokenize", http.tokenize)
-    r.add_post("/detokenize", http.detokenize)
+    r.add_get("/v1/models", functools.partial(models, http))
+    r.add_get("/v1/models/{model}", functools.partial(card, http))
+    r.add_post("/tokenize", functools.partial(parsed, http, tokenize))
+    r.add_post("/detokenize", functools.partial(parsed, http, detokenize))
     r.add_get("/version", lambda _: json_response(server_version()))
     r.add_get("/openapi.json", lambda _: json_response(openapi(bool(http.config.api_key))))
     r.add_get("/health", http.health)
-    r.add_get("/metrics", http.prometheus)
+    r.add_get("/metrics", functools.partial(prometheus, http))
+
+
+async def models(http, request: web.Request) -> web.Response:
+    cards = [model_card(name, http.ctx, http.created, http.model) for name in [*http.ctx.model_names, *http.loras]]
+    return json_response({"object": "list", "data": cards})
+
+
+async def card(http, request: web.Request) -> web.Response:
+    return json_response(model_card(request.match_info["model"], http.ctx, http.created, http.model))
+
+
+async def parsed(http, parse, request: web.Request) -> web.Response:
+    """/tokenize, /detokenize: `parse(body, ctx)`'s answer."""
+    return json_response(await http.parse_body(request, lambda body, ctx, _: parse(body, ctx), None))
+
+
+async def prometheus(http, request: web.Request) -> web.Response:
+    return web.Response(body=await http.group.metrics(), headers={"Content-Type": CONTENT_TYPE})

@@ -24,8 +24,9 @@ from actors.routing import Replicas
 from actors.runtime import Actor
 from frontend.context import ServingContext
 from frontend.http_base import REQUEST_ID, STREAM_ERROR, HttpConfig, error_response, json_response, middleware
+from frontend.http_servers import ServerGroup
 from frontend.lora_api import LoraEndpoints
-from frontend.metrics import CONTENT_TYPE, Metrics
+from frontend.metrics import Metrics
 from frontend.pool_ledger import PoolLedger
 from frontend.protocol import RequestError, new_request_id, parse_chat, parse_completion
 from frontend.readiness import Readiness
@@ -36,7 +37,6 @@ from frontend.responses_api.endpoint import ResponsesEndpoint
 from frontend.routes import add_routes
 from frontend.structured import compile_check
 from frontend.throughput_log import ThroughputLog
-from frontend.tokenize import detokenize, model_card, tokenize
 from frontend.tokenizer import Tokenizer
 from messages.names import HTTP
 from messages.wire import ActorDown, ActorUp, CheckIdle, DetokStats, EngineStats, Finished, IdleReport, TextOutputs
@@ -63,11 +63,13 @@ class HttpActor(Actor):
         local_replicas: int | None = None,
         loras: list[dict] = (),
         pooling: dict | None = None,
+        server: int = 0,
     ):
         """The engine's facts: `max_model_len`, `vocab_size`, `bos_token_id` (whether the model has a BOS to guide
         against), its `replicas` (--data-parallel-size; `local_replicas` of them on this node, None: all) and their KV
         `block_size` (what the router hashes); the LoRA adapters it serves (`loras`: LoraModules). `pooling` (a
-        model served for pooling: frontend/pool_ledger.py PoolFacts): the pooling endpoints instead of generation's."""
+        model served for pooling: frontend/pool_ledger.py PoolFacts): the pooling endpoints instead of generation's.
+        `server`: which of the --api-server-count servers this is (frontend/http_servers.py)."""
         super().__init__()
         self.config = msgspec.convert(http, HttpConfig)
         self.model = model
@@ -90,18 +92,23 @@ class HttpActor(Actor):
         self.lora_api: LoraEndpoints | None = None  # (--enable-lora-runtime-updates)
         self.responses: ResponsesEndpoint | None = None  # (generation)
         self.pooling = None if pooling is None else PoolLedger(self, pooling)
+        self.group = ServerGroup(self, server, c.api_server_count)
         self._large_reads, self._large_parses = asyncio.Semaphore(LARGE_READS), asyncio.Semaphore(LARGE_PARSES)
 
     def handlers(self):
-        return {
-            TextOutputs: self.table.on_outputs,
-            Finished: self.table.on_finished,
-            EngineStats: lambda msg: (self.metrics.on_engine_stats(msg), self.table.replicas.on_stats(msg)),
-            DetokStats: self.metrics.on_detok_stats,
-            ActorDown: self.on_down,
-            ActorUp: self.on_up,
-            CheckIdle: self.on_check,
-        } | (self.pooling.handlers() if self.pooling else {})
+        return (
+            {
+                TextOutputs: self.table.on_outputs,
+                Finished: self.table.on_finished,
+                EngineStats: lambda msg: (self.metrics.on_engine_stats(msg), self.table.replicas.on_stats(msg)),
+                DetokStats: self.metrics.on_detok_stats,
+                ActorDown: self.on_down,
+                ActorUp: self.on_up,
+                CheckIdle: self.on_check,
+            }
+            | self.group.handlers()
+            | (self.pooling.handlers() if self.pooling else {})
+        )
 
     async def on_start(self) -> None:
         """Asks are answered only after this returns: the launcher's first answered ask means "listening"."""
@@ -119,13 +126,14 @@ class HttpActor(Actor):
         add_routes(app, self)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
-        await web.TCPSite(self.runner, self.config.host, self.config.port).start()
+        await self.group.listen(self.runner, c.host, c.port)
         log.info("listening at %s: 503 until every engine replica has loaded its model", self.config.url)
         self.spawn(self._housekeeping())
 
     # ------------------------------------------------------------ actor messages
 
     def on_up(self, msg: ActorUp) -> None:
+        self.group.on_up(msg)
         if self.lora_api is not None:  # (first: a scheduler back hears of its adapters before its requests' copies)
             self.lora_api.on_up(msg)
         if self.pooling is not None:
@@ -133,6 +141,7 @@ class HttpActor(Actor):
         self.readiness.on_up(msg)
 
     def on_down(self, msg: ActorDown) -> None:
+        self.group.on_down(msg)
         if self.pooling is not None:
             self.pooling.on_down(msg)
         self.readiness.on_down(msg)
@@ -157,12 +166,14 @@ class HttpActor(Actor):
             self.table.fail_all(RequestError(503, "the server is shutting down"), send_abort=False)
         if self.runner is not None:
             await self.runner.cleanup()
+        await self.group.close()
         if self.responses is not None:
             await self.until(lambda: not self.responses.runs, self.config.drain_timeout_s)  # (their last writes)
             await self.responses.store.close()
 
     async def _housekeeping(self) -> None:
-        pulse = ThroughputLog(self.metrics, time.monotonic(), self.config.log_stats_interval_s)
+        every = self.config.log_stats_interval_s * (self.group.index == 0)  # (the engine's figures: one server's)
+        pulse = ThroughputLog(self.metrics, time.monotonic(), every)
         warm_at = time.monotonic() + WARM_IDLE_S  # (the grammar compiler's, once serving and idle that long)
         while True:
             await asyncio.sleep(min(0.5, self.config.abort_timeout_s / 2))
@@ -174,7 +185,7 @@ class HttpActor(Actor):
             self.table.expire(time.monotonic())
             self.moved()  # (a drain waits for the table to empty)
             try:
-                for line in pulse.lines(time.monotonic()) if self.config.log_stats_interval_s else ():
+                for line in pulse.lines(time.monotonic()) if every else ():
                     log.info("%s", line)
             except Exception:  # (never the housekeeping's end)
                 log.exception("the throughput line failed")
@@ -192,23 +203,6 @@ class HttpActor(Actor):
         """200 once every engine replica has loaded its model, while one serves (every actor of it up)."""
         self.check_available(health=True)
         return web.Response()
-
-    async def models(self, request: web.Request) -> web.Response:
-        names = [*self.ctx.model_names, *self.loras]
-        cards = [model_card(name, self.ctx, self.created, self.model) for name in names]
-        return json_response({"object": "list", "data": cards})
-
-    async def model_card(self, request: web.Request) -> web.Response:
-        return json_response(model_card(request.match_info["model"], self.ctx, self.created, self.model))
-
-    async def tokenize(self, request: web.Request) -> web.Response:
-        return json_response(await self.parse_body(request, lambda body, ctx, _: tokenize(body, ctx), None))
-
-    async def detokenize(self, request: web.Request) -> web.Response:
-        return json_response(await self.parse_body(request, lambda body, ctx, _: detokenize(body, ctx), None))
-
-    async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_completion, "cmpl")

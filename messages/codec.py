@@ -8,6 +8,7 @@ import msgspec
 
 from messages.lora import LORA_TYPES
 from messages.pooling import POOL_TYPES
+from messages.servers import SERVER_TYPES
 from messages.step import STEP_TYPES
 from messages.wire import WIRE_TYPES, Msg
 
@@ -23,7 +24,7 @@ class LocalOnlyError(TypeError):
 class Codec:
     """Encoder + validating decoder for one link; `types` is what the receiver accepts."""
 
-    def __init__(self, types: tuple[type[Msg], ...] = WIRE_TYPES + STEP_TYPES + LORA_TYPES + POOL_TYPES):
+    def __init__(self, types: tuple[type[Msg], ...] = WIRE_TYPES + STEP_TYPES + LORA_TYPES + POOL_TYPES + SERVER_TYPES):
         self.types = types
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Union[types])  # noqa: UP007 (runtime union)

@@ -38,9 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 # the GPU path's own tests (on the card: compiled kernels, captured graphs), run whole; then every `cuda`-marked test
-GPU_PATH_TESTS = ["tests/test_graphs.py", "tests/test_launch_budget.py", "tests/test_attention_backends.py"]
-GPU_PATH_TESTS += ["tests/test_sampler_fused.py", "tests/test_sampler_distribution.py"]
-GPU_PATH_TESTS += ["tests/test_triton_engine.py", "tests/test_memory.py", "tests/test_cuda.py"]
+GPU_PATH_TESTS = ["graphs", "launch_budget", "attention_backends", "sampler_fused", "sampler_distribution"]
+GPU_PATH_TESTS = [f"tests/test_{name}.py" for name in [*GPU_PATH_TESTS, "triton_engine", "memory", "cuda"]]
 SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
     ("async", [], [1, 16, 64, 256]),
     ("sync", ["--no-async-scheduling"], [64]),
@@ -48,6 +47,7 @@ SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
     ("inline-sync", ["--worker", "inline", "--no-async-scheduling"], [64]),
     ("eager", ["--enforce-eager"], [64]),  # no graphs: what the graphs of every step kind buy
     ("stream4", ["--stream-interval", "4"], [256]),  # 4 tokens an SSE event: the HTTP process's headroom
+    ("asc4", ["--api-server-count", "4"], [64, 256]),  # 4 HTTP servers: the host's HTTP work over 4 cores
 ]
 
 

@@ -216,15 +216,16 @@ async def fake_server_of(model_dir: Path, **http):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import Server, pick_port
-    from frontend.preflight import http_process, resolve_model
+    from frontend.preflight import http_processes, resolve_model
+    from messages.names import http_servers
     from tests.fake_engine import FakeEngine
 
     model = resolve_model(str(model_dir))
     config = HttpConfig(**{"port": 0, "api_key": API_KEY, "abort_timeout_s": 0.3, "max_abort_tries": 3,
                            "body_timeout_s": 2.0, **http})  # fmt: skip
     config = pick_port(config)
-    engine = FakeEngine()
-    srv = Server([http_process(model, EngineConfig(model=str(model.path)), config)], config, local=[engine])
+    engine = FakeEngine(clients=http_servers(config.api_server_count))
+    srv = Server(http_processes(model, EngineConfig(model=str(model.path)), config), config, local=[engine])
     await srv.start()
     try:
         yield (handle := ServerHandle(srv, model_dir, API_KEY, engine))

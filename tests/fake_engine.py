@@ -1,6 +1,6 @@
 """A stand-in for the scheduler + detokenizer, run as a local actor in the test process.
 
-It answers AddRequest by sending the client one TextOutputs per step ("w0", " w1", ... one token
+It answers AddRequest by sending its client one TextOutputs per step ("w0", " w1", ... one token
 each, token id 100 + i) and a Finished(length) in the last one; Abort ends a request with
 Finished(abort) (unless `ack_aborts` is off). With `hold` on, requests get no output until the test
 drives them (`emit`, `finish`); a resumed AddRequest goes on after its tokens. Tests may send anything to the HTTP actor (`tell`) to inject
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from actors.runtime import Actor
+from messages.lora import LoraRegistered, RegisterLora, UnregisterLora
 from messages.wire import Abort, AddRequest, EngineStats, Finished, TextDelta, TextOutputs
 
 CLIENT = "http"
@@ -20,9 +21,12 @@ CLIENT = "http"
 class FakeEngine(Actor):
     name = "scheduler"
 
-    def __init__(self, step_s: float = 0.005):
+    def __init__(self, step_s: float = 0.005, clients: list[str] = (CLIENT,)):
+        """`clients`: the HTTP servers its stats go to (a request's output goes to the one its AddRequest names)."""
         super().__init__()
         self.step_s = step_s
+        self.clients = clients
+        self.client_of: dict[str, str] = {}  # request id -> its AddRequest's client
         self.hold = False
         self.ack_aborts = True
         self.live: dict[str, AddRequest] = {}
@@ -30,11 +34,12 @@ class FakeEngine(Actor):
         self.added: list[AddRequest] = []
         self._arrived = asyncio.Event()  # set by each AddRequest (wait_added)
         self.aborts: list[Abort] = []
+        self.loras: list[RegisterLora | UnregisterLora] = []
         self._steps = 0
         self._reported = 0  # AddRequests whose queue time went out in EngineStats
 
     def handlers(self):
-        return {AddRequest: self.on_add, Abort: self.on_abort}
+        return {AddRequest: self.on_add, Abort: self.on_abort, RegisterLora: self.on_lora, UnregisterLora: self.on_lora}
 
     async def on_start(self) -> None:
         self.spawn(self._stats())
@@ -51,9 +56,15 @@ class FakeEngine(Actor):
         self.added.append(msg)
         self._arrived.set()
         self.live[msg.request_id] = msg
+        self.client_of[msg.request_id] = msg.client
         self.sent[msg.request_id] = len(msg.resume_token_ids or [])  # a resumed request goes on from there
         if not self.hold:
             self.spawn(self._generate(msg.request_id))
+
+    def on_lora(self, msg: RegisterLora | UnregisterLora) -> LoraRegistered | None:
+        """Any adapter is served: its digest is its path's (the HTTP side's bookkeeping is what tests check)."""
+        self.loras.append(msg)
+        return LoraRegistered(digest=f"digest-{msg.path}") if isinstance(msg, RegisterLora) else None
 
     def on_abort(self, msg: Abort) -> None:
         self.aborts.append(msg)
@@ -81,7 +92,7 @@ class FakeEngine(Actor):
             attempt = self.live[rid].attempt
         self._steps += 1
         delta = TextDelta(request_id=rid, seq=seq, text=text, token_ids=token_ids, attempt=attempt)
-        self.tell(CLIENT, TextOutputs(step=self._steps, deltas=[delta]))
+        self.tell(self.client_of.get(rid, CLIENT), TextOutputs(step=self._steps, deltas=[delta]))
 
     def finish(self, rid: str, reason: str, text: str = "", token_ids: list[int] = (), **error) -> None:
         """End the request's live copy (`error`: Finished's error fields)."""
@@ -98,7 +109,7 @@ class FakeEngine(Actor):
             **error,
         )
         self._steps += 1
-        self.tell(CLIENT, TextOutputs(step=self._steps, deltas=[], finished=[fin]))
+        self.tell(req.client, TextOutputs(step=self._steps, deltas=[], finished=[fin]))
 
     async def _stats(self) -> None:
         while True:
@@ -112,5 +123,6 @@ class FakeEngine(Actor):
                 queue_times_s=[0.001] * (len(self.added) - self._reported),
             )
             self._reported = len(self.added)
-            self.tell(CLIENT, stats)
+            for client in self.clients:
+                self.tell(client, stats)
             await asyncio.sleep(0.1)

@@ -23,7 +23,7 @@ def model(tmp_path_factory):
 
 
 def recording(model: str) -> DetokenizerActor:
-    actor = DetokenizerActor(model, client=CLIENT)
+    actor = DetokenizerActor(model, stats_to=[CLIENT])
     actor.sent = []
     actor.tell = lambda dst, msg: actor.sent.append((dst, msg))
     return actor

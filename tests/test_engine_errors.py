@@ -14,7 +14,7 @@ from actors.engine.config import EngineConfig
 from frontend.context import ServingContext
 from frontend.http_base import HttpConfig
 from frontend.offline import AsyncLLM
-from frontend.preflight import http_process, resolve_model
+from frontend.preflight import http_processes, resolve_model
 from frontend.protocol import RequestError, parse_completion
 from frontend.tokenizer import Tokenizer
 from messages.sampling_params import SamplingParams
@@ -78,7 +78,7 @@ def test_the_frontend_asks_the_engines_source_whether_the_model_has_a_bos(tmp_pa
     model = resolve_model(str(path))
     tok = Tokenizer.from_model_dir(path)
     assert model.bos_token_id is None and "bos_token" in tok.special_tokens
-    kwargs = http_process(model, EngineConfig(model=str(path)), HttpConfig()).actors[0].kwargs
+    kwargs = http_processes(model, EngineConfig(model=str(path)), HttpConfig())[0].actors[0].kwargs
     ctx = ServingContext(tok, ["m"], 64, model.vocab_size, bos_token_id=kwargs["bos_token_id"])
     body = {"prompt": "hi", "max_tokens": 2, "guidance_scale": 2}
     with pytest.raises(RequestError) as e:

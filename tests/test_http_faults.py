@@ -224,14 +224,14 @@ async def test_shutdown_aborts_in_flight_requests_and_waits_for_them(tiny_model_
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import Server, pick_port
-    from frontend.preflight import http_process, resolve_model
+    from frontend.preflight import http_processes, resolve_model
     from tests.fake_engine import FakeEngine
 
     engine = FakeEngine()
     engine.hold = True
     http = pick_port(HttpConfig(port=0))
     model = resolve_model(str(tiny_model_dir))
-    server = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
+    server = Server(http_processes(model, EngineConfig(model=str(model.path)), http), http, local=[engine])
     async with server, aiohttp.ClientSession(server.url) as s, s.post("/v1/completions", json=STREAM) as resp:
         assert await engine.until(lambda: engine.live, 10)
         rid = next(iter(engine.live))

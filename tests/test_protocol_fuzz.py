@@ -128,7 +128,7 @@ def test_the_detokenizer_takes_any_numbering_of_steps(model, seed, caplog):
     """The StepOutputs link (scheduler -> detokenizer, one host): the same numbering, the same bound."""
     caplog.set_level(logging.CRITICAL, "sluice")
     rng = random.Random(seed)
-    detok = DetokenizerActor(model, client="http")
+    detok = DetokenizerActor(model)
     detok.tell = lambda dst, msg: None
     rids = [f"req-{i}" for i in range(4)] + ["req-unknown"]
     for rid in rids[:4]:
@@ -151,7 +151,7 @@ def test_the_detokenizer_counts_and_logs_a_long_loss_whole(model, caplog):
     """Steps 0 and 10**6: the loss of 1 .. 999998 counts 999998 lost steps (not the 5 entries that stand for them)
     and is logged as that range (999999, one behind the last, is not lost yet)."""
     caplog.set_level(logging.ERROR, "sluice")
-    detok = DetokenizerActor(model, client="http")
+    detok = DetokenizerActor(model)
     detok.tell = lambda dst, msg: None
     for step in (0, 10**6):
         detok.on_step(StepOutputs(step=step, outputs=[]))

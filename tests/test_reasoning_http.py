@@ -25,14 +25,14 @@ async def thinking(tiny_model_dir):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import Server, pick_port
-    from frontend.preflight import http_process, resolve_model
+    from frontend.preflight import http_processes, resolve_model
     from tests.fake_engine import FakeEngine
 
     model = resolve_model(str(tiny_model_dir))
     config = HttpConfig(port=0, reasoning_parser="qwen3", chat_template=QWEN3_TEMPLATE, tool_call_parser="hermes")
     http, engine = pick_port(config), FakeEngine()
     engine.hold = True
-    srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
+    srv = Server(http_processes(model, EngineConfig(model=str(model.path)), http), http, local=[engine])
     await srv.start()
     yield (handle := ServerHandle(srv, tiny_model_dir, engine=engine))
     await handle.close_clients()

@@ -170,7 +170,7 @@ async def test_an_error_made_outside_a_step_is_repaired_when_its_message_is_lost
     it, a poison) and the message holding it is lost: the detokenizer sees the gap and re-submits it, and its client
     is answered once: the error again, or (the poison's copy carries no blame) its whole output; the others exactly."""
     loop = Loop(max_step_failures=2)
-    detok = DetokenizerActor(str(model_dir), client="client")
+    detok = DetokenizerActor(str(model_dir), stats_to=["client"])
     detok.sent, detok.tell = [], lambda dst, msg: detok.sent.append((dst, msg))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     reqs = {f"r{i}": p for i, p in enumerate(prompts(3, seed=5, hi=12))}

@@ -124,7 +124,7 @@ def test_the_worker_runs_in_its_own_process_on_cuda_and_inline_on_cpu(cuda):
 def test_the_scheduler_starts_after_a_worker_that_sizes_the_cache(cuda):
     def after(**kwargs) -> dict[str, str | None]:
         config = EngineConfig(model="m", **kwargs)
-        return {p.name: p.after for p in replica_processes(config, "client", {})}
+        return {p.name: p.after for p in replica_processes(config, {})}
 
     assert after() == {"worker": None, "engine": "worker", "detokenizer": None}
     assert after(device="cpu", worker="process") == {"worker": None, "engine": None, "detokenizer": None}

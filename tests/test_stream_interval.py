@@ -11,7 +11,7 @@ import aiohttp
 from actors.engine.config import EngineConfig
 from frontend.http_base import HttpConfig
 from frontend.launch import Server, pick_port
-from frontend.preflight import http_process, resolve_model
+from frontend.preflight import http_processes, resolve_model
 from messages.wire import Finished
 from tests.fake_engine import FakeEngine
 from tests.http_table_harness import delta, make_table, parsed
@@ -27,7 +27,7 @@ async def test_events_carry_the_interval_s_tokens_after_the_first(tiny_model_dir
     engine.hold = True
     http = pick_port(HttpConfig(port=0, stream_interval=4))
     model = resolve_model(str(tiny_model_dir))
-    server = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[engine])
+    server = Server(http_processes(model, EngineConfig(model=str(model.path)), http), http, local=[engine])
     async with server, aiohttp.ClientSession(server.url) as s:
         for i, interval in enumerate((None, 2)):
             body = {"prompt": "hi", "max_tokens": 50, "stream": True, "stream_interval": interval}

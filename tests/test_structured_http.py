@@ -138,13 +138,13 @@ async def deadline_server(tiny_model_dir):
     from actors.engine.config import EngineConfig
     from frontend.http_base import HttpConfig
     from frontend.launch import Server, pick_port
-    from frontend.preflight import http_process, resolve_model
+    from frontend.preflight import http_processes, resolve_model
     from tests.conftest import ServerHandle
     from tests.fake_engine import FakeEngine
 
     model = resolve_model(str(tiny_model_dir))
     http = pick_port(HttpConfig(port=0, grammar_timeout_s=GRAMMAR_TIMEOUT_S))
-    srv = Server([http_process(model, EngineConfig(model=str(model.path)), http)], http, local=[FakeEngine()])
+    srv = Server(http_processes(model, EngineConfig(model=str(model.path)), http), http, local=[FakeEngine()])
     await srv.start()
     yield (handle := ServerHandle(srv, tiny_model_dir))
     await handle.close_clients()

@@ -77,7 +77,7 @@ class DetokenizerActor(Actor):
     def __init__(
         self,
         model: str,
-        client: str = "http",
+        stats_to: list[str] = (names.HTTP,),
         abort_timeout_s: float = 5.0,
         max_abort_tries: int = 3,
         stats_interval_s: float = 0.5,
@@ -87,7 +87,7 @@ class DetokenizerActor(Actor):
         self.replica = replica  # of the engine (--data-parallel-size)
         self.scheduler = names.replica(replica).scheduler
         self.tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-        self.stats_to = client
+        self.stats_to = stats_to  # the actors its DetokStats go to (the HTTP servers, or the offline client)
         self.stats_interval_s = stats_interval_s
         self.requests: Ledger[DetokRequestState] = Ledger(abort_timeout_s, max_abort_tries, log)
         self.live, self.tombstones, self.fate = self.requests.live, self.requests.tombstones, self.requests.fate
@@ -295,5 +295,6 @@ class DetokenizerActor(Actor):
                 num_tombstones=len(self.tombstones), repairs_total=self.counts.resumes.total(), replica=self.replica,
                 **self.tokens.report(),
             )  # fmt: skip
-            self.tell(self.stats_to, stats)
+            for actor in self.stats_to:
+                self.tell(actor, stats)
             self.moved()  # (a drain waits for the requests to end)

@@ -32,8 +32,8 @@ made before the store kept them private, and perhaps held open by another user s
 0600 file (VACUUM INTO a mkstemp file beside it, which reads the -wal too, renamed over the database; the old -wal
 and -shm deleted): whoever opened the old ones reads nothing stored after. That rebuild is decided from the modes
 found before any chmod and kept pending in the .lock file until it is done: one that fails (a full disk) is done by
-a later try. The .lock is flocked while the store is open: shared, and exclusive from before a rebuild or migration
-until it is done, which only a store alone on the file does (another server's open files are never replaced under
+a later try. The .lock is flocked while the store is open: shared, and exclusive while a store alone on the file opens it, and
+through a rebuild or migration, which only a store alone on the file does (another server's open files are never replaced under
 it: its rebuild waits, pending, for a later open alone). The directory is created 0700, and made 0700 when it is Sluice's own
 (`own_dir`: the default, in the cache directory), left as it is when the operator chose it.
 """
@@ -146,19 +146,18 @@ def _journals(path: Path) -> list[Path]:
 
 def _lock(path: Path) -> tuple[int, bool]:
     """`<db>.lock`, a file of ours made 0600 as the others are, and flocked: exclusively if no other store has the
-    file open (then True: this one may rebuild and migrate it), else shared. Its descriptor."""
+    file open (then True: this one may rebuild and migrate it), else shared, once another store that opens it (an
+    HTTP server beside this one: --api-server-count), rebuilds or migrates it is done. Its descriptor."""
     fd = _private(path.with_name(path.name + ".lock"), create=True)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd, True
         except BlockingIOError:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (fails only while another rebuilds or migrates)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (on the store's thread: the calls wait for its opening meanwhile)
             return fd, False
-    except BaseException as e:
+    except BaseException:
         os.close(fd)
-        if isinstance(e, BlockingIOError):
-            raise OSError(f"{path}.lock is held by another server rebuilding or migrating the store") from None
         raise
 
 

@@ -46,6 +46,7 @@ class ResponsesEndpoint:
                                    c.responses_max_store_bytes, c.responses_max_bytes_per_response,
                                    own_dir=c.responses_db is None)  # fmt: skip
         self.runs: dict[str, ResponseRun] = {}  # runs not yet ended (and stored)
+        self.max_background = -(-c.max_background_responses // c.api_server_count)  # (this server's share)
         actor.metrics.num_background_responses = self.num_background
 
     def num_background(self) -> int:
@@ -65,11 +66,17 @@ class ResponsesEndpoint:
     async def create(self, request: web.Request) -> web.StreamResponse:
         actor = self.actor
         actor.check_available()
-        request[REQUEST_ID] = rid = f"resp_{uuid.uuid4().hex}"  # (OpenAI's shape of a response id)
+        # (OpenAI's shape of a response id; its first byte names the server that runs it: frontend/http_servers.py)
+        request[REQUEST_ID] = rid = f"resp_{actor.group.index:02x}{uuid.uuid4().hex[2:]}"
         body = await actor.parse_body(request, decode_responses, rid)
         if body.store is not False:
             await self.store.ready()
         history = await self._history(body.previous_response_id)
+        if history is None:  # (not ended here, nor stored: it may run on the server that made it)
+            previous = body.previous_response_id
+            if (proxied := await self._elsewhere(request, previous)) is not None:
+                return proxied
+            raise RequestError(404, f"previous response {previous!r} not found", "previous_response_id")
         large = bool(history) or actor.large(request)  # (a stored conversation may be long: rendered off the loop)
         call = await actor.off_loop(large, self._call, body, rid, history)
         parsed = call.parsed
@@ -79,7 +86,7 @@ class ResponsesEndpoint:
             except RequestError as e:
                 raise call.names.error(e) from e
         actor.check_available()
-        if call.background and (n := self.num_background()) >= actor.config.max_background_responses:
+        if call.background and (n := self.num_background()) >= self.max_background:
             raise Unavailable(f"{n} background responses are running, the most this server runs at once "
                               "(--max-background-responses); retry later", BACKGROUND_RETRY_S, 429, param="background",
                               type="rate_limit_error", code="too_many_background_responses")  # fmt: skip
@@ -125,21 +132,26 @@ class ResponsesEndpoint:
             self.store.check_size({**call.echo(), "input": call.input, "previous_response_id": call.history})
         return call
 
-    async def _history(self, previous: str | None) -> list[dict]:
-        """The conversation previous_response_id continues: its items and its output (within a row's budget)."""
+    async def _history(self, previous: str | None) -> list[dict] | None:
+        """The conversation previous_response_id continues: its items and its output (within a row's budget); None
+        if it is not found."""
         if previous is None:
             return []
         if previous in self.runs:
             raise RequestError(400, f"previous response {previous!r} has not ended", "previous_response_id")
-        history = await self.store.conversation(previous, with_output=True)
-        if history is None:
-            raise RequestError(404, f"previous response {previous!r} not found", "previous_response_id")
-        return history
+        return await self.store.conversation(previous, with_output=True)
+
+    async def _elsewhere(self, request: web.Request, rid: str) -> web.StreamResponse | None:
+        """The call answered by the server running `rid` if that is another one (None: answered here)."""
+        k = None if rid in self.runs else self.actor.group.owner(rid)
+        return None if k is None else await self.actor.group.answered_by(request, k)
 
     # ------------------------------------------------------------ retrieve, delete, cancel, input items
 
     async def retrieve(self, request: web.Request) -> web.StreamResponse:
         rid = request[REQUEST_ID] = request.match_info["id"]
+        if (proxied := await self._elsewhere(request, rid)) is not None:
+            return proxied
         stream = _flag(request, "stream")
         after = _int(request, "starting_after", -1, -1)
         if (run := self.runs.get(rid)) is not None:
@@ -156,8 +168,10 @@ class ResponsesEndpoint:
                                "--responses-max-bytes-per-response)", "stream")  # fmt: skip
         return await self._sse(request, _replay(events, after))
 
-    async def delete(self, request: web.Request) -> web.Response:
+    async def delete(self, request: web.Request) -> web.StreamResponse:
         rid = request[REQUEST_ID] = request.match_info["id"]
+        if (proxied := await self._elsewhere(request, rid)) is not None:
+            return proxied
         if (run := self.runs.get(rid)) is not None:
             run.keep = False
             self._cancel(run)
@@ -167,8 +181,10 @@ class ResponsesEndpoint:
             raise _not_found(rid)
         return json_response({"id": rid, "object": "response", "deleted": True})
 
-    async def cancel(self, request: web.Request) -> web.Response:
+    async def cancel(self, request: web.Request) -> web.StreamResponse:
         rid = request[REQUEST_ID] = request.match_info["id"]
+        if (proxied := await self._elsewhere(request, rid)) is not None:
+            return proxied
         if (run := self.runs.get(rid)) is None:
             response, background = _found(await self.store.response(rid), rid)
             _background(background, "cancelled")
@@ -184,8 +200,10 @@ class ResponsesEndpoint:
             self.actor.table.cancel(run.req, "client")
             self.actor.moved()
 
-    async def input_items(self, request: web.Request) -> web.Response:
+    async def input_items(self, request: web.Request) -> web.StreamResponse:
         rid = request[REQUEST_ID] = request.match_info["id"]
+        if (proxied := await self._elsewhere(request, rid)) is not None:
+            return proxied
         limit = _int(request, "limit", 20, 1, MAX_ITEMS_PAGE)
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
