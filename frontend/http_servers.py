@@ -57,6 +57,8 @@ class ServerGroup:
         await web.TCPSite(runner, host, port, reuse_port=self.count > 1).start()
         if self.count > 1:
             await web.UnixSite(runner, self.socket(self.index)).start()
+            if self.index == 0 and self.actor.lora_api is not None:  # (back from a restart: what it serves now)
+                self.loras_changed()
 
     async def close(self) -> None:
         for session in self._sessions.values():

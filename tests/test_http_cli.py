@@ -58,7 +58,7 @@ async def test_serve_prints_its_url_serves_and_exits_0_on_sigterm(tiny_model_dir
             await proc.wait()
 
 
-def test_bad_input_fails_fast_before_any_process_starts(tiny_model_dir, capsys):
+def test_bad_input_fails_fast_before_any_process_starts(tiny_model_dir, capsys, monkeypatch):
     assert main(["serve", "/no/such/model"]) == 1
     assert "model directory not found" in capsys.readouterr().err
     with socket.socket() as busy:
@@ -68,6 +68,10 @@ def test_bad_input_fails_fast_before_any_process_starts(tiny_model_dir, capsys):
     assert "cannot listen on" in capsys.readouterr().err
     assert main(["generate", str(tiny_model_dir), "Hello", "--top-p", "2"]) == 2
     assert "--top-p" in capsys.readouterr().err
+    monkeypatch.setenv("SLUICE_CLUSTER_SECRET", "s" * 32)
+    remote = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
+    with pytest.raises(SystemExit, match="--api-server-count > 1: engine replicas on other nodes"):
+        main(["serve", str(tiny_model_dir), "--api-server-count", "2", *remote])
 
 
 async def test_generate_streams_text_to_stdout(tiny_model_dir):
