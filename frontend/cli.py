@@ -86,11 +86,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     # ("": the bundled model, resolved, and converted on first use, by the forked checks: frontend/preflight.py)
-    engine = engine_config(args, args.model or "")
-    if http.api_server_count > 1 and engine.local_replicas < engine.data_parallel_size:
-        raise SystemExit("--api-server-count > 1: engine replicas on other nodes are not served by several HTTP "
-                         "servers yet (their door has one client)")  # fmt: skip
-    return uvloop.run(_serve(engine, http, fault_plan_of(args), args))
+    return uvloop.run(_serve(engine_config(args, args.model or ""), http, fault_plan_of(args), args))
 
 
 def _headless(args: argparse.Namespace, engine: EngineConfig) -> int:

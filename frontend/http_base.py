@@ -101,6 +101,9 @@ def error_response(e: RequestError) -> web.Response:
     return resp
 
 
+PROXIED = "X-Sluice-Proxied"  # a call another HTTP server proxied here: answered here, counted there (http_servers.py)
+
+
 def middleware(config: HttpConfig, metrics: Metrics):
     @web.middleware
     async def checked(request: web.Request, handler) -> web.StreamResponse:
@@ -131,7 +134,8 @@ def middleware(config: HttpConfig, metrics: Metrics):
             log.log(level, "[%s] %s %s: %d %s", rid, request.method, request.path, error.status, error.message)
         route = request.match_info.route.resource
         endpoint = route.canonical if route is not None else "other"
-        metrics.http_requests.labels(SERVER, endpoint, str(error.status if error else resp.status)).inc()
+        if PROXIED not in request.headers:
+            metrics.http_requests.labels(SERVER, endpoint, str(error.status if error else resp.status)).inc()
         return resp
 
     return checked

@@ -6,14 +6,18 @@ Server k's actor and process are `http_server(k)` (messages/names.py); N = 1 is 
   what they share               how
   the engine                    a request's AddRequest (or PoolRequest) names the server as its client: its output
                                 goes there; the engine's and detokenizers' stats go to every server
-  /metrics                      the server scraped asks the others (MetricsQuery, within ASK_S; one that is down or
-                                late is left out) for the series they observe themselves and sums them with its own;
-                                the engine's reports, which every server has, are its own
+  /metrics                      answered by server 0 (proxied there; by the server called while 0 cannot be reached):
+                                it asks the others (MetricsQuery, within ASK_S) for the series they observe themselves
+                                and sums them with its own (frontend/metrics_merge.py: a late server's last report, a
+                                dead one's counts carried on); the engine's reports, which every server has, are its own
   a live Response               its id names the server that runs it (`resp_<k:02x>...`): a call about it on another
                                 server is proxied to that one's socket in the private run directory (a stream too);
                                 one that cannot be reached (restarting: the run is gone) answers from the store
   LoRA runtime updates          loads and unloads are proxied to server 0 (a 503 while it cannot be reached), which
-                                tells the others the adapters served after each, and each server that (re)starts
+                                tells the others the adapters served (and waits for them, ASK_S) before it answers,
+                                and each server that (re)starts; a restarted server 0 serves those it started with
+A call proxied carries PROXIED: it is answered where it arrives (never proxied again) and counted once, by the
+server that took it from the client.
   --max-background-responses    each server runs its share (rounded up)
 """
 
@@ -21,21 +25,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from multidict import CIMultiDict
 
 from actors.engine.config import LoraModule
 from actors.runtime import AskTimeout
+from frontend.http_base import PROXIED
+from frontend.metrics import CONTENT_TYPE
+from frontend.metrics_merge import OtherServers
 from messages.names import http_servers
-from messages.servers import Family, LorasServed, MetricsQuery, MetricsReport, ServedLora
+from messages.servers import LorasServed, LorasTaken, MetricsQuery, MetricsReport, ServedLora
 from messages.wire import ActorDown, ActorUp
 
 log = logging.getLogger("sluice.http")
 
-ASK_S = 2.0  # another server's series must come within this (a scrape waits at most this long)
+ASK_S = 2.0  # another server answers within this (its series, or that it took the adapters served)
 HOP_HEADERS = frozenset(("connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "host"))
+RESPONSE_ID = re.compile(r"resp_([0-9a-f]{2})[0-9a-f]{30}")  # (as frontend/responses_api/endpoint.py makes them)
 
 
 class ServerGroup:
@@ -43,8 +54,10 @@ class ServerGroup:
         """`actor`: server `index`'s HttpActor (its metrics, LoRA adapters, router and asks) of `count`."""
         self.actor, self.index, self.count = actor, index, count
         self.names = http_servers(count)
-        self.down: set[str] = set()  # other servers known to be down (not asked for their series)
+        self.down: set[str] = set()  # other servers known to be down (not asked)
+        self.others = OtherServers()  # (server 0's: their series)
         self._sessions: dict[int, aiohttp.ClientSession] = {}  # to the other servers' sockets
+        self.incarnation = int.from_bytes(os.urandom(8)) >> 1  # (this process's, in its reports)
 
     def handlers(self) -> dict:
         return {MetricsQuery: self.report, LorasServed: self.on_loras}
@@ -58,7 +71,7 @@ class ServerGroup:
         if self.count > 1:
             await web.UnixSite(runner, self.socket(self.index)).start()
             if self.index == 0 and self.actor.lora_api is not None:  # (back from a restart: what it serves now)
-                self.loras_changed()
+                self.actor.spawn(self.loras_changed())
 
     async def close(self) -> None:
         for session in self._sessions.values():
@@ -66,85 +79,99 @@ class ServerGroup:
 
     # ------------------------------------------------------------ /metrics
 
-    async def metrics(self) -> bytes:
-        """Prometheus text: every server's own series summed, and the engine's reports as this server has them."""
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        """Prometheus text: every server's own series summed, and the engine's reports (server 0's)."""
+        if (proxied := await self.answered_by(request, 0)) is not None:
+            return proxied
         asked = [n for n in self.names if n != self.actor.name and n not in self.down]
-        reports = await asyncio.gather(*(self._series_of(n) for n in asked))
-        return self.actor.metrics.render([f for r in reports for f in r])
+        for name, report in zip(asked, await asyncio.gather(*(self._series_of(n) for n in asked)), strict=True):
+            if report is not None:
+                self.others.reported(name, report)
+        body = self.actor.metrics.render(self.others.families())
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
-    async def _series_of(self, server: str) -> list[Family]:
+    async def _series_of(self, server: str) -> MetricsReport | None:
         try:
-            return (await self.actor.ask(server, MetricsQuery(), timeout=ASK_S)).families
+            return await self.actor.ask(server, MetricsQuery(), timeout=ASK_S)
         except AskTimeout:
-            log.warning("%s did not report its series within %s s: /metrics leaves them out", server, ASK_S)
-            return []
+            log.warning("%s did not report its series within %s s: /metrics has its last report", server, ASK_S)
+            return None
 
     def report(self, msg: MetricsQuery) -> MetricsReport:
-        own = self.actor.metrics.registry.collect()
-        return MetricsReport(
-            families=[Family(m.name, m.documentation, m.type, [s[:3] for s in m.samples]) for m in own]
-        )
+        return MetricsReport(families=self.actor.metrics.own(), incarnation=self.incarnation)
 
     # ------------------------------------------------------------ calls answered by another server
 
     def owner(self, response_id: str) -> int | None:
-        """The server a response id names (`response_id`), if it is another one of this group's."""
-        try:
-            k = int(response_id[5:7], 16) if response_id.startswith("resp_") else None
-        except ValueError:
-            return None
+        """The server a response id names, if it is another one of this group's."""
+        m = RESPONSE_ID.fullmatch(response_id)
+        k = int(m.group(1), 16) if m else None
         return k if k is not None and k != self.index and k < self.count else None
 
     async def answered_by(self, request: web.Request, k: int) -> web.StreamResponse | None:
-        """The call proxied to server k, its answer streamed back as it comes; None if k cannot be reached (or there
-        is no other server)."""
-        if self.count == 1 or k == self.index:
+        """The call proxied to server k, its answer streamed back as it comes; None: answered here (there is no
+        other server, the call was proxied here, or k cannot be reached)."""
+        if self.count == 1 or k == self.index or PROXIED in request.headers:
             return None
         session = self._sessions.get(k)
-        if session is None:
-            connector = aiohttp.UnixConnector(path=self.socket(k))
+        if session is None:  # (a connection a call: one that k closed is never reused)
+            connector = aiohttp.UnixConnector(path=self.socket(k), force_close=True, limit=0)
             session = self._sessions[k] = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        headers = {h: v for h, v in request.headers.items() if h.lower() not in HOP_HEADERS}
-        body = await request.read() if request.body_exists else None  # (read already, or not yet)
+        drop = HOP_HEADERS | {"content-encoding"}  # (aiohttp decoded the body)
+        headers = CIMultiDict((h, v) for h, v in request.headers.items() if h.lower() not in drop)
+        headers[PROXIED] = self.actor.name
+        body = await self.actor.read_body(request) if request.body_exists else None  # (read already, or not yet)
         try:
             upstream = await session.request(request.method, f"http://{self.names[k]}{request.rel_url}",
-                                             headers=headers, data=body, timeout=aiohttp.ClientTimeout())  # fmt: skip
-        except aiohttp.ClientConnectionError as e:
+                                             headers=headers, data=body,
+                                             timeout=aiohttp.ClientTimeout(sock_connect=ASK_S))  # fmt: skip
+        except aiohttp.ClientConnectionError as e:  # (down, or it died before answering: its runs are gone)
             log.warning("%s cannot be reached (%s): answering %s here", self.names[k], e, request.rel_url)
             return None
         async with upstream:
-            kept = {h: v for h, v in upstream.headers.items() if h.lower() not in HOP_HEADERS}
+            kept = CIMultiDict((h, v) for h, v in upstream.headers.items() if h.lower() not in HOP_HEADERS)
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=kept)
             await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+            except aiohttp.ClientError as e:  # (it died while answering: the answer ends here, cut short)
+                log.warning("%s failed while answering %s (%s): cut short", self.names[k], request.rel_url, e)
+                resp.force_close()
+                return resp
             await resp.write_eof()
         return resp
 
     # ------------------------------------------------------------ the other servers coming and going, LoRA adapters
 
     def on_down(self, msg: ActorDown) -> None:
-        if msg.actor in self.names:
+        if msg.actor in self.names and msg.actor != self.actor.name:
             self.down.add(msg.actor)
+            self.others.died(msg.actor)
 
     def on_up(self, msg: ActorUp) -> None:
-        if msg.actor in self.names:
+        if msg.actor in self.names and msg.actor != self.actor.name:
             self.down.discard(msg.actor)
             if self.index == 0 and self.actor.lora_api is not None:
-                self.actor.tell(msg.actor, self.served())
+                self.actor.spawn(self.loras_changed([msg.actor]))
 
-    def served(self) -> LorasServed:
-        loras = self.actor.loras.values()
-        return LorasServed(modules=[msgspec.convert(msgspec.to_builtins(m), ServedLora) for m in loras])
+    async def loras_changed(self, servers: list[str] | None = None) -> None:
+        """Server 0 loaded or unloaded an adapter (or `servers` came up): they are told what is served now, and
+        answer once they took it (a server that does not within ASK_S is logged)."""
+        served = [msgspec.convert(msgspec.to_builtins(m), ServedLora) for m in self.actor.loras.values()]
+        told = [n for n in servers or self.names[1:] if n not in self.down]
+        asks = (self.actor.ask(n, LorasServed(modules=served), timeout=ASK_S) for n in told)
+        for name, answer in zip(told, await asyncio.gather(*asks, return_exceptions=True), strict=True):
+            if isinstance(answer, Exception):
+                log.warning("%s did not take the LoRA adapters served within %s s: %r", name, ASK_S, answer)
 
-    def loras_changed(self) -> None:
-        """Server 0 loaded or unloaded an adapter: the others are told what is served now."""
-        for name in self.names[1:]:
-            self.actor.tell(name, self.served())
-
-    def on_loras(self, msg: LorasServed) -> None:
-        loras, names = self.actor.loras, self.actor.metrics.lora_names
-        loras.clear()  # (in place: the serving context holds this dict)
-        loras.update({m.name: msgspec.convert(msgspec.to_builtins(m), LoraModule) for m in msg.modules})
-        names.clear()
-        names.update({m.digest: name for name, m in loras.items()})
+    def on_loras(self, msg: LorasServed) -> LorasTaken:
+        """Server 0's adapters, by name (the whole set); its own are its own."""
+        if self.index != 0:
+            loras = self.actor.loras  # (changed in place: the serving context holds this dict)
+            served = {m.name: msgspec.convert(msgspec.to_builtins(m), LoraModule) for m in msg.modules}
+            for name in loras.keys() - served.keys():
+                del loras[name]
+            loras.update(served)
+            self.actor.metrics.lora_names.update({m.digest: name for name, m in served.items()})
+        return LorasTaken()

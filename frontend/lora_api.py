@@ -90,7 +90,7 @@ class LoraEndpoints:
         for late in set(self.schedulers()) - set(schedulers):  # (back while it loaded: its on_up knew no such name)
             self.http.tell(late, RegisterLora(path=body.lora_path, digest=digest, reply_to=self.http.name))
         self.http.metrics.lora_names[digest] = name
-        self.http.group.loras_changed()
+        await self.http.group.loras_changed()
         log.info("LoRA adapter %s loaded from %s (%s)", name, body.lora_path, digest)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -102,7 +102,7 @@ class LoraEndpoints:
         if module is None:
             return refused(404, f"The LoRA adapter `{body.lora_name}` does not exist.", "lora_name")
         self._forget({module.digest}, self.schedulers())
-        self.http.group.loras_changed()
+        await self.http.group.loras_changed()
         log.info("LoRA adapter %s unloaded", body.lora_name)
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

@@ -12,7 +12,6 @@ from frontend import scoring
 from frontend.body import RequestError
 from frontend.embeddings import embeddings
 from frontend.http_base import json_response
-from frontend.metrics import CONTENT_TYPE
 from frontend.openapi import openapi
 from frontend.responses_api.endpoint import ResponsesEndpoint
 from frontend.tokenize import detokenize, model_card, server_version, tokenize
@@ -59,7 +58,7 @@ def add_routes(app: web.Application, http) -> None:
     r.add_get("/version", lambda _: json_response(server_version()))
     r.add_get("/openapi.json", lambda _: json_response(openapi(bool(http.config.api_key))))
     r.add_get("/health", http.health)
-    r.add_get("/metrics", functools.partial(prometheus, http))
+    r.add_get("/metrics", lambda request: http.group.metrics(request))
 
 
 async def models(http, request: web.Request) -> web.Response:
@@ -74,7 +73,3 @@ async def card(http, request: web.Request) -> web.Response:
 async def parsed(http, parse, request: web.Request) -> web.Response:
     """/tokenize, /detokenize: `parse(body, ctx)`'s answer."""
     return json_response(await http.parse_body(request, lambda body, ctx, _: parse(body, ctx), None))
-
-
-async def prometheus(http, request: web.Request) -> web.Response:
-    return web.Response(body=await http.group.metrics(), headers={"Content-Type": CONTENT_TYPE})

@@ -236,9 +236,9 @@ class HttpActor(Actor):
         place), and parsed LARGE_PARSES at a time, off the event loop: a flood of 16 MB bodies waits in the
         kernel's socket buffers, not in our memory."""
         if not self.large(request):
-            return parse(await self._read(request), self.ctx, rid)
+            return parse(await self.read_body(request), self.ctx, rid)
         async with self._large_reads:
-            body = await self._read(request)
+            body = await self.read_body(request)
         return await self.off_loop(True, parse, body, self.ctx, rid)
 
     @staticmethod
@@ -252,7 +252,7 @@ class HttpActor(Actor):
         async with self._large_parses:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    async def _read(self, request: web.Request) -> bytes:
+    async def read_body(self, request: web.Request) -> bytes:
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 return await request.read()

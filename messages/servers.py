@@ -23,6 +23,7 @@ class MetricsQuery(Query, kw_only=True):
 
 class MetricsReport(Reply, kw_only=True):
     families: list[Family] = []
+    incarnation: int = 0  # the reporting process's (random): a report of one that died is not taken
 
 
 class ServedLora(msgspec.Struct, kw_only=True):
@@ -34,11 +35,15 @@ class ServedLora(msgspec.Struct, kw_only=True):
     base_model_name: str | None = None
 
 
-class LorasServed(Msg, kw_only=True):
+class LorasServed(Query, kw_only=True):
     """HTTP server 0 -> the others: the adapters served by name, after each runtime load or unload, and to a server
     that (re)started. The whole set, so a late or repeated message changes nothing."""
 
     modules: list[ServedLora] = []
 
 
-SERVER_TYPES: tuple[type[Msg], ...] = (MetricsQuery, MetricsReport, LorasServed)
+class LorasTaken(Reply, kw_only=True):
+    """-> server 0: the adapters are served here too (it answers the load or unload once every server took them)."""
+
+
+SERVER_TYPES: tuple[type[Msg], ...] = (MetricsQuery, MetricsReport, LorasServed, LorasTaken)

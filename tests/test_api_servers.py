@@ -1,6 +1,7 @@
 """--api-server-count 2 (frontend/http_servers.py) over the fake engine: each server serves the port's requests with
-its own ledger, /metrics sums what both observed, a live Response is answered by the server running it, and server 0
-alone loads LoRA adapters, the other told what is served. Each server is reached through its own socket in the run
+its own ledger, /metrics sums what both observed (each call counted once, proxied or not; a dead server's counts
+carried on), a live Response is answered by the server running it, and server 0 alone loads LoRA adapters, the other
+told what is served before the load is answered. Each server is reached through its own socket in the run
 directory (what the servers proxy to each other over), so which server a call lands on is chosen, not the kernel's."""
 
 from __future__ import annotations
@@ -69,6 +70,29 @@ async def test_each_server_serves_and_metrics_sum_both(fake):
         assert got[COMPLETIONS] == before[0].get(COMPLETIONS, 0) + 3
     async with handle.session() as port:  # (the shared port)
         assert [await complete(port, model) for _ in range(2)] == ["w0 w1 w2"] * 2
+    assert (await metrics_of(sessions[1]))[COMPLETIONS] == before[0].get(COMPLETIONS, 0) + 5
+
+
+async def test_a_dead_servers_counts_are_carried_on(fake):
+    handle, (zero, one) = fake
+    await complete(one, handle.model_dir.name)
+    counted = (await metrics_of(zero))[COMPLETIONS]  # (server 0 has server 1's report now)
+    system, old = handle.server, handle.server.pids()["http.1"]
+    system.kill("http.1")
+    await eventually(lambda: system.state.get("http.1") == "up" and system.pids().get("http.1") not in (None, old),
+                     "http.1 restarted")  # fmt: skip
+    await eventually(lambda: _serves(one), "http.1 serving again")
+    assert (await metrics_of(zero))[COMPLETIONS] == counted  # (its counts from zero again, its last ones carried)
+    await complete(one, handle.model_dir.name)
+    assert (await metrics_of(zero))[COMPLETIONS] == counted + 1
+
+
+async def _serves(session: aiohttp.ClientSession) -> bool:
+    try:
+        async with session.get("/health") as resp:
+            return resp.status == 200
+    except aiohttp.ClientError:
+        return False
 
 
 async def test_a_live_response_is_answered_by_the_server_running_it(fake):
@@ -93,6 +117,9 @@ async def test_a_live_response_is_answered_by_the_server_running_it(fake):
     async with zero.post(f"/v1/responses/{rid}/cancel") as resp:
         assert resp.status == 200 and (await resp.json())["status"] == "cancelled"
     assert add.request_id in [a.request_id for a in handle.engine.aborts]
+    for malformed in ("resp_-1" + "0" * 30, "resp_+1" + "0" * 30, rid[:-1]):  # (answered here: unknown, not proxied)
+        async with zero.get(f"/v1/responses/{malformed}") as resp:
+            assert resp.status == 404
     async with zero.get(f"/v1/responses/{rid}", params={"stream": "true"}) as resp:
         events = [json.loads(line[6:]) for line in (await resp.text()).splitlines() if line.startswith("data: ")]
     assert events[-1]["type"] == "response.cancelled" and events[-1]["response"]["id"] == rid
@@ -109,17 +136,12 @@ async def test_server_zero_loads_adapters_and_tells_the_other(fake):
 
     async with one.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/adapters/sql"}) as resp:
         assert resp.status == 200, await resp.text()
-    assert await listed(zero, "sql")  # (server 0 loaded it: the call was proxied there)
-    await eventually(lambda: listed(one, "sql"), "server 1 told of the adapter")
+    assert await listed(zero, "sql") and await listed(one, "sql")  # (loaded by server 0, which told server 1 first)
     async with one.post("/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 2}) as resp:
         assert resp.status == 200, await resp.text()
     assert handle.engine.added[-1].params.lora == "digest-/adapters/sql"
     async with one.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}) as resp:
         assert resp.status == 200, await resp.text()
-    await eventually(lambda: _not(listed(one, "sql")), "server 1 told of the unload")
+    assert not await listed(one, "sql")
     async with zero.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}) as resp:
         assert resp.status == 404 and (await resp.json())["error"]["param"] == "lora_name"
-
-
-async def _not(probe) -> bool:
-    return not await probe

@@ -49,7 +49,6 @@ from actors.detokenizer.token_counts import TokenCounts
 from actors.protocol import MAX_ATTEMPTS, Ledger, RecentIds, SentNames, StepNumbers, lost_suspects
 from actors.runtime import Actor
 from messages import names
-from messages.names import DETOKENIZER
 from messages.wire import (
     Abort,
     AbortAck,
@@ -72,12 +71,12 @@ CLOSED, ABORTED, ORPHAN = "closed", "aborted", "orphan"  # fate: CLOSED | (ABORT
 
 
 class DetokenizerActor(Actor):
-    name = DETOKENIZER
+    name = names.DETOKENIZER
 
     def __init__(
         self,
         model: str,
-        stats_to: list[str] = (names.HTTP,),
+        stats_to: tuple[str, ...] | list[str] = (names.HTTP,),
         abort_timeout_s: float = 5.0,
         max_abort_tries: int = 3,
         stats_interval_s: float = 0.5,

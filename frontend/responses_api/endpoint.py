@@ -11,7 +11,9 @@
 
 A foreground client that goes away aborts its run, as on chat; a background run goes on until it ends or is
 cancelled, whoever reads it. Unknown ids are 404s in OpenAI's error shape. At most --max-background-responses
-background runs live at once (a 429 with Retry-After past it; the gauge sluice:num_background_responses). The store
+background runs live at once (each HTTP server runs its share, rounded up, of --api-server-count; a 429 with
+Retry-After past it; the gauge sluice:num_background_responses). A response's id names the HTTP server running it: a
+call about it on another is answered there (frontend/http_servers.py). The store
 opens in the background (store.py): while it cannot be used, a call that needs it (a stored create,
 previous_response_id, a read of an ended response) is a 503 naming its path and error, with Retry-After; store:
 false runs and live runs need none of it.
@@ -88,7 +90,7 @@ class ResponsesEndpoint:
         actor.check_available()
         if call.background and (n := self.num_background()) >= self.max_background:
             raise Unavailable(f"{n} background responses are running, the most this server runs at once "
-                              "(--max-background-responses); retry later", BACKGROUND_RETRY_S, 429, param="background",
+                              "(its share of --max-background-responses); retry later", BACKGROUND_RETRY_S, 429, param="background",
                               type="rate_limit_error", code="too_many_background_responses")  # fmt: skip
         req = actor.table.add(parsed, actor.name)
         run = self.runs[rid] = ResponseRun(call, req, ResponseWriter(call, actor.ctx.tokenizer))
