@@ -35,7 +35,7 @@ from multidict import CIMultiDict
 
 from actors.engine.config import LoraModule
 from actors.runtime import AskTimeout
-from frontend.http_base import PROXIED
+from frontend.http_base import PROXIED, REQUEST_ID
 from frontend.metrics import CONTENT_TYPE
 from frontend.metrics_merge import OtherServers
 from messages.names import http_servers
@@ -135,11 +135,12 @@ class ServerGroup:
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
+                await resp.write_eof()
             except aiohttp.ClientError as e:  # (it died while answering: the answer ends here, cut short)
                 log.warning("%s failed while answering %s (%s): cut short", self.names[k], request.rel_url, e)
                 resp.force_close()
-                return resp
-            await resp.write_eof()
+            except ConnectionError:
+                log.info("[%s] client disconnected", request.get(REQUEST_ID, "-"))
         return resp
 
     # ------------------------------------------------------------ the other servers coming and going, LoRA adapters
