@@ -104,6 +104,14 @@ def error_response(e: RequestError) -> web.Response:
 PROXIED = "X-Sluice-Proxied"  # a call another HTTP server proxied here: answered here, counted there (http_servers.py)
 
 
+def proxied(request: web.Request) -> bool:
+    """A call another HTTP server proxied here: PROXIED, on the run directory's socket (a client's is ignored)."""
+    transport = request.transport
+    return (
+        PROXIED in request.headers and transport is not None and isinstance(transport.get_extra_info("sockname"), str)
+    )
+
+
 def middleware(config: HttpConfig, metrics: Metrics):
     @web.middleware
     async def checked(request: web.Request, handler) -> web.StreamResponse:
@@ -134,7 +142,7 @@ def middleware(config: HttpConfig, metrics: Metrics):
             log.log(level, "[%s] %s %s: %d %s", rid, request.method, request.path, error.status, error.message)
         route = request.match_info.route.resource
         endpoint = route.canonical if route is not None else "other"
-        if PROXIED not in request.headers:
+        if not proxied(request):
             metrics.http_requests.labels(SERVER, endpoint, str(error.status if error else resp.status)).inc()
         return resp
 

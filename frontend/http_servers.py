@@ -14,11 +14,13 @@ Server k's actor and process are `http_server(k)` (messages/names.py); N = 1 is 
                                 server is proxied to that one's socket in the private run directory (a stream too);
                                 one that cannot be reached (restarting: the run is gone) answers from the store
   LoRA runtime updates          loads and unloads are proxied to server 0 (a 503 while it cannot be reached), which
-                                tells the others the adapters served (and waits for them, ASK_S) before it answers,
-                                and each server that (re)starts; a restarted server 0 serves those it started with
-A call proxied carries PROXIED: it is answered where it arrives (never proxied again) and counted once, by the
-server that took it from the client.
+                                tells the others the adapters served and waits for them (ASK_S: a load that one of
+                                them did not take is a 503, a retry is idempotent) before it answers; and each server
+                                that (re)starts, as it serves (until then it serves those it started with)
   --max-background-responses    each server runs its share (rounded up)
+
+A call proxied carries PROXIED, honoured on the run directory's sockets only: it is answered where it arrives (never
+proxied again) and counted once, by the server that took it from the client.
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from actors.engine.config import LoraModule
-from actors.runtime import AskTimeout
-from frontend.http_base import PROXIED, REQUEST_ID
+from frontend.http_base import PROXIED, REQUEST_ID, proxied
 from frontend.metrics import CONTENT_TYPE
 from frontend.metrics_merge import OtherServers
-from messages.names import http_servers
+from messages.names import SUPERVISOR, http_servers
 from messages.servers import LorasServed, LorasTaken, MetricsQuery, MetricsReport, ServedLora
 from messages.wire import ActorDown, ActorUp
 
@@ -70,8 +71,6 @@ class ServerGroup:
         await web.TCPSite(runner, host, port, reuse_port=self.count > 1).start()
         if self.count > 1:
             await web.UnixSite(runner, self.socket(self.index)).start()
-            if self.index == 0 and self.actor.lora_api is not None:  # (back from a restart: what it serves now)
-                self.actor.spawn(self.loras_changed())
 
     async def close(self) -> None:
         for session in self._sessions.values():
@@ -84,18 +83,14 @@ class ServerGroup:
         if (proxied := await self.answered_by(request, 0)) is not None:
             return proxied
         asked = [n for n in self.names if n != self.actor.name and n not in self.down]
-        for name, report in zip(asked, await asyncio.gather(*(self._series_of(n) for n in asked)), strict=True):
-            if report is not None:
+        asks = (self.actor.ask(n, MetricsQuery(), timeout=ASK_S) for n in asked)
+        for name, report in zip(asked, await asyncio.gather(*asks, return_exceptions=True), strict=True):
+            if isinstance(report, BaseException):
+                log.warning("%s did not report its series (%r): /metrics has its last report", name, report)
+            else:
                 self.others.reported(name, report)
         body = self.actor.metrics.render(self.others.families())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-
-    async def _series_of(self, server: str) -> MetricsReport | None:
-        try:
-            return await self.actor.ask(server, MetricsQuery(), timeout=ASK_S)
-        except AskTimeout:
-            log.warning("%s did not report its series within %s s: /metrics has its last report", server, ASK_S)
-            return None
 
     def report(self, msg: MetricsQuery) -> MetricsReport:
         return MetricsReport(families=self.actor.metrics.own(), incarnation=self.incarnation)
@@ -111,7 +106,7 @@ class ServerGroup:
     async def answered_by(self, request: web.Request, k: int) -> web.StreamResponse | None:
         """The call proxied to server k, its answer streamed back as it comes; None: answered here (there is no
         other server, the call was proxied here, or k cannot be reached)."""
-        if self.count == 1 or k == self.index or PROXIED in request.headers:
+        if self.count == 1 or k == self.index or proxied(request):
             return None
         session = self._sessions.get(k)
         if session is None:  # (a connection a call: one that k closed is never reused)
@@ -131,16 +126,17 @@ class ServerGroup:
         async with upstream:
             kept = CIMultiDict((h, v) for h, v in upstream.headers.items() if h.lower() not in HOP_HEADERS)
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=kept)
-            await resp.prepare(request)
             try:
+                await resp.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
                 await resp.write_eof()
-            except aiohttp.ClientError as e:  # (it died while answering: the answer ends here, cut short)
-                log.warning("%s failed while answering %s (%s): cut short", self.names[k], request.rel_url, e)
-                resp.force_close()
-            except ConnectionError:
+            except ConnectionResetError:  # (writing to the client: aiohttp's ClientConnectionResetError is both)
                 log.info("[%s] client disconnected", request.get(REQUEST_ID, "-"))
+            except aiohttp.ClientError as e:  # (k died while answering: the client's connection is cut, as k's was)
+                log.warning("%s failed while answering %s (%s): cut short", self.names[k], request.rel_url, e)
+                if request.transport is not None:
+                    request.transport.abort()
         return resp
 
     # ------------------------------------------------------------ the other servers coming and going, LoRA adapters
@@ -151,20 +147,25 @@ class ServerGroup:
             self.others.died(msg.actor)
 
     def on_up(self, msg: ActorUp) -> None:
+        """Server 0 tells a server that came up what it serves, and every server once the system (or server 0,
+        restarted) has heard which are down (ActorUp of the supervisor)."""
         if msg.actor in self.names and msg.actor != self.actor.name:
             self.down.discard(msg.actor)
-            if self.index == 0 and self.actor.lora_api is not None:
-                self.actor.spawn(self.loras_changed([msg.actor]))
+        told = [msg.actor] if msg.actor in self.names[1:] else self.names[1:] if msg.actor == SUPERVISOR else []
+        if self.index == 0 and self.actor.lora_api is not None and told:
+            self.actor.spawn(self.loras_changed(told))
 
-    async def loras_changed(self, servers: list[str] | None = None) -> None:
+    async def loras_changed(self, servers: list[str] | None = None) -> list[str]:
         """Server 0 loaded or unloaded an adapter (or `servers` came up): they are told what is served now, and
-        answer once they took it (a server that does not within ASK_S is logged)."""
+        answer once they took it. The servers that did not within ASK_S (logged)."""
         served = [msgspec.convert(msgspec.to_builtins(m), ServedLora) for m in self.actor.loras.values()]
         told = [n for n in servers or self.names[1:] if n not in self.down]
         asks = (self.actor.ask(n, LorasServed(modules=served), timeout=ASK_S) for n in told)
-        for name, answer in zip(told, await asyncio.gather(*asks, return_exceptions=True), strict=True):
-            if isinstance(answer, Exception):
-                log.warning("%s did not take the LoRA adapters served within %s s: %r", name, ASK_S, answer)
+        late = [n for n, a in zip(told, await asyncio.gather(*asks, return_exceptions=True), strict=True)
+                if isinstance(a, BaseException)]  # fmt: skip
+        if late:
+            log.warning("%s did not take the LoRA adapters served within %s s", ", ".join(late), ASK_S)
+        return late
 
     def on_loras(self, msg: LorasServed) -> LorasTaken:
         """Server 0's adapters, by name (the whole set); its own are its own."""

@@ -54,6 +54,18 @@ def pick_port(http: HttpConfig) -> HttpConfig:
         return msgspec.structs.replace(http, port=s.getsockname()[1])
 
 
+MAX_SERVERS = 255  # --api-server-count at most (a response id names its server in a byte: frontend/http_servers.py)
+
+
+def check_servers(engine: EngineConfig, http: HttpConfig) -> None:
+    """--api-server-count's bounds: at most MAX_SERVERS; one only with engine replicas on other nodes."""
+    if http.api_server_count > MAX_SERVERS:
+        raise ModelLoadError(f"--api-server-count {http.api_server_count}: at most {MAX_SERVERS}")
+    if http.api_server_count > 1 and engine.local_replicas < engine.data_parallel_size:
+        raise ModelLoadError("--api-server-count > 1: engine replicas on other nodes are not served by several HTTP "
+                             "servers yet (their door has one client)")  # fmt: skip
+
+
 def remote_replicas(engine: EngineConfig) -> list[Actor]:
     """The launcher's door to the replicas on other nodes, and their proxies (actors/replica_link.py)."""
     remote = list(range(engine.local_replicas, engine.data_parallel_size))
@@ -139,6 +151,7 @@ async def start_server(
     """Start the whole graph; `await server.stop()` (or `async with`) shuts it down. `forked`: the checks run in a
     child of the fork server (`sluice serve`: torch is not imported here; the server's name is the model's where
     `http` names none), else in this process."""
+    check_servers(engine, http)
     http = pick_port(http)
     if forked:
         checked = await asyncio.to_thread(preflight, engine, http, memory_check, log_level)

@@ -13,6 +13,8 @@ and `POST /v1/unload_lora_adapter {"lora_name"}`, served only with --enable-lora
 |                                                      | first, then its slot is freed                             |
 | unload an unknown name                               | 404 naming it                                             |
 | a replica that does not answer within ASK_S          | 503 (the name is not served; a retry is idempotent)       |
+| a load another HTTP server did not take in time      | 503 (served by the servers that took it; a retry is       |
+| (--api-server-count: frontend/http_servers.py)       | idempotent)                                               |
 
 A replica's scheduler that comes back (a restart: ActorUp) is told again of every adapter served, before the
 requests resumed on it (the same link, in order), so their copies find their adapters."""
@@ -90,7 +92,8 @@ class LoraEndpoints:
         for late in set(self.schedulers()) - set(schedulers):  # (back while it loaded: its on_up knew no such name)
             self.http.tell(late, RegisterLora(path=body.lora_path, digest=digest, reply_to=self.http.name))
         self.http.metrics.lora_names[digest] = name
-        await self.http.group.loras_changed()
+        if late := await self.http.group.loras_changed():
+            return refused(503, f"HTTP server {', '.join(late)} did not take the adapter in time; retry", None)
         log.info("LoRA adapter %s loaded from %s (%s)", name, body.lora_path, digest)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -126,7 +129,7 @@ class LoraEndpoints:
                 return proxied
             return refused(503, "the HTTP server that loads adapters (server 0) cannot be reached; retry", None)
         try:
-            return msgspec.json.decode(await request.read(), type=kind)
+            return msgspec.json.decode(await self.http.read_body(request), type=kind)
         except msgspec.ValidationError as e:
             return refused(400, f"invalid body: {e}", None)
         except msgspec.DecodeError as e:

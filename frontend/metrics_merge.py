@@ -1,8 +1,8 @@
 """/metrics over several HTTP servers (frontend/http_servers.py): the families of every server in one exposition, a
 family's samples of the same name and labels summed. Server 0 keeps the others' last reports (a server late to answer
 counts as it last did) and, once one dies, its counters and histograms as they last were, carried on: a sum that
-goes down only if server 0 itself restarts (as one server's counters do). What a server counted after its last report
-is lost with it."""
+goes down only if server 0 itself restarts (as one server's counters do) or cannot be reached (the server called then
+answers with what it has, until server 0 is back). What a server counted after its last report is lost with it."""
 
 from __future__ import annotations
 

@@ -58,13 +58,8 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelConfig:
     return config
 
 
-MAX_SERVERS = 255  # --api-server-count at most (a response id names its server in a byte: frontend/http_servers.py)
-
-
 def servers(http: HttpConfig, kwargs: dict) -> list[ProcessSpec]:
     """The HTTP servers (--api-server-count), a process each (frontend/http_servers.py), built with `kwargs`."""
-    if http.api_server_count > MAX_SERVERS:
-        raise ModelLoadError(f"--api-server-count {http.api_server_count}: at most {MAX_SERVERS}")
     spec = functools.partial(ActorSpec, factory="frontend.server:HttpActor")
     named = enumerate(http_servers(http.api_server_count))
     return [ProcessSpec(name=name, actors=[spec(name=name, kwargs={**kwargs, "server": k})]) for k, name in named]
@@ -150,9 +145,6 @@ def build_processes(
                 f"the draft model's vocabulary ({draft.vocab_size}) is not the model's ({model.vocab_size})"
             )
         engine = msgspec.structs.replace(engine, speculative=msgspec.structs.replace(spec, model=str(draft.path)))
-    if http.api_server_count > 1 and engine.local_replicas < engine.data_parallel_size:
-        raise ModelLoadError("--api-server-count > 1: engine replicas on other nodes are not served by several HTTP "
-                             "servers yet (their door has one client)")  # fmt: skip
     need = (check_memory if memory_check else memory_need)(model, engine)
     clients = http_servers(http.api_server_count)
     return [*engine_processes(engine, clients, devices), *http_processes(model, engine, http)], need

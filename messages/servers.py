@@ -1,5 +1,5 @@
 """Between the HTTP servers of --api-server-count (frontend/http_servers.py): server 0 is the one that loads and
-unloads LoRA adapters while serving, and any server answering /metrics asks the others for their own series."""
+unloads LoRA adapters while serving and answers /metrics, for which it asks the others for their own series."""
 
 from __future__ import annotations
 

@@ -84,7 +84,11 @@ async def test_a_dead_servers_counts_are_carried_on(fake):
     await eventually(lambda: _serves(one), "http.1 serving again")
     assert (await metrics_of(zero))[COMPLETIONS] == counted  # (its counts from zero again, its last ones carried)
     await complete(one, handle.model_dir.name)
-    assert (await metrics_of(zero))[COMPLETIONS] == counted + 1
+
+    async def counted_again() -> bool:  # (once server 0 has heard that http.1 is back: it asks it again)
+        return (await metrics_of(zero))[COMPLETIONS] == counted + 1
+
+    await eventually(counted_again, "the new incarnation's call counted")
 
 
 async def _serves(session: aiohttp.ClientSession) -> bool:
@@ -114,6 +118,11 @@ async def test_a_live_response_is_answered_by_the_server_running_it(fake):
         return got["status"] == "in_progress" and got["output"] and got["output"][0]["content"][0]["text"] == "w0"
 
     await eventually(live_text, "the live output through server 0")
+    retrieved = ("sluice:http_requests_total", (("endpoint", "/v1/responses/{id}"), ("status", "200")))
+    before = (await metrics_of(zero))[retrieved]
+    async with zero.get(f"/v1/responses/{rid}") as resp:
+        assert resp.status == 200
+    assert (await metrics_of(zero))[retrieved] == before + 1  # (counted by server 0, which took it, not by 1 too)
     async with zero.post(f"/v1/responses/{rid}/cancel") as resp:
         assert resp.status == 200 and (await resp.json())["status"] == "cancelled"
     assert add.request_id in [a.request_id for a in handle.engine.aborts]

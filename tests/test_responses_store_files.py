@@ -1,4 +1,4 @@
-"""The Responses store's files (frontend/responses_api/db.py), checked with the OS's own view of them (lstat, fstat,
+"""The Responses store's files (frontend/responses_api/files.py), checked with the OS's own view of them (lstat, fstat,
 inodes): the database, its -wal, its -shm and its .lock are regular files of this server's user, or the store is
 refused (a 503 naming the file and why, the file left as it was) until the operator removes it; files that other
 users could open before the store kept them private are rebuilt into a fresh private inode, every row kept (by a
@@ -7,6 +7,7 @@ they came to exist, the files end 0600 and Sluice's own directory 0700."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -173,3 +174,32 @@ async def test_a_second_server_on_the_same_file_shares_it_and_rebuilds_only_alon
     assert (await third.response("resp_a"))[0] and (await third.response("resp_b"))[0]
     assert mode(path) == 0o600 and os.stat(path).st_ino != files[""]
     await third.close()
+
+
+async def test_a_store_opening_waits_for_another_ones_exclusive_open_within_its_bound(tmp_path, monkeypatch):
+    """Another store holds the lock exclusively (opening, rebuilding or migrating: here a bare flock stands for it):
+    one opening meanwhile gets the shared lock once it is released (HTTP servers starting side by side), and past
+    LOCK_WAIT_S it is refused with a 503 naming why, as before."""
+    import fcntl
+
+    from frontend.responses_api import files
+
+    path = tmp_path / "r.sqlite3"
+    seed = ResponseStore(path)
+    assert await seed.put("resp_a", response("resp_a", "a"), [user("hi")])
+    await seed.close()
+    lock = os.open(f"{path}.lock", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    monkeypatch.setattr(files, "LOCK_WAIT_S", 0.05)
+    refused = ResponseStore(path, retry_s=0)
+    with pytest.raises(Unavailable, match="held by another server"):
+        await refused.response("resp_a")
+    monkeypatch.setattr(files, "LOCK_WAIT_S", 30.0)
+    waiting = ResponseStore(path)
+    asked = asyncio.ensure_future(waiting.response("resp_a"))
+    await asyncio.wait([asked], timeout=0.2)  # (a bound on a wait that must not end: it holds as long as the lock)
+    assert not asked.done()
+    os.close(lock)  # (the exclusive holder is done)
+    assert (await asked)[0]
+    await refused.close()
+    await waiting.close()

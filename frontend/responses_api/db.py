@@ -92,7 +92,7 @@ def connect(path: Path, own_dir: bool, clean: Clean) -> Locked:
             os.chmod(path.parent, 0o700)
         except OSError as e:  # (its files are private even so)
             log.warning("the Responses store: cannot make %s mode 700: %s", path.parent, e.strerror)
-    lock, alone = files.lock(path)
+    lock, alone = files.take_lock(path)
     try:
         for file in (path, *files.journals(path)):
             files.own(file, lock, create=file == path)
@@ -111,6 +111,8 @@ def connect(path: Path, own_dir: bool, clean: Clean) -> Locked:
         for journal in files.journals(path):
             files.own(journal, lock)
         if columns and "bytes" not in columns:
+            if not alone:  # (another store has it open: the one alone on it migrates, a later try of this one)
+                raise OSError(f"{path} has the first schema and another server has it open: migrated once alone")
             _migrate(db, path, clean)
         db.executescript(_SCHEMA)
         fcntl.flock(lock, fcntl.LOCK_SH)  # (others may open it now)

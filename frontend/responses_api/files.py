@@ -44,10 +44,11 @@ def journals(path: Path) -> list[Path]:
     return [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm", "-journal")]
 
 
-def lock(path: Path) -> tuple[int, bool]:
+def take_lock(path: Path) -> tuple[int, bool]:
     """`<db>.lock`, a file of ours made 0600 as the others are, and flocked: exclusively if no other store has the
     file open (then True: this one may rebuild and migrate it), else shared, once another store that opens it (an
-    HTTP server beside this one: --api-server-count), rebuilds or migrates it is done. Its descriptor."""
+    HTTP server beside this one: --api-server-count), rebuilds or migrates it is done (within LOCK_WAIT_S, else an
+    OSError saying so). Its descriptor."""
     fd = _private(path.with_name(path.name + ".lock"), create=True)
     try:
         try:
