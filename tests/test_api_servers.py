@@ -73,12 +73,21 @@ async def test_each_server_serves_and_metrics_sum_both(fake):
     assert (await metrics_of(sessions[1]))[COMPLETIONS] == before[0].get(COMPLETIONS, 0) + 5
 
 
-async def test_a_dead_servers_counts_are_carried_on(fake):
+async def test_a_dead_server_cuts_its_proxied_streams_short_and_its_counts_are_carried_on(fake):
     handle, (zero, one) = fake
     await complete(one, handle.model_dir.name)
     counted = (await metrics_of(zero))[COMPLETIONS]  # (server 0 has server 1's report now)
+    handle.engine.hold = True
+    body = {"model": handle.model_dir.name, "input": "hi", "background": True, "max_output_tokens": 8}
+    async with one.post("/v1/responses", json=body) as resp:
+        rid = (await resp.json())["id"]
     system, old = handle.server, handle.server.pids()["http.1"]
-    system.kill("http.1")
+    async with zero.get(f"/v1/responses/{rid}", params={"stream": "true"}) as resp:
+        assert await resp.content.readline() == b"event: response.created\n"  # (server 1's stream, through 0)
+        system.kill("http.1")
+        with pytest.raises(aiohttp.ClientPayloadError):  # (cut short, as server 1's own would be: not ended)
+            await resp.read()
+    handle.engine.hold = False
     await eventually(lambda: system.state.get("http.1") == "up" and system.pids().get("http.1") not in (None, old),
                      "http.1 restarted")  # fmt: skip
     await eventually(lambda: _serves(one), "http.1 serving again")
