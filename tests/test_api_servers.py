@@ -112,11 +112,12 @@ async def test_a_live_response_is_answered_by_the_server_running_it(fake):
     handle, (zero, one) = fake
     handle.engine.hold = True
     body = {"model": handle.model_dir.name, "input": "hi", "background": True, "max_output_tokens": 8}
+    added = len(handle.engine.added)
     async with one.post("/v1/responses", json=body) as resp:
         assert resp.status == 200, await resp.text()
         rid = (await resp.json())["id"]
     assert rid.startswith("resp_01")  # (made by server 1)
-    add = await handle.engine.wait_added(len(handle.engine.added) - 1)
+    add = await handle.engine.wait_added(added)
     handle.engine.emit(add.request_id, "w0", [100])
     async with zero.post("/v1/responses", json={**body, "previous_response_id": rid}) as resp:
         assert resp.status == 400 and "has not ended" in (await resp.json())["error"]["message"]  # (server 1's answer)
@@ -134,7 +135,8 @@ async def test_a_live_response_is_answered_by_the_server_running_it(fake):
     assert (await metrics_of(zero))[retrieved] == before + 1  # (counted by server 0, which took it, not by 1 too)
     async with zero.post(f"/v1/responses/{rid}/cancel") as resp:
         assert resp.status == 200 and (await resp.json())["status"] == "cancelled"
-    assert add.request_id in [a.request_id for a in handle.engine.aborts]
+    aborted = [add.request_id]  # (the Abort may reach the engine after the answer)
+    await eventually(lambda: [a.request_id for a in handle.engine.aborts if a.request_id in aborted], "the abort")
     for malformed in ("resp_-1" + "0" * 30, "resp_+1" + "0" * 30, rid[:-1]):  # (answered here: unknown, not proxied)
         async with zero.get(f"/v1/responses/{malformed}") as resp:
             assert resp.status == 404
