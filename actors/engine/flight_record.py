@@ -102,8 +102,10 @@ class FlightRecord:
         """The record of `steps` (those in flight) and of every blame, in the older slot."""
         named, self.named = self.named, {}
         for batch in steps:  # (each step's names listed once: a step stays in flight for two writes)
-            ids = dict.fromkeys(rid for row in batch.rows for rid in self.names(row.request_id))
-            self.named[batch.step] = named.get(batch.step) or list(ids)
+            ids = named.get(batch.step)
+            if ids is None:
+                ids = list(dict.fromkeys(rid for row in batch.rows for rid in self.names(row.request_id)))
+            self.named[batch.step] = ids
         body = ENCODER.encode(Flight(self.number, list(self.named.values()), self._blames()))
         os.pwrite(self.fds[self.number & 1], HEAD.pack(MAGIC, len(body), zlib.crc32(body)) + body, 0)
         self.number += 1
