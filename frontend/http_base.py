@@ -105,16 +105,19 @@ PROXIED = "X-Sluice-Proxied"  # a call another HTTP server proxied here: answere
 
 
 def proxied(request: web.Request) -> bool:
-    """A call another HTTP server proxied here: PROXIED, on the run directory's socket (a client's is ignored)."""
-    transport = request.transport
-    return (
-        PROXIED in request.headers and transport is not None and isinstance(transport.get_extra_info("sockname"), str)
-    )
+    """A call another HTTP server proxied here: PROXIED, on the run directory's socket (a client's is ignored); decided
+    as the call arrives (the middleware asks first), while its transport is there."""
+    if (known := request.get(PROXIED)) is None:
+        transport = request.transport
+        on_socket = transport is not None and isinstance(transport.get_extra_info("sockname"), str)
+        known = request[PROXIED] = PROXIED in request.headers and on_socket
+    return known
 
 
 def middleware(config: HttpConfig, metrics: Metrics):
     @web.middleware
     async def checked(request: web.Request, handler) -> web.StreamResponse:
+        from_server = proxied(request)
         try:
             if config.api_key and request.path.startswith(GUARDED):
                 given = request.headers.get("Authorization", "").encode("utf-8", "replace")
@@ -142,7 +145,7 @@ def middleware(config: HttpConfig, metrics: Metrics):
             log.log(level, "[%s] %s %s: %d %s", rid, request.method, request.path, error.status, error.message)
         route = request.match_info.route.resource
         endpoint = route.canonical if route is not None else "other"
-        if not proxied(request):
+        if not from_server:
             metrics.http_requests.labels(SERVER, endpoint, str(error.status if error else resp.status)).inc()
         return resp
 

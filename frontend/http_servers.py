@@ -45,8 +45,8 @@ from messages.wire import ActorDown, ActorUp
 
 log = logging.getLogger("sluice.http")
 
-ASK_S = 2.0  # another server answers within this (its series, or that it took the adapters served)
-HOP_HEADERS = frozenset(("connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "host"))
+ASK_S = 5.0  # another server answers within this (its series, or that it took the adapters served)
+HOP_HEADERS = frozenset(("connection", "keep-alive", "transfer-encoding", "date", "server", "host"))
 RESPONSE_ID = re.compile(r"resp_([0-9a-f]{2})[0-9a-f]{30}")  # (as frontend/responses_api/endpoint.py makes them)
 
 
@@ -112,7 +112,7 @@ class ServerGroup:
         if session is None:  # (a connection a call: one that k closed is never reused)
             connector = aiohttp.UnixConnector(path=self.socket(k), force_close=True, limit=0)
             session = self._sessions[k] = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        drop = HOP_HEADERS | {"content-encoding"}  # (aiohttp decoded the body)
+        drop = HOP_HEADERS | {"content-encoding", "content-length"}  # (aiohttp decoded the body; it sets the length)
         headers = CIMultiDict((h, v) for h, v in request.headers.items() if h.lower() not in drop)
         headers[PROXIED] = self.actor.name
         body = await self.actor.read_body(request) if request.body_exists else None  # (read already, or not yet)
@@ -131,7 +131,7 @@ class ServerGroup:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
                 await resp.write_eof()
-            except ConnectionResetError:  # (writing to the client: aiohttp's ClientConnectionResetError is both)
+            except ConnectionError:  # (writing to the client; no error of k's answer is one)
                 log.info("[%s] client disconnected", request.get(REQUEST_ID, "-"))
             except aiohttp.ClientError as e:  # (k died while answering: the client's connection is cut, as k's was)
                 log.warning("%s failed while answering %s (%s): cut short", self.names[k], request.rel_url, e)

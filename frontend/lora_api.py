@@ -29,7 +29,7 @@ from aiohttp import web
 
 from actors.engine.config import LoraModule
 from frontend.body import RequestError
-from frontend.http_base import error_response
+from frontend.http_base import Unavailable, error_response
 from messages.lora import RegisterLora, UnregisterLora
 from messages.wire import ActorUp
 
@@ -93,7 +93,7 @@ class LoraEndpoints:
             self.http.tell(late, RegisterLora(path=body.lora_path, digest=digest, reply_to=self.http.name))
         self.http.metrics.lora_names[digest] = name
         if late := await self.http.group.loras_changed():
-            return refused(503, f"HTTP server {', '.join(late)} did not take the adapter in time; retry", None)
+            return error_response(Unavailable(f"HTTP server {', '.join(late)} did not take the adapter in time", 1))
         log.info("LoRA adapter %s loaded from %s (%s)", name, body.lora_path, digest)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
