@@ -109,8 +109,9 @@ def proxied(request: web.Request) -> bool:
     as the call arrives (the middleware asks first), while its transport is there."""
     if (known := request.get(PROXIED)) is None:
         transport = request.transport
-        on_socket = transport is not None and isinstance(transport.get_extra_info("sockname"), str)
-        known = request[PROXIED] = PROXIED in request.headers and on_socket
+        known = request[PROXIED] = PROXIED in request.headers and (
+            transport is not None and isinstance(transport.get_extra_info("sockname"), str)
+        )
     return known
 
 

@@ -1,7 +1,7 @@
 """The HTTP servers of --api-server-count N (vLLM's): N processes serve one port (SO_REUSEPORT: the kernel spreads
 the connections over them), each an HttpActor with its own event loop, request ledger and engine links, so that the
 host's HTTP work (parsing, tokenizing, a stream's events: ~31 us a token on one core) spreads over N cores.
-Server k's actor and process are `http_server(k)` (messages/names.py); N = 1 is one server, as before.
+Server k's actor and process are `http_servers(n)[k]` (messages/names.py); N = 1 is one server, as before.
 
   what they share               how
   the engine                    a request's AddRequest (or PoolRequest) names the server as its client: its output
@@ -80,8 +80,8 @@ class ServerGroup:
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         """Prometheus text: every server's own series summed, and the engine's reports (server 0's)."""
-        if (proxied := await self.answered_by(request, 0)) is not None:
-            return proxied
+        if (answer := await self.answered_by(request, 0)) is not None:
+            return answer
         asked = [n for n in self.names if n != self.actor.name and n not in self.down]
         asks = (self.actor.ask(n, MetricsQuery(), timeout=ASK_S) for n in asked)
         for name, report in zip(asked, await asyncio.gather(*asks, return_exceptions=True), strict=True):

@@ -58,7 +58,7 @@ def add_routes(app: web.Application, http) -> None:
     r.add_get("/version", lambda _: json_response(server_version()))
     r.add_get("/openapi.json", lambda _: json_response(openapi(bool(http.config.api_key))))
     r.add_get("/health", http.health)
-    r.add_get("/metrics", lambda request: http.group.metrics(request))
+    r.add_get("/metrics", http.group.metrics)
 
 
 async def models(http, request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ SUPERVISOR = "supervisor"  # the launcher's: spawns, heartbeats, restarts
 SCHEDULER = "scheduler"  # the engine process's
 WORKER = "worker"  # the model runner and sampler, when the worker has a process of its own (EngineConfig.worker)
 DETOKENIZER = "detokenizer"
-HTTP = "http"  # the OpenAI server (a client of the engine); server k of --api-server-count: `http_server(k)`
+HTTP = "http"  # the OpenAI server (a client of the engine); the servers of --api-server-count: `http_servers`
 CLIENT = "client"  # the offline API's client (frontend/offline.py), in the launcher process
 ENGINE = "engine"  # the scheduler's process (a process is named after what it runs)
 
@@ -53,10 +53,7 @@ def replica_of(actor: str) -> int | None:
     return int(k) if k.isascii() and k.isdecimal() and k == str(int(k)) != "0" else None  # (as `replica` names it)
 
 
-def http_server(k: int) -> str:
-    """HTTP server k's actor and process (--api-server-count): server 0 keeps the bare name, server k carries ".k"."""
-    return f"{HTTP}.{k}" if k else HTTP
-
-
 def http_servers(n: int) -> list[str]:
-    return [http_server(k) for k in range(n)]
+    """The actors (and processes) of the n HTTP servers (--api-server-count): server 0 keeps the bare name, server k
+    carries ".k"."""
+    return [f"{HTTP}.{k}" if k else HTTP for k in range(n)]

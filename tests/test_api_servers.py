@@ -21,7 +21,7 @@ COMPLETIONS = ("sluice:http_requests_total", (("endpoint", "/v1/completions"), (
 @pytest.fixture(scope="module")
 async def servers(tiny_model_dir, responses_db):
     async with fake_server_of(tiny_model_dir, responses_db=responses_db, api_server_count=2,
-                              lora_runtime_updates=True) as handle:  # fmt: skip
+                              lora_runtime_updates=True, max_background_responses=3) as handle:  # fmt: skip
         sockets = [aiohttp.UnixConnector(path=f"{handle.server.rundir}/{name}.sock") for name in http_servers(2)]
         sessions = [aiohttp.ClientSession("http://localhost", headers=handle.headers, connector=c) for c in sockets]
         yield handle, sessions
@@ -169,3 +169,22 @@ async def test_server_zero_loads_adapters_and_tells_the_other(fake):
     assert not await listed(one, "sql")  # (told before the unload was answered)
     async with zero.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}) as resp:
         assert resp.status == 404 and (await resp.json())["error"]["param"] == "lora_name"
+
+
+async def test_each_server_runs_its_share_of_the_background_responses(fake):
+    handle, (zero, one) = fake
+    handle.engine.hold = True
+    body = {"model": handle.model_dir.name, "input": "hi", "background": True, "max_output_tokens": 8}
+
+    async def create(session) -> tuple[int, str | None]:
+        async with session.post("/v1/responses", json=body) as resp:
+            return resp.status, (await resp.json()).get("id")
+
+    made = [await create(one), await create(one)]  # (3 in all, shared out: 2 a server, rounded up)
+    assert [status for status, _ in made] == [200, 200]
+    assert (await create(one))[0] == 429
+    made.append(await create(zero))
+    assert made[-1][0] == 200
+    for session, (_, rid) in zip((one, one, zero), made, strict=True):
+        async with session.post(f"/v1/responses/{rid}/cancel") as resp:
+            assert resp.status == 200
