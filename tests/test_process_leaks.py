@@ -2,7 +2,8 @@
 semaphore for the resource tracker to find. tqdm's default write lock makes one wherever the start method is not
 fork (an actor process is forked from the fork server: forkserver), so a child's progress bars must not use it
 (actors/runtime/process.py, `one_process_progress_bars`). And what it keeps: the heap a step freed, which the next
-step's tensors reuse without a page fault (`reuse_freed_heap`)."""
+step's tensors reuse without a page fault (`reuse_freed_heap`); and how often its cyclic GC runs once it has started,
+over a heap its startup made (`settle_heap`)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,43 @@ def test_a_steps_8_mib_tensors_reuse_the_heap_the_last_one_freed():
 
     assert faults("plain") > 20 * 2048 / 2
     assert faults("actor") < 20 * 2048 / 20
+
+
+GC = """
+import gc, sys, weakref
+startup = [[i] for i in range(200_000)]  # (a loaded model's and a KV cache's tables: tracked objects that stay)
+if sys.argv[1] == "actor":
+    from actors.runtime.process import settle_heap
+    settle_heap()
+else:
+    gc.collect()  # (the same start, CPython's thresholds: the test's power)
+class Row:
+    pass
+collections, freed = [0], []
+def count(phase, info):
+    collections[0] += phase == "stop"
+gc.callbacks.append(count)
+kept = []
+for i in range(100_000):  # (a step's objects: most dropped at once, some kept, a few garbage cycles)
+    row = Row()
+    if i % 10 == 0:
+        kept.append([row])
+    if i % 1_000 == 1:
+        cycle = [Row()]
+        cycle.append(cycle)
+        weakref.finalize(cycle[0], freed.append, i)
+        del cycle
+print(collections[0], len(freed), gc.get_freeze_count() >= len(startup))
+"""
+
+
+def test_a_started_process_collects_its_garbage_cycles_rarely_and_never_scans_its_startup_heap():
+    def run(kind: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", GC, kind], capture_output=True, check=True, text=True,
+                              timeout=60).stdout.split()  # fmt: skip
+
+    collections, freed, frozen = run("plain")
+    assert int(collections) > 10 and frozen == "False"  # (CPython's 700: a collection every 700 kept objects)
+    collections, freed, frozen = run("actor")
+    assert 0 < int(collections) <= 2 and frozen == "True"
+    assert int(freed) > 50  # (the garbage cycles made before the last collection: freed by it, not leaked)
