@@ -148,6 +148,17 @@ class BlockManager:
         for seq, n in plan:
             self.append_slots(seq, n)
 
+    def try_grow(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """Grow the plan's sequences if all of it fits: whether it did (a decode row needs a block in 1 step of 16)."""
+        missing = 0
+        for seq, n in plan:
+            missing += self._num_missing(seq, n)
+        if missing > len(self.free_queue):
+            return False
+        if missing:
+            self.grow(plan)
+        return True
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table to cover num_computed_tokens + num_new_tokens tokens (evicting cached blocks from
         the front of the free queue as needed)."""
@@ -223,7 +234,7 @@ class BlockManager:
                 self.free_queue[block] = None
 
     def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)  # (num_blocks_for)
         return max(0, needed - len(seq.block_table))
 
     def _hashes(self, seq: Sequence, tokens: list[int], n: int) -> list[bytes]:

@@ -61,13 +61,11 @@ def pair_fit_error(
     )
 
 
-def plan_tokens(req: EngineRequest, budget: int, chunk: int) -> tuple[int, int]:
-    """(request tokens, companion tokens) to feed this step. A pair: both whole when they fit the budget and each
+def pair_tokens(req: EngineRequest, budget: int, chunk: int) -> tuple[int, int]:
+    """(request tokens, companion tokens) a guided pair feeds this step: both whole when they fit the budget and each
     the per-request chunk (the parent samples), else each short of its end (prefill progress; (0, 0): wait)."""
     left = req.num_tokens - req.num_computed_tokens
     c = req.companion
-    if c is None:
-        return min(left, budget, chunk), 0
     c_left = c.num_tokens - c.num_computed_tokens
     if left + c_left <= budget and max(left, c_left) <= chunk:
         return left, c_left

@@ -42,13 +42,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from actors.engine.request import EngineRequest, RequestStatus
+from actors.engine.request import ENDED, EngineRequest, RequestStatus
 from messages.wire import ErrorKind, RequestOutput
 
 log = logging.getLogger("sluice.engine")
 
 NOT_ONE_REQUESTS = (MemoryError, RecursionError)  # the process's state, whichever request it surfaced in
-ENDED = (RequestStatus.FINISHED, RequestStatus.ABORTED)
 INTERNAL_ERROR = "internal error in the engine (details in the server log)"  # (the detokenizer adds the request id)
 
 

@@ -46,6 +46,9 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
 
 
+ENDED = (RequestStatus.FINISHED, RequestStatus.ABORTED)  # (a constant: an Enum member's lookup, or hash, is slow)
+
+
 @dataclass(eq=False)
 class EngineRequest:
     request_id: str
@@ -114,7 +117,7 @@ class EngineRequest:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_known_tokens + self.num_pending_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def sequences(self) -> tuple:
@@ -160,7 +163,7 @@ class EngineRequest:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+        return self.status in ENDED
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of the sequence; pending ones (only ever the last) are PLACEHOLDER."""

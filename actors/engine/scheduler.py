@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 from actors.engine.admission import Admission
 from actors.engine.beams import beam_plan
 from actors.engine.block_manager import BlockManager
-from actors.engine.guidance import companion_row, pair_fit_error, plan_tokens
+from actors.engine.guidance import companion_row, pair_fit_error, pair_tokens
 from actors.engine.isolation import RequestIsolation, snapshot
 from actors.engine.lifecycle import RequestLedger
 from actors.engine.lookahead import Lookahead
@@ -136,13 +136,13 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
             before = snapshot(req)
             try:  # (each request's planning fails it alone)
                 plan = self._plan(req, budget, chunk)
-                fits = self.block_manager.may_grow(plan)
-                short = short or not fits
-                if not (fits or self._make_room(req, plan)):
-                    break
                 if self.fault is not None:
                     self.inject("scheduler.schedule", req)
-                self.block_manager.grow(plan)
+                if not self.block_manager.try_grow(plan):
+                    short = True
+                    if not self._make_room(req, plan):
+                        break
+                    self.block_manager.grow(plan)
             except Exception as e:
                 self._failed(req, before, e, self.failed, planning=True)
                 i -= 1  # (it left the running list)
@@ -180,16 +180,17 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
             return []
         if not self.in_flight or self.in_flight[0] != batch.step:
             raise RuntimeError(f"update() for step {batch.step}, expected {list(self.in_flight)[:1]}")
-        if len(sampled) != batch.num_samples:
-            raise ValueError(f"{len(sampled)} sampled tokens for {batch.num_samples} sampled positions")
+        samples = [row.num_samples for row in batch.rows]
+        if len(sampled) != sum(samples):
+            raise ValueError(f"{len(sampled)} sampled tokens for {sum(samples)} sampled positions")
         self.in_flight.popleft()
         outputs, searches = [], {}
-        pos, emitted = 0, iter(num_emitted or [1] * len(batch.sampling_rows))
-        for row in batch.rows:
+        pos, emitted = 0, None if num_emitted is None else iter(num_emitted)
+        for row, k in zip(batch.rows, samples, strict=True):
             req = self.requests[row.request_id]
             req.num_inflight_steps -= 1
-            if k := row.num_samples:
-                n = next(emitted)
+            if k:
+                n = 1 if emitted is None else next(emitted)
                 tokens, at, pos = sampled[pos : pos + n], pos, pos + k
                 req.num_pending_tokens -= 1
                 before = snapshot(req)
@@ -255,8 +256,10 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         """Each of the request's sequences and the tokens it feeds this step (actors/engine/guidance.py, beams.py)."""
         if req.beams is not None:
             return beam_plan(req, budget, chunk)
-        n, m = plan_tokens(req, budget, chunk)
-        return [(req, n)] if req.companion is None else [(req, n), (req.companion, m)]
+        if req.companion is not None:
+            n, m = pair_tokens(req, budget, chunk)
+            return [(req, n), (req.companion, m)]
+        return [(req, min(req.num_tokens - req.num_computed_tokens, budget, chunk))]
 
     def _add_rows(self, batch: BatchSpec, req: EngineRequest, plan: list, drafts: list[int] = ()) -> None:
         """The rows of a plan: the request's, then its CFG companion's (built first: the parent's row adds a pending
@@ -279,7 +282,8 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         # prompt_logprobs: the prompt tokens after the fed ones, until the first output token is known
         wants = req.params.prompt_logprobs is not None and req.fresh
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
-        token_ids = seq.token_ids(start, start + fed) + list(drafts)
+        token_ids = seq.token_ids(start, start + fed)  # (a new list)
+        token_ids += drafts
         sent, blocks = self.block_manager.unsent(seq)
         row = ScheduledRow(req.request_id, seq.slot, token_ids, start, blocks, sample, targets, list(drafts),
                            output_position=req.num_output_tokens, lora=req.params.lora, blocks_from=sent)  # fmt: skip
