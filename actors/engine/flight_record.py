@@ -71,10 +71,11 @@ class FlightRecord:
         path: str,
         max_failures: int,
         ttl_s: float = PENDING_TTL_S,
-        names: Callable[[str], list[str]] | None = None,
+        names: Callable[[list[str]], list[str]] | None = None,
     ):
         self.max_failures = max_failures
-        self.names = names or (lambda rid: [rid])  # a row's request id -> the ids its copies arrive under
+        # rows' request ids -> the ids their requests' copies arrive under, each once
+        self.names = names or (lambda rids: list(dict.fromkeys(rids)))
         self.fds = [os.open(f"{path}.{i}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600) for i in (0, 1)]
         self.pending: dict[str, int] = {}  # blamed requests whose copy has not come (yet)
         self.watched: dict[str, EngineRequest] = {}  # blamed requests here
@@ -104,7 +105,7 @@ class FlightRecord:
         for batch in steps:  # (each step's names listed once: a step stays in flight for two writes)
             ids = named.get(batch.step)
             if ids is None:
-                ids = list(dict.fromkeys(rid for row in batch.rows for rid in self.names(row.request_id)))
+                ids = self.names([row.request_id for row in batch.rows])
             self.named[batch.step] = ids
         body = ENCODER.encode(Flight(self.number, list(self.named.values()), self._blames()))
         os.pwrite(self.fds[self.number & 1], HEAD.pack(MAGIC, len(body), zlib.crc32(body)) + body, 0)
@@ -137,7 +138,7 @@ class FlightRecord:
     def _blames(self) -> dict[str, int]:
         if self.watched:
             self.watched = {rid: r for rid, r in self.watched.items() if r.failed_steps and not r.is_finished}
-        return self._pending() | {n: req.failed_steps for rid, req in self.watched.items() for n in self.names(rid)}
+        return self._pending() | {n: req.failed_steps for rid, req in self.watched.items() for n in self.names([rid])}
 
     @staticmethod
     def _read(fd: int) -> Flight | None:

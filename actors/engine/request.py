@@ -74,7 +74,7 @@ class EngineRequest:
     abort_reason: AbortReason | None = None  # aborted: its Abort's reason, acked with it; None: silently (no AbortAck)
     first_seq: int = 0  # a resumed request's first output seq here (DESIGN I8): the tokens it arrived with
     attempt: int = 0  # AddRequest.attempt: which copy of the request this is (its outputs carry it)
-    queued_at: float = field(default_factory=time.monotonic)  # arrival here; 0 once first scheduled (queue time)
+    queued_at: float = field(default_factory=time.monotonic)  # arrival here (queue time: to scheduled_at)
     scheduled_at: float = 0.0  # when first scheduled (time.monotonic)
     first_token_at: float = 0.0  # when its first output here was appended
     worker_outputs: int = -1  # output tokens the worker holds of it (ExecuteStep deltas); -1: it is new there

@@ -90,10 +90,9 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         self.max_loras, self.loras = max_loras, loras
         self.in_flight: deque[int] = deque()  # steps scheduled and not yet updated
         self.next_step = 0
-        self.num_discarded_samples = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.num_discarded_samples = self.prompt_tokens_total = self.generation_tokens_total = 0  # (/metrics' counts)
         self.spec = SpecStats()
+        self.queue_times: list[float] | None = None  # arrival -> first scheduled, for /metrics (None: not kept)
         self.failed: list[RequestOutput] = []  # terminal outputs for the next numbered StepOutputs (drain_failed)
 
     # ---------------------------------------------------------------- requests
@@ -282,13 +281,15 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         # prompt_logprobs: the prompt tokens after the fed ones, until the first output token is known
         wants = req.params.prompt_logprobs is not None and req.fresh
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
-        token_ids = seq.token_ids(start, start + fed)  # (a new list)
-        token_ids += drafts
+        token_ids = seq.token_ids(start, start + fed) + list(drafts)
         sent, blocks = self.block_manager.unsent(seq)
         row = ScheduledRow(req.request_id, seq.slot, token_ids, start, blocks, sample, targets, list(drafts),
                            output_position=req.num_output_tokens, lora=req.params.lora, blocks_from=sent)  # fmt: skip
         seq.num_computed_tokens += n
-        req.scheduled_at = req.scheduled_at or time.monotonic()
+        if not req.scheduled_at:  # (first scheduled)
+            req.scheduled_at = time.monotonic()
+            if self.queue_times is not None:
+                self.queue_times.append(req.scheduled_at - req.queued_at)
         self.block_manager.cache_full_blocks(seq)
         req.num_pending_tokens += sample
         req.num_inflight_steps += 1

@@ -90,7 +90,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
         self.intake = IntakeLedger()  # copies held before the scheduler takes them, what is known of the ids seen
         self.duplicates = 0
         self.admitting = True
-        self.queue_times: list[float] = []  # arrival -> first scheduled, since the last EngineStats
         self.gate = StepGate()  # steps wait there before their postprocess; open unless a test closes it
         # the worker state addressed (increasing across restarts of this process too: the clock since boot), and
         # the next ExecuteStep's number in it
@@ -159,6 +158,7 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
         )
         self._stepping = self.spawn(self._step_loop())
         if self.config.stats_to:
+            self.sched.queue_times = []
             self.spawn(self._publish_stats())
         if self.config.speculative:
             self.spawn(log_speculation(lambda: self.sched.spec))
@@ -205,8 +205,6 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
                 drafts = await self._propose() if self.proposer and not inflight else None
                 batch = self.sched.schedule(drafts)
                 if batch.rows:
-                    if self.config.stats_to:
-                        self._note_scheduled(batch)
                     self.flight.write([*(step[0] for step in inflight), batch])  # (before its masks and the worker)
                     msg, masks = execute_step(batch, self.sched.requests, self.epoch, self.seq, self.freed)
                     msg.loras = self.sched.loras and self.sched.loras.desired()
@@ -258,26 +256,24 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
             return None
         return await asyncio.get_running_loop().run_in_executor(self._device, self.proposer.propose, candidates)
 
-    def _arrives_as(self, rid: str) -> list[str]:
-        """The ids a request's copies arrive under: a beam group's are its members' (its rows carry its own)."""
-        req = self.sched.requests.get(rid)
-        return [m.request_id for m in req.beams.members.values()] if req is not None and req.beams else [rid]
+    def _arrives_as(self, rids: list[str]) -> list[str]:
+        """The ids the requests' copies arrive under, each once: a beam group's are its members' (its rows carry its
+        own)."""
+        requests, ids = self.sched.requests, []
+        for rid in rids:
+            req = requests.get(rid)
+            if req is not None and req.beams is not None:
+                ids += [m.request_id for m in req.beams.members.values()]
+            else:
+                ids.append(rid)
+        return list(dict.fromkeys(ids))
 
     def _must_sync(self) -> bool:
         return any(needs_history(r) for r in self.sched.running)
 
-    def _note_scheduled(self, batch: BatchSpec) -> None:
-        """For /metrics: the step's tokens, and the queue time of each request first scheduled."""
-        now = time.monotonic()
-        for row in batch.rows if self.config.stats_to else ():
-            req = self.sched.requests[row.request_id]
-            if req.queued_at:  # (first scheduled)
-                self.queue_times.append(now - req.queued_at)
-                req.queued_at = 0.0
-
     async def _publish_stats(self) -> None:
         while True:
-            queue_times, self.queue_times = self.queue_times, []
+            queue_times, self.sched.queue_times = self.sched.queue_times, []
             stats = engine_stats(self.sched, self.late_aborts, queue_times)
             stats.worker_resets_total = self.worker_resets
             stats.worker_ranks, stats.worker_up = self.config.tensor_parallel_size, self.link.is_up
