@@ -108,6 +108,8 @@ class RequestIsolation:
             r.status is RequestStatus.RUNNING for r in self.waiting
         ):
             return "a queued request's status is not its queue's"
+        if self.num_groups != sum(r.beams is not None for r in self.requests.values()):
+            return "the count of beam groups is not the number held"
         sequences = [seq for r in self.requests.values() for seq in r.sequences]
         held = [seq.slot for seq in sequences if seq.slot >= 0]
         held += [slot for r in self.requests.values() if r.beams is not None for slot in r.beams.spare_slots]

@@ -42,6 +42,7 @@ class RequestLedger:
         self.aborted_freed: list[EngineRequest] = []
         self.num_preemptions = 0
         self.searches: dict[bytes, EngineRequest] = {}  # search_key -> its live beam group
+        self.num_groups = 0  # beam groups in `requests` (a search replaced in `searches` by a copy's lives on)
         self.matchers = 0  # grammar matchers its requests hold (the idle invariant's): counted as added, until freed
 
     def has_unfinished(self) -> bool:
@@ -133,6 +134,7 @@ class RequestLedger:
             group = new_group(member, f"{member.request_id}/beams{member.attempt}")
             group.beams.key = key
             self.searches[key] = self.requests[group.request_id] = group
+            self.num_groups += 1
             self.waiting.append(group)
         group.beams.members[spec.rank] = member
         member.search, group.failed_steps = group, max(group.failed_steps, member.failed_steps)  # (a copy's blame)
@@ -265,8 +267,10 @@ class RequestLedger:
             req.beams.spare_slots = []
         if req.is_finished:
             del self.requests[req.request_id]
-            if req.beams is not None and self.searches.get(req.beams.key) is req:
-                del self.searches[req.beams.key]
+            if req.beams is not None:
+                self.num_groups -= 1
+                if self.searches.get(req.beams.key) is req:
+                    del self.searches[req.beams.key]
             if req.grammar is not None:
                 req.grammar.release()
                 self.matchers -= 1

@@ -259,6 +259,8 @@ class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, A
     def _arrives_as(self, rids: list[str]) -> list[str]:
         """The ids the requests' copies arrive under, each once: a beam group's are its members' (its rows carry its
         own)."""
+        if not self.sched.num_groups:
+            return list(dict.fromkeys(rids))
         requests, ids = self.sched.requests, []
         for rid in rids:
             req = requests.get(rid)
