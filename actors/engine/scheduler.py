@@ -79,8 +79,7 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         if (long_prefill_token_threshold or 0) < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {long_prefill_token_threshold}")
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # vLLM's knob, applied while others decode: one request's prefill chunk in a step that also decodes (0 or
         # None: off, the budget). A long prompt then delays the running requests by a bounded chunk per step; a wave
         # of short prompts, or any prompt while nothing decodes, still prefills at once.
@@ -151,7 +150,8 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
                 budget -= n
         for req, plan, before in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
             try:
-                if row_drafts := self._lookahead(req, plan, budget, drafts or {}):
+                row_drafts = self._lookahead(req, plan, budget, drafts) if drafts else []
+                if row_drafts:
                     plan = [(seq, n + len(row_drafts)) for seq, n in plan]  # (each sequence feeds them)
                     self.block_manager.append_slots(req, plan[0][1])  # (the companion's grow with its row)
                     budget -= len(row_drafts) * len(plan)

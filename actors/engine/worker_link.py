@@ -61,7 +61,7 @@ def execute_step(
         req = requests[row.request_id]
         if row.prompt_targets:
             top_n = max(top_n, req.params.prompt_logprobs)
-        if not row.num_samples:
+        if not (k := row.num_samples):
             continue
         known = len(req.output_token_ids)
         if req.worker_outputs < 0:
@@ -72,7 +72,7 @@ def execute_step(
         if req.grammar is not None:
             masks = masks or StepMasks(req.grammar.vocab_size)
             masks.add(req.grammar, position, row.draft_token_ids, defer=req.num_pending_tokens > 1)
-        position += row.num_samples
+        position += k
     msg = ExecuteStep(
         epoch=epoch, seq=seq, batch=batch, new=new, appended=appended, freed=freed, num_prompt_logprobs=top_n,
         masks=masks and masks.wire(),
