@@ -240,16 +240,14 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         else:
             outputs.append(self._append_tokens(req, tokens))
 
-    def _ends_in_flight(self, req: EngineRequest) -> bool:
-        """Whether the request's pending samples certainly end it: another row would be junk."""
-        return req.num_output_tokens >= req.params.max_tokens or req.num_tokens + req.overhang >= self.max_model_len
-
     def _waits(self, req: EngineRequest) -> bool:
-        """Nothing of a running request to feed this step: its samples in flight end it, or it is computed to its end
-        (drafts in flight); a beam group's step is in flight (its next rows follow from its decision)."""
+        """Nothing of a running request to feed this step: it is computed to its end (drafts in flight), or its samples
+        in flight certainly end it (max_tokens, max_model_len: another row would be junk); a beam group's step is in
+        flight (its next rows follow from its decision)."""
         if req.beams is not None:
             return req.num_inflight_steps > 0
-        return self._ends_in_flight(req) or req.num_computed_tokens >= req.num_tokens
+        n, out = req.num_tokens, req.num_output_tokens
+        return req.num_computed_tokens >= n or n + req.overhang >= self.max_model_len or out >= req.params.max_tokens
 
     def _plan(self, req: EngineRequest, budget: int, chunk: int) -> list[tuple[object, int]]:
         """Each of the request's sequences and the tokens it feeds this step (actors/engine/guidance.py, beams.py)."""
