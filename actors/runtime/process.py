@@ -6,10 +6,10 @@ modules once (`start_forkserver`): a child, or a restart, starts without an inte
 (torch's alone take about a second). It gets a JSON config and the launcher's environment, stdout and stderr as
 they are when it starts (`Inherited`), as a spawned child would. It sets its process title `sluice:<process>`,
 exits at once when the launcher does (a thread watches the launcher's pidfd; the kernel SIGKILLs it if the process
-it was forked from dies first), starts its actors on uvloop and tells the supervisor Ready. SIGTERM/SIGINT drain
-gracefully; once its actors have ended and what they sent has gone out (a peer that does not take it is given
-LINGER_MS) it exits at once (os._exit: no wait for executor threads still running). Exit codes: 0 clean, 1 an actor
-failed, 3 the launcher died.
+it was forked from dies first), starts its actors on uvloop, freezes what they hold out of the cyclic GC
+(`settle_heap`) and tells the supervisor Ready. SIGTERM/SIGINT drain gracefully; once its actors have ended and what
+they sent has gone out (a peer that does not take it is given LINGER_MS) it exits at once (os._exit: no wait for
+executor threads still running). Exit codes: 0 clean, 1 an actor failed, 3 the launcher died.
 """
 
 from __future__ import annotations
