@@ -81,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
         responses_max_store_bytes=args.responses_max_store_bytes,
         max_background_responses=args.max_background_responses,
         lora_runtime_updates=runtime_updates(args),
-        api_server_count=args.api_server_count,
+        api_server_count=args.api_server_count or 0,  # (0: by the device, frontend/preflight.py)
     )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
@@ -183,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-server-count",
         "-asc",
         type=positive_int,
-        default=1,
+        default=None,
         help="HTTP server processes sharing the port (SO_REUSEPORT): the host's HTTP work per token spreads over "
-        "that many cores (as vLLM's; /metrics sums them: docs/OPERATIONS.md)",
+        "that many cores (as vLLM's; /metrics sums them: docs/OPERATIONS.md; default: 1, on CUDA one per 4 host "
+        "cores, at most 4)",
     )
     runtime_update_arguments(g)
     g.add_argument("--disable-log-stats", action="store_true", help="no throughput line in the log every 10 s")

@@ -56,7 +56,9 @@ class HttpConfig(msgspec.Struct, kw_only=True):
     responses_max_store_bytes: int = MAX_STORE_BYTES  # the store's rows at most (the oldest go first)
     max_background_responses: int = 128  # background responses live at once (a 429 past it)
     lora_runtime_updates: bool = False  # --enable-lora-runtime-updates: adapters loaded while serving (lora_api.py)
-    api_server_count: int = 1  # HTTP servers (processes) on the port (--api-server-count: frontend/http_servers.py)
+    # HTTP servers (processes) on the port (--api-server-count: frontend/http_servers.py); 0: chosen as the server
+    # starts, by the device (frontend/preflight.py, server_count)
+    api_server_count: int = 1
 
     @property
     def responses_path(self) -> Path:

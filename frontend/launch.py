@@ -157,8 +157,9 @@ async def start_server(
         checked = await asyncio.to_thread(preflight, engine, http, memory_check, log_level)
         http, processes, memory = checked.http, checked.processes, checked.memory
     else:
-        from frontend.preflight import build_processes
+        from frontend.preflight import build_processes, server_count
 
+        http = server_count(engine, http)
         processes, need = build_processes(engine, http, memory_check)
         memory = need.explanation()
     server = Server(processes, http, memory, local=remote_replicas(engine), fault_plan=fault_plan, policy=policy,

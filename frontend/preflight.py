@@ -20,7 +20,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from actors.engine.config import EngineConfig, LoraConfig
+from actors.engine.config import EngineConfig, LoraConfig, device_type
 from actors.graph import engine_processes
 from actors.runtime import ActorSpec, ProcessSpec, StartupError
 from frontend.http_base import HttpConfig
@@ -56,6 +56,23 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelConfig:
         raise ModelLoadError(str(e)) from e
     check_checkpoint(config)  # (its tensors' names and shapes, from the headers: before any process starts)
     return config
+
+
+AUTO_SERVER_CORES, AUTO_MAX_SERVERS = 4, 4  # --api-server-count's default on CUDA: a server per 4 host cores, 4 at most
+
+
+def server_count(engine: EngineConfig, http: HttpConfig) -> HttpConfig:
+    """`http` with --api-server-count's default (0) chosen: one, but a generating model on CUDA gets a server per
+    AUTO_SERVER_CORES host cores, AUTO_MAX_SERVERS at most (one with engine replicas on other nodes: check_servers).
+    A card's rates at c64-c256 (issue 53: 30-60k tokens a second) pass every token through an HTTP process at ~33 us
+    of CPU (docs/PERFORMANCE.md): one process would be the host's bound at ~30k."""
+    if http.api_server_count:
+        return http
+    local = engine.local_replicas == engine.data_parallel_size
+    n = 1
+    if local and not serves_pooling(engine) and device_type(engine.device) == "cuda":
+        n = min(AUTO_MAX_SERVERS, max(1, len(os.sched_getaffinity(0)) // AUTO_SERVER_CORES))
+    return msgspec.structs.replace(http, api_server_count=n)
 
 
 def servers(http: HttpConfig, kwargs: dict) -> list[ProcessSpec]:
@@ -202,7 +219,7 @@ def prepare(engine: EngineConfig, http: HttpConfig, memory_check: bool = True) -
     if pooling:
         refuse_for_pooling(engine)  # (before the model's pooling is read)
     model = pooling_config(engine.model) if pooling else resolve_model(engine.model, engine.load_format)
-    http = msgspec.structs.replace(http, served_model_name=http.served_model_name or [model.name])
+    http = server_count(engine, msgspec.structs.replace(http, served_model_name=http.served_model_name or [model.name]))
     processes, need = pooling_processes(engine, http) if pooling else build_processes(engine, http, memory_check, model)
     return {"http": http, "processes": processes, "memory": need.explanation()}
 

@@ -7,17 +7,17 @@ markdown report (docs/GPU.md says how to set up a machine without network access
 --bundle: what scripts/gpu_bundle.sh packed; without the converted SmolLM2 in the cache, random weights of its shape
 are built from the bundle's config and tokenizer for every part: speed is the real model's; outputs are not.
 
-Parts, each a subprocess with its own time limit (a part that fails or runs out is reported and the next one runs),
-by default in this order, the timings first: env (card, driver, versions), step (scripts/bench_step.py: step time
-eager and with graphs at batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the
-same run), serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the
-concurrency: async at concurrency 1/16/64/256; sync, the inline worker, the inline worker sync and --enforce-eager
-at 64 (the default: the worker's process); --stream-interval 4 at 256; each with the server's CPU per process;
---serve picks settings), sampler (scripts/bench_sampler.py against argmax, B 1/64/256, V 49k), tests (the GPU path's
-own: kernels, launch budget, graphs, the engine on triton; then every other `cuda`-marked test), spec
-(scripts/bench_spec.py, n-gram), big (Llama-3.1-8B's shape with random bf16 weights drawn on the card,
---load-format dummy: its step at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and 64).
---only runs the parts named, in the order given; --quick runs env, step, serving (its default setting) and big.
+Parts, each a subprocess with its own time limit (a part that fails or runs out is reported and the next one runs), by
+default in this order, the timings first: env (card, driver, versions), step (scripts/bench_step.py: step time eager and
+with graphs at batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the same run),
+serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the concurrency: async at
+concurrency 1/16/64/256; sync, the inline worker, the inline worker sync and --enforce-eager at 64 (the default: the
+worker's process); --stream-interval 4 at 256; one HTTP server at 64 and 256 (the default: one per 4 host cores); each
+with the server's CPU per process; --serve picks settings), sampler (scripts/bench_sampler.py against argmax, B
+1/64/256, V 49k), tests (the GPU path's own: kernels, launch budget, graphs, the engine on triton; then every other
+`cuda`-marked test), spec (scripts/bench_spec.py, n-gram), big (Llama-3.1-8B's shape with random bf16 weights drawn on
+the card, --load-format dummy: its step at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and
+64). --only runs the parts named, in the order given; --quick runs env, step, serving (its default setting) and big.
 DIR gets three files (a GPU machine returns at most 8): report.md (the tables), gpu_check.log (every part's output,
 in order) and results.json (every benchmark's JSON); the report is printed last, with a line per part.
 """
@@ -47,7 +47,7 @@ SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
     ("inline-sync", ["--worker", "inline", "--no-async-scheduling"], [64]),
     ("eager", ["--enforce-eager"], [64]),  # no graphs: what the graphs of every step kind buy
     ("stream4", ["--stream-interval", "4"], [256]),  # 4 tokens an SSE event: the HTTP process's headroom
-    ("asc4", ["--api-server-count", "4"], [64, 256]),  # 4 HTTP servers: the host's HTTP work over 4 cores
+    ("asc1", ["--api-server-count", "1"], [64, 256]),  # one HTTP server (the default on CUDA: one per 4 host cores)
 ]
 
 

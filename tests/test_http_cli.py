@@ -103,3 +103,26 @@ def test_prefix_caching_is_on_unless_turned_off(flag, caching):
 
     args = build_parser().parse_args(["serve", "m", *flag])
     assert engine_config(args, "m").enable_prefix_caching is caching
+
+
+@pytest.mark.parametrize(
+    ("flags", "cores", "servers"),
+    [
+        ([], 16, 1),  # (the CPU)
+        (["--device", "cuda"], 16, 4),  # a server per 4 host cores on a card
+        (["--device", "cuda"], 64, 4),  # ... 4 at most
+        (["--device", "cuda"], 2, 1),
+        (["--device", "cuda", "--data-parallel-size", "2", "--data-parallel-size-local", "1"], 16, 1),  # (remote ones)
+        (["--device", "cuda", "--api-server-count", "2"], 16, 2),  # as asked
+    ],
+)
+def test_the_http_servers_by_default_are_one_but_a_server_per_4_cores_on_cuda(flags, cores, servers, monkeypatch):
+    from frontend.cli_engine import engine_config
+    from frontend.http_base import HttpConfig
+    from frontend.preflight import server_count
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("SLUICE_CLUSTER_SECRET", "s" * 32)  # (replicas on other nodes authenticate)
+    args = build_parser().parse_args(["serve", "m", *flags])
+    http = HttpConfig(api_server_count=args.api_server_count or 0)
+    assert server_count(engine_config(args, "m"), http).api_server_count == servers
