@@ -69,7 +69,7 @@ def server_count(engine: EngineConfig, http: HttpConfig) -> HttpConfig:
     if http.api_server_count:
         return http
     local = engine.local_replicas == engine.data_parallel_size
-    n = 1
+    n = 1  # (the cores: this process's affinity; a container's CPU quota is not counted)
     if local and not serves_pooling(engine) and device_type(engine.device) == "cuda":
         n = min(AUTO_MAX_SERVERS, max(1, len(os.sched_getaffinity(0)) // AUTO_SERVER_CORES))
     return msgspec.structs.replace(http, api_server_count=n)
@@ -77,6 +77,8 @@ def server_count(engine: EngineConfig, http: HttpConfig) -> HttpConfig:
 
 def servers(http: HttpConfig, kwargs: dict) -> list[ProcessSpec]:
     """The HTTP servers (--api-server-count), a process each (frontend/http_servers.py), built with `kwargs`."""
+    if http.api_server_count < 1:
+        raise ValueError("the HTTP servers' count reached the launch unchosen (server_count)")
     spec = functools.partial(ActorSpec, factory="frontend.server:HttpActor")
     named = enumerate(http_servers(http.api_server_count))
     return [ProcessSpec(name=name, actors=[spec(name=name, kwargs={**kwargs, "server": k})]) for k, name in named]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 
@@ -26,7 +27,8 @@ class Echo(Actor):
         self.tell(self.target, msg)
 
     def on_check(self, msg: CheckIdle) -> IdleReport:
-        details = {"bad_frames": self.inbox.bad_frames, "handled": self.handled, "unexpected": self.unexpected}
+        details = {"bad_frames": self.inbox.bad_frames, "handled": self.handled, "unexpected": self.unexpected,
+                   "gc_young": gc.get_threshold()[0]}  # fmt: skip
         return IdleReport(actor=self.name, details=details)
 
 

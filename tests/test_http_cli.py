@@ -108,7 +108,7 @@ def test_prefix_caching_is_on_unless_turned_off(flag, caching):
 @pytest.mark.parametrize(
     ("flags", "cores", "servers"),
     [
-        ([], 16, 1),  # (the CPU)
+        (["--device", "cpu"], 16, 1),
         (["--device", "cuda"], 16, 4),  # a server per 4 host cores on a card
         (["--device", "cuda"], 64, 4),  # ... 4 at most
         (["--device", "cuda"], 2, 1),
@@ -126,3 +126,15 @@ def test_the_http_servers_by_default_are_one_but_a_server_per_4_cores_on_cuda(fl
     args = build_parser().parse_args(["serve", "m", *flags])
     http = HttpConfig(api_server_count=args.api_server_count or 0)
     assert server_count(engine_config(args, "m"), http).api_server_count == servers
+
+
+def test_the_launch_chooses_the_http_servers_count_left_to_it(tiny_model_dir):
+    """(0: the CLI's default) prepare() serves the chosen count, a process each, never none."""
+    from actors.engine.config import EngineConfig
+    from frontend.http_base import HttpConfig
+    from frontend.preflight import prepare
+
+    launch = prepare(EngineConfig(model=str(tiny_model_dir), device="cpu"), HttpConfig(port=0, api_server_count=0),
+                     memory_check=False)  # fmt: skip
+    assert launch["http"].api_server_count == 1
+    assert [p.name for p in launch["processes"] if p.name.startswith("http")] == ["http"]

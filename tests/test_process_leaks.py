@@ -79,7 +79,7 @@ def count(phase, info):
     collections[0] += phase == "stop"
 gc.callbacks.append(count)
 kept = []
-for i in range(100_000):  # (a step's objects: most dropped at once, some kept, a few garbage cycles)
+for i in range(300_000):  # (a step's objects: most dropped at once, some kept, a few garbage cycles)
     row = Row()
     if i % 10 == 0:
         kept.append([row])
@@ -100,5 +100,5 @@ def test_a_started_process_collects_its_garbage_cycles_rarely_and_never_scans_it
     collections, freed, frozen = run("plain")
     assert int(collections) > 10 and frozen == "False"  # (CPython's 700: a collection every 700 kept objects)
     collections, freed, frozen = run("actor")
-    assert 0 < int(collections) <= 2 and frozen == "True"
-    assert int(freed) > 50  # (the garbage cycles made before the last collection: freed by it, not leaked)
+    assert 1 < int(collections) <= 5 and frozen == "True"  # (60,000 kept, 600 cycles: 20,000 between collections)
+    assert int(freed) > 200  # (the garbage cycles made before the last collection: freed by it, not leaked)

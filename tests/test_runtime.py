@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from actors.runtime import Actor, ActorSpec, ActorSystem, AskTimeout, ProcessSpec, RestartPolicy
+from actors.runtime.process import GC_GEN0
 from messages.codec import BadFrame, Codec, LocalOnlyError
 from messages.wire import (
     Abort,
@@ -72,6 +73,14 @@ async def test_bad_frames_counted_and_survived():
         assert await recorder.until(lambda: len(recorder.probes) == 1, 20)
         report = await tester.ask("echo", CheckIdle())
         assert report.details["bad_frames"] == 3
+
+
+async def test_an_actor_process_once_started_collects_young_objects_every_gc_gen0_allocations():
+    """settle_heap (actors/runtime/process.py) runs in every actor process: CPython's 700 is the test's power."""
+    tester = Sender()
+    async with ActorSystem([ECHO], local=[tester]):
+        report = await tester.ask("echo", CheckIdle())
+    assert report.details["gc_young"] == GC_GEN0 != 700
 
 
 async def test_ask_timeout_and_local_only_refused():

@@ -40,3 +40,25 @@ def test_preempted_request_waits_a_step_then_resumes_first(one_ahead):
     assert (stats.prompt_tokens_total, stats.generation_tokens_total, stats.kv_usage) == (18, 30, 0.0)
     for rid in "ABC":
         assert (h.tokens[rid], h.finish[rid]) == (chain([ord(rid)] * 6, 10), ("length", None))
+
+
+class Sited(Harness):
+    """Which requests reach the scheduler.schedule fault site in each step (a recording fault plan)."""
+
+    def step(self):
+        self.sited: list[str] = []
+        batch = super().step()
+        scheduled = {r.request_id for r in batch.rows}
+        assert set(self.sited) <= scheduled, "a request that got no room (nor a row) reached the fault site"
+        return batch
+
+
+@pytest.mark.parametrize("one_ahead", [False, True])
+def test_the_schedule_fault_site_is_reached_only_by_a_request_that_has_room(one_ahead):
+    """(actors/runtime/faults.py: never a blocked attempt) 12 blocks of 4 under 12 requests: preemptions."""
+    h = Sited(one_ahead=one_ahead, num_blocks=12, max_model_len=48)
+    h.sched.fault = lambda site, rid: h.sited.append(rid) if site == "scheduler.schedule" else None
+    for i, prompt in enumerate(prompts(12)):
+        h.add(f"r{i}", prompt, max_tokens=5 + i % 17, ignore_eos=True)
+    h.run()
+    assert engine_stats(h.sched).num_preemptions_total > 0  # (blocked attempts happened)

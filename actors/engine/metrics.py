@@ -31,6 +31,7 @@ def idle_details(sched: Scheduler) -> dict[str, int]:
         "undrained_aborts": len(sched.aborted_freed),
         "matchers": sched.matchers,  # grammar matchers not released
         "searches": len(sched.searches),  # beam searches not freed
+        "groups": sched.num_groups,  # beam groups held
     }
 
 

@@ -134,12 +134,12 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
             before = snapshot(req)
             try:  # (each request's planning fails it alone)
                 plan = self._plan(req, budget, chunk)
-                if self.fault is not None:
+                if not (self.fault is None and self.block_manager.try_grow(plan)):  # (a fault plan's site: with room)
+                    if not self.block_manager.may_grow(plan):
+                        short = True
+                        if not self._make_room(req, plan):
+                            break
                     self.inject("scheduler.schedule", req)
-                if not self.block_manager.try_grow(plan):
-                    short = True
-                    if not self._make_room(req, plan):
-                        break
                     self.block_manager.grow(plan)
             except Exception as e:
                 self._failed(req, before, e, self.failed, planning=True)
@@ -284,7 +284,7 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         row = ScheduledRow(req.request_id, seq.slot, token_ids, start, blocks, sample, targets, list(drafts),
                            output_position=req.num_output_tokens, lora=req.params.lora, blocks_from=sent)  # fmt: skip
         seq.num_computed_tokens += n
-        if not req.scheduled_at:  # (first scheduled)
+        if not req.scheduled_at:  # (first scheduled: counted, whether or not its planning then fails)
             req.scheduled_at = time.monotonic()
             if self.queue_times is not None:
                 self.queue_times.append(req.scheduled_at - req.queued_at)

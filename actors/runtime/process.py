@@ -215,9 +215,9 @@ def settle_heap() -> None:
     A step makes and drops thousands (rows, outputs, messages): at 700 the engine collected about once a step, and
     what steps keep (requests, the prefix cache's entries) was scanned again in full collections of up to 15 ms of
     CPU (36 ms in an HTTP process, 28 in a worker). Under serving at c256 (docs/PERFORMANCE.md) the engine's GC went
-    from 8% of its CPU to none after its start. Cost: cyclic garbage waits for up to GC_GEN0 allocations (a few MB);
-    startup objects that later form garbage cycles are never collected (what startup made lives as long as the
-    process)."""
+    from 8% of its CPU to none after its start. Cost: cyclic garbage is found later (a young collection every GC_GEN0
+    allocations, the older ones 10 and 100 times rarer, as CPython's); startup objects that later form garbage cycles
+    are never collected (what startup made lives as long as the process)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
