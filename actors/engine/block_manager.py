@@ -234,7 +234,7 @@ class BlockManager:
                 self.free_queue[block] = None
 
     def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
-        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)  # (num_blocks_for)
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
         return max(0, needed - len(seq.block_table))
 
     def _hashes(self, seq: Sequence, tokens: list[int], n: int) -> list[bytes]:

@@ -134,7 +134,7 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
             before = snapshot(req)
             try:  # (each request's planning fails it alone)
                 plan = self._plan(req, budget, chunk)
-                if not (self.fault is None and self.block_manager.try_grow(plan)):  # (a fault plan's site: with room)
+                if not (self.fault is None and self.block_manager.try_grow(plan)):  # (a fault plan: its site with room)
                     if not self.block_manager.may_grow(plan):
                         short = True
                         if not self._make_room(req, plan):
