@@ -137,6 +137,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.guidance_scale != 1.0
 
     @property
+    def reads_output_until(self) -> float:
+        """The output length up to which sampling reads the output so far: always with penalties or bad words,
+        else until min_tokens (gpu/sampling/metadata.py's reads_output)."""
+        reads = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return math.inf if reads or self.bad_words_token_ids else self.min_tokens
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 

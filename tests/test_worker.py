@@ -261,5 +261,5 @@ async def test_a_result_that_comes_as_the_deadline_expires_is_taken():
     waiting = asyncio.ensure_future(link.result(handle))
     await asyncio.sleep(0)  # (result() is waiting under its deadline)
     result = StepResult(epoch=1, seq=0, step=0, sampled=[7])
-    asyncio.get_running_loop().call_at(link._deadline.when(), link.on_result, result)
+    asyncio.get_running_loop().call_at(link._watchdog.when(), link.on_result, result)
     assert await waiting is result

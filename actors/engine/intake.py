@@ -199,8 +199,9 @@ class RequestIntake:
         if (lora := msg.params.lora) is not None and lora not in (self.sched.loras.paths if self.sched.loras else {}):
             return ParamError("model", f"this engine serves no LoRA adapter {lora}")
         resumed = msg.resume_token_ids or []
-        bad = next((t for t in msg.prompt_token_ids + resumed if not 0 <= t < self.model.vocab_size), None)
-        if bad is not None:
+        ids = msg.prompt_token_ids + resumed
+        if min(ids) < 0 or max(ids) >= self.model.vocab_size:  # (then the first one outside, named)
+            bad = next(t for t in ids if not 0 <= t < self.model.vocab_size)
             return ParamError("prompt", f"token id {bad} is outside the vocabulary")
         if resumed and (len(resumed) >= msg.params.max_tokens or n + len(resumed) >= self.max_model_len):
             return f"resumed after {len(resumed)} tokens: nothing is left to generate"

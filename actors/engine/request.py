@@ -82,6 +82,10 @@ class EngineRequest:
     beams: Beams | None = None  # a beam search's group: its live beams are its sequences (actors/engine/beams.py)
     search: EngineRequest | None = None  # a beam search's choice: the group that answers it (it holds nothing)
     overtaken: int = 0  # younger requests admitted while its LoRA adapter was over the cap (actors/engine/lora_cap.py)
+    reads_until: float = field(init=False)  # params.reads_output_until, read every step (scheduler_actor.py)
+
+    def __post_init__(self):
+        self.reads_until = self.params.reads_output_until
 
     @property
     def fresh(self) -> bool:

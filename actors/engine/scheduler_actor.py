@@ -62,7 +62,6 @@ from actors.protocol import SentNames, StepGate
 from actors.runtime import Actor
 from gpu.batch import BatchSpec
 from gpu.loading.config import ModelConfig
-from gpu.sampling import reads_output
 from messages.lora import RegisterLora, UnregisterLora
 from messages.names import SCHEDULER
 from messages.step import FillMasks, StepProgress, StepResult
@@ -74,7 +73,7 @@ log = logging.getLogger("sluice.engine")
 def needs_history(req: EngineRequest) -> bool:
     """Sampling that reads the output so far, or a beam search (its next rows follow from this step's decision): the
     host must know every token before the step."""
-    return req.beams is not None or reads_output(req.params, len(req.output_token_ids))
+    return req.beams is not None or len(req.output_token_ids) < req.reads_until  # (gpu.sampling.reads_output)
 
 
 class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, Actor):

@@ -11,7 +11,7 @@ submits again. `fill(msg)` delivers deferred grammar masks.
 - ProcessWorker: a WorkerActor (actors/engine/worker_actor.py) in a process of its own, over its mailbox; the
   supervisor restarts it when it dies (ActorDown, then ActorUp). Its heartbeats (StepProgress, messages/step.py)
   tell a slow step from a hung one. `result` waits until `step_timeout_s` passes with no progress (a beat whose
-  counter moved, or a StepResult, re-arms the deadline), then:
+  counter moved, or a StepResult, moves the deadline; a step submitted while none was pending starts it), then:
 
   | since the last progress                              | verdict                                              |
   |------------------------------------------------------|------------------------------------------------------|
@@ -141,7 +141,10 @@ class ProcessWorker:
         self.progress = -1  # the worker's progress counter, as last seen
         self.stalled: StepProgress | None = None  # the latest beat since the last progress, unless it was waiting
         self.doomed: int | None = None  # a step of this epoch hung: the worker is asked to exit until it dies
-        self._deadline: asyncio.Timeout | None = None  # result()'s, while it waits
+        # the deadline: `heard_at + timeout_s`, watched by one timer while steps are pending, which re-arms itself
+        # when the deadline has moved (progress moves it at the cost of a clock read, not a timer per step)
+        self.heard_at = 0.0
+        self._watchdog: asyncio.Handle | None = None
 
     @property
     def is_up(self) -> bool:
@@ -149,20 +152,28 @@ class ProcessWorker:
 
     def submit(self, msg: ExecuteStep) -> asyncio.Future[StepResult]:
         future = asyncio.get_running_loop().create_future()
+        if not self.pending:  # (the worker owed nothing: the deadline counts from now)
+            self._progressed()
         self.pending[msg.epoch, msg.seq] = future
         self.actor.tell(self.worker, msg)
         return future
 
     async def result(self, handle: asyncio.Future[StepResult]) -> StepResult:
-        try:
-            async with asyncio.timeout(self.timeout_s) as self._deadline:
-                return _checked(await asyncio.shield(handle))
-        except TimeoutError:
-            if not handle.done():  # (a result that came just as the deadline expired is taken)
-                self._timed_out()
-            return _checked(await handle)
-        finally:
-            self._deadline = None
+        return _checked(await handle)  # (settled by its StepResult, or as lost: _watch, lost())
+
+    def _watch(self, judge: bool = False) -> None:
+        """The watchdog's turn, while steps are pending: at the deadline if it moved; past it, the verdict one turn of
+        the loop later (a result handled in the turn the deadline expired is taken: it moves the deadline)."""
+        self._watchdog = None
+        if not self.pending:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self.heard_at + self.timeout_s:
+            self._watchdog = loop.call_at(self.heard_at + self.timeout_s, self._watch)
+        elif not judge:
+            self._watchdog = loop.call_soon(self._watch, True)
+        else:
+            self._timed_out()
 
     def _timed_out(self) -> None:
         """No result in time: silence is a lost message; beats without progress, a hung step."""
@@ -219,9 +230,12 @@ class ProcessWorker:
         await self.up.wait()
 
     def _progressed(self) -> None:
+        """Progress, or a step submitted to an idle worker: the deadline is step_timeout_s from now."""
         self.stalled = None
-        if self._deadline is not None and not self._deadline.expired():  # (expired: result() decides)
-            self._deadline.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
+        loop = asyncio.get_running_loop()
+        self.heard_at = loop.time()
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self.heard_at + self.timeout_s, self._watch)
 
     def _settle(self, key: tuple[int, int], failure: StepFailure | None = None, error: str = "", msg=None) -> None:
         future = self.pending.pop(key)

@@ -23,13 +23,7 @@ WINDOW = 64  # top-K window: exact whenever a row's kept set fits (wider exact w
 
 def reads_output(p: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row's sampling reads its output so far (penalties, bad words, min_tokens not reached yet)."""
-    return (
-        p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or bool(p.bad_words_token_ids)
-        or num_output_tokens < p.min_tokens
-    )
+    return num_output_tokens < p.reads_output_until
 
 
 @dataclass
