@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from actors.engine.beams import Ending, Hypothesis, new_group, regroup, search_key
 from actors.engine.block_manager import BlockManager
 from actors.engine.logprobs import take_prompt_logprobs
-from actors.engine.request import EngineRequest, RequestStatus
+from actors.engine.request import RUNNING, EngineRequest, RequestStatus
 from gpu.batch import BatchSpec
 from messages.sampling_params import SamplingParams
 from messages.wire import AbortReason, FinishReason, RequestOutput
@@ -89,20 +89,20 @@ class RequestLedger:
     def _ends(self, req: EngineRequest, token: int) -> bool:
         """Finish the request if `token`, just appended, ends it (a grammar ends it once complete; a token its
         grammar refuses is taken back and fails it: the matcher failed, or (a bug) the mask allowed the token)."""
-        p, n = req.params, len(req.output_token_ids)
-        if req.grammar is not None and not req.grammar.accept(token):
+        p, n, grammar = req.params, len(req.output_token_ids), req.grammar
+        if grammar is not None and not grammar.accept(token):
             req.output_token_ids.pop()
-            req.error = req.grammar.error or f"token {token} is not allowed by the request's grammar"
+            req.error = grammar.error or f"token {token} is not allowed by the request's grammar"
             self._finish(req, "error")
-        elif (req.grammar is not None and req.grammar.terminated) or (
+        elif (grammar is not None and grammar.terminated) or (
             n > p.min_tokens and token in self.eos_token_ids and not p.ignore_eos
         ):
             self._finish(req, "stop")
         elif n > p.min_tokens and token in p.stop_token_ids:
             self._finish(req, "stop", token)
-        elif n >= p.max_tokens or req.num_known_tokens + req.overhang >= self.max_model_len:
+        elif n >= p.max_tokens or len(req.prompt_token_ids) + n + req.overhang >= self.max_model_len:  # (known tokens)
             self._finish(req, "length")
-        return req.is_finished
+        return req.finish_reason is not None  # (set by _finish: it was running)
 
     def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
         """Append a step's tokens up to the first that ends the request (or that its grammar refuses, which fails
@@ -252,7 +252,7 @@ class RequestLedger:
 
     def _settle(self, req: EngineRequest) -> None:
         """Free what a request no longer needs once no in-flight step references it (I5)."""
-        if req.num_inflight_steps or req.status is RequestStatus.RUNNING:
+        if req.num_inflight_steps or req.status is RUNNING:
             return
         if self.requests.get(req.request_id) is not req:
             return  # (freed already)

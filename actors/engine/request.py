@@ -46,7 +46,9 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
 
 
-ENDED = (RequestStatus.FINISHED, RequestStatus.ABORTED)  # (a constant: an Enum member's lookup, or hash, is slow)
+# (constants for the per-row paths: on Python 3.11 an Enum member's lookup costs ~200 ns, its hash more)
+ENDED = (RequestStatus.FINISHED, RequestStatus.ABORTED)
+RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(eq=False)
