@@ -7,7 +7,6 @@ import math
 import random
 from fractions import Fraction
 from itertools import count
-from types import SimpleNamespace
 
 import pytest
 from msgspec.structs import replace
@@ -16,7 +15,6 @@ from actors.engine.block_manager import BlockManager
 from actors.engine.metrics import idle_details
 from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler
-from actors.engine.scheduler_actor import SchedulerActor
 from gpu.runner.slot_tables import SlotTables
 from messages.sampling_params import BeamSearch, SamplingParams
 from messages.wire import TokenLogprobs
@@ -299,27 +297,3 @@ def test_a_search_reports_the_prompt_tokens_it_found_cached():
     eng.run()
     assert [eng.cached[r] for r in first + again] == [0, 0, 8, 8]
     assert [eng.answers[r] for r in first] == [eng.answers[r] for r in again]
-
-
-def test_the_flight_record_names_a_searchs_members_where_its_rows_carry_the_group():
-    """The ids a step's requests' copies arrive under (SchedulerActor._arrives_as, the flight record's names): a
-    search's rows carry its group's id, each beam's row the same one, and name its members, each once, beside a plain
-    request; with no search left, the rows' own ids, each once."""
-    eng = Engine(vocab=12)
-    members = eng.search([1, 2, 0], n=2)
-    eng.sched.add_request(EngineRequest("plain", [1, 2], SamplingParams(max_tokens=12)))
-    actor = SimpleNamespace(sched=eng.sched)
-    for _ in range(3):  # (the prompt's row, then a row per beam)
-        eng.step()
-    batch = eng.sched.schedule()
-    rids = [row.request_id for row in batch.rows]
-    assert rids.count(rids[0]) == 2 and rids[0] not in members  # (two beams' rows, the group's id)
-    assert SchedulerActor._arrives_as(actor, rids) == [*members, "plain"]
-    while batch.rows:  # (the search ends first: max_tokens)
-        sampled, lp = eng.model.execute(batch)
-        eng.sched.update(batch, sampled, None, lp)
-        batch = eng.sched.schedule()
-        if not eng.sched.num_groups:
-            break
-    assert "plain" in eng.sched.requests
-    assert SchedulerActor._arrives_as(actor, ["plain", "plain"]) == ["plain"]

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from types import SimpleNamespace
 
 from actors.engine.flight_record import FlightRecord
 from actors.engine.request import EngineRequest, RequestStatus
+from actors.engine.scheduler_actor import SchedulerActor
 from gpu.batch import BatchSpec, ScheduledRow
 from messages.sampling_params import SamplingParams
+from tests.test_beam_search import Engine
 
 MAX_FAILURES = 3
 STEPS = itertools.count()  # (step numbers are unique)
@@ -163,3 +166,27 @@ def test_the_wait_for_the_copies_starts_when_the_engine_is_ready(tmp_path):
     record, _ = incarnation(path, ready=False, ttl_s=0.0)
     poison = request("poison")
     assert record.admit(poison) is None and poison.failed_steps == 1
+
+
+def test_the_flight_record_names_a_searchs_members_where_its_rows_carry_the_group():
+    """The ids a step's requests' copies arrive under (SchedulerActor._arrives_as, the flight record's names): a
+    search's rows carry its group's id, each beam's row the same one, and name its members, each once, beside a plain
+    request; with no search left, the rows' own ids, each once."""
+    eng = Engine(vocab=12)
+    members = eng.search([1, 2, 0], n=2)
+    eng.sched.add_request(EngineRequest("plain", [1, 2], SamplingParams(max_tokens=12)))
+    actor = SimpleNamespace(sched=eng.sched)
+    for _ in range(3):  # (the prompt's row, then a row per beam)
+        eng.step()
+    batch = eng.sched.schedule()
+    rids = [row.request_id for row in batch.rows]
+    assert rids.count(rids[0]) == 2 and rids[0] not in members  # (two beams' rows, the group's id)
+    assert SchedulerActor._arrives_as(actor, rids) == [*members, "plain"]
+    while batch.rows:  # (the search ends first: max_tokens)
+        sampled, lp = eng.model.execute(batch)
+        eng.sched.update(batch, sampled, None, lp)
+        batch = eng.sched.schedule()
+        if not eng.sched.num_groups:
+            break
+    assert "plain" in eng.sched.requests
+    assert SchedulerActor._arrives_as(actor, ["plain", "plain"]) == ["plain"]
