@@ -3,7 +3,7 @@
 The worker (actors/engine/worker.py: the model runner and the sampler) keeps a persistent batch: each live
 request's sampling state (prompt ids, params, output ids). An ExecuteStep carries the full state of the requests
 new to the worker and per-step deltas for the rest (the output tokens the scheduler appended since it last sent
-the request); the sampled ids themselves stay on the device between steps (the runner's relay buffer), so async
+the request, while its sampling reads them); the sampled ids themselves stay on the device between steps (the runner's relay buffer), so async
 scheduling keeps its one-step-ahead overlap across the process boundary.
 
 Numbering: `epoch` names one run of the worker's state (a restarted worker, or a reset after a lost message,
@@ -63,7 +63,10 @@ class ExecuteStep(Msg, kw_only=True):
     seq: int  # the ExecuteStep's number within the epoch: 0, 1, 2, ...
     batch: BatchSpec
     new: list[WorkerRequest] = []  # requests of the batch the worker does not hold: their full state
-    appended: dict[str, list[int]] = {}  # request id -> output tokens the scheduler appended since it last sent it
+    # request id -> output tokens the scheduler appended since it last sent it, while the worker's copy is shorter
+    # than what its sampling reads (SamplingParams.reads_output_until: every token with penalties or bad words, up to
+    # min_tokens otherwise); past that its copy stays as it is (its length is never read again)
+    appended: dict[str, list[int]] = {}
     freed: list[str] = []  # requests that ended since the last ExecuteStep: forgotten first (before `new`)
     num_prompt_logprobs: int = 0  # the top-N of the prompt logprobs (the largest any row with targets asked for)
     masks: GrammarMasks | None = None  # structured outputs: the constrained positions' masks

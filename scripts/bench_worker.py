@@ -70,7 +70,7 @@ def decode_batch(batch: int, blocks: int, whole: bool, prompt_len: int = 32) -> 
     rows, reqs = [], {}
     for i in range(batch):
         req = EngineRequest(f"r{i}", list(range(100, 100 + prompt_len)), GREEDY, output_token_ids=list(range(16)))
-        req.worker_outputs = 15  # the worker holds all but the last: one token of delta, as in steady decoding
+        req.worker_outputs = 15  # the worker holds all but the last (a delta only if its sampling read its output)
         reqs[req.request_id] = req
         table, sent = list(range(blocks * i, blocks * (i + 1))), 0 if whole else blocks
         rows.append(ScheduledRow(req.request_id, i, [7], req.num_tokens - 1, table[sent:], True, output_position=16,

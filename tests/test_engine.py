@@ -64,11 +64,11 @@ async def idle_after(llm):
     await assert_idle(llm)
 
 
-def hf_greedy(model_dir, prompt_ids: list[int], n: int) -> list[int]:
+def hf_greedy(model_dir, prompt_ids: list[int], n: int, **kwargs) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n, **kwargs)
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -119,6 +119,28 @@ async def test_stop_conditions(llm):
         list(range(10, 250)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     )
     assert capped.finish_reason == "length" and len(capped.token_ids) == 256 - 240
+
+
+async def test_a_repetition_penalty_reads_every_output_token_as_hf_does(llm, model_dir):
+    """Greedy under a repetition penalty against HF's generate: the worker must hold every output token so far (its
+    deltas), the one-step-ahead scheduler syncing for it."""
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5)
+    for prompt, out in zip(ids, await llm.generate(ids, params), strict=True):
+        assert out.token_ids == hf_greedy(model_dir, prompt, 24, repetition_penalty=1.5)
+
+
+async def test_min_tokens_holds_back_eos_exactly_that_long_with_and_without_penalties(llm):
+    """The model made to pick EOS every step (its bias): the first min_tokens tokens are something else, the next one
+    EOS. The worker holds a request's output only while its sampling reads it (ExecuteStep.appended): it must have
+    seen min_tokens of them, no fewer (EOS banned for good) and, with a penalty, every one (the penalties' history)."""
+    eos = 2  # (tests/tiny_model.py)
+    bias = {"logit_bias": {eos: 100.0}, "max_tokens": 24}
+    params = [SamplingParams(temperature=0, min_tokens=5, **bias), SamplingParams(temperature=0.0, min_tokens=1, **bias),
+              SamplingParams(temperature=0, min_tokens=7, frequency_penalty=0.5, **bias)]  # fmt: skip
+    for out, p in zip(await llm.generate([[5, 6, 7]] * 3, params), params, strict=True):
+        assert (len(out.token_ids), out.token_ids[-1], out.finish_reason) == (p.min_tokens + 1, eos, "stop")
+        assert eos not in out.token_ids[:-1]
 
 
 @pytest.mark.parametrize(

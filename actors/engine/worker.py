@@ -161,7 +161,7 @@ class Worker:
 
         One step ahead, the output list lags the device by the step in flight. A request whose sampling reads it
         (reads_output) never has a step in flight when it is scheduled (the scheduler syncs first, or it was just
-        admitted); the others read only its length (min_tokens), past min_tokens once it is."""
+        admitted); the others' lists grow only to min_tokens (ExecuteStep.appended), and nothing reads them then."""
         rows = []
         for row in batch.rows:
             if row.num_samples:

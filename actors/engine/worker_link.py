@@ -54,8 +54,8 @@ def execute_step(
     batch: BatchSpec, requests: dict[str, EngineRequest], epoch: int, seq: int, freed: list[str]
 ) -> tuple[ExecuteStep, StepMasks | None]:
     """A scheduled batch's ExecuteStep: the full state of the sampling requests new to the worker, the output
-    deltas of the others, the top-N of the prompt logprobs, and the grammar masks (the StepMasks keeps the
-    deferred rows: FillMasks once the step before is postprocessed)."""
+    deltas of the others while their sampling reads the output (messages/step.py), the top-N of the prompt logprobs,
+    and the grammar masks (the StepMasks keeps the deferred rows: FillMasks once the step before is postprocessed)."""
     new, appended, top_n, masks, position = [], {}, 0, None, 0
     for row in batch.rows:
         req = requests[row.request_id]
@@ -63,12 +63,12 @@ def execute_step(
             top_n = max(top_n, req.params.prompt_logprobs)
         if not (k := row.num_samples):
             continue
-        known = len(req.output_token_ids)
         if req.worker_outputs < 0:
             new.append(WorkerRequest(req.request_id, req.prompt_token_ids, req.output_token_ids[:], req.params))
-        elif known > req.worker_outputs:
+            req.worker_outputs = len(req.output_token_ids)
+        elif req.worker_outputs < req.reads_until and len(req.output_token_ids) > req.worker_outputs:
             appended[req.request_id] = req.output_token_ids[req.worker_outputs :]
-        req.worker_outputs = known
+            req.worker_outputs = len(req.output_token_ids)
         if req.grammar is not None:
             masks = masks or StepMasks(req.grammar.vocab_size)
             masks.add(req.grammar, position, row.draft_token_ids, defer=req.num_pending_tokens > 1)
