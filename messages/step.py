@@ -3,8 +3,8 @@
 The worker (actors/engine/worker.py: the model runner and the sampler) keeps a persistent batch: each live
 request's sampling state (prompt ids, params, output ids). An ExecuteStep carries the full state of the requests
 new to the worker and per-step deltas for the rest (the output tokens the scheduler appended since it last sent
-the request, while its sampling reads them); the sampled ids themselves stay on the device between steps (the runner's relay buffer), so async
-scheduling keeps its one-step-ahead overlap across the process boundary.
+the request, while its sampling reads them); the sampled ids themselves stay on the device between steps (the
+runner's relay buffer), so async scheduling keeps its one-step-ahead overlap across the process boundary.
 
 Numbering: `epoch` names one run of the worker's state (a restarted worker, or a reset after a lost message,
 starts a new one: every request is new again); `seq` counts ExecuteSteps within an epoch. The worker runs
@@ -65,7 +65,7 @@ class ExecuteStep(Msg, kw_only=True):
     new: list[WorkerRequest] = []  # requests of the batch the worker does not hold: their full state
     # request id -> output tokens the scheduler appended since it last sent it, while the worker's copy is shorter
     # than what its sampling reads (SamplingParams.reads_output_until: every token with penalties or bad words, up to
-    # min_tokens otherwise); past that its copy stays as it is (its length is never read again)
+    # min_tokens otherwise); past that its copy stays as it is (no sampling decision depends on it any more)
     appended: dict[str, list[int]] = {}
     freed: list[str] = []  # requests that ended since the last ExecuteStep: forgotten first (before `new`)
     num_prompt_logprobs: int = 0  # the top-N of the prompt logprobs (the largest any row with targets asked for)

@@ -84,9 +84,7 @@ def message_costs(worker: Worker, batch: int, blocks: int, whole: bool, repeats:
     tables = SlotTables()
     tables.resolve(0, decode_batch(batch, blocks, True)[0].rows)  # (the slots hold their tables)
 
-    def build():
-        for req in spec[1].values():
-            req.worker_outputs = 15
+    def build():  # (greedy rows: no deltas, as in steady decoding)
         execute_step(spec[0], spec[1], 1, 0, [])
 
     def persistent():  # the worker's side: its persistent batch after the deltas, and the step's SamplingRows

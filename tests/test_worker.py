@@ -13,8 +13,9 @@ import msgspec
 import pytest
 
 from actors.engine.config import EngineConfig
+from actors.engine.request import EngineRequest
 from actors.engine.worker import Worker
-from actors.engine.worker_link import ProcessWorker, WorkerLost
+from actors.engine.worker_link import ProcessWorker, WorkerLost, execute_step
 from actors.runtime import Actor
 from gpu.batch import BatchSpec, ScheduledRow
 from gpu.loading.config import ModelConfig
@@ -84,6 +85,23 @@ def test_the_persistent_batch_follows_full_data_and_deltas(worker):
     unknown = ExecuteStep(epoch=3, seq=2, batch=BatchSpec(2, [decode]), freed=["b"], appended={"b": [1]})
     failed = worker.launch(unknown).result()  # a delta for a request it does not hold: a bug
     assert failed.failure == "raised" and "KeyError" in failed.error
+
+
+def test_a_step_sends_the_worker_the_output_its_sampling_reads_and_no_more():
+    """ExecuteStep.appended: a plain request's output never (once it is new there), a penalized one's every token, a
+    min_tokens one's until the worker holds min_tokens (a verified run of drafts that passes it is sent whole)."""
+    kinds = {
+        "plain": SamplingParams(),
+        "penal": SamplingParams(presence_penalty=0.5),
+        "early": SamplingParams(min_tokens=3),
+    }
+    reqs = {rid: EngineRequest(rid, [5, 6], p) for rid, p in kinds.items()}
+    batch = BatchSpec(0, [ScheduledRow(rid, i, [7], 2, [0], True) for i, rid in enumerate(reqs)])
+    assert [w.request_id for w in execute_step(batch, reqs, 1, 0, [])[0].new] == list(kinds)
+    for tokens, appended in (([1, 2], ["penal", "early"]), ([3, 4, 5], ["penal", "early"]), ([6], ["penal"])):
+        for req in reqs.values():
+            req.output_token_ids += tokens
+        assert execute_step(batch, reqs, 1, 1, [])[0].appended == dict.fromkeys(appended, tokens)
 
 
 def test_a_row_keeping_blocks_its_slot_lacks_fails_its_step_blaming_nobody(worker):
@@ -251,6 +269,21 @@ async def test_a_hung_worker_is_asked_to_exit_until_it_dies_and_costs_one_reset(
     link.up.set()  # (ActorUp)
     await ready
     assert (await unanswered(link, beat(0), beat(0))).failure == "hung"  # the new process counts from 0: heard
+
+
+async def test_only_a_wait_runs_the_deadline_and_progress_moves_it():
+    """A step nobody waits for is never judged (a held one, an idle marker's); a beat whose counter moved, due before
+    the deadline, moves it past a result due after the first one. (A stalled loop fires due timers in order.)"""
+    link = ProcessWorker(Scheduler(), "worker", timeout_s=0.05)
+    idle = link.submit(prefill(1, 0))
+    await asyncio.sleep(0.1)  # (twice the timeout)
+    assert not idle.done()
+    link.on_result(StepResult(epoch=1, seq=0, step=0, sampled=[7]))
+    assert (await link.result(idle)).sampled == [7]
+    handle, loop = link.submit(prefill(1, 1)), asyncio.get_running_loop()
+    loop.call_at(loop.time() + 0.04, link.on_progress, StepProgress(epoch=1, seq=1, progress=1))
+    loop.call_at(loop.time() + 0.07, link.on_result, StepResult(epoch=1, seq=1, step=1, sampled=[8]))
+    assert (await link.result(handle)).sampled == [8]
 
 
 async def test_a_result_that_comes_as_the_deadline_expires_is_taken():

@@ -102,7 +102,7 @@ class RequestLedger:
             self._finish(req, "stop", token)
         elif n >= p.max_tokens or len(req.prompt_token_ids) + n + req.overhang >= self.max_model_len:  # (known tokens)
             self._finish(req, "length")
-        return req.finish_reason is not None  # (set by _finish: it was running)
+        return req.finish_reason is not None  # (set by _finish: it had not ended)
 
     def _append_tokens(self, req: EngineRequest, tokens: list[int]) -> RequestOutput:
         """Append a step's tokens up to the first that ends the request (or that its grammar refuses, which fails

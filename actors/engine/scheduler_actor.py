@@ -73,7 +73,7 @@ log = logging.getLogger("sluice.engine")
 def needs_history(req: EngineRequest) -> bool:
     """Sampling that reads the output so far, or a beam search (its next rows follow from this step's decision): the
     host must know every token before the step."""
-    return req.beams is not None or len(req.output_token_ids) < req.reads_until  # (gpu.sampling.reads_output)
+    return req.beams is not None or len(req.output_token_ids) < req.reads_until  # (as reads_output: gpu/sampling)
 
 
 class SchedulerActor(RequestIntake, WorkerRecovery, StepReports, LoraRegistry, Actor):

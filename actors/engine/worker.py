@@ -159,9 +159,9 @@ class Worker:
         """A SamplingRow per sampled position (a row verifying K drafts has K + 1, position j with the first j drafts
         in its output history).
 
-        One step ahead, the output list lags the device by the step in flight. A request whose sampling reads it
-        (reads_output) never has a step in flight when it is scheduled (the scheduler syncs first, or it was just
-        admitted); the others' lists grow only to min_tokens (ExecuteStep.appended), and nothing reads them then."""
+        A request whose sampling reads its output (reads_output) never has a step in flight when it is scheduled
+        (the scheduler syncs first, or it was just admitted): its list is whole. The others' lists grow only to
+        min_tokens (ExecuteStep.appended) and lag the host from then on, which no sampling decision reads."""
         rows = []
         for row in batch.rows:
             if row.num_samples:

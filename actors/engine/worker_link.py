@@ -10,8 +10,8 @@ submits again. `fill(msg)` delivers deferred grammar masks.
   the message object is handed over as is, never serialized).
 - ProcessWorker: a WorkerActor (actors/engine/worker_actor.py) in a process of its own, over its mailbox; the
   supervisor restarts it when it dies (ActorDown, then ActorUp). Its heartbeats (StepProgress, messages/step.py)
-  tell a slow step from a hung one. `result` waits until `step_timeout_s` passes with no progress (a beat whose
-  counter moved, or a StepResult, moves the deadline; a step submitted while none was pending starts it), then:
+  tell a slow step from a hung one. `result` waits until `step_timeout_s` passes with no progress (from the start of
+  the wait; a beat whose counter moved, or a StepResult, moves the deadline), then:
 
   | since the last progress                              | verdict                                              |
   |------------------------------------------------------|------------------------------------------------------|
@@ -141,9 +141,11 @@ class ProcessWorker:
         self.progress = -1  # the worker's progress counter, as last seen
         self.stalled: StepProgress | None = None  # the latest beat since the last progress, unless it was waiting
         self.doomed: int | None = None  # a step of this epoch hung: the worker is asked to exit until it dies
-        # the deadline: `heard_at + timeout_s`, watched by one timer while steps are pending, which re-arms itself
-        # when the deadline has moved (progress moves it at the cost of a clock read, not a timer per step)
+        # result()'s deadline, `heard_at + timeout_s` while it waits: one timer watches it and re-arms itself when the
+        # deadline has moved (a wait or progress moves it at the cost of a clock read, not a timer of its own); the
+        # timer fires once more after the wait ends, and stops
         self.heard_at = 0.0
+        self.waits = False  # result() is waiting (only then does the deadline run)
         self._watchdog: asyncio.Handle | None = None
 
     @property
@@ -152,20 +154,23 @@ class ProcessWorker:
 
     def submit(self, msg: ExecuteStep) -> asyncio.Future[StepResult]:
         future = asyncio.get_running_loop().create_future()
-        if not self.pending:  # (the worker owed nothing: the deadline counts from now)
-            self._progressed()
         self.pending[msg.epoch, msg.seq] = future
         self.actor.tell(self.worker, msg)
         return future
 
     async def result(self, handle: asyncio.Future[StepResult]) -> StepResult:
-        return _checked(await handle)  # (settled by its StepResult, or as lost: _watch, lost())
+        self._heard()
+        self.waits = True
+        try:
+            return _checked(await handle)  # (settled by its StepResult, or as lost: _watch, lost())
+        finally:
+            self.waits = False
 
     def _watch(self, judge: bool = False) -> None:
-        """The watchdog's turn, while steps are pending: at the deadline if it moved; past it, the verdict one turn of
-        the loop later (a result handled in the turn the deadline expired is taken: it moves the deadline)."""
+        """The watchdog's turn, while result() waits: at the deadline if it moved; past it, the verdict one turn of the
+        loop later (a result handled in the turn the deadline expired is taken: it moves the deadline)."""
         self._watchdog = None
-        if not self.pending:
+        if not (self.waits and self.pending):
             return
         loop = asyncio.get_running_loop()
         if loop.time() < self.heard_at + self.timeout_s:
@@ -188,7 +193,7 @@ class ProcessWorker:
         self.lost("hung", reason)
 
     def on_progress(self, msg: StepProgress) -> None:
-        """A heartbeat: a moved counter re-arms the deadline; one that did not (and waits for nobody) is a stall."""
+        """A heartbeat: a moved counter moves the deadline; one that did not (and waits for nobody) is a stall."""
         if not self.pending:
             return  # (nothing waits on it: a late beat, or a hung worker's)
         if msg.progress > self.progress:
@@ -230,8 +235,11 @@ class ProcessWorker:
         await self.up.wait()
 
     def _progressed(self) -> None:
-        """Progress, or a step submitted to an idle worker: the deadline is step_timeout_s from now."""
         self.stalled = None
+        self._heard()
+
+    def _heard(self) -> None:
+        """The deadline is step_timeout_s from now."""
         loop = asyncio.get_running_loop()
         self.heard_at = loop.time()
         if self._watchdog is None:

@@ -3,7 +3,7 @@ then Sampler()(logits, metadata). Beside the model stack (rank 1 of gpu/): impor
 messages/sampling_params.py only (threshold_triton.py and fused_triton.py import Triton, once chosen); actors/engine imports it."""
 
 from .logprobs import LogprobsTensors
-from .metadata import MetadataCache, SamplingMetadata, SamplingRow, reads_output, to_device
+from .metadata import MetadataCache, SamplingMetadata, SamplingRow, to_device
 from .sampler import Sampler, SamplerOutput
 
 __all__ = [
@@ -13,6 +13,5 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingRow",
-    "reads_output",
     "to_device",
 ]
