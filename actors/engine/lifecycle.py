@@ -10,6 +10,7 @@ request that raises while planned or post-processed fails alone (actors/engine/i
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -44,6 +45,7 @@ class RequestLedger:
         self.searches: dict[bytes, EngineRequest] = {}  # search_key -> its live beam group
         self.num_groups = 0  # beam groups in `requests` (a search replaced in `searches` by a copy's lives on)
         self.matchers = 0  # grammar matchers its requests hold (the idle invariant's): counted as added, until freed
+        self.queue_times: list[float] | None = None  # arrival -> first scheduled, for /metrics (None: not kept)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -86,6 +88,12 @@ class RequestLedger:
 
     # ---------------------------------------------------------------- internals
 
+    def _first_scheduled(self, req: EngineRequest) -> None:
+        """Stamp the request's first scheduling (whether or not its planning then fails) and count its queue time."""
+        req.scheduled_at = time.monotonic()
+        if self.queue_times is not None:
+            self.queue_times.append(req.scheduled_at - req.queued_at)
+
     def _ends(self, req: EngineRequest, token: int) -> bool:
         """Finish the request if `token`, just appended, ends it (a grammar ends it once complete; a token its
         grammar refuses is taken back and fails it: the matcher failed, or (a bug) the mask allowed the token)."""
@@ -100,7 +108,7 @@ class RequestLedger:
             self._finish(req, "stop")
         elif n > p.min_tokens and token in p.stop_token_ids:
             self._finish(req, "stop", token)
-        elif n >= p.max_tokens or len(req.prompt_token_ids) + n + req.overhang >= self.max_model_len:  # (known tokens)
+        elif len(req.prompt_token_ids) + n >= req.length_limit:  # (known tokens)
             self._finish(req, "length")
         return req.finish_reason is not None  # (set by _finish: it had not ended)
 

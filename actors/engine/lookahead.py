@@ -26,8 +26,7 @@ class Lookahead:
                 or any(s.num_tokens - s.num_computed_tokens != 1 for s in req.sequences)
             ):
                 continue  # (nor one whose CFG companion still prefills)
-            room = self.max_model_len - req.num_tokens - req.overhang
-            k = min(req.params.max_tokens - req.num_output_tokens, room) - 1
+            k = req.length_limit - req.num_tokens - 1
             if k > 0:
                 out.append((req, k))
         return out

@@ -85,6 +85,9 @@ class EngineRequest:
     search: EngineRequest | None = None  # a beam search's choice: the group that answers it (it holds nothing)
     overtaken: int = 0  # younger requests admitted while its LoRA adapter was over the cap (actors/engine/lora_cap.py)
     reads_until: float = field(init=False)  # params.reads_output_until, read every step (scheduler_actor.py)
+    # known + pending tokens at which it ends by length: prompt + max_tokens, or max_model_len less the companion's
+    # overhang (set by Scheduler.add_request, which knows max_model_len; read by every row's planning and results)
+    length_limit: float = float("inf")
 
     def __post_init__(self):
         self.reads_until = self.params.reads_output_until

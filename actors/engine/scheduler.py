@@ -41,7 +41,6 @@ Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -91,7 +90,6 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         self.next_step = 0
         self.num_discarded_samples = self.prompt_tokens_total = self.generation_tokens_total = 0  # (/metrics' counts)
         self.spec = SpecStats()
-        self.queue_times: list[float] | None = None  # arrival -> first scheduled, for /metrics (None: not kept)
         self.failed: list[RequestOutput] = []  # terminal outputs for the next numbered StepOutputs (drain_failed)
 
     # ---------------------------------------------------------------- requests
@@ -106,6 +104,7 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
             if error := pair_fit_error(*sizes, self.max_model_len, self.block_manager):
                 raise error  # (a ParamError: a ValueError)
         self.requests[req.request_id] = req
+        req.length_limit = min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len - req.overhang)
         if req.params.beam is not None:
             self._join(req)
             return
@@ -141,11 +140,14 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
                             break
                     self.inject("scheduler.schedule", req)
                     self.block_manager.grow(plan)
+                if not drafts:  # (its rows now: no drafts follow)
+                    self._add_rows(batch, req, plan)
             except Exception as e:
                 self._failed(req, before, e, self.failed, planning=True)
                 i -= 1  # (it left the running list)
                 continue
-            planned.append((req, plan, before))
+            if drafts:
+                planned.append((req, plan, before))
             for _, n in plan:
                 budget -= n
         for req, plan, before in planned:  # then drafts, in what budget and free blocks are left: they never cost a row
@@ -246,8 +248,8 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         flight (its next rows follow from its decision)."""
         if req.beams is not None:
             return req.num_inflight_steps > 0
-        n, out = req.num_tokens, req.num_output_tokens
-        return req.num_computed_tokens >= n or n + req.overhang >= self.max_model_len or out >= req.params.max_tokens
+        n = len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending_tokens  # (num_tokens, inline)
+        return req.num_computed_tokens >= n or n >= req.length_limit
 
     def _plan(self, req: EngineRequest, budget: int, chunk: int) -> list[tuple[object, int]]:
         """Each of the request's sequences and the tokens it feeds this step (actors/engine/guidance.py, beams.py)."""
@@ -264,7 +266,10 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         if req.beams is not None:
             batch.rows += [self._row(req, n, seq=beam) for beam, n in plan if n]
             return
-        n, m = plan[0][1], plan[1][1] if len(plan) > 1 else 0  # (the companion's: _plan)
+        if req.companion is None:  # (the common row: it feeds at least one token, _plan)
+            batch.rows.append(self._row(req, plan[0][1], drafts))
+            return
+        n, m = plan[0][1], plan[1][1]  # (the companion's: _plan)
         guide = companion_row(req, m, self.block_manager, drafts) if m else None
         if n:
             batch.rows.append(self._row(req, n, drafts))
@@ -279,15 +284,14 @@ class Scheduler(Lookahead, RequestIsolation, Admission, RequestLedger):
         # prompt_logprobs: the prompt tokens after the fed ones, until the first output token is known
         wants = req.params.prompt_logprobs is not None and req.fresh
         targets = req.prompt_token_ids[start + 1 : start + n + 1] if wants else []
-        token_ids = seq.token_ids(start, start + fed) + list(drafts)
+        token_ids = seq.token_ids(start, start + fed)
         sent, blocks = self.block_manager.unsent(seq)
-        row = ScheduledRow(req.request_id, seq.slot, token_ids, start, blocks, sample, targets, list(drafts),
-                           output_position=req.num_output_tokens, lora=req.params.lora, blocks_from=sent)  # fmt: skip
+        row = ScheduledRow(req.request_id, seq.slot, token_ids + drafts if drafts else token_ids, start, blocks, sample,
+                           targets, drafts or [], output_position=req.num_output_tokens, lora=req.params.lora,
+                           blocks_from=sent)  # fmt: skip
         seq.num_computed_tokens += n
-        if not req.scheduled_at:  # (first scheduled: counted, whether or not its planning then fails)
-            req.scheduled_at = time.monotonic()
-            if self.queue_times is not None:
-                self.queue_times.append(req.scheduled_at - req.queued_at)
+        if not req.scheduled_at:
+            self._first_scheduled(req)
         self.block_manager.cache_full_blocks(seq)
         req.num_pending_tokens += sample
         req.num_inflight_steps += 1
