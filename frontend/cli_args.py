@@ -9,7 +9,7 @@ from typing import get_args
 
 import msgspec
 
-from actors.engine.config import EngineConfig, SpeculativeConfig
+from actors.engine.config import CUDA_MAX_NUM_SEQS, MAX_NUM_SEQS, EngineConfig, SpeculativeConfig
 from actors.routing import POLICIES
 from messages.sampling_params import LogprobsMode, RequestLimits
 
@@ -30,16 +30,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help='JSON over the model\'s pooling, e.g. {"pooling_type": "MEAN", "normalize": true}')  # fmt: skip
     g.add_argument("--load-format", choices=["auto", "dummy"], default=_DEFAULTS.load_format,
                    help="dummy: random weights of the model's shape (vLLM's: for benchmarks; outputs are noise)")  # fmt: skip
-    g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="max requests in a batch")
+    g.add_argument("--max-num-seqs", type=int, default=0,
+                   help=f"max requests in a batch (default: {CUDA_MAX_NUM_SEQS} on CUDA, {MAX_NUM_SEQS} elsewhere)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="max prompt + output tokens")
     g.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens,
                    help="token budget per step")  # fmt: skip
-    g.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=_DEFAULTS.long_prefill_token_threshold,
-        help="a prompt's tokens per step while others decode (bounds the stall a long prompt costs them; 0: off)",
-    )
+    g.add_argument("--long-prefill-token-threshold", type=int, default=_DEFAULTS.long_prefill_token_threshold,
+                   help="a prompt's tokens per step while others decode (bounds the stall a long prompt costs them; 0: off)")  # fmt: skip
     g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
     kv = g.add_mutually_exclusive_group()
     kv.add_argument(

@@ -20,7 +20,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from actors.engine.config import EngineConfig, LoraConfig, device_type
+from actors.engine.config import MAX_NUM_SEQS, EngineConfig, LoraConfig, device_type
 from actors.graph import engine_processes
 from actors.runtime import ActorSpec, ProcessSpec, StartupError
 from frontend.http_base import HttpConfig
@@ -202,6 +202,7 @@ def pooling_processes(engine: EngineConfig, http: HttpConfig) -> tuple[list[Proc
         engine,
         model=str(model.path),
         max_model_len=min(engine.max_model_len, model.max_model_len),
+        max_num_seqs=engine.max_num_seqs or MAX_NUM_SEQS,  # (0, the CLI's default: the CPU's; not placed)
         stats_to=http_servers(http.api_server_count),
     )
     pooler = ActorSpec(

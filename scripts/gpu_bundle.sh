@@ -18,5 +18,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1 \
   pytest-asyncio==1.5.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
-  rpds-py==2026.9.1
+  rpds-py==2026.9.1 peft==0.21.2 accelerate==1.16.0 psutil==7.2.2 pyyaml==6.0.4
 du -sh .gpu

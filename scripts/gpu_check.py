@@ -7,19 +7,13 @@ markdown report (docs/GPU.md says how to set up a machine without network access
 --bundle: what scripts/gpu_bundle.sh packed; without the converted SmolLM2 in the cache, random weights of its shape
 are built from the bundle's config and tokenizer for every part: speed is the real model's; outputs are not.
 
-Parts, each a subprocess with its own time limit (a part that fails or runs out is reported and the next one runs), by
-default in this order, the timings first: env (card, driver, versions), step (scripts/bench_step.py: step time eager and
-with graphs at batch 1/16/64, launches per step, the weight-read floor, HF's static-cache generate in the same run),
-serving (a server per setting, scripts/bench_serving.py after a warmup of as many requests as the concurrency: async at
-concurrency 1/16/64/256; sync, the inline worker, the inline worker sync and --enforce-eager at 64 (the default: the
-worker's process); --stream-interval 4 at 256; one HTTP server at 64 and 256 (the default: one per 4 host cores); each
-with the server's CPU per process; --serve picks settings), sampler (scripts/bench_sampler.py against argmax, B
-1/64/256, V 49k), tests (the GPU path's own: kernels, launch budget, graphs, the engine on triton; then every other
-`cuda`-marked test), spec (scripts/bench_spec.py, n-gram), big (Llama-3.1-8B's shape with random bf16 weights drawn on
-the card, --load-format dummy: its step at batch 1 and 64 against the weight-read floor, and served at concurrency 1 and
-64). --only runs the parts named, in the order given; --quick runs env, step, serving (its default setting) and big.
-DIR gets three files (a GPU machine returns at most 8): report.md (the tables), gpu_check.log (every part's output,
-in order) and results.json (every benchmark's JSON); the report is printed last, with a line per part.
+Parts (docs/GPU.md's table says what each measures and its limits), each a subprocess with its own time limit (a part
+that fails or runs out is reported and the next one runs), by default in this order, the timings first: env, step,
+serving (a server per setting: --serve picks them), sampler, tests, spec, big. --only runs the parts named, in the
+order given; --quick runs env, step, serving (its default setting) and big. DIR gets three files (a GPU machine
+returns at most 8): report.md (the tables), gpu_check.log (every part's output, in order) and results.json (every
+benchmark's JSON), written after each part and when a SIGTERM (an outer `timeout`) cuts one off; the report is
+printed last, with a line per part.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,16 +46,14 @@ SERVE_RUNS = [  # (label, extra serve flags, concurrencies)
 ]
 
 
-def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int | str, float]:
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int | str, float]:
     """Run `cmd` from the repo root, its output appended to `log`: (exit code or "timeout", seconds)."""
     start = time.monotonic()
     with log.open("a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
         try:
-            rc = subprocess.run(
-                cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, env=env
-            ).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         except OSError as exc:  # no such program
@@ -84,8 +77,9 @@ def part_env(out: Path, model: str) -> list[str]:
 def part_tests(out: Path, model: str) -> list[str]:
     lines, log = [], out / "tests.log"
     others = ["-m", "cuda", "tests", *(f"--ignore={t}" for t in GPU_PATH_TESTS)]  # (each test runs once)
-    for label, args, limit in (("GPU path", GPU_PATH_TESTS, 240), ("other cuda-marked", others, 150)):
-        rc, secs = run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], log, limit)
+    pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]  # (a module
+    for label, args, limit in (("GPU path", GPU_PATH_TESTS, 240), ("other cuda-marked", others, 150)):  # that fails
+        rc, secs = run([*pytest, *args], log, limit)  # to import, as without a test package, costs only its tests)
         tail = log.read_text().strip().splitlines()[-1:]
         lines.append(f"- {label} tests ({secs:.0f} s, exit {rc}): {tail[0] if tail else ''}")
     return lines
@@ -280,16 +274,18 @@ def main() -> None:
     if args.bundle:
         report += [f"- {prepare_model(args.bundle)}", ""]
     parts = PARTS | {"serving": functools.partial(part_serving, settings=args.serve)}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("gpu_check: terminated (SIGTERM)"))  # (raised in this thread)
     for name in [p for p in dict.fromkeys(args.only) if p not in args.skip]:  # in the order given
-        start = time.monotonic()
+        start, lines = time.monotonic(), ["- cut off (SIGTERM): its output so far is in gpu_check.log"]
         try:
             lines = parts[name](work, args.model)
         except Exception as exc:  # a part's own failure is reported; the next part runs
             lines = [f"- failed: {exc!r}"]
-        secs = time.monotonic() - start
-        report += [f"## {name} ({secs:.0f} s)", "", *lines, ""]
-        (args.out / "report.md").write_text("\n".join(report))
-        gather(work, args.out)
+        finally:  # (also as a SIGTERM's SystemExit leaves: the part's output so far is kept)
+            secs = time.monotonic() - start
+            report += [f"## {name} ({secs:.0f} s)", "", *lines, ""]
+            (args.out / "report.md").write_text("\n".join(report))
+            gather(work, args.out)
         summary.append(f"{name:>8} {secs:>5.0f} s  {lines[0] if lines else ''}")
     print("\n".join(report))
     print("\n".join(summary))

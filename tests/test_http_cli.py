@@ -106,6 +106,17 @@ def test_prefix_caching_is_on_unless_turned_off(flag, caching):
 
 
 @pytest.mark.parametrize(
+    ("flags", "seqs"),
+    [(["--device", "cpu"], 64), (["--device", "cuda"], 256), (["--device", "cuda", "--max-num-seqs", "8"], 8)],
+)
+def test_a_batch_is_64_sequences_but_256_on_cuda_as_vllms(flags, seqs):
+    """(The launch resolves the CLI's default, 0, as the engine's processes get their config: EngineConfig.placed.)"""
+    from frontend.cli_engine import engine_config
+
+    assert engine_config(build_parser().parse_args(["serve", "m", *flags]), "m").placed().max_num_seqs == seqs
+
+
+@pytest.mark.parametrize(
     ("flags", "cores", "servers"),
     [
         (["--device", "cpu"], 16, 1),

@@ -10,6 +10,10 @@ import msgspec
 from messages import names
 from messages.sampling_params import LogprobsMode
 
+# max_num_seqs 0 (the CLI's default) resolved by EngineConfig.placed: vLLM's 256 on CUDA, where a card's throughput needs
+# the rows (issue 53's targets at c256; its decode graphs are captured up to it, gpu/runner/graphs.py: 35 sizes), else 64
+CUDA_MAX_NUM_SEQS, MAX_NUM_SEQS = 256, 64
+
 
 def device_type(device: str) -> str:
     """The type of gpu/runner/model_runner.py's resolve_device(device), without initializing CUDA here."""
@@ -108,7 +112,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     static_decode: bool = (
         False  # tests, debugging: steps on the graphs' static buffers (every kind), run without graphs
     )
-    max_num_seqs: int = 64
+    max_num_seqs: int = MAX_NUM_SEQS  # 0: the device's (resolved by `placed`: CUDA_MAX_NUM_SEQS on CUDA)
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048  # a step's token budget: a wave of 128-token prompts prefills in one step
     long_prefill_token_threshold: int | None = 256  # ... but one prompt gets at most this in a step that decodes
@@ -202,13 +206,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
 
     def placed(self) -> EngineConfig:
-        """This config with the worker's place resolved ("auto": see `worker`), as the engine's processes get it
-        (actors/graph.py; resolved there, as whether CUDA is available is torch's to say: the launcher holds none)."""
-        if self.worker != "auto":
-            return self
-        draft = self.speculative is not None and self.speculative.method == "draft_model"
-        process = self.tensor_parallel_size > 1 or (device_type(self.device) == "cuda" and not draft)
-        return msgspec.structs.replace(self, worker="process" if process else "inline")
+        """This config with what depends on the device resolved, as the engine's processes get it (actors/graph.py;
+        resolved there, as whether CUDA is available is torch's to say: the launcher holds none): the worker's place
+        ("auto": see `worker`) and max_num_seqs 0 (CUDA_MAX_NUM_SEQS on CUDA, MAX_NUM_SEQS elsewhere)."""
+        placed = {}
+        if self.worker == "auto":
+            draft = self.speculative is not None and self.speculative.method == "draft_model"
+            process = self.tensor_parallel_size > 1 or (device_type(self.device) == "cuda" and not draft)
+            placed["worker"] = "process" if process else "inline"
+        if not self.max_num_seqs:
+            placed["max_num_seqs"] = CUDA_MAX_NUM_SEQS if device_type(self.device) == "cuda" else MAX_NUM_SEQS
+        return msgspec.structs.replace(self, **placed) if placed else self
 
     @property
     def local_replicas(self) -> int:
