@@ -134,6 +134,8 @@ def serve_rows(out: Path, model: str, runs: list[tuple[str, list[str], list[int]
                 bench += ["--server-pid", str(server.pid)]  # (each actor's CPU: one near 1.0 core bounds the row)
                 run([*bench, "--json", str(data)], log, 90)
                 lines.append(serving_row(label, c, data))
+                with log.open("a") as sink:  # (the table so far, for a part cut off)
+                    sink.write(f"{lines[-1]}\n")
         finally:
             server.terminate()
             try:
@@ -271,21 +273,23 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="sluice-gpu-check-"))  # each part's files, gathered into --out
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     report, summary = [f"# Sluice GPU check {args.commit}".rstrip(), ""], []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("gpu_check: terminated (SIGTERM)"))  # (raised in this thread)
     if args.bundle:
         report += [f"- {prepare_model(args.bundle)}", ""]
     parts = PARTS | {"serving": functools.partial(part_serving, settings=args.serve)}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("gpu_check: terminated (SIGTERM)"))  # (raised in this thread)
     for name in [p for p in dict.fromkeys(args.only) if p not in args.skip]:  # in the order given
-        start, lines = time.monotonic(), ["- cut off (SIGTERM): its output so far is in gpu_check.log"]
+        start, lines = time.monotonic(), ["- cut off: its output so far is in gpu_check.log"]
         try:
             lines = parts[name](work, args.model)
         except Exception as exc:  # a part's own failure is reported; the next part runs
             lines = [f"- failed: {exc!r}"]
-        finally:  # (also as a SIGTERM's SystemExit leaves: the part's output so far is kept)
+        finally:  # (also as a SIGTERM's SystemExit or an interrupt leaves: the part's output so far is kept)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (one arriving now waits for the writes)
             secs = time.monotonic() - start
             report += [f"## {name} ({secs:.0f} s)", "", *lines, ""]
             (args.out / "report.md").write_text("\n".join(report))
             gather(work, args.out)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         summary.append(f"{name:>8} {secs:>5.0f} s  {lines[0] if lines else ''}")
     print("\n".join(report))
     print("\n".join(summary))

@@ -5,21 +5,32 @@ injected: it answers, then hangs)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def gpu_check(out: Path, bin_dir: Path, **popen) -> subprocess.Popen:
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    cmd = [sys.executable, "scripts/gpu_check.py", "--out", str(out), "--only", "env", "--commit", "abc"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
+@contextlib.contextmanager
+def gpu_check(tmp: Path) -> Iterator[subprocess.Popen]:
+    """gpu_check's env part, with tmp's bin/ first in PATH and its work folder in tmp; its process group killed after."""
+    env = {**os.environ, "PATH": f"{tmp / 'bin'}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp)}
+    cmd = [sys.executable, "scripts/gpu_check.py", "--out", str(tmp / "out"), "--only", "env", "--commit", "abc"]
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, **pipe)  # (a group: as `timeout` signals)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (what is left of it: the fake's sleep)
+        proc.communicate()
 
 
 def fake_smi(bin_dir: Path, body: str) -> None:
@@ -30,8 +41,8 @@ def fake_smi(bin_dir: Path, body: str) -> None:
 
 def test_a_part_writes_the_report_the_log_and_the_results(tmp_path):
     fake_smi(tmp_path / "bin", "")
-    proc = gpu_check(tmp_path / "out", tmp_path / "bin")
-    printed = proc.communicate(timeout=120)[0].decode()
+    with gpu_check(tmp_path) as proc:
+        printed = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0, printed
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.startswith("# Sluice GPU check abc") and "- Fake H100, 580.1, 81559 MiB" in report
@@ -44,18 +55,18 @@ def test_a_part_writes_the_report_the_log_and_the_results(tmp_path):
 def test_a_sigterm_keeps_the_running_parts_output_and_says_it_was_cut_off(tmp_path):
     ready = tmp_path / "ready"
     os.mkfifo(ready)
-    fake_smi(tmp_path / "bin", f"echo up > {ready}\nexec sleep 600")  # (opening the fifo waits for the test's read)
-    proc = gpu_check(tmp_path / "out", tmp_path / "bin", start_new_session=True)  # (its group: as `timeout` signals)
-    heard = []
-    reader = threading.Thread(target=lambda: heard.append(ready.read_text()), daemon=True)
-    reader.start()
-    reader.join(60)
-    if not heard:  # (never reached the card's part: unblock the reader, then say why)
-        ready.write_text("")
-        raise AssertionError(proc.communicate(timeout=60)[0].decode())
-    os.killpg(proc.pid, signal.SIGTERM)
-    printed = proc.communicate(timeout=60)[0].decode()
+    fake_smi(tmp_path / "bin", f"echo up > {ready}\nexec sleep 600")  # (it says when it runs, then hangs)
+    reader = os.open(ready, os.O_RDONLY | os.O_NONBLOCK)  # (no writer yet: a read would find nothing)
+    with gpu_check(tmp_path) as proc:
+        writer = os.open(ready, os.O_WRONLY)  # (ours keeps the fifo open: the fake's `echo` never meets an end)
+        try:
+            assert select.select([reader], [], [], 60)[0] and os.read(reader, 16) == b"up\n", "never at the card"
+        finally:
+            os.close(writer)
+            os.close(reader)
+        os.killpg(proc.pid, signal.SIGTERM)
+        printed = proc.communicate(timeout=60)[0].decode()
     assert proc.returncode == 1 and "gpu_check: terminated (SIGTERM)" in printed, printed
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "## env (" in report and "- cut off (SIGTERM): its output so far is in gpu_check.log" in report
+    assert "## env (" in report and "- cut off: its output so far is in gpu_check.log" in report
     assert "Fake H100, 580.1, 81559 MiB" in (tmp_path / "out" / "gpu_check.log").read_text()

@@ -10,8 +10,8 @@ import msgspec
 from messages import names
 from messages.sampling_params import LogprobsMode
 
-# max_num_seqs 0 (the CLI's default) resolved by EngineConfig.placed: vLLM's 256 on CUDA, where a card's throughput needs
-# the rows (issue 53's targets at c256; its decode graphs are captured up to it, gpu/runner/graphs.py: 35 sizes), else 64
+# max_num_seqs 0 (the CLI's default) resolved by EngineConfig.placed: 256 on CUDA (vLLM's under 70 GiB; 1,024 above), as
+# a card's throughput needs the rows (issue 53's targets at c256; decode graphs are captured up to it: 35 sizes), else 64
 CUDA_MAX_NUM_SEQS, MAX_NUM_SEQS = 256, 64
 
 
