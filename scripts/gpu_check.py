@@ -78,8 +78,8 @@ def part_tests(out: Path, model: str) -> list[str]:
     lines, log = [], out / "tests.log"
     others = ["-m", "cuda", "tests", *(f"--ignore={t}" for t in GPU_PATH_TESTS)]  # (each test runs once)
     pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]  # (a module
-    for label, args, limit in (("GPU path", GPU_PATH_TESTS, 240), ("other cuda-marked", others, 150)):  # that fails
-        rc, secs = run([*pytest, *args], log, limit)  # to import, as without a test package, costs only its tests)
+    for label, args, limit in (("GPU path", GPU_PATH_TESTS, 240), ("other cuda-marked", others, 150)):  # that can't
+        rc, secs = run([*pytest, *args], log, limit)  # import, a test package missing, costs only its own tests)
         tail = log.read_text().strip().splitlines()[-1:]
         lines.append(f"- {label} tests ({secs:.0f} s, exit {rc}): {tail[0] if tail else ''}")
     return lines
