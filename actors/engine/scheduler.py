@@ -1,28 +1,26 @@
 """Scheduler: continuous batching with one token budget per step (vLLM v1 style), pure Python.
 
-Invariants (sync use: schedule N, update N, schedule N+1, ...; one-ahead use: schedule N,
-schedule N+1, update N, schedule N+2, update N+1, ...):
+Invariants (sync use: schedule N, update N, schedule N+1, ...; one-ahead use: schedule N, schedule N+1, update N,
+schedule N+2, update N+1, ...):
 
 - At most two scheduled batches are not yet updated: `schedule()` plans with at most one in flight.
-- `schedule()` advances `num_computed_tokens` and counts each sampling row as one pending token.
-  A row's tokens are known on the host except possibly its last, a token sampled by the batch in
-  flight: that one is PLACEHOLDER and the runner takes it from the device (slot-indexed buffer).
-  A request is never scheduled when its in-flight sample is certain to end it (max_tokens,
-  max_model_len); an EOS or stop token sampled in flight leaves a junk row in the next batch,
-  whose sample `update()` discards (counted in `num_discarded_samples`).
+- `schedule()` advances `num_computed_tokens` and counts each sampling row as one pending token. A row's tokens are
+  known on the host except possibly its last, a token sampled by the batch in flight: that one is PLACEHOLDER and the
+  runner takes it from the device (slot-indexed buffer). A request is never scheduled when its in-flight sample is
+  certain to end it (its `length_limit`: max_tokens, max_model_len); an EOS or stop token sampled in flight leaves a
+  junk row in the next batch, whose sample `update()` discards (counted in `num_discarded_samples`).
 - Every row makes its request in flight until that batch's `update()` (or `drop()`, when the worker lost it); what
   a finished or aborted request holds is freed after that (actors/engine/lifecycle.py).
-- Preemption (recompute) frees the victim's blocks at once: the device runs steps in order, so a
-  later step rewriting those blocks runs after every in-flight reader. The victim keeps its slot
-  and is not re-admitted until its in-flight sample is known, so it resumes from prompt + output
-  and produces exactly the tokens it would have produced without preemption.
+- Preemption (recompute) frees the victim's blocks at once: the device runs steps in order, so a later step rewriting
+  those blocks runs after every in-flight reader. The victim keeps its slot and is not re-admitted until its in-flight
+  sample is known, so it resumes from prompt + output and produces exactly the tokens it would have produced without
+  preemption.
 - Speculative decoding: actors/engine/lookahead.py; beam search: actors/engine/beams.py.
-- Each request's planning and each of its results run in a `try` that hands what it raises to `_failed`, with the
-  request's `snapshot` as it began: that request fails alone (its rows of the step taken back; its terminal output in
-  `failed`, or in the step's outputs: actors/engine/isolation.py).
+- Each request's planning and each of its results run in a `try` that hands what it raises to `_failed`, with its
+  `snapshot` as it began: it fails alone (its rows taken back, its terminal output in `failed` or the step's outputs:
+  actors/engine/isolation.py). One in `isolate_after` failed steps (a poison: the worker died in them) runs alone.
 - A slot is (re)assigned on admission; the sequence's first row there sends its whole block table (blocks_from 0:
-  BlockManager.unsent), its later rows only the blocks added since. A request in
-  `isolate_after` failed steps (a suspected poison: the worker died in them) runs in steps of its own.
+  BlockManager.unsent), its later rows only the blocks added since.
 Progress (no livelock, no starvation: tests/test_scheduler_progress.py):
 - Every request fits the whole KV cache alone at its longest: one max_model_len sequence (checked at construction;
   lookahead never passes max_tokens or max_model_len), a CFG pair at both halves' longest (`add_request` raises;
