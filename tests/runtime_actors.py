@@ -15,6 +15,16 @@ ECHO = ProcessSpec(name="echoproc", actors=[ActorSpec(name="echo", factory="test
 FAST = RestartPolicy(heartbeat_s=0.2, heartbeat_timeout_s=0.5, max_missed=2, max_restarts=2, window_s=60)
 
 
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
 class Echo(Actor):
     """Forwards every Probe to `target`; a Probe with payload b"hang" blocks its event loop."""
 

@@ -9,8 +9,8 @@ import pytest
 from actors.runtime import ActorSystem, FaultPlan, FaultRule
 from actors.runtime.faults import FaultInjector
 from messages.wire import CheckIdle, Probe
-from tests.runtime_actors import Recorder, Sender
-from tests.test_runtime import ECHO, wait_for
+from tests.cancel_harness import wait_for
+from tests.runtime_actors import ECHO, Recorder, Sender
 
 N = 200
 

@@ -11,8 +11,7 @@ from actors.runtime import ActorSystem, mailbox
 from actors.runtime.mailbox import Inbox
 from messages.codec import Codec
 from messages.wire import Msg, Ping
-from tests.runtime_actors import Sender
-from tests.test_runtime import ECHO
+from tests.runtime_actors import ECHO, Sender
 
 
 async def test_an_inbox_whose_reader_someone_else_removed_hears_its_socket_again(monkeypatch):

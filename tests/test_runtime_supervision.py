@@ -12,16 +12,7 @@ import msgspec
 from actors.runtime import ActorSpec, ActorSystem, ProcessSpec, RestartPolicy
 from messages.wire import Probe
 from tests.cancel_harness import wait_for
-from tests.runtime_actors import ECHO, FAST, Recorder, Sender
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
+from tests.runtime_actors import ECHO, FAST, Recorder, Sender, alive
 
 
 async def test_kill_restart_and_actor_events():

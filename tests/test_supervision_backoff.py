@@ -1,6 +1,6 @@
 """Past its restart intensity a process is restarted after an exponential back-off, not the system stopped
 (actors/runtime/backoff.py, actors/runtime/system.py); the old stop is kept behind exit_past_intensity
-(tests/test_runtime.py) and --exit-on-engine-failure (refused where nothing restarts). A restart that fails in any way
+(tests/test_runtime_supervision.py) and --exit-on-engine-failure (refused where nothing restarts). A restart that fails in any way
 (a fork refused, a nameless signal, no Ready in time: killed first, its late Ready ignored) is tried again, and
 explained as the caller explains a first start. The HTTP front's side: tests/test_readiness.py."""
 
@@ -21,8 +21,7 @@ from frontend.cli import build_parser
 from frontend.cli_engine import engine_config, restart_policy
 from messages.wire import ActorDown, Ready
 from tests.cancel_harness import wait_for
-from tests.runtime_actors import Recorder
-from tests.test_runtime import alive
+from tests.runtime_actors import Recorder, alive
 
 ECHO = ProcessSpec(name="echoproc", actors=[ActorSpec(name="echo", factory="tests.runtime_actors:Echo")])
 PATIENT = RestartPolicy(heartbeat_s=60, max_restarts=3, window_s=60)  # (every restart here is within the intensity)
