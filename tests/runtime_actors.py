@@ -1,4 +1,5 @@
-"""Small actors for the runtime tests and the mailbox benchmark (spawned by name)."""
+"""Small actors for the runtime tests and the mailbox benchmark (spawned by name), and what the runtime's tests share:
+the echo process, a supervision policy fast enough for them, `alive`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import time
 from actors.runtime import Actor, ActorSpec, ProcessSpec, RestartPolicy
 from messages.wire import ActorDown, ActorUp, CheckIdle, IdleReport, Probe
 
-# the tests' echo process, and a supervision policy fast enough for them (tests/test_runtime*.py)
 ECHO = ProcessSpec(name="echoproc", actors=[ActorSpec(name="echo", factory="tests.runtime_actors:Echo")])
 FAST = RestartPolicy(heartbeat_s=0.2, heartbeat_timeout_s=0.5, max_missed=2, max_restarts=2, window_s=60)
 
